@@ -1,0 +1,10 @@
+//! I/O shells around the pure layout core: reading untrusted safetensors releases, writing and
+//! reading PyTorch Distributed Checkpoint (DCP) directories and DCP-sharded safetensors, executing
+//! a plan with bounded memory, and verifying a written checkpoint against its source.
+//!
+//! Nothing here decides where a byte goes: that is the plan's job (`shardline-layout`).
+
+pub mod dcp_metadata;
+pub mod pickle;
+pub mod safetensors;
+pub mod torch_save;
