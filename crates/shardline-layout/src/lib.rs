@@ -5,6 +5,19 @@
 //! **Architecture invariant:** this crate does no I/O, spawns nothing, and knows nothing of YAML,
 //! HTTP, SQL or async runtimes; a test reads its manifest to keep it so.
 
+pub mod arch;
+pub mod config;
 pub mod dtype;
+pub mod error;
+pub mod invariants;
+pub mod mesh;
+pub mod plan;
+pub mod recipe;
 
+pub use config::{Family, ModelConfig};
 pub use dtype::DType;
+pub use error::LayoutError;
+pub use invariants::{lower, validate, Invariant, RankPlan, Violation, WriteItem};
+pub use mesh::Mesh;
+pub use plan::{build_plan, check_mesh_for_model, Chunk, Group, OutputTensor, Plan, PlanOptions, Role, SourceTensor};
+pub use recipe::{RowBlock, Segment, Transform};

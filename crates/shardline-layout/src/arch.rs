@@ -1,0 +1,297 @@
+//! Mapping tables: which HF tensors become which Megatron parameters, and how.
+//!
+//! The tables are data. `{L}` stands for a layer index and `{E}` for an expert index. A rule
+//! applies to a layer when its guard tensor exists in the release (by default its first source),
+//! which is how one table serves layers of different types (attention vs GDN, dense vs MoE).
+//! Names follow the Transformer-Engine layer spec (fused `layer_norm_weight`s) and grouped experts.
+
+use crate::config::Family;
+
+/// How a Megatron parameter is split across tensor-parallel ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TpMode {
+    /// Split on dim 0 (column-parallel linear, vocab-parallel embedding, GDN per-head vectors).
+    Column,
+    /// Split on dim 1 (row-parallel linear).
+    Row,
+    /// Identical on every TP rank (norms, router).
+    Replicated,
+}
+
+/// How the source tensors combine into the parameter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// The tensor as it is.
+    Copy(TpMode),
+    /// `weight − 1`, for zero-centred RMSNorms (computed as torch computes it in the dtype).
+    ZeroCentered(TpMode),
+    /// Column-parallel vocab tensor, padded with zero rows to a multiple of `divisor·tp`.
+    Vocab,
+    /// q, k, v interleaved per query group (with output-gate heads when q_proj has 2·nh·d rows).
+    Qkv,
+    /// gate, up → `_w`, `_v`.
+    GatedMlp,
+    /// Qwen3-Next `in_proj_qkvz`, `in_proj_ba` → `.query .key .value .z .beta .alpha`.
+    GdnInProjQkvz,
+    /// Qwen3.5 `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` → the same six sections.
+    GdnInProjSplit,
+    /// GDN `conv1d.weight [2qk+v, 1, K]` → `.query .key .value`.
+    GdnConv1d,
+    /// Packed experts `gate_up_proj [E, 2F, H]` → per expert `_w`, `_v`.
+    PackedGatedExperts,
+    /// Packed experts `down_proj [E, H, F]` → per expert, row-parallel.
+    PackedExpertsDown,
+}
+
+/// One line of a mapping table.
+#[derive(Clone, Copy, Debug)]
+pub struct Rule {
+    /// Megatron parameter name (without the checkpoint prefix).
+    pub megatron: &'static str,
+    /// HF tensor names, in the order the kind expects them.
+    pub hf: &'static [&'static str],
+    pub kind: Kind,
+    /// HF tensor whose presence selects this rule for a layer (default: `hf[0]`).
+    pub guard: Option<&'static str>,
+    /// Whether the rule is instantiated per expert (`{E}`) and lives on the expert mesh.
+    pub expert: bool,
+}
+
+const fn rule(megatron: &'static str, kind: Kind, hf: &'static [&'static str]) -> Rule {
+    Rule { megatron, hf, kind, guard: None, expert: false }
+}
+
+const fn guarded(megatron: &'static str, kind: Kind, hf: &'static [&'static str], guard: &'static str) -> Rule {
+    Rule { megatron, hf, kind, guard: Some(guard), expert: false }
+}
+
+const fn expert(megatron: &'static str, kind: Kind, hf: &'static [&'static str]) -> Rule {
+    Rule { megatron, hf, kind, guard: None, expert: true }
+}
+
+use Kind::*;
+use TpMode::*;
+
+const EMBEDDING: &[Rule] = &[
+    rule("embedding.word_embeddings.weight", Vocab, &["model.embed_tokens.weight"]),
+    rule("output_layer.weight", Vocab, &["lm_head.weight"]),
+    rule("decoder.final_layernorm.weight", Copy(Replicated), &["model.norm.weight"]),
+];
+
+const ATTENTION: &[Rule] = &[
+    rule(
+        "decoder.layers.{L}.self_attention.linear_qkv.weight",
+        Qkv,
+        &[
+            "model.layers.{L}.self_attn.q_proj.weight",
+            "model.layers.{L}.self_attn.k_proj.weight",
+            "model.layers.{L}.self_attn.v_proj.weight",
+        ],
+    ),
+    guarded(
+        "decoder.layers.{L}.self_attention.linear_qkv.layer_norm_weight",
+        Copy(Replicated),
+        &["model.layers.{L}.input_layernorm.weight"],
+        "model.layers.{L}.self_attn.q_proj.weight",
+    ),
+    rule(
+        "decoder.layers.{L}.self_attention.linear_proj.weight",
+        Copy(Row),
+        &["model.layers.{L}.self_attn.o_proj.weight"],
+    ),
+];
+
+const QKV_BIAS: &[Rule] = &[rule(
+    "decoder.layers.{L}.self_attention.linear_qkv.bias",
+    Qkv,
+    &[
+        "model.layers.{L}.self_attn.q_proj.bias",
+        "model.layers.{L}.self_attn.k_proj.bias",
+        "model.layers.{L}.self_attn.v_proj.bias",
+    ],
+)];
+
+const QK_NORM: &[Rule] = &[
+    rule(
+        "decoder.layers.{L}.self_attention.q_layernorm.weight",
+        Copy(Replicated),
+        &["model.layers.{L}.self_attn.q_norm.weight"],
+    ),
+    rule(
+        "decoder.layers.{L}.self_attention.k_layernorm.weight",
+        Copy(Replicated),
+        &["model.layers.{L}.self_attn.k_norm.weight"],
+    ),
+];
+
+const DENSE_MLP: &[Rule] = &[
+    rule(
+        "decoder.layers.{L}.mlp.linear_fc1.weight",
+        GatedMlp,
+        &["model.layers.{L}.mlp.gate_proj.weight", "model.layers.{L}.mlp.up_proj.weight"],
+    ),
+    guarded(
+        "decoder.layers.{L}.mlp.linear_fc1.layer_norm_weight",
+        Copy(Replicated),
+        &["model.layers.{L}.post_attention_layernorm.weight"],
+        "model.layers.{L}.mlp.gate_proj.weight",
+    ),
+    rule("decoder.layers.{L}.mlp.linear_fc2.weight", Copy(Row), &["model.layers.{L}.mlp.down_proj.weight"]),
+];
+
+const MOE: &[Rule] = &[
+    rule("decoder.layers.{L}.mlp.router.weight", Copy(Replicated), &["model.layers.{L}.mlp.gate.weight"]),
+    guarded(
+        "decoder.layers.{L}.pre_mlp_layernorm.weight",
+        Copy(Replicated),
+        &["model.layers.{L}.post_attention_layernorm.weight"],
+        "model.layers.{L}.mlp.gate.weight",
+    ),
+    expert(
+        "decoder.layers.{L}.mlp.experts.linear_fc1.weight{E}",
+        GatedMlp,
+        &["model.layers.{L}.mlp.experts.{E}.gate_proj.weight", "model.layers.{L}.mlp.experts.{E}.up_proj.weight"],
+    ),
+    expert(
+        "decoder.layers.{L}.mlp.experts.linear_fc2.weight{E}",
+        Copy(Row),
+        &["model.layers.{L}.mlp.experts.{E}.down_proj.weight"],
+    ),
+    expert(
+        "decoder.layers.{L}.mlp.experts.linear_fc1.weight{E}",
+        PackedGatedExperts,
+        &["model.layers.{L}.mlp.experts.gate_up_proj"],
+    ),
+    expert(
+        "decoder.layers.{L}.mlp.experts.linear_fc2.weight{E}",
+        PackedExpertsDown,
+        &["model.layers.{L}.mlp.experts.down_proj"],
+    ),
+];
+
+const MIXTRAL_MOE: &[Rule] = &[
+    rule(
+        "decoder.layers.{L}.mlp.router.weight",
+        Copy(Replicated),
+        &["model.layers.{L}.block_sparse_moe.gate.weight"],
+    ),
+    guarded(
+        "decoder.layers.{L}.pre_mlp_layernorm.weight",
+        Copy(Replicated),
+        &["model.layers.{L}.post_attention_layernorm.weight"],
+        "model.layers.{L}.block_sparse_moe.gate.weight",
+    ),
+    expert(
+        "decoder.layers.{L}.mlp.experts.linear_fc1.weight{E}",
+        GatedMlp,
+        &[
+            "model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight",
+            "model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight",
+        ],
+    ),
+    expert(
+        "decoder.layers.{L}.mlp.experts.linear_fc2.weight{E}",
+        Copy(Row),
+        &["model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight"],
+    ),
+];
+
+const SHARED_EXPERT: &[Rule] = &[
+    rule(
+        "decoder.layers.{L}.mlp.shared_experts.linear_fc1.weight",
+        GatedMlp,
+        &[
+            "model.layers.{L}.mlp.shared_expert.gate_proj.weight",
+            "model.layers.{L}.mlp.shared_expert.up_proj.weight",
+        ],
+    ),
+    rule(
+        "decoder.layers.{L}.mlp.shared_experts.linear_fc2.weight",
+        Copy(Row),
+        &["model.layers.{L}.mlp.shared_expert.down_proj.weight"],
+    ),
+    rule(
+        "decoder.layers.{L}.mlp.shared_experts.gate_weight",
+        Copy(Replicated),
+        &["model.layers.{L}.mlp.shared_expert_gate.weight"],
+    ),
+];
+
+const GDN_COMMON: &[Rule] = &[
+    guarded(
+        "decoder.layers.{L}.self_attention.in_proj.layer_norm_weight",
+        Copy(Replicated),
+        &["model.layers.{L}.input_layernorm.weight"],
+        "model.layers.{L}.linear_attn.conv1d.weight",
+    ),
+    rule("decoder.layers.{L}.self_attention.conv1d.weight", GdnConv1d, &["model.layers.{L}.linear_attn.conv1d.weight"]),
+    rule("decoder.layers.{L}.self_attention.A_log", Copy(Column), &["model.layers.{L}.linear_attn.A_log"]),
+    rule("decoder.layers.{L}.self_attention.dt_bias", Copy(Column), &["model.layers.{L}.linear_attn.dt_bias"]),
+    rule(
+        "decoder.layers.{L}.self_attention.out_proj.weight",
+        Copy(Row),
+        &["model.layers.{L}.linear_attn.out_proj.weight"],
+    ),
+    rule(
+        "decoder.layers.{L}.self_attention.out_norm.weight",
+        ZeroCentered(Replicated),
+        &["model.layers.{L}.linear_attn.norm.weight"],
+    ),
+];
+
+const GDN_QKVZ: &[Rule] = &[rule(
+    "decoder.layers.{L}.self_attention.in_proj.weight",
+    GdnInProjQkvz,
+    &["model.layers.{L}.linear_attn.in_proj_qkvz.weight", "model.layers.{L}.linear_attn.in_proj_ba.weight"],
+)];
+
+const GDN_SPLIT: &[Rule] = &[rule(
+    "decoder.layers.{L}.self_attention.in_proj.weight",
+    GdnInProjSplit,
+    &[
+        "model.layers.{L}.linear_attn.in_proj_qkv.weight",
+        "model.layers.{L}.linear_attn.in_proj_z.weight",
+        "model.layers.{L}.linear_attn.in_proj_b.weight",
+        "model.layers.{L}.linear_attn.in_proj_a.weight",
+    ],
+)];
+
+/// Multi-token-prediction head of Qwen3-Next (`mtp.*`); its transformer layer reuses the decoder
+/// tables with the `mtp.layers.{L}.` prefixes (see [`mtp_prefix`]).
+const MTP_HEAD: &[Rule] = &[
+    rule("mtp.layers.0.eh_proj.weight", Copy(Column), &["mtp.fc.weight"]),
+    rule("mtp.layers.0.enorm.weight", Copy(Replicated), &["mtp.pre_fc_norm_embedding.weight"]),
+    rule("mtp.layers.0.hnorm.weight", Copy(Replicated), &["mtp.pre_fc_norm_hidden.weight"]),
+    rule("mtp.layers.0.final_layernorm.weight", Copy(Replicated), &["mtp.norm.weight"]),
+];
+
+/// Prefix pairs `(megatron, hf)` that re-target decoder-layer rules at the MTP layer.
+pub const MTP_PREFIX: (&str, &str) = ("mtp.layers.{L}.transformer_layer.", "mtp.layers.{L}.");
+
+/// The tables of a family, and whether decoder-layer rules also apply to MTP layers.
+pub fn tables(family: Family) -> (&'static [&'static [Rule]], bool) {
+    match family {
+        Family::Llama => (&[EMBEDDING, ATTENTION, DENSE_MLP], false),
+        Family::Qwen2 => (&[EMBEDDING, ATTENTION, QKV_BIAS, DENSE_MLP], false),
+        Family::Qwen3 => (&[EMBEDDING, ATTENTION, QK_NORM, DENSE_MLP], false),
+        Family::Qwen3Moe => (&[EMBEDDING, ATTENTION, QK_NORM, MOE, DENSE_MLP], false),
+        Family::Mixtral => (&[EMBEDDING, ATTENTION, MIXTRAL_MOE], false),
+        Family::Qwen3Next => (
+            &[EMBEDDING, ATTENTION, QK_NORM, GDN_COMMON, GDN_QKVZ, MOE, SHARED_EXPERT, DENSE_MLP, MTP_HEAD],
+            true,
+        ),
+        Family::Qwen35 => (
+            &[EMBEDDING, ATTENTION, QK_NORM, GDN_COMMON, GDN_SPLIT, MOE, SHARED_EXPERT, DENSE_MLP, MTP_HEAD],
+            true,
+        ),
+    }
+}
+
+/// Whether attention of this family may carry output-gate heads in `q_proj`.
+pub fn has_gated_attention(family: Family) -> bool {
+    matches!(family, Family::Qwen3Next | Family::Qwen35)
+}
+
+/// Prefixes of release tensors that are knowingly not converted (reported by name, never dropped
+/// silently): the vision tower of multimodal releases.
+pub const UNCONVERTED_PREFIXES: &[&str] = &["model.visual.", "visual."];

@@ -1,0 +1,243 @@
+//! `config.json` of a HuggingFace release → the dimensions the planner needs.
+//!
+//! Only the fields that decide layouts are read; everything else is ignored. Multimodal releases
+//! keep the text model's fields under `text_config`; those are used when present.
+
+use serde_json::Value;
+
+use crate::error::LayoutError;
+
+/// The architecture families Shardline converts. Each has a mapping table in [`crate::arch`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// `llama`, `mistral`: dense GQA attention + SwiGLU MLP.
+    Llama,
+    /// `qwen2`: llama with q/k/v biases.
+    Qwen2,
+    /// `qwen3`: llama with q/k RMSNorms.
+    Qwen3,
+    /// `qwen3_moe`: qwen3 attention + routed experts.
+    Qwen3Moe,
+    /// `mixtral`: llama attention + `block_sparse_moe` experts.
+    Mixtral,
+    /// `qwen3_next`: GDN (fused `in_proj_qkvz`/`in_proj_ba`) + gated attention + experts + shared expert.
+    Qwen3Next,
+    /// `qwen3_5_text` / `qwen3_5_moe_text`: GDN with split projections + gated attention.
+    Qwen35,
+}
+
+/// Model types accepted in `config.json`, with their family.
+pub const SUPPORTED_MODEL_TYPES: &[(&str, Family)] = &[
+    ("llama", Family::Llama),
+    ("mistral", Family::Llama),
+    ("qwen2", Family::Qwen2),
+    ("qwen3", Family::Qwen3),
+    ("qwen3_moe", Family::Qwen3Moe),
+    ("mixtral", Family::Mixtral),
+    ("qwen3_next", Family::Qwen3Next),
+    ("qwen3_5_text", Family::Qwen35),
+    ("qwen3_5_moe_text", Family::Qwen35),
+    ("qwen3_5", Family::Qwen35),
+    ("qwen3_5_moe", Family::Qwen35),
+];
+
+/// Gated-DeltaNet (linear attention) dimensions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GdnDims {
+    pub num_key_heads: u64,
+    pub num_value_heads: u64,
+    pub key_head_dim: u64,
+    pub value_head_dim: u64,
+    pub conv_kernel: u64,
+}
+
+impl GdnDims {
+    /// `qk = nk·dk`.
+    pub fn qk(&self) -> u64 {
+        self.num_key_heads * self.key_head_dim
+    }
+    /// `v = nv·dv`.
+    pub fn v(&self) -> u64 {
+        self.num_value_heads * self.value_head_dim
+    }
+}
+
+/// What the planner reads from `config.json`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelConfig {
+    pub model_type: String,
+    pub family: Family,
+    pub hidden_size: u64,
+    pub num_layers: u64,
+    pub num_attention_heads: u64,
+    pub num_query_groups: u64,
+    pub head_dim: u64,
+    pub vocab_size: u64,
+    pub tie_word_embeddings: bool,
+    /// Dense MLP intermediate size (`intermediate_size`), if the model has dense MLPs.
+    pub ffn_hidden_size: Option<u64>,
+    /// Routed-expert intermediate size.
+    pub moe_ffn_hidden_size: Option<u64>,
+    /// Shared-expert intermediate size.
+    pub shared_expert_ffn_hidden_size: Option<u64>,
+    /// Number of routed experts (0 for dense models).
+    pub num_experts: u64,
+    pub gdn: Option<GdnDims>,
+    /// Whether release tensors live under `model.language_model.` (multimodal Qwen3.5 releases).
+    pub language_model_prefix: bool,
+}
+
+fn get_u64(obj: &Value, key: &str) -> Result<Option<u64>, LayoutError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| LayoutError::Config {
+            field: key.to_string(),
+            message: format!("expected a non-negative integer, found {v}"),
+        }),
+    }
+}
+
+fn need_u64(obj: &Value, key: &str) -> Result<u64, LayoutError> {
+    get_u64(obj, key)?.ok_or_else(|| LayoutError::Config {
+        field: key.to_string(),
+        message: "missing".to_string(),
+    })
+}
+
+impl ModelConfig {
+    /// Parses the text of a `config.json`.
+    pub fn from_json(text: &str) -> Result<ModelConfig, LayoutError> {
+        let root: Value = serde_json::from_str(text).map_err(|e| LayoutError::Config {
+            field: "config.json".to_string(),
+            message: format!("not valid JSON: {e}"),
+        })?;
+        let top_type = root
+            .get("model_type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| LayoutError::Config {
+                field: "model_type".to_string(),
+                message: "missing".to_string(),
+            })?
+            .to_string();
+        // Multimodal releases nest the language model's fields.
+        let (obj, language_model_prefix) = match root.get("text_config") {
+            Some(tc @ Value::Object(_)) => (tc, true),
+            _ => (&root, false),
+        };
+        let model_type = obj
+            .get("model_type")
+            .and_then(Value::as_str)
+            .unwrap_or(&top_type)
+            .to_string();
+        let family = SUPPORTED_MODEL_TYPES
+            .iter()
+            .find(|(name, _)| *name == model_type || *name == top_type)
+            .map(|(_, f)| *f)
+            .ok_or_else(|| LayoutError::UnknownArchitecture {
+                model_type: model_type.clone(),
+                supported: SUPPORTED_MODEL_TYPES.iter().map(|(n, _)| *n).collect(),
+            })?;
+
+        let hidden_size = need_u64(obj, "hidden_size")?;
+        let num_attention_heads = need_u64(obj, "num_attention_heads")?;
+        let num_query_groups = get_u64(obj, "num_key_value_heads")?.unwrap_or(num_attention_heads);
+        if num_attention_heads == 0 || num_query_groups == 0 || hidden_size == 0 {
+            return Err(LayoutError::Config {
+                field: "num_attention_heads".to_string(),
+                message: "hidden_size, num_attention_heads and num_key_value_heads must be positive"
+                    .to_string(),
+            });
+        }
+        let head_dim = match get_u64(obj, "head_dim")? {
+            Some(d) => d,
+            None => hidden_size / num_attention_heads,
+        };
+        let num_experts = get_u64(obj, "num_experts")?
+            .or(get_u64(obj, "num_local_experts")?)
+            .unwrap_or(0);
+        let gdn = match family {
+            Family::Qwen3Next | Family::Qwen35 => Some(GdnDims {
+                num_key_heads: need_u64(obj, "linear_num_key_heads")?,
+                num_value_heads: need_u64(obj, "linear_num_value_heads")?,
+                key_head_dim: need_u64(obj, "linear_key_head_dim")?,
+                value_head_dim: need_u64(obj, "linear_value_head_dim")?,
+                conv_kernel: need_u64(obj, "linear_conv_kernel_dim")?,
+            }),
+            _ => None,
+        };
+        let tie = root
+            .get("tie_word_embeddings")
+            .or(obj.get("tie_word_embeddings"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        Ok(ModelConfig {
+            model_type,
+            family,
+            hidden_size,
+            num_layers: need_u64(obj, "num_hidden_layers")?,
+            num_attention_heads,
+            num_query_groups,
+            head_dim,
+            vocab_size: need_u64(obj, "vocab_size")?,
+            tie_word_embeddings: tie,
+            ffn_hidden_size: get_u64(obj, "intermediate_size")?,
+            moe_ffn_hidden_size: get_u64(obj, "moe_intermediate_size")?,
+            shared_expert_ffn_hidden_size: get_u64(obj, "shared_expert_intermediate_size")?,
+            num_experts,
+            gdn,
+            language_model_prefix,
+        })
+    }
+
+    /// Query heads per group (`nh / ng`); `None` when not integral.
+    pub fn heads_per_group(&self) -> Option<u64> {
+        (self.num_attention_heads % self.num_query_groups == 0)
+            .then(|| self.num_attention_heads / self.num_query_groups)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_llama_fields() {
+        let c = ModelConfig::from_json(
+            r#"{"model_type":"llama","hidden_size":64,"num_attention_heads":8,
+               "num_key_value_heads":2,"num_hidden_layers":2,"vocab_size":256,"intermediate_size":128}"#,
+        )
+        .unwrap();
+        assert_eq!(c.family, Family::Llama);
+        assert_eq!(c.head_dim, 8);
+        assert_eq!(c.heads_per_group(), Some(4));
+        assert!(!c.tie_word_embeddings);
+    }
+
+    #[test]
+    fn unknown_architecture_lists_supported() {
+        let err = ModelConfig::from_json(r#"{"model_type":"gpt_bigcode"}"#).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("gpt_bigcode") && msg.contains("qwen3_moe"), "{msg}");
+    }
+
+    #[test]
+    fn multimodal_uses_text_config() {
+        let c = ModelConfig::from_json(
+            r#"{"model_type":"qwen3_5_moe","tie_word_embeddings":false,"text_config":{"model_type":"qwen3_5_moe_text",
+               "hidden_size":64,"num_attention_heads":8,"num_key_value_heads":2,"num_hidden_layers":4,
+               "vocab_size":256,"num_experts":8,"moe_intermediate_size":32,"head_dim":8,
+               "linear_num_key_heads":2,"linear_num_value_heads":4,"linear_key_head_dim":16,
+               "linear_value_head_dim":16,"linear_conv_kernel_dim":4}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.family, Family::Qwen35);
+        assert!(c.language_model_prefix);
+        assert_eq!(c.gdn.as_ref().unwrap().qk(), 32);
+    }
+
+    #[test]
+    fn wrong_type_names_field() {
+        let err = ModelConfig::from_json(r#"{"model_type":"llama","hidden_size":"64"}"#).unwrap_err();
+        assert!(err.to_string().contains("hidden_size"));
+    }
+}

@@ -1,0 +1,818 @@
+//! The plan: every output tensor's key, global shape, dtype and recipe, and every rank's chunks
+//! of it, derived arithmetically from the config, the release inventory and the mesh.
+//!
+//! FSDP sharding follows Megatron-FSDP with one parameter per bucket: the TP-local tensor is
+//! padded to a multiple of `D·R` elements (`R` = elements per row), so FSDP rank `j` of `D` owns
+//! TP-local rows `[j·q, (j+1)·q)` clipped to the tensor, `q = ceil(rows/D)`. Shards are uneven or
+//! empty at the end. A fused parameter (SwiGLU fc1, GDN in_proj/conv1d) is sharded as one TP-local
+//! tensor and then split into its sections, so a section can straddle an FSDP boundary (layouts.md
+//! §3). Any exact tiling loads in DCP; this one is what a Megatron-FSDP job would save.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use crate::arch::{self, Kind, Rule, TpMode};
+use crate::config::ModelConfig;
+use crate::dtype::DType;
+use crate::error::LayoutError;
+use crate::mesh::Mesh;
+use crate::recipe::{rows_of, RowBlock, Transform};
+
+/// A tensor of the release, as its header declares it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SourceTensor {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+}
+
+/// Options that change the output but not the mapping.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// Prefix of every model key (`model.module.` for Megatron `fsdp_dtensor`).
+    pub prefix: String,
+    /// The vocab dim is padded to a multiple of `vocab_divisible_by · tp` (Megatron's
+    /// `--make-vocab-size-divisible-by`, default 128).
+    pub vocab_divisible_by: u64,
+    /// Also emit zero-filled fp32 Adam states (`exp_avg`, `exp_avg_sq`) sharded exactly like their
+    /// parameters, so the checkpoint can be resumed and resharded by an optimizer.
+    pub optimizer_state: bool,
+    /// Prefix of optimizer-state keys; the parameter name and `.exp_avg` follow.
+    pub optimizer_prefix: String,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions {
+            prefix: "model.module.".to_string(),
+            vocab_divisible_by: 128,
+            optimizer_state: false,
+            optimizer_prefix: "optimizer.state.module.module.module.".to_string(),
+        }
+    }
+}
+
+/// Which mesh a parameter lives on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Group {
+    /// `(dp·cp) × tp`.
+    Dense,
+    /// `expert_dp × ep × etp`, owned by EP rank `ep_rank`.
+    Expert { expert: u64, ep_rank: u64 },
+}
+
+/// What a key holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// A model parameter (or one split section of a fused one).
+    Param,
+    /// An optimizer state of the parameter key named.
+    OptimizerState { param_key: String, state: &'static str },
+}
+
+/// One `(TP rank, FSDP rank)` piece of a tensor. Pieces with no rows, and replicas of a
+/// TP-replicated piece other than the one chosen to write it, are kept with `written = false`
+/// so the per-rank plans stay complete for validation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    pub rank: u64,
+    pub tp_rank: u64,
+    pub fsdp_rank: u64,
+    pub offsets: Vec<u64>,
+    pub sizes: Vec<u64>,
+    pub written: bool,
+}
+
+impl Chunk {
+    /// Number of elements.
+    pub fn numel(&self) -> u64 {
+        self.sizes.iter().product()
+    }
+}
+
+/// An output tensor of the checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutputTensor {
+    pub key: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub recipe: Vec<RowBlock>,
+    pub tp_mode: TpMode,
+    /// TP (or ETP for experts) degree the parameter is split over.
+    pub tp: u64,
+    pub group: Group,
+    /// TP-local shape of this key (section of the fused TP-local tensor when split).
+    pub local_shape: Vec<u64>,
+    /// When this key is a section of a fused parameter: `(fused name, section index, sections)`.
+    pub split_from: Option<(String, usize, usize)>,
+    pub role: Role,
+    pub chunks: Vec<Chunk>,
+}
+
+impl OutputTensor {
+    /// Bytes of the whole tensor.
+    pub fn nbytes(&self) -> u64 {
+        self.shape.iter().product::<u64>() * self.dtype.size() as u64
+    }
+}
+
+/// A conversion plan.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    pub mesh: Mesh,
+    pub options: PlanOptions,
+    pub model_type: String,
+    pub sources: Vec<SourceTensor>,
+    /// Sorted by key.
+    pub tensors: Vec<OutputTensor>,
+    /// Release tensors knowingly not converted (vision towers), by name.
+    pub unconverted: Vec<String>,
+}
+
+impl Plan {
+    /// Number of rank files of the target job.
+    pub fn world(&self) -> u64 {
+        self.mesh.world()
+    }
+
+    /// Bytes each rank writes (tensor data only).
+    pub fn bytes_per_rank(&self) -> Vec<u64> {
+        let mut bytes = vec![0u64; self.world() as usize];
+        for t in &self.tensors {
+            for c in t.chunks.iter().filter(|c| c.written) {
+                bytes[c.rank as usize] += c.numel() * t.dtype.size() as u64;
+            }
+        }
+        bytes
+    }
+
+    /// The written chunks of each rank, in key order: `(tensor index, chunk index)`.
+    pub fn rank_items(&self) -> Vec<Vec<(usize, usize)>> {
+        let mut items = vec![Vec::new(); self.world() as usize];
+        for (ti, t) in self.tensors.iter().enumerate() {
+            for (ci, c) in t.chunks.iter().enumerate() {
+                if c.written && c.numel() > 0 {
+                    items[c.rank as usize].push((ti, ci));
+                }
+            }
+        }
+        items
+    }
+}
+
+/// A fused parameter's section before chunking.
+struct Section {
+    suffix: String,
+    shape: Vec<u64>,
+    recipe: Vec<RowBlock>,
+}
+
+/// A Megatron parameter before chunking.
+struct Draft {
+    name: String,
+    dtype: DType,
+    tp_mode: TpMode,
+    expert: Option<u64>,
+    /// Vocab tensors get zero rows up to a multiple of `vocab_divisible_by · tp`.
+    pad_vocab: bool,
+    sections: Vec<Section>,
+}
+
+fn fill(template: &str, layer: Option<u64>, expert: Option<u64>) -> String {
+    let mut s = template.to_string();
+    if let Some(l) = layer {
+        s = s.replace("{L}", &l.to_string());
+    }
+    if let Some(e) = expert {
+        s = s.replace("{E}", &e.to_string());
+    }
+    s
+}
+
+fn div_ceil(a: u64, b: u64) -> u64 {
+    a.div_ceil(b)
+}
+
+/// Release inventory, indexed by normalised name (multimodal `model.language_model.` → `model.`).
+struct Inventory<'a> {
+    sources: &'a [SourceTensor],
+    by_name: HashMap<String, usize>,
+}
+
+impl<'a> Inventory<'a> {
+    fn new(sources: &'a [SourceTensor], language_model_prefix: bool) -> Inventory<'a> {
+        let mut by_name = HashMap::new();
+        for (i, s) in sources.iter().enumerate() {
+            by_name.insert(normalise(&s.name, language_model_prefix), i);
+        }
+        Inventory { sources, by_name }
+    }
+    fn get(&self, name: &str) -> Option<usize> {
+        self.by_name.get(name).copied()
+    }
+    fn shape(&self, id: usize) -> &[u64] {
+        &self.sources[id].shape
+    }
+}
+
+fn normalise(name: &str, language_model_prefix: bool) -> String {
+    if language_model_prefix {
+        if let Some(rest) = name.strip_prefix("model.language_model.") {
+            return format!("model.{rest}");
+        }
+    }
+    name.to_string()
+}
+
+/// Model-level divisibility checks Megatron would make for this mesh; every violation names the
+/// numbers. Usable without a release (e.g. to lint a pipeline spec).
+pub fn check_mesh_for_model(config: &ModelConfig, mesh: &Mesh) -> Vec<LayoutError> {
+    let mut errors = mesh.check();
+    if !errors.is_empty() {
+        return errors;
+    }
+    let mut err = |msg: String| errors.push(LayoutError::Mesh(msg));
+    let (t, ng, nh) = (mesh.tp, config.num_query_groups, config.num_attention_heads);
+    if nh % ng != 0 {
+        err(format!("num_attention_heads ({nh}) is not divisible by num_query_groups ({ng})"));
+    }
+    if ng < t {
+        err(format!(
+            "num_query_groups ({ng}) < tp ({t}): Megatron's replicated-KV path is not supported; use tp ≤ {ng}"
+        ));
+    } else if ng % t != 0 {
+        err(format!("num_query_groups ({ng}) is not divisible by tp ({t})"));
+    }
+    if let Some(f) = config.ffn_hidden_size {
+        if config.num_experts == 0 && f % t != 0 {
+            err(format!("intermediate_size ({f}) is not divisible by tp ({t})"));
+        }
+    }
+    if let Some(f) = config.shared_expert_ffn_hidden_size {
+        if f % t != 0 {
+            err(format!("shared_expert_intermediate_size ({f}) is not divisible by tp ({t})"));
+        }
+    }
+    if config.num_experts == 0 {
+        if mesh.ep > 1 {
+            err(format!("ep ({}) > 1 but `{}` has no experts", mesh.ep, config.model_type));
+        }
+    } else {
+        let e = config.num_experts;
+        if e % mesh.ep != 0 {
+            err(format!("num_experts ({e}) is not divisible by ep ({})", mesh.ep));
+        }
+        if let Some(f) = config.moe_ffn_hidden_size {
+            if f % mesh.etp != 0 {
+                err(format!("moe_intermediate_size ({f}) is not divisible by etp ({})", mesh.etp));
+            }
+        }
+    }
+    if let Some(g) = &config.gdn {
+        let (nk, nv) = (g.num_key_heads, g.num_value_heads);
+        if nk % t != 0 {
+            err(format!("linear_num_key_heads ({nk}) is not divisible by tp ({t})"));
+        }
+        if nv % t != 0 {
+            err(format!("linear_num_value_heads ({nv}) is not divisible by tp ({t})"));
+        }
+        if nk == 0 || nv % nk != 0 {
+            err(format!("linear_num_value_heads ({nv}) is not divisible by linear_num_key_heads ({nk})"));
+        }
+        if nk % t == 0 && nv % t == 0 {
+            for (what, size) in [("qk", g.qk() / t), ("v", g.v() / t), ("nv", nv / t)] {
+                if size % mesh.cp != 0 {
+                    err(format!(
+                        "GDN in_proj section {what}/tp = {size} is not divisible by cp ({}); Megatron splits each section across CP ranks",
+                        mesh.cp
+                    ));
+                }
+            }
+        }
+    }
+    errors
+}
+
+/// Builds the plan. Returns every error found, not just the first.
+pub fn build_plan(
+    config: &ModelConfig,
+    sources: Vec<SourceTensor>,
+    mesh: Mesh,
+    options: &PlanOptions,
+) -> Result<Plan, Vec<LayoutError>> {
+    let mut errors = check_mesh_for_model(config, &mesh);
+    if !mesh.check().is_empty() {
+        return Err(errors);
+    }
+    let inv = Inventory::new(&sources, config.language_model_prefix);
+    let mut consumed = vec![false; sources.len()];
+    let mut drafts: Vec<Draft> = Vec::new();
+
+    let (tables, with_mtp) = arch::tables(config.family);
+    let mut rules: Vec<(Rule, Option<(&str, &str)>)> = Vec::new();
+    for table in tables {
+        for r in *table {
+            rules.push((*r, None));
+            if with_mtp && r.megatron.starts_with("decoder.layers.{L}.") {
+                rules.push((*r, Some(arch::MTP_PREFIX)));
+            }
+        }
+    }
+    let retarget = |s: &str, mtp: Option<(&str, &str)>| -> String {
+        match mtp {
+            None => s.to_string(),
+            Some((meg, hf)) => s
+                .replacen("decoder.layers.{L}.", meg, 1)
+                .replacen("model.layers.{L}.", hf, 1),
+        }
+    };
+
+    let layers: Vec<u64> = (0..config.num_layers).collect();
+    let experts: Vec<u64> = (0..config.num_experts).collect();
+    let mut seen_targets: BTreeSet<String> = BTreeSet::new();
+    for (rule, mtp) in &rules {
+        let megatron_t = retarget(rule.megatron, *mtp);
+        let hf_t: Vec<String> = rule.hf.iter().map(|h| retarget(h, *mtp)).collect();
+        let guard_t = retarget(rule.guard.unwrap_or(rule.hf[0]), *mtp);
+        let layer_iter: Vec<Option<u64>> =
+            if megatron_t.contains("{L}") { layers.iter().map(|l| Some(*l)).collect() } else { vec![None] };
+        let expert_iter: Vec<Option<u64>> =
+            if rule.expert { experts.iter().map(|e| Some(*e)).collect() } else { vec![None] };
+        for layer in &layer_iter {
+            for expert in &expert_iter {
+                let guard = fill(&guard_t, *layer, *expert);
+                if inv.get(&guard).is_none() {
+                    continue;
+                }
+                let target = fill(&megatron_t, *layer, *expert);
+                let mut ids = Vec::new();
+                for h in &hf_t {
+                    let name = fill(h, *layer, *expert);
+                    match inv.get(&name) {
+                        Some(id) => ids.push(id),
+                        None => errors.push(LayoutError::MissingTensor {
+                            missing: name,
+                            present: guard.clone(),
+                            target: target.clone(),
+                        }),
+                    }
+                }
+                if ids.len() != hf_t.len() {
+                    continue;
+                }
+                if !seen_targets.insert(target.clone()) {
+                    // Two rules for one target (e.g. per-expert and packed forms both present).
+                    errors.push(LayoutError::Shape {
+                        tensor: guard.clone(),
+                        actual: inv.shape(ids[0]).to_vec(),
+                        expected: format!("a single source for `{target}`"),
+                        why: "the release holds the same parameter twice".to_string(),
+                    });
+                    continue;
+                }
+                for id in &ids {
+                    consumed[*id] = true;
+                }
+                match draft(config, &inv, rule.kind, &target, &ids, *expert) {
+                    Ok(d) => drafts.push(d),
+                    Err(e) => errors.push(e),
+                }
+            }
+        }
+    }
+
+    let mut unmapped = Vec::new();
+    let mut unconverted = Vec::new();
+    for (i, s) in sources.iter().enumerate() {
+        if consumed[i] {
+            continue;
+        }
+        let norm = normalise(&s.name, config.language_model_prefix);
+        if arch::UNCONVERTED_PREFIXES.iter().any(|p| norm.starts_with(p) || s.name.starts_with(p)) {
+            unconverted.push(s.name.clone());
+        } else {
+            unmapped.push(s.name.clone());
+        }
+    }
+    if !unmapped.is_empty() {
+        unmapped.sort();
+        errors.push(LayoutError::Unmapped { model_type: config.model_type.clone(), names: unmapped });
+    }
+    // Backstop checks on the tensors themselves (the config may understate what the release holds).
+    for d in &drafts {
+        let t = tp_of(&mesh, d.expert.is_some());
+        for s in &d.sections {
+            let bad = match d.tp_mode {
+                TpMode::Column => rows_of(&s.shape) % t != 0,
+                TpMode::Row => s.shape.len() != 2 || s.shape[1] % t != 0,
+                TpMode::Replicated => false,
+            };
+            if bad {
+                let dim = if d.tp_mode == TpMode::Row { 1 } else { 0 };
+                errors.push(LayoutError::Mesh(format!(
+                    "`{}{}` shape {:?}: dim {dim} is not divisible by {} ({t})",
+                    d.name,
+                    s.suffix,
+                    s.shape,
+                    if d.expert.is_some() { "etp" } else { "tp" }
+                )));
+            }
+        }
+    }
+    if !errors.is_empty() {
+        let mut seen = BTreeSet::new();
+        errors.retain(|e| seen.insert(e.to_string()));
+        return Err(errors);
+    }
+
+    drafts.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut tensors = Vec::new();
+    let mut rank_bytes = vec![0u64; mesh.world() as usize];
+    for d in &drafts {
+        tensors.extend(chunk_draft(d, &mesh, config, options, &mut rank_bytes));
+    }
+    tensors.sort_by(|a, b| a.key.cmp(&b.key));
+    if options.optimizer_state {
+        let mut states = Vec::new();
+        for t in &tensors {
+            let name = t.key.strip_prefix(&options.prefix).unwrap_or(&t.key);
+            for state in ["exp_avg", "exp_avg_sq"] {
+                let mut s = t.clone();
+                s.key = format!("{}{name}.{state}", options.optimizer_prefix);
+                s.dtype = DType::F32;
+                s.recipe = vec![RowBlock::zeros(rows_of(&t.shape))];
+                s.role = Role::OptimizerState { param_key: t.key.clone(), state };
+                states.push(s);
+            }
+        }
+        tensors.extend(states);
+        tensors.sort_by(|a, b| a.key.cmp(&b.key));
+    }
+    unconverted.sort();
+    Ok(Plan { mesh, options: options.clone(), model_type: config.model_type.clone(), sources, tensors, unconverted })
+}
+
+fn tp_of(mesh: &Mesh, expert: bool) -> u64 {
+    if expert {
+        mesh.etp
+    } else {
+        mesh.tp
+    }
+}
+
+fn shape_err(inv: &Inventory, id: usize, expected: String, why: &str) -> LayoutError {
+    LayoutError::Shape {
+        tensor: inv.sources[id].name.clone(),
+        actual: inv.shape(id).to_vec(),
+        expected,
+        why: why.to_string(),
+    }
+}
+
+fn same_dtype(inv: &Inventory, target: &str, ids: &[usize]) -> Result<DType, LayoutError> {
+    let d = inv.sources[ids[0]].dtype;
+    if ids.iter().any(|i| inv.sources[*i].dtype != d) {
+        let detail = ids
+            .iter()
+            .map(|i| format!("`{}` {}", inv.sources[*i].name, inv.sources[*i].dtype))
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(LayoutError::DtypeMismatch { target: target.to_string(), detail });
+    }
+    Ok(d)
+}
+
+/// Builds the sections and recipes of one mapped parameter, checking source shapes.
+fn draft(
+    config: &ModelConfig,
+    inv: &Inventory,
+    kind: Kind,
+    target: &str,
+    ids: &[usize],
+    expert: Option<u64>,
+) -> Result<Draft, LayoutError> {
+    let dtype = same_dtype(inv, target, ids)?;
+    let shape = |i: usize| inv.shape(ids[i]).to_vec();
+    let whole = |i: usize| vec![RowBlock::copy(ids[i], 0, rows_of(inv.shape(ids[i])))];
+    let one = |shape: Vec<u64>, recipe: Vec<RowBlock>| vec![Section { suffix: String::new(), shape, recipe }];
+    let (tp_mode, sections) = match kind {
+        Kind::Copy(mode) => (mode, one(shape(0), whole(0))),
+        Kind::ZeroCentered(mode) => {
+            if !dtype.is_float() || matches!(dtype, DType::F8E4M3 | DType::F8E5M2) {
+                return Err(shape_err(inv, ids[0], "a 16/32/64-bit float tensor".into(), "zero-centred norm"));
+            }
+            let mut recipe = whole(0);
+            recipe[0].transform = Transform::SubtractOne;
+            (mode, one(shape(0), recipe))
+        }
+        Kind::Vocab => {
+            // Padded below, once the mesh is known; here the unpadded rows.
+            let s = shape(0);
+            if s.len() != 2 || s[0] != config.vocab_size {
+                return Err(shape_err(inv, ids[0], format!("[{}, H]", config.vocab_size), "vocab_size × hidden"));
+            }
+            (TpMode::Column, one(s, whole(0)))
+        }
+        Kind::Qkv => (TpMode::Column, one_qkv(config, inv, ids)?),
+        Kind::GatedMlp => {
+            let (g, u) = (shape(0), shape(1));
+            if g != u || g.len() != 2 {
+                return Err(shape_err(inv, ids[1], format!("{g:?} like the gate projection"), "gate/up must match"));
+            }
+            (
+                TpMode::Column,
+                vec![
+                    Section { suffix: "_w".into(), shape: g.clone(), recipe: whole(0) },
+                    Section { suffix: "_v".into(), shape: u, recipe: whole(1) },
+                ],
+            )
+        }
+        Kind::PackedGatedExperts => {
+            let s = shape(0);
+            let e = expert.unwrap_or(0);
+            if s.len() != 3 || s[0] != config.num_experts || s[1] % 2 != 0 {
+                return Err(shape_err(inv, ids[0], format!("[{}, 2F, H]", config.num_experts), "packed gate_up_proj"));
+            }
+            let f = s[1] / 2;
+            let sec = |suffix: &str, first: u64| Section {
+                suffix: suffix.into(),
+                shape: vec![f, s[2]],
+                recipe: vec![RowBlock::copy(ids[0], first, f)],
+            };
+            (TpMode::Column, vec![sec("_w", e * 2 * f), sec("_v", e * 2 * f + f)])
+        }
+        Kind::PackedExpertsDown => {
+            let s = shape(0);
+            let e = expert.unwrap_or(0);
+            if s.len() != 3 || s[0] != config.num_experts {
+                return Err(shape_err(inv, ids[0], format!("[{}, H, F]", config.num_experts), "packed down_proj"));
+            }
+            (TpMode::Row, one(vec![s[1], s[2]], vec![RowBlock::copy(ids[0], e * s[1], s[1])]))
+        }
+        Kind::GdnInProjQkvz | Kind::GdnInProjSplit | Kind::GdnConv1d => (TpMode::Column, gdn(config, inv, kind, ids)?),
+    };
+    Ok(Draft { name: target.to_string(), dtype, tp_mode, expert, pad_vocab: kind == Kind::Vocab, sections })
+}
+
+/// QKV interleave per query group (layouts.md §2.1), with output-gate heads when present.
+fn one_qkv(config: &ModelConfig, inv: &Inventory, ids: &[usize]) -> Result<Vec<Section>, LayoutError> {
+    let (nh, ng, d) = (config.num_attention_heads, config.num_query_groups, config.head_dim);
+    let hpg = config
+        .heads_per_group()
+        .ok_or_else(|| shape_err(inv, ids[0], format!("nh ({nh}) divisible by ng ({ng})"), "heads per group"))?;
+    let (q, k, v) = (inv.shape(ids[0]), inv.shape(ids[1]), inv.shape(ids[2]));
+    let rest = &q[1..];
+    let gated = if q[0] == nh * d {
+        false
+    } else if q[0] == 2 * nh * d && arch::has_gated_attention(config.family) {
+        true
+    } else {
+        return Err(shape_err(inv, ids[0], format!("[{}, …] (nh·head_dim)", nh * d), "query projection"));
+    };
+    for (i, s) in [(1, k), (2, v)] {
+        if s[0] != ng * d || &s[1..] != rest {
+            return Err(shape_err(inv, ids[i], format!("[{}, {rest:?}…] (ng·head_dim)", ng * d), "key/value projection"));
+        }
+    }
+    let mut recipe = Vec::new();
+    for g in 0..ng {
+        if gated {
+            // HF gated q_proj holds per head [q_h (d); gate_h (d)].
+            for h in g * hpg..(g + 1) * hpg {
+                recipe.push(RowBlock::copy(ids[0], h * 2 * d, d));
+            }
+            for h in g * hpg..(g + 1) * hpg {
+                recipe.push(RowBlock::copy(ids[0], h * 2 * d + d, d));
+            }
+        } else {
+            recipe.push(RowBlock::copy(ids[0], g * hpg * d, hpg * d));
+        }
+        recipe.push(RowBlock::copy(ids[1], g * d, d));
+        recipe.push(RowBlock::copy(ids[2], g * d, d));
+    }
+    let rows = ng * (if gated { 2 * hpg } else { hpg } + 2) * d;
+    let mut shape = vec![rows];
+    shape.extend_from_slice(rest);
+    Ok(vec![Section { suffix: String::new(), shape, recipe }])
+}
+
+/// GDN in_proj / conv1d sections in natural head order (layouts.md §2.3–2.4).
+fn gdn(config: &ModelConfig, inv: &Inventory, kind: Kind, ids: &[usize]) -> Result<Vec<Section>, LayoutError> {
+    let Some(g) = &config.gdn else {
+        return Err(shape_err(inv, ids[0], "a GDN model".into(), "config has no linear_* fields"));
+    };
+    let (nk, nv, dk, dv) = (g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim);
+    if nk == 0 || nv % nk != 0 {
+        return Err(shape_err(inv, ids[0], format!("nv ({nv}) divisible by nk ({nk})"), "GDN heads"));
+    }
+    let m = nv / nk;
+    let (qk, v) = (g.qk(), g.v());
+    let names = ["query", "key", "value", "z", "beta", "alpha"];
+    let sec = |i: usize, rows: u64, cols: &[u64], recipe: Vec<RowBlock>| {
+        let mut shape = vec![rows];
+        shape.extend_from_slice(cols);
+        Section { suffix: format!(".{}", names[i]), shape, recipe }
+    };
+    match kind {
+        Kind::GdnInProjQkvz => {
+            let (qkvz, ba) = (inv.shape(ids[0]), inv.shape(ids[1]));
+            let gs = 2 * dk + 2 * m * dv;
+            if qkvz.len() != 2 || qkvz[0] != nk * gs {
+                return Err(shape_err(inv, ids[0], format!("[{}, H] (nk·(2dk+2·(nv/nk)·dv))", nk * gs), "in_proj_qkvz"));
+            }
+            if ba.len() != 2 || ba[0] != 2 * nv || ba[1] != qkvz[1] {
+                return Err(shape_err(inv, ids[1], format!("[{}, {}]", 2 * nv, qkvz[1]), "in_proj_ba"));
+            }
+            let cols = &qkvz[1..];
+            let per_head = |src: usize, start: u64, stride: u64, len: u64| -> Vec<RowBlock> {
+                (0..nk).map(|h| RowBlock::copy(ids[src], h * stride + start, len)).collect()
+            };
+            Ok(vec![
+                sec(0, qk, cols, per_head(0, 0, gs, dk)),
+                sec(1, qk, cols, per_head(0, dk, gs, dk)),
+                sec(2, v, cols, per_head(0, 2 * dk, gs, m * dv)),
+                sec(3, v, cols, per_head(0, 2 * dk + m * dv, gs, m * dv)),
+                sec(4, nv, cols, per_head(1, 0, 2 * m, m)),
+                sec(5, nv, cols, per_head(1, m, 2 * m, m)),
+            ])
+        }
+        Kind::GdnInProjSplit => {
+            let qkv = inv.shape(ids[0]);
+            if qkv.len() != 2 || qkv[0] != 2 * qk + v {
+                return Err(shape_err(inv, ids[0], format!("[{}, H] (2·qk+v)", 2 * qk + v), "in_proj_qkv"));
+            }
+            let cols = qkv[1..].to_vec();
+            for (i, rows) in [(1usize, v), (2, nv), (3, nv)] {
+                if inv.shape(ids[i]) != [rows, cols[0]] {
+                    return Err(shape_err(inv, ids[i], format!("[{rows}, {}]", cols[0]), "GDN projection"));
+                }
+            }
+            Ok(vec![
+                sec(0, qk, &cols, vec![RowBlock::copy(ids[0], 0, qk)]),
+                sec(1, qk, &cols, vec![RowBlock::copy(ids[0], qk, qk)]),
+                sec(2, v, &cols, vec![RowBlock::copy(ids[0], 2 * qk, v)]),
+                sec(3, v, &cols, vec![RowBlock::copy(ids[1], 0, v)]),
+                sec(4, nv, &cols, vec![RowBlock::copy(ids[2], 0, nv)]),
+                sec(5, nv, &cols, vec![RowBlock::copy(ids[3], 0, nv)]),
+            ])
+        }
+        _ => {
+            let conv = inv.shape(ids[0]);
+            if conv.is_empty() || conv[0] != 2 * qk + v {
+                return Err(shape_err(inv, ids[0], format!("[{}, 1, K] (2·qk+v)", 2 * qk + v), "conv1d"));
+            }
+            let cols = conv[1..].to_vec();
+            Ok(vec![
+                sec(0, qk, &cols, vec![RowBlock::copy(ids[0], 0, qk)]),
+                sec(1, qk, &cols, vec![RowBlock::copy(ids[0], qk, qk)]),
+                sec(2, v, &cols, vec![RowBlock::copy(ids[0], 2 * qk, v)]),
+            ])
+        }
+    }
+}
+
+/// FSDP rows `[lo, hi)` of rank `j` of `d` over `rows` TP-local rows.
+pub fn fsdp_rows(rows: u64, d: u64, j: u64) -> (u64, u64) {
+    let q = div_ceil(rows, d);
+    ((j * q).min(rows), ((j + 1) * q).min(rows))
+}
+
+/// Chunks of a column-parallel section `c` (TP-local rows `[a_c, a_c+n_c)` of a fused TP-local
+/// tensor of `local_rows` rows) for TP rank `r` and FSDP rank `j` of `d`: `(row offset, rows)`
+/// in global coordinates (layouts.md §3).
+pub fn column_section_rows(local_rows: u64, a_c: u64, n_c: u64, r: u64, d: u64, j: u64) -> (u64, u64) {
+    let (lo_j, hi_j) = fsdp_rows(local_rows, d, j);
+    let lo = lo_j.max(a_c);
+    let hi = hi_j.min(a_c + n_c);
+    let rows = hi.saturating_sub(lo);
+    let row_in_section = lo_j.saturating_sub(a_c).min(n_c);
+    (r * n_c + row_in_section, rows)
+}
+
+fn chunk_draft(
+    d: &Draft,
+    mesh: &Mesh,
+    config: &ModelConfig,
+    options: &PlanOptions,
+    rank_bytes: &mut [u64],
+) -> Vec<OutputTensor> {
+    let (t, dsize, group) = match d.expert {
+        None => (mesh.tp, mesh.fsdp_size(), Group::Dense),
+        Some(e) => (
+            mesh.etp,
+            mesh.expert_dp_size(),
+            Group::Expert { expert: e, ep_rank: e / (config.num_experts / mesh.ep) },
+        ),
+    };
+    let rank_of = |r: u64, j: u64| match group {
+        Group::Dense => mesh.dense_rank(r, j),
+        Group::Expert { ep_rank, .. } => mesh.expert_rank(r, ep_rank, j),
+    };
+    let mut sections: Vec<(String, Vec<u64>, Vec<RowBlock>)> =
+        d.sections.iter().map(|s| (s.suffix.clone(), s.shape.clone(), s.recipe.clone())).collect();
+    // Vocab padding happens here because it depends on tp.
+    if d.pad_vocab {
+        let (_, shape, recipe) = &mut sections[0];
+        let multiple = options.vocab_divisible_by.max(1) * t;
+        let padded = div_ceil(shape[0], multiple) * multiple;
+        if padded > shape[0] {
+            recipe.push(RowBlock::zeros(padded - shape[0]));
+            shape[0] = padded;
+        }
+    }
+    let n_sections = sections.len();
+    let local_rows: u64 = match d.tp_mode {
+        TpMode::Column => sections.iter().map(|(_, s, _)| rows_of(s) / t).sum(),
+        _ => rows_of(&sections[0].1),
+    };
+    let item = d.dtype.size() as u64;
+    let mut out = Vec::new();
+    let mut a_c = 0u64;
+    for (ci, (suffix, shape, recipe)) in sections.into_iter().enumerate() {
+        let rest: Vec<u64> = shape.iter().skip(1).copied().collect();
+        let mut local_shape = shape.clone();
+        let n_c = match d.tp_mode {
+            TpMode::Column => {
+                if let Some(first) = local_shape.first_mut() {
+                    *first /= t;
+                }
+                rows_of(&shape) / t
+            }
+            TpMode::Row => {
+                local_shape[1] /= t;
+                rows_of(&shape)
+            }
+            TpMode::Replicated => rows_of(&shape),
+        };
+        let mut chunks = Vec::new();
+        for j in 0..dsize {
+            // For replicated pieces, the TP replica with the fewest planned bytes writes (like
+            // torch's save-plan dedup), lowest rank on ties.
+            let replicated_writer = if d.tp_mode == TpMode::Replicated {
+                (0..t).min_by_key(|r| (rank_bytes[rank_of(*r, j) as usize], rank_of(*r, j)))
+            } else {
+                None
+            };
+            for r in 0..t {
+                let (offsets, sizes) = match d.tp_mode {
+                    TpMode::Column => {
+                        let (row, rows) = column_section_rows(local_rows, a_c, n_c, r, dsize, j);
+                        (with_rest(row, &rest, true), with_rest(rows, &rest, false))
+                    }
+                    TpMode::Row => {
+                        let (lo, hi) = fsdp_rows(n_c, dsize, j);
+                        let mut off = vec![lo, r * local_shape[1]];
+                        off.extend(rest.iter().skip(1).map(|_| 0));
+                        let mut sz = vec![hi - lo, local_shape[1]];
+                        sz.extend(rest.iter().skip(1).copied());
+                        (off, sz)
+                    }
+                    TpMode::Replicated => {
+                        if shape.is_empty() {
+                            (vec![], vec![])
+                        } else {
+                            let (lo, hi) = fsdp_rows(n_c, dsize, j);
+                            (with_rest(lo, &rest, true), with_rest(hi - lo, &rest, false))
+                        }
+                    }
+                };
+                let numel: u64 = sizes.iter().product();
+                let zero_d_extra = shape.is_empty() && j > 0;
+                let written = numel > 0 && !zero_d_extra && replicated_writer.is_none_or(|w| w == r);
+                let rank = rank_of(r, j);
+                if written {
+                    rank_bytes[rank as usize] += numel * item;
+                }
+                chunks.push(Chunk { rank, tp_rank: r, fsdp_rank: j, offsets, sizes, written });
+            }
+        }
+        out.push(OutputTensor {
+            key: format!("{}{}{}", options.prefix, d.name, suffix),
+            dtype: d.dtype,
+            shape,
+            recipe,
+            tp_mode: d.tp_mode,
+            tp: t,
+            group,
+            local_shape,
+            split_from: (n_sections > 1).then(|| (d.name.clone(), ci, n_sections)),
+            role: Role::Param,
+            chunks,
+        });
+        a_c += n_c;
+    }
+    out
+}
+
+fn with_rest(first: u64, rest: &[u64], zeros: bool) -> Vec<u64> {
+    let mut v = vec![first];
+    v.extend(rest.iter().map(|r| if zeros { 0 } else { *r }));
+    v
+}
+
+/// Per-key summary for `--dry-run`: `(key, dtype, global shape, split_from)`.
+pub fn summary(plan: &Plan) -> BTreeMap<String, (DType, Vec<u64>, Option<String>)> {
+    plan.tensors
+        .iter()
+        .map(|t| (t.key.clone(), (t.dtype, t.shape.clone(), t.split_from.as_ref().map(|s| s.0.clone()))))
+        .collect()
+}
