@@ -437,7 +437,7 @@ impl FileHeader {
 
     /// Length of the data section, equal to the sum of the tensors' byte lengths.
     pub fn data_len(&self) -> u64 {
-        self.file_len - self.data_start()
+        self.file_len.saturating_sub(self.data_start())
     }
 
     /// Length of the file on disk when its header was read.
@@ -1561,4 +1561,1221 @@ pub fn write_file(
     }
     writer.finish()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::{json, Value};
+    use tempfile::TempDir;
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/hf-tiny")
+            .join(name)
+    }
+
+    fn no_metadata() -> BTreeMap<String, String> {
+        BTreeMap::new()
+    }
+
+    fn pt_metadata() -> BTreeMap<String, String> {
+        BTreeMap::from([("format".to_string(), "pt".to_string())])
+    }
+
+    /// Writes `header` after its 8-byte length, then `data_len` data bytes.
+    fn raw_file(dir: &Path, name: &str, header: &str, data_len: usize) -> PathBuf {
+        let path = dir.join(name);
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.resize(bytes.len() + data_len, 0xAB);
+        fs::write(&path, bytes).unwrap();
+        path
+    }
+
+    /// A header JSON from `(name, dtype, shape, begin, end)` entries.
+    fn header_of(entries: &[(&str, &str, &[u64], u64, u64)]) -> String {
+        let mut map = serde_json::Map::new();
+        for &(name, dtype, shape, begin, end) in entries {
+            map.insert(
+                name.to_string(),
+                json!({"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}),
+            );
+        }
+        Value::Object(map).to_string()
+    }
+
+    fn bad(dir: &TempDir, header: &str, data_len: usize) -> (PathBuf, SafetensorsError) {
+        let path = raw_file(dir.path(), "bad.safetensors", header, data_len);
+        let err = read_header(&path).unwrap_err();
+        (path, err)
+    }
+
+    fn assert_mentions(err: &SafetensorsError, parts: &[&str]) {
+        let message = err.to_string();
+        for part in parts {
+            assert!(
+                message.contains(part),
+                "{message:?} does not mention {part:?}"
+            );
+        }
+        assert_eq!(
+            message.chars().next().map(|c| c.is_uppercase()),
+            Some(false),
+            "{message:?} starts with a capital"
+        );
+    }
+
+    fn read_range(path: &Path, offset: u64, len: u64) -> Vec<u8> {
+        let file = File::open(path).unwrap();
+        let mut buf = vec![0u8; len as usize];
+        file.read_exact_at(&mut buf, offset).unwrap();
+        buf
+    }
+
+    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect()
+    }
+
+    fn dir_entries(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    // ---- writing, then reading back ----
+
+    #[test]
+    fn round_trip_writer_to_reader() {
+        let dir = TempDir::new().unwrap();
+        let path = dir.path().join("model.safetensors");
+        let a = pattern(3 * 5 * 2, 1);
+        let b = pattern(4 * 4, 2);
+        let c = pattern(3, 3);
+        let scalar = pattern(8, 4);
+        let tensors: Vec<(&str, DType, &[u64], &[u8])> = vec![
+            ("z.bf16", DType::BF16, &[3, 5], &a),
+            ("a.f32", DType::F32, &[4], &b),
+            ("empty", DType::F16, &[0, 7], &[]),
+            ("m.u8 \"quoted\"", DType::U8, &[3], &c),
+            ("scalar", DType::F64, &[], &scalar),
+        ];
+        write_file(&path, &tensors, &pt_metadata()).unwrap();
+        assert_eq!(dir_entries(dir.path()), vec!["model.safetensors"]);
+
+        let header = read_header(&path).unwrap();
+        assert_eq!(header.metadata(), &pt_metadata());
+        assert_eq!(header.header_len() % 8, 0, "json header padded to 8 bytes");
+        assert_eq!(header.data_start() % 8, 0);
+        assert_eq!(
+            header.data_len(),
+            (a.len() + b.len() + c.len() + scalar.len()) as u64
+        );
+        // Data order is the order written.
+        let names: Vec<&str> = header.tensors().iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(
+            names,
+            vec!["z.bf16", "a.f32", "empty", "m.u8 \"quoted\"", "scalar"]
+        );
+        for &(name, dtype, shape, data) in &tensors {
+            let t = header.tensor(name).unwrap();
+            assert_eq!((t.dtype, t.shape.as_slice()), (dtype, shape));
+            assert_eq!(t.byte_len, data.len() as u64);
+            assert_eq!(read_range(&path, t.file_offset, t.byte_len), data);
+        }
+        assert_eq!(header.tensor("scalar").unwrap().numel(), 1);
+        assert_eq!(header.tensor("z.bf16").unwrap().numel(), 15);
+        assert!(header.tensor("missing").is_none());
+
+        // The layout predicted every offset the reader finds.
+        let layout = FileLayout::new(
+            tensors.iter().map(|&(n, d, s, _)| (n, d, s)),
+            &pt_metadata(),
+        )
+        .unwrap();
+        assert_eq!(layout.tensors(), header.tensors());
+        assert_eq!(layout.file_len(), header.file_len());
+        assert_eq!(
+            read_range(&path, 0, layout.data_start()),
+            layout.header_bytes()
+        );
+    }
+
+    #[test]
+    fn empty_file_round_trips() {
+        let dir = TempDir::new().unwrap();
+        let path = dir.path().join("empty.safetensors");
+        write_file(&path, &[], &no_metadata()).unwrap();
+        let header = read_header(&path).unwrap();
+        assert!(header.tensors().is_empty());
+        assert!(header.metadata().is_empty());
+        assert_eq!(header.data_len(), 0);
+    }
+
+    #[test]
+    fn positional_writes_in_any_order_from_threads() {
+        let dir = TempDir::new().unwrap();
+        let path = dir.path().join("out.safetensors");
+        let shapes: Vec<(String, Vec<u64>)> =
+            (0..8).map(|i| (format!("t{i}"), vec![i + 1, 33])).collect();
+        let layout = FileLayout::new(
+            shapes
+                .iter()
+                .map(|(n, s)| (n.as_str(), DType::BF16, s.as_slice())),
+            &no_metadata(),
+        )
+        .unwrap();
+        let writer = SafetensorsWriter::create(&path, layout).unwrap();
+        assert!(!path.exists(), "nothing under the final name before finish");
+        let data: Vec<Vec<u8>> = writer
+            .layout()
+            .tensors()
+            .iter()
+            .enumerate()
+            .map(|(i, t)| pattern(t.byte_len as usize, i as u8))
+            .collect();
+        std::thread::scope(|s| {
+            for half in 0..2usize {
+                let (writer, data) = (&writer, &data);
+                s.spawn(move || {
+                    // Last tensor first, each in two chunks, second chunk first.
+                    for (i, t) in writer.layout().tensors().iter().enumerate().rev() {
+                        if i % 2 != half {
+                            continue;
+                        }
+                        let bytes = &data[i];
+                        let mid = bytes.len() / 3;
+                        writer
+                            .write_tensor_at(&t.name, mid as u64, &bytes[mid..])
+                            .unwrap();
+                        writer.write_all_at(t.file_offset, &bytes[..mid]).unwrap();
+                    }
+                });
+            }
+        });
+        let temp = writer.temp_path().to_path_buf();
+        assert_eq!(writer.finish().unwrap(), path);
+        assert!(!temp.exists());
+        let header = read_header(&path).unwrap();
+        for (i, t) in header.tensors().iter().enumerate() {
+            assert_eq!(read_range(&path, t.file_offset, t.byte_len), data[i]);
+        }
+    }
+
+    #[test]
+    fn finish_refuses_an_incomplete_file_and_leaves_nothing() {
+        let dir = TempDir::new().unwrap();
+        let path = dir.path().join("out.safetensors");
+        let layout = FileLayout::new(
+            [
+                ("a", DType::F32, &[4u64][..]),
+                ("b", DType::F32, &[4u64][..]),
+            ],
+            &no_metadata(),
+        )
+        .unwrap();
+        let data_start = layout.data_start();
+        let mut writer = SafetensorsWriter::create(&path, layout).unwrap();
+        writer.write_next(&[1; 16]).unwrap(); // all of "a"
+        writer.write_tensor_at("b", 8, &[2; 8]).unwrap(); // second half of "b"
+        let err = writer.finish().unwrap_err();
+        assert!(
+            matches!(&err, SafetensorsError::Incomplete { tensor, missing_begin, missing_end, .. }
+                if tensor == "b" && *missing_begin == data_start + 16 && *missing_end == data_start + 24),
+            "{err:?}"
+        );
+        assert_mentions(
+            &err,
+            &[
+                "out.safetensors",
+                "\"b\"",
+                &format!("[{}, {})", data_start + 16, data_start + 24),
+            ],
+        );
+        assert!(dir_entries(dir.path()).is_empty(), "temporary file removed");
+    }
+
+    #[test]
+    fn dropping_a_writer_removes_its_temporary_file() {
+        let dir = TempDir::new().unwrap();
+        let path = dir.path().join("out.safetensors");
+        let layout = FileLayout::new([("a", DType::U8, &[3u64][..])], &no_metadata()).unwrap();
+        let writer = SafetensorsWriter::create(&path, layout).unwrap();
+        let temp = writer.temp_path().to_path_buf();
+        assert!(temp.exists());
+        assert!(temp
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with(".out.safetensors."));
+        drop(writer);
+        assert!(dir_entries(dir.path()).is_empty());
+    }
+
+    #[test]
+    fn writes_outside_their_place_are_refused() {
+        let dir = TempDir::new().unwrap();
+        let path = dir.path().join("out.safetensors");
+        let layout = FileLayout::new(
+            [
+                ("a", DType::I32, &[2u64][..]),
+                ("b", DType::I64, &[1u64][..]),
+            ],
+            &no_metadata(),
+        )
+        .unwrap();
+        let (start, end) = (layout.data_start(), layout.file_len());
+        let mut writer = SafetensorsWriter::create(&path, layout).unwrap();
+
+        let err = writer.write_tensor_at("a", 4, &[0; 5]).unwrap_err();
+        assert!(
+            matches!(err, SafetensorsError::TensorWriteOutOfBounds { .. }),
+            "{err:?}"
+        );
+        assert_mentions(
+            &err,
+            &["out.safetensors", "\"a\"", "5 bytes", "offset 4", "8 bytes"],
+        );
+
+        let err = writer.write_all_at(0, &[0; 8]).unwrap_err();
+        assert!(
+            matches!(err, SafetensorsError::WriteOutOfBounds { .. }),
+            "{err:?}"
+        );
+        assert_mentions(&err, &[&format!("[{start}, {end})")]);
+        let err = writer.write_all_at(end - 1, &[0; 2]).unwrap_err();
+        assert!(
+            matches!(err, SafetensorsError::WriteOutOfBounds { .. }),
+            "{err:?}"
+        );
+
+        let err = writer.write_tensor_at("nope", 0, &[0]).unwrap_err();
+        assert!(
+            matches!(err, SafetensorsError::UnknownTensor { .. }),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["\"nope\""]);
+
+        writer.write_next(&[0; 16]).unwrap();
+        let err = writer.write_next(&[0; 1]).unwrap_err();
+        assert!(
+            matches!(err, SafetensorsError::WriteOutOfBounds { .. }),
+            "{err:?}"
+        );
+        writer.finish().unwrap();
+        read_header(&path).unwrap();
+    }
+
+    #[test]
+    fn layouts_reject_bad_tensor_lists() {
+        let err = FileLayout::new(
+            [("a", DType::U8, &[1u64][..]), ("a", DType::U8, &[1u64][..])],
+            &no_metadata(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, SafetensorsError::InvalidLayout { .. }),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["\"a\"", "more than once"]);
+
+        let err = FileLayout::new([("__metadata__", DType::U8, &[1u64][..])], &no_metadata())
+            .unwrap_err();
+        assert_mentions(&err, &["__metadata__", "reserved"]);
+
+        let huge = [u64::MAX / 2, 3];
+        let err = FileLayout::new([("big", DType::F32, &huge[..])], &no_metadata()).unwrap_err();
+        assert!(
+            matches!(err, SafetensorsError::InvalidLayout { .. }),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["\"big\"", "overflows", &(u64::MAX / 2).to_string()]);
+    }
+
+    #[test]
+    fn write_file_checks_data_lengths() {
+        let dir = TempDir::new().unwrap();
+        let path = dir.path().join("out.safetensors");
+        let err =
+            write_file(&path, &[("w", DType::BF16, &[3], &[0; 5])], &no_metadata()).unwrap_err();
+        assert!(matches!(
+            err,
+            SafetensorsError::DataSizeMismatch {
+                expected: 6,
+                actual: 5,
+                ..
+            }
+        ));
+        assert_mentions(
+            &err,
+            &["out.safetensors", "\"w\"", "6 bytes", "5 were given"],
+        );
+        assert!(dir_entries(dir.path()).is_empty());
+    }
+
+    // ---- interoperability with the reference implementation ----
+
+    #[test]
+    fn reference_implementation_reads_our_files() {
+        let dir = TempDir::new().unwrap();
+        let path = dir.path().join("ours.safetensors");
+        let a = pattern(2 * 3 * 2, 7);
+        let b = pattern(5, 8);
+        write_file(
+            &path,
+            &[
+                ("x", DType::BF16, &[2, 3], &a),
+                ("y", DType::F8E4M3, &[5], &b),
+                ("e", DType::I64, &[0], &[]),
+            ],
+            &pt_metadata(),
+        )
+        .unwrap();
+        let bytes = fs::read(&path).unwrap();
+        let reference = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let x = reference.tensor("x").unwrap();
+        assert_eq!(
+            (x.dtype(), x.shape(), x.data()),
+            (safetensors::Dtype::BF16, &[2usize, 3][..], &a[..])
+        );
+        let y = reference.tensor("y").unwrap();
+        assert_eq!(
+            (y.dtype(), y.shape(), y.data()),
+            (safetensors::Dtype::F8_E4M3, &[5usize][..], &b[..])
+        );
+        assert_eq!(reference.tensor("e").unwrap().data().len(), 0);
+        let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        assert_eq!(
+            metadata
+                .metadata()
+                .as_ref()
+                .and_then(|m| m.get("format"))
+                .map(String::as_str),
+            Some("pt")
+        );
+    }
+
+    #[test]
+    fn we_read_reference_implementation_files() {
+        use safetensors::tensor::TensorView;
+        let a = pattern(4 * 2, 1);
+        let b = pattern(3 * 4, 2);
+        let c = pattern(2, 3);
+        let views = vec![
+            (
+                "b.weight",
+                TensorView::new(safetensors::Dtype::F16, vec![4], &a).unwrap(),
+            ),
+            (
+                "a.weight",
+                TensorView::new(safetensors::Dtype::F32, vec![3], &b).unwrap(),
+            ),
+            (
+                "c",
+                TensorView::new(safetensors::Dtype::BOOL, vec![1, 2], &c).unwrap(),
+            ),
+        ];
+        let info = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+        let bytes = safetensors::serialize(views, Some(info)).unwrap();
+        let dir = TempDir::new().unwrap();
+        let path = dir.path().join("reference.safetensors");
+        fs::write(&path, &bytes).unwrap();
+
+        let header = read_header(&path).unwrap();
+        assert_eq!(header.metadata(), &pt_metadata());
+        for (name, dtype, shape, data) in [
+            ("b.weight", DType::F16, vec![4u64], &a),
+            ("a.weight", DType::F32, vec![3], &b),
+            ("c", DType::Bool, vec![1, 2], &c),
+        ] {
+            let t = header.tensor(name).unwrap();
+            assert_eq!((t.dtype, &t.shape), (dtype, &shape));
+            assert_eq!(read_range(&path, t.file_offset, t.byte_len), *data);
+        }
+    }
+
+    // ---- the real fixtures, written by transformers ----
+
+    #[test]
+    fn reads_the_llama_fixture() {
+        let release = Release::open(fixture("llama")).unwrap();
+        assert!(release.config_json().contains("\"llama\""));
+        assert_eq!(release.files().len(), 2);
+        assert_eq!(release.tensors().len(), 21);
+        assert_eq!(release.total_bytes(), 205_440);
+        assert!(release.index_path().is_some());
+        let names: Vec<&str> = release
+            .tensors()
+            .iter()
+            .map(|t| t.info.name.as_str())
+            .collect();
+        let mut sorted = names.clone();
+        sorted.sort_unstable();
+        assert_eq!(names, sorted, "tensors sorted by name");
+
+        let k = release
+            .tensor("model.layers.0.self_attn.k_proj.weight")
+            .unwrap();
+        assert_eq!(
+            (k.info.dtype, k.info.shape.as_slice()),
+            (DType::BF16, &[16u64, 64][..])
+        );
+        assert_eq!(k.info.byte_len, 2048);
+        // data_offsets [82176, 84224] after a 2064-byte header.
+        assert_eq!(k.info.file_offset, 8 + 2064 + 82_176);
+        let (file, _) = release.locate("lm_head.weight").unwrap();
+        assert!(file.path().ends_with("model-00002-of-00002.safetensors"));
+        assert_eq!(
+            file.metadata().get("format").map(String::as_str),
+            Some("pt")
+        );
+        let paths: Vec<&Path> = release.file_paths().collect();
+        assert!(paths[0].ends_with("model-00001-of-00002.safetensors"));
+        assert!(release.tensor("model.nope").is_none());
+    }
+
+    #[test]
+    fn reads_the_qwen3_moe_fixture() {
+        let release = Release::open(fixture("qwen3_moe")).unwrap();
+        assert_eq!(release.tensors().len(), 69);
+        assert_eq!(release.total_bytes(), 305_856);
+        let gate = release
+            .tensor("model.layers.0.mlp.experts.0.gate_proj.weight")
+            .unwrap();
+        assert_eq!(
+            (gate.info.dtype, gate.info.shape.as_slice()),
+            (DType::BF16, &[32u64, 64][..])
+        );
+        let router = release.tensor("model.layers.0.mlp.gate.weight").unwrap();
+        assert_eq!(router.info.shape, vec![8, 64]);
+    }
+
+    #[test]
+    fn reads_the_qwen3_next_fixture() {
+        let release = Release::open(fixture("qwen3_next")).unwrap();
+        assert_eq!(release.files().len(), 4);
+        assert_eq!(release.tensors().len(), 154);
+        assert_eq!(release.total_bytes(), 646_960);
+        let conv = release
+            .tensor("model.layers.0.linear_attn.conv1d.weight")
+            .unwrap();
+        assert_eq!(conv.info.shape, vec![128, 1, 4]);
+        let a_log = release.tensor("model.layers.0.linear_attn.A_log").unwrap();
+        assert_eq!(
+            (a_log.info.dtype, a_log.info.shape.as_slice()),
+            (DType::BF16, &[4u64][..])
+        );
+        let q = release
+            .tensor("model.layers.3.self_attn.q_proj.weight")
+            .unwrap();
+        assert_eq!(q.info.shape, vec![128, 64]);
+        assert!(release.files()[q.file_index]
+            .path()
+            .ends_with("model-00004-of-00004.safetensors"));
+        let sum: u64 = release.files().iter().map(FileHeader::data_len).sum();
+        assert_eq!(sum, release.total_bytes());
+    }
+
+    #[test]
+    fn opens_a_single_file_release() {
+        let dir = TempDir::new().unwrap();
+        fs::write(dir.path().join("config.json"), "{}").unwrap();
+        write_file(
+            dir.path().join("model.safetensors"),
+            &[
+                ("w", DType::F32, &[2], &[0; 8]),
+                ("b", DType::F32, &[1], &[0; 4]),
+            ],
+            &pt_metadata(),
+        )
+        .unwrap();
+        let release = Release::open(dir.path()).unwrap();
+        assert!(release.index_path().is_none());
+        assert_eq!(release.total_bytes(), 12);
+        let names: Vec<&str> = release
+            .tensors()
+            .iter()
+            .map(|t| t.info.name.as_str())
+            .collect();
+        assert_eq!(names, vec!["b", "w"]);
+        assert_eq!(release.config_json(), "{}");
+    }
+
+    // ---- bad files: one test per defect ----
+
+    #[test]
+    fn header_length_beyond_the_file() {
+        let dir = TempDir::new().unwrap();
+        let path = dir.path().join("bad.safetensors");
+        let mut bytes = 1000u64.to_le_bytes().to_vec();
+        bytes.extend_from_slice(b"{}        ");
+        fs::write(&path, &bytes).unwrap();
+        let err = read_header(&path).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                SafetensorsError::HeaderBeyondFile {
+                    header_len: 1000,
+                    file_len: 18,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["bad.safetensors", "1000", "18 bytes", "at most 10"]);
+    }
+
+    #[test]
+    fn file_shorter_than_the_length_prefix() {
+        let dir = TempDir::new().unwrap();
+        let path = dir.path().join("bad.safetensors");
+        fs::write(&path, [1, 2, 3]).unwrap();
+        let err = read_header(&path).unwrap_err();
+        assert!(
+            matches!(err, SafetensorsError::FileTooShort { file_len: 3, .. }),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["bad.safetensors", "3 bytes"]);
+    }
+
+    #[test]
+    fn header_not_json() {
+        let dir = TempDir::new().unwrap();
+        let (_, err) = bad(&dir, "{\"a\": {\"dtype\": \"F32\", \"sha", 0);
+        assert!(
+            matches!(err, SafetensorsError::HeaderNotJson { .. }),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["bad.safetensors", "not valid json"]);
+
+        let (_, err) = bad(&dir, "[1, 2]", 0);
+        assert!(
+            matches!(err, SafetensorsError::HeaderNotJson { .. }),
+            "{err:?}"
+        );
+
+        let (_, err) = bad(&dir, "{} trailing", 0);
+        assert!(
+            matches!(err, SafetensorsError::HeaderNotJson { .. }),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn header_too_large() {
+        let dir = TempDir::new().unwrap();
+        let path = dir.path().join("bad.safetensors");
+        let mut bytes = (MAX_HEADER_LEN + 1).to_le_bytes().to_vec();
+        bytes.extend_from_slice(b"{}");
+        fs::write(&path, &bytes).unwrap();
+        let err = read_header(&path).unwrap_err();
+        assert!(
+            matches!(err, SafetensorsError::HeaderTooLarge { .. }),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["bad.safetensors", "104857601", "104857600"]);
+
+        let mut bytes = u64::MAX.to_le_bytes().to_vec();
+        bytes.extend_from_slice(b"{}");
+        fs::write(&path, &bytes).unwrap();
+        let err = read_header(&path).unwrap_err();
+        assert!(
+            matches!(err, SafetensorsError::HeaderTooLarge { .. }),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn truncated_data_section() {
+        let dir = TempDir::new().unwrap();
+        let path = dir.path().join("cut.safetensors");
+        write_file(
+            &path,
+            &[
+                ("first", DType::F32, &[4], &[0; 16]),
+                ("second", DType::F32, &[4], &[0; 16]),
+            ],
+            &no_metadata(),
+        )
+        .unwrap();
+        let len = fs::metadata(&path).unwrap().len();
+        File::options()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(len - 3)
+            .unwrap();
+        let err = read_header(&path).unwrap_err();
+        assert!(
+            matches!(&err, SafetensorsError::Truncated { tensor, end: 32, data_len: 29, .. } if tensor == "second"),
+            "{err:?}"
+        );
+        assert_mentions(
+            &err,
+            &[
+                "cut.safetensors",
+                "truncated",
+                "\"second\"",
+                "32",
+                "29 bytes",
+            ],
+        );
+    }
+
+    #[test]
+    fn trailing_bytes_after_the_last_tensor() {
+        let dir = TempDir::new().unwrap();
+        let (_, err) = bad(&dir, &header_of(&[("a", "U8", &[4], 0, 4)]), 6);
+        assert!(
+            matches!(
+                err,
+                SafetensorsError::TrailingBytes {
+                    declared: 4,
+                    data_len: 6,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["bad.safetensors", "6 bytes", "end at 4"]);
+    }
+
+    #[test]
+    fn overlapping_offsets() {
+        let dir = TempDir::new().unwrap();
+        let header = header_of(&[("a", "F32", &[4], 0, 16), ("b", "F32", &[4], 8, 24)]);
+        let (_, err) = bad(&dir, &header, 24);
+        assert!(
+            matches!(&err, SafetensorsError::Overlap { tensor, other, begin: 8, .. } if tensor == "b" && other == "a"),
+            "{err:?}"
+        );
+        assert_mentions(
+            &err,
+            &["bad.safetensors", "\"b\"", "[8, 24]", "\"a\"", "[0, 16]"],
+        );
+    }
+
+    #[test]
+    fn out_of_order_offsets() {
+        let dir = TempDir::new().unwrap();
+        let (_, err) = bad(&dir, &header_of(&[("w", "F32", &[4], 16, 0)]), 16);
+        assert!(
+            matches!(&err, SafetensorsError::ReversedOffsets { tensor, begin: 16, end: 0, .. } if tensor == "w"),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["bad.safetensors", "\"w\"", "[16, 0]"]);
+    }
+
+    #[test]
+    fn json_key_order_does_not_matter() {
+        // The format orders tensors by offset, not by their place in the JSON object.
+        let dir = TempDir::new().unwrap();
+        let header = r#"{"b":{"dtype":"U8","shape":[2],"data_offsets":[4,6]},"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#;
+        let path = raw_file(dir.path(), "ok.safetensors", header, 6);
+        let read = read_header(&path).unwrap();
+        let names: Vec<&str> = read.tensors().iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, vec!["a", "b"]);
+        assert_eq!(read.tensor("b").unwrap().file_offset, read.data_start() + 4);
+    }
+
+    #[test]
+    fn hole_between_tensors() {
+        let dir = TempDir::new().unwrap();
+        let header = header_of(&[("a", "F32", &[4], 0, 16), ("b", "F32", &[4], 24, 40)]);
+        let (_, err) = bad(&dir, &header, 40);
+        assert!(
+            matches!(&err, SafetensorsError::Hole { previous: Some(p), tensor, gap_begin: 16, gap_end: 24, .. }
+                if p == "a" && tensor == "b"),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["bad.safetensors", "[16, 24)", "\"a\"", "\"b\""]);
+
+        // Data that does not start at 0 leaves a hole too.
+        let (_, err) = bad(&dir, &header_of(&[("a", "U8", &[4], 4, 8)]), 8);
+        assert!(
+            matches!(
+                &err,
+                SafetensorsError::Hole {
+                    previous: None,
+                    gap_begin: 0,
+                    gap_end: 4,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["start of the data section", "[0, 4)"]);
+    }
+
+    #[test]
+    fn shape_times_dtype_size_differs_from_byte_length() {
+        let dir = TempDir::new().unwrap();
+        let (_, err) = bad(&dir, &header_of(&[("w", "F32", &[2, 3], 0, 16)]), 16);
+        assert!(
+            matches!(&err, SafetensorsError::SizeMismatch { tensor, expected: 24, begin: 0, end: 16, .. } if tensor == "w"),
+            "{err:?}"
+        );
+        assert_mentions(
+            &err,
+            &[
+                "bad.safetensors",
+                "\"w\"",
+                "[2, 3]",
+                "F32",
+                "24 bytes",
+                "span 16 bytes",
+            ],
+        );
+    }
+
+    #[test]
+    fn shape_overflowing_the_byte_count() {
+        let dir = TempDir::new().unwrap();
+        let shape = [1u64 << 32, 1 << 32, 2];
+        let (_, err) = bad(&dir, &header_of(&[("w", "BF16", &shape, 0, 16)]), 16);
+        assert!(
+            matches!(err, SafetensorsError::ShapeOverflow { .. }),
+            "{err:?}"
+        );
+        assert_mentions(
+            &err,
+            &["bad.safetensors", "\"w\"", "4294967296", "overflows"],
+        );
+    }
+
+    #[test]
+    fn unknown_dtype() {
+        let dir = TempDir::new().unwrap();
+        let (_, err) = bad(&dir, &header_of(&[("cplx", "C64", &[2], 0, 16)]), 16);
+        assert!(
+            matches!(&err, SafetensorsError::UnknownDtype { tensor, dtype, .. } if tensor == "cplx" && dtype == "C64"),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["bad.safetensors", "\"cplx\"", "\"C64\""]);
+    }
+
+    #[test]
+    fn duplicate_key_in_a_header() {
+        let dir = TempDir::new().unwrap();
+        let entry = r#"{"dtype":"U8","shape":[2],"data_offsets":[0,2]}"#;
+        let (_, err) = bad(&dir, &format!(r#"{{"w":{entry},"w":{entry}}}"#), 2);
+        assert!(
+            matches!(&err, SafetensorsError::DuplicateKey { key, .. } if key == "w"),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["bad.safetensors", "\"w\"", "more than once"]);
+    }
+
+    #[test]
+    fn metadata_that_is_not_a_string_map() {
+        let dir = TempDir::new().unwrap();
+        let (_, err) = bad(&dir, r#"{"__metadata__":{"format":1}}"#, 0);
+        assert!(
+            matches!(err, SafetensorsError::InvalidMetadata { .. }),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["bad.safetensors", "__metadata__"]);
+
+        let (_, err) = bad(&dir, r#"{"__metadata__":{"k":"a","k":"b"}}"#, 0);
+        assert!(
+            matches!(err, SafetensorsError::InvalidMetadata { .. }),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["\"k\"", "more than once"]);
+    }
+
+    #[test]
+    fn malformed_tensor_entries() {
+        let dir = TempDir::new().unwrap();
+        let (_, err) = bad(
+            &dir,
+            r#"{"w":{"dtype":"U8","shape":[-1],"data_offsets":[0,0]}}"#,
+            0,
+        );
+        assert!(
+            matches!(&err, SafetensorsError::InvalidEntry { tensor, .. } if tensor == "w"),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["bad.safetensors", "\"w\""]);
+
+        let (_, err) = bad(
+            &dir,
+            r#"{"w":{"dtype":"U8","shape":[2],"data_offsets":[0,1,2]}}"#,
+            2,
+        );
+        assert!(
+            matches!(&err, SafetensorsError::InvalidEntry { tensor, .. } if tensor == "w"),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["\"w\"", "3 values"]);
+
+        let (_, err) = bad(&dir, r#"{"w":{"dtype":"U8","shape":[2]}}"#, 2);
+        assert!(
+            matches!(&err, SafetensorsError::InvalidEntry { tensor, .. } if tensor == "w"),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["data_offsets"]);
+    }
+
+    // ---- bad releases: one test per defect ----
+
+    /// A writable copy of a fixture release.
+    fn copy_release(name: &str) -> TempDir {
+        let dir = TempDir::new().unwrap();
+        for entry in fs::read_dir(fixture(name)).unwrap() {
+            let entry = entry.unwrap();
+            fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+        }
+        dir
+    }
+
+    fn edit_index(dir: &Path, edit: impl FnOnce(&mut serde_json::Map<String, Value>)) {
+        let path = dir.join(INDEX_FILE_NAME);
+        let mut index: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        edit(index["weight_map"].as_object_mut().unwrap());
+        fs::write(&path, serde_json::to_vec_pretty(&index).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn missing_shard_file() {
+        let dir = copy_release("llama");
+        fs::remove_file(dir.path().join("model-00002-of-00002.safetensors")).unwrap();
+        let err = Release::open(dir.path()).unwrap_err();
+        assert!(
+            matches!(&err, SafetensorsError::MissingShard { file, .. } if file == "model-00002-of-00002.safetensors"),
+            "{err:?}"
+        );
+        assert_mentions(
+            &err,
+            &[
+                INDEX_FILE_NAME,
+                "\"model-00002-of-00002.safetensors\"",
+                "missing",
+            ],
+        );
+    }
+
+    #[test]
+    fn key_in_index_but_not_in_its_file() {
+        let dir = copy_release("llama");
+        edit_index(dir.path(), |map| {
+            map.insert(
+                "model.extra.weight".into(),
+                json!("model-00001-of-00002.safetensors"),
+            );
+        });
+        let err = Release::open(dir.path()).unwrap_err();
+        assert!(
+            matches!(&err, SafetensorsError::NotInFile { tensor, file, found_in: None, .. }
+                if tensor == "model.extra.weight" && file == "model-00001-of-00002.safetensors"),
+            "{err:?}"
+        );
+        assert_mentions(
+            &err,
+            &[
+                INDEX_FILE_NAME,
+                "\"model.extra.weight\"",
+                "\"model-00001-of-00002.safetensors\"",
+            ],
+        );
+
+        // Mapped to the wrong shard: the message says where the tensor really is.
+        let dir = copy_release("llama");
+        edit_index(dir.path(), |map| {
+            map.insert(
+                "model.norm.weight".into(),
+                json!("model-00002-of-00002.safetensors"),
+            );
+        });
+        let err = Release::open(dir.path()).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                SafetensorsError::NotInFile {
+                    found_in: Some(_),
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert_mentions(
+            &err,
+            &[
+                "\"model.norm.weight\"",
+                "it is in \"model-00001-of-00002.safetensors\"",
+            ],
+        );
+    }
+
+    #[test]
+    fn key_in_file_but_not_in_index() {
+        let dir = copy_release("llama");
+        edit_index(dir.path(), |map| {
+            map.remove("model.norm.weight");
+        });
+        let err = Release::open(dir.path()).unwrap_err();
+        assert!(
+            matches!(&err, SafetensorsError::NotInIndex { tensor, file, .. }
+                if tensor == "model.norm.weight" && file == "model-00001-of-00002.safetensors"),
+            "{err:?}"
+        );
+        assert_mentions(
+            &err,
+            &[
+                INDEX_FILE_NAME,
+                "\"model.norm.weight\"",
+                "\"model-00001-of-00002.safetensors\"",
+                "weight_map",
+            ],
+        );
+    }
+
+    #[test]
+    fn duplicate_key_across_files() {
+        let dir = TempDir::new().unwrap();
+        fs::write(dir.path().join("config.json"), "{}").unwrap();
+        write_file(
+            dir.path().join("a.safetensors"),
+            &[("x", DType::U8, &[1], &[1]), ("y", DType::U8, &[1], &[2])],
+            &no_metadata(),
+        )
+        .unwrap();
+        write_file(
+            dir.path().join("b.safetensors"),
+            &[("x", DType::U8, &[1], &[3])],
+            &no_metadata(),
+        )
+        .unwrap();
+        let index =
+            json!({"metadata": {}, "weight_map": {"x": "a.safetensors", "y": "b.safetensors"}});
+        fs::write(dir.path().join(INDEX_FILE_NAME), index.to_string()).unwrap();
+        let err = Release::open(dir.path()).unwrap_err();
+        assert!(
+            matches!(&err, SafetensorsError::DuplicateAcrossFiles { tensor, first, second, .. }
+                if tensor == "x" && first == "a.safetensors" && second == "b.safetensors"),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["\"x\"", "\"a.safetensors\"", "\"b.safetensors\""]);
+    }
+
+    #[test]
+    fn duplicate_key_in_the_index() {
+        let dir = copy_release("llama");
+        let path = dir.path().join(INDEX_FILE_NAME);
+        let text = fs::read_to_string(&path).unwrap().replacen(
+            "\"weight_map\": {",
+            "\"weight_map\": {\n    \"lm_head.weight\": \"model-00001-of-00002.safetensors\",",
+            1,
+        );
+        fs::write(&path, text).unwrap();
+        let err = Release::open(dir.path()).unwrap_err();
+        assert!(
+            matches!(err, SafetensorsError::InvalidIndex { .. }),
+            "{err:?}"
+        );
+        assert_mentions(
+            &err,
+            &[INDEX_FILE_NAME, "\"lm_head.weight\"", "more than once"],
+        );
+    }
+
+    #[test]
+    fn path_traversal_in_the_index() {
+        for name in [
+            "../model-00001-of-00002.safetensors",
+            "/etc/passwd",
+            "sub/../../x.safetensors",
+            "",
+        ] {
+            let dir = copy_release("llama");
+            edit_index(dir.path(), |map| {
+                map.insert("model.norm.weight".into(), json!(name));
+            });
+            let err = Release::open(dir.path()).unwrap_err();
+            assert!(
+                matches!(&err, SafetensorsError::ShardPathEscapes { file, .. } if file == name),
+                "{name}: {err:?}"
+            );
+            assert_mentions(&err, &[INDEX_FILE_NAME, &format!("{name:?}"), "escapes"]);
+        }
+    }
+
+    #[test]
+    fn missing_config_json() {
+        let dir = copy_release("llama");
+        fs::remove_file(dir.path().join("config.json")).unwrap();
+        let err = Release::open(dir.path()).unwrap_err();
+        assert!(
+            matches!(err, SafetensorsError::MissingConfig { .. }),
+            "{err:?}"
+        );
+        assert_mentions(&err, &[&dir.path().display().to_string(), "config.json"]);
+    }
+
+    #[test]
+    fn index_not_json() {
+        let dir = copy_release("llama");
+        fs::write(dir.path().join(INDEX_FILE_NAME), "{\"weight_map\": {").unwrap();
+        let err = Release::open(dir.path()).unwrap_err();
+        assert!(
+            matches!(err, SafetensorsError::IndexNotJson { .. }),
+            "{err:?}"
+        );
+        assert_mentions(&err, &[INDEX_FILE_NAME, "not valid json"]);
+
+        fs::write(dir.path().join(INDEX_FILE_NAME), "{\"metadata\": {}}").unwrap();
+        let err = Release::open(dir.path()).unwrap_err();
+        assert!(
+            matches!(err, SafetensorsError::InvalidIndex { .. }),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["weight_map"]);
+    }
+
+    #[test]
+    fn release_without_weights() {
+        let dir = TempDir::new().unwrap();
+        fs::write(dir.path().join("config.json"), "{}").unwrap();
+        let err = Release::open(dir.path()).unwrap_err();
+        assert!(matches!(err, SafetensorsError::NoWeights { .. }), "{err:?}");
+        assert_mentions(
+            &err,
+            &[
+                &dir.path().display().to_string(),
+                SINGLE_FILE_NAME,
+                INDEX_FILE_NAME,
+            ],
+        );
+    }
+
+    #[test]
+    fn a_bad_shard_is_reported_with_its_path() {
+        let dir = copy_release("llama");
+        let shard = dir.path().join("model-00002-of-00002.safetensors");
+        let len = fs::metadata(&shard).unwrap().len();
+        File::options()
+            .write(true)
+            .open(&shard)
+            .unwrap()
+            .set_len(len - 1)
+            .unwrap();
+        let err = Release::open(dir.path()).unwrap_err();
+        assert!(
+            matches!(&err, SafetensorsError::Truncated { tensor, .. } if tensor == "lm_head.weight"),
+            "{err:?}"
+        );
+        assert_mentions(&err, &["model-00002-of-00002.safetensors"]);
+    }
+
+    // ---- properties ----
+
+    #[test]
+    fn insert_range_merges() {
+        let mut ranges = Vec::new();
+        insert_range(&mut ranges, 10, 20);
+        insert_range(&mut ranges, 30, 40);
+        assert_eq!(ranges, vec![(10, 20), (30, 40)]);
+        insert_range(&mut ranges, 20, 30);
+        assert_eq!(ranges, vec![(10, 40)]);
+        insert_range(&mut ranges, 0, 5);
+        insert_range(&mut ranges, 50, 60);
+        insert_range(&mut ranges, 3, 55);
+        assert_eq!(ranges, vec![(0, 60)]);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// The written-ranges bookkeeping agrees with a byte map.
+        #[test]
+        fn insert_range_matches_a_byte_map(writes in proptest::collection::vec((0u64..64, 0u64..16), 0..24)) {
+            let mut ranges = Vec::new();
+            let mut bytes = [false; 80];
+            for (begin, len) in writes {
+                if len == 0 { continue; }
+                insert_range(&mut ranges, begin, begin + len);
+                for b in &mut bytes[begin as usize..(begin + len) as usize] { *b = true; }
+            }
+            let mut expected = Vec::new();
+            let mut i = 0;
+            while i < bytes.len() {
+                if bytes[i] {
+                    let start = i;
+                    while i < bytes.len() && bytes[i] { i += 1; }
+                    expected.push((start as u64, i as u64));
+                } else {
+                    i += 1;
+                }
+            }
+            prop_assert_eq!(ranges, expected);
+        }
+
+        /// Any corruption of a valid header is either accepted as a consistent header or
+        /// rejected with an error, never a panic.
+        #[test]
+        fn corrupted_headers_never_panic(
+            edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..6),
+            cut in any::<prop::sample::Index>(),
+            shrink in 0u64..40,
+        ) {
+            let layout = FileLayout::new(
+                [("a", DType::F32, &[2u64, 3][..]), ("b.weight", DType::BF16, &[5][..]), ("e", DType::U8, &[0][..])],
+                &pt_metadata(),
+            ).unwrap();
+            let mut json = layout.header_bytes()[8..].to_vec();
+            for (at, byte) in edits {
+                let i = at.index(json.len());
+                json[i] = byte;
+            }
+            json.truncate(cut.index(json.len() + 1));
+            let data_len = layout.file_len() - layout.data_start();
+            let file_len = 8 + json.len() as u64 + data_len.saturating_sub(shrink);
+            if let Ok(header) = parse_header(Path::new("fuzz.safetensors"), &json, file_len) {
+                let total: u64 = header.tensors().iter().map(|t| t.byte_len).sum();
+                prop_assert_eq!(total, header.data_len());
+            }
+        }
+
+        /// Random tensor lists survive writer → reader unchanged.
+        #[test]
+        fn random_files_round_trip(
+            specs in proptest::collection::vec(
+                (0usize..DType::ALL.len(), proptest::collection::vec(0u64..5, 0..4)),
+                0..6,
+            )
+        ) {
+            let dir = TempDir::new().unwrap();
+            let path = dir.path().join("r.safetensors");
+            let names: Vec<String> = (0..specs.len()).map(|i| format!("t{i}")).collect();
+            let owned: Vec<(DType, Vec<u64>, Vec<u8>)> = specs
+                .iter()
+                .enumerate()
+                .map(|(i, (d, shape))| {
+                    let dtype = DType::ALL[*d];
+                    let len = byte_len_of(dtype, shape).unwrap() as usize;
+                    (dtype, shape.clone(), pattern(len, i as u8))
+                })
+                .collect();
+            let tensors: Vec<(&str, DType, &[u64], &[u8])> = names
+                .iter()
+                .zip(&owned)
+                .map(|(n, (d, s, b))| (n.as_str(), *d, s.as_slice(), b.as_slice()))
+                .collect();
+            write_file(&path, &tensors, &no_metadata()).unwrap();
+            let header = read_header(&path).unwrap();
+            prop_assert_eq!(header.tensors().len(), tensors.len());
+            for &(name, dtype, shape, data) in &tensors {
+                let t = header.tensor(name).unwrap();
+                prop_assert_eq!(t.dtype, dtype);
+                prop_assert_eq!(t.shape.as_slice(), shape);
+                prop_assert_eq!(read_range(&path, t.file_offset, t.byte_len), data.to_vec());
+            }
+        }
+    }
 }
