@@ -267,53 +267,69 @@ fn check_key(key: &str, items: &[(u64, &WriteItem)], v: &mut Vec<Violation>) {
         }
     }
     // 3. exact tiling: unique boxes pairwise disjoint and covering the volume exactly
+    let unique: Vec<Piece> = boxes
+        .iter()
+        .map(|(off, (r, it))| Piece { offsets: off.clone(), sizes: it.sizes.clone(), owner: format!("rank {r}") })
+        .collect();
+    for message in tiling_violations(global, unique) {
+        push(v, Invariant::ExactTiling, key, message);
+    }
+}
+
+/// A box of a tensor and who holds it (for messages).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Piece {
+    pub offsets: Vec<u64>,
+    pub sizes: Vec<u64>,
+    pub owner: String,
+}
+
+/// Exact tiling of `global` by `pieces` (assumed in bounds): pairwise disjoint and covering every
+/// element. Empty pieces are ignored. Returns one message per problem.
+pub fn tiling_violations(global: &[u64], mut pieces: Vec<Piece>) -> Vec<String> {
+    pieces.retain(|p| p.sizes.iter().product::<u64>() > 0);
+    pieces.sort_by(|a, b| a.offsets.cmp(&b.offsets));
+    let mut out = Vec::new();
     let total: u64 = global.iter().product();
-    let covered: u64 = boxes.values().map(|(_, it)| it.sizes.iter().product::<u64>()).sum();
-    let sorted: Vec<(&Vec<u64>, &(u64, &WriteItem))> = boxes.iter().collect();
-    let mut overlap_found = false;
-    for (i, (off_a, (rank_a, a))) in sorted.iter().enumerate() {
-        for (off_b, (rank_b, b)) in sorted.iter().skip(i + 1) {
-            // Boxes are sorted by offsets; once dim 0 starts past a's end, no later box overlaps.
-            if !off_a.is_empty() && off_b[0] >= off_a[0] + a.sizes[0] {
+    let covered: u64 = pieces.iter().map(|p| p.sizes.iter().product::<u64>()).sum();
+    for (i, a) in pieces.iter().enumerate() {
+        for b in pieces.iter().skip(i + 1) {
+            // Sorted by offsets: once dim 0 starts past a's end, no later piece overlaps a.
+            if !a.offsets.is_empty() && b.offsets[0] >= a.offsets[0] + a.sizes[0] {
                 break;
             }
-            let overlaps = off_a.iter().zip(&a.sizes).zip(off_b.iter().zip(&b.sizes)).all(|((oa, sa), (ob, sb))| {
-                oa < &(ob + sb) && ob < &(oa + sa)
-            });
+            let overlaps = a
+                .offsets
+                .iter()
+                .zip(&a.sizes)
+                .zip(b.offsets.iter().zip(&b.sizes))
+                .all(|((oa, sa), (ob, sb))| *oa < ob + sb && *ob < oa + sa);
             if overlaps {
-                overlap_found = true;
-                push(
-                    v,
-                    Invariant::ExactTiling,
-                    key,
-                    format!(
-                        "chunks overlap: rank {rank_a} offsets {} sizes {} and rank {rank_b} offsets {} sizes {}",
-                        tuple(off_a),
-                        tuple(&a.sizes),
-                        tuple(off_b),
-                        tuple(&b.sizes)
-                    ),
-                );
+                out.push(format!(
+                    "chunks overlap: {} offsets {} sizes {} and {} offsets {} sizes {}",
+                    a.owner,
+                    tuple(&a.offsets),
+                    tuple(&a.sizes),
+                    b.owner,
+                    tuple(&b.offsets),
+                    tuple(&b.sizes)
+                ));
             }
         }
     }
-    if !overlap_found && covered != total {
-        let detail = boxes
+    if out.is_empty() && covered != total {
+        let detail = pieces
             .iter()
             .take(6)
-            .map(|(off, (r, it))| format!("rank {r}: offsets {} sizes {}", tuple(off), tuple(&it.sizes)))
+            .map(|p| format!("{}: offsets {} sizes {}", p.owner, tuple(&p.offsets), tuple(&p.sizes)))
             .collect::<Vec<_>>()
             .join("; ");
-        push(
-            v,
-            Invariant::ExactTiling,
-            key,
-            format!(
-                "chunks cover {covered} of {total} elements of global shape {} (boundary check failed: {detail})",
-                list(global)
-            ),
-        );
+        out.push(format!(
+            "chunks cover {covered} of {total} elements of global shape {} (boundary check failed: {detail})",
+            list(global)
+        ));
     }
+    out
 }
 
 fn check_determinism(plans: &[RankPlan], by_key: &BTreeMap<&str, Vec<(u64, &WriteItem)>>, v: &mut Vec<Violation>) {
