@@ -402,7 +402,8 @@ pub fn build_plan(
         let t = tp_of(&mesh, d.expert.is_some());
         for s in &d.sections {
             let bad = match d.tp_mode {
-                TpMode::Column => rows_of(&s.shape) % t != 0,
+                // Vocab rows are padded to a multiple of tp when chunked.
+                TpMode::Column => !d.pad_vocab && rows_of(&s.shape) % t != 0,
                 TpMode::Row => s.shape.len() != 2 || s.shape[1] % t != 0,
                 TpMode::Replicated => false,
             };
