@@ -170,6 +170,27 @@ impl PickleWriter {
         self.op(op::TUPLE3)
     }
 
+    /// A tuple of ints the way CPython's pickler writes it: `EMPTY_TUPLE`, the items and
+    /// `TUPLE1..3`, or `MARK`, the items and `TUPLE`.
+    pub fn int_tuple(&mut self, items: &[u64]) -> &mut Self {
+        if items.is_empty() {
+            return self.empty_tuple();
+        }
+        let short = items.len() <= 3;
+        if !short {
+            self.mark();
+        }
+        for &i in items {
+            self.int(i.into());
+        }
+        match items.len() {
+            1 => self.tuple1(),
+            2 => self.tuple2(),
+            3 => self.tuple3(),
+            _ => self.tuple(),
+        }
+    }
+
     /// `EMPTY_DICT`.
     pub fn empty_dict(&mut self) -> &mut Self {
         self.op(op::EMPTY_DICT)
@@ -1556,6 +1577,17 @@ mod tests {
         want.extend_from_slice(&[b'G', 0x3f, 0xf8, 0, 0, 0, 0, 0, 0]);
         want.extend_from_slice(&[0x88, 0x89, b'N', b'Q', b'.']);
         assert_eq!(w.as_bytes(), want.as_slice());
+    }
+
+    #[test]
+    fn int_tuples() {
+        let mut w = PickleWriter::new();
+        w.int_tuple(&[]).int_tuple(&[1]).int_tuple(&[1, 2]).int_tuple(&[1, 2, 3]);
+        w.int_tuple(&[1, 2, 3, 4]);
+        assert_eq!(
+            w.as_bytes(),
+            b")K\x01\x85K\x01K\x02\x86K\x01K\x02K\x03\x87(K\x01K\x02K\x03K\x04t"
+        );
     }
 
     #[test]

@@ -318,33 +318,6 @@ pub fn contiguous_strides(shape: &[u64]) -> Vec<u64> {
     strides
 }
 
-/// Writes a tuple of ints the way torch's pickler does (`EMPTY_TUPLE`, `TUPLE1..3`, or
-/// `MARK … TUPLE`).
-fn write_int_tuple(w: &mut PickleWriter, items: &[u64]) {
-    match items.len() {
-        0 => {
-            w.empty_tuple();
-        }
-        1..=3 => {
-            for &i in items {
-                w.int(i.into());
-            }
-            match items.len() {
-                1 => w.tuple1(),
-                2 => w.tuple2(),
-                _ => w.tuple3(),
-            };
-        }
-        _ => {
-            w.mark();
-            for &i in items {
-                w.int(i.into());
-            }
-            w.tuple();
-        }
-    }
-}
-
 /// The `data.pkl` of a contiguous tensor whose storage is entry `data/0`.
 fn tensor_pickle(dtype: DType, shape: &[u64], numel: u64, nbytes: u64) -> Vec<u8> {
     let mut w = PickleWriter::new();
@@ -371,8 +344,8 @@ fn tensor_pickle(dtype: DType, shape: &[u64], numel: u64, nbytes: u64) -> Vec<u8
     };
     w.tuple().binpersid();
     w.int(0); // storage offset
-    write_int_tuple(&mut w, shape);
-    write_int_tuple(&mut w, &contiguous_strides(shape));
+    w.int_tuple(shape);
+    w.int_tuple(&contiguous_strides(shape));
     w.bool(false); // requires_grad
     w.global("collections", "OrderedDict")
         .empty_tuple()
@@ -1726,8 +1699,8 @@ ctorch\nBFloat16Storage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQK\x00K\x03
             .int(numel)
             .tuple();
         w.binpersid().int(offset);
-        write_int_tuple(&mut w, shape);
-        write_int_tuple(&mut w, strides);
+        w.int_tuple(shape);
+        w.int_tuple(strides);
         w.bool(false)
             .global("collections", "OrderedDict")
             .empty_tuple()
