@@ -1,0 +1,31 @@
+"""Fixtures of the Python interop suite.
+
+torch is imported at module level on purpose: without torch the suite must fail, never skip.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402,F401  (first: a missing torch must be the error reported)
+import pytest  # noqa: E402
+import safetensors  # noqa: E402,F401
+
+from harness import FIXTURE_NAMES, FIXTURES, Conversions, shardline_bin  # noqa: E402,F401
+
+# Tests import these names from conftest (re-exported from harness).
+__all__ = ["FIXTURES", "FIXTURE_NAMES"]
+
+
+@pytest.fixture(scope="session")
+def shardline():
+    try:
+        return shardline_bin()
+    except FileNotFoundError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def conversions(shardline, tmp_path_factory):
+    return Conversions(tmp_path_factory.mktemp("converted"))
