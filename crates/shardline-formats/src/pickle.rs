@@ -513,7 +513,8 @@ pub struct Limits {
 }
 
 impl Default for Limits {
-    /// Generous enough for the `.metadata` of a large checkpoint (millions of chunks).
+    /// The ceilings: generous enough for the `.metadata` of a large checkpoint (millions of
+    /// chunks).
     fn default() -> Self {
         Limits {
             max_depth: 200,
@@ -524,9 +525,28 @@ impl Default for Limits {
     }
 }
 
-/// Reads one pickle with the default [`Limits`]. Bytes after `STOP` are ignored, as Python does.
+impl Limits {
+    /// The limits [`loads`] uses for an `input_len`-byte pickle: the [`Limits::default`]
+    /// ceilings, lowered in proportion to the input so that sharing through the memo cannot
+    /// blow a small pickle up into a huge tree. Real pickles stay far below these ratios (a
+    /// memo reference costs 2 bytes and mostly points at a string or a small tuple).
+    pub fn for_input(input_len: usize) -> Self {
+        let d = Limits::default();
+        Limits {
+            max_nodes: d
+                .max_nodes
+                .min(input_len.saturating_mul(16).saturating_add(1 << 20)),
+            max_bytes: d
+                .max_bytes
+                .min(input_len.saturating_mul(256).saturating_add(64 << 20)),
+            ..d
+        }
+    }
+}
+
+/// Reads one pickle with [`Limits::for_input`]. Bytes after `STOP` are ignored, as Python does.
 pub fn loads(data: &[u8]) -> Result<Value, PickleError> {
-    loads_with_limits(data, &Limits::default())
+    loads_with_limits(data, &Limits::for_input(data.len()))
 }
 
 /// Reads one pickle within `limits`.
@@ -987,7 +1007,7 @@ impl<'a> Vm<'a> {
             }
         }
         // The 16th byte must carry the sign when the encoding is longer than 16 bytes.
-        if bytes.len() > 16 && (buf[15] & 0x80 != 0) != (fill == 0xff) {
+        if bytes.len() > 16 && (i128::from_le_bytes(buf) < 0) != (fill == 0xff) {
             return Err(self.invalid("integer does not fit in 128 bits"));
         }
         Ok(i128::from_le_bytes(buf))
@@ -1582,7 +1602,10 @@ mod tests {
     #[test]
     fn int_tuples() {
         let mut w = PickleWriter::new();
-        w.int_tuple(&[]).int_tuple(&[1]).int_tuple(&[1, 2]).int_tuple(&[1, 2, 3]);
+        w.int_tuple(&[])
+            .int_tuple(&[1])
+            .int_tuple(&[1, 2])
+            .int_tuple(&[1, 2, 3]);
         w.int_tuple(&[1, 2, 3, 4]);
         assert_eq!(
             w.as_bytes(),
@@ -1868,6 +1891,31 @@ mod tests {
             ..Limits::default()
         };
         assert!(loads_with_limits(&deep, &limits).is_ok());
+    }
+
+    #[test]
+    fn default_limits_scale_with_the_input() {
+        // 64 levels of doubling through the memo, 200 bytes: refused by `loads` without
+        // building 2^64 nodes, well before the absolute ceiling.
+        let mut b = vec![0x80, 4, b'N'];
+        for _ in 0..64 {
+            b.extend_from_slice(&[0x94, b'2', 0x86]);
+        }
+        b.push(b'.');
+        let err = loads(&b).unwrap_err();
+        assert!(matches!(
+            err,
+            PickleError::Limit {
+                what: "nesting depth" | "values in the result",
+                ..
+            }
+        ));
+        let l = Limits::for_input(1000);
+        assert_eq!(
+            (l.max_nodes, l.max_bytes),
+            ((1 << 20) + 16_000, (64 << 20) + 256_000)
+        );
+        assert_eq!(Limits::for_input(usize::MAX), Limits::default());
     }
 
     #[test]
