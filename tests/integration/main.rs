@@ -1,1 +1,42 @@
-mod smoke { #[test] fn builds() {} }
+//! End-to-end tests of the `shardline` binary on the tiny real HF checkpoints in
+//! `tests/fixtures/hf-tiny/` (written by `transformers`).
+
+mod convert;
+mod bad_input;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_shardline"))
+}
+
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny").join(name)
+}
+
+pub fn run(cmd: &mut Command) -> Output {
+    cmd.output().expect("run shardline")
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Converts `fixture` at the mesh `(tp, cp, dp, ep)` into `out`, asserting success.
+pub fn convert(fixture_dir: &Path, out: &Path, mesh: (u64, u64, u64, u64), extra: &[&str]) -> Output {
+    let (tp, cp, dp, ep) = mesh;
+    let o = run(bin()
+        .args(["convert", "--from"])
+        .arg(fixture_dir)
+        .arg("--to")
+        .arg(out)
+        .args(["--tp", &tp.to_string(), "--cp", &cp.to_string(), "--dp", &dp.to_string(), "--ep", &ep.to_string()])
+        .args(extra));
+    assert!(o.status.success(), "convert {mesh:?} failed: {}", stderr(&o));
+    o
+}

@@ -1,0 +1,345 @@
+//! `convert`, `synth` and `bench`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use serde_json::json;
+use shardline_formats::execute::{write_checkpoint, ExecuteOptions, OutputFormat, Progress};
+use shardline_formats::safetensors::Release;
+use shardline_layout::{build_plan, lower, validate, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
+
+use crate::report::{bytes, peak_rss, Bar};
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Format {
+    /// PyTorch DCP: `.metadata` + `__<rank>_0.distcp` (what Megatron `fsdp_dtensor` loads).
+    Dcp,
+    /// DCP-sharded safetensors with `DCP_SHARDING_INFO` (torch ≥ 2.9 HuggingFaceStorageReader).
+    DcpSafetensors,
+}
+
+/// The target mesh, shared by every command that plans.
+#[derive(Args, Clone, Debug)]
+pub struct MeshArgs {
+    /// Tensor-parallel size.
+    #[arg(long, default_value_t = 1)]
+    pub tp: u64,
+    /// Context-parallel size (folded into the FSDP shard group).
+    #[arg(long, default_value_t = 1)]
+    pub cp: u64,
+    /// Data-parallel (FSDP) size.
+    #[arg(long, default_value_t = 1)]
+    pub dp: u64,
+    /// Expert-parallel size.
+    #[arg(long, default_value_t = 1)]
+    pub ep: u64,
+    /// Expert tensor-parallel size (default: tp).
+    #[arg(long)]
+    pub etp: Option<u64>,
+}
+
+impl MeshArgs {
+    pub fn mesh(&self) -> Mesh {
+        Mesh { tp: self.tp, cp: self.cp, dp: self.dp, ep: self.ep, etp: self.etp.unwrap_or(self.tp) }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct ConvertArgs {
+    /// HF release directory (config.json, *.safetensors, index).
+    #[arg(long = "from", value_name = "HF_DIR")]
+    pub from: PathBuf,
+    /// Output checkpoint directory.
+    #[arg(long = "to", value_name = "OUT_DIR", required_unless_present = "dry_run")]
+    pub to: Option<PathBuf>,
+    #[command(flatten)]
+    pub mesh: MeshArgs,
+    #[arg(long, value_enum, default_value = "dcp")]
+    pub format: Format,
+    /// Prefix of every model key.
+    #[arg(long, default_value = "model.module.")]
+    pub prefix: String,
+    /// Pad the vocab to a multiple of this times tp (Megatron's --make-vocab-size-divisible-by).
+    #[arg(long, default_value_t = 128)]
+    pub vocab_divisible_by: u64,
+    /// Also write zero-filled fp32 Adam states (exp_avg, exp_avg_sq) sharded like their parameters.
+    #[arg(long)]
+    pub optimizer_state: bool,
+    /// Print the plan and write nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Replace a checkpoint already in OUT_DIR.
+    #[arg(long)]
+    pub overwrite: bool,
+    /// Writer threads (default: number of CPUs, at least 2).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Machine-readable output on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Opens a release and plans it; every planning error is reported at once.
+pub fn plan_release(from: &Path, mesh: Mesh, options: &PlanOptions) -> Result<(Release, Plan)> {
+    let release = Release::open(from).with_context(|| format!("reading release {}", from.display()))?;
+    let config = ModelConfig::from_json(release.config_json())
+        .with_context(|| format!("reading {}", from.join("config.json").display()))?;
+    let sources = release
+        .tensors()
+        .iter()
+        .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
+        .collect();
+    let plan = build_plan(&config, sources, mesh, options).map_err(|errors| {
+        let list = errors.iter().map(|e| format!("  - {e}")).collect::<Vec<_>>().join("\n");
+        anyhow::anyhow!("cannot plan `{}` for mesh {mesh}:\n{list}", config.model_type)
+    })?;
+    let violations = validate(&lower(&plan), config.num_experts, mesh.ep);
+    if !violations.is_empty() {
+        let list = violations.iter().take(20).map(|v| format!("  - {v}")).collect::<Vec<_>>().join("\n");
+        bail!("the plan breaks {} invariant(s); nothing was written:\n{list}", violations.len());
+    }
+    Ok((release, plan))
+}
+
+pub fn run(args: ConvertArgs) -> Result<ExitCode> {
+    let mesh = args.mesh.mesh();
+    let options = PlanOptions {
+        prefix: args.prefix.clone(),
+        vocab_divisible_by: args.vocab_divisible_by,
+        optimizer_state: args.optimizer_state,
+        ..PlanOptions::default()
+    };
+    let (release, plan) = plan_release(&args.from, mesh, &options)?;
+    if args.dry_run {
+        print_plan(&plan, args.json);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let Some(out) = args.to.as_deref() else { bail!("--to is required unless --dry-run") };
+    let exec = ExecuteOptions {
+        format: match args.format {
+            Format::Dcp => OutputFormat::Dcp,
+            Format::DcpSafetensors => OutputFormat::DcpSafetensors,
+        },
+        threads: args.threads.unwrap_or(ExecuteOptions::default().threads),
+        overwrite: args.overwrite,
+        ..ExecuteOptions::default()
+    };
+    let total: u64 = plan.bytes_per_rank().iter().sum();
+    let progress = Arc::new(Progress::default());
+    let started = Instant::now();
+    let report = {
+        let p = progress.clone();
+        let _bar = Bar::start("convert", total, move || p.bytes_written.load(Ordering::Relaxed));
+        write_checkpoint(&plan, &release, out, &exec, &progress)
+            .with_context(|| format!("writing checkpoint to {}", out.display()))?
+    };
+    let secs = started.elapsed().as_secs_f64();
+    let rss = peak_rss().unwrap_or(0);
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "model_type": plan.model_type, "mesh": mesh.to_string(), "world": plan.world(),
+                "files": report.files.len(), "chunks": report.chunks, "tensor_bytes": report.tensor_bytes,
+                "file_bytes": report.file_bytes, "seconds": secs, "peak_rss_bytes": rss,
+                "source_bytes": release.total_bytes(), "unconverted": plan.unconverted,
+            })
+        );
+    } else {
+        println!(
+            "wrote {} ({} chunks, {} files) for {} at {} in {:.2}s ({}/s), peak RSS {}",
+            bytes(report.file_bytes),
+            report.chunks,
+            report.files.len(),
+            mesh,
+            out.display(),
+            secs,
+            bytes((report.tensor_bytes as f64 / secs.max(1e-9)) as u64),
+            bytes(rss)
+        );
+        report_unconverted(&plan);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn report_unconverted(plan: &Plan) {
+    if !plan.unconverted.is_empty() {
+        eprintln!("note: {} release tensor(s) not converted (vision tower):", plan.unconverted.len());
+        for n in plan.unconverted.iter().take(20) {
+            eprintln!("  {n}");
+        }
+        if plan.unconverted.len() > 20 {
+            eprintln!("  … and {} more", plan.unconverted.len() - 20);
+        }
+    }
+}
+
+fn print_plan(plan: &Plan, as_json: bool) {
+    let per_rank = plan.bytes_per_rank();
+    if as_json {
+        let tensors: Vec<_> = plan
+            .tensors
+            .iter()
+            .map(|t| {
+                json!({
+                    "key": t.key, "dtype": t.dtype.to_string(), "shape": t.shape,
+                    "split_from": t.split_from.as_ref().map(|s| &s.0),
+                    "chunks": t.chunks.iter().filter(|c| c.written && c.numel() > 0)
+                        .map(|c| json!({"rank": c.rank, "offsets": c.offsets, "sizes": c.sizes})).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            json!({"model_type": plan.model_type, "mesh": plan.mesh.to_string(), "world": plan.world(),
+                   "bytes_per_rank": per_rank, "tensors": tensors, "unconverted": plan.unconverted})
+        );
+        return;
+    }
+    println!("plan for `{}` on {} ({} ranks)", plan.model_type, plan.mesh, plan.world());
+    println!("{:<90} {:>6} {:>18}  split from", "key", "dtype", "global shape");
+    for t in &plan.tensors {
+        let split = t.split_from.as_ref().map(|s| format!("{} ({}/{})", s.0, s.1 + 1, s.2)).unwrap_or_default();
+        println!("{:<90} {:>6} {:>18}  {split}", t.key, t.dtype.to_string(), format!("{:?}", t.shape));
+    }
+    println!("\nbytes per rank:");
+    for (r, b) in per_rank.iter().enumerate() {
+        println!("  rank {r:>4}: {:>12}  ({} chunks)", bytes(*b), plan.rank_items()[r].len());
+    }
+    println!("total: {} in {} keys", bytes(per_rank.iter().sum()), plan.tensors.len());
+    report_unconverted(plan);
+}
+
+#[derive(Args, Debug)]
+pub struct SynthArgs {
+    /// Architecture (config `model_type`), e.g. qwen3_moe.
+    #[arg(long)]
+    pub arch: String,
+    /// Approximate release size, e.g. 4GB, 512MiB.
+    #[arg(long)]
+    pub size: String,
+    /// Seed of the deterministic data.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Output directory.
+    pub out: PathBuf,
+}
+
+pub fn run_synth(args: SynthArgs) -> Result<ExitCode> {
+    let target = shardline_formats::synth::parse_size(&args.size).with_context(|| format!("--size {}", args.size))?;
+    let started = Instant::now();
+    let report = shardline_formats::synth::synth(&args.arch, target, &args.out, args.seed, &Default::default())
+        .with_context(|| format!("writing synthetic {} release to {}", args.arch, args.out.display()))?;
+    println!(
+        "wrote synthetic {} release ({}) to {} in {:.2}s",
+        args.arch,
+        bytes(report.total_bytes),
+        args.out.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Architecture of the synthetic release.
+    #[arg(long, default_value = "qwen3_moe")]
+    pub arch: String,
+    /// Release sizes to measure (repeatable), e.g. --size 1GB --size 8GB.
+    #[arg(long = "size", default_values_t = vec!["4GB".to_string()])]
+    pub sizes: Vec<String>,
+    #[command(flatten)]
+    pub mesh: MeshArgs,
+    /// Scratch directory (releases are cached there between runs).
+    #[arg(long, default_value = "target/bench")]
+    pub work: PathBuf,
+    /// Timed repetitions of each command; the best is reported.
+    #[arg(long, default_value_t = 2)]
+    pub repeat: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn time_command(cmd: &mut Command) -> Result<(f64, String)> {
+    let started = Instant::now();
+    let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
+    let secs = started.elapsed().as_secs_f64();
+    if !out.status.success() {
+        bail!("{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok((secs, String::from_utf8_lossy(&out.stdout).into_owned()))
+}
+
+pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
+    let exe = std::env::current_exe().context("locating the shardline binary")?;
+    let mesh = args.mesh.mesh();
+    std::fs::create_dir_all(&args.work).with_context(|| format!("creating {}", args.work.display()))?;
+    let mut rows = Vec::new();
+    for size in &args.sizes {
+        let src = args.work.join(format!("{}-{size}", args.arch));
+        if !src.join("model.safetensors.index.json").exists() {
+            eprintln!("generating {} {size} at {} …", args.arch, src.display());
+            time_command(Command::new(&exe).args(["synth", "--arch", &args.arch, "--size", size]).arg(&src))?;
+        }
+        let release = Release::open(&src)?;
+        let input = release.total_bytes();
+        let copy = args.work.join("cp-copy");
+        let out = args.work.join("converted");
+        let (mut best_cp, mut best_cp_sync, mut best_conv) = (f64::MAX, f64::MAX, f64::MAX);
+        let mut rss = 0u64;
+        for _ in 0..args.repeat.max(1) {
+            let _ = std::fs::remove_dir_all(&copy);
+            let (t, _) = time_command(Command::new("cp").arg("-r").arg(&src).arg(&copy))?;
+            best_cp = best_cp.min(t);
+            let _ = std::fs::remove_dir_all(&copy);
+            // The same copy made durable, as convert makes its output durable before committing.
+            let script = format!("cp -r '{}' '{}' && sync '{}'/*", src.display(), copy.display(), copy.display());
+            let (t, _) = time_command(Command::new("sh").arg("-c").arg(script))?;
+            best_cp_sync = best_cp_sync.min(t);
+            let _ = std::fs::remove_dir_all(&copy);
+
+            let _ = std::fs::remove_dir_all(&out);
+            let (t, stdout) = time_command(
+                Command::new(&exe)
+                    .args(["convert", "--json", "--from"])
+                    .arg(&src)
+                    .arg("--to")
+                    .arg(&out)
+                    .args(["--tp", &mesh.tp.to_string(), "--cp", &mesh.cp.to_string()])
+                    .args(["--dp", &mesh.dp.to_string(), "--ep", &mesh.ep.to_string()])
+                    .args(["--etp", &mesh.etp.to_string()]),
+            )?;
+            best_conv = best_conv.min(t);
+            let v: serde_json::Value = serde_json::from_str(stdout.trim()).context("parsing convert --json")?;
+            rss = rss.max(v["peak_rss_bytes"].as_u64().unwrap_or(0));
+            let _ = std::fs::remove_dir_all(&out);
+        }
+        rows.push(json!({
+            "arch": args.arch, "size": size, "input_bytes": input, "mesh": mesh.to_string(),
+            "cp_seconds": best_cp, "cp_sync_seconds": best_cp_sync, "convert_seconds": best_conv,
+            "ratio_to_cp": best_conv / best_cp, "ratio_to_cp_sync": best_conv / best_cp_sync,
+            "convert_gb_per_s": input as f64 / best_conv / 1e9, "peak_rss_bytes": rss,
+        }));
+        if !args.json {
+            println!(
+                "{} {size} ({}) on {mesh}: cp -r {best_cp:.2}s, cp -r + fsync {best_cp_sync:.2}s, convert {best_conv:.2}s \
+                 → {:.2}× cp -r, {:.2}× cp -r + fsync; {:.2} GB/s; peak RSS {}",
+                args.arch,
+                bytes(input),
+                best_conv / best_cp,
+                best_conv / best_cp_sync,
+                input as f64 / best_conv / 1e9,
+                bytes(rss)
+            );
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::Value::Array(rows));
+    }
+    Ok(ExitCode::SUCCESS)
+}

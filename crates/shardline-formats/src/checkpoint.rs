@@ -1,0 +1,233 @@
+//! Reading a written checkpoint back — DCP (`.metadata` + `.distcp`, ours or torch's) or
+//! DCP-sharded safetensors — into one view: keys, global shapes, and where every chunk's bytes are.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File};
+use std::io;
+use std::path::{Path, PathBuf};
+
+use shardline_layout::DType;
+use thiserror::Error;
+
+use crate::dcp_metadata::{decode_metadata, DcpMetadataError, EntryMeta};
+use crate::safetensors::{read_header, SafetensorsError};
+use crate::torch_save::{read_tensor_archive, TorchSaveError};
+
+/// Which layout a checkpoint directory holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CheckpointFormat {
+    Dcp,
+    DcpSafetensors,
+}
+
+/// One stored chunk and where its raw bytes are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredChunk {
+    pub offsets: Vec<u64>,
+    pub sizes: Vec<u64>,
+    /// File name relative to the checkpoint directory.
+    pub file: String,
+    /// Absolute offset of the chunk's first data byte in `file`.
+    pub data_offset: u64,
+    pub data_len: u64,
+}
+
+/// A tensor of a checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredTensor {
+    pub key: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub chunks: Vec<StoredChunk>,
+}
+
+/// A checkpoint directory, read.
+#[derive(Clone, Debug)]
+pub struct Checkpoint {
+    pub dir: PathBuf,
+    pub format: CheckpointFormat,
+    /// Sorted by key.
+    pub tensors: Vec<StoredTensor>,
+    /// Keys of non-tensor (bytes) items.
+    pub bytes_items: Vec<String>,
+}
+
+/// Why a checkpoint cannot be read.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
+    #[error("{path}: {action}: {error}")]
+    Io { path: PathBuf, action: &'static str, error: io::Error },
+    #[error("{0} holds no checkpoint: no `.metadata` and no `*.safetensors` (an interrupted write leaves no `.metadata`)")]
+    NotACheckpoint(PathBuf),
+    #[error("{path}: {source}")]
+    Metadata { path: PathBuf, source: DcpMetadataError },
+    #[error("`{key}` chunk at offsets {offsets:?} in {file} (bytes {offset}..+{length}): {source}")]
+    Item { key: String, offsets: Vec<u64>, file: String, offset: u64, length: u64, source: TorchSaveError },
+    #[error("`{key}` chunk at offsets {offsets:?}: {message}")]
+    Inconsistent { key: String, offsets: Vec<u64>, message: String },
+    #[error("`{key}`: no storage entry for chunk at offsets {offsets:?}")]
+    MissingStorage { key: String, offsets: Vec<u64> },
+    #[error("storage file name `{0}` escapes the checkpoint directory")]
+    PathEscapes(String),
+    #[error(transparent)]
+    Safetensors(#[from] SafetensorsError),
+    #[error("{file}: DCP_SHARDING_INFO: {message}")]
+    ShardingInfo { file: String, message: String },
+}
+
+fn io_err<'a>(path: &'a Path, action: &'static str) -> impl FnOnce(io::Error) -> CheckpointError + 'a {
+    move |error| CheckpointError::Io { path: path.to_path_buf(), action, error }
+}
+
+/// Opens the checkpoint in `dir`, locating every chunk's bytes (the bytes themselves are not read).
+pub fn open_checkpoint(dir: &Path) -> Result<Checkpoint, CheckpointError> {
+    if dir.join(".metadata").is_file() {
+        return open_dcp(dir);
+    }
+    let mut files: Vec<String> = fs::read_dir(dir)
+        .map_err(io_err(dir, "list checkpoint directory"))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".safetensors") && !n.starts_with('.'))
+        .collect();
+    if files.is_empty() {
+        return Err(CheckpointError::NotACheckpoint(dir.to_path_buf()));
+    }
+    files.sort();
+    open_dcp_safetensors(dir, &files)
+}
+
+fn safe_name(name: &str) -> Result<(), CheckpointError> {
+    let p = Path::new(name);
+    if name.is_empty() || p.is_absolute() || p.components().any(|c| !matches!(c, std::path::Component::Normal(_))) {
+        return Err(CheckpointError::PathEscapes(name.to_string()));
+    }
+    Ok(())
+}
+
+fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
+    let md_path = dir.join(".metadata");
+    let bytes = fs::read(&md_path).map_err(io_err(&md_path, "read"))?;
+    let md = decode_metadata(&bytes).map_err(|source| CheckpointError::Metadata { path: md_path.clone(), source })?;
+    let mut storage: BTreeMap<(String, Vec<u64>), (String, u64, u64)> = BTreeMap::new();
+    for (k, info) in &md.storage_data {
+        if let Some(off) = &k.offset {
+            storage.insert((k.fqn.clone(), off.clone()), (info.relative_path.clone(), info.offset, info.length));
+        }
+    }
+    let mut open_files: BTreeMap<String, File> = BTreeMap::new();
+    let mut tensors = Vec::new();
+    let mut bytes_items = Vec::new();
+    for (key, entry) in &md.state_dict_metadata {
+        let EntryMeta::Tensor { dtype, size, chunks } = entry else {
+            bytes_items.push(key.clone());
+            continue;
+        };
+        let mut stored = Vec::with_capacity(chunks.len());
+        for c in chunks {
+            let Some((file, offset, length)) = storage.get(&(key.clone(), c.offsets.clone())) else {
+                return Err(CheckpointError::MissingStorage { key: key.clone(), offsets: c.offsets.clone() });
+            };
+            safe_name(file)?;
+            if !open_files.contains_key(file) {
+                let p = dir.join(file);
+                let f = File::open(&p).map_err(io_err(&p, "open rank file"))?;
+                open_files.insert(file.clone(), f);
+            }
+            let f = &open_files[file];
+            let at = read_tensor_archive(f, *offset, *length).map_err(|source| CheckpointError::Item {
+                key: key.clone(),
+                offsets: c.offsets.clone(),
+                file: file.clone(),
+                offset: *offset,
+                length: *length,
+                source,
+            })?;
+            if at.dtype != *dtype || at.shape != c.sizes {
+                return Err(CheckpointError::Inconsistent {
+                    key: key.clone(),
+                    offsets: c.offsets.clone(),
+                    message: format!(
+                        "item holds {} {:?} but .metadata declares {} {:?}",
+                        at.dtype, at.shape, dtype, c.sizes
+                    ),
+                });
+            }
+            stored.push(StoredChunk {
+                offsets: c.offsets.clone(),
+                sizes: c.sizes.clone(),
+                file: file.clone(),
+                data_offset: offset + at.data_offset_in_item,
+                data_len: at.data_len,
+            });
+        }
+        tensors.push(StoredTensor { key: key.clone(), dtype: *dtype, shape: size.clone(), chunks: stored });
+    }
+    tensors.sort_by(|a, b| a.key.cmp(&b.key));
+    Ok(Checkpoint { dir: dir.to_path_buf(), format: CheckpointFormat::Dcp, tensors, bytes_items })
+}
+
+fn open_dcp_safetensors(dir: &Path, files: &[String]) -> Result<Checkpoint, CheckpointError> {
+    let mut by_key: BTreeMap<String, StoredTensor> = BTreeMap::new();
+    for name in files {
+        let header = read_header(dir.join(name))?;
+        let info: BTreeMap<String, serde_json::Value> = match header.metadata().get("DCP_SHARDING_INFO") {
+            Some(s) => serde_json::from_str(s).map_err(|e| CheckpointError::ShardingInfo {
+                file: name.clone(),
+                message: format!("not a JSON object: {e}"),
+            })?,
+            None => BTreeMap::new(),
+        };
+        for t in header.tensors() {
+            let offsets: Vec<u64> = match info.get(&t.name) {
+                None if info.is_empty() => vec![0; t.shape.len()],
+                None => {
+                    return Err(CheckpointError::ShardingInfo {
+                        file: name.clone(),
+                        message: format!("no entry for `{}`", t.name),
+                    })
+                }
+                Some(v) => v
+                    .get("saved_offsets")
+                    .and_then(|o| o.as_array())
+                    .and_then(|a| a.iter().map(|x| x.as_u64()).collect::<Option<Vec<u64>>>())
+                    .filter(|o| o.len() == t.shape.len())
+                    .ok_or_else(|| CheckpointError::ShardingInfo {
+                        file: name.clone(),
+                        message: format!("`{}`: saved_offsets must list {} non-negative integers", t.name, t.shape.len()),
+                    })?,
+            };
+            let entry = by_key.entry(t.name.clone()).or_insert_with(|| StoredTensor {
+                key: t.name.clone(),
+                dtype: t.dtype,
+                shape: vec![0; t.shape.len()],
+                chunks: Vec::new(),
+            });
+            if entry.dtype != t.dtype || entry.shape.len() != t.shape.len() {
+                return Err(CheckpointError::Inconsistent {
+                    key: t.name.clone(),
+                    offsets,
+                    message: format!("{name} holds {} rank {} but another file {} rank {}", t.dtype, t.shape.len(), entry.dtype, entry.shape.len()),
+                });
+            }
+            // Like torch's reader: the global size is the element-wise max of offset + size.
+            for (g, (o, s)) in entry.shape.iter_mut().zip(offsets.iter().zip(&t.shape)) {
+                *g = (*g).max(o.saturating_add(*s));
+            }
+            entry.chunks.push(StoredChunk {
+                offsets,
+                sizes: t.shape.clone(),
+                file: name.clone(),
+                data_offset: t.file_offset,
+                data_len: t.byte_len,
+            });
+        }
+    }
+    Ok(Checkpoint {
+        dir: dir.to_path_buf(),
+        format: CheckpointFormat::DcpSafetensors,
+        tensors: by_key.into_values().collect(),
+        bytes_items: Vec::new(),
+    })
+}
