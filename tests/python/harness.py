@@ -32,6 +32,7 @@ class Mesh:
     cp: int
     dp: int
     ep: int = 1
+    etp: int | None = None  # expert tensor parallel; None = the converter's default (tp)
 
     @property
     def world(self) -> int:
@@ -39,7 +40,7 @@ class Mesh:
 
     @property
     def id(self) -> str:
-        return f"tp{self.tp}-cp{self.cp}-dp{self.dp}-ep{self.ep}"
+        return f"tp{self.tp}-cp{self.cp}-dp{self.dp}-ep{self.ep}" + ("" if self.etp is None else f"-etp{self.etp}")
 
     def cli_args(self) -> list[str]:
         args = ["--tp", str(self.tp), "--dp", str(self.dp)]
@@ -47,12 +48,19 @@ class Mesh:
             args += ["--cp", str(self.cp)]
         if self.ep != 1:
             args += ["--ep", str(self.ep)]
+        if self.etp is not None:
+            args += ["--etp", str(self.etp)]
         return args
 
 
 # tp1·dp1, tp2·dp4, tp2·cp2·dp2·ep2, tp1·dp8·ep4 (EP only applies to models with experts).
 MESHES = [Mesh(1, 1, 1, 1), Mesh(2, 1, 4, 1), Mesh(2, 2, 2, 2), Mesh(1, 1, 8, 4)]
 MESH_IDS = ["tp1dp1", "tp2dp4", "tp2cp2dp2ep2", "tp1dp8ep4"]
+# Extra meshes for models with experts: expert TP different from TP, both ways.
+EXPERT_MESHES = [Mesh(2, 1, 4, 2, etp=1), Mesh(1, 1, 4, 2, etp=2)]
+EXPERT_MESH_IDS = ["tp2dp4ep2etp1", "tp1dp4ep2etp2"]
+# Megatron fsdp_dtensor optimizer-state key prefix (layouts.md §1.5).
+OPTIMIZER_PREFIX = "optimizer.state.module.module.module."
 
 
 def mesh_for(model: str, mesh: Mesh) -> Mesh:
@@ -124,15 +132,15 @@ class Conversions:
         self.done: dict[tuple, Path] = {}
         self.lock = threading.Lock()
 
-    def get(self, model: str, mesh: Mesh, fmt: str = "dcp", prefix: str | None = None) -> Path:
-        key = (model, mesh, fmt, prefix)
+    def get(self, model: str, mesh: Mesh, fmt: str = "dcp", prefix: str | None = None,
+            extra: tuple[str, ...] = ()) -> Path:
+        key = (model, mesh, fmt, prefix, extra)
         with self.lock:
             if key in self.done:
                 return self.done[key]
-            name = f"{model}-{mesh.id}-{fmt}" + ("" if prefix is None else f"-prefix{len(self.done)}")
-            out = self.base / name
+            out = self.base / f"{model}-{mesh.id}-{fmt}-{len(self.done)}"
             args = ["convert", "--from", str(fixture_dir(model)), "--to", str(out), *mesh.cli_args(),
-                    "--format", fmt]
+                    "--format", fmt, *extra]
             if prefix is not None:
                 args += ["--prefix", prefix]
             proc = run_cli(args)

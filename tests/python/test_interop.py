@@ -5,6 +5,8 @@ For every fixture and mesh: (a) single-process `dcp.load` into full tensors equa
 whose metadata declares exactly the reference keys, shapes and dtypes with exactly tiled chunks;
 (c) N->M resharding into DTensors on 2- and 3-rank gloo groups; (d) the DCP-sharded safetensors
 output loads through HuggingFaceStorageReader; (e) the .metadata loads on torch 2.5.
+Also: vocab padding and tied embeddings (derived fixtures), --prefix, --optimizer-state parity,
+and rejection of meshes Megatron would reject.
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import harness
 import interop_worker
-from harness import FIXTURE_NAMES, MESH_IDS, MESHES, TRAINER_STATE_ROOTS, Mesh, compare_state_dicts, mesh_for
+from harness import (EXPERT_MESH_IDS, EXPERT_MESHES, FIXTURE_NAMES, MESH_IDS, MESHES, OPTIMIZER_PREFIX,
+                     TRAINER_STATE_ROOTS, Mesh, compare_state_dicts, mesh_for)
 
 # The mesh whose outputs feed the reshard, safetensors and old-torch tests: TP, CP, EP and FSDP all > 1.
 RICH = Mesh(2, 2, 2, 2)
 
 CASES = [pytest.param(model, mesh, id=f"{model}-{mid}") for model in FIXTURE_NAMES
          for mesh, mid in zip(MESHES, MESH_IDS)]
+CASES += [pytest.param(model, mesh, id=f"{model}-{mid}") for model in FIXTURE_NAMES if harness.has_experts(model)
+          for mesh, mid in zip(EXPERT_MESHES, EXPERT_MESH_IDS)]
 
 
 def _metadata(path: Path):
@@ -186,6 +191,37 @@ def test_custom_prefix(conversions):
     md = _metadata(path)
     _check_key_set(_tensor_keys(md), set(md.state_dict_metadata) - _tensor_keys(md), want, f"--prefix {prefix}")
     problems = compare_state_dicts(_load_full(path, want), want)
+    assert not problems, "\n".join(problems[:30])
+
+
+def test_optimizer_state_follows_parameters(conversions):
+    """--optimizer-state: fp32 exp_avg / exp_avg_sq per parameter, same global shape and chunks, zero-filled."""
+    model, mesh = "qwen3_next", RICH
+    path = conversions.get(model, mesh, extra=("--optimizer-state",))
+    want = harness.reference(model, mesh.tp)
+    md = _metadata(path)
+    meta = md.state_dict_metadata
+    model_keys = {k for k in _tensor_keys(md) if k.startswith(harness.ref.DEFAULT_PREFIX)}
+    _check_key_set(model_keys, set(), want, f"{model} {mesh.id} --optimizer-state (model part)")
+    expected_opt = {f"{OPTIMIZER_PREFIX}{k.removeprefix(harness.ref.DEFAULT_PREFIX)}.{s}": k
+                    for k in want for s in ("exp_avg", "exp_avg_sq")}
+    opt_keys = _tensor_keys(md) - model_keys
+    assert opt_keys == set(expected_opt), (
+        f"optimizer keys differ: missing {sorted(set(expected_opt) - opt_keys)[:10]}, "
+        f"unexpected {sorted(opt_keys - set(expected_opt))[:10]}")
+    problems = []
+    for okey, pkey in expected_opt.items():
+        o, p = meta[okey], meta[pkey]
+        if o.properties.dtype != torch.float32 or tuple(o.size) != tuple(p.size):
+            problems.append(f"{okey}: {o.properties.dtype} {tuple(o.size)}, param {tuple(p.size)}")
+        boxes = lambda m: sorted((tuple(c.offsets), tuple(c.sizes)) for c in m.chunks)  # noqa: E731
+        if boxes(o) != boxes(p):
+            problems.append(f"{okey}: chunks {boxes(o)[:4]}… differ from its parameter's {boxes(p)[:4]}…")
+        problems += _check_tiling(okey, tuple(o.size), o.chunks)
+    assert not problems, "\n".join(problems[:30])
+    opt_want = {k: torch.zeros(want[p].shape, dtype=torch.float32) for k, p in expected_opt.items()}
+    got = _load_full(path, want | opt_want)
+    problems = compare_state_dicts(got, want | opt_want)
     assert not problems, "\n".join(problems[:30])
 
 
