@@ -265,7 +265,9 @@ pub struct BenchArgs {
     pub json: bool,
 }
 
+/// Times `cmd` after flushing earlier runs' dirty pages, so no run pays for another's writeback.
 fn time_command(cmd: &mut Command) -> Result<(f64, String)> {
+    let _ = Command::new("sync").status();
     let started = Instant::now();
     let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
     let secs = started.elapsed().as_secs_f64();
@@ -282,7 +284,7 @@ pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
     let mut rows = Vec::new();
     for size in &args.sizes {
         let src = args.work.join(format!("{}-{size}", args.arch));
-        if !src.join("model.safetensors.index.json").exists() {
+        if !src.join("config.json").exists() {
             eprintln!("generating {} {size} at {} …", args.arch, src.display());
             time_command(Command::new(&exe).args(["synth", "--arch", &args.arch, "--size", size]).arg(&src))?;
         }
