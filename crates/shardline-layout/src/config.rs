@@ -144,8 +144,9 @@ impl ModelConfig {
         if num_attention_heads == 0 || num_query_groups == 0 || hidden_size == 0 {
             return Err(LayoutError::Config {
                 field: "num_attention_heads".to_string(),
-                message: "hidden_size, num_attention_heads and num_key_value_heads must be positive"
-                    .to_string(),
+                message:
+                    "hidden_size, num_attention_heads and num_key_value_heads must be positive"
+                        .to_string(),
             });
         }
         let head_dim = match get_u64(obj, "head_dim")? {
@@ -217,7 +218,10 @@ mod tests {
     fn unknown_architecture_lists_supported() {
         let err = ModelConfig::from_json(r#"{"model_type":"gpt_bigcode"}"#).unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains("gpt_bigcode") && msg.contains("qwen3_moe"), "{msg}");
+        assert!(
+            msg.contains("gpt_bigcode") && msg.contains("qwen3_moe"),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -237,7 +241,8 @@ mod tests {
 
     #[test]
     fn wrong_type_names_field() {
-        let err = ModelConfig::from_json(r#"{"model_type":"llama","hidden_size":"64"}"#).unwrap_err();
+        let err =
+            ModelConfig::from_json(r#"{"model_type":"llama","hidden_size":"64"}"#).unwrap_err();
         assert!(err.to_string().contains("hidden_size"));
     }
 }

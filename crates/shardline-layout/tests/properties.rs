@@ -4,7 +4,9 @@
 
 use proptest::prelude::*;
 use shardline_layout::recipe::{rows_of, segments};
-use shardline_layout::{build_plan, lower, validate, DType, Mesh, ModelConfig, PlanOptions, Role, SourceTensor};
+use shardline_layout::{
+    build_plan, lower, validate, DType, Mesh, ModelConfig, PlanOptions, Role, SourceTensor,
+};
 
 #[derive(Clone, Debug)]
 struct Case {
@@ -17,7 +19,11 @@ struct Case {
 
 fn t(name: String, shape: &[u64]) -> SourceTensor {
     // f32 so each element can carry a unique id; dtype does not change the layout arithmetic.
-    SourceTensor { name, dtype: DType::F32, shape: shape.to_vec() }
+    SourceTensor {
+        name,
+        dtype: DType::F32,
+        shape: shape.to_vec(),
+    }
 }
 
 prop_compose! {
@@ -138,7 +144,8 @@ proptest! {
     #[test]
     fn plans_tile_exactly_and_place_every_source_element_once(c in case()) {
         let config = ModelConfig::from_json(&c.config).unwrap();
-        let options = PlanOptions { optimizer_state: true, ..PlanOptions::default() };
+      for split_fused in [true, false] {
+        let options = PlanOptions { optimizer_state: true, split_fused, ..PlanOptions::default() };
         let plan = match build_plan(&config, c.sources.clone(), c.mesh, &options) {
             Ok(p) => p,
             Err(e) => return Err(TestCaseError::fail(format!("{} {}: {e:?}", c.family, c.mesh))),
@@ -216,5 +223,6 @@ proptest! {
         // Every source element lands exactly once across all parameter keys.
         let missing: Vec<usize> = (1..next as usize).filter(|i| uses[*i] != 1).take(5).collect();
         prop_assert!(missing.is_empty(), "{} {}: elements used ≠ once: {:?}", c.family, c.mesh, missing);
+      }
     }
 }
