@@ -7,4 +7,5 @@
 pub mod dcp_metadata;
 pub mod pickle;
 pub mod safetensors;
+pub mod synth;
 pub mod torch_save;
