@@ -4,8 +4,11 @@
 //!
 //! Nothing here decides where a byte goes: that is the plan's job (`shardline-layout`).
 
+pub mod checkpoint;
 pub mod dcp_metadata;
+pub mod execute;
 pub mod pickle;
 pub mod safetensors;
 pub mod synth;
 pub mod torch_save;
+pub mod verify;

@@ -181,8 +181,13 @@ impl ModelConfig {
             head_dim,
             vocab_size: need_u64(obj, "vocab_size")?,
             tie_word_embeddings: tie,
-            ffn_hidden_size: get_u64(obj, "intermediate_size")?,
-            moe_ffn_hidden_size: get_u64(obj, "moe_intermediate_size")?,
+            // Mixtral's experts use `intermediate_size`; it has no dense MLP.
+            ffn_hidden_size: if family == Family::Mixtral { None } else { get_u64(obj, "intermediate_size")? },
+            moe_ffn_hidden_size: if family == Family::Mixtral {
+                get_u64(obj, "intermediate_size")?
+            } else {
+                get_u64(obj, "moe_intermediate_size")?
+            },
             shared_expert_ffn_hidden_size: get_u64(obj, "shared_expert_intermediate_size")?,
             num_experts,
             gdn,
