@@ -1,0 +1,549 @@
+//! The types of a pipeline: as written ([`Pipeline`], lint-clean but not yet instantiated) and as
+//! run ([`ResolvedPipeline`], every value concrete and typed).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::template::Template;
+use crate::units::{format_duration, format_size};
+use crate::yaml::Span;
+
+/// The only `apiVersion` this crate reads.
+pub const API_VERSION: &str = "shardline/v1";
+/// The only `kind` this crate reads.
+pub const KIND: &str = "Pipeline";
+
+/// A built-in step kind, named in YAML by its dotted name (`uses: megatron.shard`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum StepKind {
+    /// `hf.download`: a local HF-layout directory (config.json + safetensors [+ index]).
+    #[serde(rename = "hf.download")]
+    HfDownload,
+    /// `megatron.shard`: convert to a sharded checkpoint for a mesh.
+    #[serde(rename = "megatron.shard")]
+    MegatronShard,
+    /// `megatron.split_fused`: split fused parameters of the shard step's output.
+    #[serde(rename = "megatron.split_fused")]
+    MegatronSplitFused,
+    /// `checkpoint.validate`: bit-exact validation against the source release.
+    #[serde(rename = "checkpoint.validate")]
+    CheckpointValidate,
+    /// `store.upload`: copy the checkpoint to a store.
+    #[serde(rename = "store.upload")]
+    StoreUpload,
+}
+
+impl StepKind {
+    /// Every kind, in pipeline order.
+    pub const ALL: [StepKind; 5] = [
+        StepKind::HfDownload,
+        StepKind::MegatronShard,
+        StepKind::MegatronSplitFused,
+        StepKind::CheckpointValidate,
+        StepKind::StoreUpload,
+    ];
+
+    /// The dotted name used in YAML.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StepKind::HfDownload => "hf.download",
+            StepKind::MegatronShard => "megatron.shard",
+            StepKind::MegatronSplitFused => "megatron.split_fused",
+            StepKind::CheckpointValidate => "checkpoint.validate",
+            StepKind::StoreUpload => "store.upload",
+        }
+    }
+
+    pub(crate) fn names() -> Vec<&'static str> {
+        StepKind::ALL.iter().map(|k| k.as_str()).collect()
+    }
+}
+
+impl fmt::Display for StepKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A step kind name that is not one of [`StepKind::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("unknown step kind `{name}` (known: {})", crate::suggest::list(&StepKind::names()))]
+pub struct UnknownStepKind {
+    pub name: String,
+}
+
+impl FromStr for StepKind {
+    type Err = UnknownStepKind;
+    fn from_str(s: &str) -> Result<StepKind, UnknownStepKind> {
+        StepKind::ALL.into_iter().find(|k| k.as_str() == s).ok_or_else(|| UnknownStepKind { name: s.to_string() })
+    }
+}
+
+/// Output format of `megatron.shard`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum OutputFormatName {
+    /// Torch DCP `.distcp` rank files.
+    #[serde(rename = "dcp")]
+    Dcp,
+    /// DCP metadata with safetensors rank files.
+    #[serde(rename = "dcp-safetensors")]
+    DcpSafetensors,
+}
+
+impl OutputFormatName {
+    pub const ALL: [OutputFormatName; 2] = [OutputFormatName::Dcp, OutputFormatName::DcpSafetensors];
+    pub(crate) const NAMES: &'static [&'static str] = &["dcp", "dcp-safetensors"];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OutputFormatName::Dcp => "dcp",
+            OutputFormatName::DcpSafetensors => "dcp-safetensors",
+        }
+    }
+}
+
+impl fmt::Display for OutputFormatName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An output format name that is not `dcp` or `dcp-safetensors`.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("unknown output format `{name}` (known: `dcp`, `dcp-safetensors`)")]
+pub struct UnknownOutputFormat {
+    pub name: String,
+}
+
+impl FromStr for OutputFormatName {
+    type Err = UnknownOutputFormat;
+    fn from_str(s: &str) -> Result<OutputFormatName, UnknownOutputFormat> {
+        OutputFormatName::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| UnknownOutputFormat { name: s.to_string() })
+    }
+}
+
+/// The type of a pipeline param.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ParamType {
+    String,
+    Int,
+    Bool,
+    Path,
+    /// A byte size such as `4GiB`.
+    Size,
+    /// A duration such as `90s` or `2h`.
+    Duration,
+}
+
+impl ParamType {
+    pub const ALL: [ParamType; 6] =
+        [ParamType::String, ParamType::Int, ParamType::Bool, ParamType::Path, ParamType::Size, ParamType::Duration];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ParamType::String => "string",
+            ParamType::Int => "int",
+            ParamType::Bool => "bool",
+            ParamType::Path => "path",
+            ParamType::Size => "size",
+            ParamType::Duration => "duration",
+        }
+    }
+}
+
+impl fmt::Display for ParamType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A param type name that is not one of [`ParamType::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("unknown param type `{name}` (known: `string`, `int`, `bool`, `path`, `size`, `duration`)")]
+pub struct UnknownParamType {
+    pub name: String,
+}
+
+impl FromStr for ParamType {
+    type Err = UnknownParamType;
+    fn from_str(s: &str) -> Result<ParamType, UnknownParamType> {
+        ParamType::ALL.into_iter().find(|t| t.as_str() == s).ok_or_else(|| UnknownParamType { name: s.to_string() })
+    }
+}
+
+/// A typed param value.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum ParamValue {
+    String(String),
+    Int(i64),
+    Bool(bool),
+    Path(PathBuf),
+    /// Bytes.
+    Size(u64),
+    Duration(Duration),
+}
+
+impl ParamValue {
+    pub fn ty(&self) -> ParamType {
+        match self {
+            ParamValue::String(_) => ParamType::String,
+            ParamValue::Int(_) => ParamType::Int,
+            ParamValue::Bool(_) => ParamType::Bool,
+            ParamValue::Path(_) => ParamType::Path,
+            ParamValue::Size(_) => ParamType::Size,
+            ParamValue::Duration(_) => ParamType::Duration,
+        }
+    }
+
+    /// The JSON form stored with a run: strings and paths as strings, ints and bools as such,
+    /// sizes and durations in their canonical spelling (`4GiB`, `90s`).
+    pub fn to_json(&self) -> serde_json::Value {
+        match self {
+            ParamValue::Int(i) => serde_json::Value::from(*i),
+            ParamValue::Bool(b) => serde_json::Value::from(*b),
+            other => serde_json::Value::from(other.to_string()),
+        }
+    }
+}
+
+impl fmt::Display for ParamValue {
+    /// The canonical spelling, which is also what a partial interpolation inserts.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ParamValue::String(s) => f.write_str(s),
+            ParamValue::Int(i) => write!(f, "{i}"),
+            ParamValue::Bool(b) => write!(f, "{b}"),
+            ParamValue::Path(p) => write!(f, "{}", p.display()),
+            ParamValue::Size(n) => f.write_str(&format_size(*n)),
+            ParamValue::Duration(d) => f.write_str(&format_duration(*d)),
+        }
+    }
+}
+
+/// A declared param.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamSpec {
+    pub name: String,
+    pub ty: ParamType,
+    /// `None`: the param must be set with `--set NAME=VALUE`.
+    pub default: Option<ParamValue>,
+    /// The allowed values (`enum:`); empty when any value of the type is allowed.
+    pub choices: Vec<ParamValue>,
+    pub description: Option<String>,
+}
+
+/// A value as written in the spec, before params are substituted.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum SpecValue {
+    Bool(bool),
+    Int(i64),
+    String(String),
+    /// A string with `${{ … }}` interpolations.
+    Template(Template),
+}
+
+/// A step as written. Values are checked against their field's type but may still hold
+/// interpolations; [`Pipeline::instantiate`] makes them concrete.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepSpec {
+    pub id: String,
+    pub kind: StepKind,
+    pub needs: Vec<String>,
+    /// `with` fields as written (absent fields take their defaults at instantiation).
+    pub with: BTreeMap<String, SpecValue>,
+    /// `resources` fields as written: `cpus`, `memory`, `gpus`, `scratch`.
+    pub resources: BTreeMap<String, SpecValue>,
+    /// `retry` fields as written: `attempts`, `backoff`.
+    pub retry: BTreeMap<String, SpecValue>,
+    pub timeout: Option<SpecValue>,
+    pub cache: Option<SpecValue>,
+}
+
+/// A line and column (1-based) in the pipeline file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Location {
+    pub line: usize,
+    pub column: usize,
+}
+
+/// Where each key path (`steps[1].with.tp`) was written: its key and its value.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Locations {
+    pub keys: BTreeMap<String, Span>,
+    pub values: BTreeMap<String, Span>,
+}
+
+impl Locations {
+    /// The value of `path`, else where it would go: the nearest written ancestor's key, else that
+    /// ancestor's value, else the start of the file.
+    pub fn span(&self, path: &str) -> Span {
+        if let Some(s) = self.values.get(path) {
+            return *s;
+        }
+        self.missing(path)
+    }
+
+    /// The key of `path`, else as [`Locations::span`].
+    pub fn key(&self, path: &str) -> Span {
+        self.keys.get(path).copied().unwrap_or_else(|| self.span(path))
+    }
+
+    /// Where a missing `path` would be added.
+    pub fn missing(&self, path: &str) -> Span {
+        let mut p = path;
+        while let Some(parent) = parent(p) {
+            if parent.is_empty() {
+                break;
+            }
+            if let Some(s) = self.keys.get(parent).or_else(|| self.values.get(parent)) {
+                return *s;
+            }
+            p = parent;
+        }
+        // The start of the document.
+        self.values.get("").map(|s| Span::point(s.line, s.col)).unwrap_or(Span::point(1, 1))
+    }
+}
+
+/// `steps[1].with.tp` → `steps[1].with` → `steps[1]` → `steps` → none.
+pub(crate) fn parent(path: &str) -> Option<&str> {
+    if path.is_empty() {
+        return None;
+    }
+    let cut = path.rfind(['.', '[']).unwrap_or(0);
+    Some(&path[..cut])
+}
+
+/// A lint-clean pipeline spec. Obtained from [`crate::lint`]; turned into a runnable
+/// [`ResolvedPipeline`] by [`Pipeline::instantiate`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pipeline {
+    pub name: String,
+    pub description: Option<String>,
+    pub params: Vec<ParamSpec>,
+    pub steps: Vec<StepSpec>,
+    /// The file name diagnostics are reported against.
+    pub file: String,
+    pub(crate) locations: Locations,
+    /// Index in the file's `steps` of each of `steps`.
+    pub(crate) step_index: Vec<usize>,
+}
+
+impl Pipeline {
+    /// Where the value at a key path (`steps[1].with.tp`, `params.tp.default`) was written.
+    pub fn location(&self, path: &str) -> Option<Location> {
+        self.locations.values.get(path).map(|s| Location { line: s.line, column: s.col })
+    }
+
+    pub fn param(&self, name: &str) -> Option<&ParamSpec> {
+        self.params.iter().find(|p| p.name == name)
+    }
+
+    pub fn step(&self, id: &str) -> Option<&StepSpec> {
+        self.steps.iter().find(|s| s.id == id)
+    }
+}
+
+/// Resources a step asks of the worker that leases it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Resources {
+    pub cpus: u32,
+    pub memory_bytes: u64,
+    pub gpus: u32,
+    pub scratch_bytes: u64,
+}
+
+impl Default for Resources {
+    /// `{cpus: 1, memory: 1GiB, gpus: 0, scratch: 0}`
+    fn default() -> Resources {
+        Resources { cpus: 1, memory_bytes: 1 << 30, gpus: 0, scratch_bytes: 0 }
+    }
+}
+
+/// Retry policy: at most `attempts` tries (the first included), waiting an exponential backoff
+/// with jitter whose base is `backoff`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Retry {
+    pub attempts: u32,
+    pub backoff: Duration,
+}
+
+impl Default for Retry {
+    /// `{attempts: 3, backoff: 5s}`
+    fn default() -> Retry {
+        Retry { attempts: 3, backoff: Duration::from_secs(5) }
+    }
+}
+
+/// The concrete, typed configuration of a step.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind")]
+pub enum StepConfig {
+    #[serde(rename = "hf.download")]
+    HfDownload { path: PathBuf },
+    #[serde(rename = "megatron.shard")]
+    MegatronShard {
+        tp: u64,
+        cp: u64,
+        dp: u64,
+        ep: u64,
+        etp: u64,
+        format: OutputFormatName,
+        prefix: String,
+        optimizer_state: bool,
+        vocab_divisible_by: u64,
+        keep: bool,
+    },
+    #[serde(rename = "megatron.split_fused")]
+    MegatronSplitFused { keep: bool },
+    /// Validates against the source of the upstream `hf.download` step
+    /// ([`ResolvedPipeline::source_of`]).
+    #[serde(rename = "checkpoint.validate")]
+    CheckpointValidate {},
+    #[serde(rename = "store.upload")]
+    StoreUpload { to: String },
+}
+
+impl StepConfig {
+    pub fn kind(&self) -> StepKind {
+        match self {
+            StepConfig::HfDownload { .. } => StepKind::HfDownload,
+            StepConfig::MegatronShard { .. } => StepKind::MegatronShard,
+            StepConfig::MegatronSplitFused { .. } => StepKind::MegatronSplitFused,
+            StepConfig::CheckpointValidate {} => StepKind::CheckpointValidate,
+            StepConfig::StoreUpload { .. } => StepKind::StoreUpload,
+        }
+    }
+
+    /// The target mesh of a `megatron.shard` step.
+    pub fn mesh(&self) -> Option<shardline_layout::Mesh> {
+        match *self {
+            StepConfig::MegatronShard { tp, cp, dp, ep, etp, .. } => {
+                Some(shardline_layout::Mesh { tp, cp, dp, ep, etp })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// A step with every value concrete.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ResolvedStep {
+    pub id: String,
+    pub kind: StepKind,
+    pub needs: Vec<String>,
+    pub config: StepConfig,
+    pub resources: Resources,
+    pub retry: Retry,
+    pub timeout: Duration,
+    pub cache: bool,
+}
+
+/// A pipeline instantiated for one run: params substituted, defaults filled, every value typed.
+/// Stored with the run as JSON.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResolvedPipeline {
+    pub name: String,
+    /// sha256 (hex) of the canonical resolved config with `${{ run.id }}` left symbolic: equal
+    /// for two submissions of the same spec with the same params, whatever their run ids.
+    pub spec_hash: String,
+    /// Final value of every param ([`ParamValue::to_json`]).
+    pub params: BTreeMap<String, serde_json::Value>,
+    /// Steps in file order.
+    pub steps: Vec<ResolvedStep>,
+}
+
+impl ResolvedPipeline {
+    pub fn step(&self, id: &str) -> Option<&ResolvedStep> {
+        self.steps.iter().find(|s| s.id == id)
+    }
+
+    /// The steps in an order where every step comes after the steps it needs; among steps that
+    /// are ready at the same time, file order. Deterministic.
+    pub fn topo_order(&self) -> Vec<&ResolvedStep> {
+        let index: BTreeMap<&str, usize> = self.steps.iter().enumerate().map(|(i, s)| (s.id.as_str(), i)).collect();
+        let mut done = vec![false; self.steps.len()];
+        let mut order = Vec::with_capacity(self.steps.len());
+        while order.len() < self.steps.len() {
+            let next = self
+                .steps
+                .iter()
+                .enumerate()
+                .find(|(i, s)| !done[*i] && s.needs.iter().all(|n| index.get(n.as_str()).is_none_or(|&j| done[j])));
+            // A resolved pipeline is acyclic (lint refuses cycles); stop rather than loop if not.
+            let Some((i, s)) = next else { break };
+            done[i] = true;
+            order.push(s);
+        }
+        order
+    }
+
+    /// Every step `id` transitively needs, in topological order.
+    pub fn upstream(&self, id: &str) -> Vec<&ResolvedStep> {
+        let mut seen: Vec<&str> = Vec::new();
+        let mut stack: Vec<&str> =
+            self.step(id).map(|s| s.needs.iter().map(String::as_str).collect()).unwrap_or_default();
+        while let Some(n) = stack.pop() {
+            if !seen.contains(&n) {
+                seen.push(n);
+                if let Some(s) = self.step(n) {
+                    stack.extend(s.needs.iter().map(String::as_str));
+                }
+            }
+        }
+        self.topo_order().into_iter().filter(|s| seen.contains(&s.id.as_str())).collect()
+    }
+
+    /// The source release of a step: the `path` of the `hf.download` step it (transitively)
+    /// needs, or its own for a download step. This is what `checkpoint.validate` compares
+    /// against.
+    pub fn source_of(&self, id: &str) -> Option<&Path> {
+        let own = self.step(id).into_iter();
+        own.chain(self.upstream(id)).find_map(|s| match &s.config {
+            StepConfig::HfDownload { path } => Some(path.as_path()),
+            _ => None,
+        })
+    }
+
+    /// A cache key for one step: sha256 (hex) of its resolved config (run id included, so a
+    /// step that writes under `${{ run.id }}` is never shared between runs) and of the hashes of
+    /// the steps it needs. `None` for an unknown id.
+    pub fn step_hash(&self, id: &str) -> Option<String> {
+        self.step_hashes().remove(id)
+    }
+
+    /// [`ResolvedPipeline::step_hash`] of every step, computed once in topological order.
+    pub fn step_hashes(&self) -> BTreeMap<String, String> {
+        use sha2::{Digest, Sha256};
+        let mut hashes: BTreeMap<String, String> = BTreeMap::new();
+        for step in self.topo_order() {
+            let mut h = Sha256::new();
+            h.update(b"shardline/v1 step\0");
+            let canonical =
+                serde_json::to_vec(&(step.kind, &step.config, step.resources, step.retry, step.timeout, step.cache))
+                    .unwrap_or_default();
+            h.update(&canonical);
+            let mut needs: Vec<&String> = step.needs.iter().collect();
+            needs.sort();
+            needs.dedup();
+            for n in needs {
+                h.update(b"\0need\0");
+                h.update(n.as_bytes());
+                h.update(b"=");
+                h.update(hashes.get(n).map(String::as_str).unwrap_or("").as_bytes());
+            }
+            hashes.insert(step.id.clone(), hex::encode(h.finalize()));
+        }
+        hashes
+    }
+}

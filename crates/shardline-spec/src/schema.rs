@@ -1,0 +1,452 @@
+//! The fields of every step kind, as data: name, type, default. Conversions of written values,
+//! param values and interpolated text into typed values, with the messages for each failure.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::model::{OutputFormatName, ParamType, ParamValue, SpecValue, StepKind};
+use crate::suggest::{did_you_mean, list};
+use crate::units::{format_size, parse_duration, parse_size};
+use crate::yaml::{describe_scalar, quote, Kind, Node, Resolved};
+
+/// The type of a field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FieldType {
+    UInt {
+        min: u64,
+        max: u64,
+    },
+    Bool,
+    Str,
+    Path,
+    Choice(&'static [&'static str]),
+    Size {
+        min: u64,
+    },
+    Duration {
+        positive: bool,
+    },
+    /// `store.upload` target: a `file://` URL or an absolute path.
+    Target,
+}
+
+impl FieldType {
+    pub fn name(self) -> String {
+        match self {
+            FieldType::UInt { .. } => "int".to_string(),
+            FieldType::Bool => "bool".to_string(),
+            FieldType::Str => "string".to_string(),
+            FieldType::Path => "path".to_string(),
+            FieldType::Choice(c) => format!("one of {}", list(c)),
+            FieldType::Size { .. } => "size".to_string(),
+            FieldType::Duration { .. } => "duration".to_string(),
+            FieldType::Target => "`file://` URL or absolute path".to_string(),
+        }
+    }
+
+    /// Whether a whole-value interpolation of a param of type `ty` may fill this field.
+    pub fn accepts_param(self, ty: ParamType) -> bool {
+        match self {
+            FieldType::UInt { .. } => ty == ParamType::Int,
+            FieldType::Bool => ty == ParamType::Bool,
+            FieldType::Str | FieldType::Path | FieldType::Target | FieldType::Choice(_) => {
+                matches!(ty, ParamType::String | ParamType::Path)
+            }
+            FieldType::Size { .. } => ty == ParamType::Size,
+            FieldType::Duration { .. } => ty == ParamType::Duration,
+        }
+    }
+
+    /// Whether the field may mix text and interpolations (`file:///out/${{ run.id }}`).
+    pub fn accepts_text(self) -> bool {
+        matches!(self, FieldType::Str | FieldType::Path | FieldType::Target)
+    }
+}
+
+/// A field's default.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum FieldDefault {
+    Required,
+    UInt(u64),
+    Bool(bool),
+    Str(&'static str),
+    Size(u64),
+    DurationSecs(u64),
+    /// The value of another `with` field of the same step (`etp` defaults to `tp`).
+    SameAs(&'static str),
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Field {
+    pub name: &'static str,
+    pub ty: FieldType,
+    pub default: FieldDefault,
+}
+
+const fn field(name: &'static str, ty: FieldType, default: FieldDefault) -> Field {
+    Field { name, ty, default }
+}
+
+const POSITIVE: FieldType = FieldType::UInt { min: 1, max: 1 << 20 };
+const U32_POSITIVE: FieldType = FieldType::UInt { min: 1, max: u32::MAX as u64 };
+const U32: FieldType = FieldType::UInt { min: 0, max: u32::MAX as u64 };
+
+const HF_DOWNLOAD: &[Field] = &[field("path", FieldType::Path, FieldDefault::Required)];
+
+const MEGATRON_SHARD: &[Field] = &[
+    field("tp", POSITIVE, FieldDefault::Required),
+    field("cp", POSITIVE, FieldDefault::UInt(1)),
+    field("dp", POSITIVE, FieldDefault::Required),
+    field("ep", POSITIVE, FieldDefault::UInt(1)),
+    field("etp", POSITIVE, FieldDefault::SameAs("tp")),
+    field("format", FieldType::Choice(OutputFormatName::NAMES), FieldDefault::Str("dcp")),
+    field("prefix", FieldType::Str, FieldDefault::Str("model.module.")),
+    field("optimizer_state", FieldType::Bool, FieldDefault::Bool(false)),
+    field("vocab_divisible_by", POSITIVE, FieldDefault::UInt(128)),
+    field("keep", FieldType::Bool, FieldDefault::Bool(false)),
+];
+
+const MEGATRON_SPLIT_FUSED: &[Field] = &[field("keep", FieldType::Bool, FieldDefault::Bool(false))];
+
+const CHECKPOINT_VALIDATE: &[Field] = &[];
+
+const STORE_UPLOAD: &[Field] = &[field("to", FieldType::Target, FieldDefault::Required)];
+
+/// The `with` fields of a step kind.
+pub(crate) fn with_fields(kind: StepKind) -> &'static [Field] {
+    match kind {
+        StepKind::HfDownload => HF_DOWNLOAD,
+        StepKind::MegatronShard => MEGATRON_SHARD,
+        StepKind::MegatronSplitFused => MEGATRON_SPLIT_FUSED,
+        StepKind::CheckpointValidate => CHECKPOINT_VALIDATE,
+        StepKind::StoreUpload => STORE_UPLOAD,
+    }
+}
+
+pub(crate) const RESOURCES: &[Field] = &[
+    field("cpus", U32_POSITIVE, FieldDefault::UInt(1)),
+    field("memory", FieldType::Size { min: 1 }, FieldDefault::Size(1 << 30)),
+    field("gpus", U32, FieldDefault::UInt(0)),
+    field("scratch", FieldType::Size { min: 0 }, FieldDefault::Size(0)),
+];
+
+pub(crate) const RETRY: &[Field] = &[
+    field("attempts", U32_POSITIVE, FieldDefault::UInt(3)),
+    field("backoff", FieldType::Duration { positive: false }, FieldDefault::DurationSecs(5)),
+];
+
+pub(crate) const TIMEOUT: Field =
+    field("timeout", FieldType::Duration { positive: true }, FieldDefault::DurationSecs(6 * 3600));
+pub(crate) const CACHE: Field = field("cache", FieldType::Bool, FieldDefault::Bool(true));
+
+/// Keys of a step mapping.
+pub(crate) const STEP_KEYS: &[&str] = &["id", "uses", "needs", "with", "resources", "retry", "timeout", "cache"];
+/// Keys of the top-level mapping.
+pub(crate) const TOP_KEYS: &[&str] = &["apiVersion", "kind", "name", "description", "params", "steps"];
+/// Keys of a param declaration.
+pub(crate) const PARAM_KEYS: &[&str] = &["type", "default", "enum", "description"];
+
+/// A hint for a `with` key a kind does not have.
+pub(crate) fn unknown_with_hint(kind: StepKind, key: &str) -> String {
+    let fields: Vec<&str> = with_fields(kind).iter().map(|f| f.name).collect();
+    if let Some(s) = did_you_mean(key, fields.iter().copied()) {
+        return format!("did you mean `{s}`?");
+    }
+    match (kind, key) {
+        (StepKind::HfDownload, "repo" | "revision" | "allow" | "ignore" | "endpoint") => {
+            "downloads from the Hub are not supported yet: `hf.download` takes the `path` of a local HF-layout \
+             directory"
+                .to_string()
+        }
+        (StepKind::CheckpointValidate, "against") => {
+            "`checkpoint.validate` always compares against the source of the upstream `hf.download` step; \
+             it takes no `with` fields"
+                .to_string()
+        }
+        (StepKind::CheckpointValidate, _) => "`checkpoint.validate` takes no `with` fields".to_string(),
+        _ => format!("`{kind}` takes {}", list(&fields)),
+    }
+}
+
+/// A typed value of a field.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Concrete {
+    UInt(u64),
+    Bool(bool),
+    Str(String),
+    Size(u64),
+    Duration(Duration),
+}
+
+impl Concrete {
+    pub fn from_default(d: FieldDefault) -> Option<Concrete> {
+        Some(match d {
+            FieldDefault::Required | FieldDefault::SameAs(_) => return None,
+            FieldDefault::UInt(n) => Concrete::UInt(n),
+            FieldDefault::Bool(b) => Concrete::Bool(b),
+            FieldDefault::Str(s) => Concrete::Str(s.to_string()),
+            FieldDefault::Size(n) => Concrete::Size(n),
+            FieldDefault::DurationSecs(s) => Concrete::Duration(Duration::from_secs(s)),
+        })
+    }
+}
+
+/// Why a value does not fit its field: a message (without the field name) and a hint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Mismatch {
+    pub code: &'static str,
+    pub message: String,
+    pub hint: Option<String>,
+}
+
+fn mismatch(message: String, hint: Option<String>) -> Mismatch {
+    Mismatch { code: "wrong-type", message, hint }
+}
+
+fn invalid(message: String, hint: Option<String>) -> Mismatch {
+    Mismatch { code: "invalid-value", message, hint }
+}
+
+fn expected(ty: FieldType, found: &str) -> Mismatch {
+    mismatch(format!("expected {}, found {found}", ty.name()), None)
+}
+
+/// Reads a YAML node written for a field into a [`SpecValue`] (nothing else is representable).
+pub(crate) fn spec_value(ty: FieldType, node: &Node) -> Result<SpecValue, Mismatch> {
+    let Kind::Scalar(s) = &node.kind else {
+        return Err(expected(ty, &node.describe()));
+    };
+    match s.resolve() {
+        Resolved::Bool(b) => Ok(SpecValue::Bool(b)),
+        Resolved::Int(i) => Ok(SpecValue::Int(i)),
+        Resolved::Str(t) => Ok(SpecValue::String(t.to_string())),
+        Resolved::Float(f) if matches!(ty, FieldType::UInt { .. }) => {
+            Err(mismatch(format!("expected int, found float {f}"), Some("counts are whole numbers".to_string())))
+        }
+        Resolved::Float(_) if matches!(ty, FieldType::Size { .. }) => Err(mismatch(
+            format!("expected size, found {}", describe_scalar(&s.resolve())),
+            Some("use a whole number and a smaller unit, e.g. `1536MiB` rather than `1.5GiB`".to_string()),
+        )),
+        Resolved::Float(_) if matches!(ty, FieldType::Str | FieldType::Path) => {
+            Err(expected(ty, &describe_scalar(&s.resolve()))
+                .with_hint(format!("quote it to make it a string: `\"{}\"`", s.text)))
+        }
+        Resolved::BigInt if matches!(ty, FieldType::UInt { .. } | FieldType::Size { .. }) => {
+            Err(invalid(format!("`{}` is out of range", s.text), None))
+        }
+        other => Err(expected(ty, &describe_scalar(&other))),
+    }
+}
+
+impl Mismatch {
+    fn with_hint(mut self, hint: String) -> Mismatch {
+        self.hint = Some(hint);
+        self
+    }
+}
+
+/// Converts a literal [`SpecValue`] (no interpolation) into the field's type.
+pub(crate) fn convert_literal(ty: FieldType, v: &SpecValue) -> Result<Concrete, Mismatch> {
+    match (ty, v) {
+        (_, SpecValue::Template(t)) => Err(mismatch(format!("unexpected interpolation `{}`", t.source()), None)),
+        (FieldType::UInt { min, max }, SpecValue::Int(i)) => uint(*i, min, max),
+        (FieldType::UInt { .. }, SpecValue::String(s)) => {
+            let hint = s.trim().parse::<i64>().is_ok().then(|| format!("remove the quotes: `{}`", s.trim()));
+            Err(Mismatch { hint, ..expected(ty, &format!("string {}", quote(s))) })
+        }
+        (FieldType::Bool, SpecValue::Bool(b)) => Ok(Concrete::Bool(*b)),
+        (FieldType::Bool, SpecValue::String(s)) => {
+            let hint = match s.as_str() {
+                "yes" | "no" | "on" | "off" | "y" | "n" | "Yes" | "No" | "On" | "Off" => {
+                    Some("YAML 1.2 booleans are `true` and `false`".to_string())
+                }
+                "true" | "false" => Some(format!("remove the quotes: `{s}`")),
+                _ => None,
+            };
+            Err(Mismatch { hint, ..expected(ty, &format!("string {}", quote(s))) })
+        }
+        (FieldType::Size { .. }, SpecValue::Int(i)) if *i >= 0 => size(u64::try_from(*i).unwrap_or(0), ty),
+        (FieldType::Duration { .. }, SpecValue::Int(i)) => Err(mismatch(
+            format!("expected duration, found int {i}"),
+            Some(format!("add a unit, e.g. `{i}s`, `{i}m` or `{i}h`")),
+        )),
+        (
+            FieldType::Str | FieldType::Path | FieldType::Target | FieldType::Choice(_),
+            SpecValue::Int(_) | SpecValue::Bool(_),
+        ) => {
+            let (found, text) = match v {
+                SpecValue::Int(i) => (format!("int {i}"), i.to_string()),
+                SpecValue::Bool(b) => (format!("bool {b}"), b.to_string()),
+                _ => (String::new(), String::new()),
+            };
+            let hint =
+                (!matches!(ty, FieldType::Choice(_))).then(|| format!("quote it to make it a string: `\"{text}\"`"));
+            Err(Mismatch { hint, ..expected(ty, &found) })
+        }
+        (_, SpecValue::String(s)) => convert_text(ty, s),
+        (_, SpecValue::Int(i)) => Err(expected(ty, &format!("int {i}"))),
+        (_, SpecValue::Bool(b)) => Err(expected(ty, &format!("bool {b}"))),
+    }
+}
+
+fn uint(i: i64, min: u64, max: u64) -> Result<Concrete, Mismatch> {
+    match u64::try_from(i) {
+        Ok(n) if n >= min && n <= max => Ok(Concrete::UInt(n)),
+        Ok(n) if n > max => Err(invalid(format!("must be at most {max}, found {n}"), None)),
+        _ => Err(invalid(format!("must be at least {min}, found {i}"), None)),
+    }
+}
+
+fn size(n: u64, ty: FieldType) -> Result<Concrete, Mismatch> {
+    match ty {
+        FieldType::Size { min } if n < min => {
+            Err(invalid(format!("must be at least {}, found {}", format_size(min), format_size(n)), None))
+        }
+        _ => Ok(Concrete::Size(n)),
+    }
+}
+
+/// Converts text (a literal string, or an interpolation's result) into the field's type.
+pub(crate) fn convert_text(ty: FieldType, s: &str) -> Result<Concrete, Mismatch> {
+    match ty {
+        FieldType::UInt { min, max } => match s.trim().parse::<i64>() {
+            Ok(i) => uint(i, min, max),
+            Err(_) => Err(expected(ty, &format!("string {}", quote(s)))),
+        },
+        FieldType::Bool => match s.trim() {
+            "true" => Ok(Concrete::Bool(true)),
+            "false" => Ok(Concrete::Bool(false)),
+            _ => Err(expected(ty, &format!("string {}", quote(s)))),
+        },
+        FieldType::Str => Ok(Concrete::Str(s.to_string())),
+        FieldType::Path => {
+            if s.trim().is_empty() {
+                Err(invalid("path is empty".to_string(), None))
+            } else {
+                Ok(Concrete::Str(s.to_string()))
+            }
+        }
+        FieldType::Choice(choices) => {
+            if choices.contains(&s) {
+                Ok(Concrete::Str(s.to_string()))
+            } else {
+                let hint = match did_you_mean(s, choices.iter().copied()) {
+                    Some(c) => format!("did you mean `{c}`?"),
+                    None => format!("use one of {}", list(choices)),
+                };
+                Err(invalid(format!("expected one of {}, found {}", list(choices), quote(s)), Some(hint)))
+            }
+        }
+        FieldType::Size { .. } => match parse_size(s) {
+            Ok(n) => size(n, ty),
+            Err(e) => Err(invalid(format!("invalid size {}: {e}", quote(s)), Some(e.hint(true)))),
+        },
+        FieldType::Duration { positive } => match parse_duration(s) {
+            Ok(d) if positive && d.is_zero() => Err(invalid("must be longer than 0s".to_string(), None)),
+            Ok(d) => Ok(Concrete::Duration(d)),
+            Err(e) => Err(invalid(format!("invalid duration {}: {e}", quote(s)), Some(e.hint(false)))),
+        },
+        FieldType::Target => target(s).map(|()| Concrete::Str(s.to_string())),
+    }
+}
+
+fn target(s: &str) -> Result<(), Mismatch> {
+    if let Some(rest) = s.strip_prefix("file://") {
+        return if rest.is_empty() { Err(invalid("`file://` URL has no path".to_string(), None)) } else { Ok(()) };
+    }
+    if s.starts_with('/') {
+        return Ok(());
+    }
+    if let Some((scheme, _)) = s.split_once("://") {
+        return Err(invalid(
+            format!("unsupported upload target scheme `{scheme}`"),
+            Some("only `file://` URLs and absolute paths are supported for now".to_string()),
+        ));
+    }
+    Err(invalid(
+        format!("expected a `file://` URL or an absolute path, found {}", quote(s)),
+        Some(format!("write `file://{s}` for a directory relative to the working directory")),
+    ))
+}
+
+/// Converts a param's value (a whole-value interpolation) into the field's type.
+pub(crate) fn convert_param(ty: FieldType, v: &ParamValue) -> Result<Concrete, Mismatch> {
+    match (ty, v) {
+        (FieldType::UInt { min, max }, ParamValue::Int(i)) => uint(*i, min, max),
+        (FieldType::Bool, ParamValue::Bool(b)) => Ok(Concrete::Bool(*b)),
+        (FieldType::Size { .. }, ParamValue::Size(n)) => size(*n, ty),
+        (FieldType::Duration { positive }, ParamValue::Duration(d)) => {
+            if positive && d.is_zero() {
+                Err(invalid("must be longer than 0s".to_string(), None))
+            } else {
+                Ok(Concrete::Duration(*d))
+            }
+        }
+        (_, ParamValue::String(_) | ParamValue::Path(_)) if ty.accepts_param(v.ty()) => {
+            convert_text(ty, &v.to_string())
+        }
+        _ => Err(mismatch(format!("expected {}, found {} param", ty.name(), v.ty()), None)),
+    }
+}
+
+/// Reads a param value (a default or an `enum` entry) from YAML.
+pub(crate) fn param_from_node(ty: ParamType, node: &Node) -> Result<ParamValue, Mismatch> {
+    let Kind::Scalar(s) = &node.kind else {
+        return Err(mismatch(format!("expected {ty}, found {}", node.describe()), None));
+    };
+    let r = s.resolve();
+    match (ty, &r) {
+        (ParamType::Int, Resolved::Int(i)) => Ok(ParamValue::Int(*i)),
+        (ParamType::Bool, Resolved::Bool(b)) => Ok(ParamValue::Bool(*b)),
+        (ParamType::Size, Resolved::Int(i)) if *i >= 0 => Ok(ParamValue::Size(u64::try_from(*i).unwrap_or(0))),
+        (ParamType::Duration, Resolved::Int(i)) => {
+            Err(mismatch(format!("expected duration, found int {i}"), Some(format!("add a unit, e.g. `{i}s`"))))
+        }
+        (ParamType::String | ParamType::Path | ParamType::Size | ParamType::Duration, Resolved::Str(t)) => {
+            param_from_text(ty, t)
+        }
+        (ParamType::String | ParamType::Path, Resolved::Int(_) | Resolved::Bool(_) | Resolved::Float(_)) => {
+            Err(mismatch(
+                format!("expected {ty}, found {}", describe_scalar(&r)),
+                Some(format!("quote it to make it a string: `\"{}\"`", s.text)),
+            ))
+        }
+        (ParamType::Bool, Resolved::Str(t @ ("true" | "false"))) => Err(mismatch(
+            format!("expected bool, found string {}", quote(t)),
+            Some(format!("remove the quotes: `{t}`")),
+        )),
+        (ParamType::Int, Resolved::Str(t)) if t.trim().parse::<i64>().is_ok() => Err(mismatch(
+            format!("expected int, found string {}", quote(t)),
+            Some(format!("remove the quotes: `{}`", t.trim())),
+        )),
+        _ => Err(mismatch(format!("expected {ty}, found {}", describe_scalar(&r)), None)),
+    }
+}
+
+/// Reads a param value from text (`--set NAME=TEXT`, or a YAML string).
+pub(crate) fn param_from_text(ty: ParamType, t: &str) -> Result<ParamValue, Mismatch> {
+    match ty {
+        ParamType::String => Ok(ParamValue::String(t.to_string())),
+        ParamType::Path if t.trim().is_empty() => Err(invalid("path is empty".to_string(), None)),
+        ParamType::Path => Ok(ParamValue::Path(PathBuf::from(t))),
+        ParamType::Int => t
+            .trim()
+            .parse::<i64>()
+            .map(ParamValue::Int)
+            .map_err(|_| mismatch(format!("expected int, found {}", quote(t)), None)),
+        ParamType::Bool => match t.trim() {
+            "true" => Ok(ParamValue::Bool(true)),
+            "false" => Ok(ParamValue::Bool(false)),
+            _ => Err(mismatch(
+                format!("expected bool, found {}", quote(t)),
+                Some("booleans are `true` and `false`".to_string()),
+            )),
+        },
+        ParamType::Size => parse_size(t)
+            .map(ParamValue::Size)
+            .map_err(|e| invalid(format!("invalid size {}: {e}", quote(t)), Some(e.hint(true)))),
+        ParamType::Duration => parse_duration(t)
+            .map(ParamValue::Duration)
+            .map_err(|e| invalid(format!("invalid duration {}: {e}", quote(t)), Some(e.hint(false)))),
+    }
+}

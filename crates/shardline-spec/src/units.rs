@@ -1,0 +1,214 @@
+//! Sizes (`4GiB`) and durations (`90s`, `1h30m`): parsing with precise errors, and the canonical
+//! spelling used when a value is printed, interpolated or hashed.
+
+use std::time::Duration;
+
+use thiserror::Error;
+
+/// Why a size or a duration does not parse. The message says what was expected.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum UnitError {
+    #[error("empty value")]
+    Empty,
+    #[error("`{0}` has no number")]
+    NoNumber(String),
+    #[error("`{0}` is not a whole number")]
+    Fractional(String),
+    #[error("`{text}` has no unit")]
+    NoUnit { text: String },
+    #[error("unknown unit `{unit}` in `{text}`")]
+    UnknownUnit { text: String, unit: String },
+    #[error("`{0}` is too large")]
+    Overflow(String),
+}
+
+impl UnitError {
+    /// A hint on how to write the value, for a size (`size = true`) or a duration.
+    pub fn hint(&self, size: bool) -> String {
+        match self {
+            UnitError::UnknownUnit { unit, .. } if size => {
+                let upper = unit.to_ascii_uppercase();
+                let binary = match upper.trim_end_matches(['I', 'B']) {
+                    "K" => Some("KiB"),
+                    "M" => Some("MiB"),
+                    "G" => Some("GiB"),
+                    "T" => Some("TiB"),
+                    "P" => Some("PiB"),
+                    _ => None,
+                };
+                match binary {
+                    Some(b) => format!(
+                        "write `{b}` (powers of 1024) or `{}B` (powers of 1000); units are case-sensitive",
+                        &b[..1]
+                    ),
+                    None => SIZE_FORMS.to_string(),
+                }
+            }
+            UnitError::Fractional(_) if size => "use a smaller unit, e.g. `1536MiB` rather than `1.5GiB`".to_string(),
+            UnitError::Fractional(_) => "use a smaller unit, e.g. `90m` rather than `1.5h`".to_string(),
+            UnitError::NoUnit { .. } if !size => "add a unit: `ms`, `s`, `m`, `h` or `d`, e.g. `90s`".to_string(),
+            _ if size => SIZE_FORMS.to_string(),
+            _ => DURATION_FORMS.to_string(),
+        }
+    }
+}
+
+const SIZE_FORMS: &str = "sizes are a whole number and a unit: `B`, `KiB`, `MiB`, `GiB`, `TiB`, `PiB` \
+                          (or `KB`…`PB` for powers of 1000), e.g. `4GiB`";
+const DURATION_FORMS: &str =
+    "durations are whole numbers with units `ms`, `s`, `m`, `h`, `d`, e.g. `90s`, `2h`, `1h30m`";
+
+const SIZE_UNITS: &[(&str, u64)] = &[
+    ("B", 1),
+    ("KiB", 1 << 10),
+    ("MiB", 1 << 20),
+    ("GiB", 1 << 30),
+    ("TiB", 1 << 40),
+    ("PiB", 1 << 50),
+    ("KB", 1_000),
+    ("MB", 1_000_000),
+    ("GB", 1_000_000_000),
+    ("TB", 1_000_000_000_000),
+    ("PB", 1_000_000_000_000_000),
+];
+
+const DURATION_UNITS: &[(&str, u64)] = &[("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1_000), ("ms", 1)];
+
+/// Splits `12.5GiB` into ("12.5", "GiB"), allowing one space between them.
+fn split_number(text: &str) -> (&str, &str) {
+    let end = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
+    let (num, rest) = text.split_at(end);
+    (num, rest.strip_prefix(' ').unwrap_or(rest))
+}
+
+/// Parses a size: `4GiB`, `512MiB`, `10GB`, `1024B`, or a bare byte count `0`.
+pub fn parse_size(text: &str) -> Result<u64, UnitError> {
+    let t = text.trim();
+    if t.is_empty() {
+        return Err(UnitError::Empty);
+    }
+    let (num, unit) = split_number(t);
+    if num.is_empty() {
+        return Err(UnitError::NoNumber(t.to_string()));
+    }
+    if num.contains('.') {
+        return Err(UnitError::Fractional(t.to_string()));
+    }
+    let n: u64 = num.parse().map_err(|_| UnitError::Overflow(t.to_string()))?;
+    let factor = if unit.is_empty() {
+        1
+    } else {
+        SIZE_UNITS
+            .iter()
+            .find(|(u, _)| *u == unit)
+            .map(|(_, f)| *f)
+            .ok_or_else(|| UnitError::UnknownUnit { text: t.to_string(), unit: unit.to_string() })?
+    };
+    n.checked_mul(factor).ok_or_else(|| UnitError::Overflow(t.to_string()))
+}
+
+/// The canonical spelling of a size: the largest binary unit that divides it (`4GiB`), else bytes.
+#[allow(clippy::manual_is_multiple_of)] // `is_multiple_of` is newer than the workspace's rust-version
+pub fn format_size(bytes: u64) -> String {
+    for (unit, factor) in SIZE_UNITS[1..6].iter().rev() {
+        if bytes != 0 && bytes % factor == 0 {
+            return format!("{}{unit}", bytes / factor);
+        }
+    }
+    format!("{bytes}B")
+}
+
+/// Parses a duration: one or more whole numbers with units `ms`, `s`, `m`, `h`, `d`
+/// (`90s`, `2h`, `1h30m`, `500ms`).
+pub fn parse_duration(text: &str) -> Result<Duration, UnitError> {
+    let t = text.trim();
+    if t.is_empty() {
+        return Err(UnitError::Empty);
+    }
+    let mut rest = t;
+    let mut total_ms: u64 = 0;
+    while !rest.is_empty() {
+        let end = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(rest.len());
+        let num = &rest[..end];
+        if num.is_empty() {
+            return Err(UnitError::NoNumber(t.to_string()));
+        }
+        if num.contains('.') {
+            return Err(UnitError::Fractional(t.to_string()));
+        }
+        let after = rest[end..].strip_prefix(' ').unwrap_or(&rest[end..]);
+        let unit_len = after.find(|c: char| c.is_ascii_digit() || c == ' ').unwrap_or(after.len());
+        let unit = &after[..unit_len];
+        if unit.is_empty() {
+            return Err(UnitError::NoUnit { text: t.to_string() });
+        }
+        let factor = DURATION_UNITS
+            .iter()
+            .find(|(u, _)| *u == unit)
+            .map(|(_, f)| *f)
+            .ok_or_else(|| UnitError::UnknownUnit { text: t.to_string(), unit: unit.to_string() })?;
+        let n: u64 = num.parse().map_err(|_| UnitError::Overflow(t.to_string()))?;
+        total_ms = n
+            .checked_mul(factor)
+            .and_then(|ms| total_ms.checked_add(ms))
+            .ok_or_else(|| UnitError::Overflow(t.to_string()))?;
+        rest = after[unit_len..].trim_start();
+    }
+    Ok(Duration::from_millis(total_ms))
+}
+
+/// The canonical spelling of a duration: the largest unit that divides it (`90s`, `2h`, `1500ms`).
+#[allow(clippy::manual_is_multiple_of)]
+pub fn format_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    for (unit, factor) in DURATION_UNITS {
+        let f = u128::from(*factor);
+        if ms != 0 && ms % f == 0 {
+            return format!("{}{unit}", ms / f);
+        }
+    }
+    "0s".to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4GiB"), Ok(4 << 30));
+        assert_eq!(parse_size("4 GiB"), Ok(4 << 30));
+        assert_eq!(parse_size("10GB"), Ok(10_000_000_000));
+        assert_eq!(parse_size("0"), Ok(0));
+        assert_eq!(parse_size("123B"), Ok(123));
+        assert!(matches!(parse_size("4G"), Err(UnitError::UnknownUnit { .. })));
+        assert!(parse_size("4G").unwrap_err().hint(true).contains("`GiB`"));
+        assert!(parse_size("4gib").unwrap_err().hint(true).contains("`GiB`"));
+        assert!(matches!(parse_size("1.5GiB"), Err(UnitError::Fractional(_))));
+        assert!(matches!(parse_size("lots"), Err(UnitError::NoNumber(_))));
+        assert!(matches!(parse_size("99999999PiB"), Err(UnitError::Overflow(_))));
+        assert_eq!(format_size(4 << 30), "4GiB");
+        assert_eq!(format_size(1536 << 20), "1536MiB");
+        assert_eq!(format_size(0), "0B");
+        assert_eq!(format_size(1000), "1000B");
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));
+        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("1h 30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("0s"), Ok(Duration::ZERO));
+        assert!(matches!(parse_duration("10"), Err(UnitError::NoUnit { .. })));
+        assert!(matches!(parse_duration("2 hours"), Err(UnitError::UnknownUnit { .. })));
+        assert!(matches!(parse_duration("1.5h"), Err(UnitError::Fractional(_))));
+        assert_eq!(format_duration(Duration::from_secs(5400)), "90m");
+        assert_eq!(format_duration(Duration::from_secs(90)), "90s");
+        assert_eq!(format_duration(Duration::from_millis(1500)), "1500ms");
+        assert_eq!(format_duration(Duration::ZERO), "0s");
+        assert_eq!(format_duration(Duration::from_secs(86_400)), "1d");
+    }
+}

@@ -1,0 +1,28 @@
+//! The spec crate is pure: it is given text and returns data. Its manifest names no I/O, async,
+//! database or network crate, and its sources touch no file system, process, thread or socket.
+
+#[test]
+fn spec_crate_does_no_io() {
+    let manifest = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")).unwrap();
+    let allowed =
+        ["shardline-layout", "serde", "serde_json", "thiserror", "sha2", "hex", "saphyr-parser", "proptest", "insta"];
+    let mut in_deps = false;
+    for line in manifest.lines() {
+        let line = line.trim();
+        if line.starts_with('[') {
+            in_deps = line.contains("dependencies");
+            continue;
+        }
+        if in_deps && !line.is_empty() && !line.starts_with('#') {
+            let name = line.split(['=', '.']).next().unwrap().trim();
+            assert!(allowed.contains(&name), "shardline-spec must stay pure, but depends on `{name}`");
+        }
+    }
+    for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/src")).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        for banned in ["std::fs", "std::net", "std::process", "std::thread", "std::env", "tokio", "File::", "sqlx"] {
+            assert!(!text.contains(banned), "{} uses `{banned}`", path.display());
+        }
+    }
+}
