@@ -1,0 +1,733 @@
+//! Workers and leases: claim, heartbeat, complete, reap — every change after a claim is
+//! guarded by the lease's fencing token.
+
+use std::time::Duration;
+
+use rand::Rng;
+use serde_json::{json, Value};
+
+use crate::db::{args, sql, Conn};
+use crate::error::{Result, StoreError};
+use crate::records::{task_cols, TaskRecord};
+use crate::runs::{fail_run, notify, run_event, task_events};
+use crate::types::*;
+use crate::Store;
+
+/// No retry waits longer than this, whatever the backoff and attempt.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(6 * 3600);
+/// `reap_expired` handles at most this many expired leases per call.
+pub const REAP_BATCH: u64 = 1000;
+
+/// Key of the transaction-scoped advisory lock that lets one reaper at a time work (PostgreSQL).
+const REAPER_LOCK: i64 = 0x5348_4152_4450_0001;
+
+impl Store {
+    /// Registers a worker; its id goes with every claim.
+    pub async fn register_worker(&self, w: WorkerInfo) -> Result<WorkerId, StoreError> {
+        let resources = serde_json::to_value(w.resources()).unwrap_or(Value::Null);
+        let gpus = json!(w.gpus);
+        self.retrying("register_worker", || async {
+            let mut c = self.pool().acquire().await?;
+            let (id,): (i64,) = c
+                .conn()
+                .one(
+                    sql!("INSERT INTO workers (name, resources, gpus) VALUES ($1, $2, $3) RETURNING id"),
+                    args![&w.name, &resources, &gpus],
+                )
+                .await?;
+            Ok(WorkerId(id))
+        })
+        .await
+    }
+
+    /// Records that the worker is alive (and active again if it was stopped).
+    pub async fn worker_heartbeat(&self, w: WorkerId) -> Result<(), StoreError> {
+        self.retrying("worker_heartbeat", || async {
+            let mut c = self.pool().acquire().await?;
+            let n = c
+                .conn()
+                .exec(sql!("UPDATE workers SET last_heartbeat = {now}, state = 'active' WHERE id = $1"), args![w.0])
+                .await?;
+            if n == 0 {
+                return Err(StoreError::WorkerNotFound(w));
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    /// Marks a worker stopped (it claims nothing more until its next `worker_heartbeat`).
+    /// Leases it still holds run out and are reaped as usual.
+    pub async fn stop_worker(&self, w: WorkerId) -> Result<(), StoreError> {
+        self.retrying("stop_worker", || async {
+            let mut c = self.pool().acquire().await?;
+            let n = c.conn().exec(sql!("UPDATE workers SET state = 'stopped' WHERE id = $1"), args![w.0]).await?;
+            if n == 0 {
+                return Err(StoreError::WorkerNotFound(w));
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    /// Deletes a worker's row. Its attempts (with the worker's name) and its tasks' logs stay;
+    /// leases it still holds run out and are reaped as usual. Returns false if it did not exist.
+    pub async fn remove_worker(&self, w: WorkerId) -> Result<bool, StoreError> {
+        self.retrying("remove_worker", || async {
+            let mut c = self.pool().acquire().await?;
+            let n = c.conn().exec(sql!("DELETE FROM workers WHERE id = $1"), args![w.0]).await?;
+            Ok(n > 0)
+        })
+        .await
+    }
+
+    /// Leases the first ready task (by priority, then readiness time, then id) that fits into
+    /// `free`, for `ttl` (or the task's timeout, if shorter). One short transaction; concurrent
+    /// claimers skip each other's candidate rows instead of waiting. `None`: nothing fits now
+    /// (then [`Store::wait_for_work`]).
+    pub async fn claim(&self, w: WorkerId, free: &Resources, ttl: Duration) -> Result<Option<Lease>, StoreError> {
+        self.mark_seen();
+        let memory = i64::try_from(free.memory).unwrap_or(i64::MAX);
+        let scratch = i64::try_from(free.scratch).unwrap_or(i64::MAX);
+        let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX).max(1);
+        let a = args![w.0, i64::from(free.cpus), memory, i64::from(free.gpus), scratch, ttl_ms];
+        self.retrying("claim", || async {
+            let mut tx = self.pool().begin().await?;
+            let mut c = tx.conn();
+            let row: Option<TaskRecord> = match c {
+                Conn::Pg(_) => {
+                    c.opt(
+                        sql!(concat!(
+                            "WITH c AS ( \
+                                 SELECT id FROM tasks \
+                                 WHERE state = 'ready' AND ready_at <= now() \
+                                   AND cpus <= $2 AND memory <= $3 AND gpus <= $4 AND scratch <= $5 \
+                                 ORDER BY priority DESC, ready_at, id LIMIT 1 FOR UPDATE SKIP LOCKED), \
+                             w AS (SELECT name FROM workers WHERE id = $1), \
+                             u AS ( \
+                                 UPDATE tasks t SET state = 'leased', attempt = t.attempt + 1, \
+                                     lease_owner = $1, lease_token = t.lease_token + 1, leased_at = now(), \
+                                     heartbeat_at = now(), progress = NULL, updated_at = now(), \
+                                     lease_expires_at = now() + {ms:CASE WHEN t.timeout_ms > 0 AND t.timeout_ms < $6 \
+                                         THEN t.timeout_ms ELSE $6 END} \
+                                 FROM c, w WHERE t.id = c.id RETURNING t.*), \
+                             a AS ( \
+                                 INSERT INTO attempts (task_id, token, attempt, run_id, worker_id, worker_name, started_at) \
+                                 SELECT u.id, u.lease_token, u.attempt, u.run_id, $1, w.name, now() FROM u, w), \
+                             e AS ( \
+                                 INSERT INTO events (run_id, task_id, state, attempt) \
+                                 SELECT run_id, id, 'leased', attempt FROM u), \
+                             r AS ( \
+                                 UPDATE runs SET state = 'running', started_at = now(), updated_at = now() \
+                                 WHERE id = (SELECT run_id FROM u) AND state = 'queued' RETURNING id), \
+                             re AS (INSERT INTO events (run_id, state) SELECT id, 'running' FROM r) \
+                             SELECT ",
+                            task_cols!(),
+                            " FROM u"
+                        )),
+                        a.clone(),
+                    )
+                    .await?
+                }
+                Conn::Lite(_) => {
+                    let worker: Option<(String,)> =
+                        c.opt(sql!("SELECT name FROM workers WHERE id = $1"), args![w.0]).await?;
+                    let Some((worker_name,)) = worker else {
+                        return Err(StoreError::WorkerNotFound(w));
+                    };
+                    let row: Option<TaskRecord> = c
+                        .opt(
+                            sql!(concat!(
+                                "UPDATE tasks SET state = 'leased', attempt = attempt + 1, lease_owner = $1, \
+                                     lease_token = lease_token + 1, leased_at = {now}, heartbeat_at = {now}, \
+                                     progress = NULL, updated_at = {now}, \
+                                     lease_expires_at = {now} + CASE WHEN timeout_ms > 0 AND timeout_ms < $6 \
+                                         THEN timeout_ms ELSE $6 END \
+                                 WHERE id = ( \
+                                     SELECT id FROM tasks \
+                                     WHERE state = 'ready' AND ready_at <= {now} \
+                                       AND cpus <= $2 AND memory <= $3 AND gpus <= $4 AND scratch <= $5 \
+                                     ORDER BY priority DESC, ready_at, id LIMIT 1) \
+                                 RETURNING ",
+                                task_cols!()
+                            )),
+                            a.clone(),
+                        )
+                        .await?;
+                    if let Some(t) = &row {
+                        let (id, run_id, token, attempt) = t.lease_ids();
+                        c.exec(
+                            sql!(
+                                "INSERT INTO attempts (task_id, token, attempt, run_id, worker_id, worker_name, started_at) \
+                                 VALUES ($1, $2, $3, $4, $5, $6, {now})"
+                            ),
+                            args![id, token, attempt, run_id, w.0, worker_name],
+                        )
+                        .await?;
+                        c.exec(
+                            sql!("INSERT INTO events (run_id, task_id, state, attempt) VALUES ($1, $2, 'leased', $3)"),
+                            args![run_id, id, attempt],
+                        )
+                        .await?;
+                        let started: Option<(i64,)> = c
+                            .opt(
+                                sql!(
+                                    "UPDATE runs SET state = 'running', started_at = {now}, updated_at = {now} \
+                                     WHERE id = $1 AND state = 'queued' RETURNING id"
+                                ),
+                                args![run_id],
+                            )
+                            .await?;
+                        if started.is_some() {
+                            run_event(&mut c, run_id, RunState::Running, None).await?;
+                        }
+                    }
+                    row
+                }
+            };
+            let Some(row) = row else {
+                // Nothing fits, or no such worker: tell the two apart.
+                if let Conn::Pg(_) = c {
+                    let worker: Option<(i64,)> = c.opt(sql!("SELECT id FROM workers WHERE id = $1"), args![w.0]).await?;
+                    if worker.is_none() {
+                        return Err(StoreError::WorkerNotFound(w));
+                    }
+                }
+                tx.commit().await?;
+                return Ok(None);
+            };
+            tx.commit().await?;
+            let task = row.into_row()?;
+            let token = task.lease_token;
+            let expires_at = task.lease_expires_at.ok_or_else(|| StoreError::Corrupt {
+                table: "tasks",
+                detail: format!("task {} was leased without an expiry", task.id),
+            })?;
+            Ok(Some(Lease {
+                task,
+                worker: w,
+                token,
+                expires_at,
+            }))
+        })
+        .await
+    }
+
+    /// Extends the lease to `ttl` from now (never past the task's timeout) and stores
+    /// `progress` if given. `false`: the lease is lost (a newer lease exists, the task was
+    /// cancelled or reaped, or the timeout passed): the worker must stop the task.
+    pub async fn heartbeat(&self, lease: &Lease, ttl: Duration, progress: Option<Value>) -> Result<bool, StoreError> {
+        let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX).max(1);
+        self.retrying("heartbeat", || async {
+            let mut c = self.pool().acquire().await?;
+            let n = c
+                .conn()
+                .exec(
+                    sql!(
+                        "UPDATE tasks SET \
+                             lease_expires_at = CASE \
+                                 WHEN timeout_ms > 0 AND leased_at + {ms:timeout_ms} < {now} + {ms:$3} \
+                                 THEN leased_at + {ms:timeout_ms} ELSE {now} + {ms:$3} END, \
+                             heartbeat_at = {now}, progress = COALESCE($4, progress), updated_at = {now} \
+                         WHERE id = $1 AND lease_token = $2 AND state = 'leased' \
+                           AND (timeout_ms = 0 OR leased_at + {ms:timeout_ms} > {now})"
+                    ),
+                    args![lease.task.id.0, lease.token, ttl_ms, progress.clone()],
+                )
+                .await?;
+            Ok(n == 1)
+        })
+        .await
+    }
+
+    /// Records how the leased task ended, if `lease` is still the task's current lease.
+    ///
+    /// Success: the task's dependents whose needs have all succeeded become ready in the same
+    /// transaction, and the run succeeds once every task has. Failure with attempts left (and
+    /// `retryable`): the task is ready again after `backoff · 2^(n-1)` ± 20 %; otherwise it
+    /// fails, the run fails with the reason, and the run's other unfinished tasks are cancelled.
+    ///
+    /// `false`: refused, the lease is stale (reaped and re-leased, cancelled, …): discard the
+    /// work. Calling again with the same lease and outcome after a lost connection is safe: it
+    /// returns `true` if the first call committed.
+    pub async fn complete(&self, lease: &Lease, outcome: Outcome) -> Result<bool, StoreError> {
+        let (accepted, ready) = self.retrying("complete", || self.complete_once(lease, &outcome)).await?;
+        if ready {
+            self.wake_local();
+        }
+        Ok(accepted)
+    }
+
+    async fn complete_once(&self, lease: &Lease, outcome: &Outcome) -> Result<(bool, bool)> {
+        let task = lease.task.id.0;
+        let token = lease.token;
+        match outcome {
+            Outcome::Succeeded { output } => {
+                let mut tx = self.pool().begin().await?;
+                let mut c = tx.conn();
+                let done: Option<(i64, i64)> = match c {
+                    Conn::Pg(_) => {
+                        c.opt(
+                            sql!(
+                                "WITH u AS ( \
+                                     UPDATE tasks SET state = 'succeeded', output = $3, error = NULL, \
+                                         finished_at = now(), lease_expires_at = NULL, updated_at = now() \
+                                     WHERE id = $1 AND lease_token = $2 AND state = 'leased' \
+                                     RETURNING id, run_id, attempt), \
+                                 a AS ( \
+                                     UPDATE attempts SET ended_at = now(), outcome = 'succeeded' \
+                                     WHERE task_id = $1 AND token = $2 AND EXISTS (SELECT 1 FROM u)), \
+                                 e AS ( \
+                                     INSERT INTO events (run_id, task_id, state, attempt) \
+                                     SELECT run_id, id, 'succeeded', attempt FROM u), \
+                                 l AS ( \
+                                     SELECT t.id FROM tasks t JOIN task_deps d ON d.task_id = t.id \
+                                     WHERE d.needs_id = $1 AND t.state = 'blocked' AND EXISTS (SELECT 1 FROM u) \
+                                     ORDER BY t.id FOR UPDATE OF t) \
+                                 SELECT u.run_id, (SELECT count(*) FROM l) AS dependents FROM u"
+                            ),
+                            args![task, token, output],
+                        )
+                        .await?
+                    }
+                    Conn::Lite(_) => {
+                        let row: Option<(i64, i64)> = c
+                            .opt(
+                                sql!(
+                                    "UPDATE tasks SET state = 'succeeded', output = $3, error = NULL, \
+                                         finished_at = {now}, lease_expires_at = NULL, updated_at = {now} \
+                                     WHERE id = $1 AND lease_token = $2 AND state = 'leased' \
+                                     RETURNING run_id, attempt"
+                                ),
+                                args![task, token, output],
+                            )
+                            .await?;
+                        match row {
+                            Some((run_id, attempt)) => {
+                                c.exec(
+                                    sql!(
+                                        "UPDATE attempts SET ended_at = {now}, outcome = 'succeeded' \
+                                         WHERE task_id = $1 AND token = $2"
+                                    ),
+                                    args![task, token],
+                                )
+                                .await?;
+                                c.exec(
+                                    sql!(
+                                        "INSERT INTO events (run_id, task_id, state, attempt) \
+                                         VALUES ($1, $2, 'succeeded', $3)"
+                                    ),
+                                    args![run_id, task, attempt],
+                                )
+                                .await?;
+                                let (dependents,): (i64,) = c
+                                    .one(
+                                        sql!(
+                                            "SELECT count(*) FROM task_deps d JOIN tasks t ON t.id = d.task_id \
+                                             WHERE d.needs_id = $1 AND t.state = 'blocked'"
+                                        ),
+                                        args![task],
+                                    )
+                                    .await?;
+                                Some((run_id, dependents))
+                            }
+                            None => None,
+                        }
+                    }
+                };
+                let Some((run_id, dependents)) = done else {
+                    drop(c);
+                    tx.rollback().await?;
+                    return Ok((self.already_completed(lease, AttemptOutcome::Succeeded).await?, false));
+                };
+                let mut ready = false;
+                if dependents > 0 {
+                    // A fresh statement (and snapshot) after the dependents are locked: a
+                    // concurrent completion of another of their needs has committed by now.
+                    let promoted: Vec<(i64,)> = c
+                        .all(
+                            sql!(
+                                "UPDATE tasks SET state = 'ready', ready_at = {now}, updated_at = {now} \
+                                 WHERE state = 'blocked' AND id IN (SELECT task_id FROM task_deps WHERE needs_id = $1) \
+                                 AND NOT EXISTS ( \
+                                     SELECT 1 FROM task_deps d JOIN tasks n ON n.id = d.needs_id \
+                                     WHERE d.task_id = tasks.id AND n.state <> 'succeeded') \
+                                 RETURNING id"
+                            ),
+                            args![task],
+                        )
+                        .await?;
+                    if !promoted.is_empty() {
+                        let ids = json!(promoted.iter().map(|(id,)| *id).collect::<Vec<_>>());
+                        task_events(&mut c, &ids, None).await?;
+                        notify(&mut c).await?;
+                        ready = true;
+                    }
+                }
+                if let Conn::Lite(_) = c {
+                    finish_run_if_done(&mut c, run_id).await?;
+                    drop(c);
+                    tx.commit().await?;
+                } else {
+                    drop(c);
+                    tx.commit().await?;
+                    // After our commit: of two last tasks completing at once, the one that
+                    // commits second sees both succeeded here. A crash in between is caught by
+                    // the reaper's sweep.
+                    let mut conn = self.pool().acquire().await?;
+                    finish_run_if_done(&mut conn.conn(), run_id).await?;
+                }
+                Ok((true, ready))
+            }
+            Outcome::Failed { error, retryable } => {
+                let error = clean(error);
+                let mut tx = self.pool().begin().await?;
+                let mut c = tx.conn();
+                let Some(info) = lease_info(&mut c, task).await? else {
+                    return Err(StoreError::TaskNotFound(lease.task.id));
+                };
+                lock_run(&mut c, info.run_id).await?;
+                let handled =
+                    fail_attempt(&mut c, &info, token, AttemptOutcome::Failed, &error, *retryable, false).await?;
+                drop(c);
+                match handled {
+                    Some(ready) => {
+                        tx.commit().await?;
+                        Ok((true, ready))
+                    }
+                    None => {
+                        tx.rollback().await?;
+                        Ok((self.already_completed(lease, AttemptOutcome::Failed).await?, false))
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether this lease's attempt already ended with `outcome` (a retried `complete`).
+    async fn already_completed(&self, lease: &Lease, outcome: AttemptOutcome) -> Result<bool> {
+        let mut c = self.pool().acquire().await?;
+        let row: Option<(Option<String>,)> = c
+            .conn()
+            .opt(
+                sql!("SELECT outcome FROM attempts WHERE task_id = $1 AND token = $2"),
+                args![lease.task.id.0, lease.token],
+            )
+            .await?;
+        Ok(matches!(row, Some((Some(o),)) if o == outcome.as_str()))
+    }
+
+    /// Turns leases that ran out (or whose task ran past its timeout) into retries — ready
+    /// after the backoff — or, with no attempts left, into failures ("lease expired after 3
+    /// attempts (last owner gpu-7)") that fail the run. Also finishes runs whose tasks have all
+    /// succeeded (a completion that crashed before doing so). Returns the number of expired
+    /// leases handled (at most [`REAP_BATCH`]). Safe to run from several servers at once: on
+    /// PostgreSQL one of them works at a time (advisory lock), each lease is handled once.
+    pub async fn reap_expired(&self) -> Result<u64, StoreError> {
+        let mut reaped = 0;
+        let mut ready = false;
+        while reaped < REAP_BATCH {
+            match self.retrying("reap_expired", || self.reap_one()).await? {
+                Reap::Done => break,
+                Reap::Skipped => {}
+                Reap::Reaped { ready: r } => {
+                    reaped += 1;
+                    ready |= r;
+                }
+            }
+        }
+        self.retrying("reap_expired", || async {
+            let mut tx = self.pool().begin().await?;
+            let mut c = tx.conn();
+            let done: Vec<(i64,)> = c
+                .all(
+                    sql!(
+                        "SELECT r.id FROM runs r WHERE r.state IN ('queued', 'running') \
+                         AND EXISTS (SELECT 1 FROM tasks t WHERE t.run_id = r.id) \
+                         AND NOT EXISTS (SELECT 1 FROM tasks t WHERE t.run_id = r.id AND t.state <> 'succeeded') \
+                         ORDER BY r.id LIMIT 1000"
+                    ),
+                    args![],
+                )
+                .await?;
+            for (run,) in done {
+                finish_run_if_done(&mut c, run).await?;
+            }
+            drop(c);
+            tx.commit().await?;
+            Ok(())
+        })
+        .await?;
+        if ready {
+            self.wake_local();
+        }
+        Ok(reaped)
+    }
+
+    async fn reap_one(&self) -> Result<Reap> {
+        let mut tx = self.pool().begin().await?;
+        let mut c = tx.conn();
+        if let Conn::Pg(_) = c {
+            let (leader,): (bool,) = c.one(sql!("SELECT pg_try_advisory_xact_lock($1)"), args![REAPER_LOCK]).await?;
+            if !leader {
+                return Ok(Reap::Done);
+            }
+        }
+        let cand: Option<ExpiredRecord> = c
+            .opt(
+                sql!(
+                    "SELECT t.id, CAST(CASE WHEN t.timeout_ms > 0 AND t.leased_at + {ms:t.timeout_ms} <= {now} \
+                         THEN 1 ELSE 0 END AS BIGINT) AS timed_out, \
+                         COALESCE((SELECT a.worker_name FROM attempts a \
+                             WHERE a.task_id = t.id AND a.token = t.lease_token), '?') AS owner \
+                     FROM tasks t WHERE t.state = 'leased' AND t.lease_expires_at < {now} \
+                     ORDER BY t.lease_expires_at, t.id LIMIT 1"
+                ),
+                args![],
+            )
+            .await?;
+        let Some(cand) = cand else {
+            drop(c);
+            tx.commit().await?;
+            return Ok(Reap::Done);
+        };
+        let Some(info) = lease_info(&mut c, cand.id).await? else {
+            drop(c);
+            tx.commit().await?;
+            return Ok(Reap::Skipped);
+        };
+        lock_run(&mut c, info.run_id).await?;
+        let made = info.attempt - info.attempt_base;
+        let (outcome, error) = if cand.timed_out != 0 {
+            (
+                AttemptOutcome::TimedOut,
+                format!(
+                    "timed out after {} (attempt {made}, owner {})",
+                    human(Duration::from_millis(u64::try_from(info.timeout_ms).unwrap_or(0))),
+                    cand.owner
+                ),
+            )
+        } else if made >= info.max_attempts {
+            (
+                AttemptOutcome::Expired,
+                format!(
+                    "lease expired after {made} attempt{} (last owner {})",
+                    if made == 1 { "" } else { "s" },
+                    cand.owner
+                ),
+            )
+        } else {
+            (AttemptOutcome::Expired, format!("lease expired (attempt {made}, owner {})", cand.owner))
+        };
+        let handled = fail_attempt(&mut c, &info, info.lease_token, outcome, &error, true, true).await?;
+        drop(c);
+        tx.commit().await?;
+        Ok(match handled {
+            Some(ready) => Reap::Reaped { ready },
+            None => Reap::Skipped,
+        })
+    }
+}
+
+enum Reap {
+    Done,
+    Skipped,
+    Reaped { ready: bool },
+}
+
+#[derive(sqlx::FromRow)]
+struct ExpiredRecord {
+    id: i64,
+    timed_out: i64,
+    owner: String,
+}
+
+#[derive(sqlx::FromRow)]
+struct LeaseInfo {
+    id: i64,
+    run_id: i64,
+    name: String,
+    attempt: i64,
+    attempt_base: i64,
+    max_attempts: i64,
+    backoff_ms: i64,
+    timeout_ms: i64,
+    lease_token: i64,
+}
+
+async fn lease_info(c: &mut Conn<'_>, task: i64) -> Result<Option<LeaseInfo>> {
+    Ok(c.opt(
+        sql!(
+            "SELECT id, run_id, name, attempt, attempt_base, max_attempts, backoff_ms, timeout_ms, \
+                 lease_token FROM tasks WHERE id = $1"
+        ),
+        args![task],
+    )
+    .await?)
+}
+
+/// Locks a run's row: run-wide changes (failing it, cancelling its tasks) come after it.
+async fn lock_run(c: &mut Conn<'_>, run: i64) -> Result<()> {
+    let _: Option<(i64,)> = c.opt(sql!("SELECT id FROM runs WHERE id = $1 {for_update}"), args![run]).await?;
+    Ok(())
+}
+
+/// Ends the attempt `token` of a leased task with a failure: ready again after a backoff when
+/// `retryable` and attempts are left, else failed along with its run. `only_expired` guards
+/// against a heartbeat that extended the lease since the reaper looked. `None`: the lease was
+/// not current (nothing changed); `Some(ready_now)` otherwise.
+async fn fail_attempt(
+    c: &mut Conn<'_>,
+    info: &LeaseInfo,
+    token: i64,
+    outcome: AttemptOutcome,
+    error: &str,
+    retryable: bool,
+    only_expired: bool,
+) -> Result<Option<bool>> {
+    let made = info.attempt - info.attempt_base;
+    let guard = i64::from(only_expired);
+    let retry = retryable && made < info.max_attempts;
+    if retry {
+        let delay = retry_delay(info.backoff_ms, made);
+        let n = c
+            .exec(
+                sql!(
+                    "UPDATE tasks SET state = 'ready', ready_at = {now} + {ms:$3}, error = $4, \
+                         lease_expires_at = NULL, updated_at = {now} \
+                     WHERE id = $1 AND lease_token = $2 AND state = 'leased' \
+                       AND ($5 = 0 OR lease_expires_at < {now})"
+                ),
+                args![info.id, token, delay, error, guard],
+            )
+            .await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        end_attempt(c, info.id, token, outcome, error).await?;
+        let message =
+            format!("retry in {} after: {error}", human(Duration::from_millis(u64::try_from(delay).unwrap_or(0))));
+        task_events(c, &json!([info.id]), Some(&message)).await?;
+        if delay == 0 {
+            notify(c).await?;
+        }
+        Ok(Some(delay == 0))
+    } else {
+        let n = c
+            .exec(
+                sql!(
+                    "UPDATE tasks SET state = 'failed', error = $3, finished_at = {now}, \
+                         lease_expires_at = NULL, updated_at = {now} \
+                     WHERE id = $1 AND lease_token = $2 AND state = 'leased' \
+                       AND ($4 = 0 OR lease_expires_at < {now})"
+                ),
+                args![info.id, token, error, guard],
+            )
+            .await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        end_attempt(c, info.id, token, outcome, error).await?;
+        task_events(c, &json!([info.id]), Some(error)).await?;
+        let reason = if outcome == AttemptOutcome::Failed {
+            format!("task `{}` failed after {made} attempt{}: {error}", info.name, if made == 1 { "" } else { "s" })
+        } else {
+            format!("task `{}` failed: {error}", info.name)
+        };
+        fail_run(c, info.run_id, &reason).await?;
+        Ok(Some(false))
+    }
+}
+
+async fn end_attempt(c: &mut Conn<'_>, task: i64, token: i64, outcome: AttemptOutcome, error: &str) -> Result<()> {
+    c.exec(
+        sql!("UPDATE attempts SET ended_at = {now}, outcome = $3, error = $4 WHERE task_id = $1 AND token = $2"),
+        args![task, token, outcome.as_str(), error],
+    )
+    .await?;
+    Ok(())
+}
+
+/// Marks a live run succeeded if it has tasks and all of them succeeded.
+async fn finish_run_if_done(c: &mut Conn<'_>, run: i64) -> Result<()> {
+    let done: Option<(i64,)> = c
+        .opt(
+            sql!(
+                "UPDATE runs SET state = 'succeeded', finished_at = {now}, updated_at = {now} \
+                 WHERE id = $1 AND state IN ('queued', 'running') \
+                 AND NOT EXISTS (SELECT 1 FROM tasks WHERE run_id = $1 AND state <> 'succeeded') \
+                 RETURNING id"
+            ),
+            args![run],
+        )
+        .await?;
+    if done.is_some() {
+        run_event(c, run, RunState::Succeeded, None).await?;
+    }
+    Ok(())
+}
+
+/// The delay before retry number `made` (1 after the first failed attempt):
+/// `backoff · 2^(made-1)`, ± 20 % jitter, at most [`MAX_BACKOFF`]; in milliseconds.
+pub(crate) fn retry_delay(backoff_ms: i64, made: i64) -> i64 {
+    if backoff_ms <= 0 {
+        return 0;
+    }
+    let cap = i64::try_from(MAX_BACKOFF.as_millis()).unwrap_or(i64::MAX);
+    let exp = u32::try_from((made - 1).clamp(0, 40)).unwrap_or(40);
+    let base = backoff_ms.saturating_mul(1i64.checked_shl(exp).unwrap_or(i64::MAX)).min(cap);
+    let jitter: f64 = rand::rng().random_range(0.8..=1.2);
+    // Both factors are bounded, so the product fits; the cast saturates anyway.
+    ((base as f64 * jitter) as i64).clamp(0, cap)
+}
+
+/// Errors are stored as text: no NUL bytes (PostgreSQL refuses them), at most 64 KiB.
+pub(crate) fn clean(s: &str) -> String {
+    const MAX: usize = 64 * 1024;
+    let mut out: String = s.replace('\0', "\u{FFFD}");
+    if out.len() > MAX {
+        let mut cut = MAX;
+        while !out.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        out.truncate(cut);
+        out.push_str(" … (truncated)");
+    }
+    out
+}
+
+/// `1.5s`, `2m 5s`, `3h 0m`.
+pub(crate) fn human(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1000 {
+        format!("{ms}ms")
+    } else if ms < 60_000 {
+        format!("{:.1}s", d.as_secs_f64())
+    } else if ms < 3_600_000 {
+        format!("{}m {}s", ms / 60_000, (ms / 1000) % 60)
+    } else {
+        format!("{}h {}m", ms / 3_600_000, (ms / 60_000) % 60)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_with_jitter_and_caps() {
+        for made in 1..=4 {
+            let d = retry_delay(1000, made);
+            let base = 1000 * (1 << (made - 1));
+            assert!(d >= base * 8 / 10 && d <= base * 12 / 10, "attempt {made}: {d}");
+        }
+        assert_eq!(retry_delay(0, 3), 0);
+        assert!(retry_delay(i64::MAX, 60) <= MAX_BACKOFF.as_millis() as i64);
+    }
+
+    #[test]
+    fn errors_are_cleaned() {
+        assert_eq!(clean("a\0b"), "a\u{FFFD}b");
+        assert!(clean(&"é".repeat(100_000)).ends_with("(truncated)"));
+    }
+}

@@ -1,0 +1,421 @@
+/*!
+The job store of the Shardline orchestrator: pipelines, runs, the tasks of a run and their
+dependencies, leases of tasks to workers, attempts, logs, events and the step cache — on
+PostgreSQL (shared deployments) or SQLite (the embedded default), behind one API.
+
+# Leasing
+
+A worker asks for work with the resources it has free; [`Store::claim`] hands it at most one
+`ready` task that fits, as a [`Lease`] with a fencing token. From then on every call about that
+task carries the lease, and the store accepts it only while the token is the task's current
+one:
+
+- [`Store::heartbeat`] extends the lease (returns `false` once it is lost: stop working);
+- [`Store::complete`] records the outcome (returns `false` for a stale token: discard the work);
+- [`Store::reap_expired`] turns leases nobody extended into retries (with backoff) or failures
+  ("lease expired after 3 attempts (last owner gpu-7)"), so a dead worker never leaves a task or a
+  run "running" for ever.
+
+Every call is one short transaction; nothing holds a transaction or a row lock while a task
+runs. On PostgreSQL the claim is one statement (`FOR UPDATE SKIP LOCKED`, resource filter in the
+`WHERE`), readiness is announced with `NOTIFY` and [`Store::wait_for_work`] listens on a
+dedicated connection with a jittered poll as fallback. On SQLite writers are serialized
+(`BEGIN IMMEDIATE`) and wake-ups are in-process.
+
+# Example
+
+```no_run
+# async fn demo() -> Result<(), shardline_store::StoreError> {
+use std::time::Duration;
+use shardline_store::*;
+
+let store = Store::connect("sqlite::memory:").await?;
+let pipeline = store.upsert_pipeline("convert", "steps: …", "sha256:…").await?;
+let (run, _created) = store
+    .create_run(NewRun { pipeline_id: pipeline, dedupe_key: None, params: serde_json::json!({}), spec: serde_json::json!({}) })
+    .await?;
+store
+    .add_tasks(run, vec![NewTask { name: "download".into(), step_id: "download".into(), kind: "hf.download".into(), ..NewTask::default() }])
+    .await?;
+
+let worker = store
+    .register_worker(WorkerInfo { name: "cpu-1".into(), cpus: 8, memory: 32 << 30, gpus: vec![], scratch: 1 << 40 })
+    .await?;
+let free = Resources { cpus: 8, memory: 32 << 30, gpus: 0, scratch: 1 << 40 };
+if let Some(lease) = store.claim(worker, &free, Duration::from_secs(60)).await? {
+    // … run the task, calling store.heartbeat(&lease, ttl, progress) every ttl/3 …
+    store.complete(&lease, Outcome::Succeeded { output: serde_json::json!({}) }).await?;
+}
+# Ok(()) }
+```
+*/
+
+mod db;
+mod error;
+mod lease;
+mod read;
+mod records;
+mod runs;
+mod types;
+
+use std::future::Future;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rand::Rng;
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::PgPool;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+pub use error::StoreError;
+pub use lease::{MAX_BACKOFF, REAP_BATCH};
+pub use read::{MAX_LOG_LINE, MAX_PAGE};
+pub use types::*;
+
+use db::Pool;
+use error::Result;
+
+/// The PostgreSQL schema that holds every table of the store.
+pub const PG_SCHEMA: &str = "shardline";
+/// The `NOTIFY` channel that announces tasks becoming ready.
+pub const PG_CHANNEL: &str = "shardline_work";
+/// The embedded default: a SQLite file under `./.shardline/`.
+pub const DEFAULT_SQLITE_URL: &str = "sqlite://.shardline/shardline.db";
+
+static PG_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/postgres");
+static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/sqlite");
+
+/// How [`Store::connect_with`] sizes its pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreOptions {
+    /// Pooled connections (PostgreSQL's `LISTEN` connection comes on top). By default 10 on
+    /// PostgreSQL, 4 on a SQLite file and 1 for an in-memory SQLite database (which lives as
+    /// long as that connection).
+    pub max_connections: Option<u32>,
+    /// How long a call waits for a pooled connection before failing with a transient error.
+    /// By default 30 s.
+    pub acquire_timeout: Duration,
+}
+
+impl Default for StoreOptions {
+    fn default() -> StoreOptions {
+        StoreOptions { max_connections: None, acquire_timeout: Duration::from_secs(30) }
+    }
+}
+
+/// The job store. Cheap to clone: clones share the pool and the wake-up listener.
+pub struct Store {
+    inner: Arc<Inner>,
+    /// The wake-up generation this handle last looked at (see [`Store::wait_for_work`]).
+    seen: AtomicU64,
+}
+
+impl Clone for Store {
+    fn clone(&self) -> Store {
+        Store { inner: Arc::clone(&self.inner), seen: AtomicU64::new(self.inner.wake.generation()) }
+    }
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").field("backend", &self.backend()).finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    pool: Pool,
+    /// PostgreSQL: how to open the dedicated `LISTEN` connection (outside the pool).
+    listen_options: Option<PgConnectOptions>,
+    wake: Arc<Wake>,
+    listener: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Ok(mut slot) = self.listener.lock() {
+            if let Some(handle) = slot.take() {
+                handle.abort();
+            }
+        }
+    }
+}
+
+/// Wake-ups for idle workers: a generation counter bumped on every notification, so a waiter
+/// can tell that something happened since it last looked, and a `Notify` to wake it.
+#[derive(Default)]
+struct Wake {
+    generation: AtomicU64,
+    notify: Notify,
+    listener_connects: AtomicU64,
+}
+
+impl Wake {
+    fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    fn bump(&self) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        self.notify.notify_waiters();
+    }
+}
+
+impl Store {
+    /// Connects to `postgres://…`/`postgresql://…`, `sqlite://PATH` (created with its parent
+    /// directory when missing) or `sqlite::memory:`, and applies the embedded migrations.
+    pub async fn connect(url: &str) -> Result<Store, StoreError> {
+        Store::connect_with(url, StoreOptions::default()).await
+    }
+
+    /// [`Store::connect`] with pool options.
+    pub async fn connect_with(url: &str, options: StoreOptions) -> Result<Store, StoreError> {
+        let (pool, listen_options) = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let (pool, opts) = connect_pg(url, &options).await?;
+            (Pool::Pg(pool), Some(opts))
+        } else if url.starts_with("sqlite:") {
+            (Pool::Lite(connect_sqlite(url, &options).await?), None)
+        } else {
+            return Err(StoreError::UnsupportedUrl(redact(url)));
+        };
+        let inner = Inner { pool, listen_options, wake: Arc::new(Wake::default()), listener: Mutex::new(None) };
+        Ok(Store { inner: Arc::new(inner), seen: AtomicU64::new(0) })
+    }
+
+    /// Which database this store talks to.
+    pub fn backend(&self) -> Backend {
+        self.inner.pool.backend()
+    }
+
+    /// Closes the pool (and stops the listener): later calls fail.
+    pub async fn close(&self) {
+        if let Ok(mut slot) = self.inner.listener.lock() {
+            if let Some(handle) = slot.take() {
+                handle.abort();
+            }
+        }
+        self.inner.pool.close().await;
+    }
+
+    /// Waits until tasks may have become ready, or about `timeout` (jittered down by up to a
+    /// quarter, so idle pollers do not fall into step). Returns at once when a wake-up came since
+    /// this handle's last `claim`, so a notification racing a fruitless claim is not lost.
+    ///
+    /// PostgreSQL: `LISTEN` on a dedicated connection, opened on first use and reopened with
+    /// backoff whenever it drops (every reconnect counts as a wake-up, since notifications sent
+    /// meanwhile are lost). SQLite: wake-ups from this process only; other processes sharing
+    /// the file are seen by polling.
+    pub async fn wait_for_work(&self, timeout: Duration) {
+        if let Some(opts) = &self.inner.listen_options {
+            self.ensure_listener(opts);
+        }
+        let wake = &self.inner.wake;
+        let notified = wake.notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let now = wake.generation();
+        if now != self.seen.load(Ordering::Acquire) {
+            self.seen.store(now, Ordering::Release);
+            return;
+        }
+        let jitter = rand::rng().random_range(0.75..=1.0);
+        tokio::select! {
+            () = &mut notified => {}
+            () = tokio::time::sleep(timeout.mul_f64(jitter)) => {}
+        }
+        self.seen.store(wake.generation(), Ordering::Release);
+    }
+
+    /// How many times the PostgreSQL `LISTEN` connection was (re)established (0 on SQLite or
+    /// before the first `wait_for_work`).
+    pub fn listener_connects(&self) -> u64 {
+        self.inner.wake.listener_connects.load(Ordering::Acquire)
+    }
+
+    fn ensure_listener(&self, opts: &PgConnectOptions) {
+        let Ok(mut slot) = self.inner.listener.lock() else {
+            return;
+        };
+        if slot.as_ref().is_some_and(|h| !h.is_finished()) {
+            return;
+        }
+        // Its own one-connection pool: the listener never takes a connection from the store's.
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_lazy_with(opts.clone());
+        let wake = Arc::clone(&self.inner.wake);
+        *slot = Some(tokio::spawn(listen(pool, wake)));
+    }
+
+    pub(crate) fn pool(&self) -> &Pool {
+        &self.inner.pool
+    }
+
+    /// Records the wake-up generation at the start of a claim (see `wait_for_work`).
+    pub(crate) fn mark_seen(&self) {
+        self.seen.store(self.inner.wake.generation(), Ordering::Release);
+    }
+
+    /// Wakes this process's waiters (PostgreSQL waiters elsewhere get the `NOTIFY`).
+    pub(crate) fn wake_local(&self) {
+        self.inner.wake.bump();
+    }
+
+    /// Runs `f` again (a few times, with jittered sleeps) when the database rolled it back to
+    /// resolve a deadlock or serialization conflict; names the operation in errors.
+    pub(crate) async fn retrying<T, F, Fut>(&self, op: &'static str, mut f: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T>>,
+    {
+        let mut tries = 0u32;
+        loop {
+            match f().await {
+                Err(e) if e.is_rollback_conflict() && tries < 8 => {
+                    tries += 1;
+                    tracing::debug!(op, tries, error = %e, "retrying after a rolled-back conflict");
+                    let ms = rand::rng().random_range(2..=20u64) * u64::from(tries);
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
+                other => return other.map_err(|e| e.op(op)),
+            }
+        }
+    }
+}
+
+async fn listen(pool: PgPool, wake: Arc<Wake>) {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        match PgListener::connect_with(&pool).await {
+            Ok(mut listener) => match listener.listen(PG_CHANNEL).await {
+                Ok(()) => {
+                    backoff = Duration::from_millis(50);
+                    wake.listener_connects.fetch_add(1, Ordering::AcqRel);
+                    // Whatever was sent while we were not listening is lost: let waiters poll.
+                    wake.bump();
+                    loop {
+                        match listener.try_recv().await {
+                            Ok(Some(_)) => wake.bump(),
+                            Ok(None) => {
+                                tracing::debug!("LISTEN connection lost; reopening");
+                                break;
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, "LISTEN connection failed; reopening");
+                                break;
+                            }
+                        }
+                    }
+                    wake.bump();
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot LISTEN on {PG_CHANNEL}"),
+            },
+            Err(e) => tracing::debug!(error = %e, "cannot open the LISTEN connection"),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+async fn connect_pg(url: &str, options: &StoreOptions) -> Result<(PgPool, PgConnectOptions)> {
+    let connect_err = |source| StoreError::Connect { backend: Backend::Postgres, url: redact(url), source };
+    let opts = PgConnectOptions::from_str(url).map_err(connect_err)?.options([
+        ("search_path", PG_SCHEMA),
+        // A leaked transaction would hold back vacuum and event publication: end it.
+        ("idle_in_transaction_session_timeout", "60000"),
+    ]);
+    let pool = PgPoolOptions::new()
+        .max_connections(options.max_connections.unwrap_or(10).max(1))
+        .acquire_timeout(options.acquire_timeout)
+        .connect_with(opts.clone())
+        .await
+        .map_err(connect_err)?;
+    let exists: Option<(i64,)> = sqlx::query_as("SELECT 1::bigint FROM pg_namespace WHERE nspname = $1")
+        .bind(PG_SCHEMA)
+        .fetch_optional(&pool)
+        .await
+        .map_err(connect_err)?;
+    if exists.is_none() {
+        // Two processes may race here; the loser's error is harmless if the schema exists now.
+        if let Err(e) = sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS {PG_SCHEMA}")).execute(&pool).await {
+            let now: Option<(i64,)> = sqlx::query_as("SELECT 1::bigint FROM pg_namespace WHERE nspname = $1")
+                .bind(PG_SCHEMA)
+                .fetch_optional(&pool)
+                .await
+                .map_err(connect_err)?;
+            if now.is_none() {
+                return Err(connect_err(e));
+            }
+        }
+    }
+    PG_MIGRATOR.run(&pool).await.map_err(|source| StoreError::Migrate { backend: Backend::Postgres, source })?;
+    Ok((pool, opts))
+}
+
+async fn connect_sqlite(url: &str, options: &StoreOptions) -> Result<sqlx::SqlitePool> {
+    let connect_err = |source| StoreError::Connect { backend: Backend::Sqlite, url: url.to_string(), source };
+    let opts = SqliteConnectOptions::from_str(url)
+        .map_err(connect_err)?
+        .create_if_missing(true)
+        .foreign_keys(true)
+        .busy_timeout(Duration::from_secs(30));
+    let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+    let pool = if in_memory {
+        // The database lives as long as its one connection.
+        SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .acquire_timeout(options.acquire_timeout)
+            .connect_with(opts)
+            .await
+            .map_err(connect_err)?
+    } else {
+        let path = opts.get_filename().to_path_buf();
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| connect_err(sqlx::Error::Io(e)))?;
+        }
+        SqlitePoolOptions::new()
+            .max_connections(options.max_connections.unwrap_or(4).max(1))
+            .acquire_timeout(options.acquire_timeout)
+            .connect_with(opts.journal_mode(SqliteJournalMode::Wal).synchronous(SqliteSynchronous::Normal))
+            .await
+            .map_err(connect_err)?
+    };
+    SQLITE_MIGRATOR.run(&pool).await.map_err(|source| StoreError::Migrate { backend: Backend::Sqlite, source })?;
+    Ok(pool)
+}
+
+/// The URL with the password of its user info replaced by `***`.
+fn redact(url: &str) -> String {
+    let Some(scheme_end) = url.find("://") else {
+        return url.to_string();
+    };
+    let rest = &url[scheme_end + 3..];
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let authority = &rest[..authority_end];
+    match authority.rfind('@') {
+        Some(at) => match authority[..at].find(':') {
+            Some(colon) => format!("{}{}:***{}", &url[..scheme_end + 3], &authority[..colon], &rest[at..]),
+            None => url.to_string(),
+        },
+        None => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(redact("postgres://postgres:secret@127.0.0.1:5432/db"), "postgres://postgres:***@127.0.0.1:5432/db");
+        assert_eq!(redact("postgres://127.0.0.1/db"), "postgres://127.0.0.1/db");
+        assert_eq!(redact("sqlite::memory:"), "sqlite::memory:");
+    }
+}

@@ -1,0 +1,828 @@
+//! Pipelines, runs and their task graphs: creation, dynamic fan-out, cancel, retry.
+//!
+//! Lock order on PostgreSQL: a run's row before its tasks' rows (every run-wide operation takes
+//! the run row first). The one exception, a success completion locking its dependents, never
+//! locks the run row inside its transaction. Deadlocks that remain possible (a claim moving a
+//! queued run to running while it is being cancelled) are resolved by the database and the
+//! operation is retried (`Store::retrying`).
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::db::{args, sql, Conn};
+use crate::error::{Result, StoreError};
+use crate::records::parse;
+use crate::types::*;
+use crate::Store;
+
+/// Task names, kinds and step ids longer than this are refused.
+const MAX_NAME_LEN: usize = 512;
+
+impl Store {
+    /// Stores a version of a pipeline spec; returns the id of the `(name, spec_hash)` row,
+    /// existing or new. Runs point at the exact version they were built from.
+    pub async fn upsert_pipeline(&self, name: &str, spec_text: &str, spec_hash: &str) -> Result<i64, StoreError> {
+        self.retrying("upsert_pipeline", || async {
+            let mut c = self.pool().acquire().await?;
+            let (id,): (i64,) = c
+                .conn()
+                .one(
+                    sql!(
+                        "INSERT INTO pipelines (name, spec_text, spec_hash) VALUES ($1, $2, $3) \
+                         ON CONFLICT (name, spec_hash) DO UPDATE SET name = excluded.name RETURNING id"
+                    ),
+                    args![name, spec_text, spec_hash],
+                )
+                .await?;
+            Ok(id)
+        })
+        .await
+    }
+
+    /// Creates a run in state `queued`, or returns the live run with the same dedupe key:
+    /// `(id, true)` when created, `(existing, false)` when a run with `new.dedupe_key` is queued,
+    /// running or succeeded. A key whose runs all failed or were cancelled is free again.
+    pub async fn create_run(&self, new: NewRun) -> Result<(RunId, bool), StoreError> {
+        self.retrying("create_run", || self.create_run_once(&new)).await
+    }
+
+    async fn create_run_once(&self, new: &NewRun) -> Result<(RunId, bool)> {
+        for _ in 0..5 {
+            let mut tx = self.pool().begin().await?;
+            let mut c = tx.conn();
+            let inserted: Option<(i64,)> = c
+                .opt(
+                    sql!(
+                        "INSERT INTO runs (pipeline_id, params, spec, dedupe_key) VALUES ($1, $2, $3, $4) \
+                         ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL \
+                         AND state IN ('queued', 'running', 'succeeded') DO NOTHING RETURNING id"
+                    ),
+                    args![new.pipeline_id, &new.params, &new.spec, new.dedupe_key.clone()],
+                )
+                .await
+                .map_err(|e| fk_or(e, StoreError::PipelineNotFound(new.pipeline_id)))?;
+            if let Some((id,)) = inserted {
+                run_event(&mut c, id, RunState::Queued, None).await?;
+                tx.commit().await?;
+                return Ok((RunId(id), true));
+            }
+            let existing: Option<(i64,)> = c
+                .opt(
+                    sql!(
+                        "SELECT id FROM runs WHERE dedupe_key = $1 \
+                         AND state IN ('queued', 'running', 'succeeded')"
+                    ),
+                    args![new.dedupe_key.clone()],
+                )
+                .await?;
+            tx.commit().await?;
+            if let Some((id,)) = existing {
+                return Ok((RunId(id), false));
+            }
+            // The holder failed or was cancelled between the two statements: insert again.
+        }
+        Err(StoreError::InvalidArgument(format!(
+            "dedupe key {:?} is contended: no run could be created or found",
+            new.dedupe_key
+        )))
+    }
+
+    /// Stores the run's plan (replacing an earlier one).
+    pub async fn set_run_plan(&self, run: RunId, plan: Value) -> Result<(), StoreError> {
+        self.retrying("set_run_plan", || async {
+            let mut c = self.pool().acquire().await?;
+            let n = c
+                .conn()
+                .exec(sql!("UPDATE runs SET plan = $2, updated_at = {now} WHERE id = $1"), args![run.0, &plan])
+                .await?;
+            if n == 0 {
+                return Err(StoreError::RunNotFound(run));
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    /// Adds tasks to a queued or running run, in one transaction; returns their ids in input
+    /// order. `needs` may name tasks of this batch or tasks added earlier; a task whose needs
+    /// have all succeeded starts `ready`, any other `blocked`. Every problem of the batch
+    /// (duplicate or unknown names, cycles, out-of-range values) is reported at once.
+    pub async fn add_tasks(&self, run: RunId, tasks: Vec<NewTask>) -> Result<Vec<TaskId>, StoreError> {
+        let prepared = prepare(run, &tasks)?;
+        let ids = self
+            .retrying("add_tasks", || async {
+                let mut tx = self.pool().begin().await?;
+                let (ids, ready) = add_tasks_tx(&mut tx.conn(), run, &prepared).await?;
+                tx.commit().await?;
+                Ok((ids, ready))
+            })
+            .await?;
+        if ids.1 {
+            self.wake_local();
+        }
+        Ok(ids.0)
+    }
+
+    /// Dynamic fan-out: adds `tasks` and makes every task that waits for `from_task` also wait
+    /// for each of them, in one transaction. A `plan` task adds its N rank tasks and a commit
+    /// task this way while it runs, and the steps after `plan` then wait for all of them.
+    /// Tasks of the batch that themselves need `from_task` are not redirected.
+    pub async fn add_tasks_and_redirect(
+        &self,
+        run: RunId,
+        tasks: Vec<NewTask>,
+        from_task: TaskId,
+    ) -> Result<Vec<TaskId>, StoreError> {
+        let prepared = prepare(run, &tasks)?;
+        let (ids, ready) = self
+            .retrying("add_tasks_and_redirect", || async {
+                let mut tx = self.pool().begin().await?;
+                let mut c = tx.conn();
+                let (ids, ready) = add_tasks_tx(&mut c, run, &prepared).await?;
+                let new: HashSet<i64> = ids.iter().map(|t| t.0).collect();
+                let owner: Option<(i64,)> =
+                    c.opt(sql!("SELECT run_id FROM tasks WHERE id = $1"), args![from_task.0]).await?;
+                match owner {
+                    Some((r,)) if r == run.0 => {}
+                    _ => return Err(StoreError::TaskNotFound(from_task)),
+                }
+                let dependents: Vec<(i64, String, String)> = c
+                    .all(
+                        sql!(
+                            "SELECT t.id, t.name, t.state FROM tasks t JOIN task_deps d ON d.task_id = t.id \
+                             WHERE d.needs_id = $1 ORDER BY t.id {for_update}"
+                        ),
+                        args![from_task.0],
+                    )
+                    .await?;
+                let new_ids: Vec<i64> = ids.iter().map(|t| t.0).collect();
+                for (id, name, state) in dependents.into_iter().filter(|(id, _, _)| !new.contains(id)) {
+                    add_edges(&mut c, run, (id, &name, &state), &new_ids).await?;
+                }
+                tx.commit().await?;
+                Ok((ids, ready))
+            })
+            .await?;
+        if ready {
+            self.wake_local();
+        }
+        Ok(ids)
+    }
+
+    /// Makes the task `task_name` of `run` also wait for the tasks named in `needs`, in one
+    /// transaction. The task must not have been leased yet (blocked or ready); a ready task that
+    /// gains an unfinished need goes back to blocked. Refuses edges that would close a cycle.
+    pub async fn add_deps(&self, run: RunId, task_name: &str, needs: Vec<String>) -> Result<(), StoreError> {
+        self.retrying("add_deps", || async {
+            let mut tx = self.pool().begin().await?;
+            let mut c = tx.conn();
+            lock_live_run(&mut c, run, "tasks can only gain needs while it is queued or running").await?;
+            let task: Option<(i64, String)> = c
+                .opt(
+                    sql!("SELECT id, state FROM tasks WHERE run_id = $1 AND name = $2 {for_update}"),
+                    args![run.0, task_name],
+                )
+                .await?;
+            let Some((task_id, state)) = task else {
+                return Err(StoreError::InvalidTasks {
+                    run,
+                    problems: vec![format!("no task `{task_name}` in run {run}")],
+                });
+            };
+            let found: Vec<(i64, String, String)> = c
+                .all(
+                    sql!(
+                        "SELECT id, name, state FROM tasks WHERE run_id = $1 AND name IN {strs:$2} \
+                         ORDER BY id {for_share}"
+                    ),
+                    args![run.0, json!(needs)],
+                )
+                .await?;
+            let known: HashSet<&str> = found.iter().map(|(_, n, _)| n.as_str()).collect();
+            let problems: Vec<String> = needs
+                .iter()
+                .filter(|n| !known.contains(n.as_str()))
+                .map(|n| format!("task `{task_name}` cannot need `{n}`: no such task in run {run}"))
+                .collect();
+            if !problems.is_empty() {
+                return Err(StoreError::InvalidTasks { run, problems });
+            }
+            let need_ids: Vec<i64> = found.iter().map(|(id, _, _)| *id).collect();
+            add_edges(&mut c, run, (task_id, task_name, &state), &need_ids).await?;
+            tx.commit().await?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Cancels a queued or running run: every unfinished task becomes `cancelled` (a leased
+    /// task's later heartbeat returns false and its completion is refused). Returns false when
+    /// the run had already finished.
+    pub async fn cancel_run(&self, run: RunId) -> Result<bool, StoreError> {
+        self.retrying("cancel_run", || async {
+            let mut tx = self.pool().begin().await?;
+            let mut c = tx.conn();
+            let done: Option<(i64,)> = c
+                .opt(
+                    sql!(
+                        "UPDATE runs SET state = 'cancelled', error = 'cancelled', finished_at = {now}, \
+                         updated_at = {now} WHERE id = $1 AND state IN ('queued', 'running') RETURNING id"
+                    ),
+                    args![run.0],
+                )
+                .await?;
+            if done.is_none() {
+                let exists: Option<(i64,)> = c.opt(sql!("SELECT id FROM runs WHERE id = $1"), args![run.0]).await?;
+                return match exists {
+                    Some(_) => Ok(false),
+                    None => Err(StoreError::RunNotFound(run)),
+                };
+            }
+            run_event(&mut c, run.0, RunState::Cancelled, Some("cancelled")).await?;
+            cancel_unfinished(&mut c, run.0, "run cancelled").await?;
+            tx.commit().await?;
+            Ok(true)
+        })
+        .await
+    }
+
+    /// Puts a finished run back to work: its failed and cancelled tasks — and, with
+    /// `from_step`, that step's tasks and everything downstream of them — go back to `ready`
+    /// (needs all succeeded) or `blocked`, with outputs cleared and a fresh attempt budget;
+    /// the run becomes `running` (`queued` if it has no tasks yet). Attempt numbers keep counting, so logs of earlier attempts
+    /// stay apart. Fails for a queued or running run, for an unknown step, and when a live
+    /// run has taken the run's dedupe key meanwhile.
+    pub async fn retry_run(&self, run: RunId, from_step: Option<&str>) -> Result<(), StoreError> {
+        let ready = self
+            .retrying("retry_run", || async {
+                let mut tx = self.pool().begin().await?;
+                let mut c = tx.conn();
+                let row: Option<(String, Option<String>)> =
+                    c.opt(sql!("SELECT state, dedupe_key FROM runs WHERE id = $1 {for_update}"), args![run.0]).await?;
+                let Some((state, dedupe_key)) = row else {
+                    return Err(StoreError::RunNotFound(run));
+                };
+                let state: RunState = parse("runs", &state)?;
+                if !state.is_terminal() {
+                    return Err(StoreError::RunState {
+                        run,
+                        state,
+                        action: "only a finished run can be retried (hint: cancel it first)",
+                    });
+                }
+                if let Some(step) = from_step {
+                    let steps: Vec<(String,)> = c
+                        .all(
+                            sql!("SELECT DISTINCT step_id FROM tasks WHERE run_id = $1 ORDER BY step_id"),
+                            args![run.0],
+                        )
+                        .await?;
+                    if !steps.iter().any(|(s,)| s == step) {
+                        return Err(StoreError::UnknownStep {
+                            run,
+                            step: step.to_string(),
+                            known: steps.into_iter().map(|(s,)| s).collect(),
+                        });
+                    }
+                }
+                let reset: Vec<(i64,)> = c
+                    .all(
+                        sql!(
+                            "WITH RECURSIVE seed(id) AS ( \
+                                 SELECT id FROM tasks WHERE run_id = $1 \
+                                 AND (state IN ('failed', 'cancelled') OR step_id = $2)), \
+                             down(id) AS ( \
+                                 SELECT id FROM seed \
+                                 UNION SELECT d.task_id FROM task_deps d JOIN down ON d.needs_id = down.id) \
+                             SELECT id FROM down ORDER BY id"
+                        ),
+                        args![run.0, from_step],
+                    )
+                    .await?;
+                let (tasks,): (i64,) =
+                    c.one(sql!("SELECT count(*) FROM tasks WHERE run_id = $1"), args![run.0]).await?;
+                if reset.is_empty() && tasks > 0 {
+                    return Err(StoreError::RunState {
+                        run,
+                        state,
+                        action: "it has no failed or cancelled task to retry (hint: name a step to run again)",
+                    });
+                }
+                let ids = json!(reset.iter().map(|(id,)| *id).collect::<Vec<_>>());
+                c.exec(
+                    sql!(
+                        "UPDATE tasks SET state = 'blocked', attempt_base = attempt, output = NULL, \
+                         progress = NULL, error = NULL, ready_at = NULL, lease_owner = NULL, \
+                         leased_at = NULL, lease_expires_at = NULL, heartbeat_at = NULL, \
+                         finished_at = NULL, updated_at = {now} WHERE id IN {ids:$1}"
+                    ),
+                    args![ids.clone()],
+                )
+                .await?;
+                let promoted = promote(&mut c, &ids).await?;
+                task_events(&mut c, &ids, Some("retried")).await?;
+                // A run that never got tasks goes back to the queue, to be planned again.
+                let back_to = if tasks > 0 { RunState::Running } else { RunState::Queued };
+                let back = c
+                    .exec(
+                        sql!(
+                            "UPDATE runs SET state = $2, error = NULL, finished_at = NULL, \
+                             updated_at = {now} WHERE id = $1"
+                        ),
+                        args![run.0, back_to.as_str()],
+                    )
+                    .await;
+                match back {
+                    Ok(_) => {}
+                    Err(e) if is_unique_violation(&e) => {
+                        drop(c);
+                        tx.rollback().await?;
+                        let key = dedupe_key.unwrap_or_default();
+                        let mut c = self.pool().acquire().await?;
+                        let holder: Option<(i64,)> = c
+                            .conn()
+                            .opt(
+                                sql!(
+                                    "SELECT id FROM runs WHERE dedupe_key = $1 \
+                                     AND state IN ('queued', 'running', 'succeeded')"
+                                ),
+                                args![key.clone()],
+                            )
+                            .await?;
+                        return Err(StoreError::DedupeConflict {
+                            run,
+                            holder: RunId(holder.map_or(0, |(id,)| id)),
+                            key,
+                        });
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+                run_event(&mut c, run.0, back_to, Some("retried")).await?;
+                if promoted > 0 {
+                    notify(&mut c).await?;
+                }
+                tx.commit().await?;
+                Ok(promoted > 0)
+            })
+            .await?;
+        if ready {
+            self.wake_local();
+        }
+        Ok(())
+    }
+}
+
+/// A validated task of a batch, in the store's units.
+pub(crate) struct Prepared {
+    name: String,
+    needs: Vec<String>,
+    row: Value,
+}
+
+fn prepare(run: RunId, tasks: &[NewTask]) -> Result<Vec<Prepared>> {
+    let mut problems = Vec::new();
+    let mut seen = HashSet::new();
+    let mut out = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        let name = &t.name;
+        if name.is_empty() {
+            problems.push("a task has an empty name".to_string());
+        } else if !seen.insert(name.as_str()) {
+            problems.push(format!("task `{name}` appears twice in the batch"));
+        }
+        for (what, value) in [("name", name), ("step_id", &t.step_id), ("kind", &t.kind)] {
+            if value.len() > MAX_NAME_LEN {
+                problems.push(format!("task `{name}`: `{what}` is longer than {MAX_NAME_LEN} bytes"));
+            }
+            if value.contains('\0') {
+                problems.push(format!("task `{name}`: `{what}` contains a NUL byte"));
+            }
+        }
+        if t.needs.iter().any(|n| n == name) {
+            problems.push(format!("task `{name}` needs itself"));
+        }
+        if t.max_attempts == 0 {
+            problems.push(format!("task `{name}`: `max_attempts` must be at least 1"));
+        }
+        let memory = i64::try_from(t.resources.memory);
+        let scratch = i64::try_from(t.resources.scratch);
+        if memory.is_err() || scratch.is_err() {
+            problems.push(format!("task `{name}`: memory and scratch must be below 2^63 bytes"));
+        }
+        let backoff = millis(t.backoff);
+        let timeout = millis(t.timeout);
+        if backoff.is_none() || timeout.is_none() {
+            problems.push(format!("task `{name}`: backoff and timeout must be below 2^63 ms"));
+        }
+        let mut needs: Vec<String> = t.needs.clone();
+        needs.sort();
+        needs.dedup();
+        out.push(Prepared {
+            name: name.clone(),
+            needs,
+            row: json!({
+                "name": name,
+                "step_id": t.step_id,
+                "kind": t.kind,
+                "cpus": t.resources.cpus,
+                "memory": memory.unwrap_or(0),
+                "gpus": t.resources.gpus,
+                "scratch": scratch.unwrap_or(0),
+                "payload": t.payload,
+                "max_attempts": t.max_attempts,
+                "backoff_ms": backoff.unwrap_or(0),
+                "timeout_ms": timeout.unwrap_or(0),
+                "cache_key": t.cache_key,
+            }),
+        });
+    }
+    if let Some(chain) = batch_cycle(&out) {
+        problems.push(format!("dependency cycle: {}", chain.join(" -> ")));
+    }
+    if problems.is_empty() {
+        Ok(out)
+    } else {
+        Err(StoreError::InvalidTasks { run, problems })
+    }
+}
+
+fn millis(d: Duration) -> Option<i64> {
+    i64::try_from(d.as_millis()).ok()
+}
+
+/// A cycle among the batch's own edges, as the chain of names that closes it.
+fn batch_cycle(tasks: &[Prepared]) -> Option<Vec<String>> {
+    let mut index: HashMap<&str, usize> = HashMap::new();
+    for (i, t) in tasks.iter().enumerate() {
+        index.entry(t.name.as_str()).or_insert(i);
+    }
+    // 0 = unvisited, 1 = on the stack, 2 = done.
+    let mut color = vec![0u8; tasks.len()];
+    for root in 0..tasks.len() {
+        if color[root] != 0 {
+            continue;
+        }
+        // Iterative DFS: (node, next need to look at).
+        let mut stack: Vec<(usize, usize)> = vec![(root, 0)];
+        color[root] = 1;
+        while let Some(&mut (node, ref mut next)) = stack.last_mut() {
+            let needs = &tasks[node].needs;
+            if *next < needs.len() {
+                let need = &needs[*next];
+                *next += 1;
+                // Self-needs are reported on their own.
+                let Some(&m) = index.get(need.as_str()).filter(|&&m| m != node) else { continue };
+                match color[m] {
+                    0 => {
+                        color[m] = 1;
+                        stack.push((m, 0));
+                    }
+                    1 => {
+                        let start = stack.iter().position(|&(n, _)| n == m).unwrap_or(0);
+                        let mut chain: Vec<String> =
+                            stack[start..].iter().map(|&(n, _)| tasks[n].name.clone()).collect();
+                        chain.push(tasks[m].name.clone());
+                        return Some(chain);
+                    }
+                    _ => {}
+                }
+            } else {
+                color[node] = 2;
+                stack.pop();
+            }
+        }
+    }
+    None
+}
+
+/// Locks a run's row (shared) and checks that it is queued or running.
+async fn lock_live_run(c: &mut Conn<'_>, run: RunId, action: &'static str) -> Result<()> {
+    let row: Option<(String,)> = c.opt(sql!("SELECT state FROM runs WHERE id = $1 {for_share}"), args![run.0]).await?;
+    let Some((state,)) = row else {
+        return Err(StoreError::RunNotFound(run));
+    };
+    let state: RunState = parse("runs", &state)?;
+    if state.is_terminal() {
+        return Err(StoreError::RunState { run, state, action });
+    }
+    Ok(())
+}
+
+/// Inserts a validated batch; returns the ids in batch order and whether any task is ready.
+async fn add_tasks_tx(c: &mut Conn<'_>, run: RunId, tasks: &[Prepared]) -> Result<(Vec<TaskId>, bool)> {
+    lock_live_run(c, run, "tasks can only be added while it is queued or running").await?;
+    if tasks.is_empty() {
+        return Ok((Vec::new(), false));
+    }
+    let batch: HashSet<&str> = tasks.iter().map(|t| t.name.as_str()).collect();
+    let mut referenced: BTreeSet<&str> = batch.iter().copied().collect();
+    for t in tasks {
+        referenced.extend(t.needs.iter().map(String::as_str));
+    }
+    // Lock (shared) the existing tasks the batch needs, so a completion of one of them either
+    // commits before our readiness check or sees our edges: a new task never misses its promotion.
+    let existing: Vec<(i64, String, String)> = c
+        .all(
+            sql!("SELECT id, name, state FROM tasks WHERE run_id = $1 AND name IN {strs:$2} ORDER BY id {for_share}"),
+            args![run.0, json!(referenced)],
+        )
+        .await?;
+    let existing: HashMap<&str, i64> = existing.iter().map(|(id, name, _)| (name.as_str(), *id)).collect();
+    let mut problems = Vec::new();
+    for t in tasks {
+        if existing.contains_key(t.name.as_str()) {
+            problems.push(format!("task `{}` already exists in run {run}", t.name));
+        }
+        for n in &t.needs {
+            if !batch.contains(n.as_str()) && !existing.contains_key(n.as_str()) {
+                problems
+                    .push(format!("task `{}` needs `{n}`, which is neither in run {run} nor in this batch", t.name));
+            }
+        }
+    }
+    if !problems.is_empty() {
+        return Err(StoreError::InvalidTasks { run, problems });
+    }
+    let rows = Value::Array(tasks.iter().map(|t| t.row.clone()).collect());
+    let inserted: Vec<(i64, String)> = c
+        .all(
+            sql!(
+                pg: "INSERT INTO tasks (run_id, name, step_id, kind, state, cpus, memory, gpus, scratch, \
+                         payload, max_attempts, backoff_ms, timeout_ms, cache_key) \
+                     SELECT $1, v ->> 'name', v ->> 'step_id', v ->> 'kind', 'blocked', \
+                         (v ->> 'cpus')::bigint, (v ->> 'memory')::bigint, (v ->> 'gpus')::bigint, \
+                         (v ->> 'scratch')::bigint, COALESCE(v -> 'payload', 'null'::jsonb), \
+                         (v ->> 'max_attempts')::bigint, (v ->> 'backoff_ms')::bigint, \
+                         (v ->> 'timeout_ms')::bigint, v ->> 'cache_key' \
+                     FROM jsonb_array_elements($2) WITH ORDINALITY AS x(v, ord) \
+                     ORDER BY x.ord RETURNING id, name",
+                lite: "INSERT INTO tasks (run_id, name, step_id, kind, state, cpus, memory, gpus, scratch, \
+                           payload, max_attempts, backoff_ms, timeout_ms, cache_key) \
+                       SELECT $1, value ->> '$.name', value ->> '$.step_id', value ->> '$.kind', 'blocked', \
+                           value ->> '$.cpus', value ->> '$.memory', value ->> '$.gpus', value ->> '$.scratch', \
+                           value -> '$.payload', value ->> '$.max_attempts', value ->> '$.backoff_ms', \
+                           value ->> '$.timeout_ms', value ->> '$.cache_key' \
+                       FROM json_each($2) WHERE true ORDER BY key RETURNING id, name"
+            ),
+            args![run.0, rows],
+        )
+        .await
+        .map_err(|e| {
+            unique_or(e, || StoreError::InvalidTasks {
+                run,
+                problems: vec!["a task of the batch was added concurrently by another call".to_string()],
+            })
+        })?;
+    let mut ids: HashMap<&str, i64> = existing.clone();
+    let by_name: HashMap<String, i64> = inserted.into_iter().map(|(id, name)| (name, id)).collect();
+    for t in tasks {
+        let Some(&id) = by_name.get(&t.name) else {
+            return Err(StoreError::Corrupt {
+                table: "tasks",
+                detail: format!("insert of task `{}` returned no id", t.name),
+            });
+        };
+        ids.insert(t.name.as_str(), id);
+    }
+    let mut edges = Vec::new();
+    for t in tasks {
+        let id = ids[t.name.as_str()];
+        for n in &t.needs {
+            edges.push(json!([id, ids[n.as_str()]]));
+        }
+    }
+    if !edges.is_empty() {
+        insert_edges(c, Value::Array(edges)).await?;
+    }
+    let new_ids: Vec<i64> = tasks.iter().map(|t| ids[t.name.as_str()]).collect();
+    let new_json = json!(new_ids);
+    let promoted = promote(c, &new_json).await?;
+    task_events(c, &new_json, None).await?;
+    if promoted > 0 {
+        notify(c).await?;
+    }
+    Ok((new_ids.into_iter().map(TaskId).collect(), promoted > 0))
+}
+
+async fn insert_edges(c: &mut Conn<'_>, pairs: Value) -> Result<()> {
+    c.exec(
+        sql!(
+            pg: "INSERT INTO task_deps (task_id, needs_id) \
+                 SELECT (e ->> 0)::bigint, (e ->> 1)::bigint FROM jsonb_array_elements($1) AS e \
+                 ON CONFLICT DO NOTHING",
+            lite: "INSERT INTO task_deps (task_id, needs_id) \
+                   SELECT value ->> 0, value ->> 1 FROM json_each($1) WHERE true ON CONFLICT DO NOTHING"
+        ),
+        args![pairs],
+    )
+    .await?;
+    Ok(())
+}
+
+/// Makes `task` (locked by the caller) also wait for `needs` (existing tasks of the run),
+/// refusing cycles; a ready task that now waits for something unfinished becomes blocked.
+async fn add_edges(c: &mut Conn<'_>, run: RunId, task: (i64, &str, &str), needs: &[i64]) -> Result<()> {
+    let (task_id, name, state) = task;
+    let state: TaskState = parse("tasks", state)?;
+    if !matches!(state, TaskState::Blocked | TaskState::Ready) {
+        return Err(StoreError::TaskState {
+            run,
+            name: name.to_string(),
+            state,
+            action: "only a task that was not leased yet can gain needs",
+        });
+    }
+    if needs.is_empty() {
+        return Ok(());
+    }
+    if needs.contains(&task_id) {
+        return Err(StoreError::InvalidTasks { run, problems: vec![format!("task `{name}` cannot need itself")] });
+    }
+    let downstream: Vec<(String,)> = c
+        .all(
+            sql!(
+                "WITH RECURSIVE down(id) AS ( \
+                     SELECT task_id FROM task_deps WHERE needs_id = $1 \
+                     UNION SELECT d.task_id FROM task_deps d JOIN down ON d.needs_id = down.id) \
+                 SELECT t.name FROM tasks t WHERE t.id IN (SELECT id FROM down) AND t.id IN {ids:$2} ORDER BY t.name"
+            ),
+            args![task_id, json!(needs)],
+        )
+        .await?;
+    if !downstream.is_empty() {
+        let names: Vec<String> = downstream.into_iter().map(|(n,)| format!("`{n}`")).collect();
+        return Err(StoreError::InvalidTasks {
+            run,
+            problems: vec![format!(
+                "dependency cycle: task `{name}` cannot need {}, which already wait(s) for it",
+                names.join(", ")
+            )],
+        });
+    }
+    let pairs: Vec<Value> = needs.iter().map(|n| json!([task_id, n])).collect();
+    insert_edges(c, Value::Array(pairs)).await?;
+    let blocked: Vec<(i64,)> = c
+        .all(
+            sql!(
+                "UPDATE tasks SET state = 'blocked', ready_at = NULL, updated_at = {now} \
+                 WHERE id = $1 AND state = 'ready' AND EXISTS ( \
+                     SELECT 1 FROM task_deps d JOIN tasks n ON n.id = d.needs_id \
+                     WHERE d.task_id = tasks.id AND n.state <> 'succeeded') RETURNING id"
+            ),
+            args![task_id],
+        )
+        .await?;
+    if !blocked.is_empty() {
+        task_events(c, &json!([task_id]), Some("waits for new needs")).await?;
+    }
+    Ok(())
+}
+
+/// Makes the blocked tasks among `ids` whose needs have all succeeded ready; returns how many.
+pub(crate) async fn promote(c: &mut Conn<'_>, ids: &Value) -> Result<u64> {
+    let n = c
+        .exec(
+            sql!(
+                "UPDATE tasks SET state = 'ready', ready_at = {now}, updated_at = {now} \
+                 WHERE id IN {ids:$1} AND state = 'blocked' AND NOT EXISTS ( \
+                     SELECT 1 FROM task_deps d JOIN tasks n ON n.id = d.needs_id \
+                     WHERE d.task_id = tasks.id AND n.state <> 'succeeded')"
+            ),
+            args![ids.clone()],
+        )
+        .await?;
+    Ok(n)
+}
+
+/// Records the current state of each task in `ids` as an event.
+pub(crate) async fn task_events(c: &mut Conn<'_>, ids: &Value, message: Option<&str>) -> Result<()> {
+    c.exec(
+        sql!(
+            "INSERT INTO events (run_id, task_id, state, attempt, message) \
+             SELECT run_id, id, state, attempt, $2 FROM tasks WHERE id IN {ids:$1} ORDER BY id"
+        ),
+        args![ids.clone(), message],
+    )
+    .await?;
+    Ok(())
+}
+
+pub(crate) async fn run_event(c: &mut Conn<'_>, run: i64, state: RunState, message: Option<&str>) -> Result<()> {
+    c.exec(
+        sql!("INSERT INTO events (run_id, state, message) VALUES ($1, $2, $3)"),
+        args![run, state.as_str(), message],
+    )
+    .await?;
+    Ok(())
+}
+
+/// Announces ready tasks to listening workers (PostgreSQL; delivered at commit, coalesced).
+pub(crate) async fn notify(c: &mut Conn<'_>) -> Result<()> {
+    if let Conn::Pg(_) = c {
+        c.exec(sql!("SELECT pg_notify('shardline_work', '')"), args![]).await?;
+    }
+    Ok(())
+}
+
+/// Fails a run (if still live) with `message` and cancels its unfinished tasks.
+pub(crate) async fn fail_run(c: &mut Conn<'_>, run: i64, message: &str) -> Result<()> {
+    let failed: Option<(i64,)> = c
+        .opt(
+            sql!(
+                "UPDATE runs SET state = 'failed', error = $2, finished_at = {now}, updated_at = {now} \
+                 WHERE id = $1 AND state IN ('queued', 'running') RETURNING id"
+            ),
+            args![run, message],
+        )
+        .await?;
+    if failed.is_some() {
+        run_event(c, run, RunState::Failed, Some(message)).await?;
+        cancel_unfinished(c, run, "run failed").await?;
+    }
+    Ok(())
+}
+
+/// Cancels every unfinished task of a run and closes their open attempts.
+pub(crate) async fn cancel_unfinished(c: &mut Conn<'_>, run: i64, reason: &str) -> Result<()> {
+    let cancelled: Vec<(i64,)> = c
+        .all(
+            sql!(
+                "UPDATE tasks SET state = 'cancelled', lease_expires_at = NULL, finished_at = {now}, \
+                 updated_at = {now} WHERE run_id = $1 AND state IN ('blocked', 'ready', 'leased') RETURNING id"
+            ),
+            args![run],
+        )
+        .await?;
+    c.exec(
+        sql!(
+            "UPDATE attempts SET ended_at = {now}, outcome = 'cancelled', error = $2 \
+             WHERE run_id = $1 AND outcome IS NULL"
+        ),
+        args![run, reason],
+    )
+    .await?;
+    if !cancelled.is_empty() {
+        let ids = json!(cancelled.iter().map(|(id,)| *id).collect::<Vec<_>>());
+        task_events(c, &ids, Some(reason)).await?;
+    }
+    Ok(())
+}
+
+pub(crate) fn is_unique_violation(e: &sqlx::Error) -> bool {
+    e.as_database_error().is_some_and(|d| matches!(d.kind(), sqlx::error::ErrorKind::UniqueViolation))
+}
+
+fn unique_or(e: sqlx::Error, f: impl FnOnce() -> StoreError) -> StoreError {
+    if is_unique_violation(&e) {
+        f()
+    } else {
+        e.into()
+    }
+}
+
+pub(crate) fn fk_or(e: sqlx::Error, err: StoreError) -> StoreError {
+    let fk = e.as_database_error().is_some_and(|d| matches!(d.kind(), sqlx::error::ErrorKind::ForeignKeyViolation));
+    if fk {
+        err
+    } else {
+        e.into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(name: &str, needs: &[&str]) -> NewTask {
+        NewTask {
+            name: name.into(),
+            step_id: "s".into(),
+            kind: "k".into(),
+            needs: needs.iter().map(|s| s.to_string()).collect(),
+            ..NewTask::default()
+        }
+    }
+
+    #[test]
+    fn batch_problems_are_all_reported() {
+        let err = prepare(
+            RunId(1),
+            &[
+                task("a", &["b"]),
+                task("b", &["c"]),
+                task("c", &["a"]),
+                task("a", &[]),
+                NewTask { max_attempts: 0, ..task("d", &["d"]) },
+            ],
+        )
+        .err()
+        .map(|e| e.to_string());
+        let msg = err.unwrap_or_default();
+        assert!(msg.contains("task `a` appears twice"), "{msg}");
+        assert!(msg.contains("task `d` needs itself"), "{msg}");
+        assert!(msg.contains("`max_attempts` must be at least 1"), "{msg}");
+        assert!(msg.contains("dependency cycle: a -> b -> c -> a"), "{msg}");
+    }
+}
