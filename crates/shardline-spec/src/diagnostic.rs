@@ -113,9 +113,13 @@ impl Diagnostic {
     ///    = hint: did you mean `megatron.shard`?
     /// ```
     pub fn render(&self, source_text: &str) -> String {
+        self.render_line(self.line.checked_sub(1).and_then(|_| source_line(source_text, self.line)))
+    }
+
+    /// Renders with the text of line `self.line` at hand.
+    fn render_line(&self, line_text: Option<&str>) -> String {
         let mut out = format!("{}: {}\n", self.severity.as_str(), self.message);
         let path = if self.path.is_empty() { String::new() } else { format!(" ({})", self.path) };
-        let line_text = if self.line == 0 { None } else { source_line(source_text, self.line) };
         let gutter = if line_text.is_some() { self.line.to_string().len() } else { 1 };
         let pad = " ".repeat(gutter);
         if self.line == 0 {
@@ -137,6 +141,27 @@ impl Diagnostic {
         }
         out
     }
+}
+
+/// Byte offset of the start of every line (lines end as in YAML).
+fn line_starts(text: &str) -> Vec<usize> {
+    let bytes = text.as_bytes();
+    let mut starts = vec![0];
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'\r' if bytes.get(i + 1) == Some(&b'\n') => {
+                starts.push(i + 2);
+                i += 2;
+            }
+            b'\r' | b'\n' => {
+                starts.push(i + 1);
+                i += 1;
+            }
+            _ => i += 1,
+        }
+    }
+    starts
 }
 
 /// Line `n` (1-based) of `text`, where lines end as YAML ends them: `\r\n`, `\r` or `\n`.
@@ -197,9 +222,15 @@ pub fn render_all(diagnostics: &[Diagnostic], source_text: &str) -> String {
     if diagnostics.is_empty() {
         return String::new();
     }
+    let lines = line_starts(source_text);
     let mut out = String::new();
     for d in diagnostics {
-        out.push_str(&d.render(source_text));
+        let text = d.line.checked_sub(1).and_then(|i| {
+            let start = *lines.get(i)?;
+            let rest = &source_text[start..];
+            Some(&rest[..rest.find(['\r', '\n']).unwrap_or(rest.len())])
+        });
+        out.push_str(&d.render_line(text));
         out.push('\n');
     }
     let errors = diagnostics.iter().filter(|d| d.is_error()).count();
@@ -218,12 +249,34 @@ pub fn render_all(diagnostics: &[Diagnostic], source_text: &str) -> String {
     out
 }
 
-/// Sorts by position (then severity and message) and removes exact duplicates.
+/// Most diagnostics one call reports; past it, the first ones and a count of the rest.
+pub const MAX_DIAGNOSTICS: usize = 200;
+
+/// Sorts by position (then severity and message), removes exact duplicates, and keeps at most
+/// [`MAX_DIAGNOSTICS`] (then a last one says how many more there were).
 pub(crate) fn sort(diagnostics: &mut Vec<Diagnostic>) {
     diagnostics.sort_by(|a, b| {
         (a.line, a.column, a.severity, &a.message, &a.path).cmp(&(b.line, b.column, b.severity, &b.message, &b.path))
     });
     diagnostics.dedup();
+    if diagnostics.len() > MAX_DIAGNOSTICS {
+        let more = diagnostics.len() - MAX_DIAGNOSTICS;
+        let any_error = diagnostics.iter().any(Diagnostic::is_error);
+        diagnostics.truncate(MAX_DIAGNOSTICS);
+        let file = diagnostics[0].file.clone();
+        let mut d = Diagnostic::error(
+            file,
+            0,
+            0,
+            "",
+            "too-many-diagnostics",
+            format!("{more} more problems not shown (only the first {MAX_DIAGNOSTICS} are reported)"),
+        );
+        if !any_error {
+            d = d.warning();
+        }
+        diagnostics.push(d);
+    }
 }
 
 #[cfg(test)]

@@ -20,11 +20,44 @@
 //! assert_eq!(run.topo_order()[1].id, "shard");
 //! ```
 //!
+//! # The spec
+//!
+//! Top level: `apiVersion` (`shardline/v1`), `kind` (`Pipeline`), `name` (`[a-z0-9-]+`),
+//! `description`, `params`, `steps`. A param is `{type, default?, enum?, description?}` with type
+//! `string`, `int`, `bool`, `path`, `size` (`4GiB`, `10GB`, bytes) or `duration` (`90s`, `2h`,
+//! `1h30m`); one without a default must be set with `--set NAME=VALUE`. A step is
+//! `{id, uses, needs?, with?, resources?, retry?, timeout?, cache?}`; `needs` is a list of ids
+//! (or one id). The `with` fields of each kind, with defaults:
+//!
+//! | kind | fields |
+//! |---|---|
+//! | `hf.download` | `path` (required) |
+//! | `megatron.shard` | `tp`, `dp` (required), `cp` = 1, `ep` = 1, `etp` = `tp`, `format` = `dcp` \| `dcp-safetensors`, `prefix` = `model.module.`, `optimizer_state` = false, `vocab_divisible_by` = 128, `keep` = false |
+//! | `megatron.split_fused` | `keep` = false; its only need is a `megatron.shard` step |
+//! | `checkpoint.validate` | none; validates against the upstream download's source |
+//! | `store.upload` | `to` (required): `file://…` or an absolute path |
+//!
+//! `resources` = `{cpus: 1, memory: 1GiB, gpus: 0, scratch: 0}`, `retry` =
+//! `{attempts: 3, backoff: 5s}` (base of an exponential backoff with jitter), `timeout` = `6h`,
+//! `cache` = `true`. Values of `with`, `resources`, `retry`, `timeout` and `cache` may
+//! interpolate `${{ params.NAME }}` and `${{ run.id }}`: as the whole value (the param's type
+//! must fit the field), or inside string, path and URL values.
+//!
+//! # Why not a serde YAML deserializer
+//!
+//! A serde deserializer stops at the first error and loses positions, and this crate's job is to
+//! report every problem at its line and column. So the YAML is read once, with `saphyr-parser`
+//! (YAML 1.2, a span on every event), into a tree of positioned nodes; the typed structs are
+//! built from it by the field tables in `schema.rs`. One parser means no disagreement between
+//! two YAML implementations on what a file says. Serde is used where data leaves the crate:
+//! [`ResolvedPipeline`] and [`Diagnostic`] (de)serialize as JSON.
+//!
 //! **Architecture invariant:** this crate does no I/O: it is given text (and, through
 //! [`LintContext`], a way to look up model configs) and returns data. Diagnostics are values,
 //! never panics, on any input.
 
 mod diagnostic;
+mod graph;
 mod lint;
 mod model;
 mod resolve;
@@ -34,7 +67,7 @@ mod template;
 mod units;
 mod yaml;
 
-pub use diagnostic::{render_all, Diagnostic, Severity};
+pub use diagnostic::{render_all, Diagnostic, Severity, MAX_DIAGNOSTICS};
 pub use lint::{lint, LintContext};
 pub use model::{
     Location, OutputFormatName, ParamSpec, ParamType, ParamValue, Pipeline, ResolvedPipeline, ResolvedStep, Resources,

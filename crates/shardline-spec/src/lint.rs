@@ -14,12 +14,13 @@
 //!    `check_mesh_for_model`, each violation at its `with.tp`/`with.ep`/… position;
 //! 8. warnings: params that nothing uses.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 
 use shardline_layout::{check_mesh_for_model, LayoutError, Mesh, ModelConfig};
 
 use crate::diagnostic::{self, Diagnostic};
+use crate::graph::{Graph, MAX_DOWNLOADS};
 use crate::model::{
     Locations, ParamSpec, ParamType, ParamValue, Pipeline, SpecValue, StepKind, StepSpec, API_VERSION, KIND,
 };
@@ -117,11 +118,7 @@ pub fn lint(file: &str, text: &str, ctx: &LintContext) -> (Option<Pipeline>, Vec
         l.record(root, "");
     }
     for p in problems {
-        let mut path = l.containing_path(p.span);
-        if let Some(key) = &p.key {
-            path = join(&path, key);
-        }
-        l.diags.push(Diagnostic::at(file, p.span, &path, p.code, p.message).with_opt_hint(p.hint));
+        l.diags.push(Diagnostic::at(file, p.span, &p.path, p.code, p.message).with_opt_hint(p.hint));
     }
     let pipeline = match &root {
         Some(root) => l.pipeline(root, ctx),
@@ -196,18 +193,6 @@ impl<'a> Linter<'a> {
                 }
             }
         }
-    }
-
-    /// The deepest recorded path whose value contains the start of `span`.
-    fn containing_path(&self, span: Span) -> String {
-        let at = (span.line, span.col);
-        self.loc
-            .values
-            .iter()
-            .filter(|(p, s)| !p.is_empty() && (s.line, s.col) <= at && at < (s.end_line, s.end_col))
-            .max_by_key(|(p, _)| p.len())
-            .map(|(p, _)| p.clone())
-            .unwrap_or_default()
     }
 
     /// Where `${{ … }}` text sits inside a value, when the value is on one line.
@@ -340,8 +325,11 @@ impl<'a> Linter<'a> {
                 }
             }
         }
+        // A misspelt reference (`params.sourse`) is reported as undefined; its target is not unused.
+        let misspelt: Vec<&String> = used.iter().filter(|u| !types.contains_key(*u)).collect();
         for p in &params {
-            if !used.contains(&p.name) && template::is_param_name(&p.name) {
+            let meant = misspelt.iter().any(|u| did_you_mean(u, [p.name.as_str()]).is_some());
+            if !used.contains(&p.name) && !meant && template::is_param_name(&p.name) {
                 let path = format!("params.{}", p.name);
                 let d =
                     self.at(self.loc.key(&path), &path, "unused-param", format!("param `{}` is never used", p.name));
@@ -987,221 +975,216 @@ impl<'a> Linter<'a> {
     // ---------------------------------------------------------------- graph
 
     fn graph(&mut self, drafts: &[Draft]) {
-        let ids: Vec<&str> = drafts.iter().filter_map(|d| d.id.as_deref()).collect();
-        let by_id: BTreeMap<&str, &Draft> = drafts.iter().filter_map(|d| d.id.as_deref().map(|id| (id, d))).collect();
-        // Edges that resolve: step → the steps it needs.
-        let mut edges: BTreeMap<&str, Vec<(&str, &str)>> = BTreeMap::new();
-        let mut unsure: BTreeSet<&str> = BTreeSet::new();
-        for d in drafts {
-            let Some(id) = d.id.as_deref() else { continue };
-            let mut seen: Vec<&str> = Vec::new();
+        let named: Vec<&Draft> = drafts.iter().filter(|d| d.id.is_some()).collect();
+        let graph = Graph::new(
+            named
+                .iter()
+                .map(|d| {
+                    (d.id.as_deref().unwrap_or_default(), d.kind, d.needs.iter().map(|(n, _)| n.as_str()).collect())
+                })
+                .collect(),
+        );
+        let mut unsure = vec![false; named.len()];
+        // Unknown and repeated needs.
+        for (v, d) in named.iter().enumerate() {
+            let id = graph.ids[v];
+            let mut seen: BTreeSet<&str> = BTreeSet::new();
             for (need, path) in &d.needs {
                 let span = self.loc.span(path);
-                if seen.contains(&need.as_str()) {
+                if !seen.insert(need.as_str()) {
                     let diag = self.at(span, path, "duplicate-need", format!("step `{id}` needs `{need}` twice"));
                     self.push(diag.with_hint("remove the repeated entry"));
-                    continue;
-                }
-                seen.push(need);
-                if by_id.contains_key(need.as_str()) {
-                    edges.entry(id).or_default().push((need.as_str(), path.as_str()));
-                } else {
-                    unsure.insert(id);
+                } else if !graph.index.contains_key(need.as_str()) {
+                    unsure[v] = true;
                     let diag = self.at(span, path, "unknown-need", format!("step `{id}` needs unknown step `{need}`"));
-                    let others: Vec<&str> = ids.iter().copied().filter(|i| *i != id).collect();
-                    let diag = match did_you_mean(need, others.iter().copied()) {
+                    let others = || graph.ids.iter().copied().filter(|i| *i != id);
+                    let diag = match did_you_mean(need, others()) {
                         Some(s) => diag.with_hint(format!("did you mean `{s}`?")),
-                        None if others.is_empty() => diag.with_hint("this is the only step"),
-                        None => diag.with_hint(format!("steps are {}", list(&others))),
+                        None if graph.len() == 1 => diag.with_hint("this is the only step"),
+                        None if graph.len() <= 12 => {
+                            diag.with_hint(format!("steps are {}", list(&others().collect::<Vec<_>>())))
+                        }
+                        None => diag,
                     };
                     self.push(diag);
                 }
             }
         }
 
-        self.cycles(drafts, &edges);
+        let components = graph.components();
+        self.cycles(&graph, &named, &components);
+        let upstream = graph.upstream(&components);
 
-        // Order rules, over the edges that resolve.
-        let ancestors = |id: &str| -> Vec<&str> {
-            let mut seen: Vec<&str> = Vec::new();
-            let mut stack: Vec<&str> = edges.get(id).map(|v| v.iter().map(|(n, _)| *n).collect()).unwrap_or_default();
-            while let Some(n) = stack.pop() {
-                if n != id && !seen.contains(&n) {
-                    seen.push(n);
-                    stack.extend(
-                        edges.get(n).map(|v| v.iter().map(|(m, _)| *m).collect::<Vec<_>>()).unwrap_or_default(),
-                    );
-                }
-            }
-            seen
-        };
-        let kind_of = |id: &str| by_id.get(id).and_then(|d| d.kind);
-        let of_kind =
-            |kind: StepKind| -> Vec<&str> { ids.iter().copied().filter(|i| kind_of(i) == Some(kind)).collect() };
-        for d in drafts {
-            let (Some(id), Some(kind)) = (d.id.as_deref(), d.kind) else { continue };
-            if d.needs_unsure || unsure.contains(id) {
+        // Order rules.
+        let first_of = |kind: StepKind| graph.kinds.iter().position(|k| *k == Some(kind)).map(|i| graph.ids[i]);
+        let shards: Vec<&str> = (0..graph.len())
+            .filter(|&i| graph.kinds[i] == Some(StepKind::MegatronShard))
+            .map(|i| graph.ids[i])
+            .take(4)
+            .collect();
+        for (v, d) in named.iter().enumerate() {
+            let (id, Some(kind)) = (graph.ids[v], d.kind) else { continue };
+            if d.needs_unsure || unsure[v] {
                 continue;
             }
             let base = format!("steps[{}]", d.index);
             let uses = self.loc.span(&join(&base, "uses"));
-            let needs_span = if d.needs.is_empty() { uses } else { self.loc.span(&join(&base, "needs")) };
-            let up = ancestors(id);
-            let up_of = |k: StepKind| -> Vec<&str> { up.iter().copied().filter(|a| kind_of(a) == Some(k)).collect() };
+            let (needs_span, needs_path) = if d.needs.is_empty() {
+                (uses, join(&base, "uses"))
+            } else {
+                (self.loc.span(&join(&base, "needs")), join(&base, "needs"))
+            };
+            let up = &upstream[v];
             match kind {
                 StepKind::MegatronSplitFused => {
-                    let mut unique: Vec<&str> = Vec::new();
-                    for (n, _) in &d.needs {
-                        if !unique.contains(&n.as_str()) {
-                            unique.push(n);
-                        }
-                    }
-                    let shard_needs = unique.iter().filter(|n| kind_of(n) == Some(StepKind::MegatronShard)).count();
-                    if unique.len() != 1 || shard_needs != 1 {
-                        let found = if unique.is_empty() {
+                    let direct = &graph.needs[v];
+                    let is_shard = |w: &usize| graph.kinds[*w] == Some(StepKind::MegatronShard);
+                    if direct.len() != 1 || !direct.iter().all(is_shard) {
+                        let found = if direct.is_empty() {
                             "it needs no step".to_string()
                         } else {
-                            let shown: Vec<String> = unique
+                            let shown: Vec<String> = direct
                                 .iter()
-                                .map(|n| match kind_of(n) {
-                                    Some(k) => format!("`{n}` (`{k}`)"),
-                                    None => format!("`{n}`"),
+                                .map(|&w| match graph.kinds[w] {
+                                    Some(k) => format!("`{}` (`{k}`)", graph.ids[w]),
+                                    None => format!("`{}`", graph.ids[w]),
                                 })
                                 .collect();
                             format!("it needs {}", shown.join(", "))
                         };
                         let diag = self.at(
                             needs_span,
-                            &join(&base, "needs"),
+                            &needs_path,
                             "step-order",
                             format!("`megatron.split_fused` step `{id}` must directly follow a `megatron.shard` step, but {found}"),
                         );
-                        let shards = of_kind(StepKind::MegatronShard);
                         let hint = match shards.as_slice() {
                             [one] => format!("set `needs: [{one}]`: it splits the fused output of that shard step"),
                             [] => "add a `megatron.shard` step and set `needs: [<its id>]`".to_string(),
-                            many => format!("set `needs:` to exactly one of the shard steps {}", list(many)),
+                            many => format!("set `needs:` to exactly one shard step, e.g. `needs: [{}]`", many[0]),
                         };
                         self.push(diag.with_hint(hint));
                     }
                 }
-                StepKind::CheckpointValidate | StepKind::StoreUpload => {
-                    if up_of(StepKind::MegatronShard).is_empty() {
-                        let what = if kind == StepKind::CheckpointValidate {
-                            "there is no checkpoint to validate"
-                        } else {
-                            "there is nothing to upload"
-                        };
-                        let diag = self.at(
-                            needs_span,
-                            &join(&base, if d.needs.is_empty() { "uses" } else { "needs" }),
-                            "missing-upstream",
-                            format!("`{kind}` step `{id}` has no upstream `megatron.shard` step: {what}"),
-                        );
-                        let last = of_kind(StepKind::MegatronSplitFused)
-                            .first()
-                            .or(of_kind(StepKind::MegatronShard).first())
-                            .map(|s| s.to_string());
-                        let hint = match last {
-                            Some(s) => {
-                                format!("add the step that writes the checkpoint to `needs`, e.g. `needs: [{s}]`")
-                            }
-                            None => {
-                                "add a `megatron.shard` step and list it (or the step after it) in `needs`".to_string()
-                            }
-                        };
-                        self.push(diag.with_hint(hint));
-                    }
+                StepKind::CheckpointValidate | StepKind::StoreUpload if !up.has_shard => {
+                    let what = if kind == StepKind::CheckpointValidate {
+                        "there is no checkpoint to validate"
+                    } else {
+                        "there is nothing to upload"
+                    };
+                    let diag = self.at(
+                        needs_span,
+                        &needs_path,
+                        "missing-upstream",
+                        format!("`{kind}` step `{id}` has no upstream `megatron.shard` step: {what}"),
+                    );
+                    let hint = match first_of(StepKind::MegatronSplitFused).or(first_of(StepKind::MegatronShard)) {
+                        Some(s) => format!("add the step that writes the checkpoint to `needs`, e.g. `needs: [{s}]`"),
+                        None => "add a `megatron.shard` step and list it (or the step after it) in `needs`".to_string(),
+                    };
+                    self.push(diag.with_hint(hint));
                 }
-                StepKind::MegatronShard => {
-                    let downloads = up_of(StepKind::HfDownload);
-                    if downloads.is_empty() {
-                        let diag = self.at(
-                            needs_span,
-                            &join(&base, if d.needs.is_empty() { "uses" } else { "needs" }),
-                            "missing-upstream",
-                            format!("`megatron.shard` step `{id}` has no upstream `hf.download` step: it has no source release"),
-                        );
-                        let hint = match of_kind(StepKind::HfDownload).first() {
-                            Some(s) => format!("add `needs: [{s}]`"),
-                            None => "add an `hf.download` step and list it in `needs`".to_string(),
-                        };
-                        self.push(diag.with_hint(hint));
-                    } else if downloads.len() > 1 {
-                        let diag = self.at(
-                            needs_span,
-                            &join(&base, "needs"),
-                            "ambiguous-source",
-                            format!(
-                                "`megatron.shard` step `{id}` has {} upstream `hf.download` steps ({}); its source must be unique",
-                                downloads.len(),
-                                list(&downloads)
-                            ),
-                        );
-                        self.push(diag.with_hint("keep one download upstream of each shard step"));
-                    }
+                StepKind::MegatronShard if up.downloads.is_empty() => {
+                    let diag = self.at(
+                        needs_span,
+                        &needs_path,
+                        "missing-upstream",
+                        format!(
+                            "`megatron.shard` step `{id}` has no upstream `hf.download` step: it has no source release"
+                        ),
+                    );
+                    let hint = match first_of(StepKind::HfDownload) {
+                        Some(s) => format!("add `needs: [{s}]`"),
+                        None => "add an `hf.download` step and list it in `needs`".to_string(),
+                    };
+                    self.push(diag.with_hint(hint));
                 }
-                StepKind::HfDownload => {}
+                StepKind::MegatronShard if up.downloads.len() > 1 => {
+                    let names: Vec<&str> = up.downloads.iter().take(MAX_DOWNLOADS).map(|&w| graph.ids[w]).collect();
+                    let count = if up.downloads.len() > MAX_DOWNLOADS {
+                        format!("more than {MAX_DOWNLOADS}")
+                    } else {
+                        up.downloads.len().to_string()
+                    };
+                    let diag = self.at(
+                        needs_span,
+                        &needs_path,
+                        "ambiguous-source",
+                        format!(
+                            "`megatron.shard` step `{id}` has {count} upstream `hf.download` steps ({}); its source must be unique",
+                            list(&names)
+                        ),
+                    );
+                    self.push(diag.with_hint("keep one download upstream of each shard step"));
+                }
+                _ => {}
             }
         }
     }
 
     /// Reports each dependency cycle once, as the chain in execution order, at the `needs`
     /// entry that closes it.
-    fn cycles(&mut self, drafts: &[Draft], edges: &BTreeMap<&str, Vec<(&str, &str)>>) {
-        let order: Vec<&str> = drafts.iter().filter_map(|d| d.id.as_deref()).collect();
-        for component in strongly_connected(&order, edges) {
-            let start = component[0];
-            let self_loop = edges.get(start).is_some_and(|v| v.iter().any(|(n, _)| *n == start));
-            if component.len() == 1 && !self_loop {
-                continue;
+    fn cycles(&mut self, graph: &Graph<'_>, named: &[&Draft], components: &[Vec<usize>]) {
+        let mut needed_by: Vec<Vec<usize>> = vec![Vec::new(); graph.len()];
+        for (v, needs) in graph.needs.iter().enumerate() {
+            for &w in needs {
+                needed_by[w].push(v);
             }
+        }
+        let mut cycles: Vec<&Vec<usize>> = components.iter().filter(|c| graph.is_cycle(c)).collect();
+        cycles.sort_by_key(|c| c[0]);
+        for component in cycles {
+            let start = component[0];
             // Shortest path start → … → start along "is needed by" edges, inside the component.
-            let needed_by = |n: &str| -> Vec<&str> {
-                order
-                    .iter()
-                    .copied()
-                    .filter(|s| component.contains(s) && edges.get(s).is_some_and(|v| v.iter().any(|(m, _)| *m == n)))
-                    .collect()
-            };
-            let mut prev: BTreeMap<&str, &str> = BTreeMap::new();
+            let mut prev: HashMap<usize, usize> = HashMap::new();
             let mut queue = VecDeque::from([start]);
             let mut last = None;
-            while let Some(n) = queue.pop_front() {
-                for m in needed_by(n) {
+            'bfs: while let Some(n) = queue.pop_front() {
+                for &m in &needed_by[n] {
+                    if component.binary_search(&m).is_err() {
+                        continue;
+                    }
                     if m == start {
                         last = Some(n);
-                        break;
+                        break 'bfs;
                     }
-                    if !prev.contains_key(m) {
-                        prev.insert(m, n);
+                    if let std::collections::hash_map::Entry::Vacant(e) = prev.entry(m) {
+                        e.insert(n);
                         queue.push_back(m);
                     }
-                }
-                if last.is_some() {
-                    break;
                 }
             }
             let Some(last) = last else { continue };
             let mut chain = vec![last];
-            while let Some(p) = prev.get(chain[chain.len() - 1]) {
+            while let Some(&p) = prev.get(&chain[chain.len() - 1]) {
                 chain.push(p);
+            }
+            if chain.last() != Some(&start) {
+                chain.push(start);
             }
             chain.reverse(); // start … last
             chain.push(start);
-            debug_assert_eq!(chain[0], start);
-            let shown = chain.join(" -> ");
+            const SHOWN: usize = 12;
+            let mut names: Vec<&str> = chain.iter().map(|&v| graph.ids[v]).collect();
+            if names.len() > SHOWN {
+                let tail = names.split_off(names.len() - 2);
+                names.truncate(SHOWN - 3);
+                names.push("…");
+                names.extend(tail);
+            }
+            let shown = names.join(" -> ");
+            let (start_id, last_id) = (graph.ids[start], graph.ids[last]);
             // `start` needs `last`: that entry closes the cycle.
-            let path = edges
-                .get(start)
-                .and_then(|v| v.iter().find(|(n, _)| *n == last))
-                .map(|(_, p)| p.to_string())
-                .unwrap_or_default();
+            let path =
+                named[start].needs.iter().find(|(n, _)| n == last_id).map(|(_, p)| p.clone()).unwrap_or_default();
             let d = self.at(self.loc.span(&path), &path, "cycle", format!("dependency cycle: `{shown}`"));
             let hint = if chain.len() == 2 {
-                format!("step `{start}` needs itself; remove `{start}` from its `needs`")
+                format!("step `{start_id}` needs itself; remove `{start_id}` from its `needs`")
             } else {
-                format!("a step runs after the steps it needs, so no step of a cycle can start; remove one `needs` entry of the chain (here: `{start}` needs `{last}`)")
+                format!(
+                    "a step runs after the steps it needs, so no step of a cycle can start; remove one `needs` \
+                     entry of the chain (here: `{start_id}` needs `{last_id}`)"
+                )
             };
             self.push(d.with_hint(hint));
         }
@@ -1273,66 +1256,6 @@ pub(crate) fn fitting_values(mesh: &Mesh, field: &str, etp_follows_tp: bool, mod
         })
         .take(8)
         .collect()
-}
-
-/// Tarjan's strongly connected components, iteratively; components in discovery order, nodes
-/// of each in file order.
-fn strongly_connected<'s>(order: &[&'s str], edges: &BTreeMap<&'s str, Vec<(&'s str, &'s str)>>) -> Vec<Vec<&'s str>> {
-    let pos: BTreeMap<&str, usize> = order.iter().enumerate().map(|(i, s)| (*s, i)).collect();
-    let n = order.len();
-    let succ: Vec<Vec<usize>> = order
-        .iter()
-        .map(|s| edges.get(s).map(|v| v.iter().filter_map(|(m, _)| pos.get(m).copied()).collect()).unwrap_or_default())
-        .collect();
-    let mut index = vec![usize::MAX; n];
-    let mut low = vec![0; n];
-    let mut on_stack = vec![false; n];
-    let mut stack = Vec::new();
-    let mut next = 0;
-    let mut out = Vec::new();
-    for root in 0..n {
-        if index[root] != usize::MAX {
-            continue;
-        }
-        let mut work: Vec<(usize, usize)> = vec![(root, 0)];
-        while let Some(&mut (v, ref mut i)) = work.last_mut() {
-            if *i == 0 && index[v] == usize::MAX {
-                index[v] = next;
-                low[v] = next;
-                next += 1;
-                stack.push(v);
-                on_stack[v] = true;
-            }
-            if *i < succ[v].len() {
-                let w = succ[v][*i];
-                *i += 1;
-                if index[w] == usize::MAX {
-                    work.push((w, 0));
-                } else if on_stack[w] {
-                    low[v] = low[v].min(index[w]);
-                }
-            } else {
-                work.pop();
-                if let Some(&(u, _)) = work.last() {
-                    low[u] = low[u].min(low[v]);
-                }
-                if low[v] == index[v] {
-                    let mut comp = Vec::new();
-                    while let Some(w) = stack.pop() {
-                        on_stack[w] = false;
-                        comp.push(w);
-                        if w == v {
-                            break;
-                        }
-                    }
-                    comp.sort_unstable();
-                    out.push(comp.into_iter().map(|i| order[i]).collect());
-                }
-            }
-        }
-    }
-    out.sort_by_key(|c: &Vec<&str>| pos.get(c[0]).copied().unwrap_or(0));
-    out
 }
 
 fn required_hint(kind: StepKind, f: &Field) -> String {

@@ -469,39 +469,50 @@ impl ResolvedPipeline {
     }
 
     /// The steps in an order where every step comes after the steps it needs; among steps that
-    /// are ready at the same time, file order. Deterministic.
+    /// are ready at the same time, file order. Deterministic. (Needs naming no step are ignored;
+    /// steps on a cycle, which lint refuses, are left out.)
     pub fn topo_order(&self) -> Vec<&ResolvedStep> {
-        let index: BTreeMap<&str, usize> = self.steps.iter().enumerate().map(|(i, s)| (s.id.as_str(), i)).collect();
-        let mut done = vec![false; self.steps.len()];
+        let mut index: BTreeMap<&str, usize> = BTreeMap::new();
+        for (i, s) in self.steps.iter().enumerate() {
+            index.entry(s.id.as_str()).or_insert(i);
+        }
+        let mut waiting = vec![0usize; self.steps.len()];
+        let mut dependents: Vec<Vec<usize>> = vec![Vec::new(); self.steps.len()];
+        for (i, s) in self.steps.iter().enumerate() {
+            let needs: std::collections::BTreeSet<usize> =
+                s.needs.iter().filter_map(|n| index.get(n.as_str()).copied()).collect();
+            waiting[i] = needs.len();
+            for j in needs {
+                dependents[j].push(i);
+            }
+        }
+        let mut ready: std::collections::BTreeSet<usize> = (0..self.steps.len()).filter(|&i| waiting[i] == 0).collect();
         let mut order = Vec::with_capacity(self.steps.len());
-        while order.len() < self.steps.len() {
-            let next = self
-                .steps
-                .iter()
-                .enumerate()
-                .find(|(i, s)| !done[*i] && s.needs.iter().all(|n| index.get(n.as_str()).is_none_or(|&j| done[j])));
-            // A resolved pipeline is acyclic (lint refuses cycles); stop rather than loop if not.
-            let Some((i, s)) = next else { break };
-            done[i] = true;
-            order.push(s);
+        while let Some(i) = ready.pop_first() {
+            order.push(&self.steps[i]);
+            for &d in &dependents[i] {
+                waiting[d] -= 1;
+                if waiting[d] == 0 {
+                    ready.insert(d);
+                }
+            }
         }
         order
     }
 
     /// Every step `id` transitively needs, in topological order.
     pub fn upstream(&self, id: &str) -> Vec<&ResolvedStep> {
-        let mut seen: Vec<&str> = Vec::new();
+        let mut seen: std::collections::BTreeSet<&str> = std::collections::BTreeSet::new();
         let mut stack: Vec<&str> =
             self.step(id).map(|s| s.needs.iter().map(String::as_str).collect()).unwrap_or_default();
         while let Some(n) = stack.pop() {
-            if !seen.contains(&n) {
-                seen.push(n);
+            if seen.insert(n) {
                 if let Some(s) = self.step(n) {
                     stack.extend(s.needs.iter().map(String::as_str));
                 }
             }
         }
-        self.topo_order().into_iter().filter(|s| seen.contains(&s.id.as_str())).collect()
+        self.topo_order().into_iter().filter(|s| seen.contains(s.id.as_str())).collect()
     }
 
     /// The source release of a step: the `path` of the `hf.download` step it (transitively)

@@ -11,6 +11,7 @@ use sha2::{Digest, Sha256};
 use shardline_layout::{LayoutError, Mesh, ModelConfig};
 
 use crate::diagnostic::{self, Diagnostic};
+use crate::graph::Graph;
 use crate::lint::{fitting_values, join, mesh_errors, mesh_field, sub_span, LintContext};
 use crate::model::{
     Locations, OutputFormatName, ParamType, ParamValue, Pipeline, ResolvedPipeline, ResolvedStep, Resources, Retry,
@@ -317,30 +318,6 @@ pub(crate) fn resolve_step(
     })
 }
 
-/// The one `hf.download` step upstream of `id`, if there is exactly one.
-fn upstream_download<'s>(id: &str, steps: &[(usize, &'s StepSpec)]) -> Option<&'s StepSpec> {
-    let by_id: BTreeMap<&str, &StepSpec> = steps.iter().map(|(_, s)| (s.id.as_str(), *s)).collect();
-    let mut seen: BTreeSet<&str> = BTreeSet::new();
-    let mut stack: Vec<&str> = by_id.get(id).map(|s| s.needs.iter().map(String::as_str).collect()).unwrap_or_default();
-    let mut found = Vec::new();
-    while let Some(n) = stack.pop() {
-        if !seen.insert(n) {
-            continue;
-        }
-        if let Some(s) = by_id.get(n) {
-            if s.kind == StepKind::HfDownload {
-                found.push(*s);
-            }
-            stack.extend(s.needs.iter().map(String::as_str));
-        }
-    }
-    if found.len() == 1 {
-        found.pop()
-    } else {
-        None
-    }
-}
-
 /// Mesh checks of every resolved shard step: `Mesh::check`, and `check_mesh_for_model` when
 /// `ctx` can read the source's model config. Each violation is reported at the `with` field it
 /// is about (or where that field would be written).
@@ -354,20 +331,30 @@ pub(crate) fn check_meshes(
     file: &str,
     diags: &mut Vec<Diagnostic>,
 ) {
-    let index_of: BTreeMap<&str, usize> = steps.iter().map(|(i, s)| (s.id.as_str(), *i)).collect();
-    for (index, spec) in steps {
+    let graph = Graph::new(
+        steps
+            .iter()
+            .map(|(_, s)| (s.id.as_str(), Some(s.kind), s.needs.iter().map(String::as_str).collect()))
+            .collect(),
+    );
+    let upstream = graph.upstream(&graph.components());
+    for (v, (index, spec)) in steps.iter().enumerate() {
         if spec.kind != StepKind::MegatronShard || spec.id.is_empty() {
             continue;
         }
         let Some(mesh) = resolved.get(&spec.id).and_then(|r| r.config.mesh()) else { continue };
         let mut model: Option<(ModelConfig, PathBuf)> = None;
-        if let Some(dl) = upstream_download(&spec.id, steps) {
-            if let Some(StepConfig::HfDownload { path }) = resolved.get(&dl.id).map(|r| &r.config) {
+        let download = match upstream.get(v).map(|u| &u.downloads) {
+            Some(d) if d.len() == 1 => d.first().map(|&w| (w, graph.ids[w])),
+            _ => None,
+        };
+        if let Some((w, dl_id)) = download {
+            if let Some(StepConfig::HfDownload { path }) = resolved.get(dl_id).map(|r| &r.config) {
                 match ctx.lookup(path) {
                     Ok(Some(cfg)) => model = Some((cfg, path.clone())),
                     Ok(None) => {}
                     Err(msg) => {
-                        let p = format!("steps[{}].with.path", index_of.get(dl.id.as_str()).copied().unwrap_or(0));
+                        let p = format!("steps[{}].with.path", steps[w].0);
                         diags.push(
                             Diagnostic::at(
                                 file,

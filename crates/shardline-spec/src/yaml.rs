@@ -236,17 +236,39 @@ pub struct Problem {
     pub code: &'static str,
     pub message: String,
     pub hint: Option<String>,
-    /// The key a `duplicate-key` problem is about (it is not in the tree).
-    pub key: Option<String>,
+    /// Key path of the node the problem is about (`steps[1].with.tp`).
+    pub path: String,
 }
 
 fn problem(span: Span, code: &'static str, message: String, hint: Option<String>) -> Problem {
-    Problem { span, code, message, hint, key: None }
+    Problem { span, code, message, hint, path: String::new() }
+}
+
+fn join(base: &str, key: &str) -> String {
+    if base.is_empty() {
+        key.to_string()
+    } else {
+        format!("{base}.{key}")
+    }
 }
 
 enum Frame {
-    Seq { start: Span, anchor: usize, items: Vec<Node> },
-    Map { start: Span, anchor: usize, entries: Vec<Entry>, key: Option<Option<(String, Span)>> },
+    Seq {
+        start: Span,
+        anchor: usize,
+        path: String,
+        items: Vec<Node>,
+    },
+    Map {
+        start: Span,
+        anchor: usize,
+        path: String,
+        entries: Vec<Entry>,
+        /// Line of each key's first occurrence.
+        seen: HashMap<String, usize>,
+        /// `None`: the next node is a key; `Some(None)`: the value of a refused key.
+        key: Option<Option<(String, Span)>>,
+    },
 }
 
 /// Reads one YAML document. Returns the root node (absent when the document cannot be read at
@@ -287,14 +309,44 @@ impl Builder {
     fn run(mut self, text: &str, problems: &mut Vec<Problem>) -> Result<Option<Node>, Problem> {
         let mut parser = Parser::new_from_str(text);
         loop {
+            let before = problems.len();
             let (event, span) = match parser.next_event() {
                 None => break,
                 Some(Ok((event, span))) => (event, Span::from_parser(&span)),
-                Some(Err(e)) => return Err(scan_error(text, &e)),
+                Some(Err(e)) => return Err(Problem { path: self.child_path(), ..scan_error(text, &e) }),
             };
+            // Problems found while handling an event are about the node it starts or ends.
+            let here = match (&event, self.stack.last()) {
+                (Event::SequenceEnd | Event::MappingEnd, Some(Frame::Seq { path, .. } | Frame::Map { path, .. })) => {
+                    path.clone()
+                }
+                _ => self.child_path(),
+            };
+            let stop = self.event(event, span, problems).map_err(|p| {
+                if p.path.is_empty() {
+                    Problem { path: here.clone(), ..p }
+                } else {
+                    p
+                }
+            })?;
+            for p in &mut problems[before..] {
+                if p.path.is_empty() {
+                    p.path.clone_from(&here);
+                }
+            }
+            if stop {
+                break;
+            }
+        }
+        Ok(self.root)
+    }
+
+    /// Handles one event; `true` at the end of the stream.
+    fn event(&mut self, event: Event<'_>, span: Span, problems: &mut Vec<Problem>) -> Result<bool, Problem> {
+        {
             match event {
                 Event::Nothing | Event::StreamStart | Event::DocumentEnd => {}
-                Event::StreamEnd => break,
+                Event::StreamEnd => return Ok(true),
                 Event::DocumentStart(_) => {
                     self.documents += 1;
                     if self.documents > 1 {
@@ -366,7 +418,8 @@ impl Builder {
                             problems.push(tag_mismatch(span, t, "a sequence"));
                         }
                     }
-                    self.push(Frame::Seq { start: span, anchor, items: Vec::new() }, span)?;
+                    let path = self.child_path();
+                    self.push(Frame::Seq { start: span, anchor, path, items: Vec::new() }, span)?;
                 }
                 Event::MappingStart(anchor, tag) => {
                     self.check_anchor(anchor, span)?;
@@ -375,11 +428,15 @@ impl Builder {
                             problems.push(tag_mismatch(span, t, "a mapping"));
                         }
                     }
-                    self.push(Frame::Map { start: span, anchor, entries: Vec::new(), key: None }, span)?;
+                    let path = self.child_path();
+                    self.push(
+                        Frame::Map { start: span, anchor, path, entries: Vec::new(), seen: HashMap::new(), key: None },
+                        span,
+                    )?;
                 }
                 Event::SequenceEnd | Event::MappingEnd => {
                     let (node, anchor) = match self.stack.pop() {
-                        Some(Frame::Seq { start, anchor, items }) => {
+                        Some(Frame::Seq { start, anchor, items, .. }) => {
                             (Node { kind: Kind::Seq(items), span: start.join(span) }, anchor)
                         }
                         Some(Frame::Map { start, anchor, entries, .. }) => {
@@ -393,7 +450,17 @@ impl Builder {
                 }
             }
         }
-        Ok(self.root)
+        Ok(false)
+    }
+
+    /// Key path of the node that starts next.
+    fn child_path(&self) -> String {
+        match self.stack.last() {
+            None => String::new(),
+            Some(Frame::Seq { path, items, .. }) => format!("{path}[{}]", items.len()),
+            Some(Frame::Map { path, key: Some(Some((k, _))), .. }) => join(path, k),
+            Some(Frame::Map { path, .. }) => path.clone(),
+        }
     }
 
     fn push(&mut self, frame: Frame, span: Span) -> Result<(), Problem> {
@@ -472,37 +539,39 @@ impl Builder {
         match self.stack.last_mut() {
             None => self.root = Some(node),
             Some(Frame::Seq { items, .. }) => items.push(node),
-            Some(Frame::Map { entries, key, .. }) => match key.take() {
+            Some(Frame::Map { entries, key, seen, path, .. }) => match key.take() {
                 None => {
                     // This node is a key.
                     *key = Some(match node.kind {
                         Kind::Scalar(s) => Some((s.text, node.span)),
                         _ => {
-                            problems.push(problem(
+                            let mut p = problem(
                                 node.span,
                                 "complex-key",
                                 format!("mapping keys must be plain names, found {}", node.describe()),
                                 None,
-                            ));
+                            );
+                            p.path = path.clone();
+                            problems.push(p);
                             None
                         }
                     });
                 }
                 Some(None) => {} // the value of a rejected key
                 Some(Some((name, key_span))) => {
-                    if let Some(first) = entries.iter().find(|e| e.key == name) {
+                    if let Some(first_line) = seen.get(&name) {
                         let mut p = problem(
                             key_span,
                             "duplicate-key",
                             format!("duplicate key `{name}`"),
                             Some(format!(
-                                "`{name}` is already set on line {}; YAML would silently keep only one of them",
-                                first.key_span.line
+                                "`{name}` is already set on line {first_line}; YAML would silently keep only one of them"
                             )),
                         );
-                        p.key = Some(name);
+                        p.path = join(path, &name);
                         problems.push(p);
                     } else {
+                        seen.insert(name.clone(), key_span.line);
                         entries.push(Entry { key: name, key_span, value: node });
                     }
                 }

@@ -19,3 +19,27 @@ fn valid_specs_have_no_diagnostics() {
     }
     assert!(seen >= 3);
 }
+
+#[test]
+fn warnings_do_not_block_a_pipeline() {
+    let text = "apiVersion: shardline/v1
+kind: Pipeline
+name: warn
+params:
+  spare: {type: int, default: 1}
+steps:
+  - {id: download, uses: hf.download, with: {path: /data/models/llama}}
+";
+    let (pipeline, diags) = lint("warn.yaml", text, &shardline_spec::LintContext::new());
+    assert!(pipeline.is_some());
+    insta::assert_snapshot!(render_all(&diags, text), @r"
+    warning: param `spare` is never used
+     --> warn.yaml:5:3 (params.spare)
+      |
+    5 |   spare: {type: int, default: 1}
+      |   ^^^^^
+      = hint: use it as `${{ params.spare }}` or remove it
+
+    warning: `warn.yaml`: 1 warning
+    ");
+}
