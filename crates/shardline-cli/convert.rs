@@ -79,6 +79,13 @@ pub struct ConvertArgs {
     /// Writer threads (default: number of CPUs, at least 2).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Compute the zip CRC-32 of every tensor item of a DCP checkpoint (slower: every byte is
+    /// then read and hashed). Off, the CRC fields hold 0, as torch ≥ 2.6 writes them with
+    /// `torch.serialization.config.save.compute_crc32 = False`: PyTorch's reader is built with
+    /// MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS and never checks them, and `shardline validate`
+    /// compares every byte with the source instead.
+    #[arg(long)]
+    pub zip_crc32: bool,
     /// Machine-readable output on stdout.
     #[arg(long)]
     pub json: bool,
@@ -127,6 +134,7 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
         },
         threads: args.threads.unwrap_or(ExecuteOptions::default().threads),
         overwrite: args.overwrite,
+        zip_crc32: args.zip_crc32,
         ..ExecuteOptions::default()
     };
     let total: u64 = plan.bytes_per_rank().iter().sum();
@@ -146,7 +154,8 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
             json!({
                 "model_type": plan.model_type, "mesh": mesh.to_string(), "world": plan.world(),
                 "files": report.files.len(), "chunks": report.chunks, "tensor_bytes": report.tensor_bytes,
-                "file_bytes": report.file_bytes, "seconds": secs, "peak_rss_bytes": rss,
+                "file_bytes": report.file_bytes, "kernel_copy_bytes": report.kernel_copy_bytes,
+                "seconds": secs, "peak_rss_bytes": rss,
                 "source_bytes": release.total_bytes(), "unconverted": plan.unconverted,
             })
         );
@@ -261,6 +270,9 @@ pub struct BenchArgs {
     /// Timed repetitions of each command; the best is reported.
     #[arg(long, default_value_t = 2)]
     pub repeat: usize,
+    /// Convert with --zip-crc32.
+    #[arg(long)]
+    pub zip_crc32: bool,
     #[arg(long)]
     pub json: bool,
 }
@@ -314,7 +326,8 @@ pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
                     .arg(&out)
                     .args(["--tp", &mesh.tp.to_string(), "--cp", &mesh.cp.to_string()])
                     .args(["--dp", &mesh.dp.to_string(), "--ep", &mesh.ep.to_string()])
-                    .args(["--etp", &mesh.etp.to_string()]),
+                    .args(["--etp", &mesh.etp.to_string()])
+                    .args(args.zip_crc32.then_some("--zip-crc32")),
             )?;
             best_conv = best_conv.min(t);
             let v: serde_json::Value = serde_json::from_str(stdout.trim()).context("parsing convert --json")?;

@@ -163,3 +163,90 @@ fn validate_detects_a_flipped_byte_and_names_the_place() {
     let text = format!("{}{}", stdout(&o), stderr(&o));
     assert!(text.contains("__3_0.distcp"), "{text}");
 }
+
+#[test]
+fn zip_crc32_is_optional_and_both_forms_validate() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["llama", "qwen3_moe"] {
+        let src = fixture(name);
+        let plain = tmp.path().join(format!("{name}-plain"));
+        let crc = tmp.path().join(format!("{name}-crc"));
+        let mesh = if name == "llama" { (2, 1, 2, 1) } else { (2, 1, 2, 2) };
+        convert(&src, &plain, mesh, &["--optimizer-state"]);
+        convert(&src, &crc, mesh, &["--optimizer-state", "--zip-crc32"]);
+        for dir in [&plain, &crc] {
+            let v = validate(dir, &src);
+            assert_eq!(v["ok"], true, "{}", dir.display());
+        }
+        // Same files, same sizes, same .metadata: only CRC fields differ.
+        assert_eq!(std::fs::read(plain.join(".metadata")).unwrap(), std::fs::read(crc.join(".metadata")).unwrap());
+        let names = |d: &std::path::Path| {
+            let mut v: Vec<(String, u64)> = std::fs::read_dir(d)
+                .unwrap()
+                .map(|e| e.unwrap())
+                .map(|e| (e.file_name().to_string_lossy().into_owned(), e.metadata().unwrap().len()))
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(names(&plain), names(&crc));
+        // Every zip entry's stored CRC-32 is 0 without the flag and right with it.
+        for (dir, computed) in [(&plain, false), (&crc, true)] {
+            let (checked, zero) = check_zip_crcs(dir);
+            assert!(checked > 0);
+            if computed {
+                assert_eq!(zero, 0, "{name}: --zip-crc32 left CRC fields at 0");
+            } else {
+                assert_eq!(zero, checked, "{name}: without --zip-crc32 every data CRC is 0");
+            }
+        }
+    }
+}
+
+/// Walks every rank file's local zip headers; checks each tensor data entry's stored CRC-32
+/// against its bytes when non-zero. Returns (data entries seen, entries with CRC 0).
+fn check_zip_crcs(dir: &std::path::Path) -> (usize, usize) {
+    let (mut seen, mut zero) = (0, 0);
+    for e in std::fs::read_dir(dir).unwrap() {
+        let path = e.unwrap().path();
+        if path.extension().and_then(|x| x.to_str()) != Some("distcp") {
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let le16 = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]) as usize;
+        let le32 = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
+        let mut at = 0;
+        while at + 30 <= bytes.len() {
+            if le32(at) != 0x0403_4b50 {
+                at += 1;
+                continue;
+            }
+            let (crc, size, name_len, extra_len) = (le32(at + 14), le32(at + 18) as usize, le16(at + 26), le16(at + 28));
+            let name = String::from_utf8_lossy(&bytes[at + 30..at + 30 + name_len]).into_owned();
+            let data = at + 30 + name_len + extra_len;
+            if name.contains("/data/") {
+                seen += 1;
+                if crc == 0 {
+                    zero += 1;
+                } else {
+                    let got = crc32(&bytes[data..data + size]);
+                    assert_eq!(crc, got, "{}: entry at {at}", path.display());
+                }
+            }
+            at = data + size;
+        }
+    }
+    (seen, zero)
+}
+
+/// Plain CRC-32 (IEEE), bitwise: the tests need no more.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut c = !0u32;
+    for &b in bytes {
+        c ^= u32::from(b);
+        for _ in 0..8 {
+            c = if c & 1 != 0 { (c >> 1) ^ 0xEDB8_8320 } else { c >> 1 };
+        }
+    }
+    !c
+}

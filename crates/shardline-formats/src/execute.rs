@@ -4,16 +4,29 @@
 //! Rank files are independent (the plan says everything), so they are written in parallel by a
 //! small pool of threads, each holding one fixed-size buffer. A DCP checkpoint becomes visible
 //! only when `.metadata` is renamed into place, after every rank file is complete and synced.
+//!
+//! The data path of a DCP rank file, per byte segment of a chunk (see [`segments`]):
+//! - a plain copy of at least [`ExecuteOptions::copy_min_bytes`] goes file to file inside the
+//!   kernel (`copy_file_range`), after the buffered bytes before it are written out;
+//! - a smaller plain copy is read straight into the buffer's free space; consecutive reads from
+//!   one release file are gathered into one `preadv` (column stripes of row-parallel weights are
+//!   thousands of short rows), the short gaps between them landing in a scratch area;
+//! - transformed bytes are read into the buffer and transformed there; zero rows are filled there.
+//!
+//! When `copy_file_range` is refused (another filesystem, no kernel support), every copy takes
+//! the buffered path, with the same bytes as result.
 
+use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
-use std::io;
+use std::io::{self, IoSliceMut};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{mpsc, Arc, Mutex};
 
-use shardline_layout::recipe::{apply_transform, segments, Segment};
-use shardline_layout::{OutputTensor, Plan};
+use rustix::io::Errno;
+use shardline_layout::recipe::{apply_transform, segments, Segment, Transform};
+use shardline_layout::{DType, OutputTensor, Plan};
 use thiserror::Error;
 
 use crate::dcp_metadata::{self, ChunkMeta, EntryMeta, Metadata, PathElem, StorageInfo, StorageKey};
@@ -29,6 +42,11 @@ pub enum OutputFormat {
     DcpSafetensors,
 }
 
+/// Smallest plain segment copied file to file by the kernel (default of
+/// [`ExecuteOptions::copy_min_bytes`]): below it, a syscall per segment costs more than
+/// gathering the segment through the buffer.
+pub const DEFAULT_COPY_MIN_BYTES: u64 = 64 << 10;
+
 /// Knobs of the executor.
 #[derive(Clone, Debug)]
 pub struct ExecuteOptions {
@@ -39,6 +57,15 @@ pub struct ExecuteOptions {
     pub buffer_bytes: usize,
     /// Replace an existing checkpoint in the output directory.
     pub overwrite: bool,
+    /// Compute the zip CRC-32 of every tensor entry of a DCP rank file. Off, the data entries
+    /// carry CRC 0, as `torch.save` writes them with `torch.serialization.config.save.
+    /// compute_crc32 = False`; torch's reader never checks them, so they are only for other zip
+    /// tools. On, every data byte passes through the buffer (no kernel-side copy).
+    pub zip_crc32: bool,
+    /// Copy large plain segments with `copy_file_range`; off forces the read/write path.
+    pub copy_file_range: bool,
+    /// Plain segments of at least this many bytes are copied with `copy_file_range`.
+    pub copy_min_bytes: u64,
 }
 
 impl Default for ExecuteOptions {
@@ -46,8 +73,11 @@ impl Default for ExecuteOptions {
         ExecuteOptions {
             format: OutputFormat::Dcp,
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).max(2),
-            buffer_bytes: 8 << 20,
+            buffer_bytes: 1 << 20,
             overwrite: false,
+            zip_crc32: false,
+            copy_file_range: true,
+            copy_min_bytes: DEFAULT_COPY_MIN_BYTES,
         }
     }
 }
@@ -91,6 +121,9 @@ pub struct WriteReport {
     pub tensor_bytes: u64,
     pub file_bytes: u64,
     pub chunks: u64,
+    /// Tensor bytes copied file to file by the kernel (`copy_file_range`); the rest went through
+    /// the writers' buffers.
+    pub kernel_copy_bytes: u64,
 }
 
 /// Where each plan source lives: `(file index, absolute data offset, byte length)`.
@@ -123,10 +156,20 @@ impl SourceMap {
 
     /// Reads `buf.len()` bytes of source `id` at byte `offset` within the tensor.
     fn read(&self, id: usize, offset: u64, buf: &mut [u8]) -> Result<(), ExecuteError> {
-        let (fi, start, len) = self.locs[id];
-        debug_assert!(offset + buf.len() as u64 <= len);
+        let (fi, at) = self.locate(id, offset, buf.len() as u64);
+        self.read_at(fi, at, buf)
+    }
+
+    /// `(file index, absolute offset)` of byte `offset` of source `id`, for `len` bytes.
+    fn locate(&self, id: usize, offset: u64, len: u64) -> (usize, u64) {
+        let (fi, start, tensor_len) = self.locs[id];
+        debug_assert!(offset + len <= tensor_len);
+        (fi, start + offset)
+    }
+
+    fn read_at(&self, fi: usize, at: u64, buf: &mut [u8]) -> Result<(), ExecuteError> {
         let (path, file) = &self.files[fi];
-        file.read_exact_at(buf, start + offset).map_err(io_err(path, "read release tensor"))
+        file.read_exact_at(buf, at).map_err(io_err(path, "read release tensor"))
     }
 }
 
@@ -161,40 +204,331 @@ pub(crate) fn stream_chunk(
     Ok(())
 }
 
-/// A sequential file writer with its own buffer that can patch bytes it already wrote.
-struct RankFile {
-    path: PathBuf,
-    file: File,
-    buf: Vec<u8>,
-    flushed: u64,
+/// At most this many buffers in one `preadv` (Linux's `UIO_MAXIOV`; a handful in unit tests, to
+/// exercise the batch boundaries on tiny fixtures).
+const MAX_IOVECS: usize = if cfg!(test) { 7 } else { 1024 };
+/// Source bytes between two gathered reads that are read (into scratch) rather than skipped with
+/// a new syscall: copying a few KiB costs about what a syscall does.
+const MAX_GATHER_GAP: u64 = 8 << 10;
+/// Scratch space for those gap bytes, per `preadv`.
+const GAP_SCRATCH: usize = if cfg!(test) { 300 } else { 256 << 10 };
+/// Written bytes of a rank file between two requests to start their writeback.
+const SYNC_EVERY: u64 = 32 << 20;
+
+/// A read of release bytes into the buffer, not yet done.
+#[derive(Clone, Copy, Debug)]
+struct PendingRead {
+    file: usize,
+    src: u64,
+    at: usize,
+    len: usize,
 }
 
-impl RankFile {
-    fn create(path: PathBuf, capacity: usize) -> Result<RankFile, ExecuteError> {
+/// Whether `copy_file_range` failed because this pair of files cannot use it (rather than an I/O
+/// error): the read/write path then does the copy.
+fn copy_unsupported(e: Errno) -> bool {
+    [Errno::XDEV, Errno::NOSYS, Errno::INVAL, Errno::OPNOTSUPP, Errno::PERM, Errno::TXTBSY, Errno::BADF].contains(&e)
+}
+
+/// How a rank file gets its bytes, shared by the writer threads.
+struct DataPath<'a> {
+    sources: &'a SourceMap,
+    /// Cleared, for every thread, the first time the kernel refuses `copy_file_range`.
+    kernel_copy: AtomicBool,
+    copy_min_bytes: u64,
+    zip_crc32: bool,
+    buffer_bytes: usize,
+    /// Bytes copied by `copy_file_range`.
+    kernel_copied: AtomicU64,
+}
+
+impl<'a> DataPath<'a> {
+    fn new(sources: &'a SourceMap, options: &ExecuteOptions) -> DataPath<'a> {
+        DataPath {
+            sources,
+            kernel_copy: AtomicBool::new(options.copy_file_range),
+            copy_min_bytes: options.copy_min_bytes.max(1),
+            zip_crc32: options.zip_crc32,
+            // Room for whole elements and a page at least.
+            buffer_bytes: options.buffer_bytes.max(1 << 12),
+            kernel_copied: AtomicU64::new(0),
+        }
+    }
+}
+
+/// A sequential rank-file writer: a fixed buffer that source bytes are read into directly, kernel
+/// copies for large plain segments, and patching of bytes already written.
+struct RankFile<'a> {
+    path: PathBuf,
+    file: Arc<File>,
+    data: &'a DataPath<'a>,
+    syncer: &'a mpsc::Sender<SyncJob>,
+    /// `flushed` when writeback was last requested.
+    sync_requested: u64,
+    /// Fixed size; `buf[..fill]` is pending output (some of it awaiting `pending` reads).
+    buf: Vec<u8>,
+    fill: usize,
+    /// Bytes of the file already written.
+    flushed: u64,
+    pending: Vec<PendingRead>,
+    gaps: Vec<u8>,
+    /// While a CRC'd data entry is being written: the hasher, and where in `buf` the bytes not
+    /// yet hashed start.
+    crc: Option<(crc32fast::Hasher, usize)>,
+}
+
+impl<'a> RankFile<'a> {
+    fn create(path: PathBuf, data: &'a DataPath<'a>, syncer: &'a mpsc::Sender<SyncJob>) -> Result<RankFile<'a>, ExecuteError> {
         let file = OpenOptions::new()
             .write(true)
             .create(true)
             .truncate(true)
             .open(&path)
             .map_err(io_err(&path, "create rank file"))?;
-        Ok(RankFile { path, file, buf: Vec::with_capacity(capacity), flushed: 0 })
+        Ok(RankFile {
+            path,
+            file: Arc::new(file),
+            data,
+            syncer,
+            sync_requested: 0,
+            buf: vec![0u8; data.buffer_bytes],
+            fill: 0,
+            flushed: 0,
+            pending: Vec::new(),
+            gaps: Vec::new(),
+            crc: None,
+        })
     }
 
     fn pos(&self) -> u64 {
-        self.flushed + self.buf.len() as u64
+        self.flushed + self.fill as u64
     }
 
+    fn free(&self) -> usize {
+        self.buf.len() - self.fill
+    }
+
+    /// Appends bytes outside a data entry (archive headers and trailers).
     fn write(&mut self, bytes: &[u8]) -> Result<(), ExecuteError> {
-        if self.buf.len() + bytes.len() > self.buf.capacity() {
+        if bytes.len() > self.free() {
             self.flush()?;
         }
-        if bytes.len() >= self.buf.capacity() {
+        if bytes.len() > self.buf.len() {
             self.file.write_all_at(bytes, self.flushed).map_err(io_err(&self.path, "write rank file"))?;
             self.flushed += bytes.len() as u64;
         } else {
-            self.buf.extend_from_slice(bytes);
+            self.buf[self.fill..self.fill + bytes.len()].copy_from_slice(bytes);
+            self.fill += bytes.len();
         }
         Ok(())
+    }
+
+    /// Starts a data entry: with `zip_crc32`, the bytes from here to [`RankFile::end_data`] are hashed.
+    fn begin_data(&mut self) {
+        if self.data.zip_crc32 {
+            self.crc = Some((crc32fast::Hasher::new(), self.fill));
+        }
+    }
+
+    /// Ends a data entry; its CRC-32, or 0 without `zip_crc32`.
+    fn end_data(&mut self) -> Result<u32, ExecuteError> {
+        match self.crc.take() {
+            Some((mut h, from)) => {
+                self.resolve_reads()?;
+                h.update(&self.buf[from..self.fill]);
+                Ok(h.finalize())
+            }
+            None => Ok(0),
+        }
+    }
+
+    /// Appends `len` zero bytes.
+    fn zeros(&mut self, mut len: u64) -> Result<(), ExecuteError> {
+        while len > 0 {
+            if self.free() == 0 {
+                self.flush()?;
+            }
+            let n = len.min(self.free() as u64) as usize;
+            self.buf[self.fill..self.fill + n].fill(0);
+            self.fill += n;
+            len -= n as u64;
+        }
+        Ok(())
+    }
+
+    /// Appends `len` bytes of source `id` from byte `offset`, transformed as `transform` says.
+    fn copy(&mut self, id: usize, offset: u64, len: u64, transform: Transform, dtype: DType) -> Result<(), ExecuteError> {
+        let (fi, mut src) = self.data.sources.locate(id, offset, len);
+        let mut left = len;
+        if transform != Transform::Identity {
+            // Read into the buffer and transform in place, whole elements at a time.
+            let item = dtype.size();
+            while left > 0 {
+                if self.free() < item {
+                    self.flush()?;
+                }
+                let n = (left.min(self.free() as u64) as usize) / item * item;
+                let piece = &mut self.buf[self.fill..self.fill + n];
+                self.data.sources.read_at(fi, src, piece)?;
+                apply_transform(transform, dtype, piece);
+                self.fill += n;
+                src += n as u64;
+                left -= n as u64;
+            }
+            return Ok(());
+        }
+        if self.crc.is_none() && left >= self.data.copy_min_bytes && self.data.kernel_copy.load(Ordering::Relaxed) {
+            self.flush()?;
+            let copied = self.kernel_copy(fi, src, left)?;
+            src += copied;
+            left -= copied;
+        }
+        while left > 0 {
+            if self.free() == 0 {
+                self.flush()?;
+            }
+            let n = left.min(self.free() as u64) as usize;
+            self.queue_read(fi, src, n);
+            src += n as u64;
+            left -= n as u64;
+        }
+        Ok(())
+    }
+
+    /// Copies up to `len` bytes of release file `fi` from `src` to the end of the (flushed) file
+    /// with `copy_file_range`; returns how many were copied (fewer when the kernel refuses).
+    fn kernel_copy(&mut self, fi: usize, mut src: u64, len: u64) -> Result<u64, ExecuteError> {
+        let source = &self.data.sources.files[fi].1;
+        let mut done = 0u64;
+        while done < len {
+            let (mut off_in, mut off_out) = (src, self.flushed);
+            let want = (len - done).min(1 << 30) as usize;
+            match rustix::fs::copy_file_range(source, Some(&mut off_in), &self.file, Some(&mut off_out), want) {
+                // End of the source file (it shrank?) or a file the kernel copies nothing from:
+                // the read path finishes and reports a short file as such.
+                Ok(0) => break,
+                Ok(n) => {
+                    done += n as u64;
+                    src += n as u64;
+                    self.flushed += n as u64;
+                    self.data.kernel_copied.fetch_add(n as u64, Ordering::Relaxed);
+                    self.request_writeback(false);
+                }
+                Err(Errno::INTR) => {}
+                Err(e) if copy_unsupported(e) => {
+                    self.data.kernel_copy.store(false, Ordering::Relaxed);
+                    break;
+                }
+                Err(e) => {
+                    return Err(ExecuteError::Io {
+                        path: self.path.clone(),
+                        action: "copy release bytes into rank file (copy_file_range)",
+                        error: e.into(),
+                    })
+                }
+            }
+        }
+        Ok(done)
+    }
+
+    /// Reserves `len` bytes of the buffer for release bytes read at flush time.
+    fn queue_read(&mut self, file: usize, src: u64, len: usize) {
+        let at = self.fill;
+        self.fill += len;
+        if let Some(last) = self.pending.last_mut() {
+            if last.file == file && last.src + last.len as u64 == src && last.at + last.len == at {
+                last.len += len;
+                return;
+            }
+        }
+        self.pending.push(PendingRead { file, src, at, len });
+    }
+
+    /// Does every queued read, gathering runs of nearby reads from one file into one `preadv`.
+    fn resolve_reads(&mut self) -> Result<(), ExecuteError> {
+        let pending = std::mem::take(&mut self.pending);
+        let mut i = 0;
+        while i < pending.len() {
+            let mut j = i + 1;
+            let (mut iovecs, mut gap_bytes) = (1usize, 0usize);
+            while j < pending.len() {
+                let (prev, next) = (&pending[j - 1], &pending[j]);
+                let prev_end = prev.src + prev.len as u64;
+                if next.file != prev.file || next.src < prev_end || next.src - prev_end > MAX_GATHER_GAP {
+                    break;
+                }
+                let gap = (next.src - prev_end) as usize;
+                let more = if gap > 0 { 2 } else { 1 };
+                if iovecs + more > MAX_IOVECS || gap_bytes + gap > GAP_SCRATCH {
+                    break;
+                }
+                iovecs += more;
+                gap_bytes += gap;
+                j += 1;
+            }
+            self.gather(&pending[i..j], gap_bytes)?;
+            i = j;
+        }
+        self.pending = pending;
+        self.pending.clear();
+        Ok(())
+    }
+
+    /// Reads `run` (ascending in the file and in the buffer) with one `preadv`.
+    fn gather(&mut self, run: &[PendingRead], gap_bytes: usize) -> Result<(), ExecuteError> {
+        let first = run[0];
+        let (path, source) = &self.data.sources.files[first.file];
+        if run.len() == 1 {
+            return source
+                .read_exact_at(&mut self.buf[first.at..first.at + first.len], first.src)
+                .map_err(io_err(path, "read release tensor"));
+        }
+        if self.gaps.len() < gap_bytes {
+            self.gaps.resize(gap_bytes, 0);
+        }
+        let last = run[run.len() - 1];
+        let total = (last.src + last.len as u64 - first.src) as usize;
+        let got = {
+            let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity(2 * run.len());
+            let mut rest: &mut [u8] = &mut self.buf[first.at..];
+            let mut base = first.at;
+            let mut scratch: &mut [u8] = &mut self.gaps[..];
+            let mut src_end = first.src;
+            for r in run {
+                let gap = (r.src - src_end) as usize;
+                if gap > 0 {
+                    let (g, tail) = std::mem::take(&mut scratch).split_at_mut(gap);
+                    iov.push(IoSliceMut::new(g));
+                    scratch = tail;
+                }
+                let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.at - base);
+                let (d, tail) = tail.split_at_mut(r.len);
+                iov.push(IoSliceMut::new(d));
+                rest = tail;
+                base = r.at + r.len;
+                src_end = r.src + r.len as u64;
+            }
+            loop {
+                match rustix::io::preadv(source, &mut iov, first.src) {
+                    Err(Errno::INTR) => continue,
+                    other => break other,
+                }
+            }
+        };
+        match got {
+            Ok(n) if n == total => Ok(()),
+            // A short read (end of file, or the kernel stopping early): read each piece on its
+            // own, which finishes the job or reports the short file.
+            Ok(_) => {
+                for r in run {
+                    source
+                        .read_exact_at(&mut self.buf[r.at..r.at + r.len], r.src)
+                        .map_err(io_err(path, "read release tensor"))?;
+                }
+                Ok(())
+            }
+            Err(e) => Err(ExecuteError::Io { path: path.clone(), action: "read release tensor", error: e.into() }),
+        }
     }
 
     /// Overwrites bytes at absolute `offset` (before the current position).
@@ -209,17 +543,37 @@ impl RankFile {
     }
 
     fn flush(&mut self) -> Result<(), ExecuteError> {
-        if !self.buf.is_empty() {
-            self.file.write_all_at(&self.buf, self.flushed).map_err(io_err(&self.path, "write rank file"))?;
-            self.flushed += self.buf.len() as u64;
-            self.buf.clear();
+        self.resolve_reads()?;
+        if let Some((h, from)) = &mut self.crc {
+            h.update(&self.buf[*from..self.fill]);
+            *from = 0;
         }
+        if self.fill > 0 {
+            self.file
+                .write_all_at(&self.buf[..self.fill], self.flushed)
+                .map_err(io_err(&self.path, "write rank file"))?;
+            self.flushed += self.fill as u64;
+            self.fill = 0;
+        }
+        self.request_writeback(false);
         Ok(())
     }
 
+    /// Hands the file to the sync thread: every `sync_every` bytes so the device writes while we
+    /// copy, and once complete (`last`) for the `fsync` the commit waits for.
+    fn request_writeback(&mut self, last: bool) {
+        if last || self.flushed - self.sync_requested >= SYNC_EVERY {
+            self.sync_requested = self.flushed;
+            let job = SyncJob { file: self.file.clone(), path: self.path.clone(), last };
+            // A closed channel means the sync thread is gone; the commit then fails on the count.
+            let _ = self.syncer.send(job);
+        }
+    }
+
+    /// Writes out the buffer and queues the final `fsync`; returns the file length.
     fn finish(mut self) -> Result<u64, ExecuteError> {
         self.flush()?;
-        self.file.sync_all().map_err(io_err(&self.path, "sync rank file"))?;
+        self.request_writeback(true);
         Ok(self.flushed)
     }
 }
@@ -252,6 +606,45 @@ pub fn planner_path(key: &str) -> Vec<PathElem> {
         Some((top, rest)) => vec![PathElem::Key(top.into()), PathElem::Key(rest.into())],
         None => vec![PathElem::Key(key.into())],
     }
+}
+
+/// A request to the sync thread.
+struct SyncJob {
+    file: Arc<File>,
+    path: PathBuf,
+    /// The file is complete: `fsync` it (else `fdatasync`, to start writeback early).
+    last: bool,
+}
+
+/// The sync thread: makes rank files durable while the writer threads go on copying, so no
+/// writer waits on the device. Jobs queued while one runs are merged (a file's latest request
+/// wins). Returns how many files were completely synced, or the first error.
+fn run_syncer(jobs: mpsc::Receiver<SyncJob>) -> Result<usize, ExecuteError> {
+    let mut synced = 0;
+    let mut first_error = None;
+    while let Ok(job) = jobs.recv() {
+        let mut batch = vec![job];
+        while let Ok(more) = jobs.try_recv() {
+            match batch.iter_mut().find(|j| Arc::ptr_eq(&j.file, &more.file)) {
+                Some(j) => j.last |= more.last,
+                None => batch.push(more),
+            }
+        }
+        if first_error.is_some() {
+            continue;
+        }
+        for job in batch {
+            let result = if job.last { job.file.sync_all() } else { job.file.sync_data() };
+            match result {
+                Ok(()) => synced += usize::from(job.last),
+                Err(e) => {
+                    first_error.get_or_insert(ExecuteError::Io { path: job.path, action: "sync rank file", error: e });
+                    break;
+                }
+            }
+        }
+    }
+    first_error.map_or(Ok(synced), Err)
 }
 
 /// Runs `work(rank)` for every rank on `threads` threads; the first error wins and stops the rest.
@@ -361,6 +754,144 @@ pub fn write_checkpoint(
     result
 }
 
+/// One DCP item of a rank file: a written chunk, where it goes, and its archive framing.
+struct DcpItem {
+    tensor: usize,
+    chunk: usize,
+    offset: u64,
+    length: u64,
+    /// Index into [`DcpLayout::archives`].
+    archive: usize,
+}
+
+/// Every rank file's items and their byte ranges, known before any byte is written (the archive
+/// of a chunk depends only on its dtype and shape), and the framing of each distinct archive.
+struct DcpLayout {
+    ranks: Vec<Vec<DcpItem>>,
+    /// Archives and their trailer with CRC 0; most chunks share a few shapes.
+    archives: Vec<(TensorArchive, Vec<u8>)>,
+}
+
+impl DcpLayout {
+    fn new(plan: &Plan) -> DcpLayout {
+        let mut archives = Vec::new();
+        let mut index: HashMap<(DType, &[u64]), usize> = HashMap::new();
+        let ranks = plan
+            .rank_items()
+            .into_iter()
+            .map(|list| {
+                let mut offset = 0u64;
+                list.into_iter()
+                    .map(|(tensor, chunk)| {
+                        let t = &plan.tensors[tensor];
+                        let sizes = t.chunks[chunk].sizes.as_slice();
+                        let archive = *index.entry((t.dtype, sizes)).or_insert_with(|| {
+                            let a = TensorArchive::new(t.dtype, sizes);
+                            let trailer = a.suffix(0);
+                            archives.push((a, trailer));
+                            archives.len() - 1
+                        });
+                        let length = archives[archive].0.total_len();
+                        let item = DcpItem { tensor, chunk, offset, length, archive };
+                        offset += length;
+                        item
+                    })
+                    .collect()
+            })
+            .collect();
+        DcpLayout { ranks, archives }
+    }
+
+    fn file_len(&self, rank: usize) -> u64 {
+        self.ranks[rank].last().map_or(0, |i| i.offset + i.length)
+    }
+
+    /// The `.metadata` of the checkpoint; chunks are listed in rank order, as torch does.
+    fn metadata(&self, plan: &Plan) -> Metadata {
+        let mut storage_data = Vec::new();
+        let mut chunk_lists: Vec<Vec<ChunkMeta>> = vec![Vec::new(); plan.tensors.len()];
+        for (rank, items) in self.ranks.iter().enumerate() {
+            let name = dcp_rank_file(rank as u64);
+            for item in items {
+                let t = &plan.tensors[item.tensor];
+                let c = &t.chunks[item.chunk];
+                chunk_lists[item.tensor].push(ChunkMeta { offsets: c.offsets.clone(), sizes: c.sizes.clone() });
+                storage_data.push((
+                    StorageKey { fqn: t.key.clone(), offset: Some(c.offsets.clone()) },
+                    StorageInfo {
+                        relative_path: name.clone(),
+                        offset: item.offset,
+                        length: item.length,
+                        transform_descriptors: None,
+                    },
+                ));
+            }
+        }
+        let mut state_dict_metadata = Vec::new();
+        let mut planner_data = Vec::new();
+        for (t, chunks) in plan.tensors.iter().zip(chunk_lists) {
+            planner_data.push((t.key.clone(), planner_path(&t.key)));
+            state_dict_metadata.push((t.key.clone(), EntryMeta::Tensor { dtype: t.dtype, size: t.shape.clone(), chunks }));
+        }
+        Metadata { state_dict_metadata, storage_data, planner_data, version: None }
+    }
+}
+
+fn layout_mismatch(path: &Path, what: &str) -> ExecuteError {
+    ExecuteError::Io {
+        path: path.to_path_buf(),
+        action: "write rank file",
+        error: io::Error::other(format!("internal error: {what} differs from the precomputed layout")),
+    }
+}
+
+/// Writes one DCP rank file; returns its length.
+fn write_dcp_rank(
+    plan: &Plan,
+    layout: &DcpLayout,
+    rank: usize,
+    path: PathBuf,
+    data: &DataPath<'_>,
+    syncer: &mpsc::Sender<SyncJob>,
+    progress: &Progress,
+) -> Result<u64, ExecuteError> {
+    let mut file = RankFile::create(path, data, syncer)?;
+    for item in &layout.ranks[rank] {
+        if progress.cancel.load(Ordering::Relaxed) {
+            return Err(ExecuteError::Cancelled);
+        }
+        let t = &plan.tensors[item.tensor];
+        let c = &t.chunks[item.chunk];
+        let (archive, trailer) = &layout.archives[item.archive];
+        if file.pos() != item.offset {
+            return Err(layout_mismatch(&file.path, "an item offset"));
+        }
+        file.write(archive.prefix())?;
+        file.begin_data();
+        for Segment { source, len, transform } in segments(&t.shape, t.dtype, &t.recipe, &c.offsets, &c.sizes) {
+            match source {
+                Some((id, off)) => file.copy(id, off, len, transform, t.dtype)?,
+                None => file.zeros(len)?,
+            }
+            progress.bytes_written.fetch_add(len, Ordering::Relaxed);
+        }
+        if data.zip_crc32 {
+            let crc = file.end_data()?;
+            file.patch(item.offset + archive.crc_offset(), &crc.to_le_bytes())?;
+            file.write(&archive.suffix(crc))?;
+        } else {
+            file.write(trailer)?;
+        }
+        if file.pos() != item.offset + item.length {
+            return Err(layout_mismatch(&file.path, "an item length"));
+        }
+        progress.chunks_written.fetch_add(1, Ordering::Relaxed);
+    }
+    file.finish()
+}
+
+/// DCP: rank files written by `options.threads` writers and synced by one sync thread while a
+/// third encodes and stages `.metadata`; the rename that commits comes after every sync.
 fn write_dcp(
     plan: &Plan,
     sources: &SourceMap,
@@ -368,81 +899,64 @@ fn write_dcp(
     options: &ExecuteOptions,
     progress: &Progress,
 ) -> Result<WriteReport, ExecuteError> {
-    let items = plan.rank_items();
+    let layout = DcpLayout::new(plan);
     let world = plan.world() as usize;
-    // Per rank: (tensor, chunk, offset, length) of every item written.
-    let per_rank = for_each_rank(world, options.threads, progress, |rank| {
-        let name = dcp_rank_file(rank as u64);
-        let mut file = RankFile::create(out.join(&name), options.buffer_bytes)?;
-        let mut buf = vec![0u8; options.buffer_bytes];
-        let mut records = Vec::with_capacity(items[rank].len());
-        for &(ti, ci) in &items[rank] {
-            if progress.cancel.load(Ordering::Relaxed) {
-                return Err(ExecuteError::Cancelled);
-            }
-            let t = &plan.tensors[ti];
-            let c = &t.chunks[ci];
-            let start = file.pos();
-            let archive = TensorArchive::new(t.dtype, &c.sizes);
-            file.write(archive.prefix())?;
-            let mut crc = crc32fast::Hasher::new();
-            stream_chunk(t, &c.offsets, &c.sizes, sources, &mut buf, |b| {
-                crc.update(b);
-                progress.bytes_written.fetch_add(b.len() as u64, Ordering::Relaxed);
-                file.write(b)
-            })?;
-            let crc = crc.finalize();
-            file.patch(start + archive.crc_offset(), &crc.to_le_bytes())?;
-            file.write(&archive.suffix(crc))?;
-            let length = file.pos() - start;
-            debug_assert_eq!(length, archive.total_len());
-            records.push((ti, ci, start, length));
-            progress.chunks_written.fetch_add(1, Ordering::Relaxed);
-        }
-        let len = file.finish()?;
-        Ok((name, records, len))
-    })?;
-
-    let mut storage_data = Vec::new();
-    let mut chunk_lists: Vec<Vec<ChunkMeta>> = vec![Vec::new(); plan.tensors.len()];
-    let mut report = WriteReport { files: Vec::new(), tensor_bytes: 0, file_bytes: 0, chunks: 0 };
-    // Chunks are listed in rank order, as torch does.
-    for (name, records, len) in &per_rank {
-        report.files.push(out.join(name));
-        report.file_bytes += len;
-        for &(ti, ci, offset, length) in records {
-            let t = &plan.tensors[ti];
-            let c = &t.chunks[ci];
-            chunk_lists[ti].push(ChunkMeta { offsets: c.offsets.clone(), sizes: c.sizes.clone() });
-            storage_data.push((
-                StorageKey { fqn: t.key.clone(), offset: Some(c.offsets.clone()) },
-                StorageInfo { relative_path: name.clone(), offset, length, transform_descriptors: None },
-            ));
-            report.tensor_bytes += c.numel() * t.dtype.size() as u64;
-            report.chunks += 1;
+    let data = DataPath::new(sources, options);
+    let (sync_tx, sync_rx) = mpsc::channel();
+    let (written, synced, staged) = std::thread::scope(|s| {
+        let syncer = s.spawn(move || run_syncer(sync_rx));
+        let metadata = s.spawn(|| stage_metadata(out, &dcp_metadata::encode_metadata(&layout.metadata(plan))));
+        let written = {
+            let tx = sync_tx; // dropped when the writers are done, which ends the sync thread
+            for_each_rank(world, options.threads, progress, |rank| {
+                let path = out.join(dcp_rank_file(rank as u64));
+                write_dcp_rank(plan, &layout, rank, path, &data, &tx, progress)
+            })
+        };
+        (written, syncer.join(), metadata.join())
+    });
+    let lengths = written?;
+    let stopped = || ExecuteError::Io {
+        path: out.to_path_buf(),
+        action: "sync rank files",
+        error: io::Error::other("the sync thread stopped early"),
+    };
+    match synced {
+        Ok(Ok(n)) if n == world => {}
+        Ok(Err(e)) => return Err(e),
+        _ => return Err(stopped()),
+    }
+    staged.map_err(|_| stopped())??;
+    for (rank, len) in lengths.iter().enumerate() {
+        if *len != layout.file_len(rank) {
+            return Err(layout_mismatch(&out.join(dcp_rank_file(rank as u64)), "the file length"));
         }
     }
-    let mut state_dict_metadata = Vec::new();
-    let mut planner_data = Vec::new();
-    for (t, chunks) in plan.tensors.iter().zip(chunk_lists) {
-        planner_data.push((t.key.clone(), planner_path(&t.key)));
-        state_dict_metadata.push((t.key.clone(), EntryMeta::Tensor { dtype: t.dtype, size: t.shape.clone(), chunks }));
-    }
-    let md = Metadata { state_dict_metadata, storage_data, planner_data, version: None };
-    commit_metadata(out, &dcp_metadata::encode_metadata(&md))?;
-    report.file_bytes += 0;
-    Ok(report)
+    publish_metadata(out)?;
+    let items = layout.ranks.iter().flatten();
+    Ok(WriteReport {
+        files: (0..world).map(|r| out.join(dcp_rank_file(r as u64))).collect(),
+        tensor_bytes: plan.bytes_per_rank().iter().sum(),
+        file_bytes: lengths.iter().sum(),
+        chunks: items.count() as u64,
+        kernel_copy_bytes: data.kernel_copied.load(Ordering::Relaxed),
+    })
 }
 
-/// Writes `.metadata` through a temporary name, syncs, renames: the checkpoint's commit point.
-fn commit_metadata(out: &Path, bytes: &[u8]) -> Result<(), ExecuteError> {
+/// Writes `.metadata.tmp` and syncs it; [`publish_metadata`] renames it into place.
+fn stage_metadata(out: &Path, bytes: &[u8]) -> Result<(), ExecuteError> {
+    let tmp = out.join(".metadata.tmp");
+    let f = File::create(&tmp).map_err(io_err(&tmp, "create .metadata.tmp"))?;
+    f.write_all_at(bytes, 0).map_err(io_err(&tmp, "write .metadata.tmp"))?;
+    f.sync_all().map_err(io_err(&tmp, "sync .metadata.tmp"))?;
+    Ok(())
+}
+
+/// Renames the synced `.metadata.tmp` into place and syncs the directory: the checkpoint's commit
+/// point, reached only once every rank file is complete and synced.
+fn publish_metadata(out: &Path) -> Result<(), ExecuteError> {
     let tmp = out.join(".metadata.tmp");
     let fin = out.join(".metadata");
-    {
-        let f = File::create(&tmp).map_err(io_err(&tmp, "create .metadata.tmp"))?;
-        f.write_all_at(bytes, 0).map_err(io_err(&tmp, "write .metadata.tmp"))?;
-        f.sync_all().map_err(io_err(&tmp, "sync .metadata.tmp"))?;
-    }
     fs::rename(&tmp, &fin).map_err(io_err(&fin, "rename .metadata.tmp into place"))?;
     File::open(out).and_then(|d| d.sync_all()).map_err(io_err(out, "sync output directory"))?;
     Ok(())
@@ -506,7 +1020,7 @@ fn write_dcp_safetensors(
         let len = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
         Ok((path, len, items[rank].len() as u64))
     })?;
-    let mut report = WriteReport { files: Vec::new(), tensor_bytes: 0, file_bytes: 0, chunks: 0 };
+    let mut report = WriteReport { files: Vec::new(), tensor_bytes: 0, file_bytes: 0, chunks: 0, kernel_copy_bytes: 0 };
     for (path, len, n) in per_rank {
         report.files.push(path);
         report.file_bytes += len;
@@ -514,4 +1028,124 @@ fn write_dcp_safetensors(
     }
     report.tensor_bytes = plan.bytes_per_rank().iter().sum();
     Ok(report)
+}
+
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use shardline_layout::{build_plan, Mesh, ModelConfig, PlanOptions, SourceTensor};
+
+    use super::*;
+    use crate::torch_save::read_tensor_archive;
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf-tiny").join(name)
+    }
+
+    fn plan(release: &Release, mesh: Mesh, optimizer_state: bool) -> Plan {
+        let config = ModelConfig::from_json(release.config_json()).unwrap();
+        let sources = release
+            .tensors()
+            .iter()
+            .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
+            .collect();
+        let options = PlanOptions { optimizer_state, ..PlanOptions::default() };
+        build_plan(&config, sources, mesh, &options).unwrap()
+    }
+
+    /// Converts into a fresh directory; every file's bytes, by name, and the report.
+    fn convert(release: &Release, plan: &Plan, options: &ExecuteOptions) -> (BTreeMap<String, Vec<u8>>, WriteReport) {
+        let dir = tempfile::tempdir().unwrap();
+        let report = write_checkpoint(plan, release, dir.path(), options, &Progress::default()).unwrap();
+        let files = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap())
+            .map(|e| (e.file_name().to_string_lossy().into_owned(), fs::read(e.path()).unwrap()))
+            .collect();
+        (files, report)
+    }
+
+    fn meshes() -> Vec<(&'static str, Mesh, bool)> {
+        let m = |tp, dp, ep| Mesh { tp, cp: 1, dp, ep, etp: tp };
+        vec![
+            ("llama", m(2, 2, 1), true),
+            ("qwen3_moe", m(2, 2, 2), false),
+            ("qwen3_moe", Mesh { etp: 1, ..m(2, 3, 2) }, true),
+            ("qwen3_next", m(2, 1, 1), false),
+        ]
+    }
+
+    #[test]
+    fn kernel_copy_and_read_paths_write_identical_bytes() {
+        for (name, mesh, optimizer_state) in meshes() {
+            let release = Release::open(fixture(name)).unwrap();
+            let plan = plan(&release, mesh, optimizer_state);
+            let what = format!("{name} {mesh}");
+            let base = ExecuteOptions { copy_file_range: false, threads: 2, ..ExecuteOptions::default() };
+            let (want, report) = convert(&release, &plan, &base);
+            assert_eq!(report.kernel_copy_bytes, 0, "{what}");
+            assert!(want.contains_key(".metadata") && !want.contains_key(".metadata.tmp"), "{what}");
+            let variants = [
+                // Every plain segment copied by the kernel.
+                ExecuteOptions { copy_min_bytes: 1, ..base.clone() }.with_kernel_copy(),
+                // Mixed: larger segments by the kernel, the rest gathered through a tiny,
+                // odd-sized buffer (many flushes mid-segment and mid-gather).
+                ExecuteOptions { copy_min_bytes: 700, buffer_bytes: 4099, threads: 3, ..base.clone() }.with_kernel_copy(),
+                // The read path alone with the tiny buffer.
+                ExecuteOptions { buffer_bytes: 4096, threads: 1, ..base.clone() },
+            ];
+            for options in variants {
+                let (got, report) = convert(&release, &plan, &options);
+                if options.copy_file_range {
+                    // /tmp's filesystem copies in the kernel (ext4, xfs, btrfs, tmpfs all do).
+                    assert!(report.kernel_copy_bytes > 0, "{what}: {options:?}");
+                }
+                assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{what}");
+                for (file, bytes) in &want {
+                    assert!(got[file] == *bytes, "{what}: {file} differs with {options:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn zip_crc32_fills_in_the_crcs_and_changes_nothing_else() {
+        for (name, mesh, optimizer_state) in meshes() {
+            let release = Release::open(fixture(name)).unwrap();
+            let plan = plan(&release, mesh, optimizer_state);
+            let base = ExecuteOptions { threads: 2, ..ExecuteOptions::default() };
+            let (plain, _) = convert(&release, &plan, &base);
+            let crc = ExecuteOptions { zip_crc32: true, buffer_bytes: 4099, ..base.clone() };
+            let (with_crc, _) = convert(&release, &plan, &crc);
+            assert_eq!(with_crc[".metadata"], plain[".metadata"], "{name}: same items at the same places");
+            let md = dcp_metadata::decode_metadata(&plain[".metadata"]).unwrap();
+            assert!(!md.storage_data.is_empty());
+            for (key, info) in &md.storage_data {
+                let range = info.offset as usize..(info.offset + info.length) as usize;
+                let (a, b) = (&plain[&info.relative_path][range.clone()], &with_crc[&info.relative_path][range]);
+                let (ta, tb) = (read_tensor_archive(a, 0, info.length).unwrap(), read_tensor_archive(b, 0, info.length).unwrap());
+                let data = ta.data_offset_in_item as usize..(ta.data_offset_in_item + ta.data_len) as usize;
+                assert_eq!(a[data.clone()], b[data.clone()], "{name} {}: same data", key.fqn);
+                let want = crc32fast::hash(&b[data.clone()]);
+                assert_eq!(tb.data_crc32, Some(want), "{name} {}", key.fqn);
+                assert_eq!(ta.data_crc32, (want == 0).then_some(0), "{name} {}: no crc computed", key.fqn);
+                // Only the data entry's two CRC fields differ: in its local header (just
+                // before the data) and in the central directory (after it).
+                let archive = TensorArchive::new(ta.dtype, &ta.shape);
+                let local = archive.crc_offset() as usize..archive.crc_offset() as usize + 4;
+                for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                    assert!(x == y || local.contains(&i) || i >= data.end, "{name} {}: byte {i}", key.fqn);
+                }
+                assert!(a.iter().zip(b).filter(|(x, y)| x != y).count() <= 8);
+            }
+        }
+    }
+
+    impl ExecuteOptions {
+        fn with_kernel_copy(self) -> ExecuteOptions {
+            ExecuteOptions { copy_file_range: true, ..self }
+        }
+    }
 }

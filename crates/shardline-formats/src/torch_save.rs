@@ -205,6 +205,10 @@ fn local_header(entry: &EntryRecord, header_offset: u64, align: u64) -> Vec<u8> 
     b
 }
 
+/// The crc-32 field of an entry whose writer did not compute it (torch's `compute_crc32 = False`
+/// writes 0; so do archives streamed by the executor without `zip_crc32`). Readers skip the check.
+pub const NO_CRC32: u32 = 0;
+
 /// Offset of the crc-32 field within a local file header.
 const LOCAL_CRC_FIELD: u64 = 14;
 
@@ -677,7 +681,9 @@ pub struct ArchivedTensor {
     /// `numel * itemsize`: the tensor's bytes, C-contiguous and little endian.
     pub data_len: u64,
     /// The zip crc-32 of exactly those bytes, when they are the whole storage entry (always
-    /// so for archives written by this module and by `torch.save` of a non-view tensor).
+    /// so for archives written by this module and by `torch.save` of a non-view tensor) and the
+    /// writer computed it: a stored 0 means "not computed" (torch's `compute_crc32 = False`,
+    /// Shardline without `--zip-crc32`), so it gives `None` unless the data is empty.
     pub data_crc32: Option<u32>,
 }
 
@@ -970,7 +976,7 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
         Ok(start)
     }
 
-    /// A whole small entry, crc-checked.
+    /// A whole small entry, crc-checked (a stored crc of 0 means none was computed).
     fn read_small(&self, entry: &ArchiveEntry, max: u64) -> Result<Vec<u8>, TorchSaveError> {
         if entry.size > max {
             return Err(TorchSaveError::EntryTooLarge {
@@ -982,7 +988,8 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
         let start = self.data_offset(entry)?;
         let body = self.read("entry data", start, entry.size)?;
         let actual = crc32fast::hash(&body);
-        if actual != entry.crc32 {
+        // torch ≥ 2.6 saving with `compute_crc32 = False` (and Shardline by default) stores 0.
+        if entry.crc32 != NO_CRC32 && actual != entry.crc32 {
             return Err(TorchSaveError::Crc {
                 name: entry.name.clone(),
                 expected: entry.crc32,
@@ -1263,7 +1270,7 @@ pub fn read_tensor_archive<R: ReadAt + ?Sized>(
         storage_offset: spec.storage_offset,
         data_offset_in_item: entry_start + start,
         data_len,
-        data_crc32: whole.then_some(entry.crc32),
+        data_crc32: (whole && (entry.crc32 != NO_CRC32 || data_len == 0)).then_some(entry.crc32),
     })
 }
 
@@ -1759,6 +1766,54 @@ ctorch\nBFloat16Storage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQK\x00K\x03
         let ar = custom_archive("", &pkl, &[0u8; 12]);
         let err = read_tensor_archive(&ar, 0, ar.len() as u64).unwrap_err();
         assert!(err.to_string().contains("not in a directory"), "{err}");
+    }
+
+    /// Zeroes every crc-32 field (local headers and central directory), as torch ≥ 2.6 writes
+    /// them with `torch.serialization.config.save.compute_crc32 = False`.
+    fn without_crcs(mut bytes: Vec<u8>) -> Vec<u8> {
+        let mut at = 0;
+        while at + 4 <= bytes.len() {
+            let field = match &bytes[at..at + 4] {
+                b"PK\x03\x04" => Some(at + LOCAL_CRC_FIELD as usize),
+                b"PK\x01\x02" => Some(at + 16),
+                _ => None,
+            };
+            if let Some(f) = field {
+                bytes[f..f + 4].fill(0);
+            }
+            at += 1;
+        }
+        bytes
+    }
+
+    #[test]
+    fn archives_without_crcs_read_like_torch_reads_them() {
+        let data = bf16_bytes(&[1.0, -2.0, 3.5, 0.25]);
+        let good = encode_tensor_archive(DType::BF16, &[2, 2], &data).unwrap();
+        let zeroed = without_crcs(good.clone());
+        assert_ne!(zeroed, good);
+        let a = read_tensor_archive(&good, 0, good.len() as u64).unwrap();
+        let b = read_tensor_archive(&zeroed, 0, zeroed.len() as u64).unwrap();
+        assert_eq!(a.data_crc32, Some(crc32fast::hash(&data)));
+        // A stored 0 is "not computed", not a mismatch, and not reported as the data's crc.
+        assert_eq!(b.data_crc32, None);
+        assert_eq!((b.dtype, &b.shape, b.data_offset_in_item, b.data_len), (a.dtype, &a.shape, a.data_offset_in_item, a.data_len));
+        // The streamed form with crc 0 (the executor's default) is the zeroed archive's data entry.
+        let layout = TensorArchive::new(DType::BF16, &[2, 2]);
+        let mut streamed = layout.prefix().to_vec();
+        streamed.extend_from_slice(&data);
+        streamed.extend_from_slice(&layout.suffix(NO_CRC32));
+        let s = read_tensor_archive(&streamed, 0, streamed.len() as u64).unwrap();
+        assert_eq!((s.data_crc32, s.data_len), (None, 8));
+        // An empty tensor's crc is 0 for real.
+        let empty = encode_tensor_archive(DType::F32, &[0], &[]).unwrap();
+        assert_eq!(read_tensor_archive(&empty, 0, empty.len() as u64).unwrap().data_crc32, Some(0));
+        // A wrong non-zero crc is still an error (the central directory's, which readers use;
+        // data.pkl is its first entry).
+        let mut bad = good.clone();
+        let cd = bad.windows(4).position(|w| w == b"PK\x01\x02").unwrap();
+        bad[cd + 16] ^= 1;
+        assert!(matches!(read_tensor_archive(&bad, 0, bad.len() as u64), Err(TorchSaveError::Crc { .. })));
     }
 
     #[test]
