@@ -962,6 +962,66 @@ fn publish_metadata(out: &Path) -> Result<(), ExecuteError> {
     Ok(())
 }
 
+/// Writes one DCP-safetensors rank file (through a temporary name); returns `(path, length, chunks)`.
+fn write_safetensors_rank(
+    plan: &Plan,
+    items: &[Vec<(usize, usize)>],
+    rank: usize,
+    out: &Path,
+    sources: &SourceMap,
+    options: &ExecuteOptions,
+    progress: &Progress,
+) -> Result<(PathBuf, u64, u64), ExecuteError> {
+    let world = plan.world() as usize;
+    let name = dcp_safetensors_rank_file(rank as u64, world as u64);
+    let sharding: serde_json::Map<String, serde_json::Value> = items[rank]
+        .iter()
+        .map(|&(ti, ci)| {
+            let c = &plan.tensors[ti].chunks[ci];
+            (plan.tensors[ti].key.clone(), serde_json::json!({ "saved_offsets": c.offsets }))
+        })
+        .collect();
+    let metadata = [
+        ("DCP_SHARDING_INFO".to_string(), serde_json::Value::Object(sharding).to_string()),
+        ("DCP_VERSION".to_string(), "1.0".to_string()),
+        ("format".to_string(), "pt".to_string()),
+    ]
+    .into_iter()
+    .collect();
+    let layout = FileLayout::new(
+        items[rank].iter().map(|&(ti, ci)| {
+            let t = &plan.tensors[ti];
+            (t.key.as_str(), t.dtype, t.chunks[ci].sizes.as_slice())
+        }),
+        &metadata,
+    )?;
+    let mut writer = SafetensorsWriter::create(out.join(&name), layout)?;
+    let mut buf = vec![0u8; options.buffer_bytes];
+    let mut pending: Vec<u8> = Vec::with_capacity(options.buffer_bytes);
+    for &(ti, ci) in &items[rank] {
+        let t = &plan.tensors[ti];
+        let c = &t.chunks[ci];
+        stream_chunk(t, &c.offsets, &c.sizes, sources, &mut buf, |b| {
+            progress.bytes_written.fetch_add(b.len() as u64, Ordering::Relaxed);
+            if pending.len() + b.len() > pending.capacity() {
+                writer.write_next(&pending)?;
+                pending.clear();
+            }
+            if b.len() >= pending.capacity() {
+                writer.write_next(b)?;
+            } else {
+                pending.extend_from_slice(b);
+            }
+            Ok(())
+        })?;
+        progress.chunks_written.fetch_add(1, Ordering::Relaxed);
+    }
+    writer.write_next(&pending)?;
+    let path = writer.finish()?;
+    let len = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+    Ok((path, len, items[rank].len() as u64))
+}
+
 fn write_dcp_safetensors(
     plan: &Plan,
     sources: &SourceMap,
@@ -972,53 +1032,7 @@ fn write_dcp_safetensors(
     let items = plan.rank_items();
     let world = plan.world() as usize;
     let per_rank = for_each_rank(world, options.threads, progress, |rank| {
-        let name = dcp_safetensors_rank_file(rank as u64, world as u64);
-        let sharding: serde_json::Map<String, serde_json::Value> = items[rank]
-            .iter()
-            .map(|&(ti, ci)| {
-                let c = &plan.tensors[ti].chunks[ci];
-                (plan.tensors[ti].key.clone(), serde_json::json!({ "saved_offsets": c.offsets }))
-            })
-            .collect();
-        let metadata = [
-            ("DCP_SHARDING_INFO".to_string(), serde_json::Value::Object(sharding).to_string()),
-            ("DCP_VERSION".to_string(), "1.0".to_string()),
-            ("format".to_string(), "pt".to_string()),
-        ]
-        .into_iter()
-        .collect();
-        let layout = FileLayout::new(
-            items[rank].iter().map(|&(ti, ci)| {
-                let t = &plan.tensors[ti];
-                (t.key.as_str(), t.dtype, t.chunks[ci].sizes.as_slice())
-            }),
-            &metadata,
-        )?;
-        let mut writer = SafetensorsWriter::create(out.join(&name), layout)?;
-        let mut buf = vec![0u8; options.buffer_bytes];
-        let mut pending: Vec<u8> = Vec::with_capacity(options.buffer_bytes);
-        for &(ti, ci) in &items[rank] {
-            let t = &plan.tensors[ti];
-            let c = &t.chunks[ci];
-            stream_chunk(t, &c.offsets, &c.sizes, sources, &mut buf, |b| {
-                progress.bytes_written.fetch_add(b.len() as u64, Ordering::Relaxed);
-                if pending.len() + b.len() > pending.capacity() {
-                    writer.write_next(&pending)?;
-                    pending.clear();
-                }
-                if b.len() >= pending.capacity() {
-                    writer.write_next(b)?;
-                } else {
-                    pending.extend_from_slice(b);
-                }
-                Ok(())
-            })?;
-            progress.chunks_written.fetch_add(1, Ordering::Relaxed);
-        }
-        writer.write_next(&pending)?;
-        let path = writer.finish()?;
-        let len = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
-        Ok((path, len, items[rank].len() as u64))
+        write_safetensors_rank(plan, &items, rank, out, sources, options, progress)
     })?;
     let mut report = WriteReport { files: Vec::new(), tensor_bytes: 0, file_bytes: 0, chunks: 0, kernel_copy_bytes: 0 };
     for (path, len, n) in per_rank {
@@ -1030,6 +1044,92 @@ fn write_dcp_safetensors(
     Ok(report)
 }
 
+
+/// Writes rank `rank`'s file of `plan` into `dir` — one task of a distributed run. The file is
+/// written under a temporary name, synced, and renamed into place, so a killed writer never
+/// leaves a rank file that looks complete. Returns the file's length.
+pub fn write_rank_file(
+    plan: &Plan,
+    release: &Release,
+    dir: &Path,
+    rank: u64,
+    options: &ExecuteOptions,
+    progress: &Progress,
+) -> Result<u64, ExecuteError> {
+    let sources = SourceMap::new(plan, release)?;
+    fs::create_dir_all(dir).map_err(io_err(dir, "create output directory"))?;
+    match options.format {
+        OutputFormat::Dcp => {
+            let layout = DcpLayout::new(plan);
+            let name = dcp_rank_file(rank);
+            let tmp = dir.join(format!(".{name}.partial"));
+            let data = DataPath::new(&sources, options);
+            let (sync_tx, sync_rx) = mpsc::channel();
+            let (written, synced) = std::thread::scope(|s| {
+                let syncer = s.spawn(move || run_syncer(sync_rx));
+                let written = write_dcp_rank(plan, &layout, rank as usize, tmp.clone(), &data, &sync_tx, progress);
+                drop(sync_tx);
+                (written, syncer.join())
+            });
+            let len = match written {
+                Ok(len) => len,
+                Err(e) => {
+                    let _ = fs::remove_file(&tmp);
+                    return Err(e);
+                }
+            };
+            match synced {
+                Ok(Ok(1)) => {}
+                Ok(Err(e)) => return Err(e),
+                _ => return Err(io_err(&tmp, "sync rank file")(io::Error::other("the sync thread stopped early"))),
+            }
+            if len != layout.file_len(rank as usize) {
+                return Err(layout_mismatch(&tmp, "the file length"));
+            }
+            let fin = dir.join(&name);
+            fs::rename(&tmp, &fin).map_err(io_err(&fin, "rename rank file into place"))?;
+            Ok(len)
+        }
+        OutputFormat::DcpSafetensors => {
+            let items = plan.rank_items();
+            let (_, len, _) = write_safetensors_rank(plan, &items, rank as usize, dir, &sources, options, progress)?;
+            Ok(len)
+        }
+    }
+}
+
+/// Commits a checkpoint whose rank files [`write_rank_file`] wrote into `dir`: checks that every
+/// rank file is there with the length the plan implies, then (DCP) writes `.metadata` through
+/// `.metadata.tmp` + fsync + rename. Needs no state from the writers: the layout follows from the
+/// plan alone.
+pub fn commit_checkpoint(plan: &Plan, dir: &Path, options: &ExecuteOptions) -> Result<(), ExecuteError> {
+    let world = plan.world() as usize;
+    match options.format {
+        OutputFormat::Dcp => {
+            let layout = DcpLayout::new(plan);
+            for rank in 0..world {
+                let path = dir.join(dcp_rank_file(rank as u64));
+                let len = fs::metadata(&path).map_err(io_err(&path, "check rank file"))?.len();
+                if len != layout.file_len(rank) {
+                    return Err(ExecuteError::Io {
+                        path,
+                        action: "check rank file",
+                        error: io::Error::other(format!("{len} bytes, the plan implies {}", layout.file_len(rank))),
+                    });
+                }
+            }
+            stage_metadata(dir, &dcp_metadata::encode_metadata(&layout.metadata(plan)))?;
+            publish_metadata(dir)
+        }
+        OutputFormat::DcpSafetensors => {
+            for rank in 0..world {
+                let path = dir.join(dcp_safetensors_rank_file(rank as u64, world as u64));
+                crate::safetensors::read_header(&path)?;
+            }
+            File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(dir, "sync output directory"))
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -1075,6 +1175,50 @@ mod tests {
             ("qwen3_moe", Mesh { etp: 1, ..m(2, 3, 2) }, true),
             ("qwen3_next", m(2, 1, 1), false),
         ]
+    }
+
+    #[test]
+    fn rank_by_rank_writes_and_a_separate_commit_equal_a_whole_write() {
+        for (name, mesh, optimizer_state) in meshes() {
+            let release = Release::open(fixture(name)).unwrap();
+            let plan = plan(&release, mesh, optimizer_state);
+            for format in [OutputFormat::Dcp, OutputFormat::DcpSafetensors] {
+                let options = ExecuteOptions { format, ..ExecuteOptions::default() };
+                let (whole, _) = convert(&release, &plan, &options);
+                let dir = tempfile::tempdir().unwrap();
+                // Ranks in reverse order, as independent tasks would finish in any order.
+                for rank in (0..plan.world()).rev() {
+                    write_rank_file(&plan, &release, dir.path(), rank, &options, &Progress::default()).unwrap();
+                }
+                assert!(!dir.path().join(".metadata").exists(), "no commit marker before the commit");
+                commit_checkpoint(&plan, dir.path(), &options).unwrap();
+                let parts: BTreeMap<String, Vec<u8>> = fs::read_dir(dir.path())
+                    .unwrap()
+                    .map(|e| e.unwrap())
+                    .map(|e| (e.file_name().to_string_lossy().into_owned(), fs::read(e.path()).unwrap()))
+                    .collect();
+                assert_eq!(parts.keys().collect::<Vec<_>>(), whole.keys().collect::<Vec<_>>(), "{name} {mesh} {format:?}");
+                assert!(parts == whole, "{name} {mesh} {format:?}: bytes differ");
+            }
+        }
+    }
+
+    #[test]
+    fn commit_refuses_a_missing_or_short_rank_file() {
+        let release = Release::open(fixture("llama")).unwrap();
+        let plan = plan(&release, Mesh::new(1, 1, 2, 1), false);
+        let options = ExecuteOptions::default();
+        let dir = tempfile::tempdir().unwrap();
+        write_rank_file(&plan, &release, dir.path(), 0, &options, &Progress::default()).unwrap();
+        let err = commit_checkpoint(&plan, dir.path(), &options).unwrap_err().to_string();
+        assert!(err.contains("__1_0.distcp"), "{err}");
+        write_rank_file(&plan, &release, dir.path(), 1, &options, &Progress::default()).unwrap();
+        let f = dir.path().join("__1_0.distcp");
+        let len = fs::metadata(&f).unwrap().len();
+        fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len - 1).unwrap();
+        let err = commit_checkpoint(&plan, dir.path(), &options).unwrap_err().to_string();
+        assert!(err.contains("the plan implies"), "{err}");
+        assert!(!dir.path().join(".metadata").exists());
     }
 
     #[test]
