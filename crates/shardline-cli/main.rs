@@ -2,7 +2,9 @@
 //! reports; the logic lives in the library crates.
 
 mod convert;
+mod gpu;
 mod inspect;
+mod orchestrate;
 mod report;
 
 use std::process::ExitCode;
@@ -28,10 +30,31 @@ enum Command {
     Synth(convert::SynthArgs),
     /// Measure conversion speed against `cp -r` of the same input, and peak memory.
     Bench(convert::BenchArgs),
+    /// Run a pipeline to completion with in-process workers (embedded SQLite state by default).
+    Run(orchestrate::RunArgs),
+    /// Check pipeline specs; every problem at once, with file:line:column.
+    Lint(orchestrate::LintArgs),
+    /// Show the tasks a pipeline would run, their resources, and which are cached.
+    Plan(orchestrate::PlanArgs),
+    /// Queue a pipeline run in a shared job store.
+    Submit(orchestrate::SubmitArgs),
+    /// Serve the job store: return expired leases to the queue.
+    Server(orchestrate::ServerArgs),
+    /// Lease and execute tasks from the job store.
+    Worker(orchestrate::WorkerArgs),
+    /// List runs.
+    Runs(orchestrate::RunsArgs),
+    /// Print a run's (or a task's) logs.
+    Logs(orchestrate::LogsArgs),
+    /// Cancel a run.
+    Cancel(orchestrate::CancelArgs),
+    /// Re-queue a failed or cancelled run, or re-run it from a step.
+    Retry(orchestrate::RetryArgs),
 }
 
 /// Exit codes: 0 success, 1 the checked thing is wrong (validation found differences), 2 error.
 fn main() -> ExitCode {
+    sigpipe::reset();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Convert(a) => convert::run(a),
@@ -39,6 +62,16 @@ fn main() -> ExitCode {
         Command::Validate(a) => inspect::run_validate(a),
         Command::Synth(a) => convert::run_synth(a),
         Command::Bench(a) => convert::run_bench(a),
+        Command::Run(a) => orchestrate::run_run(a),
+        Command::Lint(a) => orchestrate::run_lint(a),
+        Command::Plan(a) => orchestrate::run_plan(a),
+        Command::Submit(a) => orchestrate::run_submit(a),
+        Command::Server(a) => orchestrate::run_server(a),
+        Command::Worker(a) => orchestrate::run_worker_cmd(a),
+        Command::Runs(a) => orchestrate::run_runs(a),
+        Command::Logs(a) => orchestrate::run_logs(a),
+        Command::Cancel(a) => orchestrate::run_cancel(a),
+        Command::Retry(a) => orchestrate::run_retry(a),
     };
     match result {
         Ok(code) => code,

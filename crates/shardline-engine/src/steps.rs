@@ -1,0 +1,376 @@
+//! What each task does. These functions block (they move bytes); the worker runs them on a
+//! blocking thread and watches their [`Progress`] for heartbeats and cancellation.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use shardline_formats::checkpoint::open_checkpoint;
+use shardline_formats::execute::{self, ExecuteOptions, OutputFormat, Progress};
+use shardline_formats::safetensors::Release;
+use shardline_formats::verify::verify;
+use shardline_layout::{build_plan, lower, validate, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
+use thiserror::Error;
+
+use crate::graph::{Payload, ShardJob};
+
+/// Why a task failed; `retryable` decides whether another attempt may help.
+#[derive(Debug, Error)]
+#[error("{message}")]
+pub struct StepError {
+    pub message: String,
+    pub retryable: bool,
+}
+
+impl StepError {
+    /// A failure another attempt cannot fix (bad input, invariant broken, mismatch).
+    pub fn fatal(message: impl Into<String>) -> StepError {
+        StepError { message: message.into(), retryable: false }
+    }
+    /// A failure worth retrying (I/O, a lost file).
+    pub fn transient(message: impl Into<String>) -> StepError {
+        StepError { message: message.into(), retryable: true }
+    }
+}
+
+/// What a running task can see and report.
+pub struct StepContext<'a> {
+    /// Outputs of the run's succeeded tasks, by task name.
+    pub outputs: &'a BTreeMap<String, Value>,
+    pub progress: &'a Progress,
+    pub log: &'a (dyn Fn(String) + Sync),
+}
+
+impl StepContext<'_> {
+    fn output(&self, task: &str) -> Result<&Value, StepError> {
+        self.outputs.get(task).ok_or_else(|| StepError::transient(format!("output of task `{task}` is not available")))
+    }
+
+    fn source_path(&self, task: &str) -> Result<PathBuf, StepError> {
+        self.output(task)?
+            .get("path")
+            .and_then(Value::as_str)
+            .map(PathBuf::from)
+            .ok_or_else(|| StepError::fatal(format!("task `{task}` did not report a source path")))
+    }
+}
+
+/// Content digest of a release: file names, sizes, modification times and every safetensors
+/// header. Cheap (no tensor data is read) and changes whenever a file is replaced.
+pub fn release_digest(release: &Release) -> Result<String, StepError> {
+    let mut h = Sha256::new();
+    h.update(release.config_json().as_bytes());
+    for f in release.files() {
+        let meta = fs::metadata(f.path()).map_err(|e| StepError::transient(format!("{}: {e}", f.path().display())))?;
+        h.update(f.path().file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default().as_bytes());
+        h.update(meta.len().to_le_bytes());
+        h.update(meta.mtime().to_le_bytes());
+        h.update(meta.mtime_nsec().to_le_bytes());
+        for t in f.tensors() {
+            h.update(format!("{}:{}:{:?}:{}:{}", t.name, t.dtype, t.shape, t.file_offset, t.byte_len).as_bytes());
+        }
+    }
+    Ok(hex::encode(h.finalize()))
+}
+
+fn open_release(path: &Path) -> Result<Release, StepError> {
+    Release::open(path).map_err(|e| StepError::fatal(format!("reading release {}: {e}", path.display())))
+}
+
+/// Rebuilds a job's plan from its inputs (a pure function of config, inventory, mesh, options).
+pub fn job_plan(job: &ShardJob, release: &Release) -> Result<Plan, StepError> {
+    let config = ModelConfig::from_json(release.config_json()).map_err(|e| StepError::fatal(e.to_string()))?;
+    let sources = release
+        .tensors()
+        .iter()
+        .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
+        .collect();
+    let mesh = Mesh { tp: job.tp, cp: job.cp, dp: job.dp, ep: job.ep, etp: job.etp };
+    let options = PlanOptions {
+        prefix: job.prefix.clone(),
+        vocab_divisible_by: job.vocab_divisible_by,
+        optimizer_state: job.optimizer_state,
+        split_fused: job.split_fused,
+        ..PlanOptions::default()
+    };
+    let plan = build_plan(&config, sources, mesh, &options).map_err(|errors| {
+        StepError::fatal(format!(
+            "cannot plan `{}` for {mesh}: {}",
+            config.model_type,
+            errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+        ))
+    })?;
+    let violations = validate(&lower(&plan), config.num_experts, mesh.ep);
+    if !violations.is_empty() {
+        return Err(StepError::fatal(format!(
+            "the plan breaks {} invariant(s): {}",
+            violations.len(),
+            violations.iter().take(5).map(ToString::to_string).collect::<Vec<_>>().join("; ")
+        )));
+    }
+    Ok(plan)
+}
+
+/// A stable digest of a plan: every key, dtype, shape, recipe and chunk.
+pub fn plan_digest(plan: &Plan) -> String {
+    let mut h = Sha256::new();
+    h.update(format!("{:?}{:?}", plan.mesh, plan.options).as_bytes());
+    for t in &plan.tensors {
+        h.update(format!("{:?}", t).as_bytes());
+    }
+    hex::encode(h.finalize())
+}
+
+/// The cache key of a sharding job: what determines its output bytes.
+pub fn shard_cache_key(job: &ShardJob, source_digest: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(b"shardline megatron.shard\0");
+    h.update(env!("CARGO_PKG_VERSION").as_bytes());
+    h.update(job.step_hash.as_bytes());
+    h.update(
+        format!(
+            "{}/{}/{}/{}/{}/{}/{}/{}/{}/{}",
+            job.tp,
+            job.cp,
+            job.dp,
+            job.ep,
+            job.etp,
+            job.format,
+            job.prefix,
+            job.optimizer_state,
+            job.vocab_divisible_by,
+            job.split_fused
+        )
+        .as_bytes(),
+    );
+    h.update(source_digest.as_bytes());
+    hex::encode(h.finalize())
+}
+
+/// Whether a cached checkpoint output still points at a complete checkpoint.
+pub fn cached_checkpoint_usable(output: &Value) -> bool {
+    let Some(dir) = output.get("dir").and_then(Value::as_str) else { return false };
+    open_checkpoint(Path::new(dir)).is_ok()
+}
+
+fn staging_dir(job: &ShardJob) -> PathBuf {
+    let mut s = job.out.as_os_str().to_owned();
+    s.push(".partial");
+    PathBuf::from(s)
+}
+
+fn exec_options(job: &ShardJob) -> ExecuteOptions {
+    ExecuteOptions {
+        format: if job.format == "dcp-safetensors" { OutputFormat::DcpSafetensors } else { OutputFormat::Dcp },
+        threads: 1,
+        overwrite: true,
+        ..ExecuteOptions::default()
+    }
+}
+
+/// The plan a rank or commit task works from, checked against what the plan task recorded.
+fn checked_plan(ctx: &StepContext, job: &ShardJob, plan_task: &str) -> Result<(Release, Plan), StepError> {
+    let recorded = ctx.output(plan_task)?.get("plan_digest").and_then(Value::as_str).unwrap_or_default().to_string();
+    let release = open_release(&ctx.source_path(&job.source_task)?)?;
+    let plan = job_plan(job, &release)?;
+    let digest = plan_digest(&plan);
+    if digest != recorded {
+        return Err(StepError::fatal(format!(
+            "the plan rebuilt from the run's inputs ({digest}) differs from the one recorded by `{plan_task}` ({recorded}): the source changed during the run"
+        )));
+    }
+    Ok((release, plan))
+}
+
+fn is_cached(ctx: &StepContext, plan_task: &str) -> Result<Option<Value>, StepError> {
+    Ok(ctx.output(plan_task)?.get("cached").cloned())
+}
+
+/// Runs one task. Returns its output.
+pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<Value, StepError> {
+    match payload {
+        Payload::Download { path, .. } => {
+            let release = open_release(path)?;
+            let digest = release_digest(&release)?;
+            (ctx.log)(format!(
+                "release {} ok: {} files, {} tensors, {} bytes",
+                path.display(),
+                release.files().len(),
+                release.tensors().len(),
+                release.total_bytes()
+            ));
+            Ok(json!({"path": path, "digest": digest, "bytes": release.total_bytes(), "files": release.files().len()}))
+        }
+        Payload::Plan { job } => {
+            let release = open_release(&ctx.source_path(&job.source_task)?)?;
+            let plan = job_plan(job, &release)?;
+            let staging = staging_dir(job);
+            // A previous attempt's partial output is discarded; rank files are rewritten whole.
+            if staging.exists() {
+                fs::remove_dir_all(&staging)
+                    .map_err(|e| StepError::transient(format!("{}: {e}", staging.display())))?;
+            }
+            fs::create_dir_all(&staging).map_err(|e| StepError::transient(format!("{}: {e}", staging.display())))?;
+            let per_rank = plan.bytes_per_rank();
+            (ctx.log)(format!(
+                "planned {} keys on {} ({} ranks, {} bytes); unconverted: {}",
+                plan.tensors.len(),
+                plan.mesh,
+                plan.world(),
+                per_rank.iter().sum::<u64>(),
+                plan.unconverted.len()
+            ));
+            Ok(json!({
+                "plan_digest": plan_digest(&plan),
+                "mesh": plan.mesh.to_string(),
+                "world": plan.world(),
+                "keys": plan.tensors.len(),
+                "bytes_per_rank": per_rank,
+                "split_fused": job.split_fused,
+                "unconverted": plan.unconverted,
+            }))
+        }
+        Payload::Rank { job, plan_task, rank } => {
+            if is_cached(ctx, plan_task)?.is_some() {
+                (ctx.log)("served from cache".into());
+                return Ok(json!({"cached": true}));
+            }
+            let (release, plan) = checked_plan(ctx, job, plan_task)?;
+            let staging = staging_dir(job);
+            let bytes = execute::write_rank_file(&plan, &release, &staging, *rank, &exec_options(job), ctx.progress)
+                .map_err(|e| StepError::transient(e.to_string()))?;
+            (ctx.log)(format!("wrote rank {rank}: {bytes} bytes"));
+            Ok(json!({"rank": rank, "bytes": bytes}))
+        }
+        Payload::Commit { job, plan_task } => {
+            if let Some(cached) = is_cached(ctx, plan_task)? {
+                (ctx.log)("served from cache".into());
+                return Ok(cached);
+            }
+            let (_release, plan) = checked_plan(ctx, job, plan_task)?;
+            let staging = staging_dir(job);
+            if job.out.exists() && open_checkpoint(&job.out).is_ok() && !staging.exists() {
+                // A previous attempt committed and then lost its lease before reporting.
+                (ctx.log)("already committed by a previous attempt".into());
+            } else {
+                execute::commit_checkpoint(&plan, &staging, &exec_options(job))
+                    .map_err(|e| StepError::transient(e.to_string()))?;
+                if job.out.exists() {
+                    fs::remove_dir_all(&job.out)
+                        .map_err(|e| StepError::transient(format!("{}: {e}", job.out.display())))?;
+                }
+                fs::rename(&staging, &job.out)
+                    .map_err(|e| StepError::transient(format!("{}: {e}", job.out.display())))?;
+            }
+            (ctx.log)(format!("committed {}", job.out.display()));
+            Ok(json!({
+                "dir": job.out, "format": job.format, "mesh": plan.mesh.to_string(), "world": plan.world(),
+                "keys": plan.tensors.len(), "bytes": plan.bytes_per_rank().iter().sum::<u64>(), "split_fused": job.split_fused,
+            }))
+        }
+        Payload::SplitPassThrough { checkpoint_task } => {
+            let mut out = ctx.output(checkpoint_task)?.clone();
+            if let Some(o) = out.as_object_mut() {
+                o.insert("split".into(), json!("applied in the shard plan: no bytes were rewritten"));
+            }
+            (ctx.log)("fused projections were split by the shard plan (plan exchanged, no intermediate output)".into());
+            Ok(out)
+        }
+        Payload::Validate { checkpoint_task, source_task, prefix } => {
+            let dir = checkpoint_dir(ctx, checkpoint_task)?;
+            let source = ctx.source_path(source_task)?;
+            let ckpt = open_checkpoint(&dir).map_err(|e| StepError::fatal(format!("{}: {e}", dir.display())))?;
+            let split = ctx.output(checkpoint_task)?.get("split_fused").and_then(Value::as_bool).unwrap_or(true);
+            let release = open_release(&source)?;
+            let config = ModelConfig::from_json(release.config_json()).map_err(|e| StepError::fatal(e.to_string()))?;
+            let defaults = PlanOptions::default();
+            let options = PlanOptions {
+                prefix: prefix.clone(),
+                vocab_divisible_by: 1,
+                optimizer_state: ckpt.tensors.iter().any(|t| t.key.starts_with(&defaults.optimizer_prefix)),
+                split_fused: split,
+                ..defaults
+            };
+            let sources = release
+                .tensors()
+                .iter()
+                .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
+                .collect();
+            // The unsplit form depends on tp: validate against the mesh it was written for.
+            let mesh = match ctx.output(checkpoint_task)?.get("mesh").and_then(Value::as_str).and_then(parse_mesh) {
+                Some(m) if !split => m,
+                _ => Mesh::new(1, 1, 1, 1),
+            };
+            let reference =
+                build_plan(&config, sources, mesh, &options).map_err(|e| StepError::fatal(format!("{e:?}")))?;
+            let report =
+                verify(&ckpt, &release, &reference, ctx.progress).map_err(|e| StepError::transient(e.to_string()))?;
+            if !report.ok() {
+                for f in report.findings.iter().take(50) {
+                    (ctx.log)(format!("`{}`: {}", f.key, f.message));
+                }
+                return Err(StepError::fatal(format!(
+                    "checkpoint {} differs from its source in {} place(s); first: `{}`: {}",
+                    dir.display(),
+                    report.findings.len(),
+                    report.findings[0].key,
+                    report.findings[0].message
+                )));
+            }
+            (ctx.log)(format!(
+                "{} tensors, {} bytes reconstructed bit-exactly",
+                report.digests.len(),
+                report.bytes_checked
+            ));
+            Ok(json!({"ok": true, "dir": dir, "tensors": report.digests.len(), "bytes_checked": report.bytes_checked}))
+        }
+        Payload::Upload { checkpoint_task, source_task, to, .. } => {
+            let dir = checkpoint_dir(ctx, checkpoint_task)?;
+            let dest = shardline_publish::local_destination(to).map_err(|e| StepError::fatal(e.to_string()))?;
+            let source = ctx.output(source_task)?.clone();
+            let layout = ctx.output(checkpoint_task)?.clone();
+            let (manifest, report) = shardline_publish::publish_dir(&dir, &dest, source, layout)
+                .map_err(|e| StepError::transient(e.to_string()))?;
+            (ctx.log)(format!(
+                "published {} files to {} ({} copied, {} unchanged, {} bytes)",
+                manifest.files.len(),
+                dest.display(),
+                report.copied.len(),
+                report.skipped.len(),
+                report.bytes_copied
+            ));
+            Ok(
+                json!({"dest": dest, "files": manifest.files.len(), "copied": report.copied.len(), "skipped": report.skipped.len()}),
+            )
+        }
+    }
+}
+
+fn checkpoint_dir(ctx: &StepContext, task: &str) -> Result<PathBuf, StepError> {
+    ctx.output(task)?
+        .get("dir")
+        .and_then(Value::as_str)
+        .map(PathBuf::from)
+        .ok_or_else(|| StepError::fatal(format!("task `{task}` did not report a checkpoint directory")))
+}
+
+/// Parses `tp2·cp1·dp4·ep1·etp2` (the mesh's display form).
+pub fn parse_mesh(s: &str) -> Option<Mesh> {
+    let mut m = Mesh::new(1, 1, 1, 1);
+    for part in s.split('·') {
+        let (name, n) = part.split_at(part.find(|c: char| c.is_ascii_digit())?);
+        let n: u64 = n.parse().ok()?;
+        match name {
+            "tp" => m.tp = n,
+            "cp" => m.cp = n,
+            "dp" => m.dp = n,
+            "ep" => m.ep = n,
+            "etp" => m.etp = n,
+            _ => return None,
+        }
+    }
+    Some(m)
+}

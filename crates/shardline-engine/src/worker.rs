@@ -1,0 +1,301 @@
+//! The worker loop: claim a task that fits the free resources, run it on a blocking thread,
+//! heartbeat its lease with progress, stream its logs to the store, and report the outcome with
+//! the lease's fencing token. A worker that loses its lease stops the task; its late completion
+//! would be refused anyway. On shutdown (SIGTERM) it stops claiming and drains what it runs.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use chrono::Utc;
+use serde_json::{json, Value};
+use shardline_formats::execute::Progress;
+use shardline_store::{Lease, LogLine, LogStream, Outcome, Resources, Store, TaskState, WorkerId, WorkerInfo};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::graph::Payload;
+use crate::steps::{self, StepContext, StepError};
+
+/// How a worker behaves.
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    pub info: WorkerInfo,
+    /// Lease length; heartbeats renew it every third of it.
+    pub lease_ttl: Duration,
+    /// Longest wait between claim attempts when no wake-up arrives.
+    pub poll: Duration,
+    /// Serve shard outputs from the step cache.
+    pub use_cache: bool,
+}
+
+impl WorkerConfig {
+    pub fn new(info: WorkerInfo) -> WorkerConfig {
+        WorkerConfig { info, lease_ttl: Duration::from_secs(30), poll: Duration::from_millis(500), use_cache: true }
+    }
+}
+
+/// Free resources and GPU devices of a worker.
+struct Pool {
+    free: Resources,
+    gpus: BTreeSet<u32>,
+}
+
+/// Runs a worker until `shutdown` turns true, then drains in-flight tasks.
+pub async fn run_worker(
+    store: Store,
+    config: WorkerConfig,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<WorkerId, shardline_store::StoreError> {
+    let id = store.register_worker(config.info.clone()).await?;
+    let pool =
+        Arc::new(Mutex::new(Pool { free: config.info.resources(), gpus: config.info.gpus.iter().copied().collect() }));
+    let mut running: JoinSet<()> = JoinSet::new();
+    let mut beat = tokio::time::interval(config.lease_ttl / 3);
+    loop {
+        if *shutdown.borrow() {
+            break;
+        }
+        // Reap finished handlers.
+        while running.try_join_next().is_some() {}
+        let free = pool.lock().map(|p| p.free).unwrap_or_default();
+        let claimed = if free.cpus > 0 || free.gpus > 0 {
+            match store.claim(id, &free, config.lease_ttl).await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!("claim failed (will retry): {e}");
+                    tokio::time::sleep(config.poll).await;
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        match claimed {
+            Some(lease) => {
+                let devices = reserve(&pool, &lease.task.resources);
+                let store = store.clone();
+                let pool = pool.clone();
+                let config = config.clone();
+                running.spawn(async move {
+                    handle(&store, &config, lease.clone(), devices.clone()).await;
+                    release(&pool, &lease.task.resources, &devices);
+                });
+            }
+            None => {
+                tokio::select! {
+                    _ = store.wait_for_work(config.poll) => {}
+                    _ = shutdown.changed() => {}
+                    _ = beat.tick() => { let _ = store.worker_heartbeat(id).await; }
+                    Some(_) = running.join_next(), if !running.is_empty() => {}
+                }
+            }
+        }
+    }
+    while running.join_next().await.is_some() {}
+    let _ = store.stop_worker(id).await;
+    Ok(id)
+}
+
+fn reserve(pool: &Mutex<Pool>, need: &Resources) -> Vec<u32> {
+    let Ok(mut p) = pool.lock() else { return Vec::new() };
+    p.free.cpus = p.free.cpus.saturating_sub(need.cpus);
+    p.free.memory = p.free.memory.saturating_sub(need.memory);
+    p.free.scratch = p.free.scratch.saturating_sub(need.scratch);
+    p.free.gpus = p.free.gpus.saturating_sub(need.gpus);
+    let devices: Vec<u32> = p.gpus.iter().take(need.gpus as usize).copied().collect();
+    for d in &devices {
+        p.gpus.remove(d);
+    }
+    devices
+}
+
+fn release(pool: &Mutex<Pool>, need: &Resources, devices: &[u32]) {
+    let Ok(mut p) = pool.lock() else { return };
+    p.free.cpus += need.cpus;
+    p.free.memory += need.memory;
+    p.free.scratch += need.scratch;
+    p.free.gpus += need.gpus;
+    p.gpus.extend(devices.iter().copied());
+}
+
+/// Runs one leased task to its outcome.
+async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec<u32>) {
+    let task = &lease.task;
+    let (log_tx, log_rx) = mpsc::channel::<(LogStream, String)>();
+    let sys = |line: String| (LogStream::System, line);
+    let _ = log_tx.send(sys(format!(
+        "attempt {} of `{}` on worker `{}` (lease token {})",
+        task.attempt, task.name, config.info.name, lease.token
+    )));
+    if !devices.is_empty() {
+        let list = devices.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+        let _ = log_tx.send(sys(format!("assigned GPUs [{list}] (CUDA_VISIBLE_DEVICES={list})")));
+    }
+    let payload: Payload = match serde_json::from_value(task.payload.clone()) {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = store
+                .complete(&lease, Outcome::Failed { error: format!("unreadable task payload: {e}"), retryable: false })
+                .await;
+            return;
+        }
+    };
+    // Outputs of the run's finished tasks: what this task builds on.
+    let outputs: BTreeMap<String, Value> = match store.run_tasks(task.run).await {
+        Ok(tasks) => tasks
+            .into_iter()
+            .filter(|t| t.state == TaskState::Succeeded)
+            .filter_map(|t| t.output.map(|o| (t.name, o)))
+            .collect(),
+        Err(e) => {
+            let _ = store
+                .complete(&lease, Outcome::Failed { error: format!("reading run state: {e}"), retryable: true })
+                .await;
+            return;
+        }
+    };
+
+    // The step cache, checked before any byte moves.
+    let mut cache_key = None;
+    if let Payload::Plan { job } = &payload {
+        let digest = outputs.get(&job.source_task).and_then(|o| o.get("digest")).and_then(Value::as_str).unwrap_or("");
+        let key = steps::shard_cache_key(job, digest);
+        if config.use_cache && run_uses_cache(store, task.run).await {
+            if let Ok(Some(hit)) = store.cache_get(&key).await {
+                if steps::cached_checkpoint_usable(&hit) {
+                    let _ =
+                        log_tx.send(sys(format!("cache hit {key}: {}", hit.get("dir").cloned().unwrap_or_default())));
+                    flush_logs(store, &lease, drain(&log_rx)).await;
+                    let _ = store
+                        .complete(
+                            &lease,
+                            Outcome::Succeeded { output: json!({"cached": hit, "cache_key": key, "plan_digest": ""}) },
+                        )
+                        .await;
+                    return;
+                }
+            }
+        }
+        cache_key = Some(key);
+    }
+
+    let progress = Arc::new(Progress::default());
+    let exec = {
+        let progress = progress.clone();
+        let log_tx = log_tx.clone();
+        let payload = payload.clone();
+        let outputs = outputs.clone();
+        tokio::task::spawn_blocking(move || {
+            let log_tx = Mutex::new(log_tx);
+            let log = move |line: String| {
+                if let Ok(tx) = log_tx.lock() {
+                    let _ = tx.send((LogStream::Stdout, line));
+                }
+            };
+            let ctx = StepContext { outputs: &outputs, progress: &progress, log: &log };
+            steps::execute(&payload, &ctx)
+        })
+    };
+    tokio::pin!(exec);
+    let mut tick = tokio::time::interval(config.lease_ttl / 3);
+    tick.tick().await;
+    let started = tokio::time::Instant::now();
+    let result: Result<Value, StepError> = loop {
+        tokio::select! {
+            r = &mut exec => {
+                break r.unwrap_or_else(|e| Err(StepError::transient(format!("task panicked: {e}"))));
+            }
+            _ = tick.tick() => {
+                flush_logs(store, &lease, drain(&log_rx)).await;
+                let p = json!({
+                    "bytes": progress.bytes_written.load(Ordering::Relaxed),
+                    "chunks": progress.chunks_written.load(Ordering::Relaxed),
+                    "files": progress.files_done.load(Ordering::Relaxed),
+                });
+                match store.heartbeat(&lease, config.lease_ttl, Some(p)).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        // Fenced out (expired, re-leased or cancelled): stop writing at once.
+                        progress.cancel.store(true, Ordering::Relaxed);
+                        let _ = log_tx.send(sys("lease lost; stopping".into()));
+                    }
+                    Err(e) => tracing::warn!("heartbeat failed (will retry): {e}"),
+                }
+                if !task.timeout.is_zero() && started.elapsed() > task.timeout {
+                    progress.cancel.store(true, Ordering::Relaxed);
+                }
+            }
+        }
+    };
+    let timed_out = !task.timeout.is_zero() && started.elapsed() > task.timeout;
+    let outcome = match result {
+        Ok(output) => {
+            if let Payload::Plan { .. } = &payload {
+                let _ = store.set_run_plan(task.run, output.clone()).await;
+            }
+            let mut output = output;
+            if let (Some(key), Some(o)) = (&cache_key, output.as_object_mut()) {
+                o.insert("cache_key".into(), json!(key));
+            }
+            let _ = log_tx.send(sys(format!("succeeded in {:.2}s", started.elapsed().as_secs_f64())));
+            Outcome::Succeeded { output }
+        }
+        Err(e) if timed_out => {
+            Outcome::Failed { error: format!("timed out after {:?}: {e}", task.timeout), retryable: true }
+        }
+        Err(e) => {
+            let _ = log_tx.send((LogStream::Stderr, format!("error: {e}")));
+            Outcome::Failed { error: e.message, retryable: e.retryable }
+        }
+    };
+    flush_logs(store, &lease, drain(&log_rx)).await;
+    let succeeded_commit = matches!((&payload, &outcome), (Payload::Commit { .. }, Outcome::Succeeded { .. }));
+    let output_for_cache = match &outcome {
+        Outcome::Succeeded { output } => Some(output.clone()),
+        _ => None,
+    };
+    let mut accepted = false;
+    for _ in 0..5 {
+        match store.complete(&lease, outcome.clone()).await {
+            Ok(a) => {
+                accepted = a;
+                break;
+            }
+            Err(e) => {
+                tracing::warn!("reporting the outcome failed (will retry): {e}");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+    if accepted && succeeded_commit {
+        // Remember the committed checkpoint under its plan task's cache key.
+        if let (Payload::Commit { plan_task, .. }, Some(output)) = (&payload, output_for_cache) {
+            if let Some(key) = outputs.get(plan_task).and_then(|o| o.get("cache_key")).and_then(Value::as_str) {
+                if output.get("dir").is_some() {
+                    let _ = store.cache_put(key, &output).await;
+                }
+            }
+        }
+    }
+}
+
+async fn run_uses_cache(store: &Store, run: shardline_store::RunId) -> bool {
+    match store.get_run(run).await {
+        Ok(Some(r)) => !r.params.get("__no_cache").and_then(Value::as_bool).unwrap_or(false),
+        _ => true,
+    }
+}
+
+fn drain(rx: &mpsc::Receiver<(LogStream, String)>) -> Vec<LogLine> {
+    rx.try_iter().map(|(stream, line)| LogLine { ts: Utc::now(), stream, line }).collect()
+}
+
+async fn flush_logs(store: &Store, lease: &Lease, lines: Vec<LogLine>) {
+    if !lines.is_empty() {
+        if let Err(e) = store.append_logs(lease.task.id, lease.task.attempt, &lines).await {
+            tracing::warn!("storing {} log lines failed: {e}", lines.len());
+        }
+    }
+}
