@@ -86,7 +86,6 @@ CREATE INDEX tasks_claimable ON tasks (priority DESC, ready_at, id) WHERE state 
 CREATE INDEX tasks_lease_expiry ON tasks (lease_expires_at) WHERE state = 'leased';
 -- "Is anything of this run still unfinished?" stays cheap however many tasks have succeeded.
 CREATE INDEX tasks_unfinished ON tasks (run_id) WHERE state <> 'succeeded';
-CREATE INDEX tasks_run_step ON tasks (run_id, step_id);
 
 -- Edges of the task graph: task_id waits for needs_id.
 CREATE TABLE task_deps (
@@ -111,16 +110,16 @@ CREATE TABLE attempts (
     error        TEXT,
     PRIMARY KEY (task_id, token)
 );
-CREATE INDEX attempts_run ON attempts (run_id);
+CREATE INDEX attempts_open ON attempts (run_id) WHERE outcome IS NULL;
 
 -- State changes of runs and tasks, in one total order for the dashboard and SSE.
--- `seq` is the insertion order; `id` is the published order, given by `Store::events_after` to
--- rows of finished transactions only (xid below the oldest running one), so a reader that
--- follows `id` never skips a row that commits late.
+-- `seq` is the insertion order, which concurrent transactions may commit out of. `id` is the
+-- published order: `Store::events_after` numbers committed rows that have none yet (in `seq`
+-- order, after the highest id so far, one publisher at a time), so a row that commits late
+-- gets a later id and a reader that follows `id` never skips one.
 CREATE TABLE events (
     seq         BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     id          BIGINT UNIQUE,
-    xid         XID8 NOT NULL DEFAULT pg_current_xact_id(),
     run_id      BIGINT NOT NULL,
     task_id     BIGINT,
     state       TEXT NOT NULL,
@@ -129,7 +128,6 @@ CREATE TABLE events (
     created_at  TIMESTAMPTZ NOT NULL DEFAULT now()
 );
 CREATE INDEX events_unpublished ON events (seq) WHERE id IS NULL;
-CREATE INDEX events_run ON events (run_id, id);
 
 -- Task output, kept for ever and independent of workers.
 CREATE TABLE logs (

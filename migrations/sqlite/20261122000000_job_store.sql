@@ -79,7 +79,6 @@ CREATE TABLE tasks (
 CREATE INDEX tasks_claimable ON tasks (priority DESC, ready_at, id) WHERE state = 'ready';
 CREATE INDEX tasks_lease_expiry ON tasks (lease_expires_at) WHERE state = 'leased';
 CREATE INDEX tasks_unfinished ON tasks (run_id) WHERE state <> 'succeeded';
-CREATE INDEX tasks_run_step ON tasks (run_id, step_id);
 
 CREATE TABLE task_deps (
     task_id   INTEGER NOT NULL REFERENCES tasks (id) ON DELETE CASCADE,
@@ -102,7 +101,7 @@ CREATE TABLE attempts (
     error        TEXT,
     PRIMARY KEY (task_id, token)
 ) STRICT;
-CREATE INDEX attempts_run ON attempts (run_id);
+CREATE INDEX attempts_open ON attempts (run_id) WHERE outcome IS NULL;
 
 CREATE TABLE events (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -113,7 +112,6 @@ CREATE TABLE events (
     message     TEXT,
     created_at  INTEGER NOT NULL DEFAULT (CAST(unixepoch('subsec') * 1000 AS INTEGER))
 ) STRICT;
-CREATE INDEX events_run ON events (run_id, id);
 
 CREATE TABLE logs (
     id       INTEGER PRIMARY KEY AUTOINCREMENT,

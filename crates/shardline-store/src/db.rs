@@ -297,7 +297,7 @@ impl Pool {
 
     /// A write transaction. SQLite takes the write lock up front (`BEGIN IMMEDIATE`), so two
     /// writers queue on the busy timeout instead of failing to upgrade a read lock.
-    pub(crate) async fn begin(&self) -> Result<Tx, sqlx::Error> {
+    pub(crate) async fn begin(&self) -> Result<Tx<'static>, sqlx::Error> {
         Ok(match self {
             Pool::Pg(p) => Tx::Pg(p.begin().await?),
             Pool::Lite(p) => Tx::Lite(p.begin_with("BEGIN IMMEDIATE").await?),
@@ -320,22 +320,31 @@ pub(crate) enum PoolConn {
 impl PoolConn {
     pub(crate) fn conn(&mut self) -> Conn<'_> {
         match self {
-            PoolConn::Pg(c) => Conn::Pg(&mut **c),
-            PoolConn::Lite(c) => Conn::Lite(&mut **c),
+            PoolConn::Pg(c) => Conn::Pg(c),
+            PoolConn::Lite(c) => Conn::Lite(c),
         }
+    }
+
+    /// A write transaction on this connection (which stays ours after the commit).
+    pub(crate) async fn begin(&mut self) -> Result<Tx<'_>, sqlx::Error> {
+        use sqlx::Connection;
+        Ok(match self {
+            PoolConn::Pg(c) => Tx::Pg((**c).begin().await?),
+            PoolConn::Lite(c) => Tx::Lite((**c).begin_with("BEGIN IMMEDIATE").await?),
+        })
     }
 }
 
-pub(crate) enum Tx {
-    Pg(sqlx::Transaction<'static, Postgres>),
-    Lite(sqlx::Transaction<'static, Sqlite>),
+pub(crate) enum Tx<'c> {
+    Pg(sqlx::Transaction<'c, Postgres>),
+    Lite(sqlx::Transaction<'c, Sqlite>),
 }
 
-impl Tx {
+impl Tx<'_> {
     pub(crate) fn conn(&mut self) -> Conn<'_> {
         match self {
-            Tx::Pg(t) => Conn::Pg(&mut **t),
-            Tx::Lite(t) => Conn::Lite(&mut **t),
+            Tx::Pg(t) => Conn::Pg(t),
+            Tx::Lite(t) => Conn::Lite(t),
         }
     }
 

@@ -87,6 +87,21 @@ impl StoreError {
         }
     }
 
+    /// The connection died under the call (server restart, network): the statement may or may
+    /// not have run.
+    pub(crate) fn is_connection_lost(&self) -> bool {
+        match self {
+            StoreError::Database { source, .. } => match source {
+                sqlx::Error::Io(_) | sqlx::Error::Protocol(_) => true,
+                sqlx::Error::Database(db) => {
+                    db.code().is_some_and(|c| c.starts_with("08") || matches!(c.as_ref(), "57P01" | "57P02" | "57P03"))
+                }
+                _ => false,
+            },
+            _ => false,
+        }
+    }
+
     /// A conflict the database resolved by rolling our transaction back: safe to run it again.
     pub(crate) fn is_rollback_conflict(&self) -> bool {
         match self {

@@ -6,7 +6,7 @@ use std::time::Duration;
 use rand::Rng;
 use serde_json::{json, Value};
 
-use crate::db::{args, sql, Conn};
+use crate::db::{args, sql, Conn, PoolConn};
 use crate::error::{Result, StoreError};
 use crate::records::{task_cols, TaskRecord};
 use crate::runs::{fail_run, notify, run_event, task_events};
@@ -26,7 +26,7 @@ impl Store {
     pub async fn register_worker(&self, w: WorkerInfo) -> Result<WorkerId, StoreError> {
         let resources = serde_json::to_value(w.resources()).unwrap_or(Value::Null);
         let gpus = json!(w.gpus);
-        self.retrying("register_worker", || async {
+        self.retrying_conflicts("register_worker", || async {
             let mut c = self.pool().acquire().await?;
             let (id,): (i64,) = c
                 .conn()
@@ -92,11 +92,12 @@ impl Store {
         let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX).max(1);
         let a = args![w.0, i64::from(free.cpus), memory, i64::from(free.gpus), scratch, ttl_ms];
         self.retrying("claim", || async {
-            let mut tx = self.pool().begin().await?;
-            let mut c = tx.conn();
-            let row: Option<TaskRecord> = match c {
-                Conn::Pg(_) => {
-                    c.opt(
+            let mut pc = self.pool().acquire().await?;
+            let row: Option<TaskRecord> = if matches!(pc, PoolConn::Pg(_)) {
+                // One statement, atomic on its own: no BEGIN/COMMIT round trips.
+                let mut c = pc.conn();
+                let row: Option<TaskRecord> = c
+                    .opt(
                         sql!(concat!(
                             "WITH c AS ( \
                                  SELECT id FROM tasks \
@@ -127,9 +128,19 @@ impl Store {
                         )),
                         a.clone(),
                     )
-                    .await?
+                    .await?;
+                if row.is_none() {
+                    // Nothing fits, or no such worker: tell the two apart.
+                    let worker: Option<(i64,)> = c.opt(sql!("SELECT id FROM workers WHERE id = $1"), args![w.0]).await?;
+                    if worker.is_none() {
+                        return Err(StoreError::WorkerNotFound(w));
+                    }
                 }
-                Conn::Lite(_) => {
+                row
+            } else {
+                let mut tx = pc.begin().await?;
+                let mut c = tx.conn();
+                {
                     let worker: Option<(String,)> =
                         c.opt(sql!("SELECT name FROM workers WHERE id = $1"), args![w.0]).await?;
                     let Some((worker_name,)) = worker else {
@@ -182,21 +193,13 @@ impl Store {
                             run_event(&mut c, run_id, RunState::Running, None).await?;
                         }
                     }
+                    tx.commit().await?;
                     row
                 }
             };
             let Some(row) = row else {
-                // Nothing fits, or no such worker: tell the two apart.
-                if let Conn::Pg(_) = c {
-                    let worker: Option<(i64,)> = c.opt(sql!("SELECT id FROM workers WHERE id = $1"), args![w.0]).await?;
-                    if worker.is_none() {
-                        return Err(StoreError::WorkerNotFound(w));
-                    }
-                }
-                tx.commit().await?;
                 return Ok(None);
             };
-            tx.commit().await?;
             let task = row.into_row()?;
             let token = task.lease_token;
             let expires_at = task.lease_expires_at.ok_or_else(|| StoreError::Corrupt {
@@ -263,7 +266,8 @@ impl Store {
         let token = lease.token;
         match outcome {
             Outcome::Succeeded { output } => {
-                let mut tx = self.pool().begin().await?;
+                let mut pc = self.pool().acquire().await?;
+                let mut tx = pc.begin().await?;
                 let mut c = tx.conn();
                 let done: Option<(i64, i64)> = match c {
                     Conn::Pg(_) => {
@@ -336,9 +340,16 @@ impl Store {
                     }
                 };
                 let Some((run_id, dependents)) = done else {
-                    drop(c);
                     tx.rollback().await?;
-                    return Ok((self.already_completed(lease, AttemptOutcome::Succeeded).await?, false));
+                    drop(pc);
+                    let again = self.already_completed(lease, AttemptOutcome::Succeeded).await?;
+                    if again {
+                        // The first call committed but may have lost its connection before
+                        // finishing the run: do that part again.
+                        let mut conn = self.pool().acquire().await?;
+                        finish_run_if_done(&mut conn.conn(), lease.task.run.0).await?;
+                    }
+                    return Ok((again, false));
                 };
                 let mut ready = false;
                 if dependents > 0 {
@@ -366,16 +377,13 @@ impl Store {
                 }
                 if let Conn::Lite(_) = c {
                     finish_run_if_done(&mut c, run_id).await?;
-                    drop(c);
                     tx.commit().await?;
                 } else {
-                    drop(c);
                     tx.commit().await?;
                     // After our commit: of two last tasks completing at once, the one that
                     // commits second sees both succeeded here. A crash in between is caught by
                     // the reaper's sweep.
-                    let mut conn = self.pool().acquire().await?;
-                    finish_run_if_done(&mut conn.conn(), run_id).await?;
+                    finish_run_if_done(&mut pc.conn(), run_id).await?;
                 }
                 Ok((true, ready))
             }
@@ -389,7 +397,6 @@ impl Store {
                 lock_run(&mut c, info.run_id).await?;
                 let handled =
                     fail_attempt(&mut c, &info, token, AttemptOutcome::Failed, &error, *retryable, false).await?;
-                drop(c);
                 match handled {
                     Some(ready) => {
                         tx.commit().await?;
@@ -453,7 +460,6 @@ impl Store {
             for (run,) in done {
                 finish_run_if_done(&mut c, run).await?;
             }
-            drop(c);
             tx.commit().await?;
             Ok(())
         })
@@ -487,12 +493,10 @@ impl Store {
             )
             .await?;
         let Some(cand) = cand else {
-            drop(c);
             tx.commit().await?;
             return Ok(Reap::Done);
         };
         let Some(info) = lease_info(&mut c, cand.id).await? else {
-            drop(c);
             tx.commit().await?;
             return Ok(Reap::Skipped);
         };
@@ -520,7 +524,6 @@ impl Store {
             (AttemptOutcome::Expired, format!("lease expired (attempt {made}, owner {})", cand.owner))
         };
         let handled = fail_attempt(&mut c, &info, info.lease_token, outcome, &error, true, true).await?;
-        drop(c);
         tx.commit().await?;
         Ok(match handled {
             Some(ready) => Reap::Reaped { ready },

@@ -67,7 +67,7 @@ use std::time::Duration;
 use rand::Rng;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::PgPool;
+use sqlx::{Connection, PgConnection, PgPool};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
@@ -265,9 +265,29 @@ impl Store {
         self.inner.wake.bump();
     }
 
-    /// Runs `f` again (a few times, with jittered sleeps) when the database rolled it back to
-    /// resolve a deadlock or serialization conflict; names the operation in errors.
-    pub(crate) async fn retrying<T, F, Fut>(&self, op: &'static str, mut f: F) -> Result<T>
+    /// Runs an idempotent operation, again when the database rolled it back to resolve a
+    /// deadlock or serialization conflict, and again when its connection turned out dead (a
+    /// pooled connection that outlived a server restart fails on first use): a repeat of an
+    /// idempotent operation is harmless even if the first try did commit.
+    pub(crate) async fn retrying<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T>>,
+    {
+        self.retry_loop(op, true, f).await
+    }
+
+    /// Runs an operation that must not be repeated once it may have committed: again only
+    /// when the database rolled it back (deadlock, serialization conflict).
+    pub(crate) async fn retrying_conflicts<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T>>,
+    {
+        self.retry_loop(op, false, f).await
+    }
+
+    async fn retry_loop<T, F, Fut>(&self, op: &'static str, idempotent: bool, mut f: F) -> Result<T>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T>>,
@@ -275,10 +295,10 @@ impl Store {
         let mut tries = 0u32;
         loop {
             match f().await {
-                Err(e) if e.is_rollback_conflict() && tries < 8 => {
+                Err(e) if tries < 10 && (e.is_rollback_conflict() || (idempotent && e.is_connection_lost())) => {
                     tries += 1;
-                    tracing::debug!(op, tries, error = %e, "retrying after a rolled-back conflict");
-                    let ms = rand::rng().random_range(2..=20u64) * u64::from(tries);
+                    tracing::debug!(op, tries, error = %e, "retrying");
+                    let ms = rand::rng().random_range(5..=25u64) * u64::from(tries);
                     tokio::time::sleep(Duration::from_millis(ms)).await;
                 }
                 other => return other.map_err(|e| e.op(op)),
@@ -328,7 +348,15 @@ async fn connect_pg(url: &str, options: &StoreOptions) -> Result<(PgPool, PgConn
         // A leaked transaction would hold back vacuum and event publication: end it.
         ("idle_in_transaction_session_timeout", "60000"),
     ]);
+    // One direct attempt first: an unreachable server fails the connect at once, not after
+    // the pool's acquire timeout of retries.
+    let probe = PgConnection::connect_with(&opts).await.map_err(connect_err)?;
+    let _ = probe.close().await;
     let pool = PgPoolOptions::new()
+        // sqlx pings every connection it takes back; a second ping on every acquire would add
+        // a round trip to each call. A connection that died idle (server restart) fails on first
+        // use instead, and idempotent operations are retried on a fresh one (`retrying`).
+        .test_before_acquire(false)
         .max_connections(options.max_connections.unwrap_or(10).max(1))
         .acquire_timeout(options.acquire_timeout)
         .connect_with(opts.clone())

@@ -190,7 +190,7 @@ impl Store {
                 )
             })
             .collect();
-        self.retrying("append_logs", || async {
+        self.retrying_conflicts("append_logs", || async {
             let mut tx = self.pool().begin().await?;
             let mut c = tx.conn();
             for chunk in &chunks {
@@ -213,7 +213,6 @@ impl Store {
                     return Err(StoreError::TaskNotFound(task));
                 }
             }
-            drop(c);
             tx.commit().await?;
             Ok(())
         })
@@ -265,12 +264,13 @@ impl Store {
     }
 
     /// State changes with ids above `after_id`, in id order, at most `limit` (capped at
-    /// [`MAX_PAGE`]). Ids only grow in the order events become visible: a follower passing the
-    /// last id it saw misses nothing, even of transactions that committed out of order.
+    /// [`MAX_PAGE`]). A follower passing the last id it saw misses nothing, even of
+    /// transactions that commit out of order, and sees the events of one task or run in the
+    /// order they happened.
     ///
-    /// On PostgreSQL an event gets its id here, once every transaction that could still commit
-    /// an earlier one has ended, so an open write transaction elsewhere in the cluster delays
-    /// (never reorders) the stream.
+    /// On PostgreSQL an event gets its id here, when it is first read after its transaction
+    /// committed (before, it is invisible to every reader); on SQLite, at insert (writers are
+    /// serialized, so insertion order is commit order).
     pub async fn events_after(&self, after_id: i64, limit: i64) -> Result<Vec<EventRow>, StoreError> {
         let limit = limit.clamp(1, MAX_PAGE);
         self.retrying("events_after", || async {
@@ -323,18 +323,23 @@ impl Store {
     }
 }
 
-/// Gives ids to events of transactions that have all ended (xid below the oldest running
-/// one), in insertion order, after the highest id given so far. One publisher at a time.
+/// Gives ids to committed events that have none, in insertion order, after the highest id
+/// given so far; one publisher at a time, so ids grow in publication order.
 async fn publish_events(store: &Store) -> Result<()> {
-    let mut tx = store.pool().begin().await?;
+    let mut pc = store.pool().acquire().await?;
+    let pending: Option<(i64,)> =
+        pc.conn().opt(sql!("SELECT seq FROM events WHERE id IS NULL LIMIT 1"), args![]).await?;
+    if pending.is_none() {
+        return Ok(());
+    }
+    let mut tx = pc.begin().await?;
     let mut c = tx.conn();
     c.exec(sql!("SELECT pg_advisory_xact_lock($1)"), args![EVENTS_LOCK]).await?;
+    // A fresh statement, so its snapshot sees the previous publisher's commit.
     c.exec(
         sql!(
             "WITH pending AS ( \
-                 SELECT seq FROM events \
-                 WHERE id IS NULL AND xid < pg_snapshot_xmin(pg_current_snapshot()) \
-                 ORDER BY seq LIMIT 10000), \
+                 SELECT seq FROM events WHERE id IS NULL ORDER BY seq LIMIT 10000), \
              numbered AS ( \
                  SELECT seq, (SELECT COALESCE(max(id), 0) FROM events) \
                      + row_number() OVER (ORDER BY seq) AS new_id FROM pending) \
@@ -343,7 +348,6 @@ async fn publish_events(store: &Store) -> Result<()> {
         args![],
     )
     .await?;
-    drop(c);
     tx.commit().await?;
     Ok(())
 }

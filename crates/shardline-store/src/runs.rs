@@ -45,7 +45,13 @@ impl Store {
     /// `(id, true)` when created, `(existing, false)` when a run with `new.dedupe_key` is queued,
     /// running or succeeded. A key whose runs all failed or were cancelled is free again.
     pub async fn create_run(&self, new: NewRun) -> Result<(RunId, bool), StoreError> {
-        self.retrying("create_run", || self.create_run_once(&new)).await
+        // With a dedupe key a repeat finds the run the first try created; without, it would
+        // create a second one.
+        if new.dedupe_key.is_some() {
+            self.retrying("create_run", || self.create_run_once(&new)).await
+        } else {
+            self.retrying_conflicts("create_run", || self.create_run_once(&new)).await
+        }
     }
 
     async fn create_run_once(&self, new: &NewRun) -> Result<(RunId, bool)> {
@@ -112,7 +118,7 @@ impl Store {
     pub async fn add_tasks(&self, run: RunId, tasks: Vec<NewTask>) -> Result<Vec<TaskId>, StoreError> {
         let prepared = prepare(run, &tasks)?;
         let ids = self
-            .retrying("add_tasks", || async {
+            .retrying_conflicts("add_tasks", || async {
                 let mut tx = self.pool().begin().await?;
                 let (ids, ready) = add_tasks_tx(&mut tx.conn(), run, &prepared).await?;
                 tx.commit().await?;
@@ -137,7 +143,7 @@ impl Store {
     ) -> Result<Vec<TaskId>, StoreError> {
         let prepared = prepare(run, &tasks)?;
         let (ids, ready) = self
-            .retrying("add_tasks_and_redirect", || async {
+            .retrying_conflicts("add_tasks_and_redirect", || async {
                 let mut tx = self.pool().begin().await?;
                 let mut c = tx.conn();
                 let (ids, ready) = add_tasks_tx(&mut c, run, &prepared).await?;
@@ -256,7 +262,7 @@ impl Store {
     /// run has taken the run's dedupe key meanwhile.
     pub async fn retry_run(&self, run: RunId, from_step: Option<&str>) -> Result<(), StoreError> {
         let ready = self
-            .retrying("retry_run", || async {
+            .retrying_conflicts("retry_run", || async {
                 let mut tx = self.pool().begin().await?;
                 let mut c = tx.conn();
                 let row: Option<(String, Option<String>)> =
@@ -337,7 +343,6 @@ impl Store {
                 match back {
                     Ok(_) => {}
                     Err(e) if is_unique_violation(&e) => {
-                        drop(c);
                         tx.rollback().await?;
                         let key = dedupe_key.unwrap_or_default();
                         let mut c = self.pool().acquire().await?;

@@ -782,3 +782,32 @@ async fn complete_is_idempotent(db: &TestDb) {
     assert_eq!((t.state, t.attempt), (TaskState::Ready, 1));
     assert_eq!(store.task_attempts(b.task.id).await.expect("attempts").len(), 1);
 }
+
+/// The in-memory database lives on one connection: no call may need a second one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_in_memory_runs_a_whole_lifecycle() {
+    let store = Store::connect("sqlite::memory:").await.expect("connect");
+    let run = run(&store).await;
+    store.add_tasks(run, vec![task("a", &[]), task("b", &["a"])]).await.expect("add_tasks");
+    let w = store.register_worker(cpu_worker("w")).await.expect("register");
+    let a = claim_named(&store, w, "a").await;
+    succeed(&store, &a).await;
+    succeed(&store, &a).await;
+    let b = claim_named(&store, w, "b").await;
+    assert!(store.complete(&b, Outcome::Failed { error: "x".into(), retryable: true }).await.expect("fail"));
+    assert!(store.complete(&b, Outcome::Failed { error: "x".into(), retryable: true }).await.expect("fail again"));
+    let b = claim_named(&store, w, "b").await;
+    succeed(&store, &b).await;
+    assert_eq!(run_state(&store, run).await, RunState::Succeeded);
+    assert_eq!(store.reap_expired().await.expect("reap"), 0);
+    assert!(!store.events_after(0, 100).await.expect("events").is_empty());
+}
+
+#[tokio::test]
+async fn unsupported_urls_are_refused() {
+    let err = Store::connect("mysql://x").await.expect_err("unsupported");
+    assert!(matches!(err, StoreError::UnsupportedUrl(_)), "{err}");
+    let err = Store::connect("postgres://postgres:secret@127.0.0.1:1/none").await.expect_err("unreachable");
+    assert!(err.to_string().contains("postgres:***@"), "password redacted: {err}");
+    assert!(err.is_transient());
+}
