@@ -18,14 +18,14 @@
 
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, IoSliceMut};
+use std::io::{self, IoSlice, IoSliceMut};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
 use rustix::io::Errno;
-use shardline_layout::recipe::{apply_transform, segments, Segment, Transform};
+use shardline_layout::recipe::{apply_transform, row_elems, segments, Segment, Transform};
 use shardline_layout::{DType, OutputTensor, Plan};
 use thiserror::Error;
 
@@ -224,6 +224,36 @@ struct PendingRead {
     len: usize,
 }
 
+/// Writes every byte of `slices` at `offset` with `pwritev` (at most [`MAX_IOVECS`] at a time);
+/// returns the byte count.
+fn write_all_vectored_at(file: &File, slices: &[IoSlice<'_>], offset: u64) -> io::Result<u64> {
+    let mut at = offset;
+    for batch in slices.chunks(MAX_IOVECS) {
+        let total: usize = batch.iter().map(|s| s.len()).sum();
+        let n = loop {
+            match rustix::io::pwritev(file, batch, at) {
+                Err(Errno::INTR) => continue,
+                other => break other?,
+            }
+        };
+        if n < total {
+            // A short write: finish the batch piece by piece.
+            let (mut skip, mut pos) = (n, at + n as u64);
+            for s in batch {
+                if skip >= s.len() {
+                    skip -= s.len();
+                    continue;
+                }
+                file.write_all_at(&s[skip..], pos)?;
+                pos += (s.len() - skip) as u64;
+                skip = 0;
+            }
+        }
+        at += total as u64;
+    }
+    Ok(at - offset)
+}
+
 /// Whether `copy_file_range` failed because this pair of files cannot use it (rather than an I/O
 /// error): the read/write path then does the copy.
 fn copy_unsupported(e: Errno) -> bool {
@@ -278,7 +308,11 @@ struct RankFile<'a> {
 }
 
 impl<'a> RankFile<'a> {
-    fn create(path: PathBuf, data: &'a DataPath<'a>, syncer: &'a mpsc::Sender<SyncJob>) -> Result<RankFile<'a>, ExecuteError> {
+    fn create(
+        path: PathBuf,
+        data: &'a DataPath<'a>,
+        syncer: &'a mpsc::Sender<SyncJob>,
+    ) -> Result<RankFile<'a>, ExecuteError> {
         let file = OpenOptions::new()
             .write(true)
             .create(true)
@@ -357,7 +391,14 @@ impl<'a> RankFile<'a> {
     }
 
     /// Appends `len` bytes of source `id` from byte `offset`, transformed as `transform` says.
-    fn copy(&mut self, id: usize, offset: u64, len: u64, transform: Transform, dtype: DType) -> Result<(), ExecuteError> {
+    fn copy(
+        &mut self,
+        id: usize,
+        offset: u64,
+        len: u64,
+        transform: Transform,
+        dtype: DType,
+    ) -> Result<(), ExecuteError> {
         let (fi, mut src) = self.data.sources.locate(id, offset, len);
         let mut left = len;
         if transform != Transform::Identity {
@@ -531,6 +572,27 @@ impl<'a> RankFile<'a> {
         }
     }
 
+    /// Appends columns `[col, col + width)` of every `row_bytes` row of `rows` as data, with one
+    /// gathering write (the buffered bytes first).
+    fn write_stripes(&mut self, rows: &[u8], row_bytes: usize, col: usize, width: usize) -> Result<(), ExecuteError> {
+        self.resolve_reads()?;
+        let stripes = rows.chunks_exact(row_bytes).map(|r| &r[col..col + width]);
+        if let Some((h, from)) = &mut self.crc {
+            h.update(&self.buf[*from..self.fill]);
+            *from = 0;
+            stripes.clone().for_each(|s| h.update(s));
+        }
+        let mut slices = Vec::with_capacity(1 + rows.len() / row_bytes);
+        slices.push(IoSlice::new(&self.buf[..self.fill]));
+        slices.extend(stripes.map(IoSlice::new));
+        let written =
+            write_all_vectored_at(&self.file, &slices, self.flushed).map_err(io_err(&self.path, "write rank file"))?;
+        self.flushed += written;
+        self.fill = 0;
+        self.request_writeback(false);
+        Ok(())
+    }
+
     /// Overwrites bytes at absolute `offset` (before the current position).
     fn patch(&mut self, offset: u64, bytes: &[u8]) -> Result<(), ExecuteError> {
         if offset >= self.flushed {
@@ -647,33 +709,33 @@ fn run_syncer(jobs: mpsc::Receiver<SyncJob>) -> Result<usize, ExecuteError> {
     first_error.map_or(Ok(synced), Err)
 }
 
-/// Runs `work(rank)` for every rank on `threads` threads; the first error wins and stops the rest.
-fn for_each_rank<T: Send>(
-    world: usize,
+/// Runs `work(unit)` for every unit `0..units` (a rank file, or a group of them) on `threads`
+/// threads; the first error wins and stops the rest.
+fn for_each_unit<T: Send>(
+    units: usize,
     threads: usize,
     progress: &Progress,
     work: impl Fn(usize) -> Result<T, ExecuteError> + Sync,
 ) -> Result<Vec<T>, ExecuteError> {
     let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<T>>> = Mutex::new((0..world).map(|_| None).collect());
+    let results: Mutex<Vec<Option<T>>> = Mutex::new((0..units).map(|_| None).collect());
     let first_error: Mutex<Option<ExecuteError>> = Mutex::new(None);
     let failed = AtomicBool::new(false);
     std::thread::scope(|s| {
-        for _ in 0..threads.clamp(1, world.max(1)) {
+        for _ in 0..threads.clamp(1, units.max(1)) {
             s.spawn(|| loop {
                 if failed.load(Ordering::Relaxed) || progress.cancel.load(Ordering::Relaxed) {
                     return;
                 }
-                let rank = next.fetch_add(1, Ordering::Relaxed);
-                if rank >= world {
+                let unit = next.fetch_add(1, Ordering::Relaxed);
+                if unit >= units {
                     return;
                 }
-                match work(rank) {
+                match work(unit) {
                     Ok(r) => {
                         if let Ok(mut g) = results.lock() {
-                            g[rank] = Some(r);
+                            g[unit] = Some(r);
                         }
-                        progress.files_done.fetch_add(1, Ordering::Relaxed);
                     }
                     Err(e) => {
                         failed.store(true, Ordering::Relaxed);
@@ -831,7 +893,8 @@ impl DcpLayout {
         let mut planner_data = Vec::new();
         for (t, chunks) in plan.tensors.iter().zip(chunk_lists) {
             planner_data.push((t.key.clone(), planner_path(&t.key)));
-            state_dict_metadata.push((t.key.clone(), EntryMeta::Tensor { dtype: t.dtype, size: t.shape.clone(), chunks }));
+            state_dict_metadata
+                .push((t.key.clone(), EntryMeta::Tensor { dtype: t.dtype, size: t.shape.clone(), chunks }));
         }
         Metadata { state_dict_metadata, storage_data, planner_data, version: None }
     }
@@ -845,7 +908,7 @@ fn layout_mismatch(path: &Path, what: &str) -> ExecuteError {
     }
 }
 
-/// Writes one DCP rank file; returns its length.
+/// Writes one DCP rank file at `path`; returns its length.
 fn write_dcp_rank(
     plan: &Plan,
     layout: &DcpLayout,
@@ -860,34 +923,250 @@ fn write_dcp_rank(
         if progress.cancel.load(Ordering::Relaxed) {
             return Err(ExecuteError::Cancelled);
         }
-        let t = &plan.tensors[item.tensor];
-        let c = &t.chunks[item.chunk];
-        let (archive, trailer) = &layout.archives[item.archive];
-        if file.pos() != item.offset {
-            return Err(layout_mismatch(&file.path, "an item offset"));
-        }
-        file.write(archive.prefix())?;
-        file.begin_data();
-        for Segment { source, len, transform } in segments(&t.shape, t.dtype, &t.recipe, &c.offsets, &c.sizes) {
-            match source {
-                Some((id, off)) => file.copy(id, off, len, transform, t.dtype)?,
-                None => file.zeros(len)?,
-            }
-            progress.bytes_written.fetch_add(len, Ordering::Relaxed);
-        }
-        if data.zip_crc32 {
-            let crc = file.end_data()?;
-            file.patch(item.offset + archive.crc_offset(), &crc.to_le_bytes())?;
-            file.write(&archive.suffix(crc))?;
-        } else {
-            file.write(trailer)?;
-        }
-        if file.pos() != item.offset + item.length {
-            return Err(layout_mismatch(&file.path, "an item length"));
-        }
-        progress.chunks_written.fetch_add(1, Ordering::Relaxed);
+        write_item(plan, layout, item, &mut file, progress)?;
     }
     file.finish()
+}
+
+/// Column stripes of the same rows of one tensor held by different ranks (row-parallel weights
+/// under TP or expert TP): their full rows are read once and each rank's columns written from
+/// there, instead of each rank reading its columns with the other ranks' columns as gaps.
+struct StripeSets {
+    /// Members of each set: `(rank, index of the item in the rank's layout)`.
+    sets: Vec<Vec<(usize, usize)>>,
+    by_item: HashMap<(usize, usize), usize>,
+    /// Ranks written together by one writer: those linked by sets (a TP group), or each alone.
+    units: Vec<Vec<usize>>,
+}
+
+impl StripeSets {
+    fn new(plan: &Plan, layout: &DcpLayout, threads: usize) -> StripeSets {
+        let mut keyed: HashMap<(usize, u64, u64), Vec<(usize, usize)>> = HashMap::new();
+        for (rank, items) in layout.ranks.iter().enumerate() {
+            for (i, item) in items.iter().enumerate() {
+                let t = &plan.tensors[item.tensor];
+                let c = &t.chunks[item.chunk];
+                let stripe = t.shape.len() >= 2 && !(c.offsets[1] == 0 && c.sizes[1] == t.shape[1]);
+                let plain = t.recipe.iter().all(|b| b.transform == Transform::Identity);
+                let row_bytes = row_elems(&t.shape) * t.dtype.size() as u64;
+                if stripe && plain && row_bytes <= STAGING_BYTES as u64 {
+                    keyed.entry((item.tensor, c.offsets[0], c.sizes[0])).or_default().push((rank, i));
+                }
+            }
+        }
+        let mut sets: Vec<Vec<(usize, usize)>> =
+            keyed.into_values().filter(|m| m.len() >= 2 && m.windows(2).all(|w| w[0].0 < w[1].0)).collect();
+        sets.sort();
+        // Ranks linked by a set form one unit (union-find).
+        let world = layout.ranks.len();
+        let mut parent: Vec<usize> = (0..world).collect();
+        fn root(parent: &mut [usize], mut r: usize) -> usize {
+            while parent[r] != r {
+                parent[r] = parent[parent[r]];
+                r = parent[r];
+            }
+            r
+        }
+        for m in &sets {
+            for w in m.windows(2) {
+                let (a, b) = (root(&mut parent, w[0].0), root(&mut parent, w[1].0));
+                parent[a.max(b)] = a.min(b);
+            }
+        }
+        let mut units: Vec<Vec<usize>> = Vec::new();
+        let mut unit_of: HashMap<usize, usize> = HashMap::new();
+        for rank in 0..world {
+            let r = root(&mut parent, rank);
+            let u = *unit_of.entry(r).or_insert_with(|| {
+                units.push(Vec::new());
+                units.len() - 1
+            });
+            units[u].push(rank);
+        }
+        // Sharing reads must not cost parallelism: with fewer units than writers, every rank is
+        // its own unit and stripes are gathered rank by rank.
+        if units.len() < threads.min(world) {
+            sets.clear();
+            units = (0..world).map(|r| vec![r]).collect();
+        }
+        let by_item = sets.iter().enumerate().flat_map(|(s, m)| m.iter().map(move |&k| (k, s))).collect();
+        StripeSets { sets, by_item, units }
+    }
+}
+
+/// Bytes of full source rows staged at once for a stripe set.
+const STAGING_BYTES: usize = if cfg!(test) { 1000 } else { 1 << 20 };
+
+/// Writes the rank files of one unit; returns `(rank, file length)` for each.
+#[allow(clippy::too_many_arguments)]
+fn write_dcp_unit(
+    plan: &Plan,
+    layout: &DcpLayout,
+    stripes: &StripeSets,
+    unit: &[usize],
+    out: &Path,
+    data: &DataPath<'_>,
+    syncer: &mpsc::Sender<SyncJob>,
+    progress: &Progress,
+) -> Result<Vec<(usize, u64)>, ExecuteError> {
+    let mut files = Vec::with_capacity(unit.len());
+    for &rank in unit {
+        files.push(RankFile::create(out.join(dcp_rank_file(rank as u64)), data, syncer)?);
+    }
+    let mut next = vec![0usize; unit.len()];
+    let mut staging = Vec::new();
+    let upcoming = |k: usize, next: &[usize]| layout.ranks[unit[k]].get(next[k]).map(|i| i.tensor);
+    // The unit's files advance together in tensor order, so the members of a set meet.
+    while let Some(k) = (0..unit.len()).filter(|&k| upcoming(k, &next).is_some()).min_by_key(|&k| upcoming(k, &next)) {
+        if progress.cancel.load(Ordering::Relaxed) {
+            return Err(ExecuteError::Cancelled);
+        }
+        // The set of this item, if each member is the next item of its file.
+        let members: Option<Vec<usize>> = stripes.by_item.get(&(unit[k], next[k])).and_then(|&s| {
+            stripes.sets[s]
+                .iter()
+                .map(|&(rank, i)| unit.iter().position(|&r| r == rank).filter(|&kk| next[kk] == i))
+                .collect()
+        });
+        match members {
+            Some(ks) => {
+                if staging.is_empty() {
+                    staging = vec![0u8; STAGING_BYTES];
+                }
+                let items: Vec<&DcpItem> = ks.iter().map(|&kk| &layout.ranks[unit[kk]][next[kk]]).collect();
+                write_stripe_set(plan, layout, &mut files, &ks, &items, &mut staging, data, progress)?;
+                for kk in ks {
+                    next[kk] += 1;
+                }
+            }
+            None => {
+                write_item(plan, layout, &layout.ranks[unit[k]][next[k]], &mut files[k], progress)?;
+                next[k] += 1;
+            }
+        }
+    }
+    let mut lengths = Vec::with_capacity(unit.len());
+    for (file, &rank) in files.into_iter().zip(unit) {
+        lengths.push((rank, file.finish()?));
+        progress.files_done.fetch_add(1, Ordering::Relaxed);
+    }
+    Ok(lengths)
+}
+
+/// Starts an item: checks its place and writes the archive's header bytes.
+fn begin_item(layout: &DcpLayout, item: &DcpItem, file: &mut RankFile<'_>) -> Result<(), ExecuteError> {
+    if file.pos() != item.offset {
+        return Err(layout_mismatch(&file.path, "an item offset"));
+    }
+    file.write(layout.archives[item.archive].0.prefix())?;
+    file.begin_data();
+    Ok(())
+}
+
+/// Ends an item: its CRC when asked for, the archive's trailer, and a check of its length.
+fn end_item(
+    layout: &DcpLayout,
+    item: &DcpItem,
+    file: &mut RankFile<'_>,
+    progress: &Progress,
+) -> Result<(), ExecuteError> {
+    let (archive, trailer) = &layout.archives[item.archive];
+    if file.data.zip_crc32 {
+        let crc = file.end_data()?;
+        file.patch(item.offset + archive.crc_offset(), &crc.to_le_bytes())?;
+        file.write(&archive.suffix(crc))?;
+    } else {
+        file.write(trailer)?;
+    }
+    if file.pos() != item.offset + item.length {
+        return Err(layout_mismatch(&file.path, "an item length"));
+    }
+    progress.chunks_written.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Writes one item, segment by segment.
+fn write_item(
+    plan: &Plan,
+    layout: &DcpLayout,
+    item: &DcpItem,
+    file: &mut RankFile<'_>,
+    progress: &Progress,
+) -> Result<(), ExecuteError> {
+    let t = &plan.tensors[item.tensor];
+    let c = &t.chunks[item.chunk];
+    begin_item(layout, item, file)?;
+    for Segment { source, len, transform } in segments(&t.shape, t.dtype, &t.recipe, &c.offsets, &c.sizes) {
+        match source {
+            Some((id, off)) => file.copy(id, off, len, transform, t.dtype)?,
+            None => file.zeros(len)?,
+        }
+        progress.bytes_written.fetch_add(len, Ordering::Relaxed);
+    }
+    end_item(layout, item, file, progress)
+}
+
+/// Writes the items of a stripe set, `items[j]` being the next item of `files[ks[j]]`: the full
+/// rows are read into `staging` a batch at a time, and each file gets its columns of a batch
+/// in one gathering write.
+#[allow(clippy::too_many_arguments)]
+fn write_stripe_set(
+    plan: &Plan,
+    layout: &DcpLayout,
+    files: &mut [RankFile<'_>],
+    ks: &[usize],
+    items: &[&DcpItem],
+    staging: &mut [u8],
+    data: &DataPath<'_>,
+    progress: &Progress,
+) -> Result<(), ExecuteError> {
+    let t = &plan.tensors[items[0].tensor];
+    let first = &t.chunks[items[0].chunk];
+    let itemsize = t.dtype.size() as u64;
+    let row_bytes = row_elems(&t.shape) * itemsize;
+    let column_bytes = t.shape[2..].iter().product::<u64>() * itemsize;
+    let (row0, nrows) = (first.offsets[0], first.sizes[0]);
+    // The full-width rows of the set, as segments of sources and zeros.
+    let mut full_offsets = vec![0; t.shape.len()];
+    full_offsets[0] = row0;
+    let mut full_sizes = t.shape.clone();
+    full_sizes[0] = nrows;
+    let rows = segments(&t.shape, t.dtype, &t.recipe, &full_offsets, &full_sizes);
+    for (&k, item) in ks.iter().zip(items) {
+        begin_item(layout, item, &mut files[k])?;
+    }
+    let per_batch = staging.len() as u64 / row_bytes;
+    let (mut seg, mut seg_done, mut row) = (0usize, 0u64, 0u64);
+    while row < nrows {
+        let batch = per_batch.min(nrows - row);
+        let bytes = (batch * row_bytes) as usize;
+        let mut filled = 0usize;
+        while filled < bytes {
+            let Segment { source, len, .. } = rows[seg];
+            let n = (len - seg_done).min((bytes - filled) as u64) as usize;
+            let dst = &mut staging[filled..filled + n];
+            match source {
+                Some((id, off)) => data.sources.read(id, off + seg_done, dst)?,
+                None => dst.fill(0),
+            }
+            filled += n;
+            seg_done += n as u64;
+            if seg_done == len {
+                (seg, seg_done) = (seg + 1, 0);
+            }
+        }
+        for (&k, item) in ks.iter().zip(items) {
+            let c = &t.chunks[item.chunk];
+            let (col, width) = ((c.offsets[1] * column_bytes) as usize, (c.sizes[1] * column_bytes) as usize);
+            files[k].write_stripes(&staging[..bytes], row_bytes as usize, col, width)?;
+            progress.bytes_written.fetch_add(batch * width as u64, Ordering::Relaxed);
+        }
+        row += batch;
+    }
+    for (&k, item) in ks.iter().zip(items) {
+        end_item(layout, item, &mut files[k], progress)?;
+    }
+    Ok(())
 }
 
 /// DCP: rank files written by `options.threads` writers and synced by one sync thread while a
@@ -900,6 +1179,7 @@ fn write_dcp(
     progress: &Progress,
 ) -> Result<WriteReport, ExecuteError> {
     let layout = DcpLayout::new(plan);
+    let stripes = StripeSets::new(plan, &layout, options.threads);
     let world = plan.world() as usize;
     let data = DataPath::new(sources, options);
     let (sync_tx, sync_rx) = mpsc::channel();
@@ -908,14 +1188,16 @@ fn write_dcp(
         let metadata = s.spawn(|| stage_metadata(out, &dcp_metadata::encode_metadata(&layout.metadata(plan))));
         let written = {
             let tx = sync_tx; // dropped when the writers are done, which ends the sync thread
-            for_each_rank(world, options.threads, progress, |rank| {
-                let path = out.join(dcp_rank_file(rank as u64));
-                write_dcp_rank(plan, &layout, rank, path, &data, &tx, progress)
+            for_each_unit(stripes.units.len(), options.threads, progress, |u| {
+                write_dcp_unit(plan, &layout, &stripes, &stripes.units[u], out, &data, &tx, progress)
             })
         };
         (written, syncer.join(), metadata.join())
     });
-    let lengths = written?;
+    let mut lengths = vec![0u64; world];
+    for (rank, len) in written?.into_iter().flatten() {
+        lengths[rank] = len;
+    }
     let stopped = || ExecuteError::Io {
         path: out.to_path_buf(),
         action: "sync rank files",
@@ -1031,8 +1313,10 @@ fn write_dcp_safetensors(
 ) -> Result<WriteReport, ExecuteError> {
     let items = plan.rank_items();
     let world = plan.world() as usize;
-    let per_rank = for_each_rank(world, options.threads, progress, |rank| {
-        write_safetensors_rank(plan, &items, rank, out, sources, options, progress)
+    let per_rank = for_each_unit(world, options.threads, progress, |rank| {
+        let written = write_safetensors_rank(plan, &items, rank, out, sources, options, progress)?;
+        progress.files_done.fetch_add(1, Ordering::Relaxed);
+        Ok(written)
     })?;
     let mut report = WriteReport { files: Vec::new(), tensor_bytes: 0, file_bytes: 0, chunks: 0, kernel_copy_bytes: 0 };
     for (path, len, n) in per_rank {
@@ -1043,7 +1327,6 @@ fn write_dcp_safetensors(
     report.tensor_bytes = plan.bytes_per_rank().iter().sum();
     Ok(report)
 }
-
 
 /// Writes rank `rank`'s file of `plan` into `dir` — one task of a distributed run. The file is
 /// written under a temporary name, synced, and renamed into place, so a killed writer never
@@ -1197,7 +1480,11 @@ mod tests {
                     .map(|e| e.unwrap())
                     .map(|e| (e.file_name().to_string_lossy().into_owned(), fs::read(e.path()).unwrap()))
                     .collect();
-                assert_eq!(parts.keys().collect::<Vec<_>>(), whole.keys().collect::<Vec<_>>(), "{name} {mesh} {format:?}");
+                assert_eq!(
+                    parts.keys().collect::<Vec<_>>(),
+                    whole.keys().collect::<Vec<_>>(),
+                    "{name} {mesh} {format:?}"
+                );
                 assert!(parts == whole, "{name} {mesh} {format:?}: bytes differ");
             }
         }
@@ -1236,7 +1523,8 @@ mod tests {
                 ExecuteOptions { copy_min_bytes: 1, ..base.clone() }.with_kernel_copy(),
                 // Mixed: larger segments by the kernel, the rest gathered through a tiny,
                 // odd-sized buffer (many flushes mid-segment and mid-gather).
-                ExecuteOptions { copy_min_bytes: 700, buffer_bytes: 4099, threads: 3, ..base.clone() }.with_kernel_copy(),
+                ExecuteOptions { copy_min_bytes: 700, buffer_bytes: 4099, threads: 3, ..base.clone() }
+                    .with_kernel_copy(),
                 // The read path alone with the tiny buffer.
                 ExecuteOptions { buffer_bytes: 4096, threads: 1, ..base.clone() },
             ];
@@ -1255,6 +1543,24 @@ mod tests {
     }
 
     #[test]
+    fn column_stripes_of_tp_peers_are_written_together() {
+        let release = Release::open(fixture("qwen3_moe")).unwrap();
+        let plan = plan(&release, Mesh { tp: 2, cp: 1, dp: 2, ep: 2, etp: 2 }, false);
+        let layout = DcpLayout::new(&plan);
+        let shared = StripeSets::new(&plan, &layout, 2);
+        assert!(shared.sets.len() > 10, "{}", shared.sets.len());
+        assert_eq!(shared.units, vec![vec![0, 1], vec![2, 3]]);
+        for set in &shared.sets {
+            let keys: Vec<_> = set.iter().map(|&(r, i)| layout.ranks[r][i].tensor).collect();
+            assert!(keys.windows(2).all(|w| w[0] == w[1]));
+        }
+        // More writers than groups: each rank alone, stripes gathered per rank.
+        let alone = StripeSets::new(&plan, &layout, 4);
+        assert!(alone.sets.is_empty());
+        assert_eq!(alone.units.len(), 4);
+    }
+
+    #[test]
     fn zip_crc32_fills_in_the_crcs_and_changes_nothing_else() {
         for (name, mesh, optimizer_state) in meshes() {
             let release = Release::open(fixture(name)).unwrap();
@@ -1269,7 +1575,8 @@ mod tests {
             for (key, info) in &md.storage_data {
                 let range = info.offset as usize..(info.offset + info.length) as usize;
                 let (a, b) = (&plain[&info.relative_path][range.clone()], &with_crc[&info.relative_path][range]);
-                let (ta, tb) = (read_tensor_archive(a, 0, info.length).unwrap(), read_tensor_archive(b, 0, info.length).unwrap());
+                let (ta, tb) =
+                    (read_tensor_archive(a, 0, info.length).unwrap(), read_tensor_archive(b, 0, info.length).unwrap());
                 let data = ta.data_offset_in_item as usize..(ta.data_offset_in_item + ta.data_len) as usize;
                 assert_eq!(a[data.clone()], b[data.clone()], "{name} {}: same data", key.fqn);
                 let want = crc32fast::hash(&b[data.clone()]);
