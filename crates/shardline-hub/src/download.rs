@@ -8,12 +8,13 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use bytes::Bytes;
 use reqwest::header::{HeaderMap, HeaderValue, CONTENT_RANGE, RANGE};
 use reqwest::{Method, StatusCode, Url};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-use crate::cache::{digest_file, digest_prefix, BlobLock, Digester, Expected, RepoCache};
+use crate::cache::{digest_file, BlobLock, Digester, Expected, RepoCache};
 use crate::client::{check_status, encode_path, invalid, network, Ctx, Failure};
 use crate::repo::{check_revision, is_commit_sha, PathFilter};
 use crate::{HubClient, HubError, RepoFile, RepoId, Result};
@@ -317,13 +318,9 @@ impl Job {
                 Err(e) if e.kind() == io::ErrorKind::NotFound => 0,
                 Err(e) => return Err(HubError::io(&incomplete, e)),
             };
-            let left = f.size - have;
-            let outcome = if self.concurrency > 1 && left >= self.split_threshold && left > self.part_size {
-                self.fetch_split(f, &url, &incomplete, &split, have, expected).await?
-            } else {
-                self.fetch_single(f, &url, &incomplete, have, expected).await?
+            let Some((done, actual)) = self.fetch_once(f, &url, &incomplete, &split, have, expected).await? else {
+                return Ok(false);
             };
-            let Some((done, actual)) = outcome else { return Ok(false) };
             if actual == expected.hex() {
                 let blob = self.cache.blob(name);
                 fs::rename(&done, &blob).map_err(|e| HubError::io(&blob, e))?;
@@ -344,43 +341,15 @@ impl Job {
         unreachable!("two rounds return")
     }
 
-    /// One stream into `.incomplete` from `have`, hashed as written.
-    async fn fetch_single(
-        self: &Arc<Self>,
-        f: &RepoFile,
-        url: &Url,
-        incomplete: &Path,
-        have: u64,
-        expected: &Expected,
-    ) -> Result<Option<(PathBuf, String)>> {
-        let io_err = |e| HubError::io(incomplete, e);
-        let file =
-            OpenOptions::new().create(true).truncate(false).read(true).write(true).open(incomplete).map_err(io_err)?;
-        file.set_len(have).map_err(io_err)?;
-        let mut digest = Digester::new(expected, f.size);
-        if have > 0 {
-            tracing::info!(path = %f.path, have, size = f.size, "resuming a partial download");
-            let p = incomplete.to_owned();
-            digest = tokio::task::spawn_blocking(move || digest_prefix(&p, have, &mut digest).map(|()| digest))
-                .await
-                .expect("hash task")
-                .map_err(io_err)?;
-        }
-        let mut w = PartWriter::new(Arc::new(file), have, Some(digest));
-        let r = self.stream(f, url, have, f.size, &mut w, true).await;
-        let flushed = w.flush().await.map_err(io_err);
-        let complete = r?;
-        flushed?;
-        if !complete {
-            return Ok(None);
-        }
-        let d = w.digest.take().expect("single streams hash").finish();
-        Ok(Some((incomplete.to_owned(), d)))
-    }
-
-    /// Parallel ranges into `.split.incomplete`; on failure the contiguous prefix goes back to
-    /// `.incomplete` so the next attempt (of any client) resumes from it.
-    async fn fetch_split(
+    /// Fetches `[have, size)` and hashes the whole file while it arrives.
+    ///
+    /// One stream writes `.incomplete` in order, so it is a valid prefix at any moment. Large
+    /// files are fetched as parallel ranges into `.split.incomplete` (never a valid prefix); if
+    /// that stops early, the contiguous part goes back to `.incomplete` so the next attempt, of
+    /// this client or `huggingface_hub`, resumes from it. A hasher thread reads back the
+    /// contiguous prefix as it grows, so verification overlaps the transfer.
+    /// Returns the file holding the bytes and their digest, or `None` if cancelled.
+    async fn fetch_once(
         self: &Arc<Self>,
         f: &RepoFile,
         url: &Url,
@@ -389,66 +358,89 @@ impl Job {
         have: u64,
         expected: &Expected,
     ) -> Result<Option<(PathBuf, String)>> {
-        let io_err = |e| HubError::io(split, e);
-        if have > 0 {
+        let left = f.size - have;
+        let parallel = self.concurrency > 1 && left >= self.split_threshold && left > self.part_size;
+        let data = if parallel { split } else { incomplete };
+        let io_err = |e| HubError::io(data, e);
+        if parallel && have > 0 {
             fs::rename(incomplete, split).map_err(io_err)?;
         }
-        let file =
-            OpenOptions::new().create(true).truncate(have == 0).read(true).write(true).open(split).map_err(io_err)?;
+        let file = OpenOptions::new().create(true).truncate(false).read(true).write(true).open(data).map_err(io_err)?;
+        file.set_len(have).map_err(io_err)?;
         let file = Arc::new(file);
-        let mut ranges = Vec::new();
+        if have > 0 {
+            tracing::info!(path = %f.path, have, size = f.size, "resuming a partial download");
+        }
+
+        let mut parts = Vec::new();
         let mut a = have;
         while a < f.size {
-            let b = (a + self.part_size).min(f.size);
-            ranges.push((a, b));
+            let b = if parallel { (a + self.part_size).min(f.size) } else { f.size };
+            parts.push(Arc::new(Part { start: a, end: b, written: AtomicU64::new(0) }));
             a = b;
         }
-        tracing::debug!(path = %f.path, parts = ranges.len(), from = have, "downloading in parallel ranges");
+        let parts = Arc::new(parts);
+        let stop = Arc::new(AtomicBool::new(false));
+        let hashing = Arc::new(Hashing::default());
+        let hasher = {
+            let (file, parts, stop, expected, size) =
+                (file.clone(), parts.clone(), stop.clone(), expected.clone(), f.size);
+            let hashing = hashing.clone();
+            tokio::task::spawn_blocking(move || ordered_digest(&file, &expected, size, have, &parts, &hashing, &stop))
+        };
+
         let mut set = JoinSet::new();
-        for (i, &(a, b)) in ranges.iter().enumerate() {
-            let (job, f, url, file) = (self.clone(), f.clone(), url.clone(), file.clone());
+        for part in parts.iter().cloned() {
+            let (job, f, url, file, hashing) = (self.clone(), f.clone(), url.clone(), file.clone(), hashing.clone());
+            let single = !parallel;
             set.spawn(async move {
-                let mut w = PartWriter::new(file, a, None);
-                let r = job.stream(&f, &url, a, b, &mut w, false).await;
+                let mut w = PartWriter::new(file, part.start, part.clone(), hashing);
+                let r = job.stream(&f, &url, part.start, part.end, &mut w, single).await;
                 let fl = w.flush().await;
-                (i, r, fl)
+                (r, fl)
             });
         }
-        let mut done = vec![false; ranges.len()];
+        let mut complete = true;
         let mut err = None;
         while let Some(j) = set.join_next().await {
-            let (i, r, fl) = match j {
+            let (r, fl) = match j {
                 Ok(v) => v,
                 Err(j) if j.is_panic() => std::panic::resume_unwind(j.into_panic()),
                 Err(_) => continue,
             };
             match (r, fl) {
-                (Ok(true), Ok(())) => done[i] = true,
-                (Ok(false), Ok(())) => {}
+                (Ok(true), Ok(())) => {}
+                (Ok(false), Ok(())) => complete = false,
                 (Err(e), _) => {
+                    complete = false;
                     self.cancel.store(true, Ordering::SeqCst);
                     err.get_or_insert(e);
                 }
                 (Ok(_), Err(e)) => {
+                    complete = false;
                     self.cancel.store(true, Ordering::SeqCst);
-                    err.get_or_insert(HubError::io(split, e));
+                    err.get_or_insert(HubError::io(data, e));
                 }
             }
         }
-        if done.iter().all(|d| *d) {
-            let (p, e, size) = (split.to_owned(), expected.clone(), f.size);
-            let d = tokio::task::spawn_blocking(move || digest_file(&p, &e, size))
-                .await
-                .expect("hash task")
-                .map_err(io_err)?;
-            // A length other than `size` cannot happen with every part done; treat it as a mismatch.
-            return Ok(Some((split.to_owned(), d.unwrap_or_else(|| "<wrong length>".into()))));
+        if !complete {
+            stop.store(true, Ordering::SeqCst);
         }
-        let prefix = have + ranges.iter().zip(&done).take_while(|(_, d)| **d).map(|((a, b), _)| b - a).sum::<u64>();
-        file.set_len(prefix).map_err(io_err)?;
-        drop(file);
-        fs::rename(split, incomplete).map_err(|e| HubError::io(incomplete, e))?;
-        tracing::info!(path = %f.path, kept = prefix, "split download stopped; the completed prefix is kept for resuming");
+        let digest = match hasher.await {
+            Ok(r) => r.map_err(io_err)?,
+            Err(j) => std::panic::resume_unwind(j.into_panic()),
+        };
+        if complete {
+            let d = digest.expect("every part written, so the hasher finished");
+            return Ok(Some((data.to_owned(), d)));
+        }
+        if parallel {
+            let prefix = contiguous(have, &parts);
+            file.set_len(prefix).map_err(io_err)?;
+            drop(file);
+            fs::rename(split, incomplete).map_err(|e| HubError::io(incomplete, e))?;
+            tracing::info!(path = %f.path, kept = prefix, "parallel download stopped; the contiguous prefix is kept for resuming");
+        }
         match err {
             Some(e) => Err(e),
             None => Ok(None),
@@ -456,7 +448,8 @@ impl Job {
     }
 
     /// Streams `[start, end)` of `f` into `w`, retrying with `Range: bytes=pos-` from where the
-    /// last attempt stopped. Returns false if cancelled.
+    /// last attempt stopped. Returns false if cancelled. `single`: this is the file's only stream,
+    /// so a 200 answer to a range request can be used by skipping what the file already has.
     async fn stream(
         &self,
         f: &RepoFile,
@@ -464,7 +457,7 @@ impl Job {
         start: u64,
         end: u64,
         w: &mut PartWriter,
-        can_restart: bool,
+        single: bool,
     ) -> Result<bool> {
         let mut pos = start;
         let mut attempt = 1u32;
@@ -479,7 +472,7 @@ impl Job {
             let before = pos;
             let r = {
                 let _permit = self.streams.acquire().await.expect("semaphore open");
-                self.attempt(f, url, &mut pos, end, w, can_restart, attempt).await
+                self.attempt(f, url, &mut pos, end, w, single, attempt).await
             };
             match r {
                 Ok(()) => {}
@@ -510,7 +503,7 @@ impl Job {
         pos: &mut u64,
         end: u64,
         w: &mut PartWriter,
-        can_restart: bool,
+        single: bool,
         attempt: u32,
     ) -> std::result::Result<(), Failure> {
         let ctx = self.ctx(f);
@@ -530,6 +523,8 @@ impl Job {
         }
         let final_url = sent.url.clone();
         let mut resp = check_status(sent.response, ctx, attempt).await?;
+        // Bytes of the body to drop before `pos` (a server that answers a range with the whole file).
+        let mut skip = 0u64;
         match resp.status() {
             StatusCode::PARTIAL_CONTENT => {
                 let cr = resp.headers().get(CONTENT_RANGE).and_then(|v| v.to_str().ok()).unwrap_or("");
@@ -543,13 +538,14 @@ impl Job {
                 }
             }
             StatusCode::OK if !whole => {
-                if can_restart && w.can_reset() && end == f.size {
-                    tracing::warn!(path = %f.path, "the server ignored the Range header; downloading from the start");
-                    w.reset().await.map_err(|e| Failure::Fatal(HubError::io(PathBuf::from(&f.path), e)))?;
-                    *pos = 0;
-                } else {
-                    return Err(Failure::Fatal(invalid(&final_url, "the server ignored a Range request".into())));
+                if !single {
+                    return Err(Failure::Fatal(invalid(
+                        &final_url,
+                        "the server ignored a Range request; download with concurrency 1".into(),
+                    )));
                 }
+                tracing::warn!(path = %f.path, pos = *pos, "the server ignored the Range header; skipping what is already here");
+                skip = *pos;
             }
             StatusCode::OK => {}
             s => return Err(Failure::Fatal(invalid(&final_url, format!("unexpected HTTP {}", s.as_u16())))),
@@ -557,7 +553,13 @@ impl Job {
         let mut since_report = 0u64;
         loop {
             match resp.chunk().await {
-                Ok(Some(b)) => {
+                Ok(Some(mut b)) => {
+                    self.bytes_downloaded.fetch_add(b.len() as u64, Ordering::Relaxed);
+                    if skip > 0 {
+                        let n = skip.min(b.len() as u64);
+                        skip -= n;
+                        b = b.slice(n as usize..);
+                    }
                     let room = end - *pos;
                     if b.len() as u64 > room {
                         return Err(Failure::Fatal(HubError::SizeMismatch {
@@ -567,10 +569,10 @@ impl Job {
                             actual: *pos + b.len() as u64,
                         }));
                     }
-                    w.write(&b).await.map_err(|e| Failure::Fatal(HubError::io(PathBuf::from(&f.path), e)))?;
-                    *pos += b.len() as u64;
-                    self.bytes_downloaded.fetch_add(b.len() as u64, Ordering::Relaxed);
-                    since_report += b.len() as u64;
+                    let n = b.len() as u64;
+                    w.write(b).await.map_err(|e| Failure::Fatal(HubError::io(PathBuf::from(&f.path), e)))?;
+                    *pos += n;
+                    since_report += n;
                     if since_report >= REPORT_EVERY {
                         since_report = 0;
                         self.report(&f.path);
@@ -596,30 +598,168 @@ impl Job {
     }
 }
 
-/// Sequential positional writes off the async threads, one in flight while the next buffer fills,
-/// optionally hashing in order.
+/// One range of a download and how much of it is on disk.
+struct Part {
+    start: u64,
+    end: u64,
+    /// Bytes written from `start` on, contiguous (updated after each write completes).
+    written: AtomicU64,
+}
+
+/// How far the file is written without a gap: `have` plus the parts done in order, plus what the
+/// first unfinished part has.
+fn contiguous(have: u64, parts: &[Arc<Part>]) -> u64 {
+    let mut end = have;
+    for p in parts {
+        let w = p.written.load(Ordering::Acquire);
+        end = p.start + w;
+        if p.start + w < p.end {
+            break;
+        }
+    }
+    end
+}
+
+/// Batches written to disk recently, kept in memory when they are near the hash frontier so the
+/// hasher need not read them back.
+#[derive(Default)]
+struct Hashing {
+    /// Bytes hashed from offset 0.
+    hashed: AtomicU64,
+    /// Written batches by offset, at most [`KEEP_AHEAD`] beyond `hashed`.
+    recent: std::sync::Mutex<std::collections::BTreeMap<u64, Arc<Batch>>>,
+}
+
+const KEEP_AHEAD: u64 = 64 << 20;
+
+struct Batch {
+    chunks: Vec<Bytes>,
+    len: u64,
+}
+
+impl Hashing {
+    fn recent(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<u64, Arc<Batch>>> {
+        self.recent.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Hashes `file` from 0 as its contiguous prefix grows (from the batches in memory, else reading
+/// it back); the digest once all `size` bytes are in, `None` if `stop` is set first (blocking;
+/// runs beside the transfer).
+fn ordered_digest(
+    file: &File,
+    expected: &Expected,
+    size: u64,
+    have: u64,
+    parts: &[Arc<Part>],
+    hashing: &Hashing,
+    stop: &AtomicBool,
+) -> io::Result<Option<String>> {
+    let mut d = Digester::new(expected, size);
+    let mut hashed = 0u64;
+    let mut buf = Vec::new();
+    loop {
+        let avail = contiguous(have, parts);
+        if hashed < avail {
+            let (batch, next_key) = {
+                let m = hashing.recent();
+                (m.get(&hashed).cloned(), m.range(hashed + 1..).next().map(|(k, _)| *k))
+            };
+            match batch {
+                Some(b) if hashed + b.len <= avail => {
+                    for c in &b.chunks {
+                        d.update(c);
+                    }
+                    hashed += b.len;
+                }
+                Some(_) => {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                    continue;
+                }
+                None => {
+                    let mut n = (avail - hashed).min(WRITE_BUF as u64);
+                    if let Some(k) = next_key {
+                        n = n.min(k - hashed);
+                    }
+                    buf.resize(n as usize, 0);
+                    file.read_exact_at(&mut buf, hashed)?;
+                    d.update(&buf);
+                    hashed += n;
+                }
+            }
+            hashing.hashed.store(hashed, Ordering::Release);
+            let mut m = hashing.recent();
+            let keep = m.split_off(&hashed);
+            *m = keep;
+            continue;
+        }
+        if hashed >= size {
+            return Ok(Some(d.finish()));
+        }
+        if stop.load(Ordering::SeqCst) {
+            return Ok(None);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// `pwritev` until every byte of `chunks` is at `offset`.
+fn write_all_vectored_at(file: &File, chunks: &[Bytes], mut offset: u64) -> io::Result<()> {
+    let (mut i, mut skip) = (0usize, 0usize);
+    while i < chunks.len() {
+        let slices: Vec<io::IoSlice<'_>> = std::iter::once(&chunks[i][skip..])
+            .chain(chunks[i + 1..].iter().map(|c| &c[..]))
+            .take(512)
+            .map(io::IoSlice::new)
+            .collect();
+        let mut n = match rustix::io::pwritev(file, &slices, offset) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "pwritev wrote nothing")),
+            Ok(n) => n,
+            Err(e) if e == rustix::io::Errno::INTR => continue,
+            Err(e) => return Err(e.into()),
+        };
+        offset += n as u64;
+        while n > 0 {
+            let left = chunks[i].len() - skip;
+            if n >= left {
+                n -= left;
+                i += 1;
+                skip = 0;
+            } else {
+                skip += n;
+                n = 0;
+            }
+        }
+        while i < chunks.len() && chunks[i].len() == skip {
+            i += 1;
+            skip = 0;
+        }
+    }
+    Ok(())
+}
+
+/// Sequential positional writes off the async threads, one in flight while the next batch of
+/// received chunks gathers (no copy: the chunks go to `pwritev` as they are); each completed
+/// write advances the part's `written` and may leave the batch for the hasher.
 struct PartWriter {
     file: Arc<File>,
     offset: u64,
-    buf: Vec<u8>,
-    digest: Option<Digester>,
-    pending: Option<tokio::task::JoinHandle<io::Result<Option<Digester>>>>,
-    hashing: bool,
+    chunks: Vec<Bytes>,
+    len: usize,
+    part: Arc<Part>,
+    hashing: Arc<Hashing>,
+    pending: Option<tokio::task::JoinHandle<io::Result<()>>>,
 }
 
 impl PartWriter {
-    fn new(file: Arc<File>, offset: u64, digest: Option<Digester>) -> Self {
-        let hashing = digest.is_some();
-        PartWriter { file, offset, buf: Vec::with_capacity(WRITE_BUF), digest, pending: None, hashing }
+    fn new(file: Arc<File>, offset: u64, part: Arc<Part>, hashing: Arc<Hashing>) -> Self {
+        PartWriter { file, offset, chunks: Vec::new(), len: 0, part, hashing, pending: None }
     }
 
-    fn can_reset(&self) -> bool {
-        self.hashing
-    }
-
-    async fn write(&mut self, data: &[u8]) -> io::Result<()> {
-        self.buf.extend_from_slice(data);
-        if self.buf.len() >= WRITE_BUF {
+    async fn write(&mut self, data: Bytes) -> io::Result<()> {
+        self.len += data.len();
+        self.chunks.push(data);
+        if self.len >= WRITE_BUF {
             self.submit().await?;
         }
         Ok(())
@@ -627,18 +767,21 @@ impl PartWriter {
 
     async fn submit(&mut self) -> io::Result<()> {
         self.wait().await?;
-        if self.buf.is_empty() {
+        if self.chunks.is_empty() {
             return Ok(());
         }
-        let buf = std::mem::replace(&mut self.buf, Vec::with_capacity(WRITE_BUF));
-        let (file, off, mut digest) = (self.file.clone(), self.offset, self.digest.take());
-        self.offset += buf.len() as u64;
+        let batch = Batch { chunks: std::mem::take(&mut self.chunks), len: std::mem::take(&mut self.len) as u64 };
+        let (file, off, part, hashing) = (self.file.clone(), self.offset, self.part.clone(), self.hashing.clone());
+        self.offset += batch.len;
         self.pending = Some(tokio::task::spawn_blocking(move || {
-            file.write_all_at(&buf, off)?;
-            if let Some(d) = digest.as_mut() {
-                d.update(&buf);
+            write_all_vectored_at(&file, &batch.chunks, off)?;
+            let len = batch.len;
+            let hashed = hashing.hashed.load(Ordering::Acquire);
+            if off >= hashed && off < hashed + KEEP_AHEAD {
+                hashing.recent().insert(off, Arc::new(batch));
             }
-            Ok(digest)
+            part.written.fetch_add(len, Ordering::Release);
+            Ok(())
         }));
         Ok(())
     }
@@ -646,7 +789,7 @@ impl PartWriter {
     async fn wait(&mut self) -> io::Result<()> {
         if let Some(h) = self.pending.take() {
             match h.await {
-                Ok(r) => self.digest = r?,
+                Ok(r) => r?,
                 Err(j) => std::panic::resume_unwind(j.into_panic()),
             }
         }
@@ -656,23 +799,6 @@ impl PartWriter {
     async fn flush(&mut self) -> io::Result<()> {
         self.submit().await?;
         self.wait().await
-    }
-
-    /// Back to an empty file and a fresh digest (the server ignored `Range`).
-    async fn reset(&mut self) -> io::Result<()> {
-        self.wait().await?;
-        self.buf.clear();
-        self.file.set_len(0)?;
-        self.offset = 0;
-        if let Some(d) = self.digest.take() {
-            self.digest = Some(match d {
-                Digester::Sha256(_) => Digester::new(&Expected::Sha256(String::new()), 0),
-                Digester::GitSha1(_) => {
-                    return Err(io::Error::other("cannot restart a git-sha1 digest without the size"))
-                }
-            });
-        }
-        Ok(())
     }
 }
 
