@@ -429,13 +429,17 @@ impl HubClient {
         Err(Failure::Fatal(invalid(&url, "more than 10 redirects".into())))
     }
 
+    /// True if `url` has the endpoint's origin (scheme, host, port).
+    pub(crate) fn is_endpoint_origin(&self, url: &Url) -> bool {
+        let e = &self.inner.endpoint;
+        url.scheme() == e.scheme()
+            && url.host_str() == e.host_str()
+            && url.port_or_known_default() == e.port_or_known_default()
+    }
+
     fn auth_for(&self, url: &Url) -> Option<HeaderValue> {
         let token = self.inner.token.as_ref()?;
-        let e = &self.inner.endpoint;
-        if url.scheme() != e.scheme()
-            || url.host_str() != e.host_str()
-            || url.port_or_known_default() != e.port_or_known_default()
-        {
+        if !self.is_endpoint_origin(url) {
             return None;
         }
         let mut v = HeaderValue::from_str(&format!("Bearer {}", token.expose())).ok()?;
@@ -449,8 +453,17 @@ pub(crate) struct Sent {
     pub(crate) response: Response,
     pub(crate) url: Url,
     pub(crate) repo_commit: Option<String>,
-    #[allow(dead_code)]
     pub(crate) linked_etag: Option<String>,
+}
+
+/// `Retry-After` as seconds or an HTTP date.
+fn parse_retry_after(v: &str) -> Option<Duration> {
+    let v = v.trim();
+    if let Ok(secs) = v.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let when = httpdate::parse_http_date(v).ok()?;
+    Some(when.duration_since(std::time::SystemTime::now()).unwrap_or(Duration::ZERO))
 }
 
 /// Turns a non-success status into the right failure; passes 2xx through.
@@ -461,12 +474,7 @@ pub(crate) async fn check_status(resp: Response, ctx: Ctx<'_>, attempt: u32) -> 
     }
     let url = redact(resp.url());
     let code = header_str(resp.headers(), "x-error-code");
-    let retry_after = resp
-        .headers()
-        .get(RETRY_AFTER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|s| s.trim().parse::<u64>().ok())
-        .map(Duration::from_secs);
+    let retry_after = resp.headers().get(RETRY_AFTER).and_then(|v| v.to_str().ok()).and_then(parse_retry_after);
     let message = header_str(resp.headers(), "x-error-message");
     let s = status.as_u16();
     let repo = ctx.repo.to_owned();
@@ -661,6 +669,11 @@ mod tests {
         assert_eq!(encode_segment("refs/pr/1"), "refs%2Fpr%2F1");
         assert_eq!(encode_path("a b/c+d.json"), "a%20b/c%2Bd.json");
         assert_eq!(normalize_etag("W/\"abc\""), "abc");
+        assert_eq!(parse_retry_after(" 7 "), Some(Duration::from_secs(7)));
+        assert_eq!(parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"), Some(Duration::ZERO));
+        let later = httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(100));
+        assert!(parse_retry_after(&later).unwrap() > Duration::from_secs(90));
+        assert_eq!(parse_retry_after("soon"), None);
     }
 
     #[test]

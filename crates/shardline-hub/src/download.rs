@@ -522,7 +522,20 @@ impl Job {
             }
         }
         let final_url = sent.url.clone();
-        let mut resp = check_status(sent.response, ctx, attempt).await?;
+        if let (Some(linked), Some(want)) = (&sent.linked_etag, &f.lfs_sha256) {
+            if linked != want {
+                tracing::warn!(path = %f.path, linked = %linked, expected = %want, "X-Linked-Etag differs from the listed sha256; the sha256 check decides");
+            }
+        }
+        // A CDN's 4xx (an expired signed URL) is retried through a fresh redirect; the Hub's own
+        // 4xx answers are final.
+        let from_cdn = !self.client.is_endpoint_origin(&final_url);
+        let mut resp = match check_status(sent.response, ctx, attempt).await {
+            Err(Failure::Fatal(e)) if from_cdn && !matches!(e, HubError::InvalidResponse { .. }) => {
+                return Err(Failure::Retry { err: e, after: None });
+            }
+            r => r?,
+        };
         // Bytes of the body to drop before `pos` (a server that answers a range with the whole file).
         let mut skip = 0u64;
         match resp.status() {

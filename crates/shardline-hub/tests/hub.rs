@@ -541,3 +541,36 @@ async fn a_failed_parallel_download_keeps_a_resumable_prefix() {
     assert_eq!(first, Some(partial.len()), "resumed where the prefix ends");
     assert_eq!(fs::read(snap.path("big.safetensors")).unwrap(), big);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cdn_refusal_is_retried_through_a_fresh_redirect() {
+    let (hub, _) = hub_with_release().await;
+    // The Hub's redirect passes; the CDN then refuses once (an expired signed URL).
+    hub.inject(Fault::new(FaultTarget::File(SHARD1.into()), FaultKind::Status(403)).skip(1).times(1));
+    let cache = tempfile::tempdir().unwrap();
+    let snap = client(&hub).download(REPO, "main", &opts(cache.path())).await.unwrap();
+    let seen: Vec<(RequestKind, u16)> = file_requests(&hub, SHARD1).iter().map(|r| (r.kind, r.status)).collect();
+    assert_eq!(
+        seen,
+        [(RequestKind::Resolve, 302), (RequestKind::Cdn, 403), (RequestKind::Resolve, 302), (RequestKind::Cdn, 200)]
+    );
+    assert_eq!(fs::read(snap.path(SHARD1)).unwrap(), release()[1].1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_downloads_into_one_cache_fetch_each_blob_once() {
+    let (hub, _) = hub_with_release().await;
+    hub.inject(Fault::new(FaultTarget::Any, FaultKind::Delay(Duration::from_millis(30))));
+    let cache = tempfile::tempdir().unwrap();
+    let (a, b) = (client(&hub), client(&hub));
+    let (o1, o2) = (opts(cache.path()), opts(cache.path()));
+    let (r1, r2) = tokio::join!(a.download(REPO, "main", &o1), b.download(REPO, "main", &o2));
+    let (s1, s2) = (r1.unwrap(), r2.unwrap());
+    let total: u64 = release().iter().map(|(_, d)| d.len() as u64).sum();
+    assert_eq!(s1.bytes_downloaded + s2.bytes_downloaded, total, "the blob lock lets one of them fetch each file");
+    for (path, bytes) in release() {
+        let fetches = file_requests(&hub, &path).iter().filter(|r| r.status == 200).count();
+        assert_eq!(fetches, 1, "{path}");
+        assert_eq!(fs::read(s2.path(&path)).unwrap(), bytes);
+    }
+}
