@@ -9,7 +9,9 @@
 //! The server runs in a child process (this binary with `--serve`), so the client and `curl` are
 //! measured against the same server process. The release is read once first so every run is
 //! served from the page cache. Each run starts from an empty cache / output directory. The
-//! client's time includes verifying every file (sha256 of the LFS shards); `curl` verifies nothing.
+//! client's time includes verifying every file (sha256 of the LFS shards); plain `curl` verifies
+//! nothing, so `curl` followed by `openssl dgst -sha256` is timed too.
+//! `--modes hub,hub1,curl,curl+sha256` picks what to time.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -29,7 +31,7 @@ fn main() {
     }
     let mut dir = None;
     let (mut concurrency, mut runs, mut part_mib) = (8usize, 2usize, 32u64);
-    let mut modes = vec!["hub".to_owned(), "hub1".to_owned(), "curl".to_owned()];
+    let mut modes: Vec<String> = ["hub", "hub1", "curl", "curl+sha256"].map(String::from).to_vec();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -41,21 +43,23 @@ fn main() {
         }
     }
     let dir = dir.expect(
-        "usage: hub_throughput RELEASE_DIR [--concurrency N] [--runs N] [--part-size-mib N] [--modes hub,hub1,curl]",
+        "usage: hub_throughput RELEASE_DIR [--concurrency N] [--runs N] [--part-size-mib N] [--modes hub,hub1,curl,curl+sha256]",
     );
     let files = list(&dir);
     let total: u64 = files.iter().map(|(_, n)| n).sum();
     println!("release {}: {} files, {:.3} GB", dir.display(), files.len(), total as f64 / 1e9);
 
     // The server, in its own process.
-    let mut server = Command::new(std::env::current_exe().unwrap())
-        .arg("--serve")
-        .arg(&dir)
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start the server");
+    let mut server = Server(
+        Command::new(std::env::current_exe().unwrap())
+            .arg("--serve")
+            .arg(&dir)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start the server"),
+    );
     let mut line = String::new();
-    BufReader::new(server.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    BufReader::new(server.0.stdout.take().unwrap()).read_line(&mut line).unwrap();
     let mut words = line.split_whitespace().skip(1);
     let (endpoint, sha) = (words.next().expect("endpoint").to_owned(), words.next().expect("sha").to_owned());
     println!("server {endpoint}, commit {sha}");
@@ -86,7 +90,9 @@ fn main() {
         std::fs::remove_dir_all(&cache).unwrap();
         el
     };
-    let curl_run = |parallel: usize| {
+    // `verify`: then hash every file with `openssl dgst -sha256` (SHA-NI), as a user checking the
+    // download against the Hub's sha256 would.
+    let curl_run = |parallel: usize, verify: bool| {
         let out = work.path().join("curl");
         std::fs::create_dir_all(&out).unwrap();
         let mut cfg = String::new();
@@ -119,50 +125,71 @@ fn main() {
         assert!(st.success(), "curl failed");
         let got: u64 = files.iter().map(|(p, _)| std::fs::metadata(out.join(p)).unwrap().len()).sum();
         assert_eq!(got, total);
+        let el = if verify {
+            let st = Command::new("openssl")
+                .args(["dgst", "-sha256"])
+                .args(files.iter().map(|(p, _)| out.join(p)))
+                .stdout(Stdio::null())
+                .status()
+                .expect("run openssl");
+            assert!(st.success(), "openssl failed");
+            t.elapsed()
+        } else {
+            el
+        };
         std::fs::remove_dir_all(&out).unwrap();
         el
     };
 
-    let mut best = [Duration::MAX; 3];
+    let on = |m: &str| modes.iter().any(|x| x == m);
+    let keys = ["hub", "hub1", "curl", "curl+sha256"];
+    let labels = [
+        format!("shardline-hub, {concurrency} streams, {part_mib} MiB ranges, sha256-verified"),
+        "shardline-hub, 1 stream, sha256-verified".to_owned(),
+        format!("curl, up to {concurrency} files at once, unverified"),
+        "curl, then openssl dgst -sha256 (the verification users do)".to_owned(),
+    ];
+    let mut best = [Duration::MAX; 4];
     for run in 1..=runs {
-        let on = |m: &str| modes.iter().any(|x| x == m);
-        let a = if on("hub") { hub_run(concurrency) } else { Duration::ZERO };
-        let b = if on("hub1") { hub_run(1) } else { Duration::ZERO };
-        let c = if on("curl") { curl_run(concurrency) } else { Duration::ZERO };
-        println!(
-            "run {run}: shardline-hub c={concurrency} {:.2}s | shardline-hub c=1 {:.2}s | curl --parallel-max {concurrency} {:.2}s",
-            a.as_secs_f64(),
-            b.as_secs_f64(),
-            c.as_secs_f64()
-        );
-        for (slot, d) in best.iter_mut().zip([a, b, c]) {
-            *slot = (*slot).min(d);
+        let mut line = format!("run {run}:");
+        for (i, k) in keys.iter().enumerate() {
+            if !on(k) {
+                continue;
+            }
+            let d = match i {
+                0 => hub_run(concurrency),
+                1 => hub_run(1),
+                2 => curl_run(concurrency, false),
+                _ => curl_run(concurrency, true),
+            };
+            best[i] = best[i].min(d);
+            line.push_str(&format!("  {k} {:.2}s", d.as_secs_f64()));
         }
+        println!("{line}");
     }
     let gbs = |d: Duration| total as f64 / 1e9 / d.as_secs_f64();
     println!("best of {runs}:");
-    println!(
-        "  shardline-hub, {concurrency} streams, {part_mib} MiB ranges, sha256-verified: {:.2}s  {:.2} GB/s",
-        best[0].as_secs_f64(),
-        gbs(best[0])
-    );
-    println!(
-        "  shardline-hub, 1 stream, sha256-verified:                {:.2}s  {:.2} GB/s",
-        best[1].as_secs_f64(),
-        gbs(best[1])
-    );
-    println!(
-        "  curl, up to {concurrency} files at once, unverified:               {:.2}s  {:.2} GB/s",
-        best[2].as_secs_f64(),
-        gbs(best[2])
-    );
-    println!(
-        "  ratio curl / shardline-hub ({concurrency} streams): {:.2}",
-        best[2].as_secs_f64() / best[0].as_secs_f64()
-    );
-    println!("  ratio curl / shardline-hub (1 stream):   {:.2}", best[2].as_secs_f64() / best[1].as_secs_f64());
-    let _ = server.kill();
-    let _ = server.wait();
+    for i in 0..4 {
+        if on(keys[i]) {
+            println!("  {:<64} {:>6.2}s {:>6.2} GB/s", labels[i], best[i].as_secs_f64(), gbs(best[i]));
+        }
+    }
+    for (i, j) in [(0, 2), (1, 2), (0, 3), (1, 3)] {
+        if on(keys[i]) && on(keys[j]) {
+            println!("  time {} / {}: {:.2}", keys[i], keys[j], best[i].as_secs_f64() / best[j].as_secs_f64());
+        }
+    }
+    drop(server);
+}
+
+/// The server process, killed when the measurement ends (or panics).
+struct Server(std::process::Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 fn list(dir: &Path) -> Vec<(String, u64)> {
