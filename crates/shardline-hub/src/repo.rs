@@ -87,6 +87,13 @@ pub struct RepoRevision {
     pub files: Vec<RepoFile>,
 }
 
+impl RepoRevision {
+    /// Bytes of all files (what a download of everything needs on disk).
+    pub fn total_size(&self) -> u64 {
+        self.files.iter().map(|f| f.size).sum()
+    }
+}
+
 /// One file of a commit, as the tree listing describes it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RepoFile {

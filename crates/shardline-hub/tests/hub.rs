@@ -29,6 +29,7 @@ async fn resolve_lists_files_with_sizes_and_lfs_sha256_across_pages() {
     hub.set_tree_page_size(2);
     let rev = client(&hub).resolve(REPO, "main").await.unwrap();
     assert_eq!(rev.sha, sha);
+    assert_eq!(rev.total_size(), release().iter().map(|(_, d)| d.len() as u64).sum::<u64>());
     let want = release();
     assert_eq!(rev.files.len(), want.len(), "directories are not files; every page was read");
     for (path, bytes) in &want {
