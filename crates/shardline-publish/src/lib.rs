@@ -1,24 +1,72 @@
-//! Publishing a finished checkpoint directory to its destination.
+//! Publishing a finished checkpoint directory to its destination: a local directory or an object
+//! store (`file://`, `s3://`, `gs://`, `az://`), all through the `object_store` crate — a local
+//! destination is object_store's `LocalFileSystem`, so both take the same code path.
 //!
-//! Data files go first, each copied under a temporary name, checked (size and SHA-256) and renamed
-//! into place; the manifest — every file with its size and checksum, the source and the mesh — is
-//! written last. Consumers treat the manifest as the commit: a destination without one is not a
-//! checkpoint, whatever else it holds. A file whose destination already has identical content
-//! (same size and SHA-256 as the manifest of an earlier publish says) is not copied again.
+//! # The protocol
+//!
+//! 1. Every source file is hashed (size and SHA-256).
+//! 2. The destination's manifest (`shardline-manifest.json`) is read. A file it lists with the same
+//!    path, size and SHA-256, whose object exists with that size (and, where the store keeps
+//!    object metadata, the same recorded SHA-256), is **skipped**. If nothing differs and the
+//!    manifest would be byte-identical, nothing at all is written.
+//! 3. Otherwise a pending record (`.shardline-publish-pending.json`: what the old manifest vouched
+//!    for, and which paths this publish is about to write) is written, and then the old manifest
+//!    is **deleted**: from here until the new commit the destination is not a checkpoint, so a
+//!    half-updated destination never looks complete.
+//! 4. Data objects are uploaded, several files at once: a file larger than
+//!    [`PublishOptions::part_size`] as a multipart upload (parts in flight bounded by
+//!    [`PublishOptions::max_parts_in_flight`] over all files, so memory stays near
+//!    `part_size × max_parts_in_flight`), a smaller one with a single PUT. Each object carries
+//!    its SHA-256 as user metadata (`shardlinesha256`, i.e. `x-amz-meta-shardlinesha256` on S3)
+//!    where the store keeps metadata. On any error the multipart upload is aborted.
+//! 5. Every uploaded object is **verified**: a HEAD for its size (and recorded SHA-256), then —
+//!    with [`Verify::ReadBack`], the default — the object is read back, streaming, and hashed.
+//!    Read-back is the check that holds on every S3-compatible server: it needs no checksum
+//!    support from the server (S3's `x-amz-checksum-sha256` is optional, composite for multipart
+//!    uploads and missing on many compatible servers; ETags are not content hashes for multipart
+//!    or encrypted objects). Big objects are read back in part-sized ranged GETs pinned to the
+//!    HEAD's ETag (`If-Match`). A mismatch deletes the object and fails the publish. In transit,
+//!    SigV4 already signs each request body's SHA-256 (S3 rejects a body that does not match);
+//!    where the server supports it, `AWS_CHECKSUM_ALGORITHM=SHA256` adds S3's own per-request
+//!    checksums on top. [`Verify::Head`] skips the read-back (size and recorded SHA-256 only).
+//! 6. The manifest is written last (and read back): consumers treat it as the commit. Then the
+//!    pending record is deleted.
+//!
+//! A publish that fails or is killed leaves no manifest. A retry reads the pending record: files
+//! the old manifest vouched for and that were not being written are skipped as usual; an object
+//! that a failed attempt completed is found by a HEAD (right size, no contradicting metadata),
+//! read back and hashed, and kept if it matches (reported as `resumed`); everything else is
+//! uploaded again. Multipart uploads are aborted on errors; one interrupted by a kill stays
+//! invisible (never an object) until the bucket's lifecycle rule
+//! (`AbortIncompleteMultipartUpload`) removes it.
 
-use std::collections::BTreeMap;
+use std::fmt;
 use std::fs::{self, File};
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use futures_util::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use thiserror::Error;
+
+mod destination;
+mod engine;
+
+pub use destination::{Backend, Destination};
+pub use engine::{publish_to, read_manifest_at};
+pub use object_store;
 
 /// Name of the manifest in a published directory.
 pub const MANIFEST: &str = "shardline-manifest.json";
 /// Format tag of the manifest.
 pub const MANIFEST_FORMAT: &str = "shardline-manifest/v1";
+/// Name of the record a publish in progress keeps at the destination (removed after the commit).
+pub const PENDING: &str = ".shardline-publish-pending.json";
+/// Name of the user metadata entry that records an object's SHA-256 (lowercase alphanumerics:
+/// valid as an S3/GCS header suffix and as an Azure metadata name).
+pub const SHA256_METADATA: &str = "shardlinesha256";
 
 /// One published file.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -40,12 +88,83 @@ pub struct Manifest {
     pub shardline_version: String,
 }
 
-/// What a publish did.
+/// What a publish did. Lists are in publish order.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PublishReport {
+    /// Files uploaded (and verified).
     pub copied: Vec<String>,
+    /// Files the destination already had, as its manifest says and a HEAD confirms.
     pub skipped: Vec<String>,
+    /// Files an interrupted earlier publish had completed: verified and kept, not uploaded again.
+    pub resumed: Vec<String>,
+    /// Bytes uploaded.
     pub bytes_copied: u64,
+    /// Bytes read back from the destination and hashed.
+    pub bytes_verified: u64,
+    /// Multipart parts uploaded (a file uploaded with one PUT counts none).
+    pub parts_uploaded: u64,
+    /// Whether a manifest was written (false when the destination already had this one).
+    pub manifest_written: bool,
+}
+
+/// How an uploaded object is checked.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Verify {
+    /// HEAD (size, recorded SHA-256) and a streaming read-back hashed with SHA-256. Works on
+    /// every store; costs one download of what was uploaded.
+    #[default]
+    ReadBack,
+    /// HEAD only: the size, and the recorded SHA-256 where the store keeps metadata. Catches
+    /// truncation and replaced objects but not corrupted bytes of the right length.
+    Head,
+}
+
+/// A hook run after a file's object is uploaded and before it is verified (tests use it to
+/// tamper with the object). It gets the file's path relative to the checkpoint.
+pub type AfterUpload = Arc<dyn Fn(&str) -> BoxFuture<'static, ()> + Send + Sync>;
+
+/// How to publish.
+#[derive(Clone)]
+pub struct PublishOptions {
+    /// Files larger than this are uploaded in parts of this size; smaller ones with one PUT.
+    /// S3 and GCS need parts of at least 5 MiB (the last one excepted); the part size grows by
+    /// itself when a file would need more than 10,000 parts. Default 64 MiB.
+    pub part_size: usize,
+    /// Parts (and single-PUT bodies) being uploaded at once, over all files. Default 8.
+    pub max_parts_in_flight: usize,
+    /// Files being uploaded or verified at once. Default 4.
+    pub max_files_in_flight: usize,
+    pub verify: Verify,
+    /// Store configuration over the environment's, as object_store's configuration keys
+    /// (`aws_endpoint`, `aws_allow_http`, `aws_access_key_id`, …). Values are never printed.
+    pub store_options: Vec<(String, String)>,
+    pub after_upload: Option<AfterUpload>,
+}
+
+impl Default for PublishOptions {
+    fn default() -> Self {
+        PublishOptions {
+            part_size: 64 << 20,
+            max_parts_in_flight: 8,
+            max_files_in_flight: 4,
+            verify: Verify::ReadBack,
+            store_options: Vec::new(),
+            after_upload: None,
+        }
+    }
+}
+
+impl fmt::Debug for PublishOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PublishOptions")
+            .field("part_size", &self.part_size)
+            .field("max_parts_in_flight", &self.max_parts_in_flight)
+            .field("max_files_in_flight", &self.max_files_in_flight)
+            .field("verify", &self.verify)
+            .field("store_options", &self.store_options.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>())
+            .field("after_upload", &self.after_upload.is_some())
+            .finish()
+    }
 }
 
 /// Why publishing failed. The destination then has no (new) manifest.
@@ -54,14 +173,28 @@ pub struct PublishReport {
 pub enum PublishError {
     #[error("{path}: {action}: {error}")]
     Io { path: PathBuf, action: &'static str, error: io::Error },
-    #[error("destination `{0}` is not supported (use a file:// URL or an absolute path)")]
+    #[error("destination `{0}` is not supported (use an absolute path or a file://, s3://, gs:// or az:// URL)")]
     UnsupportedDestination(String),
-    #[error("{path}: copied {actual_size} bytes with SHA-256 {actual}, expected {expected_size} bytes with {expected}")]
+    #[error(
+        "{path}: copied {actual_size} bytes with SHA-256 {actual}, expected {expected_size} bytes with {expected}"
+    )]
     Verify { path: PathBuf, expected: String, actual: String, expected_size: u64, actual_size: u64 },
     #[error("{0}: the manifest is not valid JSON: {1}")]
     BadManifest(PathBuf, String),
     #[error("source {0} has no files to publish")]
     Empty(PathBuf),
+    /// An object store request failed (the message has no credentials).
+    #[error("{object}: {action}: {message}")]
+    Store { object: String, action: &'static str, message: String },
+    /// The destination or the options are misconfigured (the message has no credentials).
+    #[error("configuration: {0}")]
+    Config(String),
+    /// A source file changed while it was being published.
+    #[error("{path}: changed while being published (hashed {expected}, uploaded {actual})")]
+    SourceChanged { path: PathBuf, expected: String, actual: String },
+    /// Stopped because another file of the same publish failed (never the error a publish returns).
+    #[error("stopped after another file failed")]
+    Cancelled,
 }
 
 fn io_err<'a>(path: &'a Path, action: &'static str) -> impl FnOnce(io::Error) -> PublishError + 'a {
@@ -95,7 +228,7 @@ pub fn hash_file(path: &Path) -> Result<(u64, String), PublishError> {
     Ok((n, hex::encode(h.finalize())))
 }
 
-/// Reads the manifest of a published directory, if it has one.
+/// Reads the manifest of a published local directory, if it has one.
 pub fn read_manifest(dir: &Path) -> Result<Option<Manifest>, PublishError> {
     let p = dir.join(MANIFEST);
     match fs::read(&p) {
@@ -113,7 +246,9 @@ fn source_files(src: &Path) -> Result<Vec<String>, PublishError> {
         .filter_map(|e| e.ok())
         .filter(|e| e.file_type().map(|t| t.is_file()).unwrap_or(false))
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n != MANIFEST && !n.ends_with(".partial") && !n.ends_with(".tmp"))
+        .filter(|n| {
+            n != MANIFEST && n != PENDING && !n.ends_with(".partial") && !n.ends_with(".tmp") && !n.contains('#')
+        })
         .collect();
     names.sort_by_key(|n| (n == ".metadata", n.clone()));
     if names.is_empty() {
@@ -122,94 +257,49 @@ fn source_files(src: &Path) -> Result<Vec<String>, PublishError> {
     Ok(names)
 }
 
-/// Copies `from` to `to` through `to.partial`, hashing what it writes, and renames into place.
-fn copy_verified(from: &Path, to: &Path, want: &FileEntry) -> Result<u64, PublishError> {
-    let partial = to.with_file_name(format!(
-        "{}.partial",
-        to.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
-    ));
-    let mut src = File::open(from).map_err(io_err(from, "open"))?;
-    let mut dst = File::create(&partial).map_err(io_err(&partial, "create"))?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 4 << 20];
-    let mut n = 0u64;
-    loop {
-        let k = src.read(&mut buf).map_err(io_err(from, "read"))?;
-        if k == 0 {
-            break;
-        }
-        dst.write_all(&buf[..k]).map_err(io_err(&partial, "write"))?;
-        h.update(&buf[..k]);
-        n += k as u64;
-    }
-    dst.sync_all().map_err(io_err(&partial, "sync"))?;
-    drop(dst);
-    let got = hex::encode(h.finalize());
-    // What landed must be what was hashed at the source (the source may have changed under us).
-    if got != want.sha256 || n != want.size {
-        let _ = fs::remove_file(&partial);
-        return Err(PublishError::Verify {
-            path: to.to_path_buf(),
-            expected: want.sha256.clone(),
-            actual: got,
-            expected_size: want.size,
-            actual_size: n,
-        });
-    }
-    fs::rename(&partial, to).map_err(io_err(to, "rename into place"))?;
-    Ok(n)
+/// Publishes the checkpoint in `src` to `to` (an absolute path or a `file://`, `s3://`, `gs://`
+/// or `az://` URL), configured from the environment and `options.store_options`.
+pub async fn publish(
+    src: &Path,
+    to: &str,
+    source: serde_json::Value,
+    layout: serde_json::Value,
+    options: &PublishOptions,
+) -> Result<(Manifest, PublishReport), PublishError> {
+    let dest = Destination::open(to, &options.store_options)?;
+    publish_to(&dest, src, source, layout, options).await
 }
 
-/// Publishes the checkpoint in `src` to the local directory `dest`.
+/// Reads the manifest at `to` (configured from the environment); `None` when there is none,
+/// i.e. the destination is not (or not yet) a complete checkpoint.
+pub async fn read_remote_manifest(to: &str) -> Result<Option<Manifest>, PublishError> {
+    let dest = Destination::open(to, &[])?;
+    read_manifest_at(&dest).await
+}
+
+/// Publishes the checkpoint in `src` to the local directory `dest`: [`publish`] to
+/// `file://{dest}` with default options, run to completion on a runtime of its own (on a thread
+/// of its own, so it may be called from anywhere, async code included).
 pub fn publish_dir(
     src: &Path,
     dest: &Path,
     source: serde_json::Value,
     layout: serde_json::Value,
 ) -> Result<(Manifest, PublishReport), PublishError> {
-    let names = source_files(src)?;
-    fs::create_dir_all(dest).map_err(io_err(dest, "create destination"))?;
-    let previous: BTreeMap<String, FileEntry> = read_manifest(dest)?
-        .map(|m| m.files.into_iter().map(|f| (f.path.clone(), f)).collect())
-        .unwrap_or_default();
-    // A new publish first withdraws the old commit: a half-updated destination is never "complete".
-    let manifest_path = dest.join(MANIFEST);
-    if manifest_path.exists() {
-        fs::remove_file(&manifest_path).map_err(io_err(&manifest_path, "withdraw old manifest"))?;
-    }
-    let mut report = PublishReport::default();
-    let mut files = Vec::new();
-    for name in &names {
-        let from = src.join(name);
-        let (size, sha256) = hash_file(&from)?;
-        let entry = FileEntry { path: name.clone(), size, sha256 };
-        let to = dest.join(name);
-        let same = previous.get(name) == Some(&entry) && fs::metadata(&to).map(|m| m.len() == size).unwrap_or(false);
-        if same {
-            report.skipped.push(name.clone());
-        } else {
-            report.bytes_copied += copy_verified(&from, &to, &entry)?;
-            report.copied.push(name.clone());
-        }
-        files.push(entry);
-    }
-    let manifest = Manifest {
-        format: MANIFEST_FORMAT.to_string(),
-        files,
-        source,
-        layout,
-        shardline_version: env!("CARGO_PKG_VERSION").to_string(),
-    };
-    let tmp = dest.join(format!("{MANIFEST}.tmp"));
-    let text = serde_json::to_vec_pretty(&manifest).map_err(|e| PublishError::BadManifest(tmp.clone(), e.to_string()))?;
-    {
-        let mut f = File::create(&tmp).map_err(io_err(&tmp, "create"))?;
-        f.write_all(&text).map_err(io_err(&tmp, "write"))?;
-        f.sync_all().map_err(io_err(&tmp, "sync"))?;
-    }
-    fs::rename(&tmp, &manifest_path).map_err(io_err(&manifest_path, "commit manifest"))?;
-    File::open(dest).and_then(|d| d.sync_all()).map_err(io_err(dest, "sync destination"))?;
-    Ok((manifest, report))
+    let destination = Destination::local(dest)?;
+    let options = PublishOptions::default();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .map_err(io_err(dest, "start the publish runtime"))?;
+            rt.block_on(publish_to(&destination, src, source, layout, &options))
+        })
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    })
 }
 
 #[cfg(test)]
@@ -233,10 +323,12 @@ mod tests {
         assert_eq!(r.copied, vec!["__0_0.distcp", "__1_0.distcp", ".metadata"]);
         assert_eq!(m.files[0].size, 9);
         assert_eq!(read_manifest(&dest).unwrap().unwrap(), m);
+        assert!(!dest.join(PENDING).exists());
         // Second publish of identical content copies nothing.
         let (_, r2) = publish_dir(&src, &dest, serde_json::json!({"path": "x"}), serde_json::json!({"tp": 1})).unwrap();
         assert!(r2.copied.is_empty());
         assert_eq!(r2.skipped.len(), 3);
+        assert!(!r2.manifest_written);
         // A changed file is copied again.
         fs::write(src.join("__1_0.distcp"), b"rank 1 v2").unwrap();
         let (_, r3) = publish_dir(&src, &dest, serde_json::json!({}), serde_json::json!({})).unwrap();
@@ -251,14 +343,33 @@ mod tests {
         let dest = tmp.path().join("dest");
         make_src(&src);
         publish_dir(&src, &dest, serde_json::json!({}), serde_json::json!({})).unwrap();
-        // The destination becomes unwritable for one file: the old manifest is withdrawn first and
-        // no new one appears.
+        // The destination becomes unwritable for one file (a directory stands where it goes):
+        // the old manifest is withdrawn first and no new one appears.
         fs::remove_file(dest.join("__1_0.distcp")).unwrap();
-        fs::create_dir(dest.join("__1_0.distcp.partial")).unwrap();
+        fs::create_dir(dest.join("__1_0.distcp")).unwrap();
+        fs::write(dest.join("__1_0.distcp").join("x"), b"x").unwrap();
         fs::write(src.join("__1_0.distcp"), b"changed!!").unwrap();
         let err = publish_dir(&src, &dest, serde_json::json!({}), serde_json::json!({})).unwrap_err();
-        assert!(err.to_string().contains("__1_0.distcp.partial"), "{err}");
+        assert!(err.to_string().contains("__1_0.distcp"), "{err}");
         assert!(read_manifest(&dest).unwrap().is_none());
+        // Once the obstacle is gone a retry completes, keeping what is already there.
+        fs::remove_dir_all(dest.join("__1_0.distcp")).unwrap();
+        // What a killed multipart upload leaves on a local destination is cleared away.
+        fs::write(dest.join("__1_0.distcp#3"), b"stale part").unwrap();
+        let (m, r) = publish_dir(&src, &dest, serde_json::json!({}), serde_json::json!({})).unwrap();
+        assert_eq!(r.copied, vec!["__1_0.distcp"]);
+        assert_eq!(r.skipped, vec!["__0_0.distcp", ".metadata"]);
+        assert_eq!(read_manifest(&dest).unwrap().unwrap(), m);
+        assert!(!dest.join("__1_0.distcp#3").exists());
+    }
+
+    #[tokio::test]
+    async fn publish_dir_works_inside_a_runtime() {
+        let tmp = tempfile::tempdir().unwrap();
+        let src = tmp.path().join("src");
+        make_src(&src);
+        let (m, _) = publish_dir(&src, &tmp.path().join("dest"), serde_json::json!({}), serde_json::json!({})).unwrap();
+        assert_eq!(m.files.len(), 3);
     }
 
     #[test]
