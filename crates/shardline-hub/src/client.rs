@@ -238,6 +238,14 @@ impl HubClient {
                     }
                     None => None,
                 };
+                if lfs_sha256.is_none() && e.xet_hash.is_some() {
+                    // Xet files carry LFS metadata (their sha256 names the blob); without it there is
+                    // nothing to verify the bytes against.
+                    return Err(HubError::InvalidResponse {
+                        url: redact(&url),
+                        message: format!("`{}` is stored with Xet but has no LFS sha256 to verify it against", e.path),
+                    });
+                }
                 if lfs_sha256.is_none() && !is_hex(&e.oid, 40) {
                     return Err(HubError::InvalidResponse {
                         url: redact(&url),
@@ -637,6 +645,8 @@ struct TreeEntry {
     oid: String,
     #[serde(default)]
     lfs: Option<TreeLfs>,
+    #[serde(default, rename = "xetHash")]
+    xet_hash: Option<String>,
 }
 
 #[derive(Deserialize)]
