@@ -56,6 +56,7 @@ mod lease;
 mod read;
 mod records;
 mod runs;
+pub mod tokens;
 mod types;
 
 use std::future::Future;

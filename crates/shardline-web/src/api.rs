@@ -1,0 +1,399 @@
+//! The handlers of `/api/v1`.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::extract::{FromRequest, FromRequestParts, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::IntoResponse;
+use futures_util::stream::{self, Stream};
+use serde_json::Value;
+use shardline_store::tokens::RawPool;
+use shardline_store::{LogFilter, Page, RunFilter, RunId, RunState, TaskId};
+
+use crate::auth::{authorize, Scope};
+use crate::dto::*;
+use crate::error::{ApiError, ErrorBody};
+use crate::AppState;
+
+/// `Json` whose rejections are JSON errors.
+#[derive(FromRequest)]
+#[from_request(via(axum::Json), rejection(ApiError))]
+pub struct Json<T>(pub T);
+
+impl<T: serde::Serialize> IntoResponse for Json<T> {
+    fn into_response(self) -> axum::response::Response {
+        axum::Json(self.0).into_response()
+    }
+}
+
+/// `Query` whose rejections are JSON errors.
+#[derive(FromRequestParts)]
+#[from_request(via(axum::extract::Query), rejection(ApiError))]
+pub struct Query<T>(pub T);
+
+/// `Path` whose rejections are JSON errors.
+#[derive(FromRequestParts)]
+#[from_request(via(axum::extract::Path), rejection(ApiError))]
+pub struct Path<T>(pub T);
+
+type ApiResult<T> = Result<T, ApiError>;
+
+async fn read_access(state: &AppState, headers: &HeaderMap) -> ApiResult<()> {
+    authorize(&state.store, state.auth, headers, Scope::Read).await.map(|_| ())
+}
+
+async fn find_run(state: &AppState, id: i64) -> ApiResult<shardline_store::RunRow> {
+    state.store.get_run(RunId(id)).await?.ok_or_else(|| {
+        ApiError::not_found(format!("Run {id} does not exist; list runs with GET /api/v1/runs."))
+    })
+}
+
+/// Pipelines with a stored spec, by name.
+#[utoipa::path(get, path = "/api/v1/pipelines", tag = "pipelines",
+    responses((status = 200, body = Vec<PipelineDto>), (status = 401, body = ErrorBody)))]
+pub async fn list_pipelines(State(state): State<AppState>, headers: HeaderMap) -> ApiResult<Json<Vec<PipelineDto>>> {
+    read_access(&state, &headers).await?;
+    const SQL: &str = "SELECT p.name, g.versions, p.id, p.spec_hash FROM pipelines p \
+         JOIN (SELECT MAX(id) AS id, COUNT(*) AS versions FROM pipelines GROUP BY name) g ON g.id = p.id \
+         ORDER BY p.name";
+    let rows: Vec<(String, i64, i64, String)> = match state.store.raw_pool() {
+        RawPool::Postgres(p) => sqlx::query_as(SQL).fetch_all(p).await,
+        RawPool::Sqlite(p) => sqlx::query_as(SQL).fetch_all(p).await,
+    }
+    .map_err(|e| ApiError::internal("list pipelines", e))?;
+    Ok(Json(
+        rows.into_iter()
+            .map(|(name, versions, latest_id, latest_spec_hash)| PipelineDto { name, versions, latest_id, latest_spec_hash })
+            .collect(),
+    ))
+}
+
+/// Runs, newest first, a page at a time (keyset paging on the run id).
+#[utoipa::path(get, path = "/api/v1/runs", tag = "runs", params(RunsQuery),
+    responses((status = 200, body = RunPageDto), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody)))]
+pub async fn list_runs(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Query(q): Query<RunsQuery>,
+) -> ApiResult<Json<RunPageDto>> {
+    read_access(&state, &headers).await?;
+    let run_state = match q.state.as_deref().filter(|s| !s.is_empty()) {
+        None => None,
+        Some(s) => Some(s.parse::<RunState>().map_err(|_| {
+            ApiError::bad_request(format!(
+                "Unknown run state `{s}`; use one of queued, running, succeeded, failed, cancelled."
+            ))
+        })?),
+    };
+    let limit = q.limit.unwrap_or(50);
+    if !(1..=1000).contains(&limit) {
+        return Err(ApiError::bad_request(format!("`limit` must be between 1 and 1000, not {limit}.")));
+    }
+    let filter = RunFilter { state: run_state, pipeline: q.pipeline.filter(|s| !s.is_empty()) };
+    let page = state.store.list_runs(&filter, Page { limit, before: q.before.map(RunId) }).await?;
+    Ok(Json(RunPageDto { runs: page.runs.iter().map(RunDto::from).collect(), next: page.next.map(|r| r.0) }))
+}
+
+/// A run with its task counts, resolved spec and plan (secrets redacted).
+#[utoipa::path(get, path = "/api/v1/runs/{id}", tag = "runs", params(("id" = i64, Path, description = "Run id")),
+    responses((status = 200, body = RunDetailDto), (status = 404, body = ErrorBody)))]
+pub async fn get_run(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<i64>) -> ApiResult<Json<RunDetailDto>> {
+    read_access(&state, &headers).await?;
+    Ok(Json(RunDetailDto::from(&find_run(&state, id).await?)))
+}
+
+/// The tasks of a run, by id.
+#[utoipa::path(get, path = "/api/v1/runs/{id}/tasks", tag = "runs", params(("id" = i64, Path, description = "Run id")),
+    responses((status = 200, body = Vec<TaskDto>), (status = 404, body = ErrorBody)))]
+pub async fn run_tasks(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<i64>) -> ApiResult<Json<Vec<TaskDto>>> {
+    read_access(&state, &headers).await?;
+    find_run(&state, id).await?;
+    let tasks = state.store.run_tasks(RunId(id)).await?;
+    Ok(Json(tasks.iter().map(TaskDto::from).collect()))
+}
+
+/// One task.
+#[utoipa::path(get, path = "/api/v1/tasks/{id}", tag = "tasks", params(("id" = i64, Path, description = "Task id")),
+    responses((status = 200, body = TaskDto), (status = 404, body = ErrorBody)))]
+pub async fn get_task(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<i64>) -> ApiResult<Json<TaskDto>> {
+    read_access(&state, &headers).await?;
+    let task = state.store.task(TaskId(id)).await?.ok_or_else(|| ApiError::not_found(format!("Task {id} does not exist.")))?;
+    Ok(Json(TaskDto::from(&task)))
+}
+
+/// The attempts (leases) of a task, oldest first.
+#[utoipa::path(get, path = "/api/v1/tasks/{id}/attempts", tag = "tasks", params(("id" = i64, Path, description = "Task id")),
+    responses((status = 200, body = Vec<AttemptDto>), (status = 404, body = ErrorBody)))]
+pub async fn task_attempts(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<i64>) -> ApiResult<Json<Vec<AttemptDto>>> {
+    read_access(&state, &headers).await?;
+    if state.store.task(TaskId(id)).await?.is_none() {
+        return Err(ApiError::not_found(format!("Task {id} does not exist.")));
+    }
+    let attempts = state.store.task_attempts(TaskId(id)).await?;
+    Ok(Json(attempts.iter().map(AttemptDto::from).collect()))
+}
+
+/// Registered workers.
+#[utoipa::path(get, path = "/api/v1/workers", tag = "workers",
+    responses((status = 200, body = Vec<WorkerDto>), (status = 401, body = ErrorBody)))]
+pub async fn list_workers(State(state): State<AppState>, headers: HeaderMap) -> ApiResult<Json<Vec<WorkerDto>>> {
+    read_access(&state, &headers).await?;
+    let workers = state.store.list_workers().await?;
+    Ok(Json(workers.iter().map(WorkerDto::from).collect()))
+}
+
+/// Log lines of a run (or of one of its tasks), in order, a page at a time.
+#[utoipa::path(get, path = "/api/v1/runs/{id}/logs", tag = "runs", params(("id" = i64, Path, description = "Run id"), LogsQuery),
+    responses((status = 200, body = LogPageDto), (status = 404, body = ErrorBody)))]
+pub async fn run_logs(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+    Query(q): Query<LogsQuery>,
+) -> ApiResult<Json<LogPageDto>> {
+    read_access(&state, &headers).await?;
+    find_run(&state, id).await?;
+    let filter = match q.task {
+        None => LogFilter::Run(RunId(id)),
+        Some(t) => {
+            match state.store.task(TaskId(t)).await? {
+                Some(task) if task.run.0 == id => {}
+                _ => return Err(ApiError::not_found(format!("Run {id} has no task {t}."))),
+            }
+            LogFilter::Task(TaskId(t))
+        }
+    };
+    let after = q.after.unwrap_or(0);
+    let limit = q.limit.unwrap_or(1000);
+    if !(1..=shardline_store::MAX_PAGE).contains(&limit) {
+        return Err(ApiError::bad_request(format!(
+            "`limit` must be between 1 and {}, not {limit}.",
+            shardline_store::MAX_PAGE
+        )));
+    }
+    let rows = state.store.logs(filter, after, limit).await?;
+    let next_after = rows.last().map_or(after, |r| r.id);
+    let more = rows.len() as i64 >= limit;
+    let needle = q.q.filter(|s| !s.is_empty()).map(|s| s.to_lowercase());
+    let lines = rows
+        .iter()
+        .filter(|r| needle.as_ref().is_none_or(|n| r.line.to_lowercase().contains(n.as_str())))
+        .map(LogLineDto::from)
+        .collect();
+    Ok(Json(LogPageDto { lines, next_after, more }))
+}
+
+fn diagnostics_of(file: &str, text: &str, state: &AppState) -> (bool, Vec<DiagnosticDto>) {
+    let (pipeline, diagnostics) =
+        shardline_spec::lint(file, text, &shardline_engine::lint_context(&state.base_dir));
+    let valid = pipeline.is_some() && diagnostics.iter().all(|d| d.severity != shardline_spec::Severity::Error);
+    (valid, diagnostics.iter().map(DiagnosticDto::from).collect())
+}
+
+/// Submits a run of a spec (scope `submit`). Lint errors are refused with 422 and the diagnostics.
+#[utoipa::path(post, path = "/api/v1/runs", tag = "runs", request_body = SubmitRequest,
+    responses((status = 201, body = SubmittedDto, description = "A new run"),
+        (status = 200, body = SubmittedDto, description = "The existing run of the dedupe key"),
+        (status = 422, body = ErrorBody), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn submit_run(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Json(req): Json<SubmitRequest>,
+) -> ApiResult<(StatusCode, Json<SubmittedDto>)> {
+    authorize(&state.store, state.auth, &headers, Scope::Submit).await?;
+    let file = req.file.clone().unwrap_or_else(|| "pipeline.yaml".into());
+    let (valid, diagnostics) = diagnostics_of(&file, &req.spec, &state);
+    if !valid {
+        let errors = diagnostics.iter().filter(|d| d.severity == "error").count();
+        let first = diagnostics.iter().find(|d| d.severity == "error");
+        let mut e = ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "lint_failed",
+            match first {
+                Some(d) => format!(
+                    "The spec has {errors} error(s), the first at {}:{}:{}: {}; fix them and submit again.",
+                    d.file, d.line, d.column, d.message
+                ),
+                None => "The spec could not be read; fix it and submit again.".to_string(),
+            },
+        );
+        e.diagnostics = Some(diagnostics);
+        return Err(e);
+    }
+    let overrides: Vec<(String, String)> = req
+        .set
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| {
+            let v = match v {
+                Value::String(s) => s,
+                other => other.to_string(),
+            };
+            (k, v)
+        })
+        .collect();
+    let submitted = shardline_engine::submit(
+        &state.store,
+        shardline_engine::Submission {
+            file: &file,
+            text: &req.spec,
+            overrides: &overrides,
+            base_dir: &state.base_dir,
+            work_dir: &state.work_dir,
+            dedupe_key: req.dedupe_key,
+            no_cache: req.no_cache,
+        },
+    )
+    .await
+    .map_err(|e| match e {
+        shardline_engine::SubmitError::Store(s) => ApiError::from(s),
+        other => ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_submission",
+            format!("The run could not be created: {other}"),
+        ),
+    })?;
+    let status = if submitted.created { StatusCode::CREATED } else { StatusCode::OK };
+    Ok((status, Json(SubmittedDto { run: submitted.run.0, name: submitted.name, created: submitted.created })))
+}
+
+/// Cancels a queued or running run (scope `admin`); 409 when it has finished.
+#[utoipa::path(post, path = "/api/v1/runs/{id}/cancel", tag = "runs", params(("id" = i64, Path, description = "Run id")),
+    responses((status = 200, body = ActionDto), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody),
+        (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn cancel_run(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<i64>) -> ApiResult<Json<ActionDto>> {
+    authorize(&state.store, state.auth, &headers, Scope::Admin).await?;
+    if !state.store.cancel_run(RunId(id)).await? {
+        let run = find_run(&state, id).await?;
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "conflict",
+            format!("Run {id} has already finished ({}); only queued or running runs can be cancelled.", run.state),
+        ));
+    }
+    let run = find_run(&state, id).await?;
+    Ok(Json(ActionDto { run: id, state: run.state.as_str().into() }))
+}
+
+/// Puts a finished run back to work (scope `admin`); 409 while it is queued or running.
+#[utoipa::path(post, path = "/api/v1/runs/{id}/retry", tag = "runs", params(("id" = i64, Path, description = "Run id")),
+    request_body(content = RetryRequest, description = "Optional; `{}` or no body retries failed and cancelled tasks"),
+    responses((status = 200, body = ActionDto), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody),
+        (status = 422, body = ErrorBody), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn retry_run(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+    body: axum::body::Bytes,
+) -> ApiResult<Json<ActionDto>> {
+    authorize(&state.store, state.auth, &headers, Scope::Admin).await?;
+    let req: RetryRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        RetryRequest::default()
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|e| ApiError::bad_request(format!("The request body must be `{{\"from_step\": \"…\"}}` or empty: {e}.")))?
+    };
+    state.store.retry_run(RunId(id), req.from_step.as_deref()).await?;
+    let run = find_run(&state, id).await?;
+    Ok(Json(ActionDto { run: id, state: run.state.as_str().into() }))
+}
+
+/// Lints a spec: its diagnostics, with positions and hints.
+#[utoipa::path(post, path = "/api/v1/lint", tag = "pipelines", request_body = LintRequest,
+    responses((status = 200, body = LintResponse), (status = 401, body = ErrorBody)))]
+pub async fn lint(State(state): State<AppState>, headers: HeaderMap, Json(req): Json<LintRequest>) -> ApiResult<Json<LintResponse>> {
+    read_access(&state, &headers).await?;
+    let file = req.file.unwrap_or_else(|| "pipeline.yaml".into());
+    let (valid, diagnostics) = diagnostics_of(&file, &req.spec, &state);
+    Ok(Json(LintResponse { valid, diagnostics }))
+}
+
+/// The id of the newest event. On PostgreSQL events get their ids when first read, so reading
+/// past the end first numbers every committed one.
+async fn latest_event_id(state: &AppState) -> ApiResult<i64> {
+    state.store.events_after(i64::MAX, 1).await?;
+    const SQL: &str = "SELECT COALESCE(MAX(id), 0) FROM events";
+    let (id,): (i64,) = match state.store.raw_pool() {
+        RawPool::Postgres(p) => sqlx::query_as(SQL).fetch_one(p).await,
+        RawPool::Sqlite(p) => sqlx::query_as(SQL).fetch_one(p).await,
+    }
+    .map_err(|e| ApiError::internal("read the event log", e))?;
+    Ok(id)
+}
+
+/// Server-sent events of run and task state changes. Each event's `id` is its event id
+/// (reconnects with `Last-Event-ID` resume after it), its `event` is `run` or `task`, its data
+/// an [`EventDto`].
+#[utoipa::path(get, path = "/api/v1/events", tag = "events", params(EventsQuery),
+    responses((status = 200, content_type = "text/event-stream", body = EventDto,
+        description = "A stream of `run` and `task` events"), (status = 401, body = ErrorBody)))]
+pub async fn events(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Query(q): Query<EventsQuery>,
+) -> ApiResult<Sse<impl Stream<Item = Result<Event, Infallible>>>> {
+    read_access(&state, &headers).await?;
+    let last_event_id = headers.get("last-event-id").and_then(|v| v.to_str().ok()).and_then(|s| s.trim().parse::<i64>().ok());
+    let start = match last_event_id.or(q.after) {
+        Some(id) => id.max(0),
+        None => latest_event_id(&state).await?,
+    };
+    let run_filter = q.run;
+    struct Cursor {
+        state: AppState,
+        last: i64,
+        buffer: VecDeque<Event>,
+        first: bool,
+    }
+    let cursor = Cursor { state, last: start, buffer: VecDeque::new(), first: true };
+    let stream = stream::unfold(cursor, move |mut c| async move {
+        loop {
+            if let Some(event) = c.buffer.pop_front() {
+                return Some((Ok(event), c));
+            }
+            if c.state.stopping() {
+                return None;
+            }
+            if !c.first {
+                tokio::time::sleep(c.state.event_poll).await;
+            }
+            c.first = false;
+            match c.state.store.events_after(c.last, 500).await {
+                Ok(rows) => {
+                    for row in &rows {
+                        c.last = c.last.max(row.id);
+                        if run_filter.is_some_and(|r| r != row.run.0) {
+                            continue;
+                        }
+                        let dto = EventDto::from(row);
+                        let event = Event::default()
+                            .id(row.id.to_string())
+                            .event(dto.kind.clone())
+                            .json_data(&dto)
+                            .unwrap_or_else(|_| Event::default().comment("unencodable event"));
+                        c.buffer.push_back(event);
+                    }
+                    if rows.len() >= 500 {
+                        c.first = true; // more are waiting: read on without pausing
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!("event stream: {e}");
+                    return Some((Ok(Event::default().event("error").data("the job store is unavailable; retrying")), c));
+                }
+            }
+        }
+    });
+    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+}
+
+/// Any other path.
+pub async fn not_found(uri: axum::http::Uri) -> ApiError {
+    ApiError::not_found(format!("There is no endpoint at {}; see /api/v1/openapi.json for the API.", uri.path()))
+}

@@ -1,0 +1,457 @@
+//! The API's own wire types, converted from the store's rows (with secrets redacted).
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use shardline_store::{
+    AttemptRow, Change, EventRow, LogRow, Resources, RunRow, TaskCounts, TaskRow, WorkerRow,
+};
+use utoipa::{IntoParams, ToSchema};
+
+use crate::redact::{redact, redact_opt};
+
+/// A pipeline name with its stored spec versions.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct PipelineDto {
+    pub name: String,
+    /// Stored versions (distinct spec hashes) of this pipeline.
+    pub versions: i64,
+    /// Id of the newest version.
+    pub latest_id: i64,
+    pub latest_spec_hash: String,
+}
+
+/// Task counts of a run by state.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TaskCountsDto {
+    pub blocked: i64,
+    pub ready: i64,
+    pub leased: i64,
+    pub succeeded: i64,
+    pub failed: i64,
+    pub cancelled: i64,
+    pub total: i64,
+}
+
+impl From<&TaskCounts> for TaskCountsDto {
+    fn from(c: &TaskCounts) -> TaskCountsDto {
+        TaskCountsDto {
+            blocked: c.blocked,
+            ready: c.ready,
+            leased: c.leased,
+            succeeded: c.succeeded,
+            failed: c.failed,
+            cancelled: c.cancelled,
+            total: c.total(),
+        }
+    }
+}
+
+/// A run as listed.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct RunDto {
+    pub id: i64,
+    pub pipeline_id: i64,
+    pub pipeline: String,
+    /// `queued`, `running`, `succeeded`, `failed` or `cancelled`.
+    pub state: String,
+    /// Parameters, secrets redacted.
+    #[schema(value_type = Object)]
+    pub params: Value,
+    pub dedupe_key: Option<String>,
+    pub error: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub started_at: Option<DateTime<Utc>>,
+    pub finished_at: Option<DateTime<Utc>>,
+    pub tasks: TaskCountsDto,
+}
+
+impl From<&RunRow> for RunDto {
+    fn from(r: &RunRow) -> RunDto {
+        RunDto {
+            id: r.id.0,
+            pipeline_id: r.pipeline_id,
+            pipeline: r.pipeline_name.clone(),
+            state: r.state.as_str().into(),
+            params: redact(&r.params),
+            dedupe_key: r.dedupe_key.clone(),
+            error: r.error.clone(),
+            created_at: r.created_at,
+            started_at: r.started_at,
+            finished_at: r.finished_at,
+            tasks: (&r.tasks).into(),
+        }
+    }
+}
+
+/// A run with its resolved spec and plan.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct RunDetailDto {
+    pub run: RunDto,
+    /// The resolved spec the run executes, secrets redacted.
+    #[schema(value_type = Object)]
+    pub spec: Value,
+    #[schema(value_type = Option<Object>)]
+    pub plan: Option<Value>,
+}
+
+impl From<&RunRow> for RunDetailDto {
+    fn from(r: &RunRow) -> RunDetailDto {
+        RunDetailDto { run: r.into(), spec: redact(&r.spec), plan: redact_opt(&r.plan) }
+    }
+}
+
+/// One page of runs, newest first.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct RunPageDto {
+    pub runs: Vec<RunDto>,
+    /// Pass as `before` for the next page; absent on the last page.
+    pub next: Option<i64>,
+}
+
+/// Query of `GET /runs`.
+#[derive(Debug, Clone, Default, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct RunsQuery {
+    /// Only runs in this state.
+    pub state: Option<String>,
+    /// Only runs of this pipeline (by name).
+    pub pipeline: Option<String>,
+    /// Runs with ids below this (the `next` of the previous page).
+    pub before: Option<i64>,
+    /// Page size, 1 to 1000 (default 50).
+    pub limit: Option<i64>,
+}
+
+/// Resources in bytes, cores and devices.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ResourcesDto {
+    pub cpus: u32,
+    pub memory: u64,
+    pub gpus: u32,
+    pub scratch: u64,
+}
+
+impl From<&Resources> for ResourcesDto {
+    fn from(r: &Resources) -> ResourcesDto {
+        ResourcesDto { cpus: r.cpus, memory: r.memory, gpus: r.gpus, scratch: r.scratch }
+    }
+}
+
+/// A task of a run.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TaskDto {
+    pub id: i64,
+    pub run: i64,
+    pub name: String,
+    pub step_id: String,
+    pub kind: String,
+    /// `blocked`, `ready`, `leased`, `succeeded`, `failed` or `cancelled`.
+    pub state: String,
+    pub priority: i64,
+    pub resources: ResourcesDto,
+    #[schema(value_type = Object)]
+    pub payload: Value,
+    #[schema(value_type = Option<Object>)]
+    pub output: Option<Value>,
+    #[schema(value_type = Option<Object>)]
+    pub progress: Option<Value>,
+    /// Attempts started so far.
+    pub attempt: i32,
+    pub max_attempts: i32,
+    pub backoff_ms: u64,
+    /// Zero for no limit.
+    pub timeout_ms: u64,
+    pub ready_at: Option<DateTime<Utc>>,
+    pub lease_owner: Option<i64>,
+    pub leased_at: Option<DateTime<Utc>>,
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    pub heartbeat_at: Option<DateTime<Utc>>,
+    pub cache_key: Option<String>,
+    pub error: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub finished_at: Option<DateTime<Utc>>,
+}
+
+impl From<&TaskRow> for TaskDto {
+    fn from(t: &TaskRow) -> TaskDto {
+        TaskDto {
+            id: t.id.0,
+            run: t.run.0,
+            name: t.name.clone(),
+            step_id: t.step_id.clone(),
+            kind: t.kind.clone(),
+            state: t.state.as_str().into(),
+            priority: t.priority,
+            resources: (&t.resources).into(),
+            payload: redact(&t.payload),
+            output: redact_opt(&t.output),
+            progress: redact_opt(&t.progress),
+            attempt: t.attempt,
+            max_attempts: t.max_attempts,
+            backoff_ms: u64::try_from(t.backoff.as_millis()).unwrap_or(u64::MAX),
+            timeout_ms: u64::try_from(t.timeout.as_millis()).unwrap_or(u64::MAX),
+            ready_at: t.ready_at,
+            lease_owner: t.lease_owner.map(|w| w.0),
+            leased_at: t.leased_at,
+            lease_expires_at: t.lease_expires_at,
+            heartbeat_at: t.heartbeat_at,
+            cache_key: t.cache_key.clone(),
+            error: t.error.clone(),
+            created_at: t.created_at,
+            finished_at: t.finished_at,
+        }
+    }
+}
+
+/// One lease of a task.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct AttemptDto {
+    pub task: i64,
+    pub run: i64,
+    pub attempt: i32,
+    pub worker: Option<i64>,
+    pub worker_name: String,
+    pub started_at: DateTime<Utc>,
+    pub ended_at: Option<DateTime<Utc>>,
+    /// Absent while the lease is held; else `succeeded`, `failed`, `expired`, `timed_out`, `cancelled`.
+    pub outcome: Option<String>,
+    pub error: Option<String>,
+}
+
+impl From<&AttemptRow> for AttemptDto {
+    fn from(a: &AttemptRow) -> AttemptDto {
+        AttemptDto {
+            task: a.task.0,
+            run: a.run.0,
+            attempt: a.attempt,
+            worker: a.worker.map(|w| w.0),
+            worker_name: a.worker_name.clone(),
+            started_at: a.started_at,
+            ended_at: a.ended_at,
+            outcome: a.outcome.map(|o| o.as_str().into()),
+            error: a.error.clone(),
+        }
+    }
+}
+
+/// A registered worker.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct WorkerDto {
+    pub id: i64,
+    pub name: String,
+    pub resources: ResourcesDto,
+    pub gpus: Vec<u32>,
+    /// `active` or `stopped`.
+    pub state: String,
+    pub registered_at: DateTime<Utc>,
+    pub last_heartbeat: DateTime<Utc>,
+}
+
+impl From<&WorkerRow> for WorkerDto {
+    fn from(w: &WorkerRow) -> WorkerDto {
+        WorkerDto {
+            id: w.id.0,
+            name: w.name.clone(),
+            resources: (&w.resources).into(),
+            gpus: w.gpus.clone(),
+            state: w.state.as_str().into(),
+            registered_at: w.registered_at,
+            last_heartbeat: w.last_heartbeat,
+        }
+    }
+}
+
+/// A line of task output.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct LogLineDto {
+    pub id: i64,
+    pub task: i64,
+    pub run: i64,
+    pub attempt: i32,
+    pub ts: DateTime<Utc>,
+    /// `stdout`, `stderr` or `system`.
+    pub stream: String,
+    pub line: String,
+}
+
+impl From<&LogRow> for LogLineDto {
+    fn from(l: &LogRow) -> LogLineDto {
+        LogLineDto {
+            id: l.id,
+            task: l.task.0,
+            run: l.run.0,
+            attempt: l.attempt,
+            ts: l.ts,
+            stream: l.stream.as_str().into(),
+            line: l.line.clone(),
+        }
+    }
+}
+
+/// Query of `GET /runs/{id}/logs`.
+#[derive(Debug, Clone, Default, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct LogsQuery {
+    /// Lines with ids above this (the `next_after` of the previous page); default 0.
+    pub after: Option<i64>,
+    /// Lines read per page, 1 to 10000 (default 1000).
+    pub limit: Option<i64>,
+    /// Only this task's lines (a task of this run).
+    pub task: Option<i64>,
+    /// Only lines containing this text (case-insensitive), among the page read.
+    pub q: Option<String>,
+}
+
+/// A page of log lines.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct LogPageDto {
+    pub lines: Vec<LogLineDto>,
+    /// Pass as `after` to read on (the last id read, matching `q` or not).
+    pub next_after: i64,
+    /// Whether the page was full, so more lines may follow right away.
+    pub more: bool,
+}
+
+/// A state change of a run or a task, as sent on the event stream.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct EventDto {
+    pub id: i64,
+    pub at: DateTime<Utc>,
+    pub run: i64,
+    /// `run` or `task`.
+    pub kind: String,
+    /// For task events.
+    pub task: Option<i64>,
+    pub attempt: Option<i32>,
+    /// The state entered.
+    pub state: String,
+    pub message: Option<String>,
+}
+
+impl From<&EventRow> for EventDto {
+    fn from(e: &EventRow) -> EventDto {
+        let (kind, task, attempt, state) = match e.change {
+            Change::Run { state } => ("run", None, None, state.as_str()),
+            Change::Task { task, state, attempt } => ("task", Some(task.0), Some(attempt), state.as_str()),
+        };
+        EventDto {
+            id: e.id,
+            at: e.at,
+            run: e.run.0,
+            kind: kind.into(),
+            task,
+            attempt,
+            state: state.into(),
+            message: e.message.clone(),
+        }
+    }
+}
+
+/// Query of `GET /events`.
+#[derive(Debug, Clone, Default, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct EventsQuery {
+    /// Start after this event id (the `Last-Event-ID` header takes precedence). Without either,
+    /// the stream starts with the next change.
+    pub after: Option<i64>,
+    /// Only events of this run.
+    pub run: Option<i64>,
+}
+
+/// A spec to submit.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct SubmitRequest {
+    /// The pipeline spec, YAML text.
+    pub spec: String,
+    /// File name shown in diagnostics (default `pipeline.yaml`).
+    pub file: Option<String>,
+    /// Parameter overrides, `name: value` (like `--set name=value`).
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub set: Option<serde_json::Map<String, Value>>,
+    /// A second submission with the same key returns the existing run (unless it failed or was cancelled).
+    pub dedupe_key: Option<String>,
+    /// Ignore the step cache.
+    #[serde(default)]
+    pub no_cache: bool,
+}
+
+/// A submitted (or deduplicated) run.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SubmittedDto {
+    pub run: i64,
+    /// The run's name (its work directory).
+    pub name: String,
+    /// False when the dedupe key matched an existing run.
+    pub created: bool,
+}
+
+/// A spec to lint.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct LintRequest {
+    pub spec: String,
+    pub file: Option<String>,
+}
+
+/// A lint diagnostic: where and what.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct DiagnosticDto {
+    /// `error` or `warning`.
+    pub severity: String,
+    /// Stable, kebab-case kind, e.g. `unknown-step-kind`.
+    pub code: String,
+    pub file: String,
+    /// 1-based.
+    pub line: usize,
+    /// 1-based.
+    pub column: usize,
+    pub length: usize,
+    /// Key path of the offending node, e.g. `steps[1].with.tp`.
+    pub path: String,
+    pub message: String,
+    pub hint: Option<String>,
+    pub notes: Vec<String>,
+}
+
+impl From<&shardline_spec::Diagnostic> for DiagnosticDto {
+    fn from(d: &shardline_spec::Diagnostic) -> DiagnosticDto {
+        DiagnosticDto {
+            severity: match d.severity {
+                shardline_spec::Severity::Error => "error".into(),
+                _ => "warning".into(),
+            },
+            code: d.code.clone(),
+            file: d.file.clone(),
+            line: d.line,
+            column: d.column,
+            length: d.length,
+            path: d.path.clone(),
+            message: d.message.clone(),
+            hint: d.hint.clone(),
+            notes: d.notes.clone(),
+        }
+    }
+}
+
+/// Result of a lint.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct LintResponse {
+    /// No errors (warnings allowed).
+    pub valid: bool,
+    pub diagnostics: Vec<DiagnosticDto>,
+}
+
+/// Options of a retry.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, ToSchema)]
+pub struct RetryRequest {
+    /// Also rerun this step's tasks and everything downstream of them.
+    pub from_step: Option<String>,
+}
+
+/// The run after an action.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ActionDto {
+    pub run: i64,
+    pub state: String,
+}

@@ -1,0 +1,134 @@
+//! Secrets never leave the server: values of fields named like secrets (`hf_token`, `api_key`,
+//! `password`, `aws_secret_access_key`, `credentials`, …) and strings that look like access
+//! tokens are replaced before params, specs, payloads and outputs are returned.
+
+use serde_json::Value;
+
+/// What a redacted value becomes.
+pub const REDACTED: &str = "[redacted]";
+
+const SECRET_WORDS: &[&str] =
+    &["token", "tokens", "secret", "secrets", "password", "passwd", "passphrase", "key", "keys", "apikey", "credential", "credentials", "auth", "authorization"];
+
+/// Keys that name a secret. Words are split at `_`, `-`, `.`, spaces and camelCase humps, so
+/// `hf_token`, `HF_TOKEN`, `secretAccessKey` and `api-key` match while `tokenizer` does not.
+pub fn is_secret_key(key: &str) -> bool {
+    let mut words: Vec<String> = Vec::new();
+    let mut cur = String::new();
+    let mut prev_lower = false;
+    for ch in key.chars() {
+        if ch == '_' || ch == '-' || ch == '.' || ch == ' ' {
+            if !cur.is_empty() {
+                words.push(std::mem::take(&mut cur));
+            }
+            prev_lower = false;
+            continue;
+        }
+        if ch.is_uppercase() && prev_lower && !cur.is_empty() {
+            words.push(std::mem::take(&mut cur));
+        }
+        prev_lower = ch.is_lowercase() || ch.is_ascii_digit();
+        cur.extend(ch.to_lowercase());
+    }
+    if !cur.is_empty() {
+        words.push(cur);
+    }
+    words.iter().any(|w| SECRET_WORDS.contains(&w.as_str()))
+}
+
+/// Strings that look like access tokens whatever their field: Hugging Face (`hf_…`), this
+/// API's (`shl_…`), GitHub (`ghp_…`), AWS access key ids (`AKIA…`).
+pub fn looks_like_token(s: &str) -> bool {
+    let t = s.trim();
+    let body_ok = |rest: &str, min: usize| rest.len() >= min && rest.chars().all(|c| c.is_ascii_alphanumeric());
+    for (prefix, min) in [("hf_", 30), ("shl_", 32), ("ghp_", 30), ("github_pat_", 30)] {
+        if let Some(rest) = t.strip_prefix(prefix) {
+            if body_ok(&rest.replace('_', ""), min) {
+                return true;
+            }
+        }
+    }
+    t.len() == 20 && t.starts_with("AKIA") && t.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit())
+}
+
+/// `value` with secrets replaced.
+pub fn redact(value: &Value) -> Value {
+    match value {
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .map(|(k, v)| {
+                    let v = if is_secret_key(k) && !matches!(v, Value::Null) && !is_container(v) {
+                        Value::String(REDACTED.into())
+                    } else if is_secret_key(k) && is_container(v) {
+                        redact_all(v)
+                    } else {
+                        redact(v)
+                    };
+                    (k.clone(), v)
+                })
+                .collect(),
+        ),
+        Value::Array(items) => Value::Array(items.iter().map(redact).collect()),
+        Value::String(s) if looks_like_token(s) => Value::String(REDACTED.into()),
+        other => other.clone(),
+    }
+}
+
+fn is_container(v: &Value) -> bool {
+    matches!(v, Value::Object(_) | Value::Array(_))
+}
+
+/// Every scalar under a secret-named key (e.g. `credentials: {user, pass}`).
+fn redact_all(value: &Value) -> Value {
+    match value {
+        Value::Object(map) => Value::Object(map.iter().map(|(k, v)| (k.clone(), redact_all(v))).collect()),
+        Value::Array(items) => Value::Array(items.iter().map(redact_all).collect()),
+        Value::Null => Value::Null,
+        _ => Value::String(REDACTED.into()),
+    }
+}
+
+/// An optional value with secrets replaced.
+pub fn redact_opt(value: &Option<Value>) -> Option<Value> {
+    value.as_ref().map(redact)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn secret_keys() {
+        for k in ["hf_token", "HF_TOKEN", "token", "api_key", "secretAccessKey", "password", "credentials", "aws-secret-access-key"] {
+            assert!(is_secret_key(k), "{k}");
+        }
+        for k in ["tokenizer", "repo", "revision", "monkey", "keystone", "tp", "dtype"] {
+            assert!(!is_secret_key(k), "{k}");
+        }
+    }
+
+    #[test]
+    fn nested_values() {
+        let v = json!({
+            "repo": "org/model",
+            "hf_token": "hf_abc",
+            "with": {"Password": "p", "list": [{"api_key": 3}], "note": "hf_ABCDEFGHIJKLMNOPQRSTUVWXYZabcdef"},
+            "credentials": {"user": "u", "pass": "x"},
+            "tokenizer": "fast",
+            "token": null
+        });
+        let r = redact(&v);
+        assert_eq!(
+            r,
+            json!({
+                "repo": "org/model",
+                "hf_token": REDACTED,
+                "with": {"Password": REDACTED, "list": [{"api_key": REDACTED}], "note": REDACTED},
+                "credentials": {"user": REDACTED, "pass": REDACTED},
+                "tokenizer": "fast",
+                "token": null
+            })
+        );
+    }
+}
