@@ -178,10 +178,11 @@ pub async fn run_logs(
     let next_after = rows.last().map_or(after, |r| r.id);
     let more = rows.len() as i64 >= limit;
     let needle = q.q.filter(|s| !s.is_empty()).map(|s| s.to_lowercase());
+    // Search what is shown, so a secret cannot be probed for through `q`.
     let lines = rows
         .iter()
-        .filter(|r| needle.as_ref().is_none_or(|n| r.line.to_lowercase().contains(n.as_str())))
         .map(LogLineDto::from)
+        .filter(|l| needle.as_ref().is_none_or(|n| l.line.to_lowercase().contains(n.as_str())))
         .collect();
     Ok(Json(LogPageDto { lines, next_after, more }))
 }

@@ -8,7 +8,7 @@ use shardline_store::{
 };
 use utoipa::{IntoParams, ToSchema};
 
-use crate::redact::{redact, redact_opt};
+use crate::redact::{redact, redact_line, redact_opt};
 
 /// A pipeline name with its stored spec versions.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -262,7 +262,7 @@ impl From<&WorkerRow> for WorkerDto {
     }
 }
 
-/// A line of task output.
+/// A line of task output (token-like words redacted).
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct LogLineDto {
     pub id: i64,
@@ -284,7 +284,7 @@ impl From<&LogRow> for LogLineDto {
             attempt: l.attempt,
             ts: l.ts,
             stream: l.stream.as_str().into(),
-            line: l.line.clone(),
+            line: redact_line(&l.line),
         }
     }
 }

@@ -88,6 +88,30 @@ fn redact_all(value: &Value) -> Value {
     }
 }
 
+/// A log line with anything that looks like an access token replaced (tasks may print them).
+pub fn redact_line(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut word = String::new();
+    let flush = |word: &mut String, out: &mut String| {
+        if looks_like_token(word) {
+            out.push_str(REDACTED);
+        } else {
+            out.push_str(word);
+        }
+        word.clear();
+    };
+    for ch in line.chars() {
+        if ch.is_ascii_alphanumeric() || ch == '_' {
+            word.push(ch);
+        } else {
+            flush(&mut word, &mut out);
+            out.push(ch);
+        }
+    }
+    flush(&mut word, &mut out);
+    out
+}
+
 /// An optional value with secrets replaced.
 pub fn redact_opt(value: &Option<Value>) -> Option<Value> {
     value.as_ref().map(redact)
@@ -106,6 +130,15 @@ mod tests {
         for k in ["tokenizer", "repo", "revision", "monkey", "keystone", "tp", "dtype"] {
             assert!(!is_secret_key(k), "{k}");
         }
+    }
+
+    #[test]
+    fn log_lines() {
+        assert_eq!(
+            redact_line("HF_TOKEN=hf_ABCDEFGHIJKLMNOPQRSTUVWXYZabcdef; got 3 files"),
+            "HF_TOKEN=[redacted]; got 3 files"
+        );
+        assert_eq!(redact_line("wrote shard_0 of tokenizer"), "wrote shard_0 of tokenizer");
     }
 
     #[test]

@@ -102,7 +102,7 @@ async fn seed(store: &Store) -> (RunId, Vec<TaskId>, WorkerId) {
     let lease = store.claim(worker, &free, Duration::from_secs(60)).await.expect("claim").expect("a task to claim");
     assert_eq!(lease.task.name, "a");
     let now = chrono::Utc::now();
-    let lines = ["loading weights", "wrote shard 0", "wrote shard 1", "done"]
+    let lines = ["loading weights", "wrote shard 0", "wrote shard 1", "done", "token hf_SECRETSECRETSECRETSECRETSECRET00 loaded"]
         .iter()
         .map(|l| LogLine { ts: now, stream: LogStream::Stdout, line: l.to_string() })
         .collect::<Vec<_>>();
@@ -161,8 +161,10 @@ async fn reads(kind: Kind) {
     let (s, v) = app.get(&format!("/api/v1/runs/{}/logs", run.0)).await;
     assert_eq!(s, StatusCode::OK, "{v}");
     let lines: Vec<&str> = v["lines"].as_array().expect("lines").iter().map(|l| l["line"].as_str().unwrap_or("")).collect();
-    assert_eq!(lines, ["loading weights", "wrote shard 0", "wrote shard 1", "done"]);
+    assert_eq!(lines, ["loading weights", "wrote shard 0", "wrote shard 1", "done", "token [redacted] loaded"]);
     assert_eq!(v["more"], false);
+    let (_, q) = app.get(&format!("/api/v1/runs/{}/logs?q=SECRET", run.0)).await;
+    assert_eq!(q["lines"], json!([]), "a secret in a log line can be probed for");
     // Paging, search and the task filter.
     let (_, p1) = app.get(&format!("/api/v1/runs/{}/logs?limit=2", run.0)).await;
     assert_eq!(p1["lines"].as_array().map(Vec::len), Some(2));
