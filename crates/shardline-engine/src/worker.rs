@@ -123,8 +123,9 @@ fn release(pool: &Mutex<Pool>, need: &Resources, devices: &[u32]) {
 /// Runs one leased task to its outcome.
 async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec<u32>) {
     let task = &lease.task;
-    let (log_tx, log_rx) = mpsc::channel::<(LogStream, String)>();
-    let sys = |line: String| (LogStream::System, line);
+    let (log_tx, log_rx) = mpsc::channel::<LogLine>();
+    let mut logs = LogBuffer::new(log_rx);
+    let sys = |line: String| stamped(LogStream::System, line);
     let _ = log_tx.send(sys(format!(
         "attempt {} of `{}` on worker `{}` (lease token {})",
         task.attempt, task.name, config.info.name, lease.token
@@ -136,9 +137,10 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
     let payload: Payload = match serde_json::from_value(task.payload.clone()) {
         Ok(p) => p,
         Err(e) => {
-            let _ = store
-                .complete(&lease, Outcome::Failed { error: format!("unreadable task payload: {e}"), retryable: false })
-                .await;
+            let error = format!("unreadable task payload: {e}");
+            let _ = log_tx.send(stamped(LogStream::Stderr, format!("error: {error}")));
+            logs.flush(store, &lease).await;
+            let _ = store.complete(&lease, Outcome::Failed { error, retryable: false }).await;
             return;
         }
     };
@@ -150,9 +152,10 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
             .filter_map(|t| t.output.map(|o| (t.name, o)))
             .collect(),
         Err(e) => {
-            let _ = store
-                .complete(&lease, Outcome::Failed { error: format!("reading run state: {e}"), retryable: true })
-                .await;
+            let error = format!("reading run state: {e}");
+            let _ = log_tx.send(stamped(LogStream::Stderr, format!("error: {error}")));
+            logs.flush(store, &lease).await;
+            let _ = store.complete(&lease, Outcome::Failed { error, retryable: true }).await;
             return;
         }
     };
@@ -167,7 +170,7 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
                 if steps::cached_checkpoint_usable(&hit) {
                     let _ =
                         log_tx.send(sys(format!("cache hit {key}: {}", hit.get("dir").cloned().unwrap_or_default())));
-                    flush_logs(store, &lease, drain(&log_rx)).await;
+                    logs.flush(store, &lease).await;
                     let _ = store
                         .complete(
                             &lease,
@@ -191,7 +194,7 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
             let log_tx = Mutex::new(log_tx);
             let log = move |line: String| {
                 if let Ok(tx) = log_tx.lock() {
-                    let _ = tx.send((LogStream::Stdout, line));
+                    let _ = tx.send(stamped(LogStream::Stdout, line));
                 }
             };
             let ctx = StepContext { outputs: &outputs, progress: &progress, log: &log };
@@ -201,14 +204,20 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
     tokio::pin!(exec);
     let mut tick = tokio::time::interval(config.lease_ttl / 3);
     tick.tick().await;
+    // Log lines reach the store at least every second, whatever the lease length.
+    let mut log_tick = tokio::time::interval((config.lease_ttl / 3).min(LOG_FLUSH));
+    log_tick.tick().await;
     let started = tokio::time::Instant::now();
     let result: Result<Value, StepError> = loop {
         tokio::select! {
             r = &mut exec => {
                 break r.unwrap_or_else(|e| Err(StepError::transient(format!("task panicked: {e}"))));
             }
+            _ = log_tick.tick() => {
+                logs.flush(store, &lease).await;
+            }
             _ = tick.tick() => {
-                flush_logs(store, &lease, drain(&log_rx)).await;
+                logs.flush(store, &lease).await;
                 let p = json!({
                     "bytes": progress.bytes_written.load(Ordering::Relaxed),
                     "chunks": progress.chunks_written.load(Ordering::Relaxed),
@@ -246,11 +255,11 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
             Outcome::Failed { error: format!("timed out after {:?}: {e}", task.timeout), retryable: true }
         }
         Err(e) => {
-            let _ = log_tx.send((LogStream::Stderr, format!("error: {e}")));
+            let _ = log_tx.send(stamped(LogStream::Stderr, format!("error: {e}")));
             Outcome::Failed { error: e.message, retryable: e.retryable }
         }
     };
-    flush_logs(store, &lease, drain(&log_rx)).await;
+    logs.flush(store, &lease).await;
     let succeeded_commit = matches!((&payload, &outcome), (Payload::Commit { .. }, Outcome::Succeeded { .. }));
     let output_for_cache = match &outcome {
         Outcome::Succeeded { output } => Some(output.clone()),
@@ -266,8 +275,16 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
             Err(e) => {
                 tracing::warn!("reporting the outcome failed (will retry): {e}");
                 tokio::time::sleep(Duration::from_millis(500)).await;
+                logs.flush(store, &lease).await;
             }
         }
+    }
+    // Lines the store refused while the outcome was pending get a few more chances.
+    for _ in 0..5 {
+        if logs.flush(store, &lease).await {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
     if accepted && succeeded_commit {
         // Remember the committed checkpoint under its plan task's cache key.
@@ -288,14 +305,58 @@ async fn run_uses_cache(store: &Store, run: shardline_store::RunId) -> bool {
     }
 }
 
-fn drain(rx: &mpsc::Receiver<(LogStream, String)>) -> Vec<LogLine> {
-    rx.try_iter().map(|(stream, line)| LogLine { ts: Utc::now(), stream, line }).collect()
+/// Longest a log line waits before it is sent to the store.
+const LOG_FLUSH: Duration = Duration::from_secs(1);
+/// Lines kept for a store that refuses them (unreachable); beyond this the oldest are dropped.
+const MAX_PENDING_LOG_LINES: usize = 100_000;
+
+/// A log line, stamped when it is written (not when it reaches the store).
+fn stamped(stream: LogStream, line: String) -> LogLine {
+    LogLine { ts: Utc::now(), stream, line }
 }
 
-async fn flush_logs(store: &Store, lease: &Lease, lines: Vec<LogLine>) {
-    if !lines.is_empty() {
-        if let Err(e) = store.append_logs(lease.task.id, lease.task.attempt, &lines).await {
-            tracing::warn!("storing {} log lines failed: {e}", lines.len());
+/// An attempt's log lines on their way to the store. Lines the store could not take (a dropped
+/// connection, a restarting server) stay queued for the next flush instead of being lost.
+struct LogBuffer {
+    rx: mpsc::Receiver<LogLine>,
+    pending: Vec<LogLine>,
+    dropped: usize,
+}
+
+impl LogBuffer {
+    fn new(rx: mpsc::Receiver<LogLine>) -> LogBuffer {
+        LogBuffer { rx, pending: Vec::new(), dropped: 0 }
+    }
+
+    /// Sends what is queued; `true` when nothing is left over.
+    async fn flush(&mut self, store: &Store, lease: &Lease) -> bool {
+        self.pending.extend(self.rx.try_iter());
+        if self.pending.is_empty() {
+            return true;
+        }
+        if self.dropped > 0 {
+            let note = format!("{} earlier log lines were lost: the job store was unreachable", self.dropped);
+            let ts = self.pending[0].ts;
+            self.pending.insert(0, LogLine { ts, stream: LogStream::System, line: note });
+        }
+        match store.append_logs(lease.task.id, lease.task.attempt, &self.pending).await {
+            Ok(()) => {
+                self.pending.clear();
+                self.dropped = 0;
+                true
+            }
+            Err(e) => {
+                tracing::warn!("storing {} log lines failed (will retry): {e}", self.pending.len());
+                if self.dropped > 0 {
+                    self.pending.remove(0);
+                }
+                if self.pending.len() > MAX_PENDING_LOG_LINES {
+                    let excess = self.pending.len() - MAX_PENDING_LOG_LINES;
+                    self.pending.drain(..excess);
+                    self.dropped += excess;
+                }
+                false
+            }
         }
     }
 }

@@ -1,0 +1,353 @@
+//! Test harness: a fresh job store per test (a SQLite file, or a PostgreSQL database of its own),
+//! in-process workers and a reaper, and helpers to submit pipelines and wait for their runs.
+//! PostgreSQL tests need `SHARDLINE_TEST_DATABASE_URL` (`scripts/setup-postgres` prints it) and
+//! fail, never skip, without it.
+#![allow(dead_code)]
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::Value;
+use shardline_engine::{reaper, run_worker, submit, Submission, Submitted, WorkerConfig};
+use shardline_store::{AttemptRow, Lease, RunId, RunRow, Store, TaskRow, WorkerInfo};
+use sqlx::{Connection, PgConnection, SqliteConnection};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+pub const ENV: &str = "SHARDLINE_TEST_DATABASE_URL";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Sqlite,
+    Postgres,
+}
+
+/// The repository root.
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("repository root")
+}
+
+pub fn fixture(name: &str) -> PathBuf {
+    repo().join("tests/fixtures/hf-tiny").join(name)
+}
+
+/// A pipeline of `pipelines/`.
+pub fn pipeline_text(name: &str) -> String {
+    let path = repo().join("pipelines").join(name);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// A synthetic release of `arch` with about `size` of tensors, generated once and kept under the
+/// target directory between test runs (written aside and renamed into place, so concurrent
+/// tests never see a half-written one).
+pub fn synth_release(arch: &str, size: &str) -> PathBuf {
+    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("shardline-synth");
+    let dir = cache.join(format!("{arch}-{size}"));
+    if dir.join("config.json").is_file() {
+        return dir;
+    }
+    std::fs::create_dir_all(&cache).expect("synth cache dir");
+    let tmp = tempfile::tempdir_in(&cache).expect("synth temp dir");
+    let bytes = shardline_formats::synth::parse_size(size).expect("size");
+    shardline_formats::synth::synth(arch, bytes, tmp.path(), 0, &Default::default())
+        .unwrap_or_else(|e| panic!("synth {arch} {size}: {e}"));
+    let staged = tmp.keep();
+    if std::fs::rename(&staged, &dir).is_err() {
+        // Another test won the race: use its copy.
+        let _ = std::fs::remove_dir_all(&staged);
+    }
+    assert!(dir.join("config.json").is_file(), "synthetic release {} missing", dir.display());
+    dir
+}
+
+/// The lock every PostgreSQL test holds shared and a test that restarts the cluster holds
+/// exclusively (the same file the store's tests use).
+pub fn cluster_lock(exclusive: bool) -> File {
+    let path = std::env::temp_dir().join("shardline-store-postgres-cluster.lock");
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("cannot open {}: {e}", path.display()));
+    // Bounded: a restart test that hangs elsewhere fails this one instead of hanging it.
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let attempt = if exclusive { file.try_lock() } else { file.try_lock_shared() };
+        match attempt {
+            Ok(()) => return file,
+            Err(std::fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!("cannot lock {} within 10 minutes: {e:?}", path.display()),
+        }
+    }
+}
+
+pub fn admin_url() -> String {
+    match std::env::var(ENV) {
+        Ok(url) if !url.is_empty() => url,
+        _ => panic!(
+            "{ENV} is not set: PostgreSQL tests need a server. Run `scripts/setup-postgres` and \
+             export {ENV}=<the URL it prints> (scripts/test does both)."
+        ),
+    }
+}
+
+/// `url` with its database name replaced.
+pub fn with_database(url: &str, db: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (url, None),
+    };
+    let scheme_end = base.find("://").map_or(0, |i| i + 3);
+    let path_start = base[scheme_end..].find('/').map_or(base.len(), |i| scheme_end + i);
+    let mut out = format!("{}/{db}", &base[..path_start]);
+    if let Some(q) = query {
+        out.push('?');
+        out.push_str(q);
+    }
+    out
+}
+
+static SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// A fresh database: a SQLite file in a temporary directory, or a PostgreSQL database of its own
+/// (named like the store's test databases, so stale ones are dropped by either suite).
+pub struct TestDb {
+    pub kind: Kind,
+    pub url: String,
+    admin_url: Option<String>,
+    name: Option<String>,
+    _dir: Option<tempfile::TempDir>,
+    _lock: Option<File>,
+}
+
+impl TestDb {
+    pub async fn new(kind: Kind) -> TestDb {
+        match kind {
+            Kind::Sqlite => {
+                let dir = tempfile::tempdir().expect("temp dir");
+                let url = format!("sqlite://{}", dir.path().join("state.db").display());
+                TestDb { kind, url, admin_url: None, name: None, _dir: Some(dir), _lock: None }
+            }
+            Kind::Postgres => {
+                let admin = admin_url();
+                let lock = cluster_lock(false);
+                let mut conn = PgConnection::connect(&admin).await.unwrap_or_else(|e| {
+                    panic!("{ENV}: cannot connect to PostgreSQL at {admin}: {e} (run scripts/setup-postgres)")
+                });
+                let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
+                let name = format!("shardline_t_{now}_{}_{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+                sqlx::query(&format!("CREATE DATABASE \"{name}\""))
+                    .execute(&mut conn)
+                    .await
+                    .unwrap_or_else(|e| panic!("cannot create test database {name}: {e}"));
+                let _ = conn.close().await;
+                TestDb {
+                    kind,
+                    url: with_database(&admin, &name),
+                    admin_url: Some(admin),
+                    name: Some(name),
+                    _dir: None,
+                    _lock: Some(lock),
+                }
+            }
+        }
+    }
+
+    pub async fn store(&self) -> Store {
+        Store::connect(&self.url).await.unwrap_or_else(|e| panic!("connect to {}: {e}", self.url))
+    }
+
+    /// Runs SQL statements on a connection of their own, outside the store (fault injection).
+    pub async fn execute(&self, statements: &[&str]) {
+        match self.kind {
+            Kind::Sqlite => {
+                let mut c = SqliteConnection::connect(&self.url).await.expect("sqlite connection");
+                for s in statements {
+                    sqlx::query(s).execute(&mut c).await.unwrap_or_else(|e| panic!("{s}: {e}"));
+                }
+                let _ = c.close().await;
+            }
+            Kind::Postgres => {
+                let mut c = PgConnection::connect(&self.url).await.expect("postgres connection");
+                sqlx::query("SET search_path = shardline").execute(&mut c).await.expect("search_path");
+                for s in statements {
+                    sqlx::query(s).execute(&mut c).await.unwrap_or_else(|e| panic!("{s}: {e}"));
+                }
+                let _ = c.close().await;
+            }
+        }
+    }
+
+    /// Drops the PostgreSQL database (a failed test leaves it; later runs drop it after an hour).
+    pub async fn cleanup(&self) {
+        if let (Some(admin), Some(name)) = (&self.admin_url, &self.name) {
+            if let Ok(mut conn) = PgConnection::connect(admin).await {
+                let _ =
+                    sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)")).execute(&mut conn).await;
+                let _ = conn.close().await;
+            }
+        }
+    }
+}
+
+/// A store with in-process workers and a reaper; specs are submitted from `base` (relative paths
+/// of a spec resolve there) and runs work under `base/work`.
+pub struct Harness {
+    pub db: TestDb,
+    pub store: Store,
+    pub base: tempfile::TempDir,
+    stop: watch::Sender<bool>,
+    handles: Vec<JoinHandle<()>>,
+    workers: usize,
+}
+
+impl Harness {
+    pub async fn new(kind: Kind) -> Harness {
+        let db = TestDb::new(kind).await;
+        let store = db.store().await;
+        let (stop, rx) = watch::channel(false);
+        let handles = vec![tokio::spawn(reaper(store.clone(), Duration::from_millis(200), rx))];
+        Harness { db, store, base: tempfile::tempdir().expect("temp dir"), stop, handles, workers: 0 }
+    }
+
+    pub fn work_dir(&self) -> PathBuf {
+        self.base.path().join("work")
+    }
+
+    /// Starts `n` in-process workers (`w0`, `w1`, …) with `lease` leases.
+    pub fn start_workers(&mut self, n: usize, lease: Duration) {
+        for _ in 0..n {
+            let info = WorkerInfo {
+                name: format!("w{}", self.workers),
+                cpus: 2,
+                memory: 16 << 30,
+                gpus: vec![],
+                scratch: 1 << 40,
+            };
+            self.workers += 1;
+            let mut config = WorkerConfig::new(info);
+            config.lease_ttl = lease;
+            config.poll = Duration::from_millis(100);
+            let store = self.store.clone();
+            let rx = self.stop.subscribe();
+            self.handles.push(tokio::spawn(async move {
+                run_worker(store, config, rx).await.expect("worker");
+            }));
+        }
+    }
+
+    pub async fn submit(&self, text: &str, set: &[(&str, String)], no_cache: bool) -> Submitted {
+        let overrides: Vec<(String, String)> = set.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+        let work = self.work_dir();
+        submit(
+            &self.store,
+            Submission {
+                file: "pipeline.yaml",
+                text,
+                overrides: &overrides,
+                base_dir: self.base.path(),
+                work_dir: &work,
+                dedupe_key: None,
+                no_cache,
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("submit: {e}"))
+    }
+
+    pub async fn run(&self, run: RunId) -> RunRow {
+        self.store.get_run(run).await.expect("get_run").expect("run exists")
+    }
+
+    /// Waits until the run is finished; panics after `timeout`.
+    pub async fn wait_finished(&self, run: RunId, timeout: Duration) -> RunRow {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let r = self.run(run).await;
+            if r.state.is_terminal() {
+                return r;
+            }
+            assert!(Instant::now() < deadline, "run {run} still {} after {timeout:?}: {:?}", r.state, r.tasks);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub async fn tasks(&self, run: RunId) -> Vec<TaskRow> {
+        self.store.run_tasks(run).await.expect("run_tasks")
+    }
+
+    pub async fn task(&self, run: RunId, name: &str) -> TaskRow {
+        self.tasks(run).await.into_iter().find(|t| t.name == name).unwrap_or_else(|| panic!("no task `{name}`"))
+    }
+
+    pub async fn attempts(&self, run: RunId, name: &str) -> Vec<AttemptRow> {
+        let t = self.task(run, name).await;
+        self.store.task_attempts(t.id).await.expect("task_attempts")
+    }
+
+    /// Waits until `cond` holds for the task `name`; panics after `timeout`.
+    pub async fn wait_task(
+        &self,
+        run: RunId,
+        name: &str,
+        timeout: Duration,
+        cond: impl Fn(&TaskRow) -> bool,
+    ) -> TaskRow {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let t = self.task(run, name).await;
+            if cond(&t) {
+                return t;
+            }
+            let r = self.run(run).await;
+            assert!(
+                Instant::now() < deadline && !r.state.is_terminal(),
+                "task `{name}` of run {run} is {} (run {}: {:?})",
+                t.state,
+                r.state,
+                r.error
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// The log lines of a task, every attempt.
+    pub async fn logs(&self, run: RunId, name: &str) -> Vec<String> {
+        self.log_rows(run, name).await.into_iter().map(|l| l.line).collect()
+    }
+
+    pub async fn log_rows(&self, run: RunId, name: &str) -> Vec<shardline_store::LogRow> {
+        let t = self.task(run, name).await;
+        self.store.logs(shardline_store::LogFilter::Task(t.id), 0, 10_000).await.expect("logs")
+    }
+
+    /// Stops the workers and the reaper (in-flight tasks drain), then drops the database.
+    pub async fn finish(mut self) {
+        let _ = self.stop.send(true);
+        for h in self.handles.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(60), h).await;
+        }
+        self.store.close().await;
+        self.db.cleanup().await;
+    }
+}
+
+/// The lease a task's current attempt holds, as its worker saw it (for late-completion checks).
+pub fn lease_of(task: &TaskRow) -> Lease {
+    Lease {
+        task: task.clone(),
+        worker: task.lease_owner.expect("leased task has an owner"),
+        token: task.lease_token,
+        expires_at: task.lease_expires_at.unwrap_or_else(chrono::Utc::now),
+    }
+}
+
+pub fn output(t: &TaskRow) -> &Value {
+    t.output.as_ref().unwrap_or_else(|| panic!("task `{}` has no output", t.name))
+}
