@@ -271,8 +271,10 @@ pub fn run_plan(args: PlanArgs) -> Result<ExitCode> {
     let resolved = pipeline.instantiate(&args.set, "plan-preview").map_err(|d| anyhow::anyhow!(render_all(&d, &text)))?;
     let work = args.state.work_dir();
     let tasks = shardline_engine::graph::tasks_for(&resolved, &work.join("runs").join("plan-preview"), &base).map_err(|e| anyhow::anyhow!(e))?;
+    // One runtime for every store call: a pool must not outlive the runtime it was made on.
+    let rt = runtime()?;
     let store = if args.state.database_url.is_some() || args.state.state_dir.join("state.db").exists() {
-        runtime()?.block_on(args.state.store()).ok()
+        rt.block_on(args.state.store()).ok()
     } else {
         None
     };
@@ -290,11 +292,15 @@ pub fn run_plan(args: PlanArgs) -> Result<ExitCode> {
                 if let Ok(release) = shardline_formats::safetensors::Release::open(&path) {
                     if let Ok(digest) = steps::release_digest(&release) {
                         let key = steps::shard_cache_key(job, &digest);
-                        let hit = match &store {
-                            Some(s) => runtime()?.block_on(s.cache_get(&key)).ok().flatten().is_some_and(|v| steps::cached_checkpoint_usable(&v)),
-                            None => false,
+                        // A `cache: false` step always runs; an unreadable store says nothing.
+                        cached = match &store {
+                            _ if !job.cache => Some(false),
+                            Some(s) => rt
+                                .block_on(s.cache_get(&key))
+                                .ok()
+                                .map(|hit| hit.is_some_and(|v| steps::cached_checkpoint_usable(&v))),
+                            None => Some(false),
                         };
-                        cached = Some(hit);
                     }
                 }
             }

@@ -46,6 +46,14 @@ pub struct ShardJob {
     pub out: PathBuf,
     /// The step's cache key material (spec hash of the step and its upstream).
     pub step_hash: String,
+    /// The step's `cache`: serve the checkpoint from the step cache when an identical one exists,
+    /// and remember this one. `false` always recomputes.
+    #[serde(default = "yes")]
+    pub cache: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl ShardJob {
@@ -204,6 +212,7 @@ pub fn tasks_for(p: &ResolvedPipeline, run_dir: &Path, base_dir: &Path) -> Resul
                     source_task: source_task_of(p, &step.id).ok_or_else(|| missing("hf.download"))?,
                     out: run_dir.join(&step.id).join("checkpoint"),
                     step_hash,
+                    cache: step.cache,
                 };
                 fan_out(&mut tasks, step, &step.id, needs, job);
             }
@@ -222,6 +231,7 @@ pub fn tasks_for(p: &ResolvedPipeline, run_dir: &Path, base_dir: &Path) -> Resul
                     job.split_fused = true;
                     job.out = run_dir.join(&step.id).join("checkpoint");
                     job.step_hash = step_hash;
+                    job.cache = step.cache;
                     fan_out(&mut tasks, step, &step.id, needs, job);
                 } else {
                     let checkpoint_task = terminal_task(p, &parent.id);

@@ -165,7 +165,7 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
     if let Payload::Plan { job } = &payload {
         let digest = outputs.get(&job.source_task).and_then(|o| o.get("digest")).and_then(Value::as_str).unwrap_or("");
         let key = steps::shard_cache_key(job, digest);
-        if config.use_cache && run_uses_cache(store, task.run).await {
+        if config.use_cache && job.cache && run_uses_cache(store, task.run).await {
             if let Ok(Some(hit)) = store.cache_get(&key).await {
                 if steps::cached_checkpoint_usable(&hit) {
                     let _ =
@@ -288,11 +288,10 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
     }
     if accepted && succeeded_commit {
         // Remember the committed checkpoint under its plan task's cache key.
-        if let (Payload::Commit { plan_task, .. }, Some(output)) = (&payload, output_for_cache) {
-            if let Some(key) = outputs.get(plan_task).and_then(|o| o.get("cache_key")).and_then(Value::as_str) {
-                if output.get("dir").is_some() {
-                    let _ = store.cache_put(key, &output).await;
-                }
+        if let (Payload::Commit { plan_task, job }, Some(output)) = (&payload, output_for_cache) {
+            let key = outputs.get(plan_task).and_then(|o| o.get("cache_key")).and_then(Value::as_str);
+            if let Some(key) = key.filter(|_| job.cache && output.get("dir").is_some()) {
+                let _ = store.cache_put(key, &output).await;
             }
         }
     }

@@ -1,6 +1,6 @@
 //! The orchestrator's promises, in process, on SQLite and on PostgreSQL alike: the demo pipeline
 //! runs to a bit-exact, published checkpoint; an unchanged pipeline is served from the step cache
-//! (and `no_cache` recomputes); a cancelled run stops leasing and refuses late completions; a run
+//! (`no_cache` and a step's `cache: false` recompute); a cancelled run stops leasing and refuses late completions; a run
 //! retried from a step re-runs that step only; a task's log lines survive a store that refuses
 //! them for a while, stamped when they were written.
 
@@ -44,6 +44,7 @@ macro_rules! on_both_backends {
 on_both_backends!(
     demo_runs_validates_and_publishes,
     unchanged_pipeline_is_served_from_cache,
+    step_with_cache_false_always_recomputes,
     cancel_stops_leasing_and_refuses_late_completions,
     retry_from_step_reruns_only_that_step,
     logs_survive_a_store_that_refuses_them,
@@ -179,6 +180,28 @@ async fn unchanged_pipeline_is_served_from_cache(kind: Kind) {
     assert_eq!(mtimes(&dir3).len(), 9);
     assert_eq!(mtimes(&dir1), before);
     assert_bit_exact(&dir3, &fixture("qwen3_next"));
+    h.finish().await;
+}
+
+async fn step_with_cache_false_always_recomputes(kind: Kind) {
+    let mut h = Harness::new(kind).await;
+    h.start_workers(2, LEASE);
+    let demo = pipeline_text("demo.yaml");
+    let text = demo.replace("    timeout: 30m\n  - id: split", "    timeout: 30m\n    cache: false\n  - id: split");
+    assert_ne!(text, demo, "the demo's shard step moved: update this test");
+    let mut dirs = Vec::new();
+    for _ in 0..2 {
+        let s = h.submit(&text, &[demo_source()], false).await;
+        let r = h.wait_finished(s.run, RUN_TIMEOUT).await;
+        assert_eq!(r.state, RunState::Succeeded, "{:?}", r.error);
+        let plan = h.task(s.run, "shard").await;
+        assert!(output(&plan).get("cached").is_none(), "`cache: false` step served from cache: {}", output(&plan));
+        for t in h.tasks(s.run).await.iter().filter(|t| t.name.starts_with("shard/rank-")) {
+            assert!(output(t)["bytes"].as_u64().is_some_and(|b| b > 0), "{}: {}", t.name, output(t));
+        }
+        dirs.push(dir_of(output(&h.task(s.run, "shard/commit").await)));
+    }
+    assert_ne!(dirs[0], dirs[1], "both runs report the same checkpoint");
     h.finish().await;
 }
 
