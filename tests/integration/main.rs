@@ -3,6 +3,7 @@
 
 mod convert;
 mod bad_input;
+mod orchestrator;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
