@@ -396,6 +396,21 @@ impl HubClient {
         }
     }
 
+    /// One request, no redirect followed; the token only to the endpoint's origin.
+    pub(crate) async fn send_once(
+        &self,
+        method: Method,
+        url: &Url,
+        extra: &HeaderMap,
+        attempt: u32,
+    ) -> std::result::Result<Response, Failure> {
+        let mut req = self.inner.http.request(method, url.clone()).headers(extra.clone());
+        if let Some(auth) = self.auth_for(url) {
+            req = req.header(AUTHORIZATION, auth);
+        }
+        req.send().await.map_err(|e| retry_network(url, attempt, &e))
+    }
+
     /// One request, following up to 10 redirects by hand. The token goes only to the endpoint's
     /// origin (not to a CDN on another host). Returns the final response and, from the first hop,
     /// `X-Repo-Commit` and `X-Linked-Etag`.

@@ -380,6 +380,9 @@ impl Job {
             a = b;
         }
         let parts = Arc::new(parts);
+        // Ranges go straight to where the Hub redirects (one redirect for all of them, as on a
+        // CDN each costs a round trip); a range that fails goes back through the Hub.
+        let direct = if parallel && !parts.is_empty() { self.locate(f, url).await? } else { None };
         let stop = Arc::new(AtomicBool::new(false));
         let hashing = Arc::new(Hashing::default());
         let hasher = {
@@ -392,10 +395,11 @@ impl Job {
         let mut set = JoinSet::new();
         for part in parts.iter().cloned() {
             let (job, f, url, file, hashing) = (self.clone(), f.clone(), url.clone(), file.clone(), hashing.clone());
+            let direct = direct.clone();
             let single = !parallel;
             set.spawn(async move {
                 let mut w = PartWriter::new(file, part.start, part.clone(), hashing);
-                let r = job.stream(&f, &url, part.start, part.end, &mut w, single).await;
+                let r = job.stream(&f, &url, direct.as_ref(), part.start, part.end, &mut w, single).await;
                 let fl = w.flush().await;
                 (r, fl)
             });
@@ -447,13 +451,57 @@ impl Job {
         }
     }
 
+    /// Where the bytes of `f` are: the first redirect target on another origin (the CDN), found
+    /// with `HEAD` like `huggingface_hub` does, without requesting it (signed URLs may be bound to
+    /// `GET`). `None` if the Hub serves the file itself.
+    async fn locate(&self, f: &RepoFile, resolve_url: &Url) -> Result<Option<Url>> {
+        let ctx = self.ctx(f);
+        self.client
+            .retrying(resolve_url, |attempt| async move {
+                let mut url = resolve_url.clone();
+                for _hop in 0..10 {
+                    let sent = self.client.send_once(Method::HEAD, &url, &HeaderMap::new(), attempt).await?;
+                    if let Some(c) = crate::client::header_str(sent.headers(), "x-repo-commit") {
+                        if c != self.sha {
+                            return Err(Failure::Fatal(invalid(
+                                &url,
+                                format!("X-Repo-Commit {c} differs from the requested commit {}", self.sha),
+                            )));
+                        }
+                    }
+                    let status = sent.status();
+                    if status.is_redirection() {
+                        let next = sent
+                            .headers()
+                            .get(reqwest::header::LOCATION)
+                            .and_then(|l| l.to_str().ok())
+                            .and_then(|l| url.join(l).ok())
+                            .ok_or_else(|| {
+                                Failure::Fatal(invalid(&url, "redirect without a usable Location".into()))
+                            })?;
+                        if !self.client.is_endpoint_origin(&next) {
+                            return Ok(Some(next));
+                        }
+                        url = next;
+                        continue;
+                    }
+                    check_status(sent, ctx, attempt).await?;
+                    return Ok(None);
+                }
+                Err(Failure::Fatal(invalid(&url, "more than 10 redirects".into())))
+            })
+            .await
+    }
+
     /// Streams `[start, end)` of `f` into `w`, retrying with `Range: bytes=pos-` from where the
     /// last attempt stopped. Returns false if cancelled. `single`: this is the file's only stream,
     /// so a 200 answer to a range request can be used by skipping what the file already has.
+    #[allow(clippy::too_many_arguments)]
     async fn stream(
         &self,
         f: &RepoFile,
-        url: &Url,
+        resolve_url: &Url,
+        direct: Option<&Url>,
         start: u64,
         end: u64,
         w: &mut PartWriter,
@@ -462,6 +510,7 @@ impl Job {
         let mut pos = start;
         let mut attempt = 1u32;
         let policy = &self.client.inner.retry;
+        let mut url = direct.unwrap_or(resolve_url);
         loop {
             if pos >= end {
                 return Ok(true);
@@ -478,6 +527,7 @@ impl Job {
                 Ok(()) => {}
                 Err(Failure::Fatal(e)) => return Err(e),
                 Err(Failure::Retry { err, after }) => {
+                    url = resolve_url;
                     if pos > before {
                         attempt = 1;
                     } else if attempt >= policy.max_attempts {

@@ -329,6 +329,10 @@ async fn large_files_download_as_parallel_ranges() {
     let cdn = cdn_requests(&hub, "big.safetensors");
     assert_eq!(cdn.len(), 17, "ceil(1 MiB + 17 B / 64 KiB) ranges");
     assert!(cdn.iter().all(|r| r.status == 206 && r.range.is_some()));
+    let hub_side: Vec<_> =
+        file_requests(&hub, "big.safetensors").into_iter().filter(|r| r.kind == RequestKind::Resolve).collect();
+    assert_eq!(hub_side.len(), 1, "one redirect for all the ranges");
+    assert_eq!((hub_side[0].method.as_str(), hub_side[0].status), ("HEAD", 302));
     assert!(hub.max_in_flight() <= 4 && hub.max_in_flight() >= 2, "bounded parallelism: {}", hub.max_in_flight());
     assert!(tree(&repo_dir(cache.path()).join("blobs")).iter().all(|b| !b.contains("incomplete")));
 }
