@@ -23,6 +23,9 @@ CREATE TABLE runs (
     plan         JSONB,
     dedupe_key   TEXT,
     error        TEXT,
+    -- Tasks not yet succeeded: +1 per task added, -1 per success (under this row's lock),
+    -- recounted by retry_run. Zero ends the run without scanning its tasks.
+    open_tasks   BIGINT NOT NULL DEFAULT 0,
     created_at   TIMESTAMPTZ NOT NULL DEFAULT now(),
     started_at   TIMESTAMPTZ,
     finished_at  TIMESTAMPTZ,
@@ -148,3 +151,115 @@ CREATE TABLE cache (
     output      JSONB NOT NULL,
     created_at  TIMESTAMPTZ NOT NULL DEFAULT now()
 );
+
+-- The claim (`Store::claim`) in one statement: lease the first ready task that fits, by
+-- priority, readiness and id, skipping rows other claimers hold; record the attempt and the
+-- events; a queued run becomes running. The planner settings make it walk `tasks_claimable`
+-- in claim order and stop at the first fitting row whatever the statistics say (with stale
+-- statistics it sorts every ready row instead, on every claim).
+CREATE FUNCTION claim_task(p_worker BIGINT, p_cpus BIGINT, p_memory BIGINT, p_gpus BIGINT,
+                           p_scratch BIGINT, p_ttl_ms BIGINT)
+RETURNS SETOF tasks
+LANGUAGE plpgsql
+SET enable_bitmapscan = off
+SET enable_seqscan = off
+SET enable_sort = off
+AS $$
+DECLARE
+    v_worker TEXT;
+    v_task   tasks;
+BEGIN
+    SELECT name INTO v_worker FROM workers WHERE id = p_worker;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'worker % not found', p_worker USING ERRCODE = 'SLW01';
+    END IF;
+    WITH c AS (
+        SELECT id FROM tasks
+        WHERE state = 'ready' AND ready_at <= now()
+          AND cpus <= p_cpus AND memory <= p_memory AND gpus <= p_gpus AND scratch <= p_scratch
+        ORDER BY priority DESC, ready_at, id
+        LIMIT 1
+        FOR UPDATE SKIP LOCKED)
+    UPDATE tasks t SET state = 'leased', attempt = t.attempt + 1, lease_owner = p_worker,
+        lease_token = t.lease_token + 1, leased_at = now(), heartbeat_at = now(), progress = NULL,
+        updated_at = now(),
+        lease_expires_at = now() + (CASE WHEN t.timeout_ms > 0 AND t.timeout_ms < p_ttl_ms
+                                         THEN t.timeout_ms ELSE p_ttl_ms END) * interval '1 millisecond'
+    FROM c WHERE t.id = c.id
+    RETURNING t.* INTO v_task;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    INSERT INTO attempts (task_id, token, attempt, run_id, worker_id, worker_name, started_at)
+    VALUES (v_task.id, v_task.lease_token, v_task.attempt, v_task.run_id, p_worker, v_worker, now());
+    INSERT INTO events (run_id, task_id, state, attempt)
+    VALUES (v_task.run_id, v_task.id, 'leased', v_task.attempt);
+    WITH r AS (
+        UPDATE runs SET state = 'running', started_at = now(), updated_at = now()
+        WHERE id = v_task.run_id AND state = 'queued' RETURNING id)
+    INSERT INTO events (run_id, state) SELECT id, 'running' FROM r;
+    RETURN NEXT v_task;
+END
+$$;
+
+-- A leased task's success in one statement (`Store::complete`): the guarded update, the
+-- attempt, the events, the dependents that became ready, and the run's end. Every statement
+-- of a plpgsql function gets a fresh snapshot, so the readiness check runs after the
+-- dependents' locks are granted. Rows are locked tasks first, the run's row last (as
+-- everywhere), and the run's row only for the O(1) update of its counter, right before the
+-- commit, so completions of one run queue for each other only that long.
+CREATE FUNCTION complete_succeeded(p_task BIGINT, p_token BIGINT, p_output JSONB)
+RETURNS TABLE (accepted BOOLEAN, promoted BIGINT)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_run      BIGINT;
+    v_attempt  BIGINT;
+    v_promoted BIGINT := 0;
+    v_open     BIGINT;
+    v_state    TEXT;
+BEGIN
+    UPDATE tasks SET state = 'succeeded', output = p_output, error = NULL, finished_at = now(),
+                     lease_expires_at = NULL, updated_at = now()
+    WHERE id = p_task AND lease_token = p_token AND state = 'leased'
+    RETURNING run_id, attempt INTO v_run, v_attempt;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT false, 0::BIGINT;
+        RETURN;
+    END IF;
+    UPDATE attempts SET ended_at = now(), outcome = 'succeeded'
+    WHERE task_id = p_task AND token = p_token;
+    INSERT INTO events (run_id, task_id, state, attempt) VALUES (v_run, p_task, 'succeeded', v_attempt);
+
+    -- Lock the blocked dependents, then read their needs afresh: a need completing at the same
+    -- time has committed by then (or waits for us and then sees our success).
+    PERFORM 1 FROM tasks t JOIN task_deps d ON d.task_id = t.id
+    WHERE d.needs_id = p_task AND t.state = 'blocked'
+    ORDER BY t.id FOR UPDATE OF t;
+    IF FOUND THEN
+        WITH p AS (
+            UPDATE tasks SET state = 'ready', ready_at = now(), updated_at = now()
+            WHERE state = 'blocked' AND id IN (SELECT task_id FROM task_deps WHERE needs_id = p_task)
+              AND NOT EXISTS (SELECT 1 FROM task_deps d JOIN tasks n ON n.id = d.needs_id
+                              WHERE d.task_id = tasks.id AND n.state <> 'succeeded')
+            RETURNING id, run_id, attempt)
+        INSERT INTO events (run_id, task_id, state, attempt)
+        SELECT run_id, id, 'ready', attempt FROM p ORDER BY id;
+        GET DIAGNOSTICS v_promoted = ROW_COUNT;
+        IF v_promoted > 0 THEN
+            PERFORM pg_notify('shardline_work', '');
+        END IF;
+    END IF;
+
+    UPDATE runs SET open_tasks = open_tasks - 1, updated_at = now()
+    WHERE id = v_run RETURNING open_tasks, state INTO v_open, v_state;
+    IF v_open <= 0 AND v_state IN ('queued', 'running') THEN
+        WITH r AS (
+            UPDATE runs SET state = 'succeeded', finished_at = now(), updated_at = now()
+            WHERE id = v_run
+              AND NOT EXISTS (SELECT 1 FROM tasks WHERE run_id = v_run AND state <> 'succeeded')
+            RETURNING id)
+        INSERT INTO events (run_id, state) SELECT id, 'succeeded' FROM r;
+    END IF;
+    RETURN QUERY SELECT true, v_promoted;
+END
+$$;

@@ -22,6 +22,9 @@ CREATE TABLE runs (
     plan         TEXT,
     dedupe_key   TEXT,
     error        TEXT,
+    -- Tasks not yet succeeded: +1 per task added, -1 per success (under this row's lock),
+    -- recounted by retry_run. Zero ends the run without scanning its tasks.
+    open_tasks   INTEGER NOT NULL DEFAULT 0,
     created_at   INTEGER NOT NULL DEFAULT (CAST(unixepoch('subsec') * 1000 AS INTEGER)),
     started_at   INTEGER,
     finished_at  INTEGER,

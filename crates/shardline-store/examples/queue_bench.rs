@@ -38,6 +38,32 @@ fn free() -> Resources {
     Resources { cpus: 64, memory: 1 << 40, gpus: 0, scratch: 0 }
 }
 
+/// CPU seconds used so far by this process and by the PostgreSQL backends serving the bench
+/// database (from /proc; clock ticks of 10 ms). Wall-clock rates on a shared machine depend on
+/// its load; CPU per task does not, and gives the capacity of an otherwise idle machine.
+async fn cpu_seconds(bench_url: &str) -> Option<(f64, f64)> {
+    fn ticks(pid: &str) -> Option<u64> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let after = &stat[stat.rfind(')')? + 2..];
+        let f: Vec<&str> = after.split_whitespace().collect();
+        Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+    }
+    let own = ticks("self")? as f64 / 100.0;
+    if !bench_url.starts_with("postgres") {
+        return Some((own, 0.0));
+    }
+    let mut conn = PgConnection::connect(bench_url).await.ok()?;
+    let pids: Vec<(i32,)> = sqlx::query_as(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .ok()?;
+    let _ = conn.close().await;
+    let server: u64 = pids.iter().filter_map(|(p,)| ticks(&p.to_string())).sum();
+    Some((own, server as f64 / 100.0))
+}
+
 fn pct(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
@@ -66,31 +92,37 @@ async fn new_run(store: &Store, label: &str) -> RunId {
         .0
 }
 
-/// Phase 1: `n` ready tasks, 8 workers claim and complete as fast as they can.
-async fn throughput(stores: &[Store], n: usize, label: &str) {
+/// Phase 1: `n` ready tasks in `runs` runs, 8 workers claim and complete as fast as they can.
+async fn throughput(stores: &[Store], bench_url: &str, n: usize, runs: usize, label: &str) {
     let store = &stores[0];
-    let run = new_run(store, label).await;
-    for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
+    let mut run_ids = Vec::new();
+    for _ in 0..runs {
+        run_ids.push(new_run(store, label).await);
+    }
+    // With several runs, small chunks round-robin so that workers hit every run at once.
+    let chunk_size = if runs == 1 { 1000 } else { 25 };
+    for (k, chunk) in (0..n).collect::<Vec<_>>().chunks(chunk_size).enumerate() {
         let tasks = chunk.iter().map(|i| task(format!("t{i}"))).collect();
-        store.add_tasks(run, tasks).await.expect("add_tasks");
+        store.add_tasks(run_ids[k % runs], tasks).await.expect("add_tasks");
+    }
+    let run = run_ids[0];
+    let mut workers = Vec::new();
+    for (i, s) in stores.iter().cycle().take(WORKERS).enumerate() {
+        let info = WorkerInfo { name: format!("bench-{i}"), cpus: 64, memory: 1 << 40, gpus: vec![], scratch: 0 };
+        let w = s.register_worker(info).await.expect("register");
+        workers.push((s.clone(), w));
+    }
+    // Open the pools' connections before measuring, so that the CPU counts cover them.
+    for s in stores {
+        let _ = s.get_run(run).await;
     }
     let done = Arc::new(AtomicU64::new(0));
     let claims = Arc::new(Mutex::new(Vec::with_capacity(n)));
     let completes = Arc::new(Mutex::new(Vec::with_capacity(n)));
+    let cpu_before = cpu_seconds(bench_url).await;
     let start = Instant::now();
     let mut handles = Vec::new();
-    for (i, s) in stores.iter().cycle().take(WORKERS).enumerate() {
-        let s = s.clone();
-        let w = s
-            .register_worker(WorkerInfo {
-                name: format!("bench-{i}"),
-                cpus: 64,
-                memory: 1 << 40,
-                gpus: vec![],
-                scratch: 0,
-            })
-            .await
-            .expect("register");
+    for (s, w) in workers {
         let (done, claims, completes) = (Arc::clone(&done), Arc::clone(&claims), Arc::clone(&completes));
         handles.push(tokio::spawn(async move {
             let (mut my_claims, mut my_completes) = (Vec::new(), Vec::new());
@@ -114,13 +146,30 @@ async fn throughput(stores: &[Store], n: usize, label: &str) {
         h.await.expect("worker");
     }
     let secs = start.elapsed().as_secs_f64();
+    let cpu_after = cpu_seconds(bench_url).await;
     let done = done.load(Ordering::Relaxed);
-    let state = store.get_run(run).await.expect("get_run").map(|r| r.state);
+    let mut states = Vec::new();
+    for r in &run_ids {
+        states.push(store.get_run(*r).await.expect("get_run").map(|r| r.state));
+    }
+    let all_done = states.iter().all(|s| *s == Some(RunState::Succeeded));
     println!(
-        "{label}: {done} tasks in {secs:.2} s = {:.0} tasks/s = {:.0} claims+completions/s (run {state:?})",
+        "{label}: {done} tasks in {secs:.2} s = {:.0} tasks/s = {:.0} claims+completions/s (runs succeeded: {all_done})",
         done as f64 / secs,
         2.0 * done as f64 / secs
     );
+    if let (Some((c0, s0)), Some((c1, s1))) = (cpu_before, cpu_after) {
+        let per_task_us = ((c1 - c0) + (s1 - s0)) * 1e6 / done as f64;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        println!(
+            "  CPU per task (claim + complete): {per_task_us:.0} us = client {:.0} + server {:.0}; \
+             on {cores} idle cores: ~{:.0} tasks/s = ~{:.0} claims+completions/s",
+            (c1 - c0) * 1e6 / done as f64,
+            (s1 - s0) * 1e6 / done as f64,
+            cores * 1e6 / per_task_us,
+            2.0 * cores * 1e6 / per_task_us
+        );
+    }
     summary("claim call", claims.lock().expect("lock").clone());
     summary("complete call", completes.lock().expect("lock").clone());
 }
@@ -201,6 +250,17 @@ async fn main() {
         .expect("give a database URL (argument, SHARDLINE_BENCH_DATABASE_URL or SHARDLINE_TEST_DATABASE_URL)");
     let n: usize = std::env::var("BENCH_TASKS").ok().and_then(|s| s.parse().ok()).unwrap_or(20_000);
 
+    // The restart test takes this lock exclusively before restarting the shared cluster.
+    let lock_path = std::env::temp_dir().join("shardline-store-postgres-cluster.lock");
+    let lock = std::fs::File::options()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&lock_path)
+        .expect("open the cluster lock");
+    lock.lock_shared().expect("take the cluster lock");
+
     let (bench_url, scratch) = if url.starts_with("postgres") {
         let name = format!("shardline_bench_{}", std::process::id());
         let mut admin = PgConnection::connect(&url).await.expect("connect to PostgreSQL");
@@ -220,14 +280,15 @@ async fn main() {
         WORKERS,
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
-    throughput(std::slice::from_ref(&shared), n, "throughput, one pool of 16").await;
+    throughput(std::slice::from_ref(&shared), &bench_url, n, 1, "throughput, one run, one pool of 16").await;
     if shared.backend() == Backend::Postgres {
         let mut pools = Vec::new();
         for _ in 0..WORKERS {
             let o = StoreOptions { max_connections: Some(2), ..StoreOptions::default() };
             pools.push(Store::connect_with(&bench_url, o).await.expect("connect"));
         }
-        throughput(&pools, n, "throughput, 8 pools of 2 (8 processes)").await;
+        throughput(&pools, &bench_url, n, 1, "throughput, one run, 8 pools of 2").await;
+        throughput(&pools, &bench_url, n, 8, "throughput, 8 runs, 8 pools of 2").await;
         pickup(&pools, 1, Duration::from_millis(5), 5, "pickup, 8 pools").await;
         pickup(&pools, 10, Duration::from_millis(10), 5, "pickup, 8 pools, bursts").await;
         for p in &pools {

@@ -96,47 +96,22 @@ impl Store {
             let row: Option<TaskRecord> = if matches!(pc, PoolConn::Pg(_)) {
                 // One statement, atomic on its own: no BEGIN/COMMIT round trips.
                 let mut c = pc.conn();
-                let row: Option<TaskRecord> = c
-                    .opt(
-                        sql!(concat!(
-                            "WITH c AS ( \
-                                 SELECT id FROM tasks \
-                                 WHERE state = 'ready' AND ready_at <= now() \
-                                   AND cpus <= $2 AND memory <= $3 AND gpus <= $4 AND scratch <= $5 \
-                                 ORDER BY priority DESC, ready_at, id LIMIT 1 FOR UPDATE SKIP LOCKED), \
-                             w AS (SELECT name FROM workers WHERE id = $1), \
-                             u AS ( \
-                                 UPDATE tasks t SET state = 'leased', attempt = t.attempt + 1, \
-                                     lease_owner = $1, lease_token = t.lease_token + 1, leased_at = now(), \
-                                     heartbeat_at = now(), progress = NULL, updated_at = now(), \
-                                     lease_expires_at = now() + {ms:CASE WHEN t.timeout_ms > 0 AND t.timeout_ms < $6 \
-                                         THEN t.timeout_ms ELSE $6 END} \
-                                 FROM c, w WHERE t.id = c.id RETURNING t.*), \
-                             a AS ( \
-                                 INSERT INTO attempts (task_id, token, attempt, run_id, worker_id, worker_name, started_at) \
-                                 SELECT u.id, u.lease_token, u.attempt, u.run_id, $1, w.name, now() FROM u, w), \
-                             e AS ( \
-                                 INSERT INTO events (run_id, task_id, state, attempt) \
-                                 SELECT run_id, id, 'leased', attempt FROM u), \
-                             r AS ( \
-                                 UPDATE runs SET state = 'running', started_at = now(), updated_at = now() \
-                                 WHERE id = (SELECT run_id FROM u) AND state = 'queued' RETURNING id), \
-                             re AS (INSERT INTO events (run_id, state) SELECT id, 'running' FROM r) \
-                             SELECT ",
-                            task_cols!(),
-                            " FROM u"
-                        )),
-                        a.clone(),
-                    )
-                    .await?;
-                if row.is_none() {
-                    // Nothing fits, or no such worker: tell the two apart.
-                    let worker: Option<(i64,)> = c.opt(sql!("SELECT id FROM workers WHERE id = $1"), args![w.0]).await?;
-                    if worker.is_none() {
-                        return Err(StoreError::WorkerNotFound(w));
+                c.opt(
+                    sql!(concat!(
+                        "SELECT ",
+                        task_cols!(),
+                        " FROM claim_task($1, $2, $3, $4, $5, $6)"
+                    )),
+                    a.clone(),
+                )
+                .await
+                .map_err(|e| {
+                    if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("SLW01") {
+                        StoreError::WorkerNotFound(w)
+                    } else {
+                        e.into()
                     }
-                }
-                row
+                })?
             } else {
                 let mut tx = pc.begin().await?;
                 let mut c = tx.conn();
@@ -265,127 +240,75 @@ impl Store {
         let task = lease.task.id.0;
         let token = lease.token;
         match outcome {
+            Outcome::Succeeded { output } if self.backend() == Backend::Postgres => {
+                // One statement: migrations/postgres defines `complete_succeeded`.
+                let mut pc = self.pool().acquire().await?;
+                let (accepted, promoted): (bool, i64) = pc
+                    .conn()
+                    .one(
+                        sql!("SELECT accepted, promoted FROM complete_succeeded($1, $2, $3)"),
+                        args![task, token, output],
+                    )
+                    .await?;
+                drop(pc);
+                if accepted {
+                    return Ok((true, promoted > 0));
+                }
+                Ok((self.already_completed(lease, AttemptOutcome::Succeeded).await?, false))
+            }
             Outcome::Succeeded { output } => {
+                // SQLite: the same steps in one (serialized) write transaction.
                 let mut pc = self.pool().acquire().await?;
                 let mut tx = pc.begin().await?;
                 let mut c = tx.conn();
-                let done: Option<(i64, i64)> = match c {
-                    Conn::Pg(_) => {
-                        c.opt(
-                            sql!(
-                                "WITH u AS ( \
-                                     UPDATE tasks SET state = 'succeeded', output = $3, error = NULL, \
-                                         finished_at = now(), lease_expires_at = NULL, updated_at = now() \
-                                     WHERE id = $1 AND lease_token = $2 AND state = 'leased' \
-                                     RETURNING id, run_id, attempt), \
-                                 a AS ( \
-                                     UPDATE attempts SET ended_at = now(), outcome = 'succeeded' \
-                                     WHERE task_id = $1 AND token = $2 AND EXISTS (SELECT 1 FROM u)), \
-                                 e AS ( \
-                                     INSERT INTO events (run_id, task_id, state, attempt) \
-                                     SELECT run_id, id, 'succeeded', attempt FROM u), \
-                                 l AS ( \
-                                     SELECT t.id FROM tasks t JOIN task_deps d ON d.task_id = t.id \
-                                     WHERE d.needs_id = $1 AND t.state = 'blocked' AND EXISTS (SELECT 1 FROM u) \
-                                     ORDER BY t.id FOR UPDATE OF t) \
-                                 SELECT u.run_id, (SELECT count(*) FROM l) AS dependents FROM u"
-                            ),
-                            args![task, token, output],
-                        )
-                        .await?
-                    }
-                    Conn::Lite(_) => {
-                        let row: Option<(i64, i64)> = c
-                            .opt(
-                                sql!(
-                                    "UPDATE tasks SET state = 'succeeded', output = $3, error = NULL, \
-                                         finished_at = {now}, lease_expires_at = NULL, updated_at = {now} \
-                                     WHERE id = $1 AND lease_token = $2 AND state = 'leased' \
-                                     RETURNING run_id, attempt"
-                                ),
-                                args![task, token, output],
-                            )
-                            .await?;
-                        match row {
-                            Some((run_id, attempt)) => {
-                                c.exec(
-                                    sql!(
-                                        "UPDATE attempts SET ended_at = {now}, outcome = 'succeeded' \
-                                         WHERE task_id = $1 AND token = $2"
-                                    ),
-                                    args![task, token],
-                                )
-                                .await?;
-                                c.exec(
-                                    sql!(
-                                        "INSERT INTO events (run_id, task_id, state, attempt) \
-                                         VALUES ($1, $2, 'succeeded', $3)"
-                                    ),
-                                    args![run_id, task, attempt],
-                                )
-                                .await?;
-                                let (dependents,): (i64,) = c
-                                    .one(
-                                        sql!(
-                                            "SELECT count(*) FROM task_deps d JOIN tasks t ON t.id = d.task_id \
-                                             WHERE d.needs_id = $1 AND t.state = 'blocked'"
-                                        ),
-                                        args![task],
-                                    )
-                                    .await?;
-                                Some((run_id, dependents))
-                            }
-                            None => None,
-                        }
-                    }
-                };
-                let Some((run_id, dependents)) = done else {
+                let row: Option<(i64, i64)> = c
+                    .opt(
+                        sql!(
+                            "UPDATE tasks SET state = 'succeeded', output = $3, error = NULL, \
+                                 finished_at = {now}, lease_expires_at = NULL, updated_at = {now} \
+                             WHERE id = $1 AND lease_token = $2 AND state = 'leased' \
+                             RETURNING run_id, attempt"
+                        ),
+                        args![task, token, output],
+                    )
+                    .await?;
+                let Some((run_id, attempt)) = row else {
                     tx.rollback().await?;
                     drop(pc);
-                    let again = self.already_completed(lease, AttemptOutcome::Succeeded).await?;
-                    if again {
-                        // The first call committed but may have lost its connection before
-                        // finishing the run: do that part again.
-                        let mut conn = self.pool().acquire().await?;
-                        finish_run_if_done(&mut conn.conn(), lease.task.run.0).await?;
-                    }
-                    return Ok((again, false));
+                    return Ok((self.already_completed(lease, AttemptOutcome::Succeeded).await?, false));
                 };
-                let mut ready = false;
-                if dependents > 0 {
-                    // A fresh statement (and snapshot) after the dependents are locked: a
-                    // concurrent completion of another of their needs has committed by now.
-                    let promoted: Vec<(i64,)> = c
-                        .all(
-                            sql!(
-                                "UPDATE tasks SET state = 'ready', ready_at = {now}, updated_at = {now} \
-                                 WHERE state = 'blocked' AND id IN (SELECT task_id FROM task_deps WHERE needs_id = $1) \
-                                 AND NOT EXISTS ( \
-                                     SELECT 1 FROM task_deps d JOIN tasks n ON n.id = d.needs_id \
-                                     WHERE d.task_id = tasks.id AND n.state <> 'succeeded') \
-                                 RETURNING id"
-                            ),
-                            args![task],
-                        )
-                        .await?;
-                    if !promoted.is_empty() {
-                        let ids = json!(promoted.iter().map(|(id,)| *id).collect::<Vec<_>>());
-                        task_events(&mut c, &ids, None).await?;
-                        notify(&mut c).await?;
-                        ready = true;
-                    }
+                c.exec(
+                    sql!(
+                        "UPDATE attempts SET ended_at = {now}, outcome = 'succeeded' WHERE task_id = $1 AND token = $2"
+                    ),
+                    args![task, token],
+                )
+                .await?;
+                c.exec(
+                    sql!("INSERT INTO events (run_id, task_id, state, attempt) VALUES ($1, $2, 'succeeded', $3)"),
+                    args![run_id, task, attempt],
+                )
+                .await?;
+                let promoted: Vec<(i64,)> = c
+                    .all(
+                        sql!(
+                            "UPDATE tasks SET state = 'ready', ready_at = {now}, updated_at = {now} \
+                             WHERE state = 'blocked' AND id IN (SELECT task_id FROM task_deps WHERE needs_id = $1) \
+                             AND NOT EXISTS ( \
+                                 SELECT 1 FROM task_deps d JOIN tasks n ON n.id = d.needs_id \
+                                 WHERE d.task_id = tasks.id AND n.state <> 'succeeded') \
+                             RETURNING id"
+                        ),
+                        args![task],
+                    )
+                    .await?;
+                if !promoted.is_empty() {
+                    let ids = json!(promoted.iter().map(|(id,)| *id).collect::<Vec<_>>());
+                    task_events(&mut c, &ids, None).await?;
                 }
-                if let Conn::Lite(_) = c {
-                    finish_run_if_done(&mut c, run_id).await?;
-                    tx.commit().await?;
-                } else {
-                    tx.commit().await?;
-                    // After our commit: of two last tasks completing at once, the one that
-                    // commits second sees both succeeded here. A crash in between is caught by
-                    // the reaper's sweep.
-                    finish_run_if_done(&mut pc.conn(), run_id).await?;
-                }
-                Ok((true, ready))
+                count_success(&mut c, run_id).await?;
+                tx.commit().await?;
+                Ok((true, !promoted.is_empty()))
             }
             Outcome::Failed { error, retryable } => {
                 let error = clean(error);
@@ -394,7 +317,6 @@ impl Store {
                 let Some(info) = lease_info(&mut c, task).await? else {
                     return Err(StoreError::TaskNotFound(lease.task.id));
                 };
-                lock_run(&mut c, info.run_id).await?;
                 let handled =
                     fail_attempt(&mut c, &info, token, AttemptOutcome::Failed, &error, *retryable, false).await?;
                 match handled {
@@ -449,7 +371,7 @@ impl Store {
             let done: Vec<(i64,)> = c
                 .all(
                     sql!(
-                        "SELECT r.id FROM runs r WHERE r.state IN ('queued', 'running') \
+                        "SELECT r.id FROM runs r WHERE r.state IN ('queued', 'running') AND r.open_tasks <= 0 \
                          AND EXISTS (SELECT 1 FROM tasks t WHERE t.run_id = r.id) \
                          AND NOT EXISTS (SELECT 1 FROM tasks t WHERE t.run_id = r.id AND t.state <> 'succeeded') \
                          ORDER BY r.id LIMIT 1000"
@@ -500,7 +422,6 @@ impl Store {
             tx.commit().await?;
             return Ok(Reap::Skipped);
         };
-        lock_run(&mut c, info.run_id).await?;
         let made = info.attempt - info.attempt_base;
         let (outcome, error) = if cand.timed_out != 0 {
             (
@@ -567,12 +488,6 @@ async fn lease_info(c: &mut Conn<'_>, task: i64) -> Result<Option<LeaseInfo>> {
         args![task],
     )
     .await?)
-}
-
-/// Locks a run's row: run-wide changes (failing it, cancelling its tasks) come after it.
-async fn lock_run(c: &mut Conn<'_>, run: i64) -> Result<()> {
-    let _: Option<(i64,)> = c.opt(sql!("SELECT id FROM runs WHERE id = $1 {for_update}"), args![run]).await?;
-    Ok(())
 }
 
 /// Ends the attempt `token` of a leased task with a failure: ready again after a backoff when
@@ -651,8 +566,41 @@ async fn end_attempt(c: &mut Conn<'_>, task: i64, token: i64, outcome: AttemptOu
     Ok(())
 }
 
+/// Counts a task's success against its run (SQLite; PostgreSQL does it in
+/// `complete_succeeded`): the run ends when its last open task succeeds.
+async fn count_success(c: &mut Conn<'_>, run: i64) -> Result<()> {
+    let row: Option<(i64, String)> = c
+        .opt(
+            sql!("UPDATE runs SET open_tasks = open_tasks - 1, updated_at = {now} WHERE id = $1 RETURNING open_tasks, state"),
+            args![run],
+        )
+        .await?;
+    if let Some((open, state)) = row {
+        if open <= 0 && (state == "queued" || state == "running") {
+            finish_run_if_done(c, run).await?;
+        }
+    }
+    Ok(())
+}
+
 /// Marks a live run succeeded if it has tasks and all of them succeeded.
 async fn finish_run_if_done(c: &mut Conn<'_>, run: i64) -> Result<()> {
+    if let Conn::Pg(_) = c {
+        // One statement: on PostgreSQL this may run outside a transaction.
+        c.exec(
+            sql!(
+                "WITH r AS ( \
+                     UPDATE runs SET state = 'succeeded', finished_at = now(), updated_at = now() \
+                     WHERE id = $1 AND state IN ('queued', 'running') \
+                     AND NOT EXISTS (SELECT 1 FROM tasks WHERE run_id = $1 AND state <> 'succeeded') \
+                     RETURNING id) \
+                 INSERT INTO events (run_id, state) SELECT id, 'succeeded' FROM r"
+            ),
+            args![run],
+        )
+        .await?;
+        return Ok(());
+    }
     let done: Option<(i64,)> = c
         .opt(
             sql!(

@@ -146,14 +146,13 @@ impl Store {
             .retrying_conflicts("add_tasks_and_redirect", || async {
                 let mut tx = self.pool().begin().await?;
                 let mut c = tx.conn();
-                let (ids, ready) = add_tasks_tx(&mut c, run, &prepared).await?;
-                let new: HashSet<i64> = ids.iter().map(|t| t.0).collect();
                 let owner: Option<(i64,)> =
                     c.opt(sql!("SELECT run_id FROM tasks WHERE id = $1"), args![from_task.0]).await?;
                 match owner {
                     Some((r,)) if r == run.0 => {}
                     _ => return Err(StoreError::TaskNotFound(from_task)),
                 }
+                // The successors' rows first (task rows before the run's row, as everywhere).
                 let dependents: Vec<(i64, String, String)> = c
                     .all(
                         sql!(
@@ -163,6 +162,8 @@ impl Store {
                         args![from_task.0],
                     )
                     .await?;
+                let (ids, ready) = add_tasks_tx(&mut c, run, &prepared).await?;
+                let new: HashSet<i64> = ids.iter().map(|t| t.0).collect();
                 let new_ids: Vec<i64> = ids.iter().map(|t| t.0).collect();
                 for (id, name, state) in dependents.into_iter().filter(|(id, _, _)| !new.contains(id)) {
                     add_edges(&mut c, run, (id, &name, &state), &new_ids).await?;
@@ -184,7 +185,6 @@ impl Store {
         self.retrying("add_deps", || async {
             let mut tx = self.pool().begin().await?;
             let mut c = tx.conn();
-            lock_live_run(&mut c, run, "tasks can only gain needs while it is queued or running").await?;
             let task: Option<(i64, String)> = c
                 .opt(
                     sql!("SELECT id, state FROM tasks WHERE run_id = $1 AND name = $2 {for_update}"),
@@ -215,6 +215,7 @@ impl Store {
             if !problems.is_empty() {
                 return Err(StoreError::InvalidTasks { run, problems });
             }
+            lock_live_run(&mut c, run, "tasks can only gain needs while it is queued or running").await?;
             let need_ids: Vec<i64> = found.iter().map(|(id, _, _)| *id).collect();
             add_edges(&mut c, run, (task_id, task_name, &state), &need_ids).await?;
             tx.commit().await?;
@@ -230,6 +231,15 @@ impl Store {
         self.retrying("cancel_run", || async {
             let mut tx = self.pool().begin().await?;
             let mut c = tx.conn();
+            let row: Option<(String,)> = c.opt(sql!("SELECT state FROM runs WHERE id = $1"), args![run.0]).await?;
+            let Some((state,)) = row else {
+                return Err(StoreError::RunNotFound(run));
+            };
+            if parse::<RunState>("runs", &state)?.is_terminal() {
+                return Ok(false);
+            }
+            // Task rows first, the run's row last: the lock order of every operation.
+            cancel_unfinished(&mut c, run.0, "run cancelled").await?;
             let done: Option<(i64,)> = c
                 .opt(
                     sql!(
@@ -240,14 +250,11 @@ impl Store {
                 )
                 .await?;
             if done.is_none() {
-                let exists: Option<(i64,)> = c.opt(sql!("SELECT id FROM runs WHERE id = $1"), args![run.0]).await?;
-                return match exists {
-                    Some(_) => Ok(false),
-                    None => Err(StoreError::RunNotFound(run)),
-                };
+                // It finished meanwhile.
+                tx.rollback().await?;
+                return Ok(false);
             }
             run_event(&mut c, run.0, RunState::Cancelled, Some("cancelled")).await?;
-            cancel_unfinished(&mut c, run.0, "run cancelled").await?;
             tx.commit().await?;
             Ok(true)
         })
@@ -334,8 +341,9 @@ impl Store {
                 let back = c
                     .exec(
                         sql!(
-                            "UPDATE runs SET state = $2, error = NULL, finished_at = NULL, \
-                             updated_at = {now} WHERE id = $1"
+                            "UPDATE runs SET state = $2, error = NULL, finished_at = NULL, updated_at = {now}, \
+                             open_tasks = (SELECT count(*) FROM tasks WHERE run_id = $1 AND state <> 'succeeded') \
+                             WHERE id = $1"
                         ),
                         args![run.0, back_to.as_str()],
                     )
@@ -517,8 +525,8 @@ async fn lock_live_run(c: &mut Conn<'_>, run: RunId, action: &'static str) -> Re
 
 /// Inserts a validated batch; returns the ids in batch order and whether any task is ready.
 async fn add_tasks_tx(c: &mut Conn<'_>, run: RunId, tasks: &[Prepared]) -> Result<(Vec<TaskId>, bool)> {
-    lock_live_run(c, run, "tasks can only be added while it is queued or running").await?;
     if tasks.is_empty() {
+        lock_live_run(c, run, "tasks can only be added while it is queued or running").await?;
         return Ok((Vec::new(), false));
     }
     let batch: HashSet<&str> = tasks.iter().map(|t| t.name.as_str()).collect();
@@ -535,6 +543,25 @@ async fn add_tasks_tx(c: &mut Conn<'_>, run: RunId, tasks: &[Prepared]) -> Resul
         )
         .await?;
     let existing: HashMap<&str, i64> = existing.iter().map(|(id, name, _)| (name.as_str(), *id)).collect();
+    // The run's row after the task rows (the lock order of every operation): count the new
+    // tasks as open, if the run is still live.
+    let counted: Option<(String,)> = c
+        .opt(
+            sql!("UPDATE runs SET open_tasks = open_tasks + $2, updated_at = {now} WHERE id = $1 RETURNING state"),
+            args![run.0, tasks.len() as i64],
+        )
+        .await?;
+    let Some((state,)) = counted else {
+        return Err(StoreError::RunNotFound(run));
+    };
+    let state: RunState = parse("runs", &state)?;
+    if state.is_terminal() {
+        return Err(StoreError::RunState {
+            run,
+            state,
+            action: "tasks can only be added while it is queued or running",
+        });
+    }
     let mut problems = Vec::new();
     for t in tasks {
         if existing.contains_key(t.name.as_str()) {
@@ -731,8 +758,15 @@ pub(crate) async fn notify(c: &mut Conn<'_>) -> Result<()> {
     Ok(())
 }
 
-/// Fails a run (if still live) with `message` and cancels its unfinished tasks.
+/// Fails a run (if still live) with `message` and cancels its unfinished tasks (task rows
+/// first, the run's row last: the lock order of every operation).
 pub(crate) async fn fail_run(c: &mut Conn<'_>, run: i64, message: &str) -> Result<()> {
+    let (live,): (i64,) =
+        c.one(sql!("SELECT count(*) FROM runs WHERE id = $1 AND state IN ('queued', 'running')"), args![run]).await?;
+    if live == 0 {
+        return Ok(());
+    }
+    cancel_unfinished(c, run, "run failed").await?;
     let failed: Option<(i64,)> = c
         .opt(
             sql!(
@@ -744,7 +778,6 @@ pub(crate) async fn fail_run(c: &mut Conn<'_>, run: i64, message: &str) -> Resul
         .await?;
     if failed.is_some() {
         run_event(c, run, RunState::Failed, Some(message)).await?;
-        cancel_unfinished(c, run, "run failed").await?;
     }
     Ok(())
 }

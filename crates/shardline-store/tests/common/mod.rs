@@ -41,9 +41,23 @@ pub fn cluster_lock(exclusive: bool) -> File {
         .write(true)
         .open(&path)
         .unwrap_or_else(|e| panic!("cannot open {}: {e}", path.display()));
-    let locked = if exclusive { file.lock() } else { file.lock_shared() };
-    locked.unwrap_or_else(|e| panic!("cannot lock {}: {e}", path.display()));
-    file
+    // Wait (bounded) for a restart test elsewhere on this machine to finish.
+    let deadline = std::time::Instant::now() + Duration::from_secs(600);
+    loop {
+        let attempt = if exclusive { file.try_lock() } else { file.try_lock_shared() };
+        match attempt {
+            Ok(()) => return file,
+            Err(std::fs::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!(
+                "cannot lock {} ({}) within 10 minutes: {e:?} (a PostgreSQL restart test elsewhere \
+                 holds it, or hangs)",
+                path.display(),
+                if exclusive { "exclusive" } else { "shared" }
+            ),
+        }
+    }
 }
 
 pub fn admin_url() -> String {
