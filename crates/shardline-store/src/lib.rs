@@ -22,6 +22,40 @@ runs. On PostgreSQL the claim is one statement (`FOR UPDATE SKIP LOCKED`, resour
 dedicated connection with a jittered poll as fallback. On SQLite writers are serialized
 (`BEGIN IMMEDIATE`) and wake-ups are in-process.
 
+# Decisions
+
+- **Idempotent submission.** `runs.dedupe_key` has a unique index over runs that are queued,
+  running or succeeded: an identical submission returns the existing run (`created: false`);
+  once every run with the key failed or was cancelled, a new one is created. Retrying such an
+  old run while a newer one holds the key is refused (`StoreError::DedupeConflict`).
+- **Fencing.** `tasks.lease_token` grows by one at every claim and is never reset; heartbeat
+  and completion match it, and a completion repeated after a lost reply is recognised from the
+  attempt history (`attempts`, keyed by task and token).
+- **Attempts.** `tasks.attempt` counts every lease ever started, so `(task, attempt)` names one
+  attempt for its logs for ever; `retry_run` grants a fresh budget by moving `attempt_base`.
+- **Readiness and run completion.** A success makes the dependents whose needs have all
+  succeeded ready in its own transaction (their rows locked first, their needs read afresh
+  after), and counts down the run's `open_tasks`; the run succeeds at zero. A terminal failure
+  fails the run with the reason and cancels its unfinished tasks.
+- **Lock order.** Task rows before the run's row, in every operation; the remaining deadlock
+  windows (a claim moving a queued run to running while it is cancelled) are resolved by the
+  database and the call is retried.
+- **Events** are numbered in the order readers can see them: on PostgreSQL `events_after` gives
+  ids to committed rows in insertion order, so a follower never skips an event whose
+  transaction committed late.
+- **Time** is the database's: `now()` on PostgreSQL, `unixepoch('subsec')` in milliseconds on
+  SQLite. Workers never compare their clock with a lease's expiry.
+- **Priority.** `tasks.priority` orders claims (higher first, then readiness time, then id); it
+  defaults to 0 and `NewTask` does not set it yet.
+
+# Schema
+
+`migrations/postgres` (everything in schema `shardline`) and `migrations/sqlite`, applied by
+[`Store::connect`]: `pipelines` (one row per spec version), `runs`, `tasks`, `task_deps`
+(edges), `attempts` (one row per lease), `workers`, `events`, `logs` (kept for ever, no
+reference to workers), `cache`. On PostgreSQL, `claim_task` and `complete_succeeded` are
+plpgsql functions, so a claim and a success are one round trip each.
+
 # Example
 
 ```no_run

@@ -157,3 +157,60 @@ async fn postgres_8_workers_500_tasks_separate_pools() {
     swarm(stores, "postgres, eight pools").await;
     db.cleanup().await;
 }
+
+/// Reapers on several servers at once: every expired lease is handled exactly once.
+async fn reapers_race(stores: Vec<Store>) {
+    let store = stores[0].clone();
+    let run = run(&store).await;
+    let tasks: Vec<NewTask> = (0..60).map(|i| NewTask { max_attempts: 2, ..task(&format!("t{i}"), &[]) }).collect();
+    store.add_tasks(run, tasks).await.expect("add_tasks");
+    let w = store.register_worker(cpu_worker("doomed")).await.expect("register");
+    let mut leases = Vec::new();
+    while let Some(l) = store.claim(w, &big(), Duration::from_millis(100)).await.expect("claim") {
+        leases.push(l);
+    }
+    assert_eq!(leases.len(), 60);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut handles = Vec::new();
+    for s in stores.iter().cycle().take(4) {
+        let s = s.clone();
+        handles.push(tokio::spawn(async move { s.reap_expired().await.expect("reap") }));
+    }
+    let mut reaped = 0;
+    for h in handles {
+        reaped += h.await.expect("reaper");
+    }
+    assert_eq!(reaped, 60, "each expired lease is reaped once");
+    for l in &leases {
+        let attempts = store.task_attempts(l.task.id).await.expect("attempts");
+        assert_eq!(attempts.len(), 1);
+        assert_eq!(attempts[0].outcome, Some(AttemptOutcome::Expired));
+        let t = store.task(l.task.id).await.expect("task").expect("exists");
+        assert_eq!(t.state, TaskState::Ready, "one attempt left: retried");
+        assert!(!store.heartbeat(l, TTL, None).await.expect("hb"));
+    }
+    let events = store.events_after(0, 10_000).await.expect("events");
+    let expired_events =
+        events.iter().filter(|e| matches!(e.change, Change::Task { state: TaskState::Ready, attempt: 1, .. })).count();
+    assert_eq!(expired_events, 60);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_reapers_race() {
+    let db = TestDb::new(Kind::Sqlite).await;
+    let a = db.store().await;
+    let b = db.store().await;
+    reapers_race(vec![a, b]).await;
+    db.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_reapers_race() {
+    let db = TestDb::new(Kind::Postgres).await;
+    let mut stores = Vec::new();
+    for _ in 0..4 {
+        stores.push(db.store_with(2).await);
+    }
+    reapers_race(stores).await;
+    db.cleanup().await;
+}
