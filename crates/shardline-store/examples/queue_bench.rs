@@ -272,7 +272,9 @@ async fn main() {
         (url.clone(), None)
     };
 
-    let options = StoreOptions { max_connections: Some(16), ..StoreOptions::default() };
+    // PostgreSQL: a pool of 16 for the 8 workers; SQLite: its default (one connection).
+    let pg = bench_url.starts_with("postgres");
+    let options = StoreOptions { max_connections: pg.then_some(16), ..StoreOptions::default() };
     let shared = Store::connect_with(&bench_url, options).await.expect("connect");
     println!(
         "backend: {}, {} workers, {} cores",
@@ -280,7 +282,8 @@ async fn main() {
         WORKERS,
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
-    throughput(std::slice::from_ref(&shared), &bench_url, n, 1, "throughput, one run, one pool of 16").await;
+    let label = if pg { "throughput, one run, one pool of 16" } else { "throughput, one run" };
+    throughput(std::slice::from_ref(&shared), &bench_url, n, 1, label).await;
     if shared.backend() == Backend::Postgres {
         let mut pools = Vec::new();
         for _ in 0..WORKERS {

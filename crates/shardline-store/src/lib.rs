@@ -128,8 +128,8 @@ static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migratio
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoreOptions {
     /// Pooled connections (PostgreSQL's `LISTEN` connection comes on top). By default 10 on
-    /// PostgreSQL, 4 on a SQLite file and 1 for an in-memory SQLite database (which lives as
-    /// long as that connection).
+    /// PostgreSQL and 1 on SQLite (one writer at a time anyway; an in-memory database always
+    /// has exactly one, as it lives as long as its connection).
     pub max_connections: Option<u32>,
     /// How long a call waits for a pooled connection before failing with a transient error.
     /// By default 30 s.
@@ -443,8 +443,11 @@ async fn connect_sqlite(url: &str, options: &StoreOptions) -> Result<sqlx::Sqlit
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| connect_err(sqlx::Error::Io(e)))?;
         }
+        // One connection by default: SQLite has one writer at a time anyway, and queueing for
+        // the pool is fair where SQLite's busy handler sleeps and retries (seconds-long
+        // outliers with a few writers).
         SqlitePoolOptions::new()
-            .max_connections(options.max_connections.unwrap_or(4).max(1))
+            .max_connections(options.max_connections.unwrap_or(1).max(1))
             .acquire_timeout(options.acquire_timeout)
             .connect_with(opts.journal_mode(SqliteJournalMode::Wal).synchronous(SqliteSynchronous::Normal))
             .await
