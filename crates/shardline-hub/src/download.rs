@@ -720,7 +720,7 @@ fn ordered_digest(
 ) -> io::Result<Option<String>> {
     let mut d = Digester::new(expected, size);
     let mut hashed = 0u64;
-    let mut buf = Vec::new();
+    let mut buf = vec![0u8; WRITE_BUF];
     loop {
         let avail = contiguous(have, parts);
         if hashed < avail {
@@ -744,9 +744,9 @@ fn ordered_digest(
                     if let Some(k) = next_key {
                         n = n.min(k - hashed);
                     }
-                    buf.resize(n as usize, 0);
-                    file.read_exact_at(&mut buf, hashed)?;
-                    d.update(&buf);
+                    let buf = &mut buf[..n as usize];
+                    file.read_exact_at(buf, hashed)?;
+                    d.update(buf);
                     hashed += n;
                 }
             }
