@@ -329,15 +329,22 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<Value, StepError>
         }
         Payload::Upload { checkpoint_task, source_task, to, .. } => {
             let dir = checkpoint_dir(ctx, checkpoint_task)?;
-            let dest = shardline_publish::local_destination(to).map_err(|e| StepError::fatal(e.to_string()))?;
+            let dest = to.as_str();
             let source = ctx.output(source_task)?.clone();
             let layout = ctx.output(checkpoint_task)?.clone();
-            let (manifest, report) = shardline_publish::publish_dir(&dir, &dest, source, layout)
+            // Object stores are reached through object_store, configured from the environment.
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| StepError::transient(format!("starting the upload runtime: {e}")))?;
+            let options = shardline_publish::PublishOptions::default();
+            let (manifest, report) = runtime
+                .block_on(shardline_publish::publish(&dir, dest, source, layout, &options))
                 .map_err(|e| StepError::transient(e.to_string()))?;
             (ctx.log)(format!(
                 "published {} files to {} ({} copied, {} unchanged, {} bytes)",
                 manifest.files.len(),
-                dest.display(),
+                dest,
                 report.copied.len(),
                 report.skipped.len(),
                 report.bytes_copied

@@ -35,7 +35,7 @@
 //! | `megatron.shard` | `tp`, `dp` (required), `cp` = 1, `ep` = 1, `etp` = `tp`, `format` = `dcp` \| `dcp-safetensors`, `prefix` = `model.module.`, `optimizer_state` = false, `vocab_divisible_by` = 128, `keep` = false |
 //! | `megatron.split_fused` | `keep` = false; its only need is a `megatron.shard` step |
 //! | `checkpoint.validate` | none; validates against the upstream download's source |
-//! | `store.upload` | `to` (required): `file://…` or an absolute path |
+//! | `store.upload` | `to` (required): a `file://`, `s3://`, `gs://` or `az://` URL, or an absolute path |
 //!
 //! `resources` = `{cpus: 1, memory: 1GiB, gpus: 0, scratch: 0}`, `retry` =
 //! `{attempts: 3, backoff: 5s}` (base of an exponential backoff with jitter), `timeout` = `6h`,

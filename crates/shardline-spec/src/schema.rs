@@ -26,7 +26,7 @@ pub(crate) enum FieldType {
     Duration {
         positive: bool,
     },
-    /// `store.upload` target: a `file://` URL or an absolute path.
+    /// `store.upload` target: a `file://`, `s3://`, `gs://` or `az://` URL, or an absolute path.
     Target,
 }
 
@@ -357,10 +357,17 @@ fn target(s: &str) -> Result<(), Mismatch> {
     if s.starts_with('/') {
         return Ok(());
     }
-    if let Some((scheme, _)) = s.split_once("://") {
+    if let Some((scheme, rest)) = s.split_once("://") {
+        if matches!(scheme, "s3" | "gs" | "az") {
+            return if rest.is_empty() || rest.starts_with('/') {
+                Err(invalid(format!("`{scheme}://` URL has no bucket"), None))
+            } else {
+                Ok(())
+            };
+        }
         return Err(invalid(
             format!("unsupported upload target scheme `{scheme}`"),
-            Some("only `file://` URLs and absolute paths are supported for now".to_string()),
+            Some("use `file://`, `s3://`, `gs://` or `az://` URLs, or an absolute path".to_string()),
         ));
     }
     Err(invalid(
