@@ -55,6 +55,9 @@ enum Command {
 /// Exit codes: 0 success, 1 the checked thing is wrong (validation found differences), 2 error.
 fn main() -> ExitCode {
     sigpipe::reset();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SHARDLINE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Convert(a) => convert::run(a),
