@@ -50,7 +50,9 @@ fn redact(url: &str) -> String {
 }
 
 fn parse_set(s: &str) -> Result<(String, String), String> {
-    s.split_once('=').map(|(k, v)| (k.trim().to_string(), v.to_string())).ok_or_else(|| format!("`{s}` is not key=value"))
+    s.split_once('=')
+        .map(|(k, v)| (k.trim().to_string(), v.to_string()))
+        .ok_or_else(|| format!("`{s}` is not key=value"))
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -124,13 +126,18 @@ pub struct WorkerResources {
 fn machine_memory() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
-        .and_then(|m| m.lines().find(|l| l.starts_with("MemTotal:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
         .map(|kb| kb * 1024)
         .unwrap_or(8 << 30)
 }
 
 fn worker_info(r: &WorkerResources, suffix: &str) -> Result<WorkerInfo> {
-    let host = std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into());
+    let host =
+        std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into());
     let size = |s: &Option<String>, default: u64| -> Result<u64> {
         match s {
             Some(s) => parse_size(s).map_err(|e| anyhow::anyhow!("{s}: {e}")),
@@ -182,7 +189,10 @@ pub fn run_run(args: RunArgs) -> Result<ExitCode> {
         let mut handles = Vec::new();
         handles.push(tokio::spawn(reaper(store.clone(), Duration::from_secs(1), stop_rx.clone())));
         for i in 0..args.workers.max(1) {
-            let info = worker_info(&WorkerResources { cpus: None, memory: None, gpus: None, scratch: None, name: None }, &format!("-w{i}"))?;
+            let info = worker_info(
+                &WorkerResources { cpus: None, memory: None, gpus: None, scratch: None, name: None },
+                &format!("-w{i}"),
+            )?;
             let mut config = WorkerConfig::new(info);
             config.lease_ttl = Duration::from_secs(10);
             let store = store.clone();
@@ -268,9 +278,11 @@ pub fn run_plan(args: PlanArgs) -> Result<ExitCode> {
             return Ok(ExitCode::from(2));
         }
     };
-    let resolved = pipeline.instantiate(&args.set, "plan-preview").map_err(|d| anyhow::anyhow!(render_all(&d, &text)))?;
+    let resolved =
+        pipeline.instantiate(&args.set, "plan-preview").map_err(|d| anyhow::anyhow!(render_all(&d, &text)))?;
     let work = args.state.work_dir();
-    let tasks = shardline_engine::graph::tasks_for(&resolved, &work.join("runs").join("plan-preview"), &base).map_err(|e| anyhow::anyhow!(e))?;
+    let tasks = shardline_engine::graph::tasks_for(&resolved, &work.join("runs").join("plan-preview"), &base)
+        .map_err(|e| anyhow::anyhow!(e))?;
     // One runtime for every store call: a pool must not outlive the runtime it was made on.
     let rt = runtime()?;
     let store = if args.state.database_url.is_some() || args.state.state_dir.join("state.db").exists() {
@@ -432,13 +444,7 @@ pub fn run_worker_cmd(args: WorkerArgs) -> Result<ExitCode> {
         let store = args.state.store().await?;
         let (tx, rx) = watch::channel(false);
         tokio::spawn(shutdown_signal(tx));
-        eprintln!(
-            "worker `{}`: {} cpus, {} memory, gpus {:?}",
-            info.name,
-            info.cpus,
-            bytes(info.memory),
-            info.gpus
-        );
+        eprintln!("worker `{}`: {} cpus, {} memory, gpus {:?}", info.name, info.cpus, bytes(info.memory), info.gpus);
         let mut config = WorkerConfig::new(info);
         config.lease_ttl = Duration::from_secs(args.lease_seconds.max(1));
         run_worker(store, config, rx).await.context("worker")?;
@@ -466,7 +472,8 @@ pub fn run_runs(args: RunsArgs) -> Result<ExitCode> {
             Some(s) => Some(s.parse::<RunState>().map_err(|_| anyhow::anyhow!("unknown state `{s}`"))?),
             None => None,
         };
-        let page = store.list_runs(&RunFilter { state, pipeline: None }, Page { limit: args.limit, before: None }).await?;
+        let page =
+            store.list_runs(&RunFilter { state, pipeline: None }, Page { limit: args.limit, before: None }).await?;
         if args.json {
             println!("{}", serde_json::to_string(&page.runs)?);
         } else {
@@ -508,7 +515,10 @@ pub fn run_logs(args: LogsArgs) -> Result<ExitCode> {
         let names: BTreeMap<i64, String> = tasks.iter().map(|t| (t.id.0, t.name.clone())).collect();
         let filter = match &args.task {
             Some(name) => {
-                let t = tasks.iter().find(|t| &t.name == name).ok_or_else(|| anyhow::anyhow!("run {} has no task `{name}`", args.run))?;
+                let t = tasks
+                    .iter()
+                    .find(|t| &t.name == name)
+                    .ok_or_else(|| anyhow::anyhow!("run {} has no task `{name}`", args.run))?;
                 LogFilter::Task(t.id)
             }
             None => LogFilter::Run(run),

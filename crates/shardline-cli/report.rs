@@ -44,9 +44,9 @@ impl Bar {
             return Bar { stop, handle: None };
         }
         let pb = ProgressBar::new(total);
-        if let Ok(style) = ProgressStyle::with_template(
-            "{msg} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
-        ) {
+        if let Ok(style) =
+            ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
+        {
             pb.set_style(style.progress_chars("=> "));
         }
         pb.set_message(label.to_string());

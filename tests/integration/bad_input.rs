@@ -101,7 +101,11 @@ fn key_in_index_but_not_in_file() {
     let src = copy_fixture("llama", tmp.path());
     let idx = src.join("model.safetensors.index.json");
     let text = std::fs::read_to_string(&idx).unwrap();
-    let text = text.replacen("\"weight_map\": {", "\"weight_map\": {\n    \"model.layers.9.ghost.weight\": \"model-00001-of-00002.safetensors\",", 1);
+    let text = text.replacen(
+        "\"weight_map\": {",
+        "\"weight_map\": {\n    \"model.layers.9.ghost.weight\": \"model-00001-of-00002.safetensors\",",
+        1,
+    );
     std::fs::write(&idx, text).unwrap();
     expect_failure(&src, &tmp.path().join("out"), &[], "model.layers.9.ghost.weight");
 }
@@ -111,7 +115,8 @@ fn unknown_architecture() {
     let tmp = tempfile::tempdir().unwrap();
     let src = copy_fixture("llama", tmp.path());
     let cfg = src.join("config.json");
-    let text = std::fs::read_to_string(&cfg).unwrap().replace("\"model_type\": \"llama\"", "\"model_type\": \"gpt_bigcode\"");
+    let text =
+        std::fs::read_to_string(&cfg).unwrap().replace("\"model_type\": \"llama\"", "\"model_type\": \"gpt_bigcode\"");
     std::fs::write(&cfg, text).unwrap();
     expect_failure(&src, &tmp.path().join("out"), &[], "unknown architecture `gpt_bigcode`");
 }
@@ -122,11 +127,26 @@ fn indivisible_mesh_names_the_numbers() {
     // llama has 2 KV heads: tp 4 needs Megatron's replicated-KV path.
     expect_failure(&fixture("llama"), &tmp.path().join("a"), &["--tp", "4"], "num_query_groups (2) < tp (4)");
     // 8 experts cannot be split over ep 3.
-    expect_failure(&fixture("qwen3_moe"), &tmp.path().join("b"), &["--dp", "3", "--ep", "3"], "num_experts (8) is not divisible by ep (3)");
+    expect_failure(
+        &fixture("qwen3_moe"),
+        &tmp.path().join("b"),
+        &["--dp", "3", "--ep", "3"],
+        "num_experts (8) is not divisible by ep (3)",
+    );
     // GDN: nv/tp = 4/2 = 2 is not divisible by cp 4.
-    expect_failure(&fixture("qwen3_next"), &tmp.path().join("c"), &["--tp", "2", "--cp", "4"], "not divisible by cp (4)");
+    expect_failure(
+        &fixture("qwen3_next"),
+        &tmp.path().join("c"),
+        &["--tp", "2", "--cp", "4"],
+        "not divisible by cp (4)",
+    );
     // ep on a dense model.
-    expect_failure(&fixture("llama"), &tmp.path().join("d"), &["--dp", "2", "--ep", "2"], "ep (2) > 1 but `llama` has no experts");
+    expect_failure(
+        &fixture("llama"),
+        &tmp.path().join("d"),
+        &["--dp", "2", "--ep", "2"],
+        "ep (2) > 1 but `llama` has no experts",
+    );
 }
 
 #[test]

@@ -110,10 +110,20 @@ fn dry_run_prints_the_plan_and_writes_nothing() {
     let keys: Vec<&str> = v["tensors"].as_array().unwrap().iter().map(|t| t["key"].as_str().unwrap()).collect();
     assert!(keys.contains(&"model.module.decoder.layers.0.self_attention.in_proj.weight.alpha"));
     assert!(keys.contains(&"model.module.decoder.layers.3.self_attention.linear_qkv.weight"));
-    let split = v["tensors"].as_array().unwrap().iter().find(|t| t["key"] == "model.module.decoder.layers.0.mlp.shared_experts.linear_fc1.weight_v").unwrap();
+    let split = v["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["key"] == "model.module.decoder.layers.0.mlp.shared_experts.linear_fc1.weight_v")
+        .unwrap();
     assert_eq!(split["split_from"], "decoder.layers.0.mlp.shared_experts.linear_fc1.weight");
     // Gated attention: linear_qkv of layer 3 holds ng·(2·hpg+2)·d = 2·(2·4+2)·8 = 160 rows.
-    let qkv = v["tensors"].as_array().unwrap().iter().find(|t| t["key"] == "model.module.decoder.layers.3.self_attention.linear_qkv.weight").unwrap();
+    let qkv = v["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["key"] == "model.module.decoder.layers.3.self_attention.linear_qkv.weight")
+        .unwrap();
     assert_eq!(qkv["shape"], serde_json::json!([160, 64]));
     // Human output too.
     let o = run(bin().args(["convert", "--dry-run", "--from"]).arg(fixture("llama")).args(["--tp", "2", "--dp", "2"]));
@@ -136,7 +146,8 @@ fn optimizer_state_follows_parameters_and_validates() {
     assert_eq!(state["dtype"], "F32");
     assert_eq!(state["shape"], param["shape"]);
     let offs = |t: &Value| {
-        let mut v: Vec<String> = t["chunks"].as_array().unwrap().iter().map(|c| format!("{}{}", c["offsets"], c["sizes"])).collect();
+        let mut v: Vec<String> =
+            t["chunks"].as_array().unwrap().iter().map(|c| format!("{}{}", c["offsets"], c["sizes"])).collect();
         v.sort();
         v
     };
@@ -221,7 +232,8 @@ fn check_zip_crcs(dir: &std::path::Path) -> (usize, usize) {
                 at += 1;
                 continue;
             }
-            let (crc, size, name_len, extra_len) = (le32(at + 14), le32(at + 18) as usize, le16(at + 26), le16(at + 28));
+            let (crc, size, name_len, extra_len) =
+                (le32(at + 14), le32(at + 18) as usize, le16(at + 26), le16(at + 28));
             let name = String::from_utf8_lossy(&bytes[at + 30..at + 30 + name_len]).into_owned();
             let data = at + 30 + name_len + extra_len;
             if name.contains("/data/") {

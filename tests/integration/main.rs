@@ -1,8 +1,8 @@
 //! End-to-end tests of the `shardline` binary on the tiny real HF checkpoints in
 //! `tests/fixtures/hf-tiny/` (written by `transformers`).
 
-mod convert;
 mod bad_input;
+mod convert;
 mod orchestrator;
 
 use std::path::{Path, PathBuf};

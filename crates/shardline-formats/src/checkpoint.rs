@@ -58,7 +58,9 @@ pub struct Checkpoint {
 pub enum CheckpointError {
     #[error("{path}: {action}: {error}")]
     Io { path: PathBuf, action: &'static str, error: io::Error },
-    #[error("{0} holds no checkpoint: no `.metadata` and no `*.safetensors` (an interrupted write leaves no `.metadata`)")]
+    #[error(
+        "{0} holds no checkpoint: no `.metadata` and no `*.safetensors` (an interrupted write leaves no `.metadata`)"
+    )]
     NotACheckpoint(PathBuf),
     #[error("{path}: {source}")]
     Metadata { path: PathBuf, source: DcpMetadataError },
@@ -195,7 +197,11 @@ fn open_dcp_safetensors(dir: &Path, files: &[String]) -> Result<Checkpoint, Chec
                     .filter(|o| o.len() == t.shape.len())
                     .ok_or_else(|| CheckpointError::ShardingInfo {
                         file: name.clone(),
-                        message: format!("`{}`: saved_offsets must list {} non-negative integers", t.name, t.shape.len()),
+                        message: format!(
+                            "`{}`: saved_offsets must list {} non-negative integers",
+                            t.name,
+                            t.shape.len()
+                        ),
                     })?,
             };
             let entry = by_key.entry(t.name.clone()).or_insert_with(|| StoredTensor {
@@ -208,7 +214,13 @@ fn open_dcp_safetensors(dir: &Path, files: &[String]) -> Result<Checkpoint, Chec
                 return Err(CheckpointError::Inconsistent {
                     key: t.name.clone(),
                     offsets,
-                    message: format!("{name} holds {} rank {} but another file {} rank {}", t.dtype, t.shape.len(), entry.dtype, entry.shape.len()),
+                    message: format!(
+                        "{name} holds {} rank {} but another file {} rank {}",
+                        t.dtype,
+                        t.shape.len(),
+                        entry.dtype,
+                        entry.shape.len()
+                    ),
                 });
             }
             // Like torch's reader: the global size is the element-wise max of offset + size.

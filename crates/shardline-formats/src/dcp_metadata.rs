@@ -35,11 +35,7 @@ pub struct ChunkMeta {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EntryMeta {
     /// `TensorStorageMetadata`: global `size` and the saved chunks.
-    Tensor {
-        dtype: DType,
-        size: Vec<u64>,
-        chunks: Vec<ChunkMeta>,
-    },
+    Tensor { dtype: DType, size: Vec<u64>, chunks: Vec<ChunkMeta> },
     /// `BytesStorageMetadata`: a `torch.save`d Python object.
     Bytes,
 }
@@ -86,18 +82,12 @@ pub struct Metadata {
 impl Metadata {
     /// The `state_dict_metadata` entry of `fqn`.
     pub fn entry(&self, fqn: &str) -> Option<&EntryMeta> {
-        self.state_dict_metadata
-            .iter()
-            .find(|(k, _)| k == fqn)
-            .map(|(_, e)| e)
+        self.state_dict_metadata.iter().find(|(k, _)| k == fqn).map(|(_, e)| e)
     }
 
     /// The storage of the chunk of `fqn` at `offset` (`None` for a bytes item).
     pub fn storage(&self, fqn: &str, offset: Option<&[u64]>) -> Option<&StorageInfo> {
-        self.storage_data
-            .iter()
-            .find(|(k, _)| k.fqn == fqn && k.offset.as_deref() == offset)
-            .map(|(_, s)| s)
+        self.storage_data.iter().find(|(k, _)| k.fqn == fqn && k.offset.as_deref() == offset).map(|(_, s)| s)
     }
 }
 
@@ -108,11 +98,7 @@ pub enum DcpMetadataError {
     #[error(".metadata is not a valid pickle: {0}")]
     Pickle(#[from] PickleError),
     #[error(".metadata: {path}: expected {expected}, found {found}")]
-    Unexpected {
-        path: String,
-        expected: &'static str,
-        found: String,
-    },
+    Unexpected { path: String, expected: &'static str, found: String },
     #[error(".metadata: {path}: missing field {field}")]
     Missing { path: String, field: &'static str },
     #[error(".metadata: {path}: unsupported dtype {name}")]
@@ -166,11 +152,7 @@ fn write_tensor_properties(w: &mut PickleWriter, dtype: DType) {
 
 fn write_entry(w: &mut PickleWriter, entry: &EntryMeta) {
     match entry {
-        EntryMeta::Tensor {
-            dtype,
-            size,
-            chunks,
-        } => {
+        EntryMeta::Tensor { dtype, size, chunks } => {
             new_instance(w, MD_MODULE, "TensorStorageMetadata");
             w.empty_dict().mark();
             w.str("properties");
@@ -252,9 +234,7 @@ pub fn encode_metadata(md: &Metadata) -> Vec<u8> {
         write_path(w, path);
     });
     w.str("storage_data");
-    write_dict(&mut w, &md.storage_data, |w, (key, info)| {
-        write_storage(w, key, info)
-    });
+    write_dict(&mut w, &md.storage_data, |w, (key, info)| write_storage(w, key, info));
     if let Some(v) = &md.version {
         w.str("version").str(v);
     }
@@ -266,11 +246,7 @@ pub fn encode_metadata(md: &Metadata) -> Vec<u8> {
 // Decoding
 
 fn unexpected(path: &str, expected: &'static str, found: &Value) -> DcpMetadataError {
-    DcpMetadataError::Unexpected {
-        path: path.to_owned(),
-        expected,
-        found: found.describe(),
-    }
+    DcpMetadataError::Unexpected { path: path.to_owned(), expected, found: found.describe() }
 }
 
 /// A Python repr-ish rendering of a key for paths.
@@ -283,12 +259,7 @@ fn key_path(parent: &str, key: &str) -> String {
 fn instance(v: &Value) -> Option<(&Value, Option<&Value>)> {
     match v {
         Value::Object { class, state, .. } => Some((class, state.as_deref())),
-        Value::Reduce {
-            callable,
-            args,
-            state,
-            ..
-        } if callable.is_global("copyreg", "_reconstructor") => {
+        Value::Reduce { callable, args, state, .. } if callable.is_global("copyreg", "_reconstructor") => {
             Some((args.as_seq()?.first()?, state.as_deref()))
         }
         _ => None,
@@ -318,21 +289,12 @@ fn field<'a>(state: Option<&'a Value>, name: &str) -> Option<&'a Value> {
     }
 }
 
-fn required<'a>(
-    state: Option<&'a Value>,
-    path: &str,
-    name: &'static str,
-) -> Result<&'a Value, DcpMetadataError> {
-    field(state, name).ok_or_else(|| DcpMetadataError::Missing {
-        path: path.to_owned(),
-        field: name,
-    })
+fn required<'a>(state: Option<&'a Value>, path: &str, name: &'static str) -> Result<&'a Value, DcpMetadataError> {
+    field(state, name).ok_or_else(|| DcpMetadataError::Missing { path: path.to_owned(), field: name })
 }
 
 fn to_u64(v: &Value, path: &str) -> Result<u64, DcpMetadataError> {
-    v.as_int()
-        .and_then(|i| u64::try_from(i).ok())
-        .ok_or_else(|| unexpected(path, "a non-negative int", v))
+    v.as_int().and_then(|i| u64::try_from(i).ok()).ok_or_else(|| unexpected(path, "a non-negative int", v))
 }
 
 fn to_str<'a>(v: &'a Value, path: &str) -> Result<&'a str, DcpMetadataError> {
@@ -342,32 +304,20 @@ fn to_str<'a>(v: &'a Value, path: &str) -> Result<&'a str, DcpMetadataError> {
 /// A `torch.Size` (or a plain tuple or list of ints).
 fn to_size(v: &Value, path: &str) -> Result<Vec<u64>, DcpMetadataError> {
     let dims = match v {
-        Value::Reduce { callable, args, .. } if callable.is_global("torch", "Size") => {
-            match args.as_seq() {
-                Some([dims]) => dims,
-                _ => return Err(unexpected(path, "torch.Size((dims...))", v)),
-            }
-        }
+        Value::Reduce { callable, args, .. } if callable.is_global("torch", "Size") => match args.as_seq() {
+            Some([dims]) => dims,
+            _ => return Err(unexpected(path, "torch.Size((dims...))", v)),
+        },
         other => other,
     };
-    let items = dims
-        .as_seq()
-        .ok_or_else(|| unexpected(path, "a torch.Size", v))?;
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, d)| to_u64(d, &format!("{path}[{i}]")))
-        .collect()
+    let items = dims.as_seq().ok_or_else(|| unexpected(path, "a torch.Size", v))?;
+    items.iter().enumerate().map(|(i, d)| to_u64(d, &format!("{path}[{i}]"))).collect()
 }
 
 fn to_dtype(v: &Value, path: &str) -> Result<DType, DcpMetadataError> {
     match v.as_global() {
-        Some(("torch", name)) => {
-            DType::from_torch_name(name).ok_or_else(|| DcpMetadataError::UnsupportedDtype {
-                path: path.to_owned(),
-                name: format!("torch.{name}"),
-            })
-        }
+        Some(("torch", name)) => DType::from_torch_name(name)
+            .ok_or_else(|| DcpMetadataError::UnsupportedDtype { path: path.to_owned(), name: format!("torch.{name}") }),
         _ => Err(unexpected(path, "a torch dtype", v)),
     }
 }
@@ -384,106 +334,65 @@ fn decode_tensor_properties(v: &Value, path: &str) -> Result<DType, DcpMetadataE
         // (dtype, layout, requires_grad, memory_format, pin_memory[, strides])
         Some(Value::Tuple(items)) => match items.first() {
             Some(dtype) if (5..=6).contains(&items.len()) => to_dtype(dtype, &dtype_path),
-            _ => Err(unexpected(
-                path,
-                "a 5- or 6-tuple state",
-                state.unwrap_or(&Value::None),
-            )),
+            _ => Err(unexpected(path, "a 5- or 6-tuple state", state.unwrap_or(&Value::None))),
         },
         Some(d @ Value::Dict(_)) => {
             let dtype = d
                 .dict_get("dtype")
-                .ok_or_else(|| DcpMetadataError::Missing {
-                    path: path.to_owned(),
-                    field: "dtype",
-                })?;
+                .ok_or_else(|| DcpMetadataError::Missing { path: path.to_owned(), field: "dtype" })?;
             to_dtype(dtype, &dtype_path)
         }
         Some(other) => Err(unexpected(path, "a tuple or dict state", other)),
-        None => Err(DcpMetadataError::Missing {
-            path: path.to_owned(),
-            field: "dtype",
-        }),
+        None => Err(DcpMetadataError::Missing { path: path.to_owned(), field: "dtype" }),
     }
 }
 
 fn decode_entry(v: &Value, path: &str) -> Result<EntryMeta, DcpMetadataError> {
     let Some((class, state)) = instance(v) else {
-        return Err(unexpected(
-            path,
-            "TensorStorageMetadata or BytesStorageMetadata",
-            v,
-        ));
+        return Err(unexpected(path, "TensorStorageMetadata or BytesStorageMetadata", v));
     };
     if class.is_global(MD_MODULE, "BytesStorageMetadata") {
         return Ok(EntryMeta::Bytes);
     }
     if !class.is_global(MD_MODULE, "TensorStorageMetadata") {
-        return Err(unexpected(
-            path,
-            "TensorStorageMetadata or BytesStorageMetadata",
-            v,
-        ));
+        return Err(unexpected(path, "TensorStorageMetadata or BytesStorageMetadata", v));
     }
-    let dtype = decode_tensor_properties(
-        required(state, path, "properties")?,
-        &format!("{path}.properties"),
-    )?;
+    let dtype = decode_tensor_properties(required(state, path, "properties")?, &format!("{path}.properties"))?;
     let size = to_size(required(state, path, "size")?, &format!("{path}.size"))?;
     let chunks_path = format!("{path}.chunks");
     let chunks_v = required(state, path, "chunks")?;
-    let items = chunks_v
-        .as_seq()
-        .ok_or_else(|| unexpected(&chunks_path, "a list", chunks_v))?;
+    let items = chunks_v.as_seq().ok_or_else(|| unexpected(&chunks_path, "a list", chunks_v))?;
     let chunks = items
         .iter()
         .enumerate()
         .map(|(i, c)| {
             let p = format!("{chunks_path}[{i}]");
-            let st = expect_instance(
-                c,
-                &p,
-                MD_MODULE,
-                "ChunkStorageMetadata",
-                "ChunkStorageMetadata",
-            )?;
+            let st = expect_instance(c, &p, MD_MODULE, "ChunkStorageMetadata", "ChunkStorageMetadata")?;
             Ok(ChunkMeta {
                 offsets: to_size(required(st, &p, "offsets")?, &format!("{p}.offsets"))?,
                 sizes: to_size(required(st, &p, "sizes")?, &format!("{p}.sizes"))?,
             })
         })
         .collect::<Result<Vec<_>, DcpMetadataError>>()?;
-    Ok(EntryMeta::Tensor {
-        dtype,
-        size,
-        chunks,
-    })
+    Ok(EntryMeta::Tensor { dtype, size, chunks })
 }
 
 fn decode_storage_key(v: &Value, path: &str) -> Result<StorageKey, DcpMetadataError> {
     let st = expect_instance(v, path, MD_MODULE, "MetadataIndex", "MetadataIndex")?;
     let fqn = to_str(required(st, path, "fqn")?, &format!("{path}.fqn"))?.to_owned();
-    let offset = optional(field(st, "offset"))
-        .map(|o| to_size(o, &format!("{path}.offset")))
-        .transpose()?;
+    let offset = optional(field(st, "offset")).map(|o| to_size(o, &format!("{path}.offset"))).transpose()?;
     Ok(StorageKey { fqn, offset })
 }
 
 fn decode_storage_info(v: &Value, path: &str) -> Result<StorageInfo, DcpMetadataError> {
     let st = expect_instance(v, path, FS_MODULE, "_StorageInfo", "_StorageInfo")?;
-    let relative_path = to_str(
-        required(st, path, "relative_path")?,
-        &format!("{path}.relative_path"),
-    )?
-    .to_owned();
+    let relative_path = to_str(required(st, path, "relative_path")?, &format!("{path}.relative_path"))?.to_owned();
     let offset = to_u64(required(st, path, "offset")?, &format!("{path}.offset"))?;
     let length = to_u64(required(st, path, "length")?, &format!("{path}.length"))?;
     let td_path = format!("{path}.transform_descriptors");
     let transform_descriptors = optional(field(st, "transform_descriptors"))
         .map(|t| {
-            let items = t
-                .as_seq()
-                .ok_or_else(|| unexpected(&td_path, "a list of str", t))?;
+            let items = t.as_seq().ok_or_else(|| unexpected(&td_path, "a list of str", t))?;
             items
                 .iter()
                 .enumerate()
@@ -491,18 +400,11 @@ fn decode_storage_info(v: &Value, path: &str) -> Result<StorageInfo, DcpMetadata
                 .collect::<Result<Vec<_>, _>>()
         })
         .transpose()?;
-    Ok(StorageInfo {
-        relative_path,
-        offset,
-        length,
-        transform_descriptors,
-    })
+    Ok(StorageInfo { relative_path, offset, length, transform_descriptors })
 }
 
 fn decode_path(v: &Value, path: &str) -> Result<Vec<PathElem>, DcpMetadataError> {
-    let items = v
-        .as_seq()
-        .ok_or_else(|| unexpected(path, "a tuple of str and int", v))?;
+    let items = v.as_seq().ok_or_else(|| unexpected(path, "a tuple of str and int", v))?;
     items
         .iter()
         .enumerate()
@@ -523,27 +425,20 @@ pub fn decode_metadata(bytes: &[u8]) -> Result<Metadata, DcpMetadataError> {
 
     let sdm_path = "state_dict_metadata";
     let sdm_v = required(st, "Metadata", "state_dict_metadata")?;
-    let sdm = sdm_v
-        .as_dict()
-        .ok_or_else(|| unexpected(sdm_path, "a dict", sdm_v))?;
+    let sdm = sdm_v.as_dict().ok_or_else(|| unexpected(sdm_path, "a dict", sdm_v))?;
     let mut seen = HashSet::new();
     let mut state_dict_metadata = Vec::with_capacity(sdm.len());
     for (k, v) in sdm {
         let fqn = to_str(k, &format!("{sdm_path} key"))?;
         if !seen.insert(fqn) {
-            return Err(DcpMetadataError::Duplicate {
-                what: "state_dict_metadata key",
-                key: format!("{fqn:?}"),
-            });
+            return Err(DcpMetadataError::Duplicate { what: "state_dict_metadata key", key: format!("{fqn:?}") });
         }
         state_dict_metadata.push((fqn.to_owned(), decode_entry(v, &key_path(sdm_path, fqn))?));
     }
 
     let mut storage_data = Vec::new();
     if let Some(sd_v) = optional(field(st, "storage_data")) {
-        let sd = sd_v
-            .as_dict()
-            .ok_or_else(|| unexpected("storage_data", "a dict", sd_v))?;
+        let sd = sd_v.as_dict().ok_or_else(|| unexpected("storage_data", "a dict", sd_v))?;
         let mut seen = HashSet::new();
         storage_data.reserve(sd.len());
         for (i, (k, v)) in sd.iter().enumerate() {
@@ -562,54 +457,33 @@ pub fn decode_metadata(bytes: &[u8]) -> Result<Metadata, DcpMetadataError> {
 
     let mut planner_data = Vec::new();
     if let Some(pd_v) = optional(field(st, "planner_data")) {
-        let pd = pd_v
-            .as_dict()
-            .ok_or_else(|| unexpected("planner_data", "a dict", pd_v))?;
+        let pd = pd_v.as_dict().ok_or_else(|| unexpected("planner_data", "a dict", pd_v))?;
         for (k, v) in pd {
             let fqn = to_str(k, "planner_data key")?;
-            planner_data.push((
-                fqn.to_owned(),
-                decode_path(v, &key_path("planner_data", fqn))?,
-            ));
+            planner_data.push((fqn.to_owned(), decode_path(v, &key_path("planner_data", fqn))?));
         }
     }
 
-    let version = optional(field(st, "version"))
-        .map(|v| to_str(v, "version").map(str::to_owned))
-        .transpose()?;
+    let version = optional(field(st, "version")).map(|v| to_str(v, "version").map(str::to_owned)).transpose()?;
 
-    Ok(Metadata {
-        state_dict_metadata,
-        storage_data,
-        planner_data,
-        version,
-    })
+    Ok(Metadata { state_dict_metadata, storage_data, planner_data, version })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::torch_save::{
-        encode_object_archive, encode_tensor_archive, read_object_archive, read_tensor_archive,
-        PyObject,
+        encode_object_archive, encode_tensor_archive, read_object_archive, read_tensor_archive, PyObject,
     };
 
     const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/torch-written");
 
     fn key(fqn: &str, offset: Option<&[u64]>) -> StorageKey {
-        StorageKey {
-            fqn: fqn.into(),
-            offset: offset.map(<[u64]>::to_vec),
-        }
+        StorageKey { fqn: fqn.into(), offset: offset.map(<[u64]>::to_vec) }
     }
 
     fn info(path: &str, offset: u64, length: u64) -> StorageInfo {
-        StorageInfo {
-            relative_path: path.into(),
-            offset,
-            length,
-            transform_descriptors: None,
-        }
+        StorageInfo { relative_path: path.into(), offset, length, transform_descriptors: None }
     }
 
     fn keys(path: &[&str]) -> Vec<PathElem> {
@@ -632,10 +506,7 @@ mod tests {
                     EntryMeta::Tensor {
                         dtype: DType::F32,
                         size: vec![],
-                        chunks: vec![ChunkMeta {
-                            offsets: vec![],
-                            sizes: vec![],
-                        }],
+                        chunks: vec![ChunkMeta { offsets: vec![], sizes: vec![] }],
                     },
                 ),
                 ("it".into(), EntryMeta::Bytes),
@@ -656,16 +527,8 @@ mod tests {
             b"_MEM_FORMAT_ENCODING\nK\x00\x85R\x89tb",
         ]
         .concat();
-        let chunk = [
-            &m[..],
-            b"ChunkStorageMetadata\n)\x81}(",
-            &x("offsets"),
-            &size0,
-            &x("sizes"),
-            &size0,
-            b"ub",
-        ]
-        .concat();
+        let chunk =
+            [&m[..], b"ChunkStorageMetadata\n)\x81}(", &x("offsets"), &size0, &x("sizes"), &size0, b"ub"].concat();
         let tsm = [
             &m[..],
             b"TensorStorageMetadata\n)\x81}(",
@@ -747,33 +610,20 @@ mod tests {
                         dtype: DType::BF16,
                         size: vec![3, 4],
                         chunks: vec![
-                            ChunkMeta {
-                                offsets: vec![0, 0],
-                                sizes: vec![2, 4],
-                            },
-                            ChunkMeta {
-                                offsets: vec![2, 0],
-                                sizes: vec![1, 4],
-                            },
+                            ChunkMeta { offsets: vec![0, 0], sizes: vec![2, 4] },
+                            ChunkMeta { offsets: vec![2, 0], sizes: vec![1, 4] },
                         ],
                     },
                 ),
                 (
                     "big".into(),
-                    EntryMeta::Tensor {
-                        dtype: DType::F8E5M2,
-                        size: vec![1 << 33, 2, 3, 4, 5],
-                        chunks: vec![],
-                    },
+                    EntryMeta::Tensor { dtype: DType::F8E5M2, size: vec![1 << 33, 2, 3, 4, 5], chunks: vec![] },
                 ),
                 ("optimizer.param_groups.0.lr".into(), EntryMeta::Bytes),
             ],
             storage_data: vec![
                 (key("model.w", Some(&[0, 0])), info("__0_0.distcp", 0, 1000)),
-                (
-                    key("model.w", Some(&[2, 0])),
-                    info("__1_0.distcp", (1 << 40) + 3, 1 << 31),
-                ),
+                (key("model.w", Some(&[2, 0])), info("__1_0.distcp", (1 << 40) + 3, 1 << 31)),
                 (
                     key("optimizer.param_groups.0.lr", None),
                     StorageInfo {
@@ -804,21 +654,10 @@ mod tests {
         let bytes = encode_metadata(&md);
         let back = decode_metadata(&bytes).unwrap();
         assert_eq!(back, md);
-        assert_eq!(
-            back.storage("model.w", Some(&[2, 0])).unwrap().length,
-            1 << 31
-        );
-        assert_eq!(
-            back.entry("optimizer.param_groups.0.lr"),
-            Some(&EntryMeta::Bytes)
-        );
+        assert_eq!(back.storage("model.w", Some(&[2, 0])).unwrap().length, 1 << 31);
+        assert_eq!(back.entry("optimizer.param_groups.0.lr"), Some(&EntryMeta::Bytes));
         // Empty metadata.
-        let empty = Metadata {
-            state_dict_metadata: vec![],
-            storage_data: vec![],
-            planner_data: vec![],
-            version: None,
-        };
+        let empty = Metadata { state_dict_metadata: vec![], storage_data: vec![], planner_data: vec![], version: None };
         assert_eq!(decode_metadata(&encode_metadata(&empty)).unwrap(), empty);
     }
 
@@ -837,10 +676,7 @@ mod tests {
                         EntryMeta::Tensor {
                             dtype: DType::BF16,
                             size: vec![3, 4],
-                            chunks: vec![ChunkMeta {
-                                offsets: vec![0, 0],
-                                sizes: vec![3, 4]
-                            }],
+                            chunks: vec![ChunkMeta { offsets: vec![0, 0], sizes: vec![3, 4] }],
                         }
                     ),
                     (
@@ -848,10 +684,7 @@ mod tests {
                         EntryMeta::Tensor {
                             dtype: DType::F8E4M3,
                             size: vec![3],
-                            chunks: vec![ChunkMeta {
-                                offsets: vec![0],
-                                sizes: vec![3]
-                            }],
+                            chunks: vec![ChunkMeta { offsets: vec![0], sizes: vec![3] }],
                         }
                     ),
                     (
@@ -859,10 +692,7 @@ mod tests {
                         EntryMeta::Tensor {
                             dtype: DType::F32,
                             size: vec![],
-                            chunks: vec![ChunkMeta {
-                                offsets: vec![],
-                                sizes: vec![]
-                            }],
+                            chunks: vec![ChunkMeta { offsets: vec![], sizes: vec![] }],
                         }
                     ),
                     ("lr".into(), EntryMeta::Bytes),
@@ -893,10 +723,7 @@ mod tests {
                 EntryMeta::Tensor { dtype, chunks, .. } => {
                     let t = read_tensor_archive(&file, si.offset, si.length).unwrap();
                     assert_eq!(t.dtype, *dtype);
-                    let chunk = chunks
-                        .iter()
-                        .find(|c| Some(&c.offsets) == k.offset.as_ref())
-                        .unwrap();
+                    let chunk = chunks.iter().find(|c| Some(&c.offsets) == k.offset.as_ref()).unwrap();
                     assert_eq!(t.shape, chunk.sizes);
                 }
                 EntryMeta::Bytes => {
@@ -911,12 +738,7 @@ mod tests {
         let mut w = PickleWriter::new();
         w.proto(2);
         new_instance(&mut w, MD_MODULE, "Metadata");
-        w.empty_dict()
-            .mark()
-            .str("state_dict_metadata")
-            .empty_dict()
-            .mark()
-            .str("t");
+        w.empty_dict().mark().str("state_dict_metadata").empty_dict().mark().str("t");
         new_instance(&mut w, MD_MODULE, "TensorStorageMetadata");
         w.empty_dict().mark().str("properties");
         new_instance(&mut w, MD_MODULE, "TensorProperties");
@@ -933,33 +755,14 @@ mod tests {
         }
         w.setitems().build();
         new_instance(&mut w, FS_MODULE, "_StorageInfo");
-        w.empty_dict()
-            .mark()
-            .str("relative_path")
-            .str("f")
-            .str("offset")
-            .int(1);
-        w.str("length")
-            .int(2)
-            .str("transform_descriptors")
-            .none()
-            .setitems()
-            .build();
+        w.empty_dict().mark().str("relative_path").str("f").str("offset").int(1);
+        w.str("length").int(2).str("transform_descriptors").none().setitems().build();
         w.setitems();
         // storage_meta as torch writes it; planner_data None (torch without a planner mapping).
         w.str("storage_meta");
         new_instance(&mut w, MD_MODULE, "StorageMeta");
-        w.empty_dict()
-            .mark()
-            .str("checkpoint_id")
-            .global("pathlib", "PosixPath")
-            .str("/x");
-        w.tuple1()
-            .reduce()
-            .str("save_id")
-            .str("u")
-            .str("load_id")
-            .none();
+        w.empty_dict().mark().str("checkpoint_id").global("pathlib", "PosixPath").str("/x");
+        w.tuple1().reduce().str("save_id").str("u").str("load_id").none();
         w.str("modules").empty_list().setitems().build();
         w.str("planner_data").none();
         w.setitems().build().stop();
@@ -970,31 +773,16 @@ mod tests {
     fn accepts_the_variants_torch_versions_write() {
         let six = |w: &mut PickleWriter| {
             w.mark().global("torch", "float16");
-            w.global("torch.serialization", "_get_layout")
-                .str("torch.strided")
-                .tuple1()
-                .reduce();
-            w.bool(false)
-                .global(MD_MODULE, "_MEM_FORMAT_ENCODING")
-                .int(0)
-                .tuple1()
-                .reduce();
+            w.global("torch.serialization", "_get_layout").str("torch.strided").tuple1().reduce();
+            w.bool(false).global(MD_MODULE, "_MEM_FORMAT_ENCODING").int(0).tuple1().reduce();
             w.bool(false).int_tuple(&[1]).tuple();
         };
         let five = |w: &mut PickleWriter| {
-            w.mark()
-                .global("torch", "float16")
-                .global("torch", "strided")
-                .bool(false)
-                .none();
+            w.mark().global("torch", "float16").global("torch", "strided").bool(false).none();
             w.bool(false).tuple();
         };
         let dict = |w: &mut PickleWriter| {
-            w.empty_dict()
-                .mark()
-                .str("dtype")
-                .global("torch", "float16")
-                .str("layout");
+            w.empty_dict().mark().str("dtype").global("torch", "float16").str("layout");
             w.global("torch", "strided").setitems();
         };
         for (name, pkl) in [
@@ -1005,21 +793,10 @@ mod tests {
             let md = decode_metadata(&pkl).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!(
                 md.state_dict_metadata,
-                vec![(
-                    "t".to_string(),
-                    EntryMeta::Tensor {
-                        dtype: DType::F16,
-                        size: vec![2],
-                        chunks: vec![]
-                    }
-                )],
+                vec![("t".to_string(), EntryMeta::Tensor { dtype: DType::F16, size: vec![2], chunks: vec![] })],
                 "{name}"
             );
-            assert_eq!(
-                md.storage_data,
-                vec![(key("t", Some(&[0])), info("f", 1, 2))],
-                "{name}"
-            );
+            assert_eq!(md.storage_data, vec![(key("t", Some(&[0])), info("f", 1, 2))], "{name}");
             assert!(md.planner_data.is_empty());
             assert_eq!(md.version, None);
         }
@@ -1032,11 +809,7 @@ mod tests {
 
         // A 4-tuple TensorProperties state.
         let four = |w: &mut PickleWriter| {
-            w.mark()
-                .global("torch", "float16")
-                .global("torch", "strided")
-                .bool(false)
-                .none();
+            w.mark().global("torch", "float16").global("torch", "strided").bool(false).none();
             w.tuple();
         };
         let err = decode_metadata(&variant_pickle(four, false)).unwrap_err();
@@ -1047,11 +820,7 @@ mod tests {
         );
         // An unknown dtype.
         let cplx = |w: &mut PickleWriter| {
-            w.mark()
-                .global("torch", "complex64")
-                .global("torch", "strided")
-                .bool(false)
-                .none();
+            w.mark().global("torch", "complex64").global("torch", "strided").bool(false).none();
             w.bool(false).tuple();
         };
         let err = decode_metadata(&variant_pickle(cplx, false)).unwrap_err();
@@ -1064,12 +833,7 @@ mod tests {
         let mut w = PickleWriter::new();
         w.proto(2);
         new_instance(&mut w, MD_MODULE, "Metadata");
-        w.empty_dict()
-            .mark()
-            .str("state_dict_metadata")
-            .empty_dict()
-            .mark()
-            .str("t");
+        w.empty_dict().mark().str("state_dict_metadata").empty_dict().mark().str("t");
         new_instance(&mut w, MD_MODULE, "TensorStorageMetadata");
         w.empty_dict().mark().str("properties");
         write_tensor_properties(&mut w, DType::F32);
@@ -1077,13 +841,7 @@ mod tests {
         write_size(&mut w, &[2]);
         w.str("chunks").empty_list();
         new_instance(&mut w, MD_MODULE, "ChunkStorageMetadata");
-        w.empty_dict()
-            .mark()
-            .str("offsets")
-            .global("torch", "Size")
-            .mark()
-            .int(-1)
-            .tuple();
+        w.empty_dict().mark().str("offsets").global("torch", "Size").mark().int(-1).tuple();
         w.tuple1().reduce().str("sizes");
         write_size(&mut w, &[2]);
         w.setitems().build().append(); // the chunk
@@ -1097,33 +855,18 @@ mod tests {
         );
         // Not a Metadata at all.
         let err = decode_metadata(b"\x80\x02}.").unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            ".metadata: Metadata: expected Metadata, found dict of 0"
-        );
+        assert_eq!(err.to_string(), ".metadata: Metadata: expected Metadata, found dict of 0");
         // Duplicate storage keys.
         md.storage_data.push(md.storage_data[0].clone());
         let err = decode_metadata(&encode_metadata(&md)).unwrap_err();
-        assert!(matches!(
-            err,
-            DcpMetadataError::Duplicate {
-                what: "storage_data key",
-                ..
-            }
-        ));
+        assert!(matches!(err, DcpMetadataError::Duplicate { what: "storage_data key", .. }));
         // Every truncation of a valid file is an error.
         for n in 0..good.len() {
-            assert!(
-                decode_metadata(&good[..n]).is_err(),
-                "prefix of {n} bytes accepted"
-            );
+            assert!(decode_metadata(&good[..n]).is_err(), "prefix of {n} bytes accepted");
         }
         let torch = std::fs::read(format!("{FIXTURES}/ckpt/.metadata")).unwrap();
         for n in 0..torch.len() {
-            assert!(
-                decode_metadata(&torch[..n]).is_err(),
-                "prefix of {n} bytes accepted"
-            );
+            assert!(decode_metadata(&torch[..n]).is_err(), "prefix of {n} bytes accepted");
         }
     }
 
@@ -1142,62 +885,32 @@ mod tests {
         let mut state_dict_metadata = Vec::new();
         let mut planner_data = Vec::new();
         let w: Vec<u8> = (0..12).flat_map(|i| bf16(i as f32 * 0.5 - 1.0)).collect();
-        let b: Vec<u8> = [1.0f32, -2.0, 3.25, 1e30, -0.0]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
+        let b: Vec<u8> = [1.0f32, -2.0, 3.25, 1e30, -0.0].iter().flat_map(|v| v.to_le_bytes()).collect();
         type Chunk = (Vec<u64>, Vec<u64>, Vec<u8>); // offsets, sizes, bytes
         let tensors: Vec<(&str, DType, Vec<u64>, Vec<Chunk>)> = vec![
             (
                 "model.w",
                 DType::BF16,
                 vec![3, 4],
-                vec![
-                    (vec![0, 0], vec![2, 4], w[..16].to_vec()),
-                    (vec![2, 0], vec![1, 4], w[16..].to_vec()),
-                ],
+                vec![(vec![0, 0], vec![2, 4], w[..16].to_vec()), (vec![2, 0], vec![1, 4], w[16..].to_vec())],
             ),
             ("model.b", DType::F32, vec![5], vec![(vec![0], vec![5], b)]),
-            (
-                "model.f8",
-                DType::F8E4M3,
-                vec![3],
-                vec![(vec![0], vec![3], vec![0x30, 0xB8, 0x40])],
-            ),
-            (
-                "step",
-                DType::F32,
-                vec![],
-                vec![(vec![], vec![], 2.5f32.to_le_bytes().to_vec())],
-            ),
+            ("model.f8", DType::F8E4M3, vec![3], vec![(vec![0], vec![3], vec![0x30, 0xB8, 0x40])]),
+            ("step", DType::F32, vec![], vec![(vec![], vec![], 2.5f32.to_le_bytes().to_vec())]),
         ];
         for (fqn, dtype, size, chunks) in tensors {
             let mut metas = Vec::new();
             for (offsets, sizes, data) in chunks {
                 let item = encode_tensor_archive(dtype, &sizes, &data).unwrap();
-                storage_data.push((
-                    key(fqn, Some(&offsets)),
-                    info(path, file.len() as u64, item.len() as u64),
-                ));
+                storage_data.push((key(fqn, Some(&offsets)), info(path, file.len() as u64, item.len() as u64)));
                 file.extend_from_slice(&item);
                 metas.push(ChunkMeta { offsets, sizes });
             }
-            state_dict_metadata.push((
-                fqn.to_string(),
-                EntryMeta::Tensor {
-                    dtype,
-                    size,
-                    chunks: metas,
-                },
-            ));
+            state_dict_metadata.push((fqn.to_string(), EntryMeta::Tensor { dtype, size, chunks: metas }));
             planner_data.push((fqn.to_string(), keys(&fqn.split('.').collect::<Vec<_>>())));
         }
         for (fqn, value, path_elems) in [
-            (
-                "checkpoint_version",
-                PyObject::Float(3.0),
-                keys(&["checkpoint_version"]),
-            ),
+            ("checkpoint_version", PyObject::Float(3.0), keys(&["checkpoint_version"])),
             ("iteration", PyObject::Int(0), keys(&["iteration"])),
             (
                 "optimizer.param_groups.0.lr",
@@ -1211,20 +924,12 @@ mod tests {
             ),
         ] {
             let item = encode_object_archive(&value);
-            storage_data.push((
-                key(fqn, None),
-                info(path, file.len() as u64, item.len() as u64),
-            ));
+            storage_data.push((key(fqn, None), info(path, file.len() as u64, item.len() as u64)));
             file.extend_from_slice(&item);
             state_dict_metadata.push((fqn.to_string(), EntryMeta::Bytes));
             planner_data.push((fqn.to_string(), path_elems));
         }
-        let md = Metadata {
-            state_dict_metadata,
-            storage_data,
-            planner_data,
-            version: None,
-        };
+        let md = Metadata { state_dict_metadata, storage_data, planner_data, version: None };
         std::fs::write(dir.join(path), &file).unwrap();
         std::fs::write(dir.join(".metadata"), encode_metadata(&md)).unwrap();
         md
@@ -1250,9 +955,6 @@ mod tests {
         let start = (si.offset + t.data_offset_in_item) as usize;
         assert_eq!(bytes[start..start + 2], bf16(3.0));
         let si = back.storage("checkpoint_version", None).unwrap();
-        assert_eq!(
-            read_object_archive(&file, si.offset, si.length).unwrap(),
-            pickle::Value::Float(3.0)
-        );
+        assert_eq!(read_object_archive(&file, si.offset, si.length).unwrap(), pickle::Value::Float(3.0));
     }
 }

@@ -440,11 +440,7 @@ impl Value {
     /// The value of the `str` key `key`, if this is a dict that has it (the last one wins, as in
     /// Python).
     pub fn dict_get(&self, key: &str) -> Option<&Value> {
-        self.as_dict()?
-            .iter()
-            .rev()
-            .find(|(k, _)| k.as_str() == Some(key))
-            .map(|(_, v)| v)
+        self.as_dict()?.iter().rev().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v)
     }
 }
 
@@ -454,23 +450,12 @@ impl Value {
 /// Errors of the pickle reader. Offsets are byte offsets into the pickle.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum PickleError {
-    #[error(
-        "pickle truncated: {opcode} at offset {offset} needs {needed} bytes, {available} left"
-    )]
-    Truncated {
-        opcode: &'static str,
-        offset: usize,
-        needed: u64,
-        available: usize,
-    },
+    #[error("pickle truncated: {opcode} at offset {offset} needs {needed} bytes, {available} left")]
+    Truncated { opcode: &'static str, offset: usize, needed: u64, available: usize },
     #[error("pickle ends at offset {offset} without STOP")]
     MissingStop { offset: usize },
     #[error("unsupported pickle opcode 0x{opcode:02x} ({name}) at offset {offset}")]
-    UnsupportedOpcode {
-        opcode: u8,
-        name: &'static str,
-        offset: usize,
-    },
+    UnsupportedOpcode { opcode: u8, name: &'static str, offset: usize },
     #[error("unsupported pickle protocol {protocol} at offset {offset} (highest supported: 5)")]
     UnsupportedProtocol { protocol: u8, offset: usize },
     #[error("pickle stack underflow: {opcode} at offset {offset}")]
@@ -478,23 +463,11 @@ pub enum PickleError {
     #[error("pickle mark missing: {opcode} at offset {offset} has no MARK to pop to")]
     MissingMark { opcode: &'static str, offset: usize },
     #[error("pickle memo key {key} undefined: {opcode} at offset {offset}")]
-    UndefinedMemo {
-        key: u64,
-        opcode: &'static str,
-        offset: usize,
-    },
+    UndefinedMemo { key: u64, opcode: &'static str, offset: usize },
     #[error("invalid pickle: {opcode} at offset {offset}: {detail}")]
-    Invalid {
-        opcode: &'static str,
-        offset: usize,
-        detail: String,
-    },
+    Invalid { opcode: &'static str, offset: usize, detail: String },
     #[error("pickle limit exceeded: {what} above {max} (at offset {offset})")]
-    Limit {
-        what: &'static str,
-        max: u64,
-        offset: usize,
-    },
+    Limit { what: &'static str, max: u64, offset: usize },
 }
 
 /// Bounds on what [`loads_with_limits`] will build.
@@ -516,12 +489,7 @@ impl Default for Limits {
     /// The ceilings: generous enough for the `.metadata` of a large checkpoint (millions of
     /// chunks).
     fn default() -> Self {
-        Limits {
-            max_depth: 200,
-            max_memo: 1 << 26,
-            max_nodes: 1 << 27,
-            max_bytes: 1 << 31,
-        }
+        Limits { max_depth: 200, max_memo: 1 << 26, max_nodes: 1 << 27, max_bytes: 1 << 31 }
     }
 }
 
@@ -533,12 +501,8 @@ impl Limits {
     pub fn for_input(input_len: usize) -> Self {
         let d = Limits::default();
         Limits {
-            max_nodes: d
-                .max_nodes
-                .min(input_len.saturating_mul(16).saturating_add(1 << 20)),
-            max_bytes: d
-                .max_bytes
-                .min(input_len.saturating_mul(256).saturating_add(64 << 20)),
+            max_nodes: d.max_nodes.min(input_len.saturating_mul(16).saturating_add(1 << 20)),
+            max_bytes: d.max_bytes.min(input_len.saturating_mul(256).saturating_add(64 << 20)),
             ..d
         }
     }
@@ -563,12 +527,7 @@ pub fn loads_with_limits(data: &[u8], limits: &Limits) -> Result<Value, PickleEr
         memo: HashMap::new(),
     };
     let root = vm.run()?;
-    let mut budget = Budget {
-        nodes: 0,
-        bytes: 0,
-        limits,
-        offset: vm.pos,
-    };
+    let mut budget = Budget { nodes: 0, bytes: 0, limits, offset: vm.pos };
     expand(&vm.arena, root, &mut budget)
 }
 
@@ -625,10 +584,7 @@ impl<'a> Vm<'a> {
                 op::PROTO => {
                     let p = self.take_u8()?;
                     if p > HIGHEST_PROTOCOL {
-                        return Err(PickleError::UnsupportedProtocol {
-                            protocol: p,
-                            offset: self.op_start,
-                        });
+                        return Err(PickleError::UnsupportedProtocol { protocol: p, offset: self.op_start });
                     }
                 }
                 op::FRAME => {
@@ -674,19 +630,14 @@ impl<'a> Vm<'a> {
                     let v = match line {
                         "00" => Value::Bool(false),
                         "01" => Value::Bool(true),
-                        s => Value::Int(
-                            s.parse::<i128>()
-                                .map_err(|_| self.invalid("malformed decimal integer"))?,
-                        ),
+                        s => Value::Int(s.parse::<i128>().map_err(|_| self.invalid("malformed decimal integer"))?),
                     };
                     self.push_leaf(v)?
                 }
                 op::LONG => {
                     let line = self.take_line()?;
                     let s = line.strip_suffix('L').unwrap_or(line);
-                    let v = s
-                        .parse::<i128>()
-                        .map_err(|_| self.invalid("malformed or out-of-range decimal integer"))?;
+                    let v = s.parse::<i128>().map_err(|_| self.invalid("malformed or out-of-range decimal integer"))?;
                     self.push_leaf(Value::Int(v))?
                 }
                 op::BINFLOAT => {
@@ -695,9 +646,7 @@ impl<'a> Vm<'a> {
                 }
                 op::FLOAT => {
                     let line = self.take_line()?;
-                    let v = line
-                        .parse::<f64>()
-                        .map_err(|_| self.invalid("malformed float"))?;
+                    let v = line.parse::<f64>().map_err(|_| self.invalid("malformed float"))?;
                     self.push_leaf(Value::Float(v))?
                 }
 
@@ -855,8 +804,7 @@ impl<'a> Vm<'a> {
                 op::STACK_GLOBAL => {
                     let name = self.pop()?;
                     let module = self.pop()?;
-                    let (Some(module), Some(name)) = (self.leaf_str(module), self.leaf_str(name))
-                    else {
+                    let (Some(module), Some(name)) = (self.leaf_str(module), self.leaf_str(name)) else {
                         return Err(self.invalid("module and name must be str"));
                     };
                     let (module, name) = (module.to_owned(), name.to_owned());
@@ -902,9 +850,7 @@ impl<'a> Vm<'a> {
                     let new_state = self.pop()?;
                     let target = self.top()?;
                     let slot = match self.arena.get_mut(target) {
-                        Some(Node::Reduce { state, .. }) | Some(Node::Object { state, .. }) => {
-                            state
-                        }
+                        Some(Node::Reduce { state, .. }) | Some(Node::Object { state, .. }) => state,
                         _ => {
                             return Err(self.invalid("target is not an object"));
                         }
@@ -988,8 +934,7 @@ impl<'a> Vm<'a> {
 
     fn take_decimal_key(&mut self) -> Result<u64, PickleError> {
         let line = self.take_line()?;
-        line.parse::<u64>()
-            .map_err(|_| self.invalid("malformed memo key"))
+        line.parse::<u64>().map_err(|_| self.invalid("malformed memo key"))
     }
 
     fn decode_long(&self, bytes: &[u8]) -> Result<i128, PickleError> {
@@ -1016,26 +961,15 @@ impl<'a> Vm<'a> {
     // --- errors
 
     fn invalid(&self, detail: &str) -> PickleError {
-        PickleError::Invalid {
-            opcode: self.opcode,
-            offset: self.op_start,
-            detail: detail.to_owned(),
-        }
+        PickleError::Invalid { opcode: self.opcode, offset: self.op_start, detail: detail.to_owned() }
     }
 
     fn underflow(&self) -> PickleError {
-        PickleError::StackUnderflow {
-            opcode: self.opcode,
-            offset: self.op_start,
-        }
+        PickleError::StackUnderflow { opcode: self.opcode, offset: self.op_start }
     }
 
     fn limit(&self, what: &'static str, max: u64) -> PickleError {
-        PickleError::Limit {
-            what,
-            max,
-            offset: self.op_start,
-        }
+        PickleError::Limit { what, max, offset: self.op_start }
     }
 
     // --- stack
@@ -1092,20 +1026,12 @@ impl<'a> Vm<'a> {
 
     fn pop_n(&mut self, n: usize) -> Result<Vec<Id>, PickleError> {
         let floor = self.marks.last().copied().unwrap_or(0);
-        let start = self
-            .stack
-            .len()
-            .checked_sub(n)
-            .filter(|&s| s >= floor)
-            .ok_or_else(|| self.underflow())?;
+        let start = self.stack.len().checked_sub(n).filter(|&s| s >= floor).ok_or_else(|| self.underflow())?;
         Ok(self.stack.split_off(start))
     }
 
     fn pop_mark(&mut self) -> Result<Vec<Id>, PickleError> {
-        let mark = self.marks.pop().ok_or(PickleError::MissingMark {
-            opcode: self.opcode,
-            offset: self.op_start,
-        })?;
+        let mark = self.marks.pop().ok_or(PickleError::MissingMark { opcode: self.opcode, offset: self.op_start })?;
         if mark > self.stack.len() {
             return Err(self.underflow());
         }
@@ -1213,27 +1139,14 @@ fn children(node: &Node) -> Vec<Id> {
         Node::Tuple(ids) | Node::List(ids) | Node::Set(ids) | Node::FrozenSet(ids) => ids.clone(),
         Node::Dict(pairs) => flat(pairs),
         Node::PersistentId(i) => vec![*i],
-        Node::Reduce {
-            callable,
-            args,
-            state,
-            list_items,
-            dict_items,
-        } => {
+        Node::Reduce { callable, args, state, list_items, dict_items } => {
             let mut v = vec![*callable, *args];
             v.extend(state);
             v.extend(list_items);
             v.extend(flat(dict_items));
             v
         }
-        Node::Object {
-            class,
-            args,
-            kwargs,
-            state,
-            list_items,
-            dict_items,
-        } => {
+        Node::Object { class, args, kwargs, state, list_items, dict_items } => {
             let mut v = vec![*class, *args];
             v.extend(kwargs);
             v.extend(state);
@@ -1250,9 +1163,8 @@ fn assemble(node: &Node, vals: Vec<Value>) -> Option<Value> {
     let pairs = |it: &mut std::vec::IntoIter<Value>, n: usize| -> Option<Vec<(Value, Value)>> {
         (0..n).map(|_| Some((it.next()?, it.next()?))).collect()
     };
-    let items = |it: &mut std::vec::IntoIter<Value>, n: usize| -> Option<Vec<Value>> {
-        (0..n).map(|_| it.next()).collect()
-    };
+    let items =
+        |it: &mut std::vec::IntoIter<Value>, n: usize| -> Option<Vec<Value>> { (0..n).map(|_| it.next()).collect() };
     Some(match node {
         Node::Leaf(v) => v.clone(),
         Node::Tuple(_) => Value::Tuple(it.collect()),
@@ -1261,12 +1173,7 @@ fn assemble(node: &Node, vals: Vec<Value>) -> Option<Value> {
         Node::FrozenSet(_) => Value::FrozenSet(it.collect()),
         Node::Dict(p) => Value::Dict(pairs(&mut it, p.len())?),
         Node::PersistentId(_) => Value::PersistentId(Box::new(it.next()?)),
-        Node::Reduce {
-            state,
-            list_items,
-            dict_items,
-            ..
-        } => {
+        Node::Reduce { state, list_items, dict_items, .. } => {
             let callable = Box::new(it.next()?);
             let args = Box::new(it.next()?);
             let state = match state {
@@ -1275,21 +1182,9 @@ fn assemble(node: &Node, vals: Vec<Value>) -> Option<Value> {
             };
             let list_items = items(&mut it, list_items.len())?;
             let dict_items = pairs(&mut it, dict_items.len())?;
-            Value::Reduce {
-                callable,
-                args,
-                state,
-                list_items,
-                dict_items,
-            }
+            Value::Reduce { callable, args, state, list_items, dict_items }
         }
-        Node::Object {
-            kwargs,
-            state,
-            list_items,
-            dict_items,
-            ..
-        } => {
+        Node::Object { kwargs, state, list_items, dict_items, .. } => {
             let class = Box::new(it.next()?);
             let args = Box::new(it.next()?);
             let kwargs = match kwargs {
@@ -1302,14 +1197,7 @@ fn assemble(node: &Node, vals: Vec<Value>) -> Option<Value> {
             };
             let list_items = items(&mut it, list_items.len())?;
             let dict_items = pairs(&mut it, dict_items.len())?;
-            Value::Object {
-                class,
-                args,
-                kwargs,
-                state,
-                list_items,
-                dict_items,
-            }
+            Value::Object { class, args, kwargs, state, list_items, dict_items }
         }
     })
 }
@@ -1322,11 +1210,7 @@ fn expand(arena: &[Node], root: Id, budget: &mut Budget) -> Result<Value, Pickle
         Assemble(Id, usize),
     }
     let offset = budget.offset;
-    let internal = |detail: &str| PickleError::Invalid {
-        opcode: "STOP",
-        offset,
-        detail: detail.to_owned(),
-    };
+    let internal = |detail: &str| PickleError::Invalid { opcode: "STOP", offset, detail: detail.to_owned() };
     let mut tasks = vec![Task::Visit(root, 0)];
     let mut out: Vec<Value> = Vec::new();
     while let Some(task) = tasks.pop() {
@@ -1339,9 +1223,7 @@ fn expand(arena: &[Node], root: Id, budget: &mut Budget) -> Result<Value, Pickle
                         offset,
                     });
                 }
-                let node = arena
-                    .get(id)
-                    .ok_or_else(|| internal("dangling reference"))?;
+                let node = arena.get(id).ok_or_else(|| internal("dangling reference"))?;
                 let leaf_bytes = match node {
                     Node::Leaf(Value::Str(s)) => s.len(),
                     Node::Leaf(Value::Bytes(b)) => b.len(),
@@ -1358,13 +1240,8 @@ fn expand(arena: &[Node], root: Id, budget: &mut Budget) -> Result<Value, Pickle
                 tasks.extend(kids.into_iter().rev().map(|k| Task::Visit(k, depth + 1)));
             }
             Task::Assemble(id, n) => {
-                let node = arena
-                    .get(id)
-                    .ok_or_else(|| internal("dangling reference"))?;
-                let start = out
-                    .len()
-                    .checked_sub(n)
-                    .ok_or_else(|| internal("lost values"))?;
+                let node = arena.get(id).ok_or_else(|| internal("dangling reference"))?;
+                let start = out.len().checked_sub(n).ok_or_else(|| internal("lost values"))?;
                 let vals = out.split_off(start);
                 out.push(assemble(node, vals).ok_or_else(|| internal("lost values"))?);
             }
@@ -1453,10 +1330,7 @@ mod tests {
     use super::*;
 
     fn hex(s: &str) -> Vec<u8> {
-        (0..s.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-            .collect()
+        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
     }
 
     fn s(v: &str) -> Value {
@@ -1516,59 +1390,28 @@ mod tests {
         // without the BINPUT after EMPTY_LIST.
         let mut w = PickleWriter::new();
         w.proto(2).empty_list().mark();
-        for v in [
-            1i128 << 31,
-            -(1i128 << 31) - 1,
-            1i128 << 63,
-            -1,
-            0,
-            255,
-            256,
-            65535,
-            65536,
-            -256,
-        ] {
+        for v in [1i128 << 31, -(1i128 << 31) - 1, 1i128 << 63, -1, 0, 255, 256, 65535, 65536, -256] {
             w.int(v);
         }
         w.appends().stop();
-        let python = hex(
-            "80025d288a0500000080008a05ffffff7fff8a090000000000000080004affffffff4b004bff4d00014d\
-             ffff4a000001004a00ffffff652e",
-        );
+        let python = hex("80025d288a0500000080008a05ffffff7fff8a090000000000000080004affffffff4b004bff4d00014d\
+             ffff4a000001004a00ffffff652e");
         assert_eq!(w.as_bytes(), python.as_slice());
         let back = loads(w.as_bytes()).unwrap();
         assert_eq!(
             back,
             Value::List(
-                [
-                    1i128 << 31,
-                    -(1i128 << 31) - 1,
-                    1i128 << 63,
-                    -1,
-                    0,
-                    255,
-                    256,
-                    65535,
-                    65536,
-                    -256
-                ]
-                .into_iter()
-                .map(Value::Int)
-                .collect()
+                [1i128 << 31, -(1i128 << 31) - 1, 1i128 << 63, -1, 0, 255, 256, 65535, 65536, -256]
+                    .into_iter()
+                    .map(Value::Int)
+                    .collect()
             )
         );
     }
 
     #[test]
     fn long_extremes_round_trip() {
-        for v in [
-            i128::MAX,
-            i128::MIN,
-            i128::MIN + 1,
-            1 << 100,
-            -(1 << 100),
-            (1 << 31) - 1,
-        ] {
+        for v in [i128::MAX, i128::MIN, i128::MIN + 1, 1 << 100, -(1 << 100), (1 << 31) - 1] {
             let mut w = PickleWriter::new();
             w.proto(2).int(v).stop();
             assert_eq!(loads(w.as_bytes()).unwrap(), Value::Int(v), "{v}");
@@ -1602,36 +1445,18 @@ mod tests {
     #[test]
     fn int_tuples() {
         let mut w = PickleWriter::new();
-        w.int_tuple(&[])
-            .int_tuple(&[1])
-            .int_tuple(&[1, 2])
-            .int_tuple(&[1, 2, 3]);
+        w.int_tuple(&[]).int_tuple(&[1]).int_tuple(&[1, 2]).int_tuple(&[1, 2, 3]);
         w.int_tuple(&[1, 2, 3, 4]);
-        assert_eq!(
-            w.as_bytes(),
-            b")K\x01\x85K\x01K\x02\x86K\x01K\x02K\x03\x87(K\x01K\x02K\x03K\x04t"
-        );
+        assert_eq!(w.as_bytes(), b")K\x01\x85K\x01K\x02\x86K\x01K\x02K\x03\x87(K\x01K\x02K\x03K\x04t");
     }
 
     #[test]
     fn round_trip_nested_values() {
         let v = Value::Dict(vec![
             (s("a"), Value::Tuple(vec![])),
-            (
-                s("b"),
-                Value::Tuple(vec![Value::Int(1), Value::None, Value::Bool(true)]),
-            ),
-            (
-                s("c"),
-                Value::List(vec![Value::Float(-0.25), s("é"), Value::List(vec![])]),
-            ),
-            (
-                s("g"),
-                Value::Global {
-                    module: "torch".into(),
-                    name: "bfloat16".into(),
-                },
-            ),
+            (s("b"), Value::Tuple(vec![Value::Int(1), Value::None, Value::Bool(true)])),
+            (s("c"), Value::List(vec![Value::Float(-0.25), s("é"), Value::List(vec![])])),
+            (s("g"), Value::Global { module: "torch".into(), name: "bfloat16".into() }),
             (Value::Int(7), Value::Dict(vec![])),
         ]);
         let mut w = PickleWriter::new();
@@ -1645,12 +1470,10 @@ mod tests {
     fn reads_python_protocol_5_mix() {
         // pickle.dumps({'a': (1, -2, 2**31, -2**31-1, 2**70, -(2**100)), 'b': b'\x00\xff',
         //   's': {3}, 'f': frozenset(), 't': True, 'n': None, 'fl': 1.5, 'u': 'hé'}, protocol=5)
-        let bytes = hex(
-            "80059577000000000000007d94288c016194284b014afeffffff8a0500000080008a05ffffff7fff8a09\
+        let bytes = hex("80059577000000000000007d94288c016194284b014afeffffff8a0500000080008a05ffffff7fff8a09\
              0000000000000000408a0d000000000000000000000000f074948c016294430200ff948c0173948f9428\
              4b03908c0166942891948c017494888c016e944e8c02666c94473ff80000000000008c0175948c0368c3\
-             a994752e",
-        );
+             a994752e");
         let v = loads(&bytes).unwrap();
         assert_eq!(
             v,
@@ -1684,27 +1507,15 @@ mod tests {
         // filled by APPEND, then referenced again by BINGET.
         let bytes = hex("8004950c000000000000005d94285d944b01616801652e");
         let inner = Value::List(vec![Value::Int(1)]);
-        assert_eq!(
-            loads(&bytes).unwrap(),
-            Value::List(vec![inner.clone(), inner])
-        );
+        assert_eq!(loads(&bytes).unwrap(), Value::List(vec![inner.clone(), inner]));
     }
 
     #[test]
     fn reads_ordered_dict_reduce_with_setitem() {
         // pickle.dumps(collections.OrderedDict(a=1), protocol=2)
-        let bytes = hex(
-            "800263636f6c6c656374696f6e730a4f726465726564446963740a71002952710158010000006171024b\
-             01732e",
-        );
-        let Value::Reduce {
-            callable,
-            args,
-            state,
-            list_items,
-            dict_items,
-        } = loads(&bytes).unwrap()
-        else {
+        let bytes = hex("800263636f6c6c656374696f6e730a4f726465726564446963740a71002952710158010000006171024b\
+             01732e");
+        let Value::Reduce { callable, args, state, list_items, dict_items } = loads(&bytes).unwrap() else {
             panic!("not a reduce");
         };
         assert!(callable.is_global("collections", "OrderedDict"));
@@ -1717,48 +1528,23 @@ mod tests {
     #[test]
     fn newobj_build_and_newobj_ex() {
         let mut w = PickleWriter::new();
-        w.proto(2)
-            .global("m", "C")
-            .empty_tuple()
-            .newobj()
-            .empty_dict()
-            .mark();
+        w.proto(2).global("m", "C").empty_tuple().newobj().empty_dict().mark();
         w.str("k").int(1).setitems().build().stop();
         let v = loads(w.as_bytes()).unwrap();
-        let Value::Object {
-            class,
-            args,
-            kwargs,
-            state,
-            ..
-        } = &v
-        else {
-            panic!("{v:?}")
-        };
+        let Value::Object { class, args, kwargs, state, .. } = &v else { panic!("{v:?}") };
         assert!(class.is_global("m", "C"));
         assert_eq!(**args, Value::Tuple(vec![]));
         assert_eq!(*kwargs, None);
-        assert_eq!(
-            state.as_deref().and_then(|s| s.dict_get("k")),
-            Some(&Value::Int(1))
-        );
+        assert_eq!(state.as_deref().and_then(|s| s.dict_get("k")), Some(&Value::Int(1)));
 
         // STACK_GLOBAL + NEWOBJ_EX (protocol 4).
-        let mut b = vec![
-            0x80, 4, 0x8c, 1, b'm', 0x8c, 1, b'C', 0x93, b')', b'}', 0x92, b'.',
-        ];
+        let mut b = vec![0x80, 4, 0x8c, 1, b'm', 0x8c, 1, b'C', 0x93, b')', b'}', 0x92, b'.'];
         let v = loads(&b).unwrap();
         assert!(matches!(&v, Value::Object { kwargs: Some(k), .. } if **k == Value::Dict(vec![])));
         // BUILD twice on one object is rejected.
         b.truncate(b.len() - 1);
         b.extend_from_slice(b"NbNb.");
-        assert!(matches!(
-            loads(&b),
-            Err(PickleError::Invalid {
-                opcode: "BUILD",
-                ..
-            })
-        ));
+        assert!(matches!(loads(&b), Err(PickleError::Invalid { opcode: "BUILD", .. })));
     }
 
     #[test]
@@ -1767,45 +1553,26 @@ mod tests {
         assert_eq!(v, Value::PersistentId(Box::new(Value::Tuple(vec![s("a")]))));
         assert_eq!(loads(b"I42\n.").unwrap(), Value::Int(42));
         assert_eq!(loads(b"I01\n.").unwrap(), Value::Bool(true));
-        assert_eq!(
-            loads(b"L-12345678901234567890L\n.").unwrap(),
-            Value::Int(-12345678901234567890)
-        );
+        assert_eq!(loads(b"L-12345678901234567890L\n.").unwrap(), Value::Int(-12345678901234567890));
         assert_eq!(loads(b"F0.5\n.").unwrap(), Value::Float(0.5));
-        assert_eq!(
-            loads(b"(I1\nI2\nl.").unwrap(),
-            Value::List(vec![Value::Int(1), Value::Int(2)])
-        );
+        assert_eq!(loads(b"(I1\nI2\nl.").unwrap(), Value::List(vec![Value::Int(1), Value::Int(2)]));
         assert_eq!(loads(b"I1\np7\n0g7\n.").unwrap(), Value::Int(1));
-        assert_eq!(
-            loads(b"Pabc\n.").unwrap(),
-            Value::PersistentId(Box::new(s("abc")))
-        );
+        assert_eq!(loads(b"Pabc\n.").unwrap(), Value::PersistentId(Box::new(s("abc"))));
     }
 
     #[test]
     fn truncations_are_errors() {
-        let bytes = hex(
-            "80059577000000000000007d94288c016194284b014afeffffff8a0500000080008a05ffffff7fff8a09\
+        let bytes = hex("80059577000000000000007d94288c016194284b014afeffffff8a0500000080008a05ffffff7fff8a09\
              0000000000000000408a0d000000000000000000000000f074948c016294430200ff948c0173948f9428\
              4b03908c0166942891948c017494888c016e944e8c02666c94473ff80000000000008c0175948c0368c3\
-             a994752e",
-        );
+             a994752e");
         for n in 0..bytes.len() {
             assert!(loads(&bytes[..n]).is_err(), "prefix of {n} bytes accepted");
         }
-        assert!(matches!(
-            loads(&[]),
-            Err(PickleError::MissingStop { offset: 0 })
-        ));
+        assert!(matches!(loads(&[]), Err(PickleError::MissingStop { offset: 0 })));
         assert!(matches!(
             loads(b"\x80\x02X\xff\x00\x00\x00ab"),
-            Err(PickleError::Truncated {
-                opcode: "BINUNICODE",
-                offset: 2,
-                needed: 255,
-                available: 2
-            })
+            Err(PickleError::Truncated { opcode: "BINUNICODE", offset: 2, needed: 255, available: 2 })
         ));
     }
 
@@ -1824,10 +1591,7 @@ mod tests {
             (b"Nb.", "build"),
             (b"X\x02\x00\x00\x00\xff\xfe.", "utf8"),
             (b"\x8b\xff\xff\xff\xff.", "negative long4"),
-            (
-                b"\x8a\x11\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x80\x00.",
-                "big",
-            ),
+            (b"\x8a\x11\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x80\x00.", "big"),
             (b"\x82\x01.", "ext1"),
             (b"\x95\xff\x00\x00\x00\x00\x00\x00\x00N.", "frame"),
             (b"cmod\n", "global"),
@@ -1850,46 +1614,21 @@ mod tests {
             b.extend_from_slice(&[0x94, b'2', 0x86]); // MEMOIZE, DUP, TUPLE2
         }
         b.push(b'.');
-        let limits = Limits {
-            max_depth: 100,
-            max_nodes: 100_000,
-            ..Limits::default()
-        };
+        let limits = Limits { max_depth: 100, max_nodes: 100_000, ..Limits::default() };
         let err = loads_with_limits(&b, &limits).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                PickleError::Limit {
-                    what: "values in the result",
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, PickleError::Limit { what: "values in the result", .. }), "{err}");
     }
 
     #[test]
     fn cycles_and_deep_nesting_hit_the_depth_limit() {
         // l = []; l.append(l)
         let err = loads(b"]\x94h\x00a.").unwrap_err();
-        assert!(
-            matches!(
-                err,
-                PickleError::Limit {
-                    what: "nesting depth",
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, PickleError::Limit { what: "nesting depth", .. }), "{err}");
         let mut deep = vec![b')'];
         deep.extend(std::iter::repeat_n(0x85u8, 500)); // TUPLE1 x 500
         deep.push(b'.');
         assert!(loads(&deep).is_err());
-        let limits = Limits {
-            max_depth: 1000,
-            ..Limits::default()
-        };
+        let limits = Limits { max_depth: 1000, ..Limits::default() };
         assert!(loads_with_limits(&deep, &limits).is_ok());
     }
 
@@ -1903,39 +1642,18 @@ mod tests {
         }
         b.push(b'.');
         let err = loads(&b).unwrap_err();
-        assert!(matches!(
-            err,
-            PickleError::Limit {
-                what: "nesting depth" | "values in the result",
-                ..
-            }
-        ));
+        assert!(matches!(err, PickleError::Limit { what: "nesting depth" | "values in the result", .. }));
         let l = Limits::for_input(1000);
-        assert_eq!(
-            (l.max_nodes, l.max_bytes),
-            ((1 << 20) + 16_000, (64 << 20) + 256_000)
-        );
+        assert_eq!((l.max_nodes, l.max_bytes), ((1 << 20) + 16_000, (64 << 20) + 256_000));
         assert_eq!(Limits::for_input(usize::MAX), Limits::default());
     }
 
     #[test]
     fn memo_limit() {
-        let limits = Limits {
-            max_memo: 2,
-            ..Limits::default()
-        };
+        let limits = Limits { max_memo: 2, ..Limits::default() };
         assert!(loads_with_limits(b"N\x94\x94.", &limits).is_ok());
         let err = loads_with_limits(b"N\x94\x94\x94.", &limits).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                PickleError::Limit {
-                    what: "memo entries",
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, PickleError::Limit { what: "memo entries", .. }), "{err}");
     }
 
     #[test]
@@ -1947,18 +1665,9 @@ mod tests {
         b.extend_from_slice(&[0x94, b'(']);
         b.extend(std::iter::repeat_n([b'h', 0], 100).flatten());
         b.extend_from_slice(b"l.");
-        let limits = Limits {
-            max_bytes: 50_000,
-            ..Limits::default()
-        };
+        let limits = Limits { max_bytes: 50_000, ..Limits::default() };
         let err = loads_with_limits(&b, &limits).unwrap_err();
-        assert!(matches!(
-            err,
-            PickleError::Limit {
-                what: "string bytes in the result",
-                ..
-            }
-        ));
+        assert!(matches!(err, PickleError::Limit { what: "string bytes in the result", .. }));
         assert!(loads(&b).is_ok());
     }
 

@@ -67,11 +67,7 @@ const METADATA_KEY: &str = "__metadata__";
 #[derive(Debug, Error)]
 pub enum SafetensorsError {
     #[error("{}: cannot {action}: {source}", .path.display())]
-    Io {
-        path: PathBuf,
-        action: &'static str,
-        source: io::Error,
-    },
+    Io { path: PathBuf, action: &'static str, source: io::Error },
 
     // ---- one file's header ----
     #[error(
@@ -84,11 +80,7 @@ pub enum SafetensorsError {
         "{}: header length {header_len} exceeds the limit of {limit} bytes",
         .path.display()
     )]
-    HeaderTooLarge {
-        path: PathBuf,
-        header_len: u64,
-        limit: u64,
-    },
+    HeaderTooLarge { path: PathBuf, header_len: u64, limit: u64 },
 
     #[error(
         "{}: header length {header_len} runs past the end of the file ({file_len} bytes, so at \
@@ -96,11 +88,7 @@ pub enum SafetensorsError {
         .path.display(),
         .file_len.saturating_sub(LEN_PREFIX)
     )]
-    HeaderBeyondFile {
-        path: PathBuf,
-        header_len: u64,
-        file_len: u64,
-    },
+    HeaderBeyondFile { path: PathBuf, header_len: u64, file_len: u64 },
 
     #[error("{}: header is not valid json: {reason}", .path.display())]
     HeaderNotJson { path: PathBuf, reason: String },
@@ -112,41 +100,23 @@ pub enum SafetensorsError {
     InvalidMetadata { path: PathBuf, reason: String },
 
     #[error("{}: tensor {tensor:?}: invalid header entry: {reason}", .path.display())]
-    InvalidEntry {
-        path: PathBuf,
-        tensor: String,
-        reason: String,
-    },
+    InvalidEntry { path: PathBuf, tensor: String, reason: String },
 
     #[error("{}: tensor {tensor:?} has unsupported dtype {dtype:?}", .path.display())]
-    UnknownDtype {
-        path: PathBuf,
-        tensor: String,
-        dtype: String,
-    },
+    UnknownDtype { path: PathBuf, tensor: String, dtype: String },
 
     #[error(
         "{}: tensor {tensor:?} has out-of-order data_offsets [{begin}, {end}]: the end comes \
          before the start",
         .path.display()
     )]
-    ReversedOffsets {
-        path: PathBuf,
-        tensor: String,
-        begin: u64,
-        end: u64,
-    },
+    ReversedOffsets { path: PathBuf, tensor: String, begin: u64, end: u64 },
 
     #[error(
         "{}: tensor {tensor:?}: shape {shape:?} of {dtype} overflows a 64-bit byte count",
         .path.display()
     )]
-    ShapeOverflow {
-        path: PathBuf,
-        tensor: String,
-        dtype: DType,
-        shape: Vec<u64>,
-    },
+    ShapeOverflow { path: PathBuf, tensor: String, dtype: DType, shape: Vec<u64> },
 
     #[error(
         "{}: tensor {tensor:?}: shape {shape:?} of {dtype} needs {expected} bytes but \
@@ -154,30 +124,14 @@ pub enum SafetensorsError {
         .path.display(),
         span(.begin, .end)
     )]
-    SizeMismatch {
-        path: PathBuf,
-        tensor: String,
-        dtype: DType,
-        shape: Vec<u64>,
-        expected: u64,
-        begin: u64,
-        end: u64,
-    },
+    SizeMismatch { path: PathBuf, tensor: String, dtype: DType, shape: Vec<u64>, expected: u64, begin: u64, end: u64 },
 
     #[error(
         "{}: tensor {tensor:?} at data_offsets [{begin}, {end}] overlaps tensor {other:?} at \
          [{other_begin}, {other_end}]",
         .path.display()
     )]
-    Overlap {
-        path: PathBuf,
-        tensor: String,
-        begin: u64,
-        end: u64,
-        other: String,
-        other_begin: u64,
-        other_end: u64,
-    },
+    Overlap { path: PathBuf, tensor: String, begin: u64, end: u64, other: String, other_begin: u64, other_end: u64 },
 
     #[error(
         "{}: hole in the data section: bytes [{gap_begin}, {gap_end}) between {} and tensor \
@@ -185,36 +139,21 @@ pub enum SafetensorsError {
         .path.display(),
         describe_previous(.previous)
     )]
-    Hole {
-        path: PathBuf,
-        previous: Option<String>,
-        tensor: String,
-        gap_begin: u64,
-        gap_end: u64,
-    },
+    Hole { path: PathBuf, previous: Option<String>, tensor: String, gap_begin: u64, gap_end: u64 },
 
     #[error(
         "{}: file is truncated: tensor {tensor:?} ends at data offset {end} but the data section \
          on disk has only {data_len} bytes",
         .path.display()
     )]
-    Truncated {
-        path: PathBuf,
-        tensor: String,
-        end: u64,
-        data_len: u64,
-    },
+    Truncated { path: PathBuf, tensor: String, end: u64, data_len: u64 },
 
     #[error(
         "{}: data section on disk has {data_len} bytes but the header's tensors end at \
          {declared}",
         .path.display()
     )]
-    TrailingBytes {
-        path: PathBuf,
-        declared: u64,
-        data_len: u64,
-    },
+    TrailingBytes { path: PathBuf, declared: u64, data_len: u64 },
 
     // ---- a release ----
     #[error("{}: release has no config.json", .dir.display())]
@@ -246,44 +185,26 @@ pub enum SafetensorsError {
         .index.display(),
         .path.display()
     )]
-    MissingShard {
-        index: PathBuf,
-        file: String,
-        path: PathBuf,
-    },
+    MissingShard { index: PathBuf, file: String, path: PathBuf },
 
     #[error(
         "{}: tensor {tensor:?} is mapped to {file:?} but that file has no such tensor{}",
         .index.display(),
         found_in_note(.found_in)
     )]
-    NotInFile {
-        index: PathBuf,
-        tensor: String,
-        file: String,
-        found_in: Option<String>,
-    },
+    NotInFile { index: PathBuf, tensor: String, file: String, found_in: Option<String> },
 
     #[error(
         "{}: tensor {tensor:?} is in shard {file:?} but not in the index's weight_map",
         .index.display()
     )]
-    NotInIndex {
-        index: PathBuf,
-        tensor: String,
-        file: String,
-    },
+    NotInIndex { index: PathBuf, tensor: String, file: String },
 
     #[error(
         "{}: tensor {tensor:?} appears in two shard files, {first:?} and {second:?}",
         .dir.display()
     )]
-    DuplicateAcrossFiles {
-        dir: PathBuf,
-        tensor: String,
-        first: String,
-        second: String,
-    },
+    DuplicateAcrossFiles { dir: PathBuf, tensor: String, first: String, second: String },
 
     #[error("{}: total tensor bytes overflow a 64-bit count", .dir.display())]
     TotalOverflow { dir: PathBuf },
@@ -303,26 +224,14 @@ pub enum SafetensorsError {
          [{data_begin}, {data_end})",
         .path.display()
     )]
-    WriteOutOfBounds {
-        path: PathBuf,
-        offset: u64,
-        len: u64,
-        data_begin: u64,
-        data_end: u64,
-    },
+    WriteOutOfBounds { path: PathBuf, offset: u64, len: u64, data_begin: u64, data_end: u64 },
 
     #[error(
         "{}: write of {len} bytes at offset {offset} of tensor {tensor:?} runs past its \
          {byte_len} bytes",
         .path.display()
     )]
-    TensorWriteOutOfBounds {
-        path: PathBuf,
-        tensor: String,
-        offset: u64,
-        len: u64,
-        byte_len: u64,
-    },
+    TensorWriteOutOfBounds { path: PathBuf, tensor: String, offset: u64, len: u64, byte_len: u64 },
 
     #[error("{}: no tensor {tensor:?} in this file's layout", .path.display())]
     UnknownTensor { path: PathBuf, tensor: String },
@@ -331,24 +240,14 @@ pub enum SafetensorsError {
         "{}: tensor {tensor:?} needs {expected} bytes but {actual} were given",
         .path.display()
     )]
-    DataSizeMismatch {
-        path: PathBuf,
-        tensor: String,
-        expected: u64,
-        actual: u64,
-    },
+    DataSizeMismatch { path: PathBuf, tensor: String, expected: u64, actual: u64 },
 
     #[error(
         "{}: refusing to finish: bytes [{missing_begin}, {missing_end}) of the file (in tensor \
          {tensor:?}) were never written",
         .path.display()
     )]
-    Incomplete {
-        path: PathBuf,
-        tensor: String,
-        missing_begin: u64,
-        missing_end: u64,
-    },
+    Incomplete { path: PathBuf, tensor: String, missing_begin: u64, missing_end: u64 },
 }
 
 fn describe_previous(previous: &Option<String>) -> String {
@@ -363,19 +262,12 @@ fn span(begin: &u64, end: &u64) -> u64 {
 }
 
 fn found_in_note(found_in: &Option<String>) -> String {
-    found_in
-        .as_deref()
-        .map(|f| format!(" (it is in {f:?})"))
-        .unwrap_or_default()
+    found_in.as_deref().map(|f| format!(" (it is in {f:?})")).unwrap_or_default()
 }
 
 fn io_error(path: &Path, action: &'static str) -> impl FnOnce(io::Error) -> SafetensorsError {
     let path = path.to_path_buf();
-    move |source| SafetensorsError::Io {
-        path,
-        action,
-        source,
-    }
+    move |source| SafetensorsError::Io { path, action, source }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -470,20 +362,9 @@ fn name_order(tensors: &[TensorInfo]) -> Vec<usize> {
     order
 }
 
-fn lookup_by_name<'a>(
-    tensors: &'a [TensorInfo],
-    by_name: &[usize],
-    name: &str,
-) -> Option<&'a TensorInfo> {
-    let position = by_name
-        .binary_search_by(|&i| {
-            tensors
-                .get(i)
-                .map(|t| t.name.as_str())
-                .unwrap_or_default()
-                .cmp(name)
-        })
-        .ok()?;
+fn lookup_by_name<'a>(tensors: &'a [TensorInfo], by_name: &[usize], name: &str) -> Option<&'a TensorInfo> {
+    let position =
+        by_name.binary_search_by(|&i| tensors.get(i).map(|t| t.name.as_str()).unwrap_or_default().cmp(name)).ok()?;
     tensors.get(*by_name.get(position)?)
 }
 
@@ -499,44 +380,27 @@ fn lookup_by_name<'a>(
 pub fn read_header(path: impl AsRef<Path>) -> Result<FileHeader, SafetensorsError> {
     let path = path.as_ref();
     let mut file = File::open(path).map_err(io_error(path, "open safetensors file"))?;
-    let file_len = file
-        .metadata()
-        .map_err(io_error(path, "read the length of safetensors file"))?
-        .len();
+    let file_len = file.metadata().map_err(io_error(path, "read the length of safetensors file"))?.len();
     if file_len < LEN_PREFIX {
-        return Err(SafetensorsError::FileTooShort {
-            path: path.to_path_buf(),
-            file_len,
-        });
+        return Err(SafetensorsError::FileTooShort { path: path.to_path_buf(), file_len });
     }
     let mut prefix = [0u8; LEN_PREFIX as usize];
-    file.read_exact(&mut prefix)
-        .map_err(io_error(path, "read the header length"))?;
+    file.read_exact(&mut prefix).map_err(io_error(path, "read the header length"))?;
     let header_len = u64::from_le_bytes(prefix);
     if header_len > MAX_HEADER_LEN {
-        return Err(SafetensorsError::HeaderTooLarge {
-            path: path.to_path_buf(),
-            header_len,
-            limit: MAX_HEADER_LEN,
-        });
+        return Err(SafetensorsError::HeaderTooLarge { path: path.to_path_buf(), header_len, limit: MAX_HEADER_LEN });
     }
     if header_len > file_len - LEN_PREFIX {
-        return Err(SafetensorsError::HeaderBeyondFile {
-            path: path.to_path_buf(),
-            header_len,
-            file_len,
-        });
+        return Err(SafetensorsError::HeaderBeyondFile { path: path.to_path_buf(), header_len, file_len });
     }
     // Both bounds above make this allocation at most MAX_HEADER_LEN and at most the file length.
-    let header_size =
-        usize::try_from(header_len).map_err(|_| SafetensorsError::HeaderTooLarge {
-            path: path.to_path_buf(),
-            header_len,
-            limit: MAX_HEADER_LEN,
-        })?;
+    let header_size = usize::try_from(header_len).map_err(|_| SafetensorsError::HeaderTooLarge {
+        path: path.to_path_buf(),
+        header_len,
+        limit: MAX_HEADER_LEN,
+    })?;
     let mut header = vec![0u8; header_size];
-    file.read_exact(&mut header)
-        .map_err(io_error(path, "read the json header"))?;
+    file.read_exact(&mut header).map_err(io_error(path, "read the json header"))?;
     parse_header(path, &header, file_len)
 }
 
@@ -548,10 +412,7 @@ fn parse_header(path: &Path, header: &[u8], file_len: u64) -> Result<FileHeader,
     let mut seen = HashSet::with_capacity(entries.len());
     for (key, _) in &entries {
         if !seen.insert(key.as_str()) {
-            return Err(SafetensorsError::DuplicateKey {
-                path: path.to_path_buf(),
-                key: key.clone(),
-            });
+            return Err(SafetensorsError::DuplicateKey { path: path.to_path_buf(), key: key.clone() });
         }
     }
     drop(seen);
@@ -590,10 +451,7 @@ fn parse_header(path: &Path, header: &[u8], file_len: u64) -> Result<FileHeader,
                 let [begin, end] = raw.data_offsets[..] else {
                     return Err(SafetensorsError::InvalidEntry {
                         path: path.to_path_buf(),
-                        reason: format!(
-                            "data_offsets has {} values, expected 2",
-                            raw.data_offsets.len()
-                        ),
+                        reason: format!("data_offsets has {} values, expected 2", raw.data_offsets.len()),
                         tensor: key,
                     });
                 };
@@ -624,13 +482,7 @@ fn parse_header(path: &Path, header: &[u8], file_len: u64) -> Result<FileHeader,
                         end,
                     });
                 }
-                checked.push(Checked {
-                    name: key,
-                    dtype,
-                    shape: raw.shape,
-                    begin,
-                    end,
-                });
+                checked.push(Checked { name: key, dtype, shape: raw.shape, begin, end });
             }
         }
     }
@@ -642,8 +494,7 @@ fn parse_header(path: &Path, header: &[u8], file_len: u64) -> Result<FileHeader,
     let mut previous: Option<&Checked> = None;
     for t in &checked {
         if t.begin < covered {
-            let other =
-                previous.map_or((String::new(), 0, 0), |p| (p.name.clone(), p.begin, p.end));
+            let other = previous.map_or((String::new(), 0, 0), |p| (p.name.clone(), p.begin, p.end));
             return Err(SafetensorsError::Overlap {
                 path: path.to_path_buf(),
                 tensor: t.name.clone(),
@@ -672,31 +523,18 @@ fn parse_header(path: &Path, header: &[u8], file_len: u64) -> Result<FileHeader,
 
     // `header_len <= file_len - 8` was checked by the caller; keep the arithmetic checked anyway.
     let data_start = LEN_PREFIX + header_len;
-    let data_len = file_len
-        .checked_sub(data_start)
-        .ok_or(SafetensorsError::HeaderBeyondFile {
-            path: path.to_path_buf(),
-            header_len,
-            file_len,
-        })?;
+    let data_len = file_len.checked_sub(data_start).ok_or(SafetensorsError::HeaderBeyondFile {
+        path: path.to_path_buf(),
+        header_len,
+        file_len,
+    })?;
     if covered > data_len {
-        let (tensor, end) = checked
-            .iter()
-            .find(|t| t.end > data_len)
-            .map_or((String::new(), covered), |t| (t.name.clone(), t.end));
-        return Err(SafetensorsError::Truncated {
-            path: path.to_path_buf(),
-            tensor,
-            end,
-            data_len,
-        });
+        let (tensor, end) =
+            checked.iter().find(|t| t.end > data_len).map_or((String::new(), covered), |t| (t.name.clone(), t.end));
+        return Err(SafetensorsError::Truncated { path: path.to_path_buf(), tensor, end, data_len });
     }
     if covered < data_len {
-        return Err(SafetensorsError::TrailingBytes {
-            path: path.to_path_buf(),
-            declared: covered,
-            data_len,
-        });
+        return Err(SafetensorsError::TrailingBytes { path: path.to_path_buf(), declared: covered, data_len });
     }
 
     let tensors: Vec<TensorInfo> = checked
@@ -711,22 +549,12 @@ fn parse_header(path: &Path, header: &[u8], file_len: u64) -> Result<FileHeader,
         })
         .collect();
     let by_name = name_order(&tensors);
-    Ok(FileHeader {
-        path: path.to_path_buf(),
-        header_len,
-        file_len,
-        metadata,
-        tensors,
-        by_name,
-    })
+    Ok(FileHeader { path: path.to_path_buf(), header_len, file_len, metadata, tensors, by_name })
 }
 
 /// `product(shape) * dtype.size()`, or `None` on overflow.
 fn byte_len_of(dtype: DType, shape: &[u64]) -> Option<u64> {
-    shape
-        .iter()
-        .try_fold(1u64, |acc, &d| acc.checked_mul(d))?
-        .checked_mul(dtype.size() as u64)
+    shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))?.checked_mul(dtype.size() as u64)
 }
 
 // ---- JSON parsing of the header, keeping every entry in document order ----
@@ -745,31 +573,19 @@ struct RawTensor {
     data_offsets: Vec<u64>,
 }
 
-fn parse_header_json(
-    path: &Path,
-    header: &[u8],
-) -> Result<Vec<(String, RawEntry)>, SafetensorsError> {
+fn parse_header_json(path: &Path, header: &[u8]) -> Result<Vec<(String, RawEntry)>, SafetensorsError> {
     let mut current: Option<String> = None;
     let mut de = serde_json::Deserializer::from_slice(header);
-    let parsed = HeaderSeed {
-        current: &mut current,
-    }
-    .deserialize(&mut de)
-    .and_then(|entries| de.end().map(|()| entries));
+    let parsed =
+        HeaderSeed { current: &mut current }.deserialize(&mut de).and_then(|entries| de.end().map(|()| entries));
     parsed.map_err(|e| match (current, e.classify()) {
-        (Some(key), Category::Data) if key == METADATA_KEY => SafetensorsError::InvalidMetadata {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        },
-        (Some(tensor), Category::Data) => SafetensorsError::InvalidEntry {
-            path: path.to_path_buf(),
-            tensor,
-            reason: e.to_string(),
-        },
-        _ => SafetensorsError::HeaderNotJson {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        },
+        (Some(key), Category::Data) if key == METADATA_KEY => {
+            SafetensorsError::InvalidMetadata { path: path.to_path_buf(), reason: e.to_string() }
+        }
+        (Some(tensor), Category::Data) => {
+            SafetensorsError::InvalidEntry { path: path.to_path_buf(), tensor, reason: e.to_string() }
+        }
+        _ => SafetensorsError::HeaderNotJson { path: path.to_path_buf(), reason: e.to_string() },
     })
 }
 
@@ -881,15 +697,9 @@ impl Release {
 
         let config_path = dir.join(CONFIG_FILE_NAME);
         let config_json = match read_bounded(&config_path, MAX_CONFIG_LEN, "read config.json")? {
-            Some(bytes) => String::from_utf8(bytes).map_err(|e| SafetensorsError::NotUtf8 {
-                path: config_path.clone(),
-                reason: e.to_string(),
-            })?,
-            None => {
-                return Err(SafetensorsError::MissingConfig {
-                    dir: dir.to_path_buf(),
-                })
-            }
+            Some(bytes) => String::from_utf8(bytes)
+                .map_err(|e| SafetensorsError::NotUtf8 { path: config_path.clone(), reason: e.to_string() })?,
+            None => return Err(SafetensorsError::MissingConfig { dir: dir.to_path_buf() }),
         };
 
         let index_path = dir.join(INDEX_FILE_NAME);
@@ -902,9 +712,7 @@ impl Release {
             None => {
                 let path = dir.join(SINGLE_FILE_NAME);
                 if !path.exists() {
-                    return Err(SafetensorsError::NoWeights {
-                        dir: dir.to_path_buf(),
-                    });
+                    return Err(SafetensorsError::NoWeights { dir: dir.to_path_buf() });
                 }
                 let header = read_header(&path)?;
                 Self::assemble(dir, config_json, None, vec![header])
@@ -931,10 +739,7 @@ impl Release {
         let names: BTreeSet<&str> = weight_map.iter().map(|(_, f)| f.as_str()).collect();
         for name in &names {
             if !stays_inside(name) {
-                return Err(SafetensorsError::ShardPathEscapes {
-                    index: index_path,
-                    file: (*name).to_string(),
-                });
+                return Err(SafetensorsError::ShardPathEscapes { index: index_path, file: (*name).to_string() });
             }
         }
         let names: Vec<&str> = names.into_iter().collect();
@@ -942,11 +747,7 @@ impl Release {
         for name in &names {
             let path = dir.join(name);
             if !path.exists() {
-                return Err(SafetensorsError::MissingShard {
-                    index: index_path,
-                    file: (*name).to_string(),
-                    path,
-                });
+                return Err(SafetensorsError::MissingShard { index: index_path, file: (*name).to_string(), path });
             }
             files.push(read_header(&path)?);
         }
@@ -972,9 +773,7 @@ impl Release {
         sorted_map.sort_unstable();
         for (tensor, file) in sorted_map {
             let fi = names.binary_search(&file).ok();
-            let holds = fi
-                .and_then(|fi| files.get(fi))
-                .is_some_and(|h| h.tensor(tensor).is_some());
+            let holds = fi.and_then(|fi| files.get(fi)).is_some_and(|h| h.tensor(tensor).is_some());
             if !holds {
                 return Err(SafetensorsError::NotInFile {
                     index: index_path,
@@ -985,11 +784,7 @@ impl Release {
             }
         }
         for (fi, header) in files.iter().enumerate() {
-            if let Some(t) = header
-                .tensors()
-                .iter()
-                .find(|t| !mapped.contains_key(t.name.as_str()))
-            {
+            if let Some(t) = header.tensors().iter().find(|t| !mapped.contains_key(t.name.as_str())) {
                 return Err(SafetensorsError::NotInIndex {
                     index: index_path,
                     tensor: t.name.clone(),
@@ -1013,26 +808,14 @@ impl Release {
         let mut total_bytes = 0u64;
         for (file_index, header) in files.iter().enumerate() {
             for info in header.tensors() {
-                total_bytes = total_bytes.checked_add(info.byte_len).ok_or_else(|| {
-                    SafetensorsError::TotalOverflow {
-                        dir: dir.to_path_buf(),
-                    }
-                })?;
-                tensors.push(ReleaseTensor {
-                    file_index,
-                    info: info.clone(),
-                });
+                total_bytes = total_bytes
+                    .checked_add(info.byte_len)
+                    .ok_or_else(|| SafetensorsError::TotalOverflow { dir: dir.to_path_buf() })?;
+                tensors.push(ReleaseTensor { file_index, info: info.clone() });
             }
         }
         tensors.sort_by(|a, b| a.info.name.cmp(&b.info.name));
-        Ok(Release {
-            dir: dir.to_path_buf(),
-            config_json,
-            index_path,
-            files,
-            tensors,
-            total_bytes,
-        })
+        Ok(Release { dir: dir.to_path_buf(), config_json, index_path, files, tensors, total_bytes })
     }
 
     /// The release directory.
@@ -1067,10 +850,7 @@ impl Release {
 
     /// Looks a tensor up by name.
     pub fn tensor(&self, name: &str) -> Option<&ReleaseTensor> {
-        let i = self
-            .tensors
-            .binary_search_by(|t| t.info.name.as_str().cmp(name))
-            .ok()?;
+        let i = self.tensors.binary_search_by(|t| t.info.name.as_str().cmp(name)).ok()?;
         self.tensors.get(i)
     }
 
@@ -1103,25 +883,16 @@ fn stays_inside(name: &str) -> bool {
 }
 
 /// Reads a whole file of at most `limit` bytes; `Ok(None)` when it does not exist.
-fn read_bounded(
-    path: &Path,
-    limit: u64,
-    action: &'static str,
-) -> Result<Option<Vec<u8>>, SafetensorsError> {
+fn read_bounded(path: &Path, limit: u64, action: &'static str) -> Result<Option<Vec<u8>>, SafetensorsError> {
     let file = match File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(io_error(path, action)(e)),
     };
     let mut bytes = Vec::new();
-    file.take(limit.saturating_add(1))
-        .read_to_end(&mut bytes)
-        .map_err(io_error(path, action))?;
+    file.take(limit.saturating_add(1)).read_to_end(&mut bytes).map_err(io_error(path, action))?;
     if bytes.len() as u64 > limit {
-        return Err(SafetensorsError::FileTooLarge {
-            path: path.to_path_buf(),
-            limit,
-        });
+        return Err(SafetensorsError::FileTooLarge { path: path.to_path_buf(), limit });
     }
     Ok(Some(bytes))
 }
@@ -1144,14 +915,10 @@ impl<'de> Deserialize<'de> for WeightMap {
 fn parse_index(path: &Path, bytes: &[u8]) -> Result<Vec<(String, String)>, SafetensorsError> {
     match serde_json::from_slice::<RawIndex>(bytes) {
         Ok(index) => Ok(index.weight_map.0),
-        Err(e) if e.classify() == Category::Data => Err(SafetensorsError::InvalidIndex {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        }),
-        Err(e) => Err(SafetensorsError::IndexNotJson {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        }),
+        Err(e) if e.classify() == Category::Data => {
+            Err(SafetensorsError::InvalidIndex { path: path.to_path_buf(), reason: e.to_string() })
+        }
+        Err(e) => Err(SafetensorsError::IndexNotJson { path: path.to_path_buf(), reason: e.to_string() }),
     }
 }
 
@@ -1176,10 +943,7 @@ pub struct FileLayout {
 impl FileLayout {
     /// Lays out `tensors` (`(name, dtype, shape)`, in data order) with the given `__metadata__`
     /// (omitted from the header when empty).
-    pub fn new<'a, I>(
-        tensors: I,
-        metadata: &BTreeMap<String, String>,
-    ) -> Result<FileLayout, SafetensorsError>
+    pub fn new<'a, I>(tensors: I, metadata: &BTreeMap<String, String>) -> Result<FileLayout, SafetensorsError>
     where
         I: IntoIterator<Item = (&'a str, DType, &'a [u64])>,
     {
@@ -1188,11 +952,9 @@ impl FileLayout {
         let mut first = true;
         if !metadata.is_empty() {
             json.extend_from_slice(b"\"__metadata__\":");
-            serde_json::to_writer(&mut json, metadata).map_err(|e| {
-                SafetensorsError::InvalidLayout {
-                    tensor: METADATA_KEY.to_string(),
-                    reason: e.to_string(),
-                }
+            serde_json::to_writer(&mut json, metadata).map_err(|e| SafetensorsError::InvalidLayout {
+                tensor: METADATA_KEY.to_string(),
+                reason: e.to_string(),
             })?;
             first = false;
         }
@@ -1201,23 +963,15 @@ impl FileLayout {
         let mut placed: Vec<(String, DType, Vec<u64>, u64, u64)> = Vec::new();
         let mut offset = 0u64;
         for (name, dtype, shape) in tensors {
-            let invalid = |reason: String| SafetensorsError::InvalidLayout {
-                tensor: name.to_string(),
-                reason,
-            };
+            let invalid = |reason: String| SafetensorsError::InvalidLayout { tensor: name.to_string(), reason };
             if name == METADATA_KEY {
-                return Err(invalid(
-                    "the name is reserved for the header's metadata".into(),
-                ));
+                return Err(invalid("the name is reserved for the header's metadata".into()));
             }
             if !names.insert(name) {
                 return Err(invalid("the name is listed more than once".into()));
             }
-            let byte_len = byte_len_of(dtype, shape).ok_or_else(|| {
-                invalid(format!(
-                    "shape {shape:?} of {dtype} overflows a 64-bit byte count"
-                ))
-            })?;
+            let byte_len = byte_len_of(dtype, shape)
+                .ok_or_else(|| invalid(format!("shape {shape:?} of {dtype} overflows a 64-bit byte count")))?;
             let end = offset
                 .checked_add(byte_len)
                 .ok_or_else(|| invalid(format!("data offset {offset} + {byte_len} overflows")))?;
@@ -1240,19 +994,13 @@ impl FileLayout {
         json.resize(padded, b' ');
         let header_len = json.len() as u64;
         if header_len > MAX_HEADER_LEN {
-            return Err(SafetensorsError::LayoutHeaderTooLarge {
-                header_len,
-                limit: MAX_HEADER_LEN,
-            });
+            return Err(SafetensorsError::LayoutHeaderTooLarge { header_len, limit: MAX_HEADER_LEN });
         }
         let data_start = LEN_PREFIX + header_len;
-        let file_len =
-            data_start
-                .checked_add(offset)
-                .ok_or_else(|| SafetensorsError::InvalidLayout {
-                    tensor: placed.last().map(|p| p.0.clone()).unwrap_or_default(),
-                    reason: format!("file length {data_start} + {offset} overflows"),
-                })?;
+        let file_len = data_start.checked_add(offset).ok_or_else(|| SafetensorsError::InvalidLayout {
+            tensor: placed.last().map(|p| p.0.clone()).unwrap_or_default(),
+            reason: format!("file length {data_start} + {offset} overflows"),
+        })?;
 
         let mut header = Vec::with_capacity(json.len() + LEN_PREFIX as usize);
         header.extend_from_slice(&header_len.to_le_bytes());
@@ -1268,12 +1016,7 @@ impl FileLayout {
             })
             .collect();
         let by_name = name_order(&tensors);
-        Ok(FileLayout {
-            header,
-            tensors,
-            by_name,
-            file_len,
-        })
+        Ok(FileLayout { header, tensors, by_name, file_len })
     }
 
     /// The bytes that start the file: the 8-byte length and the padded JSON header.
@@ -1327,10 +1070,7 @@ pub struct SafetensorsWriter {
 impl SafetensorsWriter {
     /// Starts writing the file `path` with `layout`: creates a temporary file next to it, writes
     /// the header and sizes the file.
-    pub fn create(
-        path: impl AsRef<Path>,
-        layout: FileLayout,
-    ) -> Result<SafetensorsWriter, SafetensorsError> {
+    pub fn create(path: impl AsRef<Path>, layout: FileLayout) -> Result<SafetensorsWriter, SafetensorsError> {
         let path = path.as_ref().to_path_buf();
         let Some(file_name) = path.file_name().map(|n| n.to_string_lossy().into_owned()) else {
             return Err(SafetensorsError::InvalidOutputPath { path });
@@ -1350,10 +1090,7 @@ impl SafetensorsWriter {
             finished: false,
         };
         // From here on, Drop removes the temporary file if anything fails.
-        writer
-            .file
-            .set_len(writer.layout.file_len())
-            .map_err(io_error(&writer.temp_path, "size the output file"))?;
+        writer.file.set_len(writer.layout.file_len()).map_err(io_error(&writer.temp_path, "size the output file"))?;
         writer
             .file
             .write_all_at(writer.layout.header_bytes(), 0)
@@ -1395,29 +1132,16 @@ impl SafetensorsWriter {
         if bytes.is_empty() {
             return Ok(());
         }
-        self.file
-            .write_all_at(bytes, offset)
-            .map_err(io_error(&self.temp_path, "write tensor data"))?;
-        let mut written = self
-            .written
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        self.file.write_all_at(bytes, offset).map_err(io_error(&self.temp_path, "write tensor data"))?;
+        let mut written = self.written.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         insert_range(&mut written, offset, offset + len);
         Ok(())
     }
 
     /// Writes `bytes` at `offset` within the tensor `name`.
-    pub fn write_tensor_at(
-        &self,
-        name: &str,
-        offset: u64,
-        bytes: &[u8],
-    ) -> Result<(), SafetensorsError> {
+    pub fn write_tensor_at(&self, name: &str, offset: u64, bytes: &[u8]) -> Result<(), SafetensorsError> {
         let Some(info) = self.layout.tensor(name) else {
-            return Err(SafetensorsError::UnknownTensor {
-                path: self.path.clone(),
-                tensor: name.to_string(),
-            });
+            return Err(SafetensorsError::UnknownTensor { path: self.path.clone(), tensor: name.to_string() });
         };
         let len = bytes.len() as u64;
         if offset.checked_add(len).is_none_or(|e| e > info.byte_len) {
@@ -1451,34 +1175,21 @@ impl SafetensorsWriter {
                 .find(|t| t.file_end() > missing_begin && t.byte_len > 0)
                 .map(|t| t.name.clone())
                 .unwrap_or_default();
-            return Err(SafetensorsError::Incomplete {
-                path: self.path.clone(),
-                tensor,
-                missing_begin,
-                missing_end,
-            });
+            return Err(SafetensorsError::Incomplete { path: self.path.clone(), tensor, missing_begin, missing_end });
         }
-        self.file
-            .sync_all()
-            .map_err(io_error(&self.temp_path, "flush the output file to disk"))?;
-        fs::rename(&self.temp_path, &self.path)
-            .map_err(io_error(&self.path, "rename the finished file into place"))?;
+        self.file.sync_all().map_err(io_error(&self.temp_path, "flush the output file to disk"))?;
+        fs::rename(&self.temp_path, &self.path).map_err(io_error(&self.path, "rename the finished file into place"))?;
         self.finished = true;
         // Make the rename itself durable.
         if let Some(dir) = self.path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            File::open(dir)
-                .and_then(|d| d.sync_all())
-                .map_err(io_error(dir, "flush the output directory to disk"))?;
+            File::open(dir).and_then(|d| d.sync_all()).map_err(io_error(dir, "flush the output directory to disk"))?;
         }
         Ok(self.path.clone())
     }
 
     /// The first range of the data section never written, if any.
     fn first_gap(&self) -> Option<(u64, u64)> {
-        let written = self
-            .written
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let written = self.written.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let (begin, end) = (self.layout.data_start(), self.layout.file_len());
         if begin == end {
             return None;
@@ -1507,12 +1218,7 @@ fn create_temp(dir: &Path, file_name: &str) -> Result<(File, PathBuf), Safetenso
     let mut attempt = 0u32;
     loop {
         let temp = dir.join(format!(".{file_name}.{pid}-{attempt}.partial"));
-        match OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&temp)
-        {
+        match OpenOptions::new().read(true).write(true).create_new(true).open(&temp) {
             Ok(file) => return Ok((file, temp)),
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt < 10_000 => attempt += 1,
             Err(e) => return Err(io_error(&temp, "create the temporary output file")(e)),
@@ -1571,9 +1277,7 @@ mod tests {
     use tempfile::TempDir;
 
     fn fixture(name: &str) -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures/hf-tiny")
-            .join(name)
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf-tiny").join(name)
     }
 
     fn no_metadata() -> BTreeMap<String, String> {
@@ -1598,10 +1302,7 @@ mod tests {
     fn header_of(entries: &[(&str, &str, &[u64], u64, u64)]) -> String {
         let mut map = serde_json::Map::new();
         for &(name, dtype, shape, begin, end) in entries {
-            map.insert(
-                name.to_string(),
-                json!({"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}),
-            );
+            map.insert(name.to_string(), json!({"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}));
         }
         Value::Object(map).to_string()
     }
@@ -1615,16 +1316,9 @@ mod tests {
     fn assert_mentions(err: &SafetensorsError, parts: &[&str]) {
         let message = err.to_string();
         for part in parts {
-            assert!(
-                message.contains(part),
-                "{message:?} does not mention {part:?}"
-            );
+            assert!(message.contains(part), "{message:?} does not mention {part:?}");
         }
-        assert_eq!(
-            message.chars().next().map(|c| c.is_uppercase()),
-            Some(false),
-            "{message:?} starts with a capital"
-        );
+        assert_eq!(message.chars().next().map(|c| c.is_uppercase()), Some(false), "{message:?} starts with a capital");
     }
 
     fn read_range(path: &Path, offset: u64, len: u64) -> Vec<u8> {
@@ -1635,16 +1329,12 @@ mod tests {
     }
 
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
-        (0..len)
-            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-            .collect()
+        (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
     }
 
     fn dir_entries(dir: &Path) -> Vec<String> {
-        let mut names: Vec<String> = fs::read_dir(dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
+        let mut names: Vec<String> =
+            fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
         names.sort();
         names
     }
@@ -1673,16 +1363,10 @@ mod tests {
         assert_eq!(header.metadata(), &pt_metadata());
         assert_eq!(header.header_len() % 8, 0, "json header padded to 8 bytes");
         assert_eq!(header.data_start() % 8, 0);
-        assert_eq!(
-            header.data_len(),
-            (a.len() + b.len() + c.len() + scalar.len()) as u64
-        );
+        assert_eq!(header.data_len(), (a.len() + b.len() + c.len() + scalar.len()) as u64);
         // Data order is the order written.
         let names: Vec<&str> = header.tensors().iter().map(|t| t.name.as_str()).collect();
-        assert_eq!(
-            names,
-            vec!["z.bf16", "a.f32", "empty", "m.u8 \"quoted\"", "scalar"]
-        );
+        assert_eq!(names, vec!["z.bf16", "a.f32", "empty", "m.u8 \"quoted\"", "scalar"]);
         for &(name, dtype, shape, data) in &tensors {
             let t = header.tensor(name).unwrap();
             assert_eq!((t.dtype, t.shape.as_slice()), (dtype, shape));
@@ -1694,17 +1378,10 @@ mod tests {
         assert!(header.tensor("missing").is_none());
 
         // The layout predicted every offset the reader finds.
-        let layout = FileLayout::new(
-            tensors.iter().map(|&(n, d, s, _)| (n, d, s)),
-            &pt_metadata(),
-        )
-        .unwrap();
+        let layout = FileLayout::new(tensors.iter().map(|&(n, d, s, _)| (n, d, s)), &pt_metadata()).unwrap();
         assert_eq!(layout.tensors(), header.tensors());
         assert_eq!(layout.file_len(), header.file_len());
-        assert_eq!(
-            read_range(&path, 0, layout.data_start()),
-            layout.header_bytes()
-        );
+        assert_eq!(read_range(&path, 0, layout.data_start()), layout.header_bytes());
     }
 
     #[test]
@@ -1722,24 +1399,14 @@ mod tests {
     fn positional_writes_in_any_order_from_threads() {
         let dir = TempDir::new().unwrap();
         let path = dir.path().join("out.safetensors");
-        let shapes: Vec<(String, Vec<u64>)> =
-            (0..8).map(|i| (format!("t{i}"), vec![i + 1, 33])).collect();
-        let layout = FileLayout::new(
-            shapes
-                .iter()
-                .map(|(n, s)| (n.as_str(), DType::BF16, s.as_slice())),
-            &no_metadata(),
-        )
-        .unwrap();
+        let shapes: Vec<(String, Vec<u64>)> = (0..8).map(|i| (format!("t{i}"), vec![i + 1, 33])).collect();
+        let layout =
+            FileLayout::new(shapes.iter().map(|(n, s)| (n.as_str(), DType::BF16, s.as_slice())), &no_metadata())
+                .unwrap();
         let writer = SafetensorsWriter::create(&path, layout).unwrap();
         assert!(!path.exists(), "nothing under the final name before finish");
-        let data: Vec<Vec<u8>> = writer
-            .layout()
-            .tensors()
-            .iter()
-            .enumerate()
-            .map(|(i, t)| pattern(t.byte_len as usize, i as u8))
-            .collect();
+        let data: Vec<Vec<u8>> =
+            writer.layout().tensors().iter().enumerate().map(|(i, t)| pattern(t.byte_len as usize, i as u8)).collect();
         std::thread::scope(|s| {
             for half in 0..2usize {
                 let (writer, data) = (&writer, &data);
@@ -1751,9 +1418,7 @@ mod tests {
                         }
                         let bytes = &data[i];
                         let mid = bytes.len() / 3;
-                        writer
-                            .write_tensor_at(&t.name, mid as u64, &bytes[mid..])
-                            .unwrap();
+                        writer.write_tensor_at(&t.name, mid as u64, &bytes[mid..]).unwrap();
                         writer.write_all_at(t.file_offset, &bytes[..mid]).unwrap();
                     }
                 });
@@ -1772,14 +1437,8 @@ mod tests {
     fn finish_refuses_an_incomplete_file_and_leaves_nothing() {
         let dir = TempDir::new().unwrap();
         let path = dir.path().join("out.safetensors");
-        let layout = FileLayout::new(
-            [
-                ("a", DType::F32, &[4u64][..]),
-                ("b", DType::F32, &[4u64][..]),
-            ],
-            &no_metadata(),
-        )
-        .unwrap();
+        let layout =
+            FileLayout::new([("a", DType::F32, &[4u64][..]), ("b", DType::F32, &[4u64][..])], &no_metadata()).unwrap();
         let data_start = layout.data_start();
         let mut writer = SafetensorsWriter::create(&path, layout).unwrap();
         writer.write_next(&[1; 16]).unwrap(); // all of "a"
@@ -1790,14 +1449,7 @@ mod tests {
                 if tensor == "b" && *missing_begin == data_start + 16 && *missing_end == data_start + 24),
             "{err:?}"
         );
-        assert_mentions(
-            &err,
-            &[
-                "out.safetensors",
-                "\"b\"",
-                &format!("[{}, {})", data_start + 16, data_start + 24),
-            ],
-        );
+        assert_mentions(&err, &["out.safetensors", "\"b\"", &format!("[{}, {})", data_start + 16, data_start + 24)]);
         assert!(dir_entries(dir.path()).is_empty(), "temporary file removed");
     }
 
@@ -1809,11 +1461,7 @@ mod tests {
         let writer = SafetensorsWriter::create(&path, layout).unwrap();
         let temp = writer.temp_path().to_path_buf();
         assert!(temp.exists());
-        assert!(temp
-            .file_name()
-            .unwrap()
-            .to_string_lossy()
-            .starts_with(".out.safetensors."));
+        assert!(temp.file_name().unwrap().to_string_lossy().starts_with(".out.safetensors."));
         drop(writer);
         assert!(dir_entries(dir.path()).is_empty());
     }
@@ -1822,79 +1470,45 @@ mod tests {
     fn writes_outside_their_place_are_refused() {
         let dir = TempDir::new().unwrap();
         let path = dir.path().join("out.safetensors");
-        let layout = FileLayout::new(
-            [
-                ("a", DType::I32, &[2u64][..]),
-                ("b", DType::I64, &[1u64][..]),
-            ],
-            &no_metadata(),
-        )
-        .unwrap();
+        let layout =
+            FileLayout::new([("a", DType::I32, &[2u64][..]), ("b", DType::I64, &[1u64][..])], &no_metadata()).unwrap();
         let (start, end) = (layout.data_start(), layout.file_len());
         let mut writer = SafetensorsWriter::create(&path, layout).unwrap();
 
         let err = writer.write_tensor_at("a", 4, &[0; 5]).unwrap_err();
-        assert!(
-            matches!(err, SafetensorsError::TensorWriteOutOfBounds { .. }),
-            "{err:?}"
-        );
-        assert_mentions(
-            &err,
-            &["out.safetensors", "\"a\"", "5 bytes", "offset 4", "8 bytes"],
-        );
+        assert!(matches!(err, SafetensorsError::TensorWriteOutOfBounds { .. }), "{err:?}");
+        assert_mentions(&err, &["out.safetensors", "\"a\"", "5 bytes", "offset 4", "8 bytes"]);
 
         let err = writer.write_all_at(0, &[0; 8]).unwrap_err();
-        assert!(
-            matches!(err, SafetensorsError::WriteOutOfBounds { .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, SafetensorsError::WriteOutOfBounds { .. }), "{err:?}");
         assert_mentions(&err, &[&format!("[{start}, {end})")]);
         let err = writer.write_all_at(end - 1, &[0; 2]).unwrap_err();
-        assert!(
-            matches!(err, SafetensorsError::WriteOutOfBounds { .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, SafetensorsError::WriteOutOfBounds { .. }), "{err:?}");
 
         let err = writer.write_tensor_at("nope", 0, &[0]).unwrap_err();
-        assert!(
-            matches!(err, SafetensorsError::UnknownTensor { .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, SafetensorsError::UnknownTensor { .. }), "{err:?}");
         assert_mentions(&err, &["\"nope\""]);
 
         writer.write_next(&[0; 16]).unwrap();
         let err = writer.write_next(&[0; 1]).unwrap_err();
-        assert!(
-            matches!(err, SafetensorsError::WriteOutOfBounds { .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, SafetensorsError::WriteOutOfBounds { .. }), "{err:?}");
         writer.finish().unwrap();
         read_header(&path).unwrap();
     }
 
     #[test]
     fn layouts_reject_bad_tensor_lists() {
-        let err = FileLayout::new(
-            [("a", DType::U8, &[1u64][..]), ("a", DType::U8, &[1u64][..])],
-            &no_metadata(),
-        )
-        .unwrap_err();
-        assert!(
-            matches!(err, SafetensorsError::InvalidLayout { .. }),
-            "{err:?}"
-        );
+        let err = FileLayout::new([("a", DType::U8, &[1u64][..]), ("a", DType::U8, &[1u64][..])], &no_metadata())
+            .unwrap_err();
+        assert!(matches!(err, SafetensorsError::InvalidLayout { .. }), "{err:?}");
         assert_mentions(&err, &["\"a\"", "more than once"]);
 
-        let err = FileLayout::new([("__metadata__", DType::U8, &[1u64][..])], &no_metadata())
-            .unwrap_err();
+        let err = FileLayout::new([("__metadata__", DType::U8, &[1u64][..])], &no_metadata()).unwrap_err();
         assert_mentions(&err, &["__metadata__", "reserved"]);
 
         let huge = [u64::MAX / 2, 3];
         let err = FileLayout::new([("big", DType::F32, &huge[..])], &no_metadata()).unwrap_err();
-        assert!(
-            matches!(err, SafetensorsError::InvalidLayout { .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, SafetensorsError::InvalidLayout { .. }), "{err:?}");
         assert_mentions(&err, &["\"big\"", "overflows", &(u64::MAX / 2).to_string()]);
     }
 
@@ -1902,20 +1516,9 @@ mod tests {
     fn write_file_checks_data_lengths() {
         let dir = TempDir::new().unwrap();
         let path = dir.path().join("out.safetensors");
-        let err =
-            write_file(&path, &[("w", DType::BF16, &[3], &[0; 5])], &no_metadata()).unwrap_err();
-        assert!(matches!(
-            err,
-            SafetensorsError::DataSizeMismatch {
-                expected: 6,
-                actual: 5,
-                ..
-            }
-        ));
-        assert_mentions(
-            &err,
-            &["out.safetensors", "\"w\"", "6 bytes", "5 were given"],
-        );
+        let err = write_file(&path, &[("w", DType::BF16, &[3], &[0; 5])], &no_metadata()).unwrap_err();
+        assert!(matches!(err, SafetensorsError::DataSizeMismatch { expected: 6, actual: 5, .. }));
+        assert_mentions(&err, &["out.safetensors", "\"w\"", "6 bytes", "5 were given"]);
         assert!(dir_entries(dir.path()).is_empty());
     }
 
@@ -1929,36 +1532,19 @@ mod tests {
         let b = pattern(5, 8);
         write_file(
             &path,
-            &[
-                ("x", DType::BF16, &[2, 3], &a),
-                ("y", DType::F8E4M3, &[5], &b),
-                ("e", DType::I64, &[0], &[]),
-            ],
+            &[("x", DType::BF16, &[2, 3], &a), ("y", DType::F8E4M3, &[5], &b), ("e", DType::I64, &[0], &[])],
             &pt_metadata(),
         )
         .unwrap();
         let bytes = fs::read(&path).unwrap();
         let reference = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let x = reference.tensor("x").unwrap();
-        assert_eq!(
-            (x.dtype(), x.shape(), x.data()),
-            (safetensors::Dtype::BF16, &[2usize, 3][..], &a[..])
-        );
+        assert_eq!((x.dtype(), x.shape(), x.data()), (safetensors::Dtype::BF16, &[2usize, 3][..], &a[..]));
         let y = reference.tensor("y").unwrap();
-        assert_eq!(
-            (y.dtype(), y.shape(), y.data()),
-            (safetensors::Dtype::F8_E4M3, &[5usize][..], &b[..])
-        );
+        assert_eq!((y.dtype(), y.shape(), y.data()), (safetensors::Dtype::F8_E4M3, &[5usize][..], &b[..]));
         assert_eq!(reference.tensor("e").unwrap().data().len(), 0);
         let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-        assert_eq!(
-            metadata
-                .metadata()
-                .as_ref()
-                .and_then(|m| m.get("format"))
-                .map(String::as_str),
-            Some("pt")
-        );
+        assert_eq!(metadata.metadata().as_ref().and_then(|m| m.get("format")).map(String::as_str), Some("pt"));
     }
 
     #[test]
@@ -1968,18 +1554,9 @@ mod tests {
         let b = pattern(3 * 4, 2);
         let c = pattern(2, 3);
         let views = vec![
-            (
-                "b.weight",
-                TensorView::new(safetensors::Dtype::F16, vec![4], &a).unwrap(),
-            ),
-            (
-                "a.weight",
-                TensorView::new(safetensors::Dtype::F32, vec![3], &b).unwrap(),
-            ),
-            (
-                "c",
-                TensorView::new(safetensors::Dtype::BOOL, vec![1, 2], &c).unwrap(),
-            ),
+            ("b.weight", TensorView::new(safetensors::Dtype::F16, vec![4], &a).unwrap()),
+            ("a.weight", TensorView::new(safetensors::Dtype::F32, vec![3], &b).unwrap()),
+            ("c", TensorView::new(safetensors::Dtype::BOOL, vec![1, 2], &c).unwrap()),
         ];
         let info = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
         let bytes = safetensors::serialize(views, Some(info)).unwrap();
@@ -2010,31 +1587,19 @@ mod tests {
         assert_eq!(release.tensors().len(), 21);
         assert_eq!(release.total_bytes(), 205_440);
         assert!(release.index_path().is_some());
-        let names: Vec<&str> = release
-            .tensors()
-            .iter()
-            .map(|t| t.info.name.as_str())
-            .collect();
+        let names: Vec<&str> = release.tensors().iter().map(|t| t.info.name.as_str()).collect();
         let mut sorted = names.clone();
         sorted.sort_unstable();
         assert_eq!(names, sorted, "tensors sorted by name");
 
-        let k = release
-            .tensor("model.layers.0.self_attn.k_proj.weight")
-            .unwrap();
-        assert_eq!(
-            (k.info.dtype, k.info.shape.as_slice()),
-            (DType::BF16, &[16u64, 64][..])
-        );
+        let k = release.tensor("model.layers.0.self_attn.k_proj.weight").unwrap();
+        assert_eq!((k.info.dtype, k.info.shape.as_slice()), (DType::BF16, &[16u64, 64][..]));
         assert_eq!(k.info.byte_len, 2048);
         // data_offsets [82176, 84224] after a 2064-byte header.
         assert_eq!(k.info.file_offset, 8 + 2064 + 82_176);
         let (file, _) = release.locate("lm_head.weight").unwrap();
         assert!(file.path().ends_with("model-00002-of-00002.safetensors"));
-        assert_eq!(
-            file.metadata().get("format").map(String::as_str),
-            Some("pt")
-        );
+        assert_eq!(file.metadata().get("format").map(String::as_str), Some("pt"));
         let paths: Vec<&Path> = release.file_paths().collect();
         assert!(paths[0].ends_with("model-00001-of-00002.safetensors"));
         assert!(release.tensor("model.nope").is_none());
@@ -2045,13 +1610,8 @@ mod tests {
         let release = Release::open(fixture("qwen3_moe")).unwrap();
         assert_eq!(release.tensors().len(), 69);
         assert_eq!(release.total_bytes(), 305_856);
-        let gate = release
-            .tensor("model.layers.0.mlp.experts.0.gate_proj.weight")
-            .unwrap();
-        assert_eq!(
-            (gate.info.dtype, gate.info.shape.as_slice()),
-            (DType::BF16, &[32u64, 64][..])
-        );
+        let gate = release.tensor("model.layers.0.mlp.experts.0.gate_proj.weight").unwrap();
+        assert_eq!((gate.info.dtype, gate.info.shape.as_slice()), (DType::BF16, &[32u64, 64][..]));
         let router = release.tensor("model.layers.0.mlp.gate.weight").unwrap();
         assert_eq!(router.info.shape, vec![8, 64]);
     }
@@ -2062,22 +1622,13 @@ mod tests {
         assert_eq!(release.files().len(), 4);
         assert_eq!(release.tensors().len(), 154);
         assert_eq!(release.total_bytes(), 646_960);
-        let conv = release
-            .tensor("model.layers.0.linear_attn.conv1d.weight")
-            .unwrap();
+        let conv = release.tensor("model.layers.0.linear_attn.conv1d.weight").unwrap();
         assert_eq!(conv.info.shape, vec![128, 1, 4]);
         let a_log = release.tensor("model.layers.0.linear_attn.A_log").unwrap();
-        assert_eq!(
-            (a_log.info.dtype, a_log.info.shape.as_slice()),
-            (DType::BF16, &[4u64][..])
-        );
-        let q = release
-            .tensor("model.layers.3.self_attn.q_proj.weight")
-            .unwrap();
+        assert_eq!((a_log.info.dtype, a_log.info.shape.as_slice()), (DType::BF16, &[4u64][..]));
+        let q = release.tensor("model.layers.3.self_attn.q_proj.weight").unwrap();
         assert_eq!(q.info.shape, vec![128, 64]);
-        assert!(release.files()[q.file_index]
-            .path()
-            .ends_with("model-00004-of-00004.safetensors"));
+        assert!(release.files()[q.file_index].path().ends_with("model-00004-of-00004.safetensors"));
         let sum: u64 = release.files().iter().map(FileHeader::data_len).sum();
         assert_eq!(sum, release.total_bytes());
     }
@@ -2088,21 +1639,14 @@ mod tests {
         fs::write(dir.path().join("config.json"), "{}").unwrap();
         write_file(
             dir.path().join("model.safetensors"),
-            &[
-                ("w", DType::F32, &[2], &[0; 8]),
-                ("b", DType::F32, &[1], &[0; 4]),
-            ],
+            &[("w", DType::F32, &[2], &[0; 8]), ("b", DType::F32, &[1], &[0; 4])],
             &pt_metadata(),
         )
         .unwrap();
         let release = Release::open(dir.path()).unwrap();
         assert!(release.index_path().is_none());
         assert_eq!(release.total_bytes(), 12);
-        let names: Vec<&str> = release
-            .tensors()
-            .iter()
-            .map(|t| t.info.name.as_str())
-            .collect();
+        let names: Vec<&str> = release.tensors().iter().map(|t| t.info.name.as_str()).collect();
         assert_eq!(names, vec!["b", "w"]);
         assert_eq!(release.config_json(), "{}");
     }
@@ -2117,17 +1661,7 @@ mod tests {
         bytes.extend_from_slice(b"{}        ");
         fs::write(&path, &bytes).unwrap();
         let err = read_header(&path).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                SafetensorsError::HeaderBeyondFile {
-                    header_len: 1000,
-                    file_len: 18,
-                    ..
-                }
-            ),
-            "{err:?}"
-        );
+        assert!(matches!(err, SafetensorsError::HeaderBeyondFile { header_len: 1000, file_len: 18, .. }), "{err:?}");
         assert_mentions(&err, &["bad.safetensors", "1000", "18 bytes", "at most 10"]);
     }
 
@@ -2137,10 +1671,7 @@ mod tests {
         let path = dir.path().join("bad.safetensors");
         fs::write(&path, [1, 2, 3]).unwrap();
         let err = read_header(&path).unwrap_err();
-        assert!(
-            matches!(err, SafetensorsError::FileTooShort { file_len: 3, .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, SafetensorsError::FileTooShort { file_len: 3, .. }), "{err:?}");
         assert_mentions(&err, &["bad.safetensors", "3 bytes"]);
     }
 
@@ -2148,23 +1679,14 @@ mod tests {
     fn header_not_json() {
         let dir = TempDir::new().unwrap();
         let (_, err) = bad(&dir, "{\"a\": {\"dtype\": \"F32\", \"sha", 0);
-        assert!(
-            matches!(err, SafetensorsError::HeaderNotJson { .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, SafetensorsError::HeaderNotJson { .. }), "{err:?}");
         assert_mentions(&err, &["bad.safetensors", "not valid json"]);
 
         let (_, err) = bad(&dir, "[1, 2]", 0);
-        assert!(
-            matches!(err, SafetensorsError::HeaderNotJson { .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, SafetensorsError::HeaderNotJson { .. }), "{err:?}");
 
         let (_, err) = bad(&dir, "{} trailing", 0);
-        assert!(
-            matches!(err, SafetensorsError::HeaderNotJson { .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, SafetensorsError::HeaderNotJson { .. }), "{err:?}");
     }
 
     #[test]
@@ -2175,20 +1697,14 @@ mod tests {
         bytes.extend_from_slice(b"{}");
         fs::write(&path, &bytes).unwrap();
         let err = read_header(&path).unwrap_err();
-        assert!(
-            matches!(err, SafetensorsError::HeaderTooLarge { .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, SafetensorsError::HeaderTooLarge { .. }), "{err:?}");
         assert_mentions(&err, &["bad.safetensors", "104857601", "104857600"]);
 
         let mut bytes = u64::MAX.to_le_bytes().to_vec();
         bytes.extend_from_slice(b"{}");
         fs::write(&path, &bytes).unwrap();
         let err = read_header(&path).unwrap_err();
-        assert!(
-            matches!(err, SafetensorsError::HeaderTooLarge { .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, SafetensorsError::HeaderTooLarge { .. }), "{err:?}");
     }
 
     #[test]
@@ -2197,52 +1713,25 @@ mod tests {
         let path = dir.path().join("cut.safetensors");
         write_file(
             &path,
-            &[
-                ("first", DType::F32, &[4], &[0; 16]),
-                ("second", DType::F32, &[4], &[0; 16]),
-            ],
+            &[("first", DType::F32, &[4], &[0; 16]), ("second", DType::F32, &[4], &[0; 16])],
             &no_metadata(),
         )
         .unwrap();
         let len = fs::metadata(&path).unwrap().len();
-        File::options()
-            .write(true)
-            .open(&path)
-            .unwrap()
-            .set_len(len - 3)
-            .unwrap();
+        File::options().write(true).open(&path).unwrap().set_len(len - 3).unwrap();
         let err = read_header(&path).unwrap_err();
         assert!(
             matches!(&err, SafetensorsError::Truncated { tensor, end: 32, data_len: 29, .. } if tensor == "second"),
             "{err:?}"
         );
-        assert_mentions(
-            &err,
-            &[
-                "cut.safetensors",
-                "truncated",
-                "\"second\"",
-                "32",
-                "29 bytes",
-            ],
-        );
+        assert_mentions(&err, &["cut.safetensors", "truncated", "\"second\"", "32", "29 bytes"]);
     }
 
     #[test]
     fn trailing_bytes_after_the_last_tensor() {
         let dir = TempDir::new().unwrap();
         let (_, err) = bad(&dir, &header_of(&[("a", "U8", &[4], 0, 4)]), 6);
-        assert!(
-            matches!(
-                err,
-                SafetensorsError::TrailingBytes {
-                    declared: 4,
-                    data_len: 6,
-                    ..
-                }
-            ),
-            "{err:?}"
-        );
+        assert!(matches!(err, SafetensorsError::TrailingBytes { declared: 4, data_len: 6, .. }), "{err:?}");
         assert_mentions(&err, &["bad.safetensors", "6 bytes", "end at 4"]);
     }
 
@@ -2255,10 +1744,7 @@ mod tests {
             matches!(&err, SafetensorsError::Overlap { tensor, other, begin: 8, .. } if tensor == "b" && other == "a"),
             "{err:?}"
         );
-        assert_mentions(
-            &err,
-            &["bad.safetensors", "\"b\"", "[8, 24]", "\"a\"", "[0, 16]"],
-        );
+        assert_mentions(&err, &["bad.safetensors", "\"b\"", "[8, 24]", "\"a\"", "[0, 16]"]);
     }
 
     #[test]
@@ -2298,18 +1784,7 @@ mod tests {
 
         // Data that does not start at 0 leaves a hole too.
         let (_, err) = bad(&dir, &header_of(&[("a", "U8", &[4], 4, 8)]), 8);
-        assert!(
-            matches!(
-                &err,
-                SafetensorsError::Hole {
-                    previous: None,
-                    gap_begin: 0,
-                    gap_end: 4,
-                    ..
-                }
-            ),
-            "{err:?}"
-        );
+        assert!(matches!(&err, SafetensorsError::Hole { previous: None, gap_begin: 0, gap_end: 4, .. }), "{err:?}");
         assert_mentions(&err, &["start of the data section", "[0, 4)"]);
     }
 
@@ -2321,17 +1796,7 @@ mod tests {
             matches!(&err, SafetensorsError::SizeMismatch { tensor, expected: 24, begin: 0, end: 16, .. } if tensor == "w"),
             "{err:?}"
         );
-        assert_mentions(
-            &err,
-            &[
-                "bad.safetensors",
-                "\"w\"",
-                "[2, 3]",
-                "F32",
-                "24 bytes",
-                "span 16 bytes",
-            ],
-        );
+        assert_mentions(&err, &["bad.safetensors", "\"w\"", "[2, 3]", "F32", "24 bytes", "span 16 bytes"]);
     }
 
     #[test]
@@ -2339,14 +1804,8 @@ mod tests {
         let dir = TempDir::new().unwrap();
         let shape = [1u64 << 32, 1 << 32, 2];
         let (_, err) = bad(&dir, &header_of(&[("w", "BF16", &shape, 0, 16)]), 16);
-        assert!(
-            matches!(err, SafetensorsError::ShapeOverflow { .. }),
-            "{err:?}"
-        );
-        assert_mentions(
-            &err,
-            &["bad.safetensors", "\"w\"", "4294967296", "overflows"],
-        );
+        assert!(matches!(err, SafetensorsError::ShapeOverflow { .. }), "{err:?}");
+        assert_mentions(&err, &["bad.safetensors", "\"w\"", "4294967296", "overflows"]);
     }
 
     #[test]
@@ -2365,10 +1824,7 @@ mod tests {
         let dir = TempDir::new().unwrap();
         let entry = r#"{"dtype":"U8","shape":[2],"data_offsets":[0,2]}"#;
         let (_, err) = bad(&dir, &format!(r#"{{"w":{entry},"w":{entry}}}"#), 2);
-        assert!(
-            matches!(&err, SafetensorsError::DuplicateKey { key, .. } if key == "w"),
-            "{err:?}"
-        );
+        assert!(matches!(&err, SafetensorsError::DuplicateKey { key, .. } if key == "w"), "{err:?}");
         assert_mentions(&err, &["bad.safetensors", "\"w\"", "more than once"]);
     }
 
@@ -2376,50 +1832,27 @@ mod tests {
     fn metadata_that_is_not_a_string_map() {
         let dir = TempDir::new().unwrap();
         let (_, err) = bad(&dir, r#"{"__metadata__":{"format":1}}"#, 0);
-        assert!(
-            matches!(err, SafetensorsError::InvalidMetadata { .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, SafetensorsError::InvalidMetadata { .. }), "{err:?}");
         assert_mentions(&err, &["bad.safetensors", "__metadata__"]);
 
         let (_, err) = bad(&dir, r#"{"__metadata__":{"k":"a","k":"b"}}"#, 0);
-        assert!(
-            matches!(err, SafetensorsError::InvalidMetadata { .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, SafetensorsError::InvalidMetadata { .. }), "{err:?}");
         assert_mentions(&err, &["\"k\"", "more than once"]);
     }
 
     #[test]
     fn malformed_tensor_entries() {
         let dir = TempDir::new().unwrap();
-        let (_, err) = bad(
-            &dir,
-            r#"{"w":{"dtype":"U8","shape":[-1],"data_offsets":[0,0]}}"#,
-            0,
-        );
-        assert!(
-            matches!(&err, SafetensorsError::InvalidEntry { tensor, .. } if tensor == "w"),
-            "{err:?}"
-        );
+        let (_, err) = bad(&dir, r#"{"w":{"dtype":"U8","shape":[-1],"data_offsets":[0,0]}}"#, 0);
+        assert!(matches!(&err, SafetensorsError::InvalidEntry { tensor, .. } if tensor == "w"), "{err:?}");
         assert_mentions(&err, &["bad.safetensors", "\"w\""]);
 
-        let (_, err) = bad(
-            &dir,
-            r#"{"w":{"dtype":"U8","shape":[2],"data_offsets":[0,1,2]}}"#,
-            2,
-        );
-        assert!(
-            matches!(&err, SafetensorsError::InvalidEntry { tensor, .. } if tensor == "w"),
-            "{err:?}"
-        );
+        let (_, err) = bad(&dir, r#"{"w":{"dtype":"U8","shape":[2],"data_offsets":[0,1,2]}}"#, 2);
+        assert!(matches!(&err, SafetensorsError::InvalidEntry { tensor, .. } if tensor == "w"), "{err:?}");
         assert_mentions(&err, &["\"w\"", "3 values"]);
 
         let (_, err) = bad(&dir, r#"{"w":{"dtype":"U8","shape":[2]}}"#, 2);
-        assert!(
-            matches!(&err, SafetensorsError::InvalidEntry { tensor, .. } if tensor == "w"),
-            "{err:?}"
-        );
+        assert!(matches!(&err, SafetensorsError::InvalidEntry { tensor, .. } if tensor == "w"), "{err:?}");
         assert_mentions(&err, &["data_offsets"]);
     }
 
@@ -2451,24 +1884,14 @@ mod tests {
             matches!(&err, SafetensorsError::MissingShard { file, .. } if file == "model-00002-of-00002.safetensors"),
             "{err:?}"
         );
-        assert_mentions(
-            &err,
-            &[
-                INDEX_FILE_NAME,
-                "\"model-00002-of-00002.safetensors\"",
-                "missing",
-            ],
-        );
+        assert_mentions(&err, &[INDEX_FILE_NAME, "\"model-00002-of-00002.safetensors\"", "missing"]);
     }
 
     #[test]
     fn key_in_index_but_not_in_its_file() {
         let dir = copy_release("llama");
         edit_index(dir.path(), |map| {
-            map.insert(
-                "model.extra.weight".into(),
-                json!("model-00001-of-00002.safetensors"),
-            );
+            map.insert("model.extra.weight".into(), json!("model-00001-of-00002.safetensors"));
         });
         let err = Release::open(dir.path()).unwrap_err();
         assert!(
@@ -2476,41 +1899,16 @@ mod tests {
                 if tensor == "model.extra.weight" && file == "model-00001-of-00002.safetensors"),
             "{err:?}"
         );
-        assert_mentions(
-            &err,
-            &[
-                INDEX_FILE_NAME,
-                "\"model.extra.weight\"",
-                "\"model-00001-of-00002.safetensors\"",
-            ],
-        );
+        assert_mentions(&err, &[INDEX_FILE_NAME, "\"model.extra.weight\"", "\"model-00001-of-00002.safetensors\""]);
 
         // Mapped to the wrong shard: the message says where the tensor really is.
         let dir = copy_release("llama");
         edit_index(dir.path(), |map| {
-            map.insert(
-                "model.norm.weight".into(),
-                json!("model-00002-of-00002.safetensors"),
-            );
+            map.insert("model.norm.weight".into(), json!("model-00002-of-00002.safetensors"));
         });
         let err = Release::open(dir.path()).unwrap_err();
-        assert!(
-            matches!(
-                &err,
-                SafetensorsError::NotInFile {
-                    found_in: Some(_),
-                    ..
-                }
-            ),
-            "{err:?}"
-        );
-        assert_mentions(
-            &err,
-            &[
-                "\"model.norm.weight\"",
-                "it is in \"model-00001-of-00002.safetensors\"",
-            ],
-        );
+        assert!(matches!(&err, SafetensorsError::NotInFile { found_in: Some(_), .. }), "{err:?}");
+        assert_mentions(&err, &["\"model.norm.weight\"", "it is in \"model-00001-of-00002.safetensors\""]);
     }
 
     #[test]
@@ -2527,12 +1925,7 @@ mod tests {
         );
         assert_mentions(
             &err,
-            &[
-                INDEX_FILE_NAME,
-                "\"model.norm.weight\"",
-                "\"model-00001-of-00002.safetensors\"",
-                "weight_map",
-            ],
+            &[INDEX_FILE_NAME, "\"model.norm.weight\"", "\"model-00001-of-00002.safetensors\"", "weight_map"],
         );
     }
 
@@ -2546,14 +1939,8 @@ mod tests {
             &no_metadata(),
         )
         .unwrap();
-        write_file(
-            dir.path().join("b.safetensors"),
-            &[("x", DType::U8, &[1], &[3])],
-            &no_metadata(),
-        )
-        .unwrap();
-        let index =
-            json!({"metadata": {}, "weight_map": {"x": "a.safetensors", "y": "b.safetensors"}});
+        write_file(dir.path().join("b.safetensors"), &[("x", DType::U8, &[1], &[3])], &no_metadata()).unwrap();
+        let index = json!({"metadata": {}, "weight_map": {"x": "a.safetensors", "y": "b.safetensors"}});
         fs::write(dir.path().join(INDEX_FILE_NAME), index.to_string()).unwrap();
         let err = Release::open(dir.path()).unwrap_err();
         assert!(
@@ -2575,33 +1962,19 @@ mod tests {
         );
         fs::write(&path, text).unwrap();
         let err = Release::open(dir.path()).unwrap_err();
-        assert!(
-            matches!(err, SafetensorsError::InvalidIndex { .. }),
-            "{err:?}"
-        );
-        assert_mentions(
-            &err,
-            &[INDEX_FILE_NAME, "\"lm_head.weight\"", "more than once"],
-        );
+        assert!(matches!(err, SafetensorsError::InvalidIndex { .. }), "{err:?}");
+        assert_mentions(&err, &[INDEX_FILE_NAME, "\"lm_head.weight\"", "more than once"]);
     }
 
     #[test]
     fn path_traversal_in_the_index() {
-        for name in [
-            "../model-00001-of-00002.safetensors",
-            "/etc/passwd",
-            "sub/../../x.safetensors",
-            "",
-        ] {
+        for name in ["../model-00001-of-00002.safetensors", "/etc/passwd", "sub/../../x.safetensors", ""] {
             let dir = copy_release("llama");
             edit_index(dir.path(), |map| {
                 map.insert("model.norm.weight".into(), json!(name));
             });
             let err = Release::open(dir.path()).unwrap_err();
-            assert!(
-                matches!(&err, SafetensorsError::ShardPathEscapes { file, .. } if file == name),
-                "{name}: {err:?}"
-            );
+            assert!(matches!(&err, SafetensorsError::ShardPathEscapes { file, .. } if file == name), "{name}: {err:?}");
             assert_mentions(&err, &[INDEX_FILE_NAME, &format!("{name:?}"), "escapes"]);
         }
     }
@@ -2611,10 +1984,7 @@ mod tests {
         let dir = copy_release("llama");
         fs::remove_file(dir.path().join("config.json")).unwrap();
         let err = Release::open(dir.path()).unwrap_err();
-        assert!(
-            matches!(err, SafetensorsError::MissingConfig { .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, SafetensorsError::MissingConfig { .. }), "{err:?}");
         assert_mentions(&err, &[&dir.path().display().to_string(), "config.json"]);
     }
 
@@ -2623,18 +1993,12 @@ mod tests {
         let dir = copy_release("llama");
         fs::write(dir.path().join(INDEX_FILE_NAME), "{\"weight_map\": {").unwrap();
         let err = Release::open(dir.path()).unwrap_err();
-        assert!(
-            matches!(err, SafetensorsError::IndexNotJson { .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, SafetensorsError::IndexNotJson { .. }), "{err:?}");
         assert_mentions(&err, &[INDEX_FILE_NAME, "not valid json"]);
 
         fs::write(dir.path().join(INDEX_FILE_NAME), "{\"metadata\": {}}").unwrap();
         let err = Release::open(dir.path()).unwrap_err();
-        assert!(
-            matches!(err, SafetensorsError::InvalidIndex { .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, SafetensorsError::InvalidIndex { .. }), "{err:?}");
         assert_mentions(&err, &["weight_map"]);
     }
 
@@ -2644,14 +2008,7 @@ mod tests {
         fs::write(dir.path().join("config.json"), "{}").unwrap();
         let err = Release::open(dir.path()).unwrap_err();
         assert!(matches!(err, SafetensorsError::NoWeights { .. }), "{err:?}");
-        assert_mentions(
-            &err,
-            &[
-                &dir.path().display().to_string(),
-                SINGLE_FILE_NAME,
-                INDEX_FILE_NAME,
-            ],
-        );
+        assert_mentions(&err, &[&dir.path().display().to_string(), SINGLE_FILE_NAME, INDEX_FILE_NAME]);
     }
 
     #[test]
@@ -2659,17 +2016,9 @@ mod tests {
         let dir = copy_release("llama");
         let shard = dir.path().join("model-00002-of-00002.safetensors");
         let len = fs::metadata(&shard).unwrap().len();
-        File::options()
-            .write(true)
-            .open(&shard)
-            .unwrap()
-            .set_len(len - 1)
-            .unwrap();
+        File::options().write(true).open(&shard).unwrap().set_len(len - 1).unwrap();
         let err = Release::open(dir.path()).unwrap_err();
-        assert!(
-            matches!(&err, SafetensorsError::Truncated { tensor, .. } if tensor == "lm_head.weight"),
-            "{err:?}"
-        );
+        assert!(matches!(&err, SafetensorsError::Truncated { tensor, .. } if tensor == "lm_head.weight"), "{err:?}");
         assert_mentions(&err, &["model-00002-of-00002.safetensors"]);
     }
 

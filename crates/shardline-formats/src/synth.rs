@@ -42,8 +42,7 @@ use shardline_layout::DType;
 use thiserror::Error;
 
 use crate::safetensors::{
-    FileLayout, SafetensorsError, SafetensorsWriter, CONFIG_FILE_NAME, INDEX_FILE_NAME,
-    SINGLE_FILE_NAME,
+    FileLayout, SafetensorsError, SafetensorsWriter, CONFIG_FILE_NAME, INDEX_FILE_NAME, SINGLE_FILE_NAME,
 };
 
 /// Default largest shard, like `save_pretrained(max_shard_size=…)`.
@@ -78,10 +77,7 @@ const TRANSFORMERS_VERSION: &str = "5.23.0";
 #[non_exhaustive]
 pub enum SynthError {
     #[error("unknown architecture `{arch}` (supported: {})", supported.join(", "))]
-    UnknownArch {
-        arch: String,
-        supported: Vec<&'static str>,
-    },
+    UnknownArch { arch: String, supported: Vec<&'static str> },
 
     #[error(
         "invalid size {input:?}: {reason} (expected a number with an optional unit, e.g. `1MB`, \
@@ -94,11 +90,7 @@ pub enum SynthError {
         "target of {target} bytes is too small for `{arch}`: the smallest model has {minimum} \
          bytes of tensors"
     )]
-    TargetTooSmall {
-        arch: &'static str,
-        target: u64,
-        minimum: u64,
-    },
+    TargetTooSmall { arch: &'static str, target: u64, minimum: u64 },
 
     #[error(
         "target of {target} bytes is too large for `{arch}`: it would need more than \
@@ -119,11 +111,7 @@ pub enum SynthError {
     OutputNotEmpty { dir: PathBuf, file: String },
 
     #[error("{}: cannot {action}: {source}", .path.display())]
-    Io {
-        path: PathBuf,
-        action: &'static str,
-        source: io::Error,
-    },
+    Io { path: PathBuf, action: &'static str, source: io::Error },
 
     #[error(transparent)]
     Safetensors(#[from] SafetensorsError),
@@ -134,11 +122,7 @@ pub enum SynthError {
 
 fn io_error(path: &Path, action: &'static str) -> impl FnOnce(io::Error) -> SynthError {
     let path = path.to_path_buf();
-    move |source| SynthError::Io {
-        path,
-        action,
-        source,
-    }
+    move |source| SynthError::Io { path, action, source }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -151,14 +135,9 @@ fn io_error(path: &Path, action: &'static str) -> impl FnOnce(io::Error) -> Synt
 /// `KiB` … `PiB` and the one-letter `K`, `M`, `G`, `T`, `P` (as in `dd`) are powers of 1024.
 /// A fractional number is allowed with a unit and rounded down to whole bytes.
 pub fn parse_size(input: &str) -> Result<u64, SynthError> {
-    let invalid = |reason: &str| SynthError::InvalidSize {
-        input: input.to_string(),
-        reason: reason.to_string(),
-    };
+    let invalid = |reason: &str| SynthError::InvalidSize { input: input.to_string(), reason: reason.to_string() };
     let text = input.trim();
-    let split = text
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(text.len());
+    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
     let (number, unit) = text.split_at(split);
     let unit = unit.trim();
     if number.is_empty() {
@@ -189,11 +168,7 @@ pub fn parse_size(input: &str) -> Result<u64, SynthError> {
         return Err(invalid("no digits"));
     }
     let too_large = || invalid("does not fit in 64 bits");
-    let whole_value: u64 = if whole.is_empty() {
-        0
-    } else {
-        whole.parse().map_err(|_| too_large())?
-    };
+    let whole_value: u64 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| too_large())? };
     let mut bytes = whole_value.checked_mul(multiplier).ok_or_else(too_large)?;
     // fraction · multiplier / 10^digits, exactly; digits beyond 10^-20 are below one byte.
     let mut numerator: u128 = 0;
@@ -202,8 +177,7 @@ pub fn parse_size(input: &str) -> Result<u64, SynthError> {
         denominator *= 10;
         numerator = numerator * 10 + u128::from(digit - b'0');
     }
-    let extra =
-        u64::try_from(numerator * u128::from(multiplier) / denominator).map_err(|_| too_large())?;
+    let extra = u64::try_from(numerator * u128::from(multiplier) / denominator).map_err(|_| too_large())?;
     bytes = bytes.checked_add(extra).ok_or_else(too_large)?;
     Ok(bytes)
 }
@@ -235,17 +209,8 @@ pub enum Arch {
 }
 
 /// Every `model_type` [`synth`] accepts.
-pub const SUPPORTED_ARCHS: &[&str] = &[
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "qwen3_moe",
-    "mixtral",
-    "qwen3_next",
-    "qwen3_5_text",
-    "qwen3_5_moe_text",
-];
+pub const SUPPORTED_ARCHS: &[&str] =
+    &["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"];
 
 impl Arch {
     /// Every architecture, in the order of [`SUPPORTED_ARCHS`].
@@ -293,18 +258,12 @@ impl Arch {
 
     /// Whether layers alternate Gated DeltaNet and full attention.
     pub fn is_hybrid(self) -> bool {
-        matches!(
-            self,
-            Arch::Qwen3Next | Arch::Qwen35Text | Arch::Qwen35MoeText
-        )
+        matches!(self, Arch::Qwen3Next | Arch::Qwen35Text | Arch::Qwen35MoeText)
     }
 
     /// Whether the MLP of every layer is routed experts.
     pub fn is_moe(self) -> bool {
-        matches!(
-            self,
-            Arch::Qwen3Moe | Arch::Mixtral | Arch::Qwen3Next | Arch::Qwen35MoeText
-        )
+        matches!(self, Arch::Qwen3Moe | Arch::Mixtral | Arch::Qwen3Next | Arch::Qwen35MoeText)
     }
 
     fn has_shared_expert(self) -> bool {
@@ -312,10 +271,7 @@ impl Arch {
     }
 
     fn has_qk_norm(self) -> bool {
-        matches!(
-            self,
-            Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen35Text | Arch::Qwen35MoeText
-        )
+        matches!(self, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen35Text | Arch::Qwen35MoeText)
     }
 
     /// Whether the decoder's RMSNorms compute `x · (1 + w)` (weights stored around 0).
@@ -354,10 +310,7 @@ impl FromStr for Arch {
         Arch::ALL
             .into_iter()
             .find(|a| a.name() == name)
-            .ok_or_else(|| SynthError::UnknownArch {
-                arch: name.to_string(),
-                supported: SUPPORTED_ARCHS.to_vec(),
-            })
+            .ok_or_else(|| SynthError::UnknownArch { arch: name.to_string(), supported: SUPPORTED_ARCHS.to_vec() })
     }
 }
 
@@ -535,11 +488,7 @@ impl Width {
             head_dim: self.head_dim,
             intermediate_size: self.intermediate,
             vocab_size: self.vocab.unwrap_or_else(|| arch.real_vocab()),
-            num_experts: if arch == Arch::Mixtral {
-                8
-            } else {
-                self.experts
-            },
+            num_experts: if arch == Arch::Mixtral { 8 } else { self.experts },
             moe_intermediate_size: self.moe_intermediate,
             shared_expert_intermediate_size: self.moe_intermediate,
             linear: arch.is_hybrid().then_some(LinearAttentionDims {
@@ -604,9 +553,7 @@ impl SizeModel {
     fn of(arch: Arch, dims: &ModelDims) -> Result<SizeModel, SynthError> {
         let sum = |specs: &[TensorSpec]| -> Result<u64, SynthError> {
             specs.iter().try_fold(0u64, |acc, t| {
-                checked_bytes(&t.shape)
-                    .and_then(|b| acc.checked_add(b))
-                    .ok_or_else(|| overflow(arch))
+                checked_bytes(&t.shape).and_then(|b| acc.checked_add(b)).ok_or_else(|| overflow(arch))
             })
         };
         let mut specs = Vec::new();
@@ -620,26 +567,15 @@ impl SizeModel {
         specs.clear();
         layer_tensors(arch, dims, 0, &mut specs);
         let linear_layer = sum(&specs)?;
-        Ok(SizeModel {
-            fixed,
-            per_vocab_row: 4 * dims.hidden_size,
-            full_layer,
-            linear_layer,
-        })
+        Ok(SizeModel { fixed, per_vocab_row: 4 * dims.hidden_size, full_layer, linear_layer })
     }
 
     /// Tensor bytes with `layers` layers and `vocab_delta` more vocabulary rows than measured;
     /// `None` on overflow.
     fn total(&self, arch: Arch, layers: u64, vocab_delta: i64) -> Option<u64> {
-        let full = if arch.is_hybrid() {
-            layers / FULL_ATTENTION_INTERVAL
-        } else {
-            layers
-        };
+        let full = if arch.is_hybrid() { layers / FULL_ATTENTION_INTERVAL } else { layers };
         let linear = layers - full;
-        let layers_bytes = full
-            .checked_mul(self.full_layer)?
-            .checked_add(linear.checked_mul(self.linear_layer)?)?;
+        let layers_bytes = full.checked_mul(self.full_layer)?.checked_add(linear.checked_mul(self.linear_layer)?)?;
         let vocab_bytes = self.per_vocab_row.checked_mul(vocab_delta.unsigned_abs())?;
         let fixed = if vocab_delta >= 0 {
             self.fixed.checked_add(vocab_bytes)?
@@ -652,8 +588,7 @@ impl SizeModel {
     /// Average bytes of a layer.
     fn mean_layer(&self, arch: Arch) -> u64 {
         if arch.is_hybrid() {
-            ((FULL_ATTENTION_INTERVAL - 1) * self.linear_layer + self.full_layer)
-                / FULL_ATTENTION_INTERVAL
+            ((FULL_ATTENTION_INTERVAL - 1) * self.linear_layer + self.full_layer) / FULL_ATTENTION_INTERVAL
         } else {
             self.full_layer
         }
@@ -661,17 +596,11 @@ impl SizeModel {
 }
 
 fn overflow(arch: Arch) -> SynthError {
-    SynthError::InvalidDims {
-        arch: arch.name(),
-        reason: "tensor sizes overflow a 64-bit byte count".to_string(),
-    }
+    SynthError::InvalidDims { arch: arch.name(), reason: "tensor sizes overflow a 64-bit byte count".to_string() }
 }
 
 fn checked_bytes(shape: &[u64]) -> Option<u64> {
-    shape
-        .iter()
-        .try_fold(1u64, |acc, &d| acc.checked_mul(d))?
-        .checked_mul(2)
+    shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))?.checked_mul(2)
 }
 
 fn relative_error(total: u64, target: u64) -> f64 {
@@ -708,15 +637,8 @@ fn fit_width(arch: Arch, width: &Width, target: u64) -> Result<Vec<Fit>, SynthEr
             return None;
         }
         let total = size.total(arch, layers, delta(new_vocab))?;
-        let oddity = (layers as f64 / PREFERRED_LAYERS).ln().abs()
-            + (new_vocab as f64 / vocab as f64).ln().abs();
-        Some(Fit {
-            layers,
-            vocab: new_vocab,
-            total,
-            error: relative_error(total, target),
-            oddity,
-        })
+        let oddity = (layers as f64 / PREFERRED_LAYERS).ln().abs() + (new_vocab as f64 / vocab as f64).ln().abs();
+        Some(Fit { layers, vocab: new_vocab, total, error: relative_error(total, target), oddity })
     };
     // The layer counts that can come close with some vocabulary in range.
     let mean = size.mean_layer(arch).max(1);
@@ -735,12 +657,7 @@ fn fit_width(arch: Arch, width: &Width, target: u64) -> Result<Vec<Fit>, SynthEr
         let rows = (target as f64 - plain.total as f64) / size.per_vocab_row as f64;
         let tuned = ((vocab as f64 + rows) / 64.0).round() * 64.0;
         let tuned = (tuned.max(0.0) as u64).clamp(lowest, highest);
-        fits.extend(
-            [Some(plain), evaluate(layers, tuned)]
-                .into_iter()
-                .flatten()
-                .filter(|f| f.error <= SIZE_TOLERANCE),
-        );
+        fits.extend([Some(plain), evaluate(layers, tuned)].into_iter().flatten().filter(|f| f.error <= SIZE_TOLERANCE));
     }
     Ok(fits)
 }
@@ -757,16 +674,9 @@ impl SynthModel {
         }
         tensors.append(&mut tail);
         let total_bytes = tensors.iter().try_fold(0u64, |acc, t| {
-            checked_bytes(&t.shape)
-                .and_then(|b| acc.checked_add(b))
-                .ok_or_else(|| overflow(arch))
+            checked_bytes(&t.shape).and_then(|b| acc.checked_add(b)).ok_or_else(|| overflow(arch))
         })?;
-        Ok(SynthModel {
-            arch,
-            dims,
-            tensors,
-            total_bytes,
-        })
+        Ok(SynthModel { arch, dims, tensors, total_bytes })
     }
 
     /// A model of `arch` whose tensor bytes are within [`SIZE_TOLERANCE`] of `target_bytes`.
@@ -777,21 +687,12 @@ impl SynthModel {
     pub fn for_target(arch: Arch, target_bytes: u64) -> Result<SynthModel, SynthError> {
         let mut fits: Vec<(&Width, Fit)> = Vec::new();
         for width in WIDTHS {
-            fits.extend(
-                fit_width(arch, width, target_bytes)?
-                    .into_iter()
-                    .map(|f| (width, f)),
-            );
+            fits.extend(fit_width(arch, width, target_bytes)?.into_iter().map(|f| (width, f)));
         }
         let close = fits.iter().any(|(_, f)| f.error <= CLOSE_FIT);
-        let chosen = fits
-            .into_iter()
-            .filter(|(_, f)| !close || f.error <= CLOSE_FIT)
-            .min_by(|(_, a), (_, b)| {
-                (a.oddity, a.error)
-                    .partial_cmp(&(b.oddity, b.error))
-                    .unwrap_or(std::cmp::Ordering::Equal)
-            });
+        let chosen = fits.into_iter().filter(|(_, f)| !close || f.error <= CLOSE_FIT).min_by(|(_, a), (_, b)| {
+            (a.oddity, a.error).partial_cmp(&(b.oddity, b.error)).unwrap_or(std::cmp::Ordering::Equal)
+        });
         let Some((width, fit)) = chosen else {
             return Err(Self::no_fit(arch, target_bytes));
         };
@@ -806,21 +707,11 @@ impl SynthModel {
         let smallest = WIDTHS.first().map(|w| {
             let mut dims = w.dims(arch, 1);
             dims.vocab_size = MIN_VOCAB;
-            SizeModel::of(arch, &dims)
-                .ok()
-                .and_then(|s| s.total(arch, 1, 0))
-                .unwrap_or(u64::MAX)
+            SizeModel::of(arch, &dims).ok().and_then(|s| s.total(arch, 1, 0)).unwrap_or(u64::MAX)
         });
         match smallest {
-            Some(minimum) if target < minimum => SynthError::TargetTooSmall {
-                arch: arch.name(),
-                target,
-                minimum,
-            },
-            _ => SynthError::TargetTooLarge {
-                arch: arch.name(),
-                target,
-            },
+            Some(minimum) if target < minimum => SynthError::TargetTooSmall { arch: arch.name(), target, minimum },
+            _ => SynthError::TargetTooLarge { arch: arch.name(), target },
         }
     }
 
@@ -850,18 +741,15 @@ impl SynthModel {
     /// The `config.json` of the release, as `save_pretrained` writes it (sorted keys, two-space
     /// indent, final newline).
     pub fn config_json(&self) -> String {
-        let mut text = serde_json::to_string_pretty(&config_value(self.arch, &self.dims))
-            .unwrap_or_else(|_| "{}".to_string());
+        let mut text =
+            serde_json::to_string_pretty(&config_value(self.arch, &self.dims)).unwrap_or_else(|_| "{}".to_string());
         text.push('\n');
         text
     }
 }
 
 fn check_dims(arch: Arch, d: &ModelDims) -> Result<(), SynthError> {
-    let invalid = |reason: String| SynthError::InvalidDims {
-        arch: arch.name(),
-        reason,
-    };
+    let invalid = |reason: String| SynthError::InvalidDims { arch: arch.name(), reason };
     let mut need = vec![
         ("hidden_size", d.hidden_size),
         ("num_hidden_layers", d.num_layers),
@@ -880,16 +768,11 @@ fn check_dims(arch: Arch, d: &ModelDims) -> Result<(), SynthError> {
         }
     }
     if arch.has_shared_expert() {
-        need.push((
-            "shared_expert_intermediate_size",
-            d.shared_expert_intermediate_size,
-        ));
+        need.push(("shared_expert_intermediate_size", d.shared_expert_intermediate_size));
     }
     if arch.is_hybrid() {
         let Some(l) = &d.linear else {
-            return Err(invalid(
-                "a hybrid model needs linear-attention dimensions".to_string(),
-            ));
+            return Err(invalid("a hybrid model needs linear-attention dimensions".to_string()));
         };
         need.extend([
             ("linear_num_key_heads", l.num_key_heads),
@@ -919,27 +802,16 @@ fn check_dims(arch: Arch, d: &ModelDims) -> Result<(), SynthError> {
         ("intermediate_size", d.intermediate_size),
         ("num_experts", d.num_experts),
         ("moe_intermediate_size", d.moe_intermediate_size),
-        (
-            "shared_expert_intermediate_size",
-            d.shared_expert_intermediate_size,
-        ),
+        ("shared_expert_intermediate_size", d.shared_expert_intermediate_size),
     ]);
     if let Some((field, value)) = all.iter().find(|(_, v)| *v > MAX_DIM) {
-        return Err(invalid(format!(
-            "`{field}` = {value} exceeds the limit of {MAX_DIM}"
-        )));
+        return Err(invalid(format!("`{field}` = {value} exceeds the limit of {MAX_DIM}")));
     }
     if d.num_experts > MAX_EXPERTS {
-        return Err(invalid(format!(
-            "{} experts exceed the limit of {MAX_EXPERTS}",
-            d.num_experts
-        )));
+        return Err(invalid(format!("{} experts exceed the limit of {MAX_EXPERTS}", d.num_experts)));
     }
     if d.num_layers > MAX_LAYERS {
-        return Err(invalid(format!(
-            "{} layers exceed the limit of {MAX_LAYERS}",
-            d.num_layers
-        )));
+        return Err(invalid(format!("{} layers exceed the limit of {MAX_LAYERS}", d.num_layers)));
     }
     // Every dimension product must fit: checked once on the largest shapes via SizeModel.
     SizeModel::of(arch, d)?;
@@ -951,23 +823,10 @@ fn spec(name: String, shape: Vec<u64>, init: Init) -> TensorSpec {
 }
 
 /// The embedding (into `head`) and the final norm and output head (into `tail`).
-fn outer_tensors(
-    arch: Arch,
-    d: &ModelDims,
-    head: &mut Vec<TensorSpec>,
-    tail: &mut Vec<TensorSpec>,
-) {
+fn outer_tensors(arch: Arch, d: &ModelDims, head: &mut Vec<TensorSpec>, tail: &mut Vec<TensorSpec>) {
     let (h, v) = (d.hidden_size, d.vocab_size);
-    let norm = if arch.zero_centred_norms() {
-        Init::Normal
-    } else {
-        Init::AroundOne
-    };
-    head.push(spec(
-        "model.embed_tokens.weight".into(),
-        vec![v, h],
-        Init::Normal,
-    ));
+    let norm = if arch.zero_centred_norms() { Init::Normal } else { Init::AroundOne };
+    head.push(spec("model.embed_tokens.weight".into(), vec![v, h], Init::Normal));
     tail.push(spec("model.norm.weight".into(), vec![h], norm));
     tail.push(spec("lm_head.weight".into(), vec![v, h], Init::Normal));
 }
@@ -976,11 +835,7 @@ fn outer_tensors(
 fn layer_tensors(arch: Arch, d: &ModelDims, layer: u64, out: &mut Vec<TensorSpec>) {
     let p = format!("model.layers.{layer}.");
     let h = d.hidden_size;
-    let norm = if arch.zero_centred_norms() {
-        Init::Normal
-    } else {
-        Init::AroundOne
-    };
+    let norm = if arch.zero_centred_norms() { Init::Normal } else { Init::AroundOne };
     let mut push = |name: &str, shape: Vec<u64>, init: Init| {
         out.push(spec(format!("{p}{name}"), shape, init));
     };
@@ -989,55 +844,28 @@ fn layer_tensors(arch: Arch, d: &ModelDims, layer: u64, out: &mut Vec<TensorSpec
 
     match (&d.linear, arch.is_full_attention(layer)) {
         (Some(l), false) => {
-            let (qk, v) = (
-                l.num_key_heads * l.key_head_dim,
-                l.num_value_heads * l.value_head_dim,
-            );
+            let (qk, v) = (l.num_key_heads * l.key_head_dim, l.num_value_heads * l.value_head_dim);
             let nv = l.num_value_heads;
             if arch == Arch::Qwen3Next {
-                push(
-                    "linear_attn.in_proj_qkvz.weight",
-                    vec![2 * qk + 2 * v, h],
-                    Init::Normal,
-                );
-                push(
-                    "linear_attn.in_proj_ba.weight",
-                    vec![2 * nv, h],
-                    Init::Normal,
-                );
+                push("linear_attn.in_proj_qkvz.weight", vec![2 * qk + 2 * v, h], Init::Normal);
+                push("linear_attn.in_proj_ba.weight", vec![2 * nv, h], Init::Normal);
             } else {
-                push(
-                    "linear_attn.in_proj_qkv.weight",
-                    vec![2 * qk + v, h],
-                    Init::Normal,
-                );
+                push("linear_attn.in_proj_qkv.weight", vec![2 * qk + v, h], Init::Normal);
                 push("linear_attn.in_proj_z.weight", vec![v, h], Init::Normal);
                 push("linear_attn.in_proj_b.weight", vec![nv, h], Init::Normal);
                 push("linear_attn.in_proj_a.weight", vec![nv, h], Init::Normal);
             }
-            push(
-                "linear_attn.conv1d.weight",
-                vec![2 * qk + v, 1, l.conv_kernel],
-                Init::Normal,
-            );
+            push("linear_attn.conv1d.weight", vec![2 * qk + v, 1, l.conv_kernel], Init::Normal);
             push("linear_attn.A_log", vec![nv], Init::AroundOne);
             push("linear_attn.dt_bias", vec![nv], Init::AroundOne);
             // RMSNormGated: a plain (ones-initialised) weight in every architecture.
-            push(
-                "linear_attn.norm.weight",
-                vec![l.value_head_dim],
-                Init::AroundOne,
-            );
+            push("linear_attn.norm.weight", vec![l.value_head_dim], Init::AroundOne);
             push("linear_attn.out_proj.weight", vec![h, v], Init::Normal);
         }
         _ => {
             let (nh, ng, hd) = (d.num_attention_heads, d.num_key_value_heads, d.head_dim);
             // Gated attention: each query head is followed by its output-gate head.
-            let q_rows = if arch.is_hybrid() {
-                2 * nh * hd
-            } else {
-                nh * hd
-            };
+            let q_rows = if arch.is_hybrid() { 2 * nh * hd } else { nh * hd };
             push("self_attn.q_proj.weight", vec![q_rows, h], Init::Normal);
             push("self_attn.k_proj.weight", vec![ng * hd, h], Init::Normal);
             push("self_attn.v_proj.weight", vec![ng * hd, h], Init::Normal);
@@ -1091,17 +919,9 @@ fn layer_tensors(arch: Arch, d: &ModelDims, layer: u64, out: &mut Vec<TensorSpec
     }
     if arch.has_shared_expert() {
         let f = d.shared_expert_intermediate_size;
-        push(
-            "mlp.shared_expert.gate_proj.weight",
-            vec![f, h],
-            Init::Normal,
-        );
+        push("mlp.shared_expert.gate_proj.weight", vec![f, h], Init::Normal);
         push("mlp.shared_expert.up_proj.weight", vec![f, h], Init::Normal);
-        push(
-            "mlp.shared_expert.down_proj.weight",
-            vec![h, f],
-            Init::Normal,
-        );
+        push("mlp.shared_expert.down_proj.weight", vec![h, f], Init::Normal);
         push("mlp.shared_expert_gate.weight", vec![1, h], Init::Normal);
     }
 }
@@ -1150,12 +970,7 @@ fn config_value(arch: Arch, d: &ModelDims) -> Value {
     }
     if matches!(
         arch,
-        Arch::Llama
-            | Arch::Qwen3
-            | Arch::Qwen3Moe
-            | Arch::Qwen3Next
-            | Arch::Qwen35Text
-            | Arch::Qwen35MoeText
+        Arch::Llama | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen35Text | Arch::Qwen35MoeText
     ) {
         set("attention_bias", json!(false));
     }
@@ -1188,10 +1003,7 @@ fn config_value(arch: Arch, d: &ModelDims) -> Value {
             set("sliding_window", Value::Null);
             set("use_sliding_window", json!(false));
             set("max_window_layers", json!(d.num_layers));
-            set(
-                "layer_types",
-                json!(vec!["full_attention"; d.num_layers as usize]),
-            );
+            set("layer_types", json!(vec!["full_attention"; d.num_layers as usize]));
         }
         Arch::Qwen3Moe => {
             set("sliding_window", Value::Null);
@@ -1202,10 +1014,7 @@ fn config_value(arch: Arch, d: &ModelDims) -> Value {
     if arch.is_moe() {
         set("num_experts_per_tok", json!(d.experts_per_token(arch)));
         set("output_router_logits", json!(false));
-        set(
-            "router_aux_loss_coef",
-            json!(if arch == Arch::Mixtral { 0.02 } else { 0.001 }),
-        );
+        set("router_aux_loss_coef", json!(if arch == Arch::Mixtral { 0.02 } else { 0.001 }));
         match arch {
             Arch::Mixtral => {
                 set("num_local_experts", json!(d.num_experts));
@@ -1225,10 +1034,7 @@ fn config_value(arch: Arch, d: &ModelDims) -> Value {
         }
     }
     if arch.has_shared_expert() {
-        set(
-            "shared_expert_intermediate_size",
-            json!(d.shared_expert_intermediate_size),
-        );
+        set("shared_expert_intermediate_size", json!(d.shared_expert_intermediate_size));
     }
     if let (true, Some(l)) = (arch.is_hybrid(), &d.linear) {
         set("linear_conv_kernel_dim", json!(l.conv_kernel));
@@ -1237,13 +1043,7 @@ fn config_value(arch: Arch, d: &ModelDims) -> Value {
         set("linear_num_key_heads", json!(l.num_key_heads));
         set("linear_num_value_heads", json!(l.num_value_heads));
         let types: Vec<&str> = (0..d.num_layers)
-            .map(|i| {
-                if arch.is_full_attention(i) {
-                    "full_attention"
-                } else {
-                    "linear_attention"
-                }
-            })
+            .map(|i| if arch.is_full_attention(i) { "full_attention" } else { "linear_attention" })
             .collect();
         set("layer_types", json!(types));
     }
@@ -1288,10 +1088,7 @@ struct Tables {
 
 impl Tables {
     fn new() -> Tables {
-        Tables {
-            normal: NormalTable::new(0.0, WEIGHT_STD),
-            around_one: NormalTable::new(1.0, WEIGHT_STD),
-        }
+        Tables { normal: NormalTable::new(0.0, WEIGHT_STD), around_one: NormalTable::new(1.0, WEIGHT_STD) }
     }
 
     fn get(&self, init: Init) -> &NormalTable {
@@ -1334,12 +1131,8 @@ fn inverse_normal_cdf(p: f64) -> f64 {
         4.374_664_141_464_968,
         2.938_163_982_698_783,
     ];
-    const D: [f64; 4] = [
-        7.784_695_709_041_462e-3,
-        3.224_671_290_700_398e-1,
-        2.445_134_137_142_996,
-        3.754_408_661_907_416,
-    ];
+    const D: [f64; 4] =
+        [7.784_695_709_041_462e-3, 3.224_671_290_700_398e-1, 2.445_134_137_142_996, 3.754_408_661_907_416];
     const P_LOW: f64 = 0.024_25;
     let tail = |q: f64| {
         (((((C[0] * q + C[1]) * q + C[2]) * q + C[3]) * q + C[4]) * q + C[5])
@@ -1359,9 +1152,7 @@ fn inverse_normal_cdf(p: f64) -> f64 {
 
 /// 64-bit FNV-1a, a hash that is the same on every platform and Rust version.
 fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 fn splitmix64(mut z: u64) -> u64 {
@@ -1378,9 +1169,7 @@ struct TensorStream {
 
 impl TensorStream {
     fn new(seed: u64, name: &str) -> TensorStream {
-        TensorStream {
-            state: splitmix64(splitmix64(seed) ^ fnv1a(name.as_bytes())),
-        }
+        TensorStream { state: splitmix64(splitmix64(seed) ^ fnv1a(name.as_bytes())) }
     }
 
     #[inline(always)]
@@ -1527,11 +1316,8 @@ fn assign_shards(model: &SynthModel, max_bytes: u64) -> Vec<Shard> {
                 let name = |i: usize| model.tensors.get(i).map(|t| t.name.as_str());
                 name(a).cmp(&name(b))
             });
-            let file_name = if n == 1 {
-                SINGLE_FILE_NAME.to_string()
-            } else {
-                format!("model-{:05}-of-{n:05}.safetensors", k + 1)
-            };
+            let file_name =
+                if n == 1 { SINGLE_FILE_NAME.to_string() } else { format!("model-{:05}-of-{n:05}.safetensors", k + 1) };
             Shard { file_name, tensors }
         })
         .collect()
@@ -1569,10 +1355,7 @@ fn prepare_output(dir: &Path, overwrite: bool) -> Result<(), SynthError> {
         }
     }
     if !overwrite && found.iter().any(|n| n == CONFIG_FILE_NAME) {
-        return Err(SynthError::OutputNotEmpty {
-            dir: dir.to_path_buf(),
-            file: CONFIG_FILE_NAME.to_string(),
-        });
+        return Err(SynthError::OutputNotEmpty { dir: dir.to_path_buf(), file: CONFIG_FILE_NAME.to_string() });
     }
     let rank = |n: &str| match n {
         CONFIG_FILE_NAME => 0,
@@ -1618,18 +1401,10 @@ impl ShardJob<'_> {
     /// Writes one shard, streaming each tensor in pieces through `buf`. Returns the file's path
     /// and length, or `None` when stopped because another thread failed.
     fn write(&self, shard: &Shard, buf: &mut [u8]) -> Result<Option<(PathBuf, u64)>, SynthError> {
-        let specs: Vec<&TensorSpec> = shard
-            .tensors
-            .iter()
-            .filter_map(|&i| self.model.tensors.get(i))
-            .collect();
+        let specs: Vec<&TensorSpec> = shard.tensors.iter().filter_map(|&i| self.model.tensors.get(i)).collect();
         let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-        let layout = FileLayout::new(
-            specs
-                .iter()
-                .map(|t| (t.name.as_str(), DType::BF16, t.shape.as_slice())),
-            &metadata,
-        )?;
+        let layout =
+            FileLayout::new(specs.iter().map(|t| (t.name.as_str(), DType::BF16, t.shape.as_slice())), &metadata)?;
         let file_len = layout.file_len();
         let mut writer = SafetensorsWriter::create(self.dir.join(&shard.file_name), layout)?;
         for t in specs {
@@ -1661,14 +1436,10 @@ pub fn write_release(
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<SynthReport, SynthError> {
     if options.max_shard_bytes == 0 {
-        return Err(SynthError::InvalidOption(
-            "max_shard_bytes must be positive".into(),
-        ));
+        return Err(SynthError::InvalidOption("max_shard_bytes must be positive".into()));
     }
     if options.piece_bytes == 0 {
-        return Err(SynthError::InvalidOption(
-            "piece_bytes must be positive".into(),
-        ));
+        return Err(SynthError::InvalidOption("piece_bytes must be positive".into()));
     }
     let start = Instant::now();
     prepare_output(out_dir, options.overwrite)?;
@@ -1684,14 +1455,7 @@ pub fn write_release(
     let tables = Tables::new();
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
-    let job = ShardJob {
-        model,
-        dir: out_dir,
-        seed,
-        tables: &tables,
-        stop: &stop,
-        progress,
-    };
+    let job = ShardJob { model, dir: out_dir, seed, tables: &tables, stop: &stop, progress };
     let first_error: Mutex<Option<SynthError>> = Mutex::new(None);
     let finished: Mutex<Vec<(usize, PathBuf, u64)>> = Mutex::new(Vec::new());
     let fail = |e: SynthError| {
@@ -1716,10 +1480,9 @@ pub fn write_release(
                             return;
                         };
                         match job.write(shard, &mut buf) {
-                            Ok(Some((path, len))) => finished
-                                .lock()
-                                .unwrap_or_else(|p| p.into_inner())
-                                .push((k, path, len)),
+                            Ok(Some((path, len))) => {
+                                finished.lock().unwrap_or_else(|p| p.into_inner()).push((k, path, len))
+                            }
                             Ok(None) => return,
                             Err(e) => {
                                 fail(e);
@@ -1819,16 +1582,11 @@ mod tests {
     use crate::safetensors::Release;
 
     fn fixture(name: &str) -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures/hf-tiny")
-            .join(name)
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf-tiny").join(name)
     }
 
     fn small_shards() -> SynthOptions {
-        SynthOptions {
-            max_shard_bytes: 256 << 10,
-            ..SynthOptions::default()
-        }
+        SynthOptions { max_shard_bytes: 256 << 10, ..SynthOptions::default() }
     }
 
     /// Every tensor's bytes, by name.
@@ -1850,29 +1608,19 @@ mod tests {
             .unwrap()
             .map(|e| {
                 let e = e.unwrap();
-                (
-                    e.file_name().to_string_lossy().into_owned(),
-                    fs::read(e.path()).unwrap(),
-                )
+                (e.file_name().to_string_lossy().into_owned(), fs::read(e.path()).unwrap())
             })
             .collect()
     }
 
     fn bf16_values(bytes: &[u8]) -> Vec<f32> {
-        bytes
-            .chunks_exact(2)
-            .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
-            .collect()
+        bytes.chunks_exact(2).map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16)).collect()
     }
 
     fn mean_std(values: &[f32]) -> (f64, f64) {
         let n = values.len() as f64;
         let mean = values.iter().map(|&v| f64::from(v)).sum::<f64>() / n;
-        let var = values
-            .iter()
-            .map(|&v| (f64::from(v) - mean).powi(2))
-            .sum::<f64>()
-            / n;
+        let var = values.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / n;
         (mean, var.sqrt())
     }
 
@@ -1882,27 +1630,10 @@ mod tests {
         let sources = release
             .tensors()
             .iter()
-            .map(|t| SourceTensor {
-                name: t.info.name.clone(),
-                dtype: t.info.dtype,
-                shape: t.info.shape.clone(),
-            })
+            .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
             .collect();
-        if let Err(errors) = build_plan(
-            &config,
-            sources,
-            Mesh::new(1, 1, 1, 1),
-            &PlanOptions::default(),
-        ) {
-            panic!(
-                "{}: {}",
-                config.model_type,
-                errors
-                    .iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join("\n")
-            );
+        if let Err(errors) = build_plan(&config, sources, Mesh::new(1, 1, 1, 1), &PlanOptions::default()) {
+            panic!("{}: {}", config.model_type, errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"));
         }
     }
 
@@ -1933,24 +1664,11 @@ mod tests {
         ] {
             assert_eq!(parse_size(input).unwrap(), bytes, "{input}");
         }
-        for input in [
-            "",
-            "GB",
-            "-1GB",
-            "1.2.3GB",
-            "1XB",
-            "1 G B",
-            "99999999999999999999",
-            "20000PB",
-            "16384PiB",
-            ".",
-            "1e9",
-        ] {
+        for input in
+            ["", "GB", "-1GB", "1.2.3GB", "1XB", "1 G B", "99999999999999999999", "20000PB", "16384PiB", ".", "1e9"]
+        {
             let err = parse_size(input).unwrap_err();
-            assert!(
-                matches!(&err, SynthError::InvalidSize { input: i, .. } if i == input),
-                "{input}: {err:?}"
-            );
+            assert!(matches!(&err, SynthError::InvalidSize { input: i, .. } if i == input), "{input}: {err:?}");
             assert!(err.to_string().contains("512MiB"), "{err}");
         }
     }
@@ -1958,14 +1676,13 @@ mod tests {
     #[test]
     fn sizes_are_within_tolerance_for_every_arch_and_target() {
         let targets = [
-            "1MB", "2MB", "3MB", "10MB", "33MB", "100MB", "250MB", "1GB", "1.7GB", "4GB", "8GB",
-            "20GB", "64GB", "150GB", "500GB", "1TB", "3TB",
+            "1MB", "2MB", "3MB", "10MB", "33MB", "100MB", "250MB", "1GB", "1.7GB", "4GB", "8GB", "20GB", "64GB",
+            "150GB", "500GB", "1TB", "3TB",
         ];
         for arch in Arch::ALL {
             for target in targets {
                 let bytes = parse_size(target).unwrap();
-                let model = SynthModel::for_target(arch, bytes)
-                    .unwrap_or_else(|e| panic!("{arch} {target}: {e}"));
+                let model = SynthModel::for_target(arch, bytes).unwrap_or_else(|e| panic!("{arch} {target}: {e}"));
                 let error = relative_error(model.total_bytes(), bytes);
                 assert!(
                     error <= SIZE_TOLERANCE,
@@ -1978,11 +1695,7 @@ mod tests {
                 assert_eq!(sum, model.total_bytes());
                 assert!(model.dims().num_layers >= 1);
                 if (10_000_000..=100_000_000_000).contains(&bytes) {
-                    assert!(
-                        (8..=128).contains(&model.dims().num_layers),
-                        "{arch} {target}: {:?}",
-                        model.dims()
-                    );
+                    assert!((8..=128).contains(&model.dims().num_layers), "{arch} {target}: {:?}", model.dims());
                 }
                 if bytes >= 4_000_000_000 {
                     assert_eq!(model.dims().head_dim, 128, "{arch} {target}");
@@ -2023,10 +1736,7 @@ mod tests {
                 assert!(err.to_string().contains(arch.name()), "{err}");
             }
             let err = SynthModel::for_target(arch, u64::MAX).unwrap_err();
-            assert!(
-                matches!(err, SynthError::TargetTooLarge { .. }),
-                "{arch}: {err:?}"
-            );
+            assert!(matches!(err, SynthError::TargetTooLarge { .. }), "{arch}: {err:?}");
         }
     }
 
@@ -2035,61 +1745,16 @@ mod tests {
         let good = WIDTHS[0].dims(Arch::Qwen3Next, 2);
         assert!(SynthModel::new(Arch::Qwen3Next, good.clone()).is_ok());
         let cases: Vec<(ModelDims, &str)> = vec![
+            (ModelDims { hidden_size: 0, ..good.clone() }, "hidden_size"),
+            (ModelDims { num_key_value_heads: 3, ..good.clone() }, "num_key_value_heads"),
+            (ModelDims { linear: None, ..good.clone() }, "linear"),
+            (ModelDims { num_experts: 0, ..good.clone() }, "num_experts"),
+            (ModelDims { num_experts: 1 << 40, ..good.clone() }, "num_experts"),
+            (ModelDims { num_layers: MAX_LAYERS + 1, ..good.clone() }, "layers"),
+            (ModelDims { hidden_size: u64::MAX, ..good.clone() }, "hidden_size"),
             (
                 ModelDims {
-                    hidden_size: 0,
-                    ..good.clone()
-                },
-                "hidden_size",
-            ),
-            (
-                ModelDims {
-                    num_key_value_heads: 3,
-                    ..good.clone()
-                },
-                "num_key_value_heads",
-            ),
-            (
-                ModelDims {
-                    linear: None,
-                    ..good.clone()
-                },
-                "linear",
-            ),
-            (
-                ModelDims {
-                    num_experts: 0,
-                    ..good.clone()
-                },
-                "num_experts",
-            ),
-            (
-                ModelDims {
-                    num_experts: 1 << 40,
-                    ..good.clone()
-                },
-                "num_experts",
-            ),
-            (
-                ModelDims {
-                    num_layers: MAX_LAYERS + 1,
-                    ..good.clone()
-                },
-                "layers",
-            ),
-            (
-                ModelDims {
-                    hidden_size: u64::MAX,
-                    ..good.clone()
-                },
-                "hidden_size",
-            ),
-            (
-                ModelDims {
-                    linear: Some(LinearAttentionDims {
-                        num_value_heads: 3,
-                        ..good.linear.clone().unwrap()
-                    }),
+                    linear: Some(LinearAttentionDims { num_value_heads: 3, ..good.linear.clone().unwrap() }),
                     ..good.clone()
                 },
                 "linear_num_value_heads",
@@ -2097,24 +1762,14 @@ mod tests {
         ];
         for (dims, field) in cases {
             let err = SynthModel::new(Arch::Qwen3Next, dims).unwrap_err();
-            assert!(
-                matches!(err, SynthError::InvalidDims { .. }) && err.to_string().contains(field),
-                "{field}: {err}"
-            );
+            assert!(matches!(err, SynthError::InvalidDims { .. }) && err.to_string().contains(field), "{field}: {err}");
         }
     }
 
     #[test]
     fn unknown_arch_lists_the_supported_ones() {
         let dir = TempDir::new().unwrap();
-        let err = synth(
-            "gpt_bigcode",
-            1_000_000,
-            dir.path(),
-            0,
-            &SynthOptions::default(),
-        )
-        .unwrap_err();
+        let err = synth("gpt_bigcode", 1_000_000, dir.path(), 0, &SynthOptions::default()).unwrap_err();
         assert!(matches!(err, SynthError::UnknownArch { .. }), "{err:?}");
         let msg = err.to_string();
         for name in SUPPORTED_ARCHS {
@@ -2142,54 +1797,35 @@ mod tests {
             num_experts: get("num_experts").max(get("num_local_experts")),
             moe_intermediate_size: get("moe_intermediate_size"),
             shared_expert_intermediate_size: get("shared_expert_intermediate_size"),
-            linear: config
-                .get("linear_num_key_heads")
-                .map(|_| LinearAttentionDims {
-                    num_key_heads: get("linear_num_key_heads"),
-                    num_value_heads: get("linear_num_value_heads"),
-                    key_head_dim: get("linear_key_head_dim"),
-                    value_head_dim: get("linear_value_head_dim"),
-                    conv_kernel: get("linear_conv_kernel_dim"),
-                }),
+            linear: config.get("linear_num_key_heads").map(|_| LinearAttentionDims {
+                num_key_heads: get("linear_num_key_heads"),
+                num_value_heads: get("linear_num_value_heads"),
+                key_head_dim: get("linear_key_head_dim"),
+                value_head_dim: get("linear_value_head_dim"),
+                conv_kernel: get("linear_conv_kernel_dim"),
+            }),
         }
     }
 
     #[test]
     fn names_shapes_and_config_match_the_transformers_fixtures() {
-        for (name, arch) in [
-            ("llama", Arch::Llama),
-            ("qwen3_moe", Arch::Qwen3Moe),
-            ("qwen3_next", Arch::Qwen3Next),
-        ] {
+        for (name, arch) in [("llama", Arch::Llama), ("qwen3_moe", Arch::Qwen3Moe), ("qwen3_next", Arch::Qwen3Next)] {
             let release = Release::open(fixture(name)).unwrap();
             let config: Value = serde_json::from_str(release.config_json()).unwrap();
             let model = SynthModel::new(arch, fixture_dims(&config)).unwrap();
 
-            let theirs: BTreeMap<&str, &[u64]> = release
-                .tensors()
-                .iter()
-                .map(|t| (t.info.name.as_str(), t.info.shape.as_slice()))
-                .collect();
-            let ours: BTreeMap<&str, &[u64]> = model
-                .tensors()
-                .iter()
-                .map(|t| (t.name.as_str(), t.shape.as_slice()))
-                .collect();
+            let theirs: BTreeMap<&str, &[u64]> =
+                release.tensors().iter().map(|t| (t.info.name.as_str(), t.info.shape.as_slice())).collect();
+            let ours: BTreeMap<&str, &[u64]> =
+                model.tensors().iter().map(|t| (t.name.as_str(), t.shape.as_slice())).collect();
             assert_eq!(ours, theirs, "{name}");
             assert_eq!(model.total_bytes(), release.total_bytes(), "{name}");
 
             // Same fields, and the planner reads the same model from both.
             let our_config: Value = serde_json::from_str(&model.config_json()).unwrap();
-            let keys = |v: &Value| -> BTreeSet<String> {
-                v.as_object().unwrap().keys().cloned().collect()
-            };
+            let keys = |v: &Value| -> BTreeSet<String> { v.as_object().unwrap().keys().cloned().collect() };
             assert_eq!(keys(&our_config), keys(&config), "{name}");
-            for key in [
-                "layer_types",
-                "model_type",
-                "architectures",
-                "num_experts_per_tok",
-            ] {
+            for key in ["layer_types", "model_type", "architectures", "num_experts_per_tok"] {
                 assert_eq!(our_config.get(key), config.get(key), "{name}: {key}");
             }
             assert_eq!(
@@ -2213,10 +1849,7 @@ mod tests {
                 assert_eq!(release.tensors().len(), report.num_tensors, "{arch}");
                 assert!(relative_error(report.total_bytes, 2_000_000) <= SIZE_TOLERANCE);
                 assert_eq!(report.files.len(), release.files().len());
-                assert!(release
-                    .tensors()
-                    .iter()
-                    .all(|t| t.info.dtype == DType::BF16));
+                assert!(release.tensors().iter().all(|t| t.info.dtype == DType::BF16));
                 let sharded = report.files.len() > 1;
                 assert_eq!(sharded, options.max_shard_bytes < 2_000_000, "{arch}");
                 assert_eq!(report.index.is_some(), sharded);
@@ -2224,10 +1857,7 @@ mod tests {
                 if let Some(index) = &report.index {
                     let index: Value = serde_json::from_slice(&fs::read(index).unwrap()).unwrap();
                     assert_eq!(index["metadata"]["total_size"], json!(report.total_bytes));
-                    assert_eq!(
-                        index["metadata"]["total_parameters"],
-                        json!(report.total_bytes / 2)
-                    );
+                    assert_eq!(index["metadata"]["total_parameters"], json!(report.total_bytes / 2));
                     for file in release.files() {
                         let tensors: u64 = file.tensors().iter().map(|t| t.byte_len).sum();
                         let largest = file.tensors().iter().map(|t| t.byte_len).max().unwrap();
@@ -2246,10 +1876,7 @@ mod tests {
                     }
                 }
                 for file in release.files() {
-                    assert_eq!(
-                        file.metadata().get("format").map(String::as_str),
-                        Some("pt")
-                    );
+                    assert_eq!(file.metadata().get("format").map(String::as_str), Some("pt"));
                     let names: Vec<&str> = file.tensors().iter().map(|t| t.name.as_str()).collect();
                     assert!(names.windows(2).all(|w| w[0] < w[1]), "sorted by name");
                 }
@@ -2276,22 +1903,12 @@ mod tests {
                 let sources: Vec<SourceTensor> = model
                     .tensors()
                     .iter()
-                    .map(|t| SourceTensor {
-                        name: t.name.clone(),
-                        dtype: DType::BF16,
-                        shape: t.shape.clone(),
-                    })
+                    .map(|t| SourceTensor { name: t.name.clone(), dtype: DType::BF16, shape: t.shape.clone() })
                     .collect();
                 let ep = if arch.is_moe() { 4 } else { 1 };
                 for mesh in [Mesh::new(1, 1, 1, 1), Mesh::new(2, 1, 4, ep)] {
-                    let result =
-                        build_plan(&config, sources.clone(), mesh, &PlanOptions::default());
-                    assert!(
-                        result.is_ok(),
-                        "{arch} {}: {:?}",
-                        width.hidden,
-                        result.err()
-                    );
+                    let result = build_plan(&config, sources.clone(), mesh, &PlanOptions::default());
+                    assert!(result.is_ok(), "{arch} {}: {:?}", width.hidden, result.err());
                 }
             }
         }
@@ -2311,10 +1928,7 @@ mod tests {
         assert!(files[0].len() > 3);
         assert_eq!(files[0], files[1], "same seed");
         // Other seed: same files and headers, every tensor's data different.
-        assert_eq!(
-            files[0].keys().collect::<Vec<_>>(),
-            files[2].keys().collect::<Vec<_>>()
-        );
+        assert_eq!(files[0].keys().collect::<Vec<_>>(), files[2].keys().collect::<Vec<_>>());
         let a = tensor_bytes(&Release::open(runs[0].0.path()).unwrap());
         let c = tensor_bytes(&Release::open(runs[2].0.path()).unwrap());
         assert_eq!(a.keys().collect::<Vec<_>>(), c.keys().collect::<Vec<_>>());
@@ -2326,41 +1940,16 @@ mod tests {
     #[test]
     fn data_does_not_depend_on_sharding_pieces_or_threads() {
         let reference = TempDir::new().unwrap();
-        synth(
-            "qwen3_5_moe_text",
-            2_000_000,
-            reference.path(),
-            3,
-            &SynthOptions::default(),
-        )
-        .unwrap();
+        synth("qwen3_5_moe_text", 2_000_000, reference.path(), 3, &SynthOptions::default()).unwrap();
         let expected = tensor_bytes(&Release::open(reference.path()).unwrap());
         for options in [
-            SynthOptions {
-                max_shard_bytes: 100_000,
-                threads: 1,
-                piece_bytes: 8,
-                ..SynthOptions::default()
-            },
-            SynthOptions {
-                max_shard_bytes: 300_000,
-                threads: 3,
-                piece_bytes: 1000,
-                ..SynthOptions::default()
-            },
-            SynthOptions {
-                threads: 2,
-                piece_bytes: 13,
-                ..SynthOptions::default()
-            },
+            SynthOptions { max_shard_bytes: 100_000, threads: 1, piece_bytes: 8, ..SynthOptions::default() },
+            SynthOptions { max_shard_bytes: 300_000, threads: 3, piece_bytes: 1000, ..SynthOptions::default() },
+            SynthOptions { threads: 2, piece_bytes: 13, ..SynthOptions::default() },
         ] {
             let dir = TempDir::new().unwrap();
             synth("qwen3_5_moe_text", 2_000_000, dir.path(), 3, &options).unwrap();
-            assert_eq!(
-                tensor_bytes(&Release::open(dir.path()).unwrap()),
-                expected,
-                "{options:?}"
-            );
+            assert_eq!(tensor_bytes(&Release::open(dir.path()).unwrap()), expected, "{options:?}");
         }
     }
 
@@ -2374,14 +1963,10 @@ mod tests {
             for (name, bytes) in &tensors {
                 let values = bf16_values(bytes);
                 assert!(values.iter().all(|v| v.is_finite()), "{arch} {name}");
-                let around_one = name.ends_with("linear_attn.norm.weight")
-                    || name.ends_with("A_log")
-                    || name.ends_with("dt_bias");
+                let around_one =
+                    name.ends_with("linear_attn.norm.weight") || name.ends_with("A_log") || name.ends_with("dt_bias");
                 if around_one {
-                    assert!(
-                        values.iter().all(|v| (v - 1.0).abs() < 0.1),
-                        "{arch} {name}"
-                    );
+                    assert!(values.iter().all(|v| (v - 1.0).abs() < 0.1), "{arch} {name}");
                 } else if name.ends_with("norm.weight") {
                     all_norms.extend(values);
                 } else {
@@ -2389,18 +1974,12 @@ mod tests {
                 }
             }
             let (mean, std) = mean_std(&all_norms);
-            assert!(
-                (mean - norm_mean).abs() < 0.005,
-                "{arch}: norms mean {mean}"
-            );
+            assert!((mean - norm_mean).abs() < 0.005, "{arch}: norms mean {mean}");
             assert!((std - WEIGHT_STD).abs() < 0.003, "{arch}: norms std {std}");
             let embed = bf16_values(&tensors["model.embed_tokens.weight"]);
             let (mean, std) = mean_std(&embed);
             assert!(mean.abs() < 0.001, "{arch}: embedding mean {mean}");
-            assert!(
-                (std - WEIGHT_STD).abs() < 0.0005,
-                "{arch}: embedding std {std}"
-            );
+            assert!((std - WEIGHT_STD).abs() < 0.0005, "{arch}: embedding std {std}");
         }
     }
 
@@ -2408,17 +1987,12 @@ mod tests {
     fn progress_counts_every_tensor_byte() {
         let dir = TempDir::new().unwrap();
         let seen = AtomicU64::new(0);
-        let report =
-            synth_with_progress("mixtral", 1_000_000, dir.path(), 0, &small_shards(), &|n| {
-                seen.fetch_add(n, Ordering::Relaxed);
-            })
-            .unwrap();
+        let report = synth_with_progress("mixtral", 1_000_000, dir.path(), 0, &small_shards(), &|n| {
+            seen.fetch_add(n, Ordering::Relaxed);
+        })
+        .unwrap();
         assert_eq!(seen.load(Ordering::Relaxed), report.total_bytes);
-        let on_disk: u64 = report
-            .files
-            .iter()
-            .map(|p| fs::metadata(p).unwrap().len())
-            .sum();
+        let on_disk: u64 = report.files.iter().map(|p| fs::metadata(p).unwrap().len()).sum();
         assert_eq!(on_disk, report.file_bytes);
         assert!(report.bytes_per_second() > 0.0);
     }
@@ -2431,21 +2005,13 @@ mod tests {
         let before = dir_files(dir.path());
 
         let err = synth("qwen2", 1_000_000, dir.path(), 1, &small_shards()).unwrap_err();
-        assert!(
-            matches!(&err, SynthError::OutputNotEmpty { file, .. } if file == CONFIG_FILE_NAME),
-            "{err:?}"
-        );
+        assert!(matches!(&err, SynthError::OutputNotEmpty { file, .. } if file == CONFIG_FILE_NAME), "{err:?}");
         assert!(err.to_string().contains("overwrite"), "{err}");
         assert_eq!(dir_files(dir.path()), before);
 
         // What an interrupted run leaves (no config.json) is replaced without asking.
         fs::remove_file(dir.path().join(CONFIG_FILE_NAME)).unwrap();
-        fs::write(
-            dir.path()
-                .join(".model-00009-of-00009.safetensors.77-0.partial"),
-            "x",
-        )
-        .unwrap();
+        fs::write(dir.path().join(".model-00009-of-00009.safetensors.77-0.partial"), "x").unwrap();
         fs::write(dir.path().join(".config.json.77.partial"), "x").unwrap();
         fs::write(dir.path().join(".keep.77.partial"), "x").unwrap();
         synth("qwen2", 1_000_000, dir.path(), 0, &small_shards()).unwrap();
@@ -2454,55 +2020,34 @@ mod tests {
         assert_eq!(dir_files(dir.path()), expected);
 
         // Overwrite with a single-file release: no stale shard or index stays behind.
-        let options = SynthOptions {
-            overwrite: true,
-            ..SynthOptions::default()
-        };
+        let options = SynthOptions { overwrite: true, ..SynthOptions::default() };
         synth("llama", 1_000_000, dir.path(), 1, &options).unwrap();
         let names: BTreeSet<String> = dir_files(dir.path()).into_keys().collect();
-        let expected: BTreeSet<String> = [
-            CONFIG_FILE_NAME,
-            SINGLE_FILE_NAME,
-            "README.md",
-            ".keep.77.partial",
-        ]
-        .into_iter()
-        .map(String::from)
-        .collect();
+        let expected: BTreeSet<String> = [CONFIG_FILE_NAME, SINGLE_FILE_NAME, "README.md", ".keep.77.partial"]
+            .into_iter()
+            .map(String::from)
+            .collect();
         assert_eq!(names, expected);
         let release = Release::open(dir.path()).unwrap();
-        assert_eq!(
-            ModelConfig::from_json(release.config_json())
-                .unwrap()
-                .model_type,
-            "llama"
-        );
+        assert_eq!(ModelConfig::from_json(release.config_json()).unwrap().model_type, "llama");
     }
 
     #[test]
     fn a_failed_run_leaves_no_release() {
         let dir = TempDir::new().unwrap();
         // Block the temporary name of config.json: every shard gets written, then the run fails.
-        let blocker = dir.path().join(format!(
-            ".{CONFIG_FILE_NAME}.{}.partial",
-            std::process::id()
-        ));
+        let blocker = dir.path().join(format!(".{CONFIG_FILE_NAME}.{}.partial", std::process::id()));
         fs::create_dir(&blocker).unwrap();
         let err = synth("qwen3", 1_000_000, dir.path(), 0, &small_shards()).unwrap_err();
         assert!(matches!(err, SynthError::Io { .. }), "{err:?}");
         let names: Vec<String> = dir_files_or_dirs(dir.path());
-        assert_eq!(
-            names,
-            vec![blocker.file_name().unwrap().to_string_lossy().into_owned()]
-        );
+        assert_eq!(names, vec![blocker.file_name().unwrap().to_string_lossy().into_owned()]);
         assert!(Release::open(dir.path()).is_err());
     }
 
     fn dir_files_or_dirs(dir: &Path) -> Vec<String> {
-        let mut names: Vec<String> = fs::read_dir(dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
+        let mut names: Vec<String> =
+            fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
         names.sort();
         names
     }
@@ -2511,14 +2056,8 @@ mod tests {
     fn bad_options_and_output_paths_are_errors() {
         let dir = TempDir::new().unwrap();
         for options in [
-            SynthOptions {
-                max_shard_bytes: 0,
-                ..SynthOptions::default()
-            },
-            SynthOptions {
-                piece_bytes: 0,
-                ..SynthOptions::default()
-            },
+            SynthOptions { max_shard_bytes: 0, ..SynthOptions::default() },
+            SynthOptions { piece_bytes: 0, ..SynthOptions::default() },
         ] {
             let err = synth("llama", 1_000_000, dir.path(), 0, &options).unwrap_err();
             assert!(matches!(err, SynthError::InvalidOption(_)), "{err:?}");

@@ -61,12 +61,7 @@ pub enum TorchSaveError {
     #[error("tensor of shape {shape:?} and dtype {dtype} is larger than 2^64 bytes")]
     TooLarge { dtype: DType, shape: Vec<u64> },
     #[error("tensor data is {got} bytes, shape {shape:?} of {dtype} needs {want}")]
-    DataLength {
-        dtype: DType,
-        shape: Vec<u64>,
-        want: u64,
-        got: u64,
-    },
+    DataLength { dtype: DType, shape: Vec<u64>, want: u64, got: u64 },
     #[error("i/o error reading {what} at item offset {offset}: {source}")]
     Io {
         what: &'static str,
@@ -80,16 +75,10 @@ pub enum TorchSaveError {
     Corrupt(String),
     #[error("archive has no entry {0}")]
     MissingEntry(String),
-    #[error(
-        "archive entry {name} is compressed (method {method}); only stored entries are supported"
-    )]
+    #[error("archive entry {name} is compressed (method {method}); only stored entries are supported")]
     Compressed { name: String, method: u16 },
     #[error("archive entry {name}: crc-32 is {actual:08x}, central directory says {expected:08x}")]
-    Crc {
-        name: String,
-        expected: u32,
-        actual: u32,
-    },
+    Crc { name: String, expected: u32, actual: u32 },
     #[error("archive entry {name} is {size} bytes, above the limit of {max}")]
     EntryTooLarge { name: String, size: u64, max: u64 },
     #[error("archive byteorder is {0:?}; only little endian is supported")]
@@ -106,19 +95,9 @@ pub enum TorchSaveError {
         "tensor does not fit its storage: storage offset {storage_offset} + {numel} elements of \
          {dtype} exceed the {storage_bytes}-byte storage"
     )]
-    StorageBounds {
-        dtype: DType,
-        storage_offset: u64,
-        numel: u64,
-        storage_bytes: u64,
-    },
+    StorageBounds { dtype: DType, storage_offset: u64, numel: u64, storage_bytes: u64 },
     #[error("storage {key} declares {declared} bytes but its entry {name} holds {actual}")]
-    StorageSize {
-        key: String,
-        name: String,
-        declared: u64,
-        actual: u64,
-    },
+    StorageSize { key: String, name: String, declared: u64, actual: u64 },
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -150,10 +129,7 @@ fn put_u64(b: &mut Vec<u8>, v: u64) {
 }
 /// `v` as a 32-bit zip field: the value, or 0xFFFFFFFF when it lives in a zip64 record.
 fn field32(v: u64) -> u32 {
-    u32::try_from(v)
-        .ok()
-        .filter(|&v| v != u32::MAX)
-        .unwrap_or(u32::MAX)
+    u32::try_from(v).ok().filter(|&v| v != u32::MAX).unwrap_or(u32::MAX)
 }
 fn len16(n: usize) -> u16 {
     // Names and extra fields are constants of this module, far below 64 KiB.
@@ -183,14 +159,7 @@ fn local_header(entry: &EntryRecord, header_offset: u64, align: u64) -> Vec<u8> 
     }
     let mut b = Vec::with_capacity(LOCAL_HEADER_LEN as usize + entry.name.len() + extra.len());
     put_u32(&mut b, SIG_LOCAL);
-    put_u16(
-        &mut b,
-        if zip64 {
-            VERSION_ZIP64
-        } else {
-            VERSION_DEFAULT
-        },
-    );
+    put_u16(&mut b, if zip64 { VERSION_ZIP64 } else { VERSION_DEFAULT });
     put_u16(&mut b, 0); // flags: sizes and crc are in this header
     put_u16(&mut b, 0); // method: stored
     put_u16(&mut b, 0); // time
@@ -244,11 +213,7 @@ fn central_directory(entries: &[EntryRecord], cd_offset: u64) -> Vec<u8> {
             put_u16(&mut extra, len16(fields.len()));
             extra.extend_from_slice(&fields);
         }
-        let version = if e.zip64() {
-            VERSION_ZIP64
-        } else {
-            VERSION_DEFAULT
-        };
+        let version = if e.zip64() { VERSION_ZIP64 } else { VERSION_DEFAULT };
         put_u32(&mut b, SIG_CENTRAL);
         put_u16(&mut b, version); // made by (MS-DOS attributes)
         put_u16(&mut b, version); // needed
@@ -335,25 +300,15 @@ fn tensor_pickle(dtype: DType, shape: &[u64], numel: u64, nbytes: u64) -> Vec<u8
     // The storage, as a persistent id: ('storage', storage_type, key, location, numel).
     w.mark().str("storage");
     match storage_class {
-        Some(class) => w
-            .global("torch", class)
-            .str("0")
-            .str("cpu")
-            .int(numel.into()),
-        None => w
-            .global("torch.storage", "UntypedStorage")
-            .str("0")
-            .str("cpu")
-            .int(nbytes.into()),
+        Some(class) => w.global("torch", class).str("0").str("cpu").int(numel.into()),
+        None => w.global("torch.storage", "UntypedStorage").str("0").str("cpu").int(nbytes.into()),
     };
     w.tuple().binpersid();
     w.int(0); // storage offset
     w.int_tuple(shape);
     w.int_tuple(&contiguous_strides(shape));
     w.bool(false); // requires_grad
-    w.global("collections", "OrderedDict")
-        .empty_tuple()
-        .reduce(); // backward hooks
+    w.global("collections", "OrderedDict").empty_tuple().reduce(); // backward hooks
     if storage_class.is_none() {
         w.global("torch", dtype.torch_name());
     }
@@ -387,10 +342,8 @@ impl TensorArchive {
 
     /// [`TensorArchive::new`], with an error for shapes larger than 2^64 bytes.
     pub fn try_new(dtype: DType, shape: &[u64]) -> Result<TensorArchive, TorchSaveError> {
-        let (numel, data_len) = numel_and_bytes(dtype, shape).ok_or(TorchSaveError::TooLarge {
-            dtype,
-            shape: shape.to_vec(),
-        })?;
+        let (numel, data_len) =
+            numel_and_bytes(dtype, shape).ok_or(TorchSaveError::TooLarge { dtype, shape: shape.to_vec() })?;
         Ok(Self::layout(dtype, shape, numel, data_len))
     }
 
@@ -398,24 +351,9 @@ impl TensorArchive {
         let mut prefix = Vec::new();
         let mut entries = Vec::new();
         let pkl = tensor_pickle(dtype, shape, numel, data_len);
-        push_entry(
-            &mut prefix,
-            &mut entries,
-            format!("{ARCHIVE_DIR}/data.pkl"),
-            &pkl,
-        );
-        push_entry(
-            &mut prefix,
-            &mut entries,
-            format!("{ARCHIVE_DIR}/byteorder"),
-            b"little",
-        );
-        push_entry(
-            &mut prefix,
-            &mut entries,
-            format!("{ARCHIVE_DIR}/version"),
-            b"3\n",
-        );
+        push_entry(&mut prefix, &mut entries, format!("{ARCHIVE_DIR}/data.pkl"), &pkl);
+        push_entry(&mut prefix, &mut entries, format!("{ARCHIVE_DIR}/byteorder"), b"little");
+        push_entry(&mut prefix, &mut entries, format!("{ARCHIVE_DIR}/version"), b"3\n");
         let data = EntryRecord {
             name: format!("{ARCHIVE_DIR}/data/0"),
             crc32: 0,
@@ -423,20 +361,9 @@ impl TensorArchive {
             local_header_offset: prefix.len() as u64,
         };
         let crc_offset = data.local_header_offset + LOCAL_CRC_FIELD;
-        prefix.extend_from_slice(&local_header(
-            &data,
-            data.local_header_offset,
-            DATA_ALIGNMENT,
-        ));
+        prefix.extend_from_slice(&local_header(&data, data.local_header_offset, DATA_ALIGNMENT));
         entries.push(data);
-        TensorArchive {
-            dtype,
-            shape: shape.to_vec(),
-            prefix,
-            data_len,
-            crc_offset,
-            entries,
-        }
+        TensorArchive { dtype, shape: shape.to_vec(), prefix, data_len, crc_offset, entries }
     }
 
     /// The tensor's dtype.
@@ -492,18 +419,12 @@ impl TensorArchive {
 
     /// Length of the whole archive.
     pub fn total_len(&self) -> u64 {
-        self.data_offset()
-            .saturating_add(self.data_len)
-            .saturating_add(self.suffix(0).len() as u64)
+        self.data_offset().saturating_add(self.data_len).saturating_add(self.suffix(0).len() as u64)
     }
 }
 
 /// The whole archive for a tensor whose little-endian, C-contiguous bytes are `data`.
-pub fn encode_tensor_archive(
-    dtype: DType,
-    shape: &[u64],
-    data: &[u8],
-) -> Result<Vec<u8>, TorchSaveError> {
+pub fn encode_tensor_archive(dtype: DType, shape: &[u64], data: &[u8]) -> Result<Vec<u8>, TorchSaveError> {
     let layout = TensorArchive::try_new(dtype, shape)?;
     if layout.data_len() != data.len() as u64 {
         return Err(TorchSaveError::DataLength {
@@ -600,24 +521,9 @@ pub fn encode_object_archive(value: &PyObject) -> Vec<u8> {
     let mut out = Vec::new();
     let mut entries = Vec::new();
     let pkl = object_pickle(value);
-    push_entry(
-        &mut out,
-        &mut entries,
-        format!("{ARCHIVE_DIR}/data.pkl"),
-        &pkl,
-    );
-    push_entry(
-        &mut out,
-        &mut entries,
-        format!("{ARCHIVE_DIR}/byteorder"),
-        b"little",
-    );
-    push_entry(
-        &mut out,
-        &mut entries,
-        format!("{ARCHIVE_DIR}/version"),
-        b"3\n",
-    );
+    push_entry(&mut out, &mut entries, format!("{ARCHIVE_DIR}/data.pkl"), &pkl);
+    push_entry(&mut out, &mut entries, format!("{ARCHIVE_DIR}/byteorder"), b"little");
+    push_entry(&mut out, &mut entries, format!("{ARCHIVE_DIR}/version"), b"3\n");
     let cd = central_directory(&entries, out.len() as u64);
     out.extend_from_slice(&cd);
     out
@@ -723,41 +629,25 @@ fn le64(b: &[u8], at: usize) -> u64 {
 
 impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
     fn read(&self, what: &'static str, offset: u64, len: u64) -> Result<Vec<u8>, TorchSaveError> {
-        offset
-            .checked_add(len)
-            .filter(|&e| e <= self.len)
-            .ok_or_else(|| {
-                TorchSaveError::Corrupt(format!(
-                    "{what} at offset {offset} ({len} bytes) runs past the end of the {}-byte item",
-                    self.len
-                ))
-            })?;
-        let n = usize::try_from(len)
-            .map_err(|_| TorchSaveError::Corrupt(format!("{what} of {len} bytes is too large")))?;
+        offset.checked_add(len).filter(|&e| e <= self.len).ok_or_else(|| {
+            TorchSaveError::Corrupt(format!(
+                "{what} at offset {offset} ({len} bytes) runs past the end of the {}-byte item",
+                self.len
+            ))
+        })?;
+        let n =
+            usize::try_from(len).map_err(|_| TorchSaveError::Corrupt(format!("{what} of {len} bytes is too large")))?;
         let mut buf = vec![0u8; n];
         let abs = self
             .base
             .checked_add(offset)
             .ok_or_else(|| TorchSaveError::Corrupt(format!("{what} offset {offset} overflows")))?;
-        self.src
-            .read_exact_at(&mut buf, abs)
-            .map_err(|source| TorchSaveError::Io {
-                what,
-                offset,
-                source,
-            })?;
+        self.src.read_exact_at(&mut buf, abs).map_err(|source| TorchSaveError::Io { what, offset, source })?;
         Ok(buf)
     }
 
     fn open(src: &'a R, base: u64, len: u64) -> Result<Self, TorchSaveError> {
-        let mut ar = Archive {
-            src,
-            base,
-            len,
-            entries: Vec::new(),
-            dir: String::new(),
-            cd_offset: 0,
-        };
+        let mut ar = Archive { src, base, len, entries: Vec::new(), dir: String::new(), cd_offset: 0 };
         if len < EOCD_LEN {
             return Err(TorchSaveError::NotZip(format!(
                 "item is {len} bytes, shorter than an end-of-central-directory record"
@@ -770,13 +660,10 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
         let eocd_in_tail = (0..=tail.len().saturating_sub(EOCD_LEN as usize))
             .rev()
             .find(|&i| {
-                le32(&tail, i) == SIG_EOCD
-                    && i + EOCD_LEN as usize + usize::from(le16(&tail, i + 20)) == tail.len()
+                le32(&tail, i) == SIG_EOCD && i + EOCD_LEN as usize + usize::from(le16(&tail, i + 20)) == tail.len()
             })
             .ok_or_else(|| {
-                TorchSaveError::NotZip(
-                    "no end-of-central-directory record at the end of the item".into(),
-                )
+                TorchSaveError::NotZip("no end-of-central-directory record at the end of the item".into())
             })?;
         let eocd_offset = tail_start + eocd_in_tail as u64;
         let eocd = tail.get(eocd_in_tail..).unwrap_or_default();
@@ -785,9 +672,7 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
         let mut cd_offset = u64::from(le32(eocd, 16));
         let mut cd_end_limit = eocd_offset;
         if le16(eocd, 4) != 0 || le16(eocd, 6) != 0 {
-            return Err(TorchSaveError::Corrupt(
-                "multi-disk archives are not supported".into(),
-            ));
+            return Err(TorchSaveError::Corrupt("multi-disk archives are not supported".into()));
         }
 
         // Zip64: a locator right before the end record points at the zip64 end record.
@@ -796,10 +681,7 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
             let loc = ar.read("zip64 locator", loc_offset, EOCD64_LOCATOR_LEN)?;
             if le32(&loc, 0) == SIG_EOCD64_LOCATOR {
                 let e64_offset = le64(&loc, 8);
-                if e64_offset
-                    .checked_add(EOCD64_LEN)
-                    .is_none_or(|end| end > loc_offset)
-                {
+                if e64_offset.checked_add(EOCD64_LEN).is_none_or(|end| end > loc_offset) {
                     return Err(TorchSaveError::Corrupt(format!(
                         "zip64 end record offset {e64_offset} is not before its locator at \
                          {loc_offset}"
@@ -818,10 +700,7 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
             }
         }
 
-        if cd_offset
-            .checked_add(cd_size)
-            .is_none_or(|end| end > cd_end_limit)
-        {
+        if cd_offset.checked_add(cd_size).is_none_or(|end| end > cd_end_limit) {
             return Err(TorchSaveError::Corrupt(format!(
                 "central directory at offset {cd_offset} ({cd_size} bytes) overlaps the end \
                  records at {cd_end_limit}"
@@ -843,10 +722,8 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
         let mut pos = 0usize;
         for i in 0..count {
             let at = cd_offset + pos as u64;
-            let header = cd
-                .get(pos..pos + CENTRAL_HEADER_LEN)
-                .filter(|h| le32(h, 0) == SIG_CENTRAL)
-                .ok_or_else(|| {
+            let header =
+                cd.get(pos..pos + CENTRAL_HEADER_LEN).filter(|h| le32(h, 0) == SIG_CENTRAL).ok_or_else(|| {
                     TorchSaveError::Corrupt(format!(
                         "central directory entry {i} at offset {at} is missing or has a bad \
                          signature"
@@ -863,10 +740,9 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
             let name_start = pos + CENTRAL_HEADER_LEN;
             let extra_start = name_start + name_len;
             let next = extra_start + extra_len + comment_len;
-            let (Some(name), Some(extra)) = (
-                cd.get(name_start..extra_start),
-                cd.get(extra_start..extra_start + extra_len),
-            ) else {
+            let (Some(name), Some(extra)) =
+                (cd.get(name_start..extra_start), cd.get(extra_start..extra_start + extra_len))
+            else {
                 return Err(TorchSaveError::Corrupt(format!(
                     "central directory entry {i} at offset {at} runs past the directory"
                 )));
@@ -907,24 +783,16 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
                 }
                 e += 4 + n;
             }
-            ar.entries.push(ArchiveEntry {
-                name,
-                method,
-                crc32,
-                compressed_size,
-                size,
-                local_header_offset,
-            });
+            ar.entries.push(ArchiveEntry { name, method, crc32, compressed_size, size, local_header_offset });
             pos = next;
         }
         // torch takes the archive directory from the first entry.
-        let first = ar
-            .entries
-            .first()
-            .ok_or_else(|| TorchSaveError::Corrupt("archive has no entries".into()))?;
-        let dir = first.name.split_once('/').map(|(d, _)| d).ok_or_else(|| {
-            TorchSaveError::Corrupt(format!("first entry {} is not in a directory", first.name))
-        })?;
+        let first = ar.entries.first().ok_or_else(|| TorchSaveError::Corrupt("archive has no entries".into()))?;
+        let dir = first
+            .name
+            .split_once('/')
+            .map(|(d, _)| d)
+            .ok_or_else(|| TorchSaveError::Corrupt(format!("first entry {} is not in a directory", first.name)))?;
         ar.dir = format!("{dir}/");
         Ok(ar)
     }
@@ -935,17 +803,13 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
     }
 
     fn require(&self, rel: &str) -> Result<&ArchiveEntry, TorchSaveError> {
-        self.entry(rel)
-            .ok_or_else(|| TorchSaveError::MissingEntry(format!("{}{rel}", self.dir)))
+        self.entry(rel).ok_or_else(|| TorchSaveError::MissingEntry(format!("{}{rel}", self.dir)))
     }
 
     /// Offset in the item of `entry`'s data, checked to be stored and in bounds.
     fn data_offset(&self, entry: &ArchiveEntry) -> Result<u64, TorchSaveError> {
         if entry.method != 0 {
-            return Err(TorchSaveError::Compressed {
-                name: entry.name.clone(),
-                method: entry.method,
-            });
+            return Err(TorchSaveError::Compressed { name: entry.name.clone(), method: entry.method });
         }
         if entry.compressed_size != entry.size {
             return Err(TorchSaveError::Corrupt(format!(
@@ -960,14 +824,8 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
                 entry.name, entry.local_header_offset
             )));
         }
-        let start = entry.local_header_offset
-            + LOCAL_HEADER_LEN
-            + u64::from(le16(&lh, 26))
-            + u64::from(le16(&lh, 28));
-        if start
-            .checked_add(entry.size)
-            .is_none_or(|end| end > self.cd_offset)
-        {
+        let start = entry.local_header_offset + LOCAL_HEADER_LEN + u64::from(le16(&lh, 26)) + u64::from(le16(&lh, 28));
+        if start.checked_add(entry.size).is_none_or(|end| end > self.cd_offset) {
             return Err(TorchSaveError::Corrupt(format!(
                 "entry {} data at offset {start} ({} bytes) runs into the central directory at {}",
                 entry.name, entry.size, self.cd_offset
@@ -979,22 +837,14 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
     /// A whole small entry, crc-checked (a stored crc of 0 means none was computed).
     fn read_small(&self, entry: &ArchiveEntry, max: u64) -> Result<Vec<u8>, TorchSaveError> {
         if entry.size > max {
-            return Err(TorchSaveError::EntryTooLarge {
-                name: entry.name.clone(),
-                size: entry.size,
-                max,
-            });
+            return Err(TorchSaveError::EntryTooLarge { name: entry.name.clone(), size: entry.size, max });
         }
         let start = self.data_offset(entry)?;
         let body = self.read("entry data", start, entry.size)?;
         let actual = crc32fast::hash(&body);
         // torch ≥ 2.6 saving with `compute_crc32 = False` (and Shardline by default) stores 0.
         if entry.crc32 != NO_CRC32 && actual != entry.crc32 {
-            return Err(TorchSaveError::Crc {
-                name: entry.name.clone(),
-                expected: entry.crc32,
-                actual,
-            });
+            return Err(TorchSaveError::Crc { name: entry.name.clone(), expected: entry.crc32, actual });
         }
         Ok(body)
     }
@@ -1003,9 +853,7 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
         if let Some(e) = self.entry("byteorder") {
             let body = self.read_small(e, 16)?;
             if body != b"little" {
-                return Err(TorchSaveError::ByteOrder(
-                    String::from_utf8_lossy(&body).into_owned(),
-                ));
+                return Err(TorchSaveError::ByteOrder(String::from_utf8_lossy(&body).into_owned()));
             }
         }
         Ok(())
@@ -1029,11 +877,7 @@ pub fn list_archive<R: ReadAt + ?Sized>(
 
 /// The unpickled `data.pkl` of the `torch.save` archive at `[offset, offset + length)` of `src`
 /// (a DCP bytes item).
-pub fn read_object_archive<R: ReadAt + ?Sized>(
-    src: &R,
-    offset: u64,
-    length: u64,
-) -> Result<Value, TorchSaveError> {
+pub fn read_object_archive<R: ReadAt + ?Sized>(src: &R, offset: u64, length: u64) -> Result<Value, TorchSaveError> {
     let ar = Archive::open(src, offset, length)?;
     ar.check_byteorder()?;
     ar.pickle()
@@ -1056,33 +900,20 @@ fn not_tensor(msg: impl Into<String>) -> TorchSaveError {
 fn to_u64(v: &Value, what: &str) -> Result<u64, TorchSaveError> {
     v.as_int()
         .and_then(|i| u64::try_from(i).ok())
-        .ok_or_else(|| {
-            not_tensor(format!(
-                "{what}: expected a non-negative int, found {}",
-                v.describe()
-            ))
-        })
+        .ok_or_else(|| not_tensor(format!("{what}: expected a non-negative int, found {}", v.describe())))
 }
 
 fn to_u64s(v: &Value, what: &str) -> Result<Vec<u64>, TorchSaveError> {
-    let items = v
-        .as_seq()
-        .ok_or_else(|| not_tensor(format!("{what}: expected a tuple, found {}", v.describe())))?;
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, x)| to_u64(x, &format!("{what}[{i}]")))
-        .collect()
+    let items = v.as_seq().ok_or_else(|| not_tensor(format!("{what}: expected a tuple, found {}", v.describe())))?;
+    items.iter().enumerate().map(|(i, x)| to_u64(x, &format!("{what}[{i}]"))).collect()
 }
 
 fn torch_dtype(v: &Value) -> Result<DType, TorchSaveError> {
     match v.as_global() {
-        Some(("torch", name)) => DType::from_torch_name(name)
-            .ok_or_else(|| TorchSaveError::UnsupportedDtype(format!("torch.{name}"))),
-        _ => Err(not_tensor(format!(
-            "dtype: expected torch.<dtype>, found {}",
-            v.describe()
-        ))),
+        Some(("torch", name)) => {
+            DType::from_torch_name(name).ok_or_else(|| TorchSaveError::UnsupportedDtype(format!("torch.{name}")))
+        }
+        _ => Err(not_tensor(format!("dtype: expected torch.<dtype>, found {}", v.describe()))),
     }
 }
 
@@ -1091,10 +922,7 @@ fn tensor_spec(root: &Value) -> Result<TensorSpec, TorchSaveError> {
     let mut v = root;
     let (callable, args) = loop {
         let Value::Reduce { callable, args, .. } = v else {
-            return Err(not_tensor(format!(
-                "expected a call, found {}",
-                v.describe()
-            )));
+            return Err(not_tensor(format!("expected a call, found {}", v.describe())));
         };
         match callable.as_global() {
             Some(("torch._utils", "_rebuild_parameter" | "_rebuild_parameter_with_state")) => {
@@ -1116,21 +944,13 @@ fn tensor_spec(root: &Value) -> Result<TensorSpec, TorchSaveError> {
             )))
         }
     };
-    let args = args.as_seq().ok_or_else(|| {
-        not_tensor(format!(
-            "arguments: expected a tuple, found {}",
-            args.describe()
-        ))
-    })?;
+    let args =
+        args.as_seq().ok_or_else(|| not_tensor(format!("arguments: expected a tuple, found {}", args.describe())))?;
     let min_args = if v3 { 7 } else { 6 };
     if args.len() < min_args {
         return Err(not_tensor(format!(
             "{} takes at least {min_args} arguments, found {}",
-            if v3 {
-                "_rebuild_tensor_v3"
-            } else {
-                "_rebuild_tensor_v2"
-            },
+            if v3 { "_rebuild_tensor_v3" } else { "_rebuild_tensor_v2" },
             args.len()
         )));
     }
@@ -1138,10 +958,7 @@ fn tensor_spec(root: &Value) -> Result<TensorSpec, TorchSaveError> {
 
     // ('storage', storage_type, key, location, numel)
     let Value::PersistentId(pid) = arg(0) else {
-        return Err(not_tensor(format!(
-            "storage: expected a persistent id, found {}",
-            arg(0).describe()
-        )));
+        return Err(not_tensor(format!("storage: expected a persistent id, found {}", arg(0).describe())));
     };
     let pid = pid
         .as_seq()
@@ -1160,38 +977,19 @@ fn tensor_spec(root: &Value) -> Result<TensorSpec, TorchSaveError> {
             )))
         }
     };
-    let storage_key = pid_item(2)
-        .as_str()
-        .ok_or_else(|| not_tensor("storage key: expected a str"))?
-        .to_owned();
+    let storage_key = pid_item(2).as_str().ok_or_else(|| not_tensor("storage key: expected a str"))?.to_owned();
     let storage_numel = to_u64(pid_item(4), "storage numel")?;
-    let storage_bytes = storage_numel
-        .checked_mul(storage_dtype.size() as u64)
-        .ok_or_else(|| not_tensor("storage size overflows"))?;
+    let storage_bytes =
+        storage_numel.checked_mul(storage_dtype.size() as u64).ok_or_else(|| not_tensor("storage size overflows"))?;
 
-    let dtype = if v3 {
-        torch_dtype(arg(6))?
-    } else {
-        storage_dtype
-    };
+    let dtype = if v3 { torch_dtype(arg(6))? } else { storage_dtype };
     let storage_offset = to_u64(arg(1), "storage offset")?;
     let shape = to_u64s(arg(2), "size")?;
     let strides = to_u64s(arg(3), "stride")?;
     if shape.len() != strides.len() {
-        return Err(not_tensor(format!(
-            "size has {} dims but stride has {}",
-            shape.len(),
-            strides.len()
-        )));
+        return Err(not_tensor(format!("size has {} dims but stride has {}", shape.len(), strides.len())));
     }
-    Ok(TensorSpec {
-        dtype,
-        shape,
-        strides,
-        storage_offset,
-        storage_key,
-        storage_bytes,
-    })
+    Ok(TensorSpec { dtype, shape, strides, storage_offset, storage_key, storage_bytes })
 }
 
 /// torch's `is_contiguous`: sizes of 1 and empty tensors do not constrain strides.
@@ -1222,16 +1020,10 @@ pub fn read_tensor_archive<R: ReadAt + ?Sized>(
     ar.check_byteorder()?;
     let spec = tensor_spec(&ar.pickle()?)?;
     if !is_contiguous(&spec.shape, &spec.strides) {
-        return Err(TorchSaveError::NonContiguous {
-            shape: spec.shape,
-            strides: spec.strides,
-        });
+        return Err(TorchSaveError::NonContiguous { shape: spec.shape, strides: spec.strides });
     }
-    let (numel, data_len) =
-        numel_and_bytes(spec.dtype, &spec.shape).ok_or_else(|| TorchSaveError::TooLarge {
-            dtype: spec.dtype,
-            shape: spec.shape.clone(),
-        })?;
+    let (numel, data_len) = numel_and_bytes(spec.dtype, &spec.shape)
+        .ok_or_else(|| TorchSaveError::TooLarge { dtype: spec.dtype, shape: spec.shape.clone() })?;
     let itemsize = spec.dtype.size() as u64;
     let start = spec.storage_offset.checked_mul(itemsize);
     let end = start.and_then(|s| s.checked_add(data_len));
@@ -1285,10 +1077,7 @@ mod tests {
     }
 
     fn bf16_bytes(values: &[f32]) -> Vec<u8> {
-        values
-            .iter()
-            .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
-            .collect()
+        values.iter().flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect()
     }
 
     /// The raw `data.pkl` of an archive, via the reader's own plumbing.
@@ -1330,20 +1119,9 @@ ctorch\nBFloat16Storage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQK\x00K\x03
         assert!(!bytes.windows(4).any(|w| w == SIG_EOCD64.to_le_bytes()));
         assert_eq!(&bytes[bytes.len() - 22..bytes.len() - 18], b"PK\x05\x06");
 
-        let names: Vec<String> = list_archive(&bytes, 0, bytes.len() as u64)
-            .unwrap()
-            .into_iter()
-            .map(|e| e.name)
-            .collect();
-        assert_eq!(
-            names,
-            [
-                "archive/data.pkl",
-                "archive/byteorder",
-                "archive/version",
-                "archive/data/0"
-            ]
-        );
+        let names: Vec<String> =
+            list_archive(&bytes, 0, bytes.len() as u64).unwrap().into_iter().map(|e| e.name).collect();
+        assert_eq!(names, ["archive/data.pkl", "archive/byteorder", "archive/version", "archive/data/0"]);
 
         let t = read_tensor_archive(&bytes, 0, bytes.len() as u64).unwrap();
         assert_eq!(
@@ -1377,43 +1155,21 @@ ctorch\nBFloat16Storage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQK\x00K\x03
     fn zero_d_and_empty_tensors() {
         let bytes = encode_tensor_archive(DType::F32, &[], &2.5f32.to_le_bytes()).unwrap();
         let t = read_tensor_archive(&bytes, 0, bytes.len() as u64).unwrap();
-        assert_eq!(
-            (t.shape.clone(), t.strides.clone(), t.data_len),
-            (vec![], vec![], 4)
-        );
+        assert_eq!((t.shape.clone(), t.strides.clone(), t.data_len), (vec![], vec![], 4));
         let off = t.data_offset_in_item as usize;
         assert_eq!(bytes[off..off + 4], 2.5f32.to_le_bytes());
 
         let bytes = encode_tensor_archive(DType::I64, &[2, 0, 3], &[]).unwrap();
         let t = read_tensor_archive(&bytes, 0, bytes.len() as u64).unwrap();
-        assert_eq!(
-            (t.shape, t.strides, t.data_len),
-            (vec![2, 0, 3], vec![3, 3, 1], 0)
-        );
+        assert_eq!((t.shape, t.strides, t.data_len), (vec![2, 0, 3], vec![3, 3, 1], 0));
     }
 
     #[test]
     fn data_length_is_checked() {
         let err = encode_tensor_archive(DType::F32, &[2], &[0u8; 7]).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                TorchSaveError::DataLength {
-                    want: 8,
-                    got: 7,
-                    ..
-                }
-            ),
-            "{err}"
-        );
-        assert!(matches!(
-            TensorArchive::try_new(DType::F64, &[1 << 62, 4]),
-            Err(TorchSaveError::TooLarge { .. })
-        ));
-        assert_eq!(
-            TensorArchive::new(DType::F64, &[1 << 62, 4]).data_len(),
-            u64::MAX
-        );
+        assert!(matches!(err, TorchSaveError::DataLength { want: 8, got: 7, .. }), "{err}");
+        assert!(matches!(TensorArchive::try_new(DType::F64, &[1 << 62, 4]), Err(TorchSaveError::TooLarge { .. })));
+        assert_eq!(TensorArchive::new(DType::F64, &[1 << 62, 4]).data_len(), u64::MAX);
     }
 
     /// Serves `prefix ++ zeros(data_len) ++ suffix` without allocating the zeros.
@@ -1452,22 +1208,12 @@ ctorch\nBFloat16Storage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQK\x00K\x03
             let suffix = layout.suffix(0x1234_5678);
             // Central directory (4 entries, one with a 20-byte zip64 extra), zip64 end record,
             // locator, end record.
-            let names_len: usize = ["data.pkl", "byteorder", "version", "data/0"]
-                .iter()
-                .map(|n| "archive/".len() + n.len())
-                .sum();
+            let names_len: usize =
+                ["data.pkl", "byteorder", "version", "data/0"].iter().map(|n| "archive/".len() + n.len()).sum();
             assert_eq!(suffix.len(), 4 * 46 + names_len + 20 + 56 + 20 + 22);
             let end = &suffix[suffix.len() - 22..];
-            assert_eq!(
-                le32(end, 16),
-                u32::MAX,
-                "cd offset lives in the zip64 record"
-            );
-            let src = Sparse {
-                prefix: layout.prefix_with_crc(0x1234_5678),
-                data_len,
-                suffix,
-            };
+            assert_eq!(le32(end, 16), u32::MAX, "cd offset lives in the zip64 record");
+            let src = Sparse { prefix: layout.prefix_with_crc(0x1234_5678), data_len, suffix };
             let total = layout.total_len();
             let t = read_tensor_archive(&src, 0, total).unwrap();
             assert_eq!(t.shape, vec![data_len]);
@@ -1485,22 +1231,14 @@ ctorch\nBFloat16Storage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQK\x00K\x03
         let suffix = layout.suffix(0);
         assert!(!suffix.windows(4).any(|w| w == [1, 0, 16, 0]));
         assert!(suffix.windows(4).any(|w| w == SIG_EOCD64.to_le_bytes()));
-        let src = Sparse {
-            prefix: layout.prefix().to_vec(),
-            data_len: 0xFFFF_FFFE,
-            suffix,
-        };
+        let src = Sparse { prefix: layout.prefix().to_vec(), data_len: 0xFFFF_FFFE, suffix };
         let t = read_tensor_archive(&src, 0, layout.total_len()).unwrap();
         assert_eq!(t.data_len, 0xFFFF_FFFE);
         // Everything below 4 GiB: plain end record.
         let layout = TensorArchive::new(DType::U8, &[0xFFFF_0000]);
         let suffix = layout.suffix(0);
         assert!(!suffix.windows(4).any(|w| w == SIG_EOCD64.to_le_bytes()));
-        let src = Sparse {
-            prefix: layout.prefix().to_vec(),
-            data_len: 0xFFFF_0000,
-            suffix,
-        };
+        let src = Sparse { prefix: layout.prefix().to_vec(), data_len: 0xFFFF_0000, suffix };
         assert!(read_tensor_archive(&src, 0, layout.total_len()).is_ok());
     }
 
@@ -1512,10 +1250,7 @@ ctorch\nBFloat16Storage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQK\x00K\x03
         file.extend_from_slice(&a);
         file.extend_from_slice(&b);
         let t = read_tensor_archive(&file, 5, a.len() as u64).unwrap();
-        assert_eq!(
-            t.data_offset_in_item,
-            TensorArchive::new(DType::F32, &[2]).data_offset()
-        );
+        assert_eq!(t.data_offset_in_item, TensorArchive::new(DType::F32, &[2]).data_offset());
         let v = read_object_archive(&file, 5 + a.len() as u64, b.len() as u64).unwrap();
         assert_eq!(v, Value::Int(0));
         // A range that does not end at an end record is rejected.
@@ -1532,14 +1267,8 @@ ctorch\nBFloat16Storage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQK\x00K\x03
     fn object_archives() {
         let v = PyObject::Dict(vec![
             ("lr".into(), PyObject::Float(0.1)),
-            (
-                "betas".into(),
-                PyObject::Tuple(vec![PyObject::Float(0.9), PyObject::Float(0.999)]),
-            ),
-            (
-                "params".into(),
-                PyObject::List(vec![PyObject::Str("w".into())]),
-            ),
+            ("betas".into(), PyObject::Tuple(vec![PyObject::Float(0.9), PyObject::Float(0.999)])),
+            ("params".into(), PyObject::List(vec![PyObject::Str("w".into())])),
             ("amsgrad".into(), PyObject::Bool(false)),
             ("foreach".into(), PyObject::None),
             ("empty".into(), PyObject::List(vec![])),
@@ -1552,29 +1281,17 @@ ctorch\nBFloat16Storage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQK\x00K\x03
             read,
             Value::Dict(vec![
                 (Value::Str("lr".into()), f(0.1)),
-                (
-                    Value::Str("betas".into()),
-                    Value::Tuple(vec![f(0.9), f(0.999)])
-                ),
-                (
-                    Value::Str("params".into()),
-                    Value::List(vec![Value::Str("w".into())])
-                ),
+                (Value::Str("betas".into()), Value::Tuple(vec![f(0.9), f(0.999)])),
+                (Value::Str("params".into()), Value::List(vec![Value::Str("w".into())])),
                 (Value::Str("amsgrad".into()), Value::Bool(false)),
                 (Value::Str("foreach".into()), Value::None),
                 (Value::Str("empty".into()), Value::List(vec![])),
                 (Value::Str("step".into()), Value::Int(1 << 40)),
             ])
         );
-        assert_eq!(
-            object_pickle(&PyObject::Float(3.0)),
-            b"\x80\x02G\x40\x08\0\0\0\0\0\0."
-        );
+        assert_eq!(object_pickle(&PyObject::Float(3.0)), b"\x80\x02G\x40\x08\0\0\0\0\0\0.");
         // A bytes item is not a tensor.
-        assert!(matches!(
-            read_tensor_archive(&bytes, 0, bytes.len() as u64),
-            Err(TorchSaveError::NotATensor(_))
-        ));
+        assert!(matches!(read_tensor_archive(&bytes, 0, bytes.len() as u64), Err(TorchSaveError::NotATensor(_))));
     }
 
     // Offsets of the items in ckpt/__0_0.distcp, from the torch-written ckpt/.metadata.
@@ -1588,63 +1305,37 @@ ctorch\nBFloat16Storage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQK\x00K\x03
     fn reads_torch_written_items() {
         let file = fixture("ckpt/__0_0.distcp");
         let t = read_tensor_archive(&file, W.0, W.1).unwrap();
-        assert_eq!(
-            (t.dtype, t.shape.clone(), t.strides.clone()),
-            (DType::BF16, vec![3, 4], vec![4, 1])
-        );
+        assert_eq!((t.dtype, t.shape.clone(), t.strides.clone()), (DType::BF16, vec![3, 4], vec![4, 1]));
         assert_eq!((t.storage_offset, t.data_len), (0, 24));
         let data = &file[(W.0 + t.data_offset_in_item) as usize..][..24];
-        assert_eq!(
-            data,
-            bf16_bytes(&(0..12).map(|i| i as f32).collect::<Vec<_>>()).as_slice()
-        );
+        assert_eq!(data, bf16_bytes(&(0..12).map(|i| i as f32).collect::<Vec<_>>()).as_slice());
         assert_eq!(t.data_crc32, Some(crc32fast::hash(data)));
         assert_eq!(t.data_offset_in_item % 64, 0);
 
         let t = read_tensor_archive(&file, F8.0, F8.1).unwrap();
-        assert_eq!(
-            (t.dtype, t.shape.clone(), t.data_len),
-            (DType::F8E4M3, vec![3], 3)
-        );
+        assert_eq!((t.dtype, t.shape.clone(), t.data_len), (DType::F8E4M3, vec![3], 3));
         let data = &file[(F8.0 + t.data_offset_in_item) as usize..][..3];
         assert_eq!(data, [0x30, 0xB8, 0x40]); // 0.5, -1.0, 2.0 in e4m3fn
 
         let t = read_tensor_archive(&file, STEP.0, STEP.1).unwrap();
-        assert_eq!(
-            (t.dtype, t.shape.clone(), t.data_len),
-            (DType::F32, vec![], 4)
-        );
+        assert_eq!((t.dtype, t.shape.clone(), t.data_len), (DType::F32, vec![], 4));
         let data = &file[(STEP.0 + t.data_offset_in_item) as usize..][..4];
         assert_eq!(data, 2.5f32.to_le_bytes());
 
-        assert_eq!(
-            read_object_archive(&file, LR.0, LR.1).unwrap(),
-            Value::Float(0.1)
-        );
-        assert_eq!(
-            read_object_archive(&file, ITERATION.0, ITERATION.1).unwrap(),
-            Value::Int(7)
-        );
+        assert_eq!(read_object_archive(&file, LR.0, LR.1).unwrap(), Value::Float(0.1));
+        assert_eq!(read_object_archive(&file, ITERATION.0, ITERATION.1).unwrap(), Value::Int(7));
         // torch.save's pickles of these values are byte-identical to ours.
-        assert_eq!(
-            data_pkl(&file, LR.0, LR.1),
-            object_pickle(&PyObject::Float(0.1))
-        );
-        assert_eq!(
-            data_pkl(&file, ITERATION.0, ITERATION.1),
-            object_pickle(&PyObject::Int(7))
-        );
+        assert_eq!(data_pkl(&file, LR.0, LR.1), object_pickle(&PyObject::Float(0.1)));
+        assert_eq!(data_pkl(&file, ITERATION.0, ITERATION.1), object_pickle(&PyObject::Int(7)));
     }
 
     #[test]
     fn our_tensor_pickles_mean_what_torch_writes() {
         // torch adds BINPUT memo opcodes; the unpickled values must be identical.
         let file = fixture("ckpt/__0_0.distcp");
-        for ((off, len), dtype, shape, numel) in [
-            (W, DType::BF16, &[3u64, 4][..], 12u64),
-            (F8, DType::F8E4M3, &[3][..], 3),
-            (STEP, DType::F32, &[][..], 1),
-        ] {
+        for ((off, len), dtype, shape, numel) in
+            [(W, DType::BF16, &[3u64, 4][..], 12u64), (F8, DType::F8E4M3, &[3][..], 3), (STEP, DType::F32, &[][..], 1)]
+        {
             let theirs = pickle::loads(&data_pkl(&file, off, len)).unwrap();
             let nbytes = numel * dtype.size() as u64;
             let ours = pickle::loads(&tensor_pickle(dtype, shape, numel, nbytes)).unwrap();
@@ -1656,16 +1347,10 @@ ctorch\nBFloat16Storage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQK\x00K\x03
     fn torch_written_view_and_transposed() {
         let view = fixture("view.pt");
         let t = read_tensor_archive(&view, 0, view.len() as u64).unwrap();
-        assert_eq!(
-            (t.dtype, t.shape.clone(), t.storage_offset, t.data_len),
-            (DType::F32, vec![3], 2, 12)
-        );
+        assert_eq!((t.dtype, t.shape.clone(), t.storage_offset, t.data_len), (DType::F32, vec![3], 2, 12));
         assert_eq!(t.data_crc32, None);
         let data = &view[t.data_offset_in_item as usize..][..12];
-        let want: Vec<u8> = [2.0f32, 3.0, 4.0]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
+        let want: Vec<u8> = [2.0f32, 3.0, 4.0].iter().flat_map(|v| v.to_le_bytes()).collect();
         assert_eq!(data, want.as_slice());
 
         let tr = fixture("transposed.pt");
@@ -1687,31 +1372,14 @@ ctorch\nBFloat16Storage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQK\x00K\x03
         out
     }
 
-    fn v2_pickle(
-        class: &str,
-        numel: i128,
-        offset: i128,
-        shape: &[u64],
-        strides: &[u64],
-    ) -> Vec<u8> {
+    fn v2_pickle(class: &str, numel: i128, offset: i128, shape: &[u64], strides: &[u64]) -> Vec<u8> {
         let mut w = PickleWriter::new();
-        w.proto(2)
-            .global("torch._utils", "_rebuild_tensor_v2")
-            .mark();
-        w.mark()
-            .str("storage")
-            .global("torch", class)
-            .str("0")
-            .str("cpu")
-            .int(numel)
-            .tuple();
+        w.proto(2).global("torch._utils", "_rebuild_tensor_v2").mark();
+        w.mark().str("storage").global("torch", class).str("0").str("cpu").int(numel).tuple();
         w.binpersid().int(offset);
         w.int_tuple(shape);
         w.int_tuple(strides);
-        w.bool(false)
-            .global("collections", "OrderedDict")
-            .empty_tuple()
-            .reduce();
+        w.bool(false).global("collections", "OrderedDict").empty_tuple().reduce();
         w.tuple().reduce().stop();
         w.into_bytes()
     }
@@ -1726,31 +1394,12 @@ ctorch\nBFloat16Storage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQK\x00K\x03
         let pkl = v2_pickle("FloatStorage", 4, 2, &[3], &[1]);
         let ar = custom_archive("x/", &pkl, &[0u8; 16]);
         let err = read_tensor_archive(&ar, 0, ar.len() as u64).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                TorchSaveError::StorageBounds {
-                    storage_offset: 2,
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, TorchSaveError::StorageBounds { storage_offset: 2, .. }), "{err}");
 
         let pkl = v2_pickle("FloatStorage", 4, 0, &[4], &[1]);
         let ar = custom_archive("x/", &pkl, &[0u8; 12]);
         let err = read_tensor_archive(&ar, 0, ar.len() as u64).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                TorchSaveError::StorageSize {
-                    declared: 16,
-                    actual: 12,
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, TorchSaveError::StorageSize { declared: 16, actual: 12, .. }), "{err}");
 
         let pkl = v2_pickle("ComplexFloatStorage", 4, 0, &[4], &[1]);
         let ar = custom_archive("x/", &pkl, &[0u8; 16]);
@@ -1797,7 +1446,10 @@ ctorch\nBFloat16Storage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQK\x00K\x03
         assert_eq!(a.data_crc32, Some(crc32fast::hash(&data)));
         // A stored 0 is "not computed", not a mismatch, and not reported as the data's crc.
         assert_eq!(b.data_crc32, None);
-        assert_eq!((b.dtype, &b.shape, b.data_offset_in_item, b.data_len), (a.dtype, &a.shape, a.data_offset_in_item, a.data_len));
+        assert_eq!(
+            (b.dtype, &b.shape, b.data_offset_in_item, b.data_len),
+            (a.dtype, &a.shape, a.data_offset_in_item, a.data_len)
+        );
         // The streamed form with crc 0 (the executor's default) is the zeroed archive's data entry.
         let layout = TensorArchive::new(DType::BF16, &[2, 2]);
         let mut streamed = layout.prefix().to_vec();
@@ -1821,10 +1473,7 @@ ctorch\nBFloat16Storage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQK\x00K\x03
         let good = encode_tensor_archive(DType::F32, &[2], &[0u8; 8]).unwrap();
         // Every truncation, from the end or the front.
         for n in 0..good.len() {
-            assert!(
-                read_tensor_archive(&good, 0, n as u64).is_err(),
-                "first {n} bytes accepted"
-            );
+            assert!(read_tensor_archive(&good, 0, n as u64).is_err(), "first {n} bytes accepted");
             assert!(read_tensor_archive(&good[n + 1..], 0, (good.len() - n - 1) as u64).is_err());
         }
         // A flipped byte in data.pkl fails its crc.
@@ -1835,20 +1484,12 @@ ctorch\nBFloat16Storage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQK\x00K\x03
         // Big endian is refused.
         let mut out = Vec::new();
         let mut entries = Vec::new();
-        push_entry(
-            &mut out,
-            &mut entries,
-            "a/data.pkl".into(),
-            &object_pickle(&PyObject::None),
-        );
+        push_entry(&mut out, &mut entries, "a/data.pkl".into(), &object_pickle(&PyObject::None));
         push_entry(&mut out, &mut entries, "a/byteorder".into(), b"big");
         let cd = central_directory(&entries, out.len() as u64);
         out.extend_from_slice(&cd);
         let err = read_object_archive(&out, 0, out.len() as u64).unwrap_err();
-        assert!(
-            matches!(err, TorchSaveError::ByteOrder(ref s) if s == "big"),
-            "{err}"
-        );
+        assert!(matches!(err, TorchSaveError::ByteOrder(ref s) if s == "big"), "{err}");
         // No data.pkl.
         let mut out = Vec::new();
         let mut entries = Vec::new();
@@ -1856,15 +1497,9 @@ ctorch\nBFloat16Storage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x0ctQK\x00K\x03
         let cd = central_directory(&entries, out.len() as u64);
         out.extend_from_slice(&cd);
         let err = read_object_archive(&out, 0, out.len() as u64).unwrap_err();
-        assert!(
-            matches!(err, TorchSaveError::MissingEntry(ref s) if s == "a/data.pkl"),
-            "{err}"
-        );
+        assert!(matches!(err, TorchSaveError::MissingEntry(ref s) if s == "a/data.pkl"), "{err}");
         // Raw bytes (what torch refuses too).
-        assert!(matches!(
-            read_tensor_archive(&[0u8; 64][..], 0, 64),
-            Err(TorchSaveError::NotZip(_))
-        ));
+        assert!(matches!(read_tensor_archive(&[0u8; 64][..], 0, 64), Err(TorchSaveError::NotZip(_))));
     }
 
     proptest::proptest! {

@@ -66,7 +66,12 @@ fn is_vocab_key(key: &str) -> bool {
 
 /// Validates `ckpt` against `release`, whose expected tensors are described by `reference` (a plan
 /// of the release without vocab padding; any mesh: global tensors do not depend on it).
-pub fn verify(ckpt: &Checkpoint, release: &Release, reference: &Plan, progress: &Progress) -> Result<VerifyReport, VerifyError> {
+pub fn verify(
+    ckpt: &Checkpoint,
+    release: &Release,
+    reference: &Plan,
+    progress: &Progress,
+) -> Result<VerifyReport, VerifyError> {
     let sources = SourceMap::new(reference, release)?;
     let mut report = VerifyReport::default();
     let expected: BTreeMap<&str, &OutputTensor> = reference.tensors.iter().map(|t| (t.key.as_str(), t)).collect();
@@ -106,10 +111,20 @@ pub fn verify(ckpt: &Checkpoint, release: &Release, reference: &Plan, progress: 
         for c in &st.chunks {
             let ok = c.offsets.len() == st.shape.len()
                 && c.sizes.len() == st.shape.len()
-                && c.offsets.iter().zip(&c.sizes).zip(&st.shape).all(|((o, s), g)| o.checked_add(*s).is_some_and(|e| e <= *g));
+                && c.offsets
+                    .iter()
+                    .zip(&c.sizes)
+                    .zip(&st.shape)
+                    .all(|((o, s), g)| o.checked_add(*s).is_some_and(|e| e <= *g));
             let bytes = c.sizes.iter().product::<u64>() * st.dtype.size() as u64;
             if !ok || bytes != c.data_len {
-                find(key, format!("chunk offsets {:?} sizes {:?} does not fit global shape {:?} or its {} stored bytes", c.offsets, c.sizes, st.shape, c.data_len));
+                find(
+                    key,
+                    format!(
+                        "chunk offsets {:?} sizes {:?} does not fit global shape {:?} or its {} stored bytes",
+                        c.offsets, c.sizes, st.shape, c.data_len
+                    ),
+                );
                 bad_box = true;
             }
         }

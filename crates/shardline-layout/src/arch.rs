@@ -58,55 +58,24 @@ pub struct Rule {
 }
 
 const fn rule(megatron: &'static str, kind: Kind, hf: &'static [&'static str]) -> Rule {
-    Rule {
-        megatron,
-        hf,
-        kind,
-        guard: None,
-        expert: false,
-    }
+    Rule { megatron, hf, kind, guard: None, expert: false }
 }
 
-const fn guarded(
-    megatron: &'static str,
-    kind: Kind,
-    hf: &'static [&'static str],
-    guard: &'static str,
-) -> Rule {
-    Rule {
-        megatron,
-        hf,
-        kind,
-        guard: Some(guard),
-        expert: false,
-    }
+const fn guarded(megatron: &'static str, kind: Kind, hf: &'static [&'static str], guard: &'static str) -> Rule {
+    Rule { megatron, hf, kind, guard: Some(guard), expert: false }
 }
 
 const fn expert(megatron: &'static str, kind: Kind, hf: &'static [&'static str]) -> Rule {
-    Rule {
-        megatron,
-        hf,
-        kind,
-        guard: None,
-        expert: true,
-    }
+    Rule { megatron, hf, kind, guard: None, expert: true }
 }
 
 use Kind::*;
 use TpMode::*;
 
 const EMBEDDING: &[Rule] = &[
-    rule(
-        "embedding.word_embeddings.weight",
-        Vocab,
-        &["model.embed_tokens.weight"],
-    ),
+    rule("embedding.word_embeddings.weight", Vocab, &["model.embed_tokens.weight"]),
     rule("output_layer.weight", Vocab, &["lm_head.weight"]),
-    rule(
-        "decoder.final_layernorm.weight",
-        Copy(Replicated),
-        &["model.norm.weight"],
-    ),
+    rule("decoder.final_layernorm.weight", Copy(Replicated), &["model.norm.weight"]),
 ];
 
 const ATTENTION: &[Rule] = &[
@@ -159,10 +128,7 @@ const DENSE_MLP: &[Rule] = &[
     rule(
         "decoder.layers.{L}.mlp.linear_fc1.weight",
         GatedMlp,
-        &[
-            "model.layers.{L}.mlp.gate_proj.weight",
-            "model.layers.{L}.mlp.up_proj.weight",
-        ],
+        &["model.layers.{L}.mlp.gate_proj.weight", "model.layers.{L}.mlp.up_proj.weight"],
     ),
     guarded(
         "decoder.layers.{L}.mlp.linear_fc1.layer_norm_weight",
@@ -170,19 +136,11 @@ const DENSE_MLP: &[Rule] = &[
         &["model.layers.{L}.post_attention_layernorm.weight"],
         "model.layers.{L}.mlp.gate_proj.weight",
     ),
-    rule(
-        "decoder.layers.{L}.mlp.linear_fc2.weight",
-        Copy(Row),
-        &["model.layers.{L}.mlp.down_proj.weight"],
-    ),
+    rule("decoder.layers.{L}.mlp.linear_fc2.weight", Copy(Row), &["model.layers.{L}.mlp.down_proj.weight"]),
 ];
 
 const MOE: &[Rule] = &[
-    rule(
-        "decoder.layers.{L}.mlp.router.weight",
-        Copy(Replicated),
-        &["model.layers.{L}.mlp.gate.weight"],
-    ),
+    rule("decoder.layers.{L}.mlp.router.weight", Copy(Replicated), &["model.layers.{L}.mlp.gate.weight"]),
     guarded(
         "decoder.layers.{L}.pre_mlp_layernorm.weight",
         Copy(Replicated),
@@ -192,10 +150,7 @@ const MOE: &[Rule] = &[
     expert(
         "decoder.layers.{L}.mlp.experts.linear_fc1.weight{E}",
         GatedMlp,
-        &[
-            "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
-            "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
-        ],
+        &["model.layers.{L}.mlp.experts.{E}.gate_proj.weight", "model.layers.{L}.mlp.experts.{E}.up_proj.weight"],
     ),
     expert(
         "decoder.layers.{L}.mlp.experts.linear_fc2.weight{E}",
@@ -215,11 +170,7 @@ const MOE: &[Rule] = &[
 ];
 
 const MIXTRAL_MOE: &[Rule] = &[
-    rule(
-        "decoder.layers.{L}.mlp.router.weight",
-        Copy(Replicated),
-        &["model.layers.{L}.block_sparse_moe.gate.weight"],
-    ),
+    rule("decoder.layers.{L}.mlp.router.weight", Copy(Replicated), &["model.layers.{L}.block_sparse_moe.gate.weight"]),
     guarded(
         "decoder.layers.{L}.pre_mlp_layernorm.weight",
         Copy(Replicated),
@@ -245,10 +196,7 @@ const SHARED_EXPERT: &[Rule] = &[
     rule(
         "decoder.layers.{L}.mlp.shared_experts.linear_fc1.weight",
         GatedMlp,
-        &[
-            "model.layers.{L}.mlp.shared_expert.gate_proj.weight",
-            "model.layers.{L}.mlp.shared_expert.up_proj.weight",
-        ],
+        &["model.layers.{L}.mlp.shared_expert.gate_proj.weight", "model.layers.{L}.mlp.shared_expert.up_proj.weight"],
     ),
     rule(
         "decoder.layers.{L}.mlp.shared_experts.linear_fc2.weight",
@@ -269,21 +217,9 @@ const GDN_COMMON: &[Rule] = &[
         &["model.layers.{L}.input_layernorm.weight"],
         "model.layers.{L}.linear_attn.conv1d.weight",
     ),
-    rule(
-        "decoder.layers.{L}.self_attention.conv1d.weight",
-        GdnConv1d,
-        &["model.layers.{L}.linear_attn.conv1d.weight"],
-    ),
-    rule(
-        "decoder.layers.{L}.self_attention.A_log",
-        Copy(Column),
-        &["model.layers.{L}.linear_attn.A_log"],
-    ),
-    rule(
-        "decoder.layers.{L}.self_attention.dt_bias",
-        Copy(Column),
-        &["model.layers.{L}.linear_attn.dt_bias"],
-    ),
+    rule("decoder.layers.{L}.self_attention.conv1d.weight", GdnConv1d, &["model.layers.{L}.linear_attn.conv1d.weight"]),
+    rule("decoder.layers.{L}.self_attention.A_log", Copy(Column), &["model.layers.{L}.linear_attn.A_log"]),
+    rule("decoder.layers.{L}.self_attention.dt_bias", Copy(Column), &["model.layers.{L}.linear_attn.dt_bias"]),
     rule(
         "decoder.layers.{L}.self_attention.out_proj.weight",
         Copy(Row),
@@ -299,10 +235,7 @@ const GDN_COMMON: &[Rule] = &[
 const GDN_QKVZ: &[Rule] = &[rule(
     "decoder.layers.{L}.self_attention.in_proj.weight",
     GdnInProjQkvz,
-    &[
-        "model.layers.{L}.linear_attn.in_proj_qkvz.weight",
-        "model.layers.{L}.linear_attn.in_proj_ba.weight",
-    ],
+    &["model.layers.{L}.linear_attn.in_proj_qkvz.weight", "model.layers.{L}.linear_attn.in_proj_ba.weight"],
 )];
 
 const GDN_SPLIT: &[Rule] = &[rule(
@@ -319,26 +252,10 @@ const GDN_SPLIT: &[Rule] = &[rule(
 /// Multi-token-prediction head of Qwen3-Next (`mtp.*`); its transformer layer reuses the decoder
 /// tables with the `mtp.layers.{L}.` prefixes (see [`mtp_prefix`]).
 const MTP_HEAD: &[Rule] = &[
-    rule(
-        "mtp.layers.0.eh_proj.weight",
-        Copy(Column),
-        &["mtp.fc.weight"],
-    ),
-    rule(
-        "mtp.layers.0.enorm.weight",
-        Copy(Replicated),
-        &["mtp.pre_fc_norm_embedding.weight"],
-    ),
-    rule(
-        "mtp.layers.0.hnorm.weight",
-        Copy(Replicated),
-        &["mtp.pre_fc_norm_hidden.weight"],
-    ),
-    rule(
-        "mtp.layers.0.final_layernorm.weight",
-        Copy(Replicated),
-        &["mtp.norm.weight"],
-    ),
+    rule("mtp.layers.0.eh_proj.weight", Copy(Column), &["mtp.fc.weight"]),
+    rule("mtp.layers.0.enorm.weight", Copy(Replicated), &["mtp.pre_fc_norm_embedding.weight"]),
+    rule("mtp.layers.0.hnorm.weight", Copy(Replicated), &["mtp.pre_fc_norm_hidden.weight"]),
+    rule("mtp.layers.0.final_layernorm.weight", Copy(Replicated), &["mtp.norm.weight"]),
 ];
 
 /// Prefix pairs `(megatron, hf)` that re-target decoder-layer rules at the MTP layer.
@@ -352,34 +269,12 @@ pub fn tables(family: Family) -> (&'static [&'static [Rule]], bool) {
         Family::Qwen3 => (&[EMBEDDING, ATTENTION, QK_NORM, DENSE_MLP], false),
         Family::Qwen3Moe => (&[EMBEDDING, ATTENTION, QK_NORM, MOE, DENSE_MLP], false),
         Family::Mixtral => (&[EMBEDDING, ATTENTION, MIXTRAL_MOE], false),
-        Family::Qwen3Next => (
-            &[
-                EMBEDDING,
-                ATTENTION,
-                QK_NORM,
-                GDN_COMMON,
-                GDN_QKVZ,
-                MOE,
-                SHARED_EXPERT,
-                DENSE_MLP,
-                MTP_HEAD,
-            ],
-            true,
-        ),
-        Family::Qwen35 => (
-            &[
-                EMBEDDING,
-                ATTENTION,
-                QK_NORM,
-                GDN_COMMON,
-                GDN_SPLIT,
-                MOE,
-                SHARED_EXPERT,
-                DENSE_MLP,
-                MTP_HEAD,
-            ],
-            true,
-        ),
+        Family::Qwen3Next => {
+            (&[EMBEDDING, ATTENTION, QK_NORM, GDN_COMMON, GDN_QKVZ, MOE, SHARED_EXPERT, DENSE_MLP, MTP_HEAD], true)
+        }
+        Family::Qwen35 => {
+            (&[EMBEDDING, ATTENTION, QK_NORM, GDN_COMMON, GDN_SPLIT, MOE, SHARED_EXPERT, DENSE_MLP, MTP_HEAD], true)
+        }
     }
 }
 

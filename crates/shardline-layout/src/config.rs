@@ -98,10 +98,7 @@ fn get_u64(obj: &Value, key: &str) -> Result<Option<u64>, LayoutError> {
 }
 
 fn need_u64(obj: &Value, key: &str) -> Result<u64, LayoutError> {
-    get_u64(obj, key)?.ok_or_else(|| LayoutError::Config {
-        field: key.to_string(),
-        message: "missing".to_string(),
-    })
+    get_u64(obj, key)?.ok_or_else(|| LayoutError::Config { field: key.to_string(), message: "missing".to_string() })
 }
 
 impl ModelConfig {
@@ -114,21 +111,14 @@ impl ModelConfig {
         let top_type = root
             .get("model_type")
             .and_then(Value::as_str)
-            .ok_or_else(|| LayoutError::Config {
-                field: "model_type".to_string(),
-                message: "missing".to_string(),
-            })?
+            .ok_or_else(|| LayoutError::Config { field: "model_type".to_string(), message: "missing".to_string() })?
             .to_string();
         // Multimodal releases nest the language model's fields.
         let (obj, language_model_prefix) = match root.get("text_config") {
             Some(tc @ Value::Object(_)) => (tc, true),
             _ => (&root, false),
         };
-        let model_type = obj
-            .get("model_type")
-            .and_then(Value::as_str)
-            .unwrap_or(&top_type)
-            .to_string();
+        let model_type = obj.get("model_type").and_then(Value::as_str).unwrap_or(&top_type).to_string();
         let family = SUPPORTED_MODEL_TYPES
             .iter()
             .find(|(name, _)| *name == model_type || *name == top_type)
@@ -144,18 +134,14 @@ impl ModelConfig {
         if num_attention_heads == 0 || num_query_groups == 0 || hidden_size == 0 {
             return Err(LayoutError::Config {
                 field: "num_attention_heads".to_string(),
-                message:
-                    "hidden_size, num_attention_heads and num_key_value_heads must be positive"
-                        .to_string(),
+                message: "hidden_size, num_attention_heads and num_key_value_heads must be positive".to_string(),
             });
         }
         let head_dim = match get_u64(obj, "head_dim")? {
             Some(d) => d,
             None => hidden_size / num_attention_heads,
         };
-        let num_experts = get_u64(obj, "num_experts")?
-            .or(get_u64(obj, "num_local_experts")?)
-            .unwrap_or(0);
+        let num_experts = get_u64(obj, "num_experts")?.or(get_u64(obj, "num_local_experts")?).unwrap_or(0);
         let gdn = match family {
             Family::Qwen3Next | Family::Qwen35 => Some(GdnDims {
                 num_key_heads: need_u64(obj, "linear_num_key_heads")?,
@@ -223,10 +209,7 @@ mod tests {
     fn unknown_architecture_lists_supported() {
         let err = ModelConfig::from_json(r#"{"model_type":"gpt_bigcode"}"#).unwrap_err();
         let msg = err.to_string();
-        assert!(
-            msg.contains("gpt_bigcode") && msg.contains("qwen3_moe"),
-            "{msg}"
-        );
+        assert!(msg.contains("gpt_bigcode") && msg.contains("qwen3_moe"), "{msg}");
     }
 
     #[test]
@@ -246,8 +229,7 @@ mod tests {
 
     #[test]
     fn wrong_type_names_field() {
-        let err =
-            ModelConfig::from_json(r#"{"model_type":"llama","hidden_size":"64"}"#).unwrap_err();
+        let err = ModelConfig::from_json(r#"{"model_type":"llama","hidden_size":"64"}"#).unwrap_err();
         assert!(err.to_string().contains("hidden_size"));
     }
 }

@@ -66,9 +66,7 @@ impl DType {
 
     /// Parses a safetensors header dtype; `None` for dtypes we do not handle.
     pub fn from_safetensors_name(name: &str) -> Option<DType> {
-        DType::ALL
-            .into_iter()
-            .find(|d| d.safetensors_name() == name)
+        DType::ALL.into_iter().find(|d| d.safetensors_name() == name)
     }
 
     /// The attribute of the `torch` module naming this dtype (`torch.bfloat16`).
@@ -123,17 +121,12 @@ impl DType {
 
     /// Parses a typed storage class name back to its dtype.
     pub fn from_torch_storage_class(name: &str) -> Option<DType> {
-        DType::ALL
-            .into_iter()
-            .find(|d| d.torch_storage_class() == Some(name))
+        DType::ALL.into_iter().find(|d| d.torch_storage_class() == Some(name))
     }
 
     /// Whether this is a floating-point type (value transforms apply only to these).
     pub fn is_float(self) -> bool {
-        matches!(
-            self,
-            DType::F16 | DType::BF16 | DType::F32 | DType::F64 | DType::F8E4M3 | DType::F8E5M2
-        )
+        matches!(self, DType::F16 | DType::BF16 | DType::F32 | DType::F64 | DType::F8E4M3 | DType::F8E5M2)
     }
 }
 

@@ -12,10 +12,7 @@ pub enum LayoutError {
 
     /// `model_type` names an architecture without a mapping table.
     #[error("unknown architecture `{model_type}` (supported: {})", supported.join(", "))]
-    UnknownArchitecture {
-        model_type: String,
-        supported: Vec<&'static str>,
-    },
+    UnknownArchitecture { model_type: String, supported: Vec<&'static str> },
 
     /// The mesh is inconsistent in itself or with the model (Megatron would refuse it).
     #[error("mesh: {0}")]
@@ -23,27 +20,15 @@ pub enum LayoutError {
 
     /// A tensor the mapping needs is absent from the release.
     #[error("release is missing `{missing}`, needed with `{present}` for `{target}`")]
-    MissingTensor {
-        missing: String,
-        present: String,
-        target: String,
-    },
+    MissingTensor { missing: String, present: String, target: String },
 
     /// A tensor's shape contradicts the config.
     #[error("`{tensor}` has shape {actual:?}, expected {expected} ({why})")]
-    Shape {
-        tensor: String,
-        actual: Vec<u64>,
-        expected: String,
-        why: String,
-    },
+    Shape { tensor: String, actual: Vec<u64>, expected: String, why: String },
 
     /// Tensors that no mapping rule consumes (a silent drop would lose weights).
     #[error("{} release tensor(s) have no mapping for `{model_type}`: {}{}", names.len(), names.iter().take(8).cloned().collect::<Vec<_>>().join(", "), if names.len() > 8 { ", …" } else { "" })]
-    Unmapped {
-        model_type: String,
-        names: Vec<String>,
-    },
+    Unmapped { model_type: String, names: Vec<String> },
 
     /// Source tensors of one mapping disagree in dtype.
     #[error("`{target}`: source dtypes differ ({detail})")]

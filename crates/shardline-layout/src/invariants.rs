@@ -69,37 +69,22 @@ pub struct Violation {
 
 impl fmt::Display for Violation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "invariant {} ({:?}): `{}`: {}",
-            self.invariant as u8, self.invariant, self.key, self.message
-        )
+        write!(f, "invariant {} ({:?}): `{}`: {}", self.invariant as u8, self.invariant, self.key, self.message)
     }
 }
 
 fn tuple(v: &[u64]) -> String {
-    format!(
-        "({})",
-        v.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
-    )
+    format!("({})", v.iter().map(u64::to_string).collect::<Vec<_>>().join(", "))
 }
 
 fn list(v: &[u64]) -> String {
-    format!(
-        "[{}]",
-        v.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
-    )
+    format!("[{}]", v.iter().map(u64::to_string).collect::<Vec<_>>().join(", "))
 }
 
 /// Lowers a plan to per-rank write plans (every rank lists every key of its group, empty pieces
 /// and deduplicated replicas included, in key order).
 pub fn lower(plan: &Plan) -> Vec<RankPlan> {
-    let mut plans: Vec<RankPlan> = (0..plan.world())
-        .map(|rank| RankPlan {
-            rank,
-            items: Vec::new(),
-        })
-        .collect();
+    let mut plans: Vec<RankPlan> = (0..plan.world()).map(|rank| RankPlan { rank, items: Vec::new() }).collect();
     for t in &plan.tensors {
         let tp_dim = match t.tp_mode {
             crate::arch::TpMode::Column => Some(0),
@@ -148,10 +133,7 @@ pub fn validate(plans: &[RankPlan], num_experts: u64, ep: u64) -> Vec<Violation>
     let mut by_key: BTreeMap<&str, Vec<(u64, &WriteItem)>> = BTreeMap::new();
     for p in plans {
         for it in &p.items {
-            by_key
-                .entry(it.key.as_str())
-                .or_default()
-                .push((p.rank, it));
+            by_key.entry(it.key.as_str()).or_default().push((p.rank, it));
         }
     }
     check_determinism(plans, &by_key, &mut v);
@@ -166,11 +148,7 @@ pub fn validate(plans: &[RankPlan], num_experts: u64, ep: u64) -> Vec<Violation>
 }
 
 fn push(v: &mut Vec<Violation>, invariant: Invariant, key: &str, message: String) {
-    v.push(Violation {
-        invariant,
-        key: key.to_string(),
-        message,
-    });
+    v.push(Violation { invariant, key: key.to_string(), message });
 }
 
 fn check_key(key: &str, items: &[(u64, &WriteItem)], v: &mut Vec<Violation>) {
@@ -237,12 +215,7 @@ fn check_key(key: &str, items: &[(u64, &WriteItem)], v: &mut Vec<Violation>) {
         }
         // 7. row alignment: whole rows of the local tensor (a stripe for row-parallel)
         if !it.sizes.is_empty() && it.sizes.iter().product::<u64>() > 0 {
-            let aligned = it
-                .sizes
-                .iter()
-                .enumerate()
-                .skip(1)
-                .all(|(d, s)| it.local_shape.get(d) == Some(s));
+            let aligned = it.sizes.iter().enumerate().skip(1).all(|(d, s)| it.local_shape.get(d) == Some(s));
             if !aligned {
                 push(
                     v,
@@ -300,11 +273,7 @@ fn check_key(key: &str, items: &[(u64, &WriteItem)], v: &mut Vec<Violation>) {
     // 3. exact tiling: unique boxes pairwise disjoint and covering the volume exactly
     let unique: Vec<Piece> = boxes
         .iter()
-        .map(|(off, (r, it))| Piece {
-            offsets: off.clone(),
-            sizes: it.sizes.clone(),
-            owner: format!("rank {r}"),
-        })
+        .map(|(off, (r, it))| Piece { offsets: off.clone(), sizes: it.sizes.clone(), owner: format!("rank {r}") })
         .collect();
     for message in tiling_violations(global, unique) {
         push(v, Invariant::ExactTiling, key, message);
@@ -356,14 +325,7 @@ pub fn tiling_violations(global: &[u64], mut pieces: Vec<Piece>) -> Vec<String> 
         let detail = pieces
             .iter()
             .take(6)
-            .map(|p| {
-                format!(
-                    "{}: offsets {} sizes {}",
-                    p.owner,
-                    tuple(&p.offsets),
-                    tuple(&p.sizes)
-                )
-            })
+            .map(|p| format!("{}: offsets {} sizes {}", p.owner, tuple(&p.offsets), tuple(&p.sizes)))
             .collect::<Vec<_>>()
             .join("; ");
         out.push(format!(
@@ -374,11 +336,7 @@ pub fn tiling_violations(global: &[u64], mut pieces: Vec<Piece>) -> Vec<String> 
     out
 }
 
-fn check_determinism(
-    plans: &[RankPlan],
-    by_key: &BTreeMap<&str, Vec<(u64, &WriteItem)>>,
-    v: &mut Vec<Violation>,
-) {
+fn check_determinism(plans: &[RankPlan], by_key: &BTreeMap<&str, Vec<(u64, &WriteItem)>>, v: &mut Vec<Violation>) {
     for p in plans {
         for pair in p.items.windows(2) {
             if pair[0].key >= pair[1].key {
@@ -398,10 +356,7 @@ fn check_determinism(
     // Every (tp rank, fsdp rank) of the key's group must list the key, possibly empty.
     for (key, items) in by_key {
         let (_, first) = items[0];
-        let present: BTreeSet<(u64, u64)> = items
-            .iter()
-            .map(|(_, it)| (it.tp_rank, it.fsdp_rank))
-            .collect();
+        let present: BTreeSet<(u64, u64)> = items.iter().map(|(_, it)| (it.tp_rank, it.fsdp_rank)).collect();
         let listing: BTreeSet<u64> = items.iter().map(|(r, _)| *r).collect();
         let missing: Vec<String> = (0..first.tp)
             .flat_map(|r| (0..first.fsdp_size).map(move |j| (r, j)))
@@ -451,12 +406,7 @@ fn check_optimizer_parity(by_key: &BTreeMap<&str, Vec<(u64, &WriteItem)>>, v: &m
         let p_chunks = chunk_list(param_items);
         for suffix in ["exp_avg", "exp_avg_sq"] {
             if !states.iter().any(|s| s.ends_with(&format!(".{suffix}"))) {
-                push(
-                    v,
-                    Invariant::OptimizerParity,
-                    param,
-                    format!("has optimizer state but no `{suffix}`"),
-                );
+                push(v, Invariant::OptimizerParity, param, format!("has optimizer state but no `{suffix}`"));
             }
         }
         for s in states {
@@ -479,12 +429,7 @@ fn check_optimizer_parity(by_key: &BTreeMap<&str, Vec<(u64, &WriteItem)>>, v: &m
                     ),
                 );
             } else if chunk_list(items) != p_chunks {
-                push(
-                    v,
-                    Invariant::OptimizerParity,
-                    s,
-                    format!("chunk list differs from its parameter `{param}`"),
-                );
+                push(v, Invariant::OptimizerParity, s, format!("chunk list differs from its parameter `{param}`"));
             }
         }
     }
@@ -493,15 +438,9 @@ fn check_optimizer_parity(by_key: &BTreeMap<&str, Vec<(u64, &WriteItem)>>, v: &m
 /// Index in `…weight{g}…` of an expert key.
 fn expert_index(key: &str) -> Option<(String, u64)> {
     let pos = key.rfind(".weight")? + ".weight".len();
-    let digits: String = key[pos..]
-        .chars()
-        .take_while(char::is_ascii_digit)
-        .collect();
+    let digits: String = key[pos..].chars().take_while(char::is_ascii_digit).collect();
     let g = digits.parse().ok()?;
-    Some((
-        format!("{}{{E}}{}", &key[..pos], &key[pos + digits.len()..]),
-        g,
-    ))
+    Some((format!("{}{{E}}{}", &key[..pos], &key[pos + digits.len()..]), g))
 }
 
 fn check_expert_coverage(
@@ -532,26 +471,22 @@ fn check_expert_coverage(
                 v,
                 Invariant::ExpertCoverage,
                 key,
-                format!("expert {expert} is owned by EP rank {ep_rank}, expected {} (= {expert} / ({num_experts}/{ep}))", expert / per_rank),
+                format!(
+                    "expert {expert} is owned by EP rank {ep_rank}, expected {} (= {expert} / ({num_experts}/{ep}))",
+                    expert / per_rank
+                ),
             );
         }
     }
     for (stem, seen) in stems {
         let missing: Vec<u64> = (0..num_experts).filter(|g| !seen.contains(g)).collect();
         if !missing.is_empty() {
-            push(
-                v,
-                Invariant::ExpertCoverage,
-                &stem,
-                format!("experts {} are missing", list(&missing)),
-            );
+            push(v, Invariant::ExpertCoverage, &stem, format!("experts {} are missing", list(&missing)));
         }
     }
 }
 
 /// `shape` permuted by `perm` (`perm[i]` = source dim of output dim `i`).
 pub fn permuted(shape: &[u64], perm: &[usize]) -> Vec<u64> {
-    perm.iter()
-        .map(|p| shape.get(*p).copied().unwrap_or(0))
-        .collect()
+    perm.iter().map(|p| shape.get(*p).copied().unwrap_or(0)).collect()
 }

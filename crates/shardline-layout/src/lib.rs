@@ -19,8 +19,5 @@ pub use dtype::DType;
 pub use error::LayoutError;
 pub use invariants::{lower, validate, Invariant, RankPlan, Violation, WriteItem};
 pub use mesh::Mesh;
-pub use plan::{
-    build_plan, check_mesh_for_model, Chunk, Group, OutputTensor, Plan, PlanOptions, Role,
-    SourceTensor,
-};
+pub use plan::{build_plan, check_mesh_for_model, Chunk, Group, OutputTensor, Plan, PlanOptions, Role, SourceTensor};
 pub use recipe::{RowBlock, Segment, Transform};

@@ -21,13 +21,7 @@ pub struct Mesh {
 impl Mesh {
     /// A mesh with `etp = tp`, Megatron's default.
     pub fn new(tp: u64, cp: u64, dp: u64, ep: u64) -> Mesh {
-        Mesh {
-            tp,
-            cp,
-            dp,
-            ep,
-            etp: tp,
-        }
+        Mesh { tp, cp, dp, ep, etp: tp }
     }
 
     /// Number of ranks of the job: `tp·cp·dp`.
@@ -58,17 +52,9 @@ impl Mesh {
     /// Checks the mesh on its own: positive sizes and an expert layout that tiles the world.
     pub fn check(&self) -> Vec<LayoutError> {
         let mut errors = Vec::new();
-        for (name, v) in [
-            ("tp", self.tp),
-            ("cp", self.cp),
-            ("dp", self.dp),
-            ("ep", self.ep),
-            ("etp", self.etp),
-        ] {
+        for (name, v) in [("tp", self.tp), ("cp", self.cp), ("dp", self.dp), ("ep", self.ep), ("etp", self.etp)] {
             if v == 0 {
-                errors.push(LayoutError::Mesh(format!(
-                    "`{name}` must be at least 1, got 0"
-                )));
+                errors.push(LayoutError::Mesh(format!("`{name}` must be at least 1, got 0")));
             }
         }
         if errors.is_empty() && self.world() % (self.etp * self.ep) != 0 {
@@ -89,11 +75,7 @@ impl Mesh {
 
 impl fmt::Display for Mesh {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "tp{}·cp{}·dp{}·ep{}·etp{}",
-            self.tp, self.cp, self.dp, self.ep, self.etp
-        )
+        write!(f, "tp{}·cp{}·dp{}·ep{}·etp{}", self.tp, self.cp, self.dp, self.ep, self.etp)
     }
 }
 
@@ -103,13 +85,7 @@ mod tests {
 
     #[test]
     fn rank_arithmetic() {
-        let m = Mesh {
-            tp: 2,
-            cp: 2,
-            dp: 2,
-            ep: 2,
-            etp: 2,
-        };
+        let m = Mesh { tp: 2, cp: 2, dp: 2, ep: 2, etp: 2 };
         assert_eq!(m.world(), 8);
         assert_eq!(m.fsdp_size(), 4);
         assert_eq!(m.expert_dp_size(), 2);
@@ -120,21 +96,9 @@ mod tests {
 
     #[test]
     fn rejects_untileable_expert_layout() {
-        let m = Mesh {
-            tp: 1,
-            cp: 1,
-            dp: 6,
-            ep: 4,
-            etp: 1,
-        };
+        let m = Mesh { tp: 1, cp: 1, dp: 6, ep: 4, etp: 1 };
         let errs = m.check();
         assert_eq!(errs.len(), 1);
-        assert!(
-            errs[0]
-                .to_string()
-                .contains("6 is not divisible by etp·ep = 1·4 = 4"),
-            "{}",
-            errs[0]
-        );
+        assert!(errs[0].to_string().contains("6 is not divisible by etp·ep = 1·4 = 4"), "{}", errs[0]);
     }
 }

@@ -71,10 +71,7 @@ pub enum Role {
     /// A model parameter (or one split section of a fused one).
     Param,
     /// An optimizer state of the parameter key named.
-    OptimizerState {
-        param_key: String,
-        state: &'static str,
-    },
+    OptimizerState { param_key: String, state: &'static str },
 }
 
 /// One `(TP rank, FSDP rank)` piece of a tensor. Pieces with no rows, and replicas of a
@@ -241,73 +238,50 @@ pub fn check_mesh_for_model(config: &ModelConfig, mesh: &Mesh) -> Vec<LayoutErro
     let mut err = |msg: String| errors.push(LayoutError::Mesh(msg));
     let (t, ng, nh) = (mesh.tp, config.num_query_groups, config.num_attention_heads);
     if nh % ng != 0 {
-        err(format!(
-            "num_attention_heads ({nh}) is not divisible by num_query_groups ({ng})"
-        ));
+        err(format!("num_attention_heads ({nh}) is not divisible by num_query_groups ({ng})"));
     }
     if ng < t {
         err(format!(
             "num_query_groups ({ng}) < tp ({t}): Megatron's replicated-KV path is not supported; use tp ≤ {ng}"
         ));
     } else if ng % t != 0 {
-        err(format!(
-            "num_query_groups ({ng}) is not divisible by tp ({t})"
-        ));
+        err(format!("num_query_groups ({ng}) is not divisible by tp ({t})"));
     }
     if let Some(f) = config.ffn_hidden_size {
         if config.num_experts == 0 && f % t != 0 {
-            err(format!(
-                "intermediate_size ({f}) is not divisible by tp ({t})"
-            ));
+            err(format!("intermediate_size ({f}) is not divisible by tp ({t})"));
         }
     }
     if let Some(f) = config.shared_expert_ffn_hidden_size {
         if f % t != 0 {
-            err(format!(
-                "shared_expert_intermediate_size ({f}) is not divisible by tp ({t})"
-            ));
+            err(format!("shared_expert_intermediate_size ({f}) is not divisible by tp ({t})"));
         }
     }
     if config.num_experts == 0 {
         if mesh.ep > 1 {
-            err(format!(
-                "ep ({}) > 1 but `{}` has no experts",
-                mesh.ep, config.model_type
-            ));
+            err(format!("ep ({}) > 1 but `{}` has no experts", mesh.ep, config.model_type));
         }
     } else {
         let e = config.num_experts;
         if e % mesh.ep != 0 {
-            err(format!(
-                "num_experts ({e}) is not divisible by ep ({})",
-                mesh.ep
-            ));
+            err(format!("num_experts ({e}) is not divisible by ep ({})", mesh.ep));
         }
         if let Some(f) = config.moe_ffn_hidden_size {
             if f % mesh.etp != 0 {
-                err(format!(
-                    "moe_intermediate_size ({f}) is not divisible by etp ({})",
-                    mesh.etp
-                ));
+                err(format!("moe_intermediate_size ({f}) is not divisible by etp ({})", mesh.etp));
             }
         }
     }
     if let Some(g) = &config.gdn {
         let (nk, nv) = (g.num_key_heads, g.num_value_heads);
         if nk % t != 0 {
-            err(format!(
-                "linear_num_key_heads ({nk}) is not divisible by tp ({t})"
-            ));
+            err(format!("linear_num_key_heads ({nk}) is not divisible by tp ({t})"));
         }
         if nv % t != 0 {
-            err(format!(
-                "linear_num_value_heads ({nv}) is not divisible by tp ({t})"
-            ));
+            err(format!("linear_num_value_heads ({nv}) is not divisible by tp ({t})"));
         }
         if nk == 0 || nv % nk != 0 {
-            err(format!(
-                "linear_num_value_heads ({nv}) is not divisible by linear_num_key_heads ({nk})"
-            ));
+            err(format!("linear_num_value_heads ({nv}) is not divisible by linear_num_key_heads ({nk})"));
         }
         if nk % t == 0 && nv % t == 0 {
             for (what, size) in [("qk", g.qk() / t), ("v", g.v() / t), ("nv", nv / t)] {
@@ -351,10 +325,7 @@ pub fn build_plan(
     let retarget = |s: &str, mtp: Option<(&str, &str)>| -> String {
         match mtp {
             None => s.to_string(),
-            Some((meg, hf)) => {
-                s.replacen("decoder.layers.{L}.", meg, 1)
-                    .replacen("model.layers.{L}.", hf, 1)
-            }
+            Some((meg, hf)) => s.replacen("decoder.layers.{L}.", meg, 1).replacen("model.layers.{L}.", hf, 1),
         }
     };
 
@@ -365,16 +336,10 @@ pub fn build_plan(
         let megatron_t = retarget(rule.megatron, *mtp);
         let hf_t: Vec<String> = rule.hf.iter().map(|h| retarget(h, *mtp)).collect();
         let guard_t = retarget(rule.guard.unwrap_or(rule.hf[0]), *mtp);
-        let layer_iter: Vec<Option<u64>> = if megatron_t.contains("{L}") {
-            layers.iter().map(|l| Some(*l)).collect()
-        } else {
-            vec![None]
-        };
-        let expert_iter: Vec<Option<u64>> = if rule.expert {
-            experts.iter().map(|e| Some(*e)).collect()
-        } else {
-            vec![None]
-        };
+        let layer_iter: Vec<Option<u64>> =
+            if megatron_t.contains("{L}") { layers.iter().map(|l| Some(*l)).collect() } else { vec![None] };
+        let expert_iter: Vec<Option<u64>> =
+            if rule.expert { experts.iter().map(|e| Some(*e)).collect() } else { vec![None] };
         for layer in &layer_iter {
             for expert in &expert_iter {
                 let guard = fill(&guard_t, *layer, *expert);
@@ -425,10 +390,7 @@ pub fn build_plan(
             continue;
         }
         let norm = normalise(&s.name, config.language_model_prefix);
-        if arch::UNCONVERTED_PREFIXES
-            .iter()
-            .any(|p| norm.starts_with(p) || s.name.starts_with(p))
-        {
+        if arch::UNCONVERTED_PREFIXES.iter().any(|p| norm.starts_with(p) || s.name.starts_with(p)) {
             unconverted.push(s.name.clone());
         } else {
             unmapped.push(s.name.clone());
@@ -436,10 +398,7 @@ pub fn build_plan(
     }
     if !unmapped.is_empty() {
         unmapped.sort();
-        errors.push(LayoutError::Unmapped {
-            model_type: config.model_type.clone(),
-            names: unmapped,
-        });
+        errors.push(LayoutError::Unmapped { model_type: config.model_type.clone(), names: unmapped });
     }
     // Backstop checks on the tensors themselves (the config may understate what the release holds).
     for d in &drafts {
@@ -485,10 +444,7 @@ pub fn build_plan(
                 s.key = format!("{}{name}.{state}", options.optimizer_prefix);
                 s.dtype = DType::F32;
                 s.recipe = vec![RowBlock::zeros(rows_of(&t.shape))];
-                s.role = Role::OptimizerState {
-                    param_key: t.key.clone(),
-                    state,
-                };
+                s.role = Role::OptimizerState { param_key: t.key.clone(), state };
                 states.push(s);
             }
         }
@@ -496,14 +452,7 @@ pub fn build_plan(
         tensors.sort_by(|a, b| a.key.cmp(&b.key));
     }
     unconverted.sort();
-    Ok(Plan {
-        mesh,
-        options: options.clone(),
-        model_type: config.model_type.clone(),
-        sources,
-        tensors,
-        unconverted,
-    })
+    Ok(Plan { mesh, options: options.clone(), model_type: config.model_type.clone(), sources, tensors, unconverted })
 }
 
 fn tp_of(mesh: &Mesh, expert: bool) -> u64 {
@@ -531,10 +480,7 @@ fn same_dtype(inv: &Inventory, target: &str, ids: &[usize]) -> Result<DType, Lay
             .map(|i| format!("`{}` {}", inv.sources[*i].name, inv.sources[*i].dtype))
             .collect::<Vec<_>>()
             .join(", ");
-        return Err(LayoutError::DtypeMismatch {
-            target: target.to_string(),
-            detail,
-        });
+        return Err(LayoutError::DtypeMismatch { target: target.to_string(), detail });
     }
     Ok(d)
 }
@@ -551,23 +497,12 @@ fn draft(
     let dtype = same_dtype(inv, target, ids)?;
     let shape = |i: usize| inv.shape(ids[i]).to_vec();
     let whole = |i: usize| vec![RowBlock::copy(ids[i], 0, rows_of(inv.shape(ids[i])))];
-    let one = |shape: Vec<u64>, recipe: Vec<RowBlock>| {
-        vec![Section {
-            suffix: String::new(),
-            shape,
-            recipe,
-        }]
-    };
+    let one = |shape: Vec<u64>, recipe: Vec<RowBlock>| vec![Section { suffix: String::new(), shape, recipe }];
     let (tp_mode, sections) = match kind {
         Kind::Copy(mode) => (mode, one(shape(0), whole(0))),
         Kind::ZeroCentered(mode) => {
             if !dtype.is_float() || matches!(dtype, DType::F8E4M3 | DType::F8E5M2) {
-                return Err(shape_err(
-                    inv,
-                    ids[0],
-                    "a 16/32/64-bit float tensor".into(),
-                    "zero-centred norm",
-                ));
+                return Err(shape_err(inv, ids[0], "a 16/32/64-bit float tensor".into(), "zero-centred norm"));
             }
             let mut recipe = whole(0);
             recipe[0].transform = Transform::SubtractOne;
@@ -577,12 +512,7 @@ fn draft(
             // Padded below, once the mesh is known; here the unpadded rows.
             let s = shape(0);
             if s.len() != 2 || s[0] != config.vocab_size {
-                return Err(shape_err(
-                    inv,
-                    ids[0],
-                    format!("[{}, H]", config.vocab_size),
-                    "vocab_size × hidden",
-                ));
+                return Err(shape_err(inv, ids[0], format!("[{}, H]", config.vocab_size), "vocab_size × hidden"));
             }
             (TpMode::Column, one(s, whole(0)))
         }
@@ -590,26 +520,13 @@ fn draft(
         Kind::GatedMlp => {
             let (g, u) = (shape(0), shape(1));
             if g != u || g.len() != 2 {
-                return Err(shape_err(
-                    inv,
-                    ids[1],
-                    format!("{g:?} like the gate projection"),
-                    "gate/up must match",
-                ));
+                return Err(shape_err(inv, ids[1], format!("{g:?} like the gate projection"), "gate/up must match"));
             }
             (
                 TpMode::Column,
                 vec![
-                    Section {
-                        suffix: "_w".into(),
-                        shape: g.clone(),
-                        recipe: whole(0),
-                    },
-                    Section {
-                        suffix: "_v".into(),
-                        shape: u,
-                        recipe: whole(1),
-                    },
+                    Section { suffix: "_w".into(), shape: g.clone(), recipe: whole(0) },
+                    Section { suffix: "_v".into(), shape: u, recipe: whole(1) },
                 ],
             )
         }
@@ -617,12 +534,7 @@ fn draft(
             let s = shape(0);
             let e = expert.unwrap_or(0);
             if s.len() != 3 || s[0] != config.num_experts || s[1] % 2 != 0 {
-                return Err(shape_err(
-                    inv,
-                    ids[0],
-                    format!("[{}, 2F, H]", config.num_experts),
-                    "packed gate_up_proj",
-                ));
+                return Err(shape_err(inv, ids[0], format!("[{}, 2F, H]", config.num_experts), "packed gate_up_proj"));
             }
             let f = s[1] / 2;
             let sec = |suffix: &str, first: u64| Section {
@@ -630,63 +542,27 @@ fn draft(
                 shape: vec![f, s[2]],
                 recipe: vec![RowBlock::copy(ids[0], first, f)],
             };
-            (
-                TpMode::Column,
-                vec![sec("_w", e * 2 * f), sec("_v", e * 2 * f + f)],
-            )
+            (TpMode::Column, vec![sec("_w", e * 2 * f), sec("_v", e * 2 * f + f)])
         }
         Kind::PackedExpertsDown => {
             let s = shape(0);
             let e = expert.unwrap_or(0);
             if s.len() != 3 || s[0] != config.num_experts {
-                return Err(shape_err(
-                    inv,
-                    ids[0],
-                    format!("[{}, H, F]", config.num_experts),
-                    "packed down_proj",
-                ));
+                return Err(shape_err(inv, ids[0], format!("[{}, H, F]", config.num_experts), "packed down_proj"));
             }
-            (
-                TpMode::Row,
-                one(
-                    vec![s[1], s[2]],
-                    vec![RowBlock::copy(ids[0], e * s[1], s[1])],
-                ),
-            )
+            (TpMode::Row, one(vec![s[1], s[2]], vec![RowBlock::copy(ids[0], e * s[1], s[1])]))
         }
-        Kind::GdnInProjQkvz | Kind::GdnInProjSplit | Kind::GdnConv1d => {
-            (TpMode::Column, gdn(config, inv, kind, ids)?)
-        }
+        Kind::GdnInProjQkvz | Kind::GdnInProjSplit | Kind::GdnConv1d => (TpMode::Column, gdn(config, inv, kind, ids)?),
     };
-    Ok(Draft {
-        name: target.to_string(),
-        dtype,
-        tp_mode,
-        expert,
-        pad_vocab: kind == Kind::Vocab,
-        sections,
-    })
+    Ok(Draft { name: target.to_string(), dtype, tp_mode, expert, pad_vocab: kind == Kind::Vocab, sections })
 }
 
 /// QKV interleave per query group (layouts.md §2.1), with output-gate heads when present.
-fn one_qkv(
-    config: &ModelConfig,
-    inv: &Inventory,
-    ids: &[usize],
-) -> Result<Vec<Section>, LayoutError> {
-    let (nh, ng, d) = (
-        config.num_attention_heads,
-        config.num_query_groups,
-        config.head_dim,
-    );
-    let hpg = config.heads_per_group().ok_or_else(|| {
-        shape_err(
-            inv,
-            ids[0],
-            format!("nh ({nh}) divisible by ng ({ng})"),
-            "heads per group",
-        )
-    })?;
+fn one_qkv(config: &ModelConfig, inv: &Inventory, ids: &[usize]) -> Result<Vec<Section>, LayoutError> {
+    let (nh, ng, d) = (config.num_attention_heads, config.num_query_groups, config.head_dim);
+    let hpg = config
+        .heads_per_group()
+        .ok_or_else(|| shape_err(inv, ids[0], format!("nh ({nh}) divisible by ng ({ng})"), "heads per group"))?;
     let (q, k, v) = (inv.shape(ids[0]), inv.shape(ids[1]), inv.shape(ids[2]));
     let rest = &q[1..];
     let gated = if q[0] == nh * d {
@@ -694,12 +570,7 @@ fn one_qkv(
     } else if q[0] == 2 * nh * d && arch::has_gated_attention(config.family) {
         true
     } else {
-        return Err(shape_err(
-            inv,
-            ids[0],
-            format!("[{}, …] (nh·head_dim)", nh * d),
-            "query projection",
-        ));
+        return Err(shape_err(inv, ids[0], format!("[{}, …] (nh·head_dim)", nh * d), "query projection"));
     };
     for (i, s) in [(1, k), (2, v)] {
         if s[0] != ng * d || &s[1..] != rest {
@@ -730,41 +601,17 @@ fn one_qkv(
     let rows = ng * (if gated { 2 * hpg } else { hpg } + 2) * d;
     let mut shape = vec![rows];
     shape.extend_from_slice(rest);
-    Ok(vec![Section {
-        suffix: String::new(),
-        shape,
-        recipe,
-    }])
+    Ok(vec![Section { suffix: String::new(), shape, recipe }])
 }
 
 /// GDN in_proj / conv1d sections in natural head order (layouts.md §2.3–2.4).
-fn gdn(
-    config: &ModelConfig,
-    inv: &Inventory,
-    kind: Kind,
-    ids: &[usize],
-) -> Result<Vec<Section>, LayoutError> {
+fn gdn(config: &ModelConfig, inv: &Inventory, kind: Kind, ids: &[usize]) -> Result<Vec<Section>, LayoutError> {
     let Some(g) = &config.gdn else {
-        return Err(shape_err(
-            inv,
-            ids[0],
-            "a GDN model".into(),
-            "config has no linear_* fields",
-        ));
+        return Err(shape_err(inv, ids[0], "a GDN model".into(), "config has no linear_* fields"));
     };
-    let (nk, nv, dk, dv) = (
-        g.num_key_heads,
-        g.num_value_heads,
-        g.key_head_dim,
-        g.value_head_dim,
-    );
+    let (nk, nv, dk, dv) = (g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim);
     if nk == 0 || nv % nk != 0 {
-        return Err(shape_err(
-            inv,
-            ids[0],
-            format!("nv ({nv}) divisible by nk ({nk})"),
-            "GDN heads",
-        ));
+        return Err(shape_err(inv, ids[0], format!("nv ({nv}) divisible by nk ({nk})"), "GDN heads"));
     }
     let m = nv / nk;
     let (qk, v) = (g.qk(), g.v());
@@ -772,11 +619,7 @@ fn gdn(
     let sec = |i: usize, rows: u64, cols: &[u64], recipe: Vec<RowBlock>| {
         let mut shape = vec![rows];
         shape.extend_from_slice(cols);
-        Section {
-            suffix: format!(".{}", names[i]),
-            shape,
-            recipe,
-        }
+        Section { suffix: format!(".{}", names[i]), shape, recipe }
     };
     match kind {
         Kind::GdnInProjQkvz => {
@@ -791,18 +634,11 @@ fn gdn(
                 ));
             }
             if ba.len() != 2 || ba[0] != 2 * nv || ba[1] != qkvz[1] {
-                return Err(shape_err(
-                    inv,
-                    ids[1],
-                    format!("[{}, {}]", 2 * nv, qkvz[1]),
-                    "in_proj_ba",
-                ));
+                return Err(shape_err(inv, ids[1], format!("[{}, {}]", 2 * nv, qkvz[1]), "in_proj_ba"));
             }
             let cols = &qkvz[1..];
             let per_head = |src: usize, start: u64, stride: u64, len: u64| -> Vec<RowBlock> {
-                (0..nk)
-                    .map(|h| RowBlock::copy(ids[src], h * stride + start, len))
-                    .collect()
+                (0..nk).map(|h| RowBlock::copy(ids[src], h * stride + start, len)).collect()
             };
             Ok(vec![
                 sec(0, qk, cols, per_head(0, 0, gs, dk)),
@@ -816,22 +652,12 @@ fn gdn(
         Kind::GdnInProjSplit => {
             let qkv = inv.shape(ids[0]);
             if qkv.len() != 2 || qkv[0] != 2 * qk + v {
-                return Err(shape_err(
-                    inv,
-                    ids[0],
-                    format!("[{}, H] (2·qk+v)", 2 * qk + v),
-                    "in_proj_qkv",
-                ));
+                return Err(shape_err(inv, ids[0], format!("[{}, H] (2·qk+v)", 2 * qk + v), "in_proj_qkv"));
             }
             let cols = qkv[1..].to_vec();
             for (i, rows) in [(1usize, v), (2, nv), (3, nv)] {
                 if inv.shape(ids[i]) != [rows, cols[0]] {
-                    return Err(shape_err(
-                        inv,
-                        ids[i],
-                        format!("[{rows}, {}]", cols[0]),
-                        "GDN projection",
-                    ));
+                    return Err(shape_err(inv, ids[i], format!("[{rows}, {}]", cols[0]), "GDN projection"));
                 }
             }
             Ok(vec![
@@ -846,12 +672,7 @@ fn gdn(
         _ => {
             let conv = inv.shape(ids[0]);
             if conv.is_empty() || conv[0] != 2 * qk + v {
-                return Err(shape_err(
-                    inv,
-                    ids[0],
-                    format!("[{}, 1, K] (2·qk+v)", 2 * qk + v),
-                    "conv1d",
-                ));
+                return Err(shape_err(inv, ids[0], format!("[{}, 1, K] (2·qk+v)", 2 * qk + v), "conv1d"));
             }
             let cols = conv[1..].to_vec();
             Ok(vec![
@@ -872,14 +693,7 @@ pub fn fsdp_rows(rows: u64, d: u64, j: u64) -> (u64, u64) {
 /// Chunks of a column-parallel section `c` (TP-local rows `[a_c, a_c+n_c)` of a fused TP-local
 /// tensor of `local_rows` rows) for TP rank `r` and FSDP rank `j` of `d`: `(row offset, rows)`
 /// in global coordinates (layouts.md §3).
-pub fn column_section_rows(
-    local_rows: u64,
-    a_c: u64,
-    n_c: u64,
-    r: u64,
-    d: u64,
-    j: u64,
-) -> (u64, u64) {
+pub fn column_section_rows(local_rows: u64, a_c: u64, n_c: u64, r: u64, d: u64, j: u64) -> (u64, u64) {
     let (lo_j, hi_j) = fsdp_rows(local_rows, d, j);
     let lo = lo_j.max(a_c);
     let hi = hi_j.min(a_c + n_c);
@@ -897,24 +711,16 @@ fn chunk_draft(
 ) -> Vec<OutputTensor> {
     let (t, dsize, group) = match d.expert {
         None => (mesh.tp, mesh.fsdp_size(), Group::Dense),
-        Some(e) => (
-            mesh.etp,
-            mesh.expert_dp_size(),
-            Group::Expert {
-                expert: e,
-                ep_rank: e / (config.num_experts / mesh.ep),
-            },
-        ),
+        Some(e) => {
+            (mesh.etp, mesh.expert_dp_size(), Group::Expert { expert: e, ep_rank: e / (config.num_experts / mesh.ep) })
+        }
     };
     let rank_of = |r: u64, j: u64| match group {
         Group::Dense => mesh.dense_rank(r, j),
         Group::Expert { ep_rank, .. } => mesh.expert_rank(r, ep_rank, j),
     };
-    let mut sections: Vec<(String, Vec<u64>, Vec<RowBlock>)> = d
-        .sections
-        .iter()
-        .map(|s| (s.suffix.clone(), s.shape.clone(), s.recipe.clone()))
-        .collect();
+    let mut sections: Vec<(String, Vec<u64>, Vec<RowBlock>)> =
+        d.sections.iter().map(|s| (s.suffix.clone(), s.shape.clone(), s.recipe.clone())).collect();
     // Vocab padding happens here because it depends on tp.
     if d.pad_vocab {
         let (_, shape, recipe) = &mut sections[0];
@@ -998,20 +804,12 @@ fn chunk_draft(
                 };
                 let numel: u64 = sizes.iter().product();
                 let zero_d_extra = shape.is_empty() && j > 0;
-                let written =
-                    numel > 0 && !zero_d_extra && replicated_writer.is_none_or(|w| w == r);
+                let written = numel > 0 && !zero_d_extra && replicated_writer.is_none_or(|w| w == r);
                 let rank = rank_of(r, j);
                 if written {
                     rank_bytes[rank as usize] += numel * item;
                 }
-                chunks.push(Chunk {
-                    rank,
-                    tp_rank: r,
-                    fsdp_rank: j,
-                    offsets,
-                    sizes,
-                    written,
-                });
+                chunks.push(Chunk { rank, tp_rank: r, fsdp_rank: j, offsets, sizes, written });
             }
         }
         out.push(OutputTensor {
@@ -1042,15 +840,6 @@ fn with_rest(first: u64, rest: &[u64], zeros: bool) -> Vec<u64> {
 pub fn summary(plan: &Plan) -> BTreeMap<String, (DType, Vec<u64>, Option<String>)> {
     plan.tensors
         .iter()
-        .map(|t| {
-            (
-                t.key.clone(),
-                (
-                    t.dtype,
-                    t.shape.clone(),
-                    t.split_from.as_ref().map(|s| s.0.clone()),
-                ),
-            )
-        })
+        .map(|t| (t.key.clone(), (t.dtype, t.shape.clone(), t.split_from.as_ref().map(|s| s.0.clone()))))
         .collect()
 }

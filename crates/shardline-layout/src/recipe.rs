@@ -30,20 +30,12 @@ pub struct RowBlock {
 impl RowBlock {
     /// `rows` rows of source `id` starting at `first_row`.
     pub fn copy(id: usize, first_row: u64, rows: u64) -> RowBlock {
-        RowBlock {
-            rows,
-            source: Some((id, first_row)),
-            transform: Transform::Identity,
-        }
+        RowBlock { rows, source: Some((id, first_row)), transform: Transform::Identity }
     }
 
     /// `rows` zero rows.
     pub fn zeros(rows: u64) -> RowBlock {
-        RowBlock {
-            rows,
-            source: None,
-            transform: Transform::Identity,
-        }
+        RowBlock { rows, source: None, transform: Transform::Identity }
     }
 }
 
@@ -87,33 +79,16 @@ pub fn row_elems(shape: &[u64]) -> u64 {
 
 /// The byte segments of the box `offsets/sizes` of a tensor of `shape` built by `recipe`,
 /// in C order. Consecutive full-width rows from one source merge into one segment.
-pub fn segments(
-    shape: &[u64],
-    dtype: DType,
-    recipe: &[RowBlock],
-    offsets: &[u64],
-    sizes: &[u64],
-) -> Vec<Segment> {
+pub fn segments(shape: &[u64], dtype: DType, recipe: &[RowBlock], offsets: &[u64], sizes: &[u64]) -> Vec<Segment> {
     let item = dtype.size() as u64;
     let elems_per_row = row_elems(shape);
     // Box along dim 0, and along dim 1 (column stripe) when the tensor has one; further dims are whole.
-    let (row0, nrows) = (
-        offsets.first().copied().unwrap_or(0),
-        sizes.first().copied().unwrap_or(1),
-    );
+    let (row0, nrows) = (offsets.first().copied().unwrap_or(0), sizes.first().copied().unwrap_or(1));
     let inner: u64 = shape.iter().skip(2).product();
-    let (col0, ncols) = if shape.len() >= 2 {
-        (offsets[1], sizes[1])
-    } else {
-        (0, 1)
-    };
+    let (col0, ncols) = if shape.len() >= 2 { (offsets[1], sizes[1]) } else { (0, 1) };
     let full_width = shape.len() < 2 || (col0 == 0 && ncols == shape[1]);
     let stripe_off = col0 * inner * item;
-    let stripe_len = if shape.len() >= 2 {
-        ncols * inner * item
-    } else {
-        item
-    };
+    let stripe_len = if shape.len() >= 2 { ncols * inner * item } else { item };
     let row_bytes = elems_per_row.max(1) * item;
 
     let mut out: Vec<Segment> = Vec::new();
@@ -142,11 +117,7 @@ pub fn segments(
         let hi = (row0 + nrows).min(block_end);
         if lo < hi {
             match block.source {
-                None => push(Segment {
-                    source: None,
-                    len: (hi - lo) * stripe_len,
-                    transform: block.transform,
-                }),
+                None => push(Segment { source: None, len: (hi - lo) * stripe_len, transform: block.transform }),
                 Some((id, first)) => {
                     let src_row = first + (lo - block_start);
                     if full_width {
@@ -284,10 +255,8 @@ mod tests {
             b.extend_from_slice(&f32_to_bf16(v).to_le_bytes());
         }
         apply_transform(Transform::SubtractOne, DType::BF16, &mut b);
-        let got: Vec<f32> = b
-            .chunks_exact(2)
-            .map(|e| f32::from_bits(u32::from(u16::from_le_bytes([e[0], e[1]])) << 16))
-            .collect();
+        let got: Vec<f32> =
+            b.chunks_exact(2).map(|e| f32::from_bits(u32::from(u16::from_le_bytes([e[0], e[1]])) << 16)).collect();
         assert_eq!(got, vec![0.0, -0.5, 0.0078125, 255.0]);
     }
 
@@ -310,28 +279,13 @@ mod tests {
         assert_eq!(
             segs,
             vec![
-                Segment {
-                    source: Some((0, 12)),
-                    len: 12,
-                    transform: Transform::Identity
-                },
-                Segment {
-                    source: Some((1, 60)),
-                    len: 12,
-                    transform: Transform::Identity
-                },
+                Segment { source: Some((0, 12)), len: 12, transform: Transform::Identity },
+                Segment { source: Some((1, 60)), len: 12, transform: Transform::Identity },
             ]
         );
         // Column stripe [cols 3..6) of rows 0..2: one segment per row.
         let segs = segments(&[4, 6], DType::BF16, &recipe, &[0, 3], &[2, 3]);
         assert_eq!(segs.len(), 2);
-        assert_eq!(
-            segs[1],
-            Segment {
-                source: Some((0, 12 + 6)),
-                len: 6,
-                transform: Transform::Identity
-            }
-        );
+        assert_eq!(segs[1], Segment { source: Some((0, 12 + 6)), len: 6, transform: Transform::Identity });
     }
 }

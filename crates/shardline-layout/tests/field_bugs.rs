@@ -5,16 +5,12 @@
 use shardline_layout::invariants::permuted;
 use shardline_layout::plan::{column_section_rows, fsdp_rows};
 use shardline_layout::{
-    build_plan, lower, validate, DType, Group, Invariant, Mesh, ModelConfig, Plan, PlanOptions,
-    RowBlock, SourceTensor, WriteItem,
+    build_plan, lower, validate, DType, Group, Invariant, Mesh, ModelConfig, Plan, PlanOptions, RowBlock, SourceTensor,
+    WriteItem,
 };
 
 fn src(name: &str, shape: &[u64]) -> SourceTensor {
-    SourceTensor {
-        name: name.to_string(),
-        dtype: DType::BF16,
-        shape: shape.to_vec(),
-    }
+    SourceTensor { name: name.to_string(), dtype: DType::BF16, shape: shape.to_vec() }
 }
 
 fn plan(config: &str, sources: Vec<SourceTensor>, mesh: Mesh, options: PlanOptions) -> Plan {
@@ -24,17 +20,9 @@ fn plan(config: &str, sources: Vec<SourceTensor>, mesh: Mesh, options: PlanOptio
 
 /// `(row offset, rows)` of `key` for TP rank `r`, FSDP ranks 0..D in order.
 fn rows_of_key(plan: &Plan, key: &str, r: u64) -> Vec<(u64, u64)> {
-    let t = plan
-        .tensors
-        .iter()
-        .find(|t| t.key == key)
-        .unwrap_or_else(|| panic!("no key {key}"));
-    let mut v: Vec<_> = t
-        .chunks
-        .iter()
-        .filter(|c| c.tp_rank == r)
-        .map(|c| (c.fsdp_rank, c.offsets[0], c.sizes[0]))
-        .collect();
+    let t = plan.tensors.iter().find(|t| t.key == key).unwrap_or_else(|| panic!("no key {key}"));
+    let mut v: Vec<_> =
+        t.chunks.iter().filter(|c| c.tp_rank == r).map(|c| (c.fsdp_rank, c.offsets[0], c.sizes[0])).collect();
     v.sort();
     v.into_iter().map(|(_, o, s)| (o, s)).collect()
 }
@@ -62,51 +50,22 @@ fn t1_gdn_conv1d_split_is_tp_aware() {
         PlanOptions::default(),
     );
     let k = |s: &str| format!("model.module.decoder.layers.0.self_attention.conv1d.weight.{s}");
-    assert_eq!(
-        rows_of_key(&p, &k("query"), 0),
-        vec![(0, 2), (2, 0), (2, 0), (2, 0)]
-    );
-    assert_eq!(
-        rows_of_key(&p, &k("query"), 1),
-        vec![(2, 2), (4, 0), (4, 0), (4, 0)]
-    );
-    assert_eq!(
-        rows_of_key(&p, &k("key"), 0),
-        vec![(0, 0), (0, 2), (2, 0), (2, 0)]
-    );
-    assert_eq!(
-        rows_of_key(&p, &k("key"), 1),
-        vec![(2, 0), (2, 2), (4, 0), (4, 0)]
-    );
-    assert_eq!(
-        rows_of_key(&p, &k("value"), 0),
-        vec![(0, 0), (0, 0), (0, 2), (2, 2)]
-    );
-    assert_eq!(
-        rows_of_key(&p, &k("value"), 1),
-        vec![(4, 0), (4, 0), (4, 2), (6, 2)]
-    );
+    assert_eq!(rows_of_key(&p, &k("query"), 0), vec![(0, 2), (2, 0), (2, 0), (2, 0)]);
+    assert_eq!(rows_of_key(&p, &k("query"), 1), vec![(2, 2), (4, 0), (4, 0), (4, 0)]);
+    assert_eq!(rows_of_key(&p, &k("key"), 0), vec![(0, 0), (0, 2), (2, 0), (2, 0)]);
+    assert_eq!(rows_of_key(&p, &k("key"), 1), vec![(2, 0), (2, 2), (4, 0), (4, 0)]);
+    assert_eq!(rows_of_key(&p, &k("value"), 0), vec![(0, 0), (0, 0), (0, 2), (2, 2)]);
+    assert_eq!(rows_of_key(&p, &k("value"), 1), vec![(4, 0), (4, 0), (4, 2), (6, 2)]);
     let q = p.tensors.iter().find(|t| t.key == k("query")).unwrap();
     assert_eq!(q.shape, vec![4, 1, 4]);
-    assert_eq!(
-        p.tensors
-            .iter()
-            .find(|t| t.key == k("value"))
-            .unwrap()
-            .shape,
-        vec![8, 1, 4]
-    );
+    assert_eq!(p.tensors.iter().find(|t| t.key == k("value")).unwrap().shape, vec![8, 1, 4]);
     no_violations(&p, 0);
 }
 
 /// The buggy T1 plan: the DTensor's global was TP-local, so `elems_per_unit = R/t` halved every
 /// section: query/key/value get rows [1,0,0,0]/[1,0,0,0]/[0,2,0,0] against globals 2/2/4.
 fn t1_buggy_items() -> Vec<shardline_layout::RankPlan> {
-    let sections = [
-        ("query", 2u64, [1u64, 0, 0, 0]),
-        ("key", 2, [1, 0, 0, 0]),
-        ("value", 4, [0, 2, 0, 0]),
-    ];
+    let sections = [("query", 2u64, [1u64, 0, 0, 0]), ("key", 2, [1, 0, 0, 0]), ("value", 4, [0, 2, 0, 0])];
     let mut plans = Vec::new();
     for tp_rank in 0..2u64 {
         for j in 0..4u64 {
@@ -132,10 +91,7 @@ fn t1_buggy_items() -> Vec<shardline_layout::RankPlan> {
                 });
             }
             items.sort_by(|a, b| a.key.cmp(&b.key));
-            plans.push(shardline_layout::RankPlan {
-                rank: tp_rank + 2 * j,
-                items,
-            });
+            plans.push(shardline_layout::RankPlan { rank: tp_rank + 2 * j, items });
         }
     }
     plans
@@ -149,32 +105,13 @@ fn t1_buggy_split_is_rejected_with_key_offsets_and_shapes() {
         .iter()
         .find(|m| m.contains("conv1d.weight.query") && m.contains("ExactTiling"))
         .unwrap_or_else(|| panic!("{text:#?}"));
-    assert!(
-        query_tiling.contains("offsets (0, 0, 0) sizes (1, 1, 4)"),
-        "{query_tiling}"
-    );
-    assert!(
-        query_tiling.contains("global shape [2, 1, 4]"),
-        "{query_tiling}"
-    );
-    assert!(
-        query_tiling.contains("cover 4 of 8 elements"),
-        "{query_tiling}"
-    );
+    assert!(query_tiling.contains("offsets (0, 0, 0) sizes (1, 1, 4)"), "{query_tiling}");
+    assert!(query_tiling.contains("global shape [2, 1, 4]"), "{query_tiling}");
+    assert!(query_tiling.contains("cover 4 of 8 elements"), "{query_tiling}");
     // TP ranks collide on identical (key, offsets) with different bytes, and the global is TP-local.
-    assert!(v
-        .iter()
-        .any(|x| x.invariant == Invariant::ReplicaConsistency && x.key.ends_with("query")));
-    let tp = v
-        .iter()
-        .find(|x| x.invariant == Invariant::TpCompleteness)
-        .expect("tp completeness");
-    assert!(
-        tp.message
-            .contains("global shape [2, 1, 4] is not tp × local shape [2, 1, 4]"),
-        "{}",
-        tp.message
-    );
+    assert!(v.iter().any(|x| x.invariant == Invariant::ReplicaConsistency && x.key.ends_with("query")));
+    let tp = v.iter().find(|x| x.invariant == Invariant::TpCompleteness).expect("tp completeness");
+    assert!(tp.message.contains("global shape [2, 1, 4] is not tp × local shape [2, 1, 4]"), "{}", tp.message);
 }
 
 const DENSE_T2: &str = r#"{"model_type":"qwen3_moe","hidden_size":4,"num_attention_heads":1,"num_key_value_heads":1,
@@ -197,36 +134,13 @@ fn t2_uneven_and_empty_shards_are_computed_without_collectives() {
     let p = t2_plan();
     let key = "model.module.decoder.layers.0.mlp.router.weight";
     // Flat chunks r0..r4 = 8 elements (2 rows) each, r5..r7 empty, offsets cumulative.
-    assert_eq!(
-        rows_of_key(&p, key, 0),
-        vec![
-            (0, 2),
-            (2, 2),
-            (4, 2),
-            (6, 2),
-            (8, 2),
-            (10, 0),
-            (10, 0),
-            (10, 0)
-        ]
-    );
-    assert_eq!(
-        (0..8).map(|j| fsdp_rows(10, 8, j)).collect::<Vec<_>>()[5],
-        (10, 10)
-    );
+    assert_eq!(rows_of_key(&p, key, 0), vec![(0, 2), (2, 2), (4, 2), (6, 2), (8, 2), (10, 0), (10, 0), (10, 0)]);
+    assert_eq!((0..8).map(|j| fsdp_rows(10, 8, j)).collect::<Vec<_>>()[5], (10, 10));
     // Every rank lists the key (empty ones too), in the same sorted order.
     let lowered = lower(&p);
     for rp in &lowered {
         let keys: Vec<&str> = rp.items.iter().map(|i| i.key.as_str()).collect();
-        assert_eq!(
-            keys,
-            vec![
-                key,
-                "model.module.decoder.layers.0.pre_mlp_layernorm.weight"
-            ],
-            "rank {}",
-            rp.rank
-        );
+        assert_eq!(keys, vec![key, "model.module.decoder.layers.0.pre_mlp_layernorm.weight"], "rank {}", rp.rank);
     }
     no_violations(&p, 0);
 }
@@ -239,33 +153,15 @@ fn t2_rank_divergent_key_sets_and_orders_are_reported_not_blocked_on() {
         rp.items.retain(|i| i.key != key);
     }
     let v = validate(&omitted, 0, 1);
-    let m = v
-        .iter()
-        .find(|x| x.invariant == Invariant::Determinism)
-        .expect("determinism");
-    assert!(
-        m.message.contains("rank-divergent key set"),
-        "{}",
-        m.message
-    );
-    assert!(
-        m.message.contains("listed by ranks [0, 1, 2, 3, 4]") && m.message.contains("tp0/fsdp5"),
-        "{}",
-        m.message
-    );
+    let m = v.iter().find(|x| x.invariant == Invariant::Determinism).expect("determinism");
+    assert!(m.message.contains("rank-divergent key set"), "{}", m.message);
+    assert!(m.message.contains("listed by ranks [0, 1, 2, 3, 4]") && m.message.contains("tp0/fsdp5"), "{}", m.message);
 
     let mut reordered = lower(&t2_plan());
     reordered[6].items.reverse();
     let v = validate(&reordered, 0, 1);
-    let m = v
-        .iter()
-        .find(|x| x.invariant == Invariant::Determinism)
-        .expect("order");
-    assert!(
-        m.message.contains("rank-divergent key order: rank 6"),
-        "{}",
-        m.message
-    );
+    let m = v.iter().find(|x| x.invariant == Invariant::Determinism).expect("order");
+    assert!(m.message.contains("rank-divergent key order: rank 6"), "{}", m.message);
 }
 
 fn t3_items(global: Vec<u64>, place_dim: usize) -> Vec<shardline_layout::RankPlan> {
@@ -310,18 +206,14 @@ fn t3_transpose_must_permute_shard_placements() {
     let v = validate(&t3_items(vec![4, 16, 3], 1), 0, 1);
     assert_eq!(v.len(), 1, "{v:#?}");
     assert_eq!(v[0].invariant, Invariant::PermutationConsistency);
-    assert!(
-        v[0].message
-            .contains("global shape [4, 16, 3] differs from [4, 8, 6]"),
-        "{}",
-        v[0].message
-    );
+    assert!(v[0].message.contains("global shape [4, 16, 3] differs from [4, 8, 6]"), "{}", v[0].message);
     assert!(v[0].message.contains("local [2, 8, 3]"), "{}", v[0].message);
     // gate of gate_and_up [4,8,12] split on its last dim then transposed: [4,6,8], buggy [4,12,4].
     assert_eq!(permuted(&[4, 8, 6], &[0, 2, 1]), vec![4, 6, 8]);
 }
 
-const NORM_T4: &str = r#"{"model_type":"llama","hidden_size":256,"num_attention_heads":1,"num_hidden_layers":1,"vocab_size":16}"#;
+const NORM_T4: &str =
+    r#"{"model_type":"llama","hidden_size":256,"num_attention_heads":1,"num_hidden_layers":1,"vocab_size":16}"#;
 
 #[test]
 fn t4_optimizer_state_is_sharded_like_its_parameter() {
@@ -329,29 +221,14 @@ fn t4_optimizer_state_is_sharded_like_its_parameter() {
         NORM_T4,
         vec![src("model.norm.weight", &[256])],
         Mesh::new(1, 1, 4, 1),
-        PlanOptions {
-            optimizer_state: true,
-            ..PlanOptions::default()
-        },
+        PlanOptions { optimizer_state: true, ..PlanOptions::default() },
     );
     let key = "optimizer.state.module.module.module.decoder.final_layernorm.weight.exp_avg";
     let t = p.tensors.iter().find(|t| t.key == key).expect("exp_avg");
     assert_eq!(t.shape, vec![256]);
     assert_eq!(t.dtype, DType::F32);
-    let chunks: Vec<_> = t
-        .chunks
-        .iter()
-        .map(|c| (c.offsets.clone(), c.sizes.clone()))
-        .collect();
-    assert_eq!(
-        chunks,
-        vec![
-            (vec![0], vec![64]),
-            (vec![64], vec![64]),
-            (vec![128], vec![64]),
-            (vec![192], vec![64])
-        ]
-    );
+    let chunks: Vec<_> = t.chunks.iter().map(|c| (c.offsets.clone(), c.sizes.clone())).collect();
+    assert_eq!(chunks, vec![(vec![0], vec![64]), (vec![64], vec![64]), (vec![128], vec![64]), (vec![192], vec![64])]);
     assert_eq!(t.recipe, vec![RowBlock::zeros(256)]);
     no_violations(&p, 0);
 }
@@ -362,10 +239,7 @@ fn t4_plain_local_optimizer_state_is_rejected() {
         NORM_T4,
         vec![src("model.norm.weight", &[256])],
         Mesh::new(1, 1, 4, 1),
-        PlanOptions {
-            optimizer_state: true,
-            ..PlanOptions::default()
-        },
+        PlanOptions { optimizer_state: true, ..PlanOptions::default() },
     );
     let key = "optimizer.state.module.module.module.decoder.final_layernorm.weight.exp_avg";
     let mut buggy = lower(&p);
@@ -380,28 +254,15 @@ fn t4_plain_local_optimizer_state_is_rejected() {
         }
     }
     let v = validate(&buggy, 0, 1);
-    let parity = v
-        .iter()
-        .find(|x| x.invariant == Invariant::OptimizerParity)
-        .expect("parity");
+    let parity = v.iter().find(|x| x.invariant == Invariant::OptimizerParity).expect("parity");
     assert!(parity.key.ends_with("exp_avg"));
-    assert!(
-        parity
-            .message
-            .contains("global shape [64] but its parameter"),
-        "{}",
-        parity.message
-    );
+    assert!(parity.message.contains("global shape [64] but its parameter"), "{}", parity.message);
     assert!(
         parity.message.contains("[256]") && parity.message.contains("offsets (0) sizes (64)"),
         "{}",
         parity.message
     );
-    assert!(
-        v.iter()
-            .any(|x| x.invariant == Invariant::ReplicaConsistency
-                && x.message.contains("offsets (0)"))
-    );
+    assert!(v.iter().any(|x| x.invariant == Invariant::ReplicaConsistency && x.message.contains("offsets (0)")));
 }
 
 const SWIGLU_T5: &str = r#"{"model_type":"llama","hidden_size":4,"num_attention_heads":2,"num_key_value_heads":2,
@@ -429,10 +290,7 @@ fn t5_swiglu_section_straddles_an_fsdp_boundary() {
     let tw = p.tensors.iter().find(|t| t.key == w).unwrap();
     assert_eq!(tw.shape, vec![6, 4]);
     assert_eq!(tw.recipe, vec![RowBlock::copy(0, 0, 6)]);
-    assert_eq!(
-        p.tensors.iter().find(|t| t.key == v).unwrap().recipe,
-        vec![RowBlock::copy(1, 0, 6)]
-    );
+    assert_eq!(p.tensors.iter().find(|t| t.key == v).unwrap().recipe, vec![RowBlock::copy(1, 0, 6)]);
     assert_eq!(column_section_rows(6, 3, 3, 0, 4, 1), (0, 1));
     no_violations(&p, 0);
 }
@@ -463,11 +321,7 @@ fn t6_qkv_interleave_golden() {
         Mesh::new(2, 1, 1, 1),
         PlanOptions::default(),
     );
-    let t = p
-        .tensors
-        .iter()
-        .find(|t| t.key.ends_with("linear_qkv.weight"))
-        .unwrap();
+    let t = p.tensors.iter().find(|t| t.key.ends_with("linear_qkv.weight")).unwrap();
     let (q, k, v) = (0usize, 1usize, 2usize);
     // g0 = q0[0:2] q1[2:4] k0[4:6] v0[6:8]; g1 = q2[8:10] q3[10:12] k1[12:14] v1[14:16].
     let want: Vec<(usize, u64)> = vec![
@@ -509,26 +363,14 @@ fn t6_qkv_interleave_golden_with_output_gate() {
         Mesh::new(1, 1, 1, 1),
         PlanOptions::default(),
     );
-    let t = p
-        .tensors
-        .iter()
-        .find(|t| t.key.ends_with("linear_qkv.weight"))
-        .unwrap();
+    let t = p.tensors.iter().find(|t| t.key.ends_with("linear_qkv.weight")).unwrap();
     assert_eq!(t.shape, vec![24, 4]);
     let rows = expand(&t.recipe);
     // HF gated q_proj per head [q_h (d); gate_h (d)]: q0 = rows 0..2, gate0 = 2..4, q1 = 4..6, gate1 = 6..8.
     assert_eq!(&rows[0..4], &[(0, 0), (0, 1), (0, 4), (0, 5)], "q0, q1");
-    assert_eq!(
-        &rows[4..8],
-        &[(0, 2), (0, 3), (0, 6), (0, 7)],
-        "gate0, gate1"
-    );
+    assert_eq!(&rows[4..8], &[(0, 2), (0, 3), (0, 6), (0, 7)], "gate0, gate1");
     assert_eq!(&rows[8..12], &[(1, 0), (1, 1), (2, 0), (2, 1)], "k0, v0");
-    assert_eq!(
-        &rows[12..16],
-        &[(0, 8), (0, 9), (0, 12), (0, 13)],
-        "g1 starts at +12: q2, q3"
-    );
+    assert_eq!(&rows[12..16], &[(0, 8), (0, 9), (0, 12), (0, 13)], "g1 starts at +12: q2, q3");
 }
 
 #[test]
@@ -542,28 +384,17 @@ fn unsplit_swiglu_keeps_the_tp_dependent_fused_layout() {
             src("model.layers.0.post_attention_layernorm.weight", &[4]),
         ],
         Mesh::new(2, 1, 4, 1),
-        PlanOptions {
-            split_fused: false,
-            ..PlanOptions::default()
-        },
+        PlanOptions { split_fused: false, ..PlanOptions::default() },
     );
     let key = "model.module.decoder.layers.0.mlp.linear_fc1.weight";
     let t = p.tensors.iter().find(|t| t.key == key).expect("fused key");
     assert_eq!(t.shape, vec![12, 4]);
     assert_eq!(
         t.recipe,
-        vec![
-            RowBlock::copy(0, 0, 3),
-            RowBlock::copy(1, 0, 3),
-            RowBlock::copy(0, 3, 3),
-            RowBlock::copy(1, 3, 3)
-        ]
+        vec![RowBlock::copy(0, 0, 3), RowBlock::copy(1, 0, 3), RowBlock::copy(0, 3, 3), RowBlock::copy(1, 3, 3)]
     );
     // TP rank 1's local rows start at 6; FSDP rows as in T5: 2, 2, 2, 0.
-    assert_eq!(
-        rows_of_key(&p, key, 1),
-        vec![(6, 2), (8, 2), (10, 2), (12, 0)]
-    );
+    assert_eq!(rows_of_key(&p, key, 1), vec![(6, 2), (8, 2), (10, 2), (12, 0)]);
     assert!(!p.tensors.iter().any(|t| t.key.ends_with("_w")));
     no_violations(&p, 0);
 }

@@ -4,9 +4,7 @@
 
 use proptest::prelude::*;
 use shardline_layout::recipe::{rows_of, segments};
-use shardline_layout::{
-    build_plan, lower, validate, DType, Mesh, ModelConfig, PlanOptions, Role, SourceTensor,
-};
+use shardline_layout::{build_plan, lower, validate, DType, Mesh, ModelConfig, PlanOptions, Role, SourceTensor};
 
 #[derive(Clone, Debug)]
 struct Case {
@@ -19,11 +17,7 @@ struct Case {
 
 fn t(name: String, shape: &[u64]) -> SourceTensor {
     // f32 so each element can carry a unique id; dtype does not change the layout arithmetic.
-    SourceTensor {
-        name,
-        dtype: DType::F32,
-        shape: shape.to_vec(),
-    }
+    SourceTensor { name, dtype: DType::F32, shape: shape.to_vec() }
 }
 
 prop_compose! {

@@ -2,8 +2,7 @@
 
 #[test]
 fn layout_crate_depends_on_no_io_or_async_crates() {
-    let manifest =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")).unwrap();
+    let manifest = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")).unwrap();
     let allowed = ["serde", "serde_json", "thiserror", "proptest"];
     let mut in_deps = false;
     for line in manifest.lines() {
@@ -14,24 +13,14 @@ fn layout_crate_depends_on_no_io_or_async_crates() {
         }
         if in_deps && !line.is_empty() && !line.starts_with('#') {
             let name = line.split(['=', '.']).next().unwrap().trim();
-            assert!(
-                allowed.contains(&name),
-                "shardline-layout must stay pure, but depends on `{name}`"
-            );
+            assert!(allowed.contains(&name), "shardline-layout must stay pure, but depends on `{name}`");
         }
     }
     // And its sources never touch the file system, processes or threads.
     for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/src")).unwrap() {
         let path = entry.unwrap().path();
         let text = std::fs::read_to_string(&path).unwrap();
-        for banned in [
-            "std::fs",
-            "std::net",
-            "std::process",
-            "std::thread",
-            "tokio",
-            "File::",
-        ] {
+        for banned in ["std::fs", "std::net", "std::process", "std::thread", "tokio", "File::"] {
             assert!(!text.contains(banned), "{} uses `{banned}`", path.display());
         }
     }

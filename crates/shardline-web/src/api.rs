@@ -46,9 +46,11 @@ async fn read_access(state: &AppState, headers: &HeaderMap) -> ApiResult<()> {
 }
 
 async fn find_run(state: &AppState, id: i64) -> ApiResult<shardline_store::RunRow> {
-    state.store.get_run(RunId(id)).await?.ok_or_else(|| {
-        ApiError::not_found(format!("Run {id} does not exist; list runs with GET /api/v1/runs."))
-    })
+    state
+        .store
+        .get_run(RunId(id))
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("Run {id} does not exist; list runs with GET /api/v1/runs.")))
 }
 
 /// Pipelines with a stored spec, by name.
@@ -66,7 +68,12 @@ pub async fn list_pipelines(State(state): State<AppState>, headers: HeaderMap) -
     .map_err(|e| ApiError::internal("list pipelines", e))?;
     Ok(Json(
         rows.into_iter()
-            .map(|(name, versions, latest_id, latest_spec_hash)| PipelineDto { name, versions, latest_id, latest_spec_hash })
+            .map(|(name, versions, latest_id, latest_spec_hash)| PipelineDto {
+                name,
+                versions,
+                latest_id,
+                latest_spec_hash,
+            })
             .collect(),
     ))
 }
@@ -100,7 +107,11 @@ pub async fn list_runs(
 /// A run with its task counts, resolved spec and plan (secrets redacted).
 #[utoipa::path(get, path = "/api/v1/runs/{id}", tag = "runs", params(("id" = i64, Path, description = "Run id")),
     responses((status = 200, body = RunDetailDto), (status = 404, body = ErrorBody)))]
-pub async fn get_run(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<i64>) -> ApiResult<Json<RunDetailDto>> {
+pub async fn get_run(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+) -> ApiResult<Json<RunDetailDto>> {
     read_access(&state, &headers).await?;
     Ok(Json(RunDetailDto::from(&find_run(&state, id).await?)))
 }
@@ -108,7 +119,11 @@ pub async fn get_run(State(state): State<AppState>, headers: HeaderMap, Path(id)
 /// The tasks of a run, by id.
 #[utoipa::path(get, path = "/api/v1/runs/{id}/tasks", tag = "runs", params(("id" = i64, Path, description = "Run id")),
     responses((status = 200, body = Vec<TaskDto>), (status = 404, body = ErrorBody)))]
-pub async fn run_tasks(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<i64>) -> ApiResult<Json<Vec<TaskDto>>> {
+pub async fn run_tasks(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+) -> ApiResult<Json<Vec<TaskDto>>> {
     read_access(&state, &headers).await?;
     find_run(&state, id).await?;
     let tasks = state.store.run_tasks(RunId(id)).await?;
@@ -118,16 +133,25 @@ pub async fn run_tasks(State(state): State<AppState>, headers: HeaderMap, Path(i
 /// One task.
 #[utoipa::path(get, path = "/api/v1/tasks/{id}", tag = "tasks", params(("id" = i64, Path, description = "Task id")),
     responses((status = 200, body = TaskDto), (status = 404, body = ErrorBody)))]
-pub async fn get_task(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<i64>) -> ApiResult<Json<TaskDto>> {
+pub async fn get_task(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+) -> ApiResult<Json<TaskDto>> {
     read_access(&state, &headers).await?;
-    let task = state.store.task(TaskId(id)).await?.ok_or_else(|| ApiError::not_found(format!("Task {id} does not exist.")))?;
+    let task =
+        state.store.task(TaskId(id)).await?.ok_or_else(|| ApiError::not_found(format!("Task {id} does not exist.")))?;
     Ok(Json(TaskDto::from(&task)))
 }
 
 /// The attempts (leases) of a task, oldest first.
 #[utoipa::path(get, path = "/api/v1/tasks/{id}/attempts", tag = "tasks", params(("id" = i64, Path, description = "Task id")),
     responses((status = 200, body = Vec<AttemptDto>), (status = 404, body = ErrorBody)))]
-pub async fn task_attempts(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<i64>) -> ApiResult<Json<Vec<AttemptDto>>> {
+pub async fn task_attempts(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+) -> ApiResult<Json<Vec<AttemptDto>>> {
     read_access(&state, &headers).await?;
     if state.store.task(TaskId(id)).await?.is_none() {
         return Err(ApiError::not_found(format!("Task {id} does not exist.")));
@@ -188,8 +212,7 @@ pub async fn run_logs(
 }
 
 fn diagnostics_of(file: &str, text: &str, state: &AppState) -> (bool, Vec<DiagnosticDto>) {
-    let (pipeline, diagnostics) =
-        shardline_spec::lint(file, text, &shardline_engine::lint_context(&state.base_dir));
+    let (pipeline, diagnostics) = shardline_spec::lint(file, text, &shardline_engine::lint_context(&state.base_dir));
     let valid = pipeline.is_some() && diagnostics.iter().all(|d| d.severity != shardline_spec::Severity::Error);
     (valid, diagnostics.iter().map(DiagnosticDto::from).collect())
 }
@@ -267,7 +290,11 @@ pub async fn submit_run(
     responses((status = 200, body = ActionDto), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody),
         (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
     security(("bearer" = [])))]
-pub async fn cancel_run(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<i64>) -> ApiResult<Json<ActionDto>> {
+pub async fn cancel_run(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+) -> ApiResult<Json<ActionDto>> {
     authorize(&state.store, state.auth, &headers, Scope::Admin).await?;
     if !state.store.cancel_run(RunId(id)).await? {
         let run = find_run(&state, id).await?;
@@ -297,8 +324,9 @@ pub async fn retry_run(
     let req: RetryRequest = if body.iter().all(u8::is_ascii_whitespace) {
         RetryRequest::default()
     } else {
-        serde_json::from_slice(&body)
-            .map_err(|e| ApiError::bad_request(format!("The request body must be `{{\"from_step\": \"…\"}}` or empty: {e}.")))?
+        serde_json::from_slice(&body).map_err(|e| {
+            ApiError::bad_request(format!("The request body must be `{{\"from_step\": \"…\"}}` or empty: {e}."))
+        })?
     };
     state.store.retry_run(RunId(id), req.from_step.as_deref()).await?;
     let run = find_run(&state, id).await?;
@@ -308,7 +336,11 @@ pub async fn retry_run(
 /// Lints a spec: its diagnostics, with positions and hints.
 #[utoipa::path(post, path = "/api/v1/lint", tag = "pipelines", request_body = LintRequest,
     responses((status = 200, body = LintResponse), (status = 401, body = ErrorBody)))]
-pub async fn lint(State(state): State<AppState>, headers: HeaderMap, Json(req): Json<LintRequest>) -> ApiResult<Json<LintResponse>> {
+pub async fn lint(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Json(req): Json<LintRequest>,
+) -> ApiResult<Json<LintResponse>> {
     read_access(&state, &headers).await?;
     let file = req.file.unwrap_or_else(|| "pipeline.yaml".into());
     let (valid, diagnostics) = diagnostics_of(&file, &req.spec, &state);
@@ -340,7 +372,8 @@ pub async fn events(
     Query(q): Query<EventsQuery>,
 ) -> ApiResult<Sse<impl Stream<Item = Result<Event, Infallible>>>> {
     read_access(&state, &headers).await?;
-    let last_event_id = headers.get("last-event-id").and_then(|v| v.to_str().ok()).and_then(|s| s.trim().parse::<i64>().ok());
+    let last_event_id =
+        headers.get("last-event-id").and_then(|v| v.to_str().ok()).and_then(|s| s.trim().parse::<i64>().ok());
     let start = match last_event_id.or(q.after) {
         Some(id) => id.max(0),
         None => latest_event_id(&state).await?,
@@ -386,7 +419,10 @@ pub async fn events(
                 }
                 Err(e) => {
                     tracing::warn!("event stream: {e}");
-                    return Some((Ok(Event::default().event("error").data("the job store is unavailable; retrying")), c));
+                    return Some((
+                        Ok(Event::default().event("error").data("the job store is unavailable; retrying")),
+                        c,
+                    ));
                 }
             }
         }

@@ -108,9 +108,7 @@ pub async fn create_token(store: &Store, name: &str, scope: Scope) -> Result<New
     let hash = hash_token(&secret);
     const SQL: &str = "INSERT INTO api_tokens (name, hash, scope) VALUES ($1, $2, $3) RETURNING id";
     let (id,): (i64,) = match store.raw_pool() {
-        RawPool::Postgres(p) => {
-            sqlx::query_as(SQL).bind(name).bind(&hash).bind(scope.as_str()).fetch_one(p).await?
-        }
+        RawPool::Postgres(p) => sqlx::query_as(SQL).bind(name).bind(&hash).bind(scope.as_str()).fetch_one(p).await?,
         RawPool::Sqlite(p) => sqlx::query_as(SQL).bind(name).bind(&hash).bind(scope.as_str()).fetch_one(p).await?,
     };
     Ok(NewToken { id, secret })
@@ -183,10 +181,10 @@ pub async fn authorize(
     if !secret.starts_with(TOKEN_PREFIX) {
         return Err(ApiError::unauthorized("That is not an API token (they start with `shl_`)."));
     }
-    let token = find_token(store, &secret)
-        .await
-        .map_err(|e| ApiError::internal("check the API token", e))?
-        .ok_or_else(|| ApiError::unauthorized("The API token is unknown or revoked; ask an administrator for a new one."))?;
+    let token =
+        find_token(store, &secret).await.map_err(|e| ApiError::internal("check the API token", e))?.ok_or_else(
+            || ApiError::unauthorized("The API token is unknown or revoked; ask an administrator for a new one."),
+        )?;
     if token.scope < needed {
         return Err(ApiError::forbidden(format!(
             "The API token `{}` has scope `{}`, this request needs `{needed}`; use a token with that scope.",

@@ -3,9 +3,7 @@
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use shardline_store::{
-    AttemptRow, Change, EventRow, LogRow, Resources, RunRow, TaskCounts, TaskRow, WorkerRow,
-};
+use shardline_store::{AttemptRow, Change, EventRow, LogRow, Resources, RunRow, TaskCounts, TaskRow, WorkerRow};
 use utoipa::{IntoParams, ToSchema};
 
 use crate::redact::{redact, redact_line, redact_opt};

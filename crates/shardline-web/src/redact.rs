@@ -7,8 +7,22 @@ use serde_json::Value;
 /// What a redacted value becomes.
 pub const REDACTED: &str = "[redacted]";
 
-const SECRET_WORDS: &[&str] =
-    &["token", "tokens", "secret", "secrets", "password", "passwd", "passphrase", "key", "keys", "apikey", "credential", "credentials", "auth", "authorization"];
+const SECRET_WORDS: &[&str] = &[
+    "token",
+    "tokens",
+    "secret",
+    "secrets",
+    "password",
+    "passwd",
+    "passphrase",
+    "key",
+    "keys",
+    "apikey",
+    "credential",
+    "credentials",
+    "auth",
+    "authorization",
+];
 
 /// Keys that name a secret. Words are split at `_`, `-`, `.`, spaces and camelCase humps, so
 /// `hf_token`, `HF_TOKEN`, `secretAccessKey` and `api-key` match while `tokenizer` does not.
@@ -124,7 +138,16 @@ mod tests {
 
     #[test]
     fn secret_keys() {
-        for k in ["hf_token", "HF_TOKEN", "token", "api_key", "secretAccessKey", "password", "credentials", "aws-secret-access-key"] {
+        for k in [
+            "hf_token",
+            "HF_TOKEN",
+            "token",
+            "api_key",
+            "secretAccessKey",
+            "password",
+            "credentials",
+            "aws-secret-access-key",
+        ] {
             assert!(is_secret_key(k), "{k}");
         }
         for k in ["tokenizer", "repo", "revision", "monkey", "keystone", "tp", "dtype"] {

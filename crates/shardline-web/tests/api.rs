@@ -102,12 +102,21 @@ async fn seed(store: &Store) -> (RunId, Vec<TaskId>, WorkerId) {
     let lease = store.claim(worker, &free, Duration::from_secs(60)).await.expect("claim").expect("a task to claim");
     assert_eq!(lease.task.name, "a");
     let now = chrono::Utc::now();
-    let lines = ["loading weights", "wrote shard 0", "wrote shard 1", "done", "token hf_SECRETSECRETSECRETSECRETSECRET00 loaded"]
-        .iter()
-        .map(|l| LogLine { ts: now, stream: LogStream::Stdout, line: l.to_string() })
-        .collect::<Vec<_>>();
+    let lines = [
+        "loading weights",
+        "wrote shard 0",
+        "wrote shard 1",
+        "done",
+        "token hf_SECRETSECRETSECRETSECRETSECRET00 loaded",
+    ]
+    .iter()
+    .map(|l| LogLine { ts: now, stream: LogStream::Stdout, line: l.to_string() })
+    .collect::<Vec<_>>();
     store.append_logs(lease.task.id, lease.task.attempt, &lines).await.expect("append_logs");
-    assert!(store.complete(&lease, Outcome::Succeeded { output: json!({"files": 2, "token": "x"}) }).await.expect("complete"));
+    assert!(store
+        .complete(&lease, Outcome::Succeeded { output: json!({"files": 2, "token": "x"}) })
+        .await
+        .expect("complete"));
     (run, tasks, worker)
 }
 
@@ -117,7 +126,10 @@ async fn reads(kind: Kind) {
 
     let (s, v) = app.get("/api/v1/pipelines").await;
     assert_eq!(s, StatusCode::OK, "{v}");
-    assert_eq!(v, json!([{"name": "convert", "versions": 1, "latest_id": v[0]["latest_id"], "latest_spec_hash": "sha256:0"}]));
+    assert_eq!(
+        v,
+        json!([{"name": "convert", "versions": 1, "latest_id": v[0]["latest_id"], "latest_spec_hash": "sha256:0"}])
+    );
 
     let (s, v) = app.get("/api/v1/runs").await;
     assert_eq!(s, StatusCode::OK, "{v}");
@@ -129,7 +141,10 @@ async fn reads(kind: Kind) {
 
     let (s, v) = app.get(&format!("/api/v1/runs/{}", run.0)).await;
     assert_eq!(s, StatusCode::OK, "{v}");
-    assert_eq!(v["run"]["tasks"], json!({"blocked": 1, "ready": 1, "leased": 0, "succeeded": 1, "failed": 0, "cancelled": 0, "total": 3}));
+    assert_eq!(
+        v["run"]["tasks"],
+        json!({"blocked": 1, "ready": 1, "leased": 0, "succeeded": 1, "failed": 0, "cancelled": 0, "total": 3})
+    );
     // Secrets redacted, the rest intact.
     assert_eq!(v["run"]["params"], json!({"repo": "org/model", "hf_token": "[redacted]", "tp": 2}));
     assert_eq!(v["spec"]["params"]["hf_token"], "[redacted]");
@@ -156,11 +171,15 @@ async fn reads(kind: Kind) {
 
     let (s, v) = app.get("/api/v1/workers").await;
     assert_eq!(s, StatusCode::OK, "{v}");
-    assert_eq!((v[0]["name"].as_str(), v[0]["state"].as_str(), v[0]["resources"]["cpus"].as_i64()), (Some("cpu-1"), Some("active"), Some(8)));
+    assert_eq!(
+        (v[0]["name"].as_str(), v[0]["state"].as_str(), v[0]["resources"]["cpus"].as_i64()),
+        (Some("cpu-1"), Some("active"), Some(8))
+    );
 
     let (s, v) = app.get(&format!("/api/v1/runs/{}/logs", run.0)).await;
     assert_eq!(s, StatusCode::OK, "{v}");
-    let lines: Vec<&str> = v["lines"].as_array().expect("lines").iter().map(|l| l["line"].as_str().unwrap_or("")).collect();
+    let lines: Vec<&str> =
+        v["lines"].as_array().expect("lines").iter().map(|l| l["line"].as_str().unwrap_or("")).collect();
     assert_eq!(lines, ["loading weights", "wrote shard 0", "wrote shard 1", "done", "token [redacted] loaded"]);
     assert_eq!(v["more"], false);
     let (_, q) = app.get(&format!("/api/v1/runs/{}/logs?q=SECRET", run.0)).await;
@@ -172,13 +191,21 @@ async fn reads(kind: Kind) {
     let (_, p2) = app.get(&format!("/api/v1/runs/{}/logs?limit=2&after={}", run.0, p1["next_after"])).await;
     assert_eq!(p2["lines"][0]["line"], "wrote shard 1");
     let (_, q) = app.get(&format!("/api/v1/runs/{}/logs?q=SHARD&task={}", run.0, tasks[0].0)).await;
-    let found: Vec<&str> = q["lines"].as_array().expect("lines").iter().map(|l| l["line"].as_str().unwrap_or("")).collect();
+    let found: Vec<&str> =
+        q["lines"].as_array().expect("lines").iter().map(|l| l["line"].as_str().unwrap_or("")).collect();
     assert_eq!(found, ["wrote shard 0", "wrote shard 1"]);
     let (_, q) = app.get(&format!("/api/v1/runs/{}/logs?task={}", run.0, tasks[1].0)).await;
     assert_eq!(q["lines"], json!([]));
 
     // Unknowns are 404 with a JSON error.
-    for uri in ["/api/v1/runs/999999", "/api/v1/runs/999999/tasks", "/api/v1/tasks/999999", "/api/v1/tasks/999999/attempts", "/api/v1/runs/999999/logs", "/api/v1/nope"] {
+    for uri in [
+        "/api/v1/runs/999999",
+        "/api/v1/runs/999999/tasks",
+        "/api/v1/tasks/999999",
+        "/api/v1/tasks/999999/attempts",
+        "/api/v1/runs/999999/logs",
+        "/api/v1/nope",
+    ] {
         let (s, v) = app.get(uri).await;
         assert_eq!(s, StatusCode::NOT_FOUND, "{uri}: {v}");
         assert_eq!(v["error"]["code"], "not_found", "{uri}");
@@ -218,16 +245,24 @@ async fn mutations(kind: Kind) {
     let (s, v) = app.call(Method::POST, "/api/v1/lint", None, Some(json!({"spec": bad, "file": "tiny.yaml"}))).await;
     assert_eq!(s, StatusCode::OK, "{v}");
     assert_eq!(v["valid"], false);
-    assert_eq!((v["diagnostics"][0]["line"].as_u64(), v["diagnostics"][0]["file"].as_str()), (Some(6), Some("tiny.yaml")));
+    assert_eq!(
+        (v["diagnostics"][0]["line"].as_u64(), v["diagnostics"][0]["file"].as_str()),
+        (Some(6), Some("tiny.yaml"))
+    );
     let (s, v) = app.call(Method::POST, "/api/v1/lint", None, Some(json!({"spec": spec("")}))).await;
     assert_eq!((s, v["valid"].as_bool()), (StatusCode::OK, Some(true)), "{v}");
 
     // Submit: a spec that does not lint is 422 with each diagnostic's position.
-    let (s, v) = app.call(Method::POST, "/api/v1/runs", Some(&submit), Some(json!({"spec": bad, "file": "tiny.yaml"}))).await;
+    let (s, v) =
+        app.call(Method::POST, "/api/v1/runs", Some(&submit), Some(json!({"spec": bad, "file": "tiny.yaml"}))).await;
     assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{v}");
     assert_eq!(v["error"]["code"], "lint_failed");
     let d = &v["error"]["diagnostics"][0];
-    assert_eq!((d["line"].as_u64(), d["column"].as_u64(), d["path"].as_str()), (Some(6), Some(11), Some("steps[0].uses")), "{d}");
+    assert_eq!(
+        (d["line"].as_u64(), d["column"].as_u64(), d["path"].as_str()),
+        (Some(6), Some(11), Some("steps[0].uses")),
+        "{d}"
+    );
     assert!(d["message"].as_str().is_some_and(|m| m.contains("hf.downlaod")), "{d}");
     assert!(d["hint"].as_str().is_some_and(|h| h.contains("hf.download")), "{d}");
 
@@ -309,7 +344,10 @@ async fn auth(kind: Kind) {
         let (s, v) = closed.get(uri).await;
         assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::UNAUTHORIZED, Some("unauthorized")), "{uri}: {v}");
     }
-    assert_eq!(closed.call(Method::POST, "/api/v1/lint", None, Some(json!({"spec": spec("")}))).await.0, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        closed.call(Method::POST, "/api/v1/lint", None, Some(json!({"spec": spec("")}))).await.0,
+        StatusCode::UNAUTHORIZED
+    );
     assert_eq!(closed.call(Method::GET, "/api/v1/runs", Some(&read), None).await.0, StatusCode::OK);
     assert_eq!(closed.call(Method::GET, "/api/v1/runs", Some("garbage"), None).await.0, StatusCode::UNAUTHORIZED);
     let (s, v) = closed.call(Method::POST, "/api/v1/runs", Some(&read), Some(json!({"spec": spec("")}))).await;
@@ -322,8 +360,12 @@ async fn auth(kind: Kind) {
     let id = {
         let hash = shardline_web::auth::hash_token(&read);
         let row: (i64, String) = match closed.store.raw_pool() {
-            RawPool::Postgres(p) => sqlx::query_as("SELECT id, hash FROM api_tokens WHERE hash = $1").bind(&hash).fetch_one(p).await,
-            RawPool::Sqlite(p) => sqlx::query_as("SELECT id, hash FROM api_tokens WHERE hash = $1").bind(&hash).fetch_one(p).await,
+            RawPool::Postgres(p) => {
+                sqlx::query_as("SELECT id, hash FROM api_tokens WHERE hash = $1").bind(&hash).fetch_one(p).await
+            }
+            RawPool::Sqlite(p) => {
+                sqlx::query_as("SELECT id, hash FROM api_tokens WHERE hash = $1").bind(&hash).fetch_one(p).await
+            }
         }
         .expect("token row");
         assert_eq!(row.1.len(), 64);
@@ -473,13 +515,14 @@ async fn events(kind: Kind) {
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(app.store.cancel_run(run).await.expect("cancel"));
     let text = read_until(&mut body, "\"kind\":\"run\"", Duration::from_secs(10)).await;
-    let run_event = text
-        .split("\n\n")
-        .find(|e| e.contains("event: run"))
-        .unwrap_or_else(|| panic!("no run event in {text}"));
+    let run_event =
+        text.split("\n\n").find(|e| e.contains("event: run")).unwrap_or_else(|| panic!("no run event in {text}"));
     let data = run_event.lines().find_map(|l| l.strip_prefix("data: ")).expect("data line");
     let data: Value = serde_json::from_str(data).expect("event JSON");
-    assert_eq!((data["run"].as_i64(), data["kind"].as_str(), data["state"].as_str()), (Some(run.0), Some("run"), Some("cancelled")));
+    assert_eq!(
+        (data["run"].as_i64(), data["kind"].as_str(), data["state"].as_str()),
+        (Some(run.0), Some("run"), Some("cancelled"))
+    );
     let id: i64 = run_event.lines().find_map(|l| l.strip_prefix("id: ")).and_then(|s| s.parse().ok()).expect("id line");
     assert!(!text.contains("\"succeeded\""), "events from before the connection were replayed: {text}");
 

@@ -157,4 +157,3 @@ async fn drop_stale(conn: &mut PgConnection, now: u64) {
         }
     }
 }
-
