@@ -43,6 +43,9 @@
 //! interpolate `${{ params.NAME }}` and `${{ run.id }}`: as the whole value (the param's type
 //! must fit the field), or inside string, path and URL values.
 //!
+//! `triggers` (optional) lists what starts runs without a submission: a cron `schedule` in a
+//! named time zone with a missed-run policy, or a `watch` on Hub repositories; see [`triggers`].
+//!
 //! # Why not a serde YAML deserializer
 //!
 //! A serde deserializer stops at the first error and loses positions, and this crate's job is to
@@ -64,6 +67,7 @@ mod resolve;
 mod schema;
 mod suggest;
 mod template;
+pub mod triggers;
 mod units;
 mod yaml;
 
@@ -77,6 +81,10 @@ pub use model::{
 pub use resolve::{parse_override, OverrideSyntaxError};
 pub use suggest::did_you_mean;
 pub use template::{Part, Template};
+pub use triggers::{
+    parse_cron, parse_timezone, MissedPolicy, Schedule, Trigger, TriggerContext, TriggerKind, Watch, WatchTarget,
+    DEFAULT_WATCH_INTERVAL, MIN_WATCH_INTERVAL, ON_TIME_GRACE, TRIGGER_VARS,
+};
 pub use units::{format_duration, format_size, parse_duration, parse_size, UnitError};
 
 /// Limits on untrusted input.

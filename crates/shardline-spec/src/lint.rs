@@ -281,6 +281,11 @@ impl<'a> Linter<'a> {
             None => (Vec::new(), BTreeMap::new()),
         };
 
+        // triggers (their params must be declared ones).
+        let triggers = get("triggers")
+            .map(|e| crate::triggers::lint_triggers(self.file, &e.value, &params, &mut self.diags))
+            .unwrap_or_default();
+
         // steps.
         let drafts = match get("steps") {
             None => {
@@ -348,6 +353,7 @@ impl<'a> Linter<'a> {
             description,
             params,
             steps,
+            triggers,
             file: self.file.to_string(),
             locations: std::mem::take(&mut self.loc),
             step_index,

@@ -332,6 +332,8 @@ pub struct Pipeline {
     pub description: Option<String>,
     pub params: Vec<ParamSpec>,
     pub steps: Vec<StepSpec>,
+    /// What starts runs without a submission (`triggers:`), in file order.
+    pub triggers: Vec<crate::triggers::Trigger>,
     /// The file name diagnostics are reported against.
     pub file: String,
     pub(crate) locations: Locations,
