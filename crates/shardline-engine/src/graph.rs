@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use shardline_spec::{OutputFormatName, ResolvedPipeline, ResolvedStep, StepConfig};
+use shardline_spec::{DownloadSource, OutputFormatName, ResolvedPipeline, ResolvedStep, StepConfig};
 use shardline_store::{NewTask, Resources};
 
 /// Task kinds, as stored.
@@ -69,6 +69,20 @@ pub enum Payload {
     Download {
         path: PathBuf,
         step_hash: String,
+    },
+    /// `hf.download` of a Hub repository into the HF cache; its output's `path` is the snapshot.
+    HubDownload {
+        repo: String,
+        revision: String,
+        allow: Vec<String>,
+        ignore: Vec<String>,
+        /// `None`: the worker's `HF_ENDPOINT`, else the public Hub.
+        endpoint: Option<String>,
+        step_hash: String,
+        /// The step's `cache`: serve the snapshot from the step cache when this commit was
+        /// downloaded with these patterns before.
+        #[serde(default = "yes")]
+        cache: bool,
     },
     Plan {
         job: ShardJob,
@@ -179,9 +193,21 @@ pub fn tasks_for(p: &ResolvedPipeline, run_dir: &Path, base_dir: &Path) -> Resul
         let step_hash = hashes.get(&step.id).cloned().unwrap_or_default();
         let missing = |what: &str| format!("step `{}` has no upstream {what}", step.id);
         match &step.config {
-            StepConfig::HfDownload { path } => {
+            StepConfig::HfDownload { source: DownloadSource::Local { path } } => {
                 let path = if path.is_absolute() { path.clone() } else { base_dir.join(path) };
                 tasks.push(base(step, step.id.clone(), kinds::DOWNLOAD, needs, Payload::Download { path, step_hash }));
+            }
+            StepConfig::HfDownload { source: DownloadSource::Hub { repo, revision, allow, ignore, endpoint } } => {
+                let payload = Payload::HubDownload {
+                    repo: repo.clone(),
+                    revision: revision.clone(),
+                    allow: allow.clone(),
+                    ignore: ignore.clone(),
+                    endpoint: endpoint.clone(),
+                    step_hash,
+                    cache: step.cache,
+                };
+                tasks.push(base(step, step.id.clone(), kinds::DOWNLOAD, needs, payload));
             }
             StepConfig::MegatronShard {
                 tp,

@@ -7,6 +7,7 @@
 //! inputs (checking its digest).
 
 pub mod graph;
+pub mod hub;
 pub mod steps;
 pub mod worker;
 
@@ -19,6 +20,7 @@ use shardline_store::{NewRun, RunId, Store, StoreError};
 use thiserror::Error;
 use tokio::sync::watch;
 
+pub use hub::HubSettings;
 pub use worker::{run_worker, WorkerConfig};
 
 /// Why a submission was refused.

@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -16,6 +18,7 @@ use shardline_layout::{build_plan, lower, validate, Mesh, ModelConfig, Plan, Pla
 use thiserror::Error;
 
 use crate::graph::{Payload, ShardJob};
+use crate::hub::{self, HubRequest, HubSettings};
 
 /// Why a task failed; `retryable` decides whether another attempt may help.
 #[derive(Debug, Error)]
@@ -40,8 +43,13 @@ impl StepError {
 pub struct StepContext<'a> {
     /// Outputs of the run's succeeded tasks, by task name.
     pub outputs: &'a BTreeMap<String, Value>,
-    pub progress: &'a Progress,
+    /// Bytes, chunks and files done (sent with each heartbeat); `cancel` asks the task to stop.
+    pub progress: &'a Arc<Progress>,
+    /// Bytes the task will move in all, when it knows (a download does), else 0.
+    pub bytes_total: &'a Arc<AtomicU64>,
     pub log: &'a (dyn Fn(String) + Sync),
+    /// How Hub downloads reach the Hub.
+    pub hub: &'a HubSettings,
 }
 
 impl StepContext<'_> {
@@ -204,6 +212,20 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<Value, StepError>
             ));
             Ok(json!({"path": path, "digest": digest, "bytes": release.total_bytes(), "files": release.files().len()}))
         }
+        Payload::HubDownload { repo, revision, allow, ignore, endpoint, .. } => {
+            let req = HubRequest { repo, revision, allow, ignore, endpoint: endpoint.as_deref() };
+            let output = hub::download(&req, ctx.hub, ctx)?;
+            // The snapshot must be a release the later steps can read.
+            let path = output.get("path").and_then(Value::as_str).map(PathBuf::from).unwrap_or_default();
+            let release = open_release(&path)?;
+            (ctx.log)(format!(
+                "release ok: {} files, {} tensors, {} bytes",
+                release.files().len(),
+                release.tensors().len(),
+                release.total_bytes()
+            ));
+            Ok(output)
+        }
         Payload::Plan { job } => {
             let release = open_release(&ctx.source_path(&job.source_task)?)?;
             let plan = job_plan(job, &release)?;
@@ -330,7 +352,9 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<Value, StepError>
         Payload::Upload { checkpoint_task, source_task, to, .. } => {
             let dir = checkpoint_dir(ctx, checkpoint_task)?;
             let dest = to.as_str();
-            let source = ctx.output(source_task)?.clone();
+            // A Hub download names its source (repository, commit); a local one is described by its output.
+            let source = ctx.output(source_task)?;
+            let source = source.get("source").cloned().unwrap_or_else(|| source.clone());
             let layout = ctx.output(checkpoint_task)?.clone();
             // Object stores are reached through object_store, configured from the environment.
             let runtime = tokio::runtime::Builder::new_current_thread()

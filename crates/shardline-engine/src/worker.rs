@@ -4,7 +4,7 @@
 //! would be refused anyway. On shutdown (SIGTERM) it stops claiming and drains what it runs.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
@@ -16,6 +16,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::graph::Payload;
+use crate::hub::{self, HubRequest, HubSettings};
 use crate::steps::{self, StepContext, StepError};
 
 /// How a worker behaves.
@@ -26,13 +27,21 @@ pub struct WorkerConfig {
     pub lease_ttl: Duration,
     /// Longest wait between claim attempts when no wake-up arrives.
     pub poll: Duration,
-    /// Serve shard outputs from the step cache.
+    /// Serve shard outputs and Hub snapshots from the step cache.
     pub use_cache: bool,
+    /// How `hf.download` tasks reach the Hub (default: the environment).
+    pub hub: HubSettings,
 }
 
 impl WorkerConfig {
     pub fn new(info: WorkerInfo) -> WorkerConfig {
-        WorkerConfig { info, lease_ttl: Duration::from_secs(30), poll: Duration::from_millis(500), use_cache: true }
+        WorkerConfig {
+            info,
+            lease_ttl: Duration::from_secs(30),
+            poll: Duration::from_millis(500),
+            use_cache: true,
+            hub: HubSettings::default(),
+        }
     }
 }
 
@@ -183,10 +192,48 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
         }
         cache_key = Some(key);
     }
+    // A Hub download: the revision is resolved to a commit (one API request); a snapshot of that
+    // commit with the same patterns that is still complete on disk is reused without a download.
+    if let Payload::HubDownload { repo, revision, allow, ignore, endpoint, cache, .. } = &payload {
+        if config.use_cache && *cache && run_uses_cache(store, task.run).await {
+            let req = HubRequest { repo, revision, allow, ignore, endpoint: endpoint.as_deref() };
+            match hub::resolve_sha(&req, &config.hub).await {
+                Ok(sha) => {
+                    let key = hub::cache_key(repo, &sha, allow, ignore);
+                    if let Ok(Some(hit)) = store.cache_get(&key).await {
+                        if hub::cached_snapshot_usable(&hit) {
+                            let _ = log_tx.send(sys(format!(
+                                "cache hit {key}: `{repo}` at `{revision}` is commit {sha}, already in {}",
+                                hit.get("path").and_then(Value::as_str).unwrap_or_default()
+                            )));
+                            let mut output = hit;
+                            if let Some(o) = output.as_object_mut() {
+                                o.insert("cached".into(), json!(true));
+                                o.insert("revision".into(), json!(revision));
+                                if let Some(s) = o.get_mut("source").and_then(Value::as_object_mut) {
+                                    s.insert("revision".into(), json!(revision));
+                                }
+                            }
+                            logs.flush(store, &lease).await;
+                            let _ = store.complete(&lease, Outcome::Succeeded { output }).await;
+                            return;
+                        }
+                    }
+                }
+                // The download reports the error (with its retries) if it persists.
+                Err(e) => {
+                    let _ = log_tx.send(sys(format!("step cache not consulted: {e}")));
+                }
+            }
+        }
+    }
 
     let progress = Arc::new(Progress::default());
+    let bytes_total = Arc::new(AtomicU64::new(0));
     let exec = {
         let progress = progress.clone();
+        let bytes_total = bytes_total.clone();
+        let hub_settings = config.hub.clone();
         let log_tx = log_tx.clone();
         let payload = payload.clone();
         let outputs = outputs.clone();
@@ -197,7 +244,13 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
                     let _ = tx.send(stamped(LogStream::Stdout, line));
                 }
             };
-            let ctx = StepContext { outputs: &outputs, progress: &progress, log: &log };
+            let ctx = StepContext {
+                outputs: &outputs,
+                progress: &progress,
+                bytes_total: &bytes_total,
+                log: &log,
+                hub: &hub_settings,
+            };
             steps::execute(&payload, &ctx)
         })
     };
@@ -218,11 +271,15 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
             }
             _ = tick.tick() => {
                 logs.flush(store, &lease).await;
-                let p = json!({
+                let mut p = json!({
                     "bytes": progress.bytes_written.load(Ordering::Relaxed),
                     "chunks": progress.chunks_written.load(Ordering::Relaxed),
                     "files": progress.files_done.load(Ordering::Relaxed),
                 });
+                let total = bytes_total.load(Ordering::Relaxed);
+                if total > 0 {
+                    p["bytes_total"] = json!(total);
+                }
                 match store.heartbeat(&lease, config.lease_ttl, Some(p)).await {
                     Ok(true) => {}
                     Ok(false) => {
@@ -261,6 +318,8 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
     };
     logs.flush(store, &lease).await;
     let succeeded_commit = matches!((&payload, &outcome), (Payload::Commit { .. }, Outcome::Succeeded { .. }));
+    let succeeded_hub_download =
+        matches!((&payload, &outcome), (Payload::HubDownload { cache: true, .. }, Outcome::Succeeded { .. }));
     let output_for_cache = match &outcome {
         Outcome::Succeeded { output } => Some(output.clone()),
         _ => None,
@@ -285,6 +344,14 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
             break;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    if accepted && succeeded_hub_download {
+        // Remember the snapshot under its commit's key (computed by the download from the sha it got).
+        if let Some(output) = &output_for_cache {
+            if let Some(key) = output.get("cache_key").and_then(Value::as_str) {
+                let _ = store.cache_put(key, output).await;
+            }
+        }
     }
     if accepted && succeeded_commit {
         // Remember the committed checkpoint under its plan task's cache key.

@@ -31,7 +31,7 @@
 //!
 //! | kind | fields |
 //! |---|---|
-//! | `hf.download` | `path` (required) |
+//! | `hf.download` | exactly one of `repo` (a Hub repository, `org/name`) and `path` (a local HF-layout directory); with `repo`: `revision` = `main` (branch, tag or commit sha), `allow` / `ignore` = [] (`fnmatch` globs), `endpoint` = `HF_ENDPOINT`, else `https://huggingface.co` |
 //! | `megatron.shard` | `tp`, `dp` (required), `cp` = 1, `ep` = 1, `etp` = `tp`, `format` = `dcp` \| `dcp-safetensors`, `prefix` = `model.module.`, `optimizer_state` = false, `vocab_divisible_by` = 128, `keep` = false |
 //! | `megatron.split_fused` | `keep` = false; its only need is a `megatron.shard` step |
 //! | `checkpoint.validate` | none; validates against the upstream download's source |
@@ -74,9 +74,9 @@ mod yaml;
 pub use diagnostic::{render_all, Diagnostic, Severity, MAX_DIAGNOSTICS};
 pub use lint::{lint, LintContext};
 pub use model::{
-    Location, OutputFormatName, ParamSpec, ParamType, ParamValue, Pipeline, ResolvedPipeline, ResolvedStep, Resources,
-    Retry, SpecValue, StepConfig, StepKind, StepSpec, UnknownOutputFormat, UnknownParamType, UnknownStepKind,
-    API_VERSION, KIND,
+    DownloadSource, Location, OutputFormatName, ParamSpec, ParamType, ParamValue, Pipeline, ResolvedPipeline,
+    ResolvedStep, Resources, Retry, SpecValue, StepConfig, StepKind, StepSpec, UnknownOutputFormat, UnknownParamType,
+    UnknownStepKind, API_VERSION, KIND,
 };
 pub use resolve::{parse_override, OverrideSyntaxError};
 pub use suggest::did_you_mean;

@@ -26,8 +26,8 @@ use crate::model::{
 };
 use crate::resolve::{check_meshes, resolve_step, Env};
 use crate::schema::{
-    param_from_node, spec_value, unknown_with_hint, with_fields, Field, FieldType, CACHE, PARAM_KEYS, RESOURCES, RETRY,
-    STEP_KEYS, TIMEOUT, TOP_KEYS,
+    param_from_node, spec_value, unknown_with_hint, with_fields, Field, FieldType, CACHE, HUB_ONLY_FIELDS, PARAM_KEYS,
+    RESOURCES, RETRY, STEP_KEYS, TIMEOUT, TOP_KEYS,
 };
 use crate::suggest::{did_you_mean, list};
 use crate::template::{self, TemplateError};
@@ -325,7 +325,7 @@ impl<'a> Linter<'a> {
             for v in
                 s.with.values().chain(s.resources.values()).chain(s.retry.values()).chain(&s.timeout).chain(&s.cache)
             {
-                if let SpecValue::Template(t) = v {
+                for t in v.templates() {
                     used.extend(t.params().map(str::to_string));
                 }
             }
@@ -829,6 +829,9 @@ impl<'a> Linter<'a> {
                     }
                 }
             }
+            if kind == StepKind::HfDownload {
+                self.download_source(&base, &who);
+            }
         } else if let Some(e) = get("with") {
             // Unknown kind: still check the shape so later errors do not hide.
             if !e.value.is_null() && e.value.as_map().is_none() {
@@ -932,8 +935,82 @@ impl<'a> Linter<'a> {
         out
     }
 
-    /// Reads one field's value: a typed literal or a well-formed interpolation.
+    /// `hf.download` reads exactly one source: `repo` (with `revision`, `allow`, `ignore`,
+    /// `endpoint`) or `path`.
+    fn download_source(&mut self, base: &str, who: &str) {
+        let with_path = join(base, "with");
+        let written = |l: &Self, k: &str| l.loc.values.contains_key(&join(&with_path, k));
+        let (repo, path) = (written(self, "repo"), written(self, "path"));
+        if repo && path {
+            let (first, second) = {
+                let r = self.loc.key(&join(&with_path, "repo"));
+                let p = self.loc.key(&join(&with_path, "path"));
+                if (r.line, r.col) <= (p.line, p.col) {
+                    ("repo", "path")
+                } else {
+                    ("path", "repo")
+                }
+            };
+            let at = join(&with_path, second);
+            let d = self.at(
+                self.loc.key(&at),
+                &at,
+                "conflicting-fields",
+                format!("{who} (`hf.download`) has both `with.repo` and `with.path`; a download reads one source"),
+            );
+            self.push(d.with_note(format!("`with.{first}` is set too")).with_hint(
+                "keep `repo` to download from the Hub into the HF cache, or `path` to read a local directory",
+            ));
+        } else if !repo && !path {
+            let span = if self.loc.values.contains_key(&with_path) {
+                self.loc.missing(&join(&with_path, "repo"))
+            } else {
+                self.loc.span(&join(base, "uses"))
+            };
+            let d = self.at(
+                span,
+                &join(&with_path, "repo"),
+                "missing-field",
+                format!("{who} (`hf.download`) has no source: set `with.repo` or `with.path`"),
+            );
+            self.push(d.with_hint(
+                "e.g. `with: {repo: Qwen/Qwen3-0.6B}` for a Hub repository, or `with: {path: /data/models/llama}` \
+                 for a local HF-layout directory",
+            ));
+        } else if path {
+            for k in HUB_ONLY_FIELDS {
+                if written(self, k) {
+                    let at = join(&with_path, k);
+                    let d = self.at(
+                        self.loc.key(&at),
+                        &at,
+                        "hub-only-field",
+                        format!("`with.{k}` applies to Hub downloads (`with.repo`), but {who} reads a local `path`"),
+                    );
+                    self.push(d.with_hint(format!("remove `{k}`, or replace `path` with `repo: org/name`")));
+                }
+            }
+        }
+    }
+
+    /// Reads one field's value: a typed literal or a well-formed interpolation; for a list field,
+    /// a sequence of them (or a single one).
     fn field_value(&mut self, node: &Node, path: &str, f: &Field) -> Option<SpecValue> {
+        if let (FieldType::Globs, Kind::Seq(items)) = (f.ty, &node.kind) {
+            let mut out = Vec::new();
+            let mut ok = true;
+            for (i, item) in items.iter().enumerate() {
+                match self.scalar_value(item, &format!("{path}[{i}]"), f) {
+                    Some(v) => out.push(v),
+                    None => ok = false,
+                }
+            }
+            return ok.then_some(SpecValue::List(out));
+        }
+        self.scalar_value(node, path, f)
+    }
+
+    fn scalar_value(&mut self, node: &Node, path: &str, f: &Field) -> Option<SpecValue> {
         let v = match spec_value(f.ty, node) {
             Ok(v) => v,
             Err(m) => {
@@ -1266,9 +1343,6 @@ pub(crate) fn fitting_values(mesh: &Mesh, field: &str, etp_follows_tp: bool, mod
 
 fn required_hint(kind: StepKind, f: &Field) -> String {
     match (kind, f.name) {
-        (StepKind::HfDownload, "path") => {
-            "set `with.path` to a local HF-layout directory (config.json + safetensors)".to_string()
-        }
         (StepKind::StoreUpload, "to") => "set `with.to` to a `file://` URL or an absolute path".to_string(),
         (_, name) => match f.ty {
             FieldType::UInt { .. } => format!("set `with.{name}`, e.g. `{name}: 2`"),

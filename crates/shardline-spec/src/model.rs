@@ -22,7 +22,8 @@ pub const KIND: &str = "Pipeline";
 /// A built-in step kind, named in YAML by its dotted name (`uses: megatron.shard`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum StepKind {
-    /// `hf.download`: a local HF-layout directory (config.json + safetensors [+ index]).
+    /// `hf.download`: a release from the Hub (`repo`, `revision`, `allow`, `ignore`, `endpoint`) or
+    /// a local HF-layout directory (`path`: config.json + safetensors [+ index]).
     #[serde(rename = "hf.download")]
     HfDownload,
     /// `megatron.shard`: convert to a sharded checkpoint for a mesh.
@@ -250,6 +251,19 @@ pub enum SpecValue {
     String(String),
     /// A string with `${{ … }}` interpolations.
     Template(Template),
+    /// A sequence of the above (`allow: ["*.json", "*.safetensors"]`).
+    List(Vec<SpecValue>),
+}
+
+impl SpecValue {
+    /// The interpolations in this value (and, for a list, in its items).
+    pub fn templates(&self) -> Vec<&Template> {
+        match self {
+            SpecValue::Template(t) => vec![t],
+            SpecValue::List(items) => items.iter().flat_map(SpecValue::templates).collect(),
+            _ => Vec::new(),
+        }
+    }
 }
 
 /// A step as written. Values are checked against their field's type but may still hold
@@ -392,7 +406,10 @@ impl Default for Retry {
 #[serde(tag = "kind")]
 pub enum StepConfig {
     #[serde(rename = "hf.download")]
-    HfDownload { path: PathBuf },
+    HfDownload {
+        #[serde(flatten)]
+        source: DownloadSource,
+    },
     #[serde(rename = "megatron.shard")]
     MegatronShard {
         tp: u64,
@@ -414,6 +431,37 @@ pub enum StepConfig {
     CheckpointValidate {},
     #[serde(rename = "store.upload")]
     StoreUpload { to: String },
+}
+
+/// Where an `hf.download` step reads its release.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum DownloadSource {
+    /// A Hub repository at a revision, the files selected by `allow` then `ignore` (empty `allow`
+    /// keeps every file).
+    Hub {
+        repo: String,
+        revision: String,
+        #[serde(default)]
+        allow: Vec<String>,
+        #[serde(default)]
+        ignore: Vec<String>,
+        /// `None`: `HF_ENDPOINT`, else `https://huggingface.co`, read where the step runs.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        endpoint: Option<String>,
+    },
+    /// A local HF-layout directory.
+    Local { path: PathBuf },
+}
+
+impl DownloadSource {
+    /// The local directory, for a `path` source.
+    pub fn local_path(&self) -> Option<&Path> {
+        match self {
+            DownloadSource::Local { path } => Some(path),
+            DownloadSource::Hub { .. } => None,
+        }
+    }
 }
 
 impl StepConfig {
@@ -517,13 +565,19 @@ impl ResolvedPipeline {
         self.topo_order().into_iter().filter(|s| seen.contains(s.id.as_str())).collect()
     }
 
-    /// The source release of a step: the `path` of the `hf.download` step it (transitively)
-    /// needs, or its own for a download step. This is what `checkpoint.validate` compares
-    /// against.
+    /// The local source release of a step: the `path` of the `hf.download` step it
+    /// (transitively) needs, or its own for a download step. This is what `checkpoint.validate`
+    /// compares against. `None` when the source is a Hub repository
+    /// ([`ResolvedPipeline::download_source_of`]).
     pub fn source_of(&self, id: &str) -> Option<&Path> {
+        self.download_source_of(id).and_then(DownloadSource::local_path)
+    }
+
+    /// The source of a step: that of the `hf.download` step it (transitively) needs, or its own.
+    pub fn download_source_of(&self, id: &str) -> Option<&DownloadSource> {
         let own = self.step(id).into_iter();
         own.chain(self.upstream(id)).find_map(|s| match &s.config {
-            StepConfig::HfDownload { path } => Some(path.as_path()),
+            StepConfig::HfDownload { source } => Some(source),
             _ => None,
         })
     }

@@ -14,8 +14,8 @@ use crate::diagnostic::{self, Diagnostic};
 use crate::graph::Graph;
 use crate::lint::{fitting_values, join, mesh_errors, mesh_field, sub_span, LintContext};
 use crate::model::{
-    Locations, OutputFormatName, ParamType, ParamValue, Pipeline, ResolvedPipeline, ResolvedStep, Resources, Retry,
-    SpecValue, StepConfig, StepKind, StepSpec, API_VERSION,
+    DownloadSource, Locations, OutputFormatName, ParamType, ParamValue, Pipeline, ResolvedPipeline, ResolvedStep,
+    Resources, Retry, SpecValue, StepConfig, StepKind, StepSpec, API_VERSION,
 };
 use crate::schema::{
     convert_literal, convert_param, convert_text, param_from_text, with_fields, Concrete, Field, FieldDefault, CACHE,
@@ -65,6 +65,18 @@ impl Cx<'_> {
     /// The typed value of one field, or `None` (after reporting, unless the value depends on a
     /// param without a value).
     fn field(&mut self, f: &Field, v: &SpecValue, path: &str) -> Option<Concrete> {
+        if let SpecValue::List(items) = v {
+            let mut out = Vec::new();
+            let mut ok = true;
+            for (i, item) in items.iter().enumerate() {
+                match self.field(f, item, &format!("{path}[{i}]")) {
+                    Some(Concrete::List(v)) => out.extend(v),
+                    Some(_) => {}
+                    None => ok = false,
+                }
+            }
+            return ok.then_some(Concrete::List(out));
+        }
         let SpecValue::Template(t) = v else {
             return match convert_literal(f.ty, v) {
                 Ok(c) => Some(c),
@@ -116,6 +128,10 @@ impl Cx<'_> {
                         crate::schema::FieldType::Bool => format!("declare `{name}` with `type: bool`"),
                         crate::schema::FieldType::Size { .. } => format!("declare `{name}` with `type: size`"),
                         crate::schema::FieldType::Duration { .. } => format!("declare `{name}` with `type: duration`"),
+                        crate::schema::FieldType::RepoId
+                        | crate::schema::FieldType::Revision
+                        | crate::schema::FieldType::Url
+                        | crate::schema::FieldType::Globs => format!("declare `{name}` with `type: string`"),
                         _ => format!("declare `{name}` with `type: string` or `type: path`"),
                     };
                     self.diags.push(d.with_hint(hint));
@@ -250,6 +266,13 @@ fn boolean(values: &BTreeMap<&str, Concrete>, k: &str) -> bool {
     matches!(values.get(k), Some(Concrete::Bool(true)))
 }
 
+fn globs(values: &BTreeMap<&str, Concrete>, k: &str) -> Vec<String> {
+    match values.get(k) {
+        Some(Concrete::List(v)) => v.clone(),
+        _ => Vec::new(),
+    }
+}
+
 fn string(values: &BTreeMap<&str, Concrete>, k: &str) -> String {
     match values.get(k) {
         Some(Concrete::Str(s)) => s.clone(),
@@ -280,7 +303,18 @@ pub(crate) fn resolve_step(
         return None;
     };
     let config = match step.kind {
-        StepKind::HfDownload => StepConfig::HfDownload { path: PathBuf::from(string(&w, "path")) },
+        StepKind::HfDownload => StepConfig::HfDownload {
+            source: match w.get("repo") {
+                Some(Concrete::Str(repo)) => DownloadSource::Hub {
+                    repo: repo.clone(),
+                    revision: string(&w, "revision"),
+                    allow: globs(&w, "allow"),
+                    ignore: globs(&w, "ignore"),
+                    endpoint: w.get("endpoint").map(|_| string(&w, "endpoint")),
+                },
+                _ => DownloadSource::Local { path: PathBuf::from(string(&w, "path")) },
+            },
+        },
         StepKind::MegatronShard => StepConfig::MegatronShard {
             tp: uint(&w, "tp"),
             cp: uint(&w, "cp"),
@@ -349,7 +383,10 @@ pub(crate) fn check_meshes(
             _ => None,
         };
         if let Some((w, dl_id)) = download {
-            if let Some(StepConfig::HfDownload { path }) = resolved.get(dl_id).map(|r| &r.config) {
+            // A Hub source's config is not read at lint time (no network): model-independent checks only.
+            if let Some(StepConfig::HfDownload { source: DownloadSource::Local { path } }) =
+                resolved.get(dl_id).map(|r| &r.config)
+            {
                 match ctx.lookup(path) {
                     Ok(Some(cfg)) => model = Some((cfg, path.clone())),
                     Ok(None) => {}

@@ -28,6 +28,14 @@ pub(crate) enum FieldType {
     },
     /// `store.upload` target: a `file://`, `s3://`, `gs://` or `az://` URL, or an absolute path.
     Target,
+    /// A Hub repository id: `name` or `org/name`.
+    RepoId,
+    /// A Hub revision: a branch, a tag or a commit sha.
+    Revision,
+    /// An `http://` or `https://` base URL.
+    Url,
+    /// A list of `fnmatch` globs (one string counts as a list of one).
+    Globs,
 }
 
 impl FieldType {
@@ -41,6 +49,10 @@ impl FieldType {
             FieldType::Size { .. } => "size".to_string(),
             FieldType::Duration { .. } => "duration".to_string(),
             FieldType::Target => "`file://` URL or absolute path".to_string(),
+            FieldType::RepoId => "Hub repository id".to_string(),
+            FieldType::Revision => "revision".to_string(),
+            FieldType::Url => "URL".to_string(),
+            FieldType::Globs => "glob pattern (or a list of them)".to_string(),
         }
     }
 
@@ -52,6 +64,7 @@ impl FieldType {
             FieldType::Str | FieldType::Path | FieldType::Target | FieldType::Choice(_) => {
                 matches!(ty, ParamType::String | ParamType::Path)
             }
+            FieldType::RepoId | FieldType::Revision | FieldType::Url | FieldType::Globs => ty == ParamType::String,
             FieldType::Size { .. } => ty == ParamType::Size,
             FieldType::Duration { .. } => ty == ParamType::Duration,
         }
@@ -59,7 +72,16 @@ impl FieldType {
 
     /// Whether the field may mix text and interpolations (`file:///out/${{ run.id }}`).
     pub fn accepts_text(self) -> bool {
-        matches!(self, FieldType::Str | FieldType::Path | FieldType::Target)
+        matches!(
+            self,
+            FieldType::Str
+                | FieldType::Path
+                | FieldType::Target
+                | FieldType::RepoId
+                | FieldType::Revision
+                | FieldType::Url
+                | FieldType::Globs
+        )
     }
 }
 
@@ -67,6 +89,10 @@ impl FieldType {
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum FieldDefault {
     Required,
+    /// No value unless written (`with.repo` and `with.path` of `hf.download`: one of them is).
+    Optional,
+    /// An empty list.
+    EmptyList,
     UInt(u64),
     Bool(bool),
     Str(&'static str),
@@ -91,7 +117,18 @@ const POSITIVE: FieldType = FieldType::UInt { min: 1, max: 1 << 20 };
 const U32_POSITIVE: FieldType = FieldType::UInt { min: 1, max: u32::MAX as u64 };
 const U32: FieldType = FieldType::UInt { min: 0, max: u32::MAX as u64 };
 
-const HF_DOWNLOAD: &[Field] = &[field("path", FieldType::Path, FieldDefault::Required)];
+/// Exactly one of `repo` and `path` is written (lint checks it); the others go with `repo`.
+const HF_DOWNLOAD: &[Field] = &[
+    field("repo", FieldType::RepoId, FieldDefault::Optional),
+    field("path", FieldType::Path, FieldDefault::Optional),
+    field("revision", FieldType::Revision, FieldDefault::Str("main")),
+    field("allow", FieldType::Globs, FieldDefault::EmptyList),
+    field("ignore", FieldType::Globs, FieldDefault::EmptyList),
+    field("endpoint", FieldType::Url, FieldDefault::Optional),
+];
+
+/// The `hf.download` fields that only a Hub download (`repo`) takes.
+pub(crate) const HUB_ONLY_FIELDS: &[&str] = &["revision", "allow", "ignore", "endpoint"];
 
 const MEGATRON_SHARD: &[Field] = &[
     field("tp", POSITIVE, FieldDefault::Required),
@@ -153,9 +190,18 @@ pub(crate) fn unknown_with_hint(kind: StepKind, key: &str) -> String {
         return format!("did you mean `{s}`?");
     }
     match (kind, key) {
-        (StepKind::HfDownload, "repo" | "revision" | "allow" | "ignore" | "endpoint") => {
-            "downloads from the Hub are not supported yet: `hf.download` takes the `path` of a local HF-layout \
-             directory"
+        (StepKind::HfDownload, "token" | "hf_token") => {
+            "the Hub token is never written in a spec: it comes from `HF_TOKEN` or the token file \
+             (`HF_TOKEN_PATH`, default `$HF_HOME/token`)"
+                .to_string()
+        }
+        (StepKind::HfDownload, "repo_id" | "model" | "model_id" | "name") => "did you mean `repo`?".to_string(),
+        (StepKind::HfDownload, "allow_patterns" | "include") => "did you mean `allow`?".to_string(),
+        (StepKind::HfDownload, "ignore_patterns" | "exclude") => "did you mean `ignore`?".to_string(),
+        (StepKind::HfDownload, "branch" | "tag" | "sha" | "commit" | "ref") => "did you mean `revision`?".to_string(),
+        (StepKind::HfDownload, "url" | "uri" | "source" | "from") => {
+            "a download reads `repo` (a Hub repository id such as `Qwen/Qwen3-0.6B`) or `path` (a local \
+             directory)"
                 .to_string()
         }
         (StepKind::CheckpointValidate, "against") => {
@@ -174,6 +220,7 @@ pub(crate) enum Concrete {
     UInt(u64),
     Bool(bool),
     Str(String),
+    List(Vec<String>),
     Size(u64),
     Duration(Duration),
 }
@@ -181,7 +228,8 @@ pub(crate) enum Concrete {
 impl Concrete {
     pub fn from_default(d: FieldDefault) -> Option<Concrete> {
         Some(match d {
-            FieldDefault::Required | FieldDefault::SameAs(_) => return None,
+            FieldDefault::Required | FieldDefault::Optional | FieldDefault::SameAs(_) => return None,
+            FieldDefault::EmptyList => Concrete::List(Vec::new()),
             FieldDefault::UInt(n) => Concrete::UInt(n),
             FieldDefault::Bool(b) => Concrete::Bool(b),
             FieldDefault::Str(s) => Concrete::Str(s.to_string()),
@@ -227,7 +275,9 @@ pub(crate) fn spec_value(ty: FieldType, node: &Node) -> Result<SpecValue, Mismat
             format!("expected size, found {}", describe_scalar(&s.resolve())),
             Some("use a whole number and a smaller unit, e.g. `1536MiB` rather than `1.5GiB`".to_string()),
         )),
-        Resolved::Float(_) if matches!(ty, FieldType::Str | FieldType::Path) => {
+        Resolved::Float(_)
+            if matches!(ty, FieldType::Str | FieldType::Path | FieldType::Revision | FieldType::Globs) =>
+        {
             Err(expected(ty, &describe_scalar(&s.resolve()))
                 .with_hint(format!("quote it to make it a string: `\"{}\"`", s.text)))
         }
@@ -271,7 +321,14 @@ pub(crate) fn convert_literal(ty: FieldType, v: &SpecValue) -> Result<Concrete, 
             Some(format!("add a unit, e.g. `{i}s`, `{i}m` or `{i}h`")),
         )),
         (
-            FieldType::Str | FieldType::Path | FieldType::Target | FieldType::Choice(_),
+            FieldType::Str
+            | FieldType::Path
+            | FieldType::Target
+            | FieldType::Choice(_)
+            | FieldType::RepoId
+            | FieldType::Revision
+            | FieldType::Url
+            | FieldType::Globs,
             SpecValue::Int(_) | SpecValue::Bool(_),
         ) => {
             let (found, text) = match v {
@@ -284,6 +341,7 @@ pub(crate) fn convert_literal(ty: FieldType, v: &SpecValue) -> Result<Concrete, 
             Err(Mismatch { hint, ..expected(ty, &found) })
         }
         (_, SpecValue::String(s)) => convert_text(ty, s),
+        (_, SpecValue::List(_)) => Err(expected(ty, "a sequence")),
         (_, SpecValue::Int(i)) => Err(expected(ty, &format!("int {i}"))),
         (_, SpecValue::Bool(b)) => Err(expected(ty, &format!("bool {b}"))),
     }
@@ -322,10 +380,16 @@ pub(crate) fn convert_text(ty: FieldType, s: &str) -> Result<Concrete, Mismatch>
         FieldType::Path => {
             if s.trim().is_empty() {
                 Err(invalid("path is empty".to_string(), None))
+            } else if let Some((scheme, rest)) = s.split_once("://") {
+                Err(url_as_path(scheme, rest))
             } else {
                 Ok(Concrete::Str(s.to_string()))
             }
         }
+        FieldType::RepoId => repo_id(s).map(|()| Concrete::Str(s.to_string())),
+        FieldType::Revision => revision(s).map(|()| Concrete::Str(s.to_string())),
+        FieldType::Url => url(s).map(|()| Concrete::Str(s.trim_end_matches('/').to_string())),
+        FieldType::Globs => glob(s).map(|()| Concrete::List(vec![s.to_string()])),
         FieldType::Choice(choices) => {
             if choices.contains(&s) {
                 Ok(Concrete::Str(s.to_string()))
@@ -374,6 +438,98 @@ fn target(s: &str) -> Result<(), Mismatch> {
         format!("expected a `file://` URL or an absolute path, found {}", quote(s)),
         Some(format!("write `file://{s}` for a directory relative to the working directory")),
     ))
+}
+
+/// `path: s3://…` or `path: https://huggingface.co/org/name`: sources are local directories or Hub
+/// repositories.
+fn url_as_path(scheme: &str, rest: &str) -> Mismatch {
+    let hub = ["huggingface.co/", "hf.co/"].iter().find_map(|h| rest.strip_prefix(h));
+    let hint = match hub.map(|r| r.split('/').take(2).collect::<Vec<_>>()) {
+        Some(parts) if parts.len() == 2 && !parts[1].is_empty() => {
+            format!("to download from the Hub, write `repo: {}/{}` instead of `path`", parts[0], parts[1])
+        }
+        _ => {
+            "copy the release to a local directory first, or download it from the Hub with `repo: org/name`".to_string()
+        }
+    };
+    invalid(
+        format!(
+            "`hf.download` reads a local directory (`path`) or a Hub repository (`repo`); `{scheme}://` sources are \
+             not supported"
+        ),
+        Some(hint),
+    )
+}
+
+/// The Hub's repository id shape: one or two segments of letters, digits, `-`, `_` and `.`, no
+/// `--` at either end of a segment, no `..` (as `shardline-hub` checks it).
+fn repo_id(s: &str) -> Result<(), Mismatch> {
+    let segs: Vec<&str> = s.split('/').collect();
+    let ok_seg = |seg: &str| {
+        !seg.is_empty()
+            && seg.len() <= 96
+            && seg.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            && !seg.starts_with("--")
+            && !seg.ends_with("--")
+            && !seg.contains("..")
+            && seg != "."
+    };
+    if (segs.len() == 1 || segs.len() == 2) && segs.iter().all(|s| ok_seg(s)) {
+        return Ok(());
+    }
+    let hint = match s.split_once("huggingface.co/").or_else(|| s.split_once("hf.co/")) {
+        Some((_, rest)) => {
+            let id: Vec<&str> = rest.split('/').take(2).collect();
+            format!("write the repository id only: `repo: {}`", id.join("/"))
+        }
+        None if segs.len() > 2 => "a repository id has at most one `/`: `org/name`".to_string(),
+        None => "a repository id is `name` or `org/name` of letters, digits, `-`, `_` and `.`".to_string(),
+    };
+    Err(invalid(format!("invalid Hub repository id {}", quote(s)), Some(hint)))
+}
+
+/// A branch, tag, `refs/pr/N` or commit sha, usable as a `refs/` path of the HF cache.
+fn revision(s: &str) -> Result<(), Mismatch> {
+    let bad = s.is_empty()
+        || s.starts_with('/')
+        || s.ends_with('/')
+        || s.split('/').any(|c| c.is_empty() || c == "." || c == "..")
+        || s.chars().any(|c| c.is_control() || c.is_whitespace() || c == '\\');
+    if bad {
+        Err(invalid(
+            format!("invalid revision {}", quote(s)),
+            Some("a revision is a branch (`main`), a tag (`v1.0`) or a 40-hex commit sha".to_string()),
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+fn url(s: &str) -> Result<(), Mismatch> {
+    let rest = s.strip_prefix("https://").or_else(|| s.strip_prefix("http://"));
+    match rest {
+        Some(r) if !r.is_empty() && !r.starts_with('/') && !r.contains(char::is_whitespace) => Ok(()),
+        Some(_) => Err(invalid(format!("URL {} has no host", quote(s)), None)),
+        None => Err(invalid(
+            format!("expected an `http://` or `https://` URL, found {}", quote(s)),
+            Some("e.g. `endpoint: https://huggingface.co` (the default is `HF_ENDPOINT`, else that)".to_string()),
+        )),
+    }
+}
+
+/// A pattern as the Hub client matches it (`fnmatch`: `*` crosses `/`; a trailing `/` means the
+/// whole folder).
+fn glob(s: &str) -> Result<(), Mismatch> {
+    if s.is_empty() {
+        return Err(invalid("empty pattern".to_string(), Some("e.g. `*.safetensors`".to_string())));
+    }
+    let pat = if s.ends_with('/') { format!("{s}*") } else { s.to_string() };
+    globset::GlobBuilder::new(&pat).literal_separator(false).backslash_escape(true).build().map(|_| ()).map_err(|e| {
+        invalid(
+            format!("invalid pattern {}: {}", quote(s), e.kind()),
+            Some("patterns are `fnmatch` globs: `*`, `?`, `[abc]`, e.g. `*.safetensors`".to_string()),
+        )
+    })
 }
 
 /// Converts a param's value (a whole-value interpolation) into the field's type.

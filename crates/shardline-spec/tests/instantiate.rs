@@ -65,7 +65,12 @@ fn defaults_fill_every_field() {
     let run = pipeline(SPEC).instantiate(&[], "run-7").unwrap();
     assert_eq!(run.name, "qwen3-moe-nightly");
     let download = run.step("download").unwrap();
-    assert_eq!(download.config, StepConfig::HfDownload { path: PathBuf::from("tests/fixtures/hf-tiny/qwen3_moe") });
+    assert_eq!(
+        download.config,
+        StepConfig::HfDownload {
+            source: shardline_spec::DownloadSource::Local { path: PathBuf::from("tests/fixtures/hf-tiny/qwen3_moe") }
+        }
+    );
     assert_eq!(download.resources, Resources { cpus: 1, memory_bytes: 1 << 30, gpus: 0, scratch_bytes: 0 });
     assert_eq!(download.retry, Retry { attempts: 3, backoff: Duration::from_secs(5) });
     assert_eq!(download.timeout, Duration::from_secs(6 * 3600));
@@ -371,4 +376,77 @@ fn locations_of_key_paths() {
     assert_eq!((loc.line, loc.column), (19, 16));
     assert_eq!(p.location("params.tp.default").map(|l| l.line), Some(7));
     assert_eq!(p.location("steps[9]"), None);
+}
+
+const HUB_SPEC: &str = r#"apiVersion: shardline/v1
+kind: Pipeline
+name: hub
+params:
+  revision: {type: string, default: main}
+  weights: {type: string, default: "*.safetensors"}
+steps:
+  - id: download
+    uses: hf.download
+    with:
+      repo: Qwen/Qwen3-0.6B
+      revision: "${{ params.revision }}"
+      allow: ["*.json", "${{ params.weights }}"]
+      ignore: "original/"
+  - id: local
+    uses: hf.download
+    with: {path: /data/models/llama}
+"#;
+
+#[test]
+fn hub_download_fields_resolve_with_defaults_and_params() {
+    let run = pipeline(HUB_SPEC).instantiate(&[("revision".into(), "v1.0".into())], "run-1").unwrap();
+    let download = run.step("download").unwrap();
+    assert_eq!(
+        download.config,
+        StepConfig::HfDownload {
+            source: shardline_spec::DownloadSource::Hub {
+                repo: "Qwen/Qwen3-0.6B".into(),
+                revision: "v1.0".into(),
+                allow: vec!["*.json".into(), "*.safetensors".into()],
+                ignore: vec!["original/".into()],
+                endpoint: None,
+            }
+        }
+    );
+    // A Hub source has no local path; the local step keeps its own.
+    assert_eq!(run.source_of("download"), None);
+    assert_eq!(run.source_of("local").unwrap().to_str(), Some("/data/models/llama"));
+
+    // The JSON stored with a run reads back as the same config; a local source keeps the form it
+    // had before Hub sources existed (so step hashes of existing pipelines do not change).
+    let json = serde_json::to_value(&run).unwrap();
+    assert_eq!(json["steps"][1]["config"], serde_json::json!({"kind": "hf.download", "path": "/data/models/llama"}));
+    assert_eq!(json["steps"][0]["config"]["repo"], "Qwen/Qwen3-0.6B");
+    assert!(json["steps"][0]["config"].get("endpoint").is_none());
+    let back: shardline_spec::ResolvedPipeline = serde_json::from_value(json).unwrap();
+    assert_eq!(back, run);
+
+    // Defaults: revision `main`, empty patterns; an explicit endpoint loses its trailing slash.
+    let text = "apiVersion: shardline/v1\nkind: Pipeline\nname: hub\nsteps:\n  - {id: d, uses: hf.download, with: {repo: gpt2, endpoint: \"http://127.0.0.1:9/\"}}\n";
+    let run = pipeline(text).instantiate(&[], "run-2").unwrap();
+    assert_eq!(
+        run.step("d").unwrap().config,
+        StepConfig::HfDownload {
+            source: shardline_spec::DownloadSource::Hub {
+                repo: "gpt2".into(),
+                revision: "main".into(),
+                allow: vec![],
+                ignore: vec![],
+                endpoint: Some("http://127.0.0.1:9".into()),
+            }
+        }
+    );
+}
+
+#[test]
+fn hub_revision_from_set_is_checked() {
+    let diags = pipeline(HUB_SPEC).instantiate(&[("revision".into(), "../main".into())], "run-1").unwrap_err();
+    assert_eq!(diags.len(), 1, "{diags:?}");
+    assert_eq!(diags[0].path, "steps[0].with.revision");
+    assert!(diags[0].message.contains("invalid revision"), "{}", diags[0].message);
 }

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
-use shardline_engine::{reaper, run_worker, submit, Submission, Submitted, WorkerConfig};
+use shardline_engine::{reaper, run_worker, submit, HubSettings, Submission, Submitted, WorkerConfig};
 use shardline_store::{AttemptRow, Lease, RunId, RunRow, Store, TaskRow, WorkerInfo};
 use sqlx::{Connection, PgConnection, SqliteConnection};
 use tokio::sync::watch;
@@ -222,6 +222,11 @@ impl Harness {
 
     /// Starts `n` in-process workers (`w0`, `w1`, …) with `lease` leases.
     pub fn start_workers(&mut self, n: usize, lease: Duration) {
+        self.start_workers_with(n, lease, HubSettings::default());
+    }
+
+    /// As [`Harness::start_workers`], with Hub settings (a cache directory of the test's own).
+    pub fn start_workers_with(&mut self, n: usize, lease: Duration, hub: HubSettings) {
         for _ in 0..n {
             let info = WorkerInfo {
                 name: format!("w{}", self.workers),
@@ -234,6 +239,7 @@ impl Harness {
             let mut config = WorkerConfig::new(info);
             config.lease_ttl = lease;
             config.poll = Duration::from_millis(100);
+            config.hub = hub.clone();
             let store = self.store.clone();
             let rx = self.stop.subscribe();
             self.handles.push(tokio::spawn(async move {
