@@ -120,6 +120,7 @@ pub(crate) enum Arg {
     Json(Value),
     OptJson(Option<Value>),
     Time(DateTime<Utc>),
+    OptTime(Option<DateTime<Utc>>),
 }
 
 impl From<i64> for Arg {
@@ -177,6 +178,11 @@ impl From<DateTime<Utc>> for Arg {
         Arg::Time(v)
     }
 }
+impl From<Option<DateTime<Utc>>> for Arg {
+    fn from(v: Option<DateTime<Utc>>) -> Arg {
+        Arg::OptTime(v)
+    }
+}
 
 macro_rules! bind_all {
     ($q:expr, $args:expr, $backend:ident) => {{
@@ -190,12 +196,15 @@ macro_rules! bind_all {
                 Arg::Json(v) => q.bind(Json(v)),
                 Arg::OptJson(v) => q.bind(v.map(Json)),
                 Arg::Time(v) => bind_all!(@time q, v, $backend),
+                Arg::OptTime(v) => bind_all!(@opt_time q, v, $backend),
             };
         }
         q
     }};
     (@time $q:ident, $v:ident, pg) => { $q.bind($v) };
     (@time $q:ident, $v:ident, lite) => { $q.bind($v.timestamp_millis()) };
+    (@opt_time $q:ident, $v:ident, pg) => { $q.bind($v) };
+    (@opt_time $q:ident, $v:ident, lite) => { $q.bind($v.map(|t| t.timestamp_millis())) };
 }
 
 fn bind_pg(q: Query<'_, Postgres, PgArguments>, args: Vec<Arg>) -> Query<'_, Postgres, PgArguments> {

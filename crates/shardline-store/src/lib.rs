@@ -53,7 +53,8 @@ dedicated connection with a jittered poll as fallback. On SQLite writers are ser
 `migrations/postgres` (everything in schema `shardline`) and `migrations/sqlite`, applied by
 [`Store::connect`]: `pipelines` (one row per spec version), `runs`, `tasks`, `task_deps`
 (edges), `attempts` (one row per lease), `workers`, `events`, `logs` (kept for ever, no
-reference to workers), `cache`. On PostgreSQL, `claim_task` and `complete_succeeded` are
+reference to workers), `cache`, `triggers` and `trigger_firings` (see [`Store::list_triggers`] and
+[`Store::claim_firing`]). On PostgreSQL, `claim_task` and `complete_succeeded` are
 plpgsql functions, so a claim and a success are one round trip each.
 
 # Example
@@ -91,6 +92,7 @@ mod read;
 mod records;
 mod runs;
 pub mod tokens;
+mod triggers;
 mod types;
 
 use std::future::Future;
@@ -109,6 +111,7 @@ use tokio::task::JoinHandle;
 pub use error::StoreError;
 pub use lease::{MAX_BACKOFF, REAP_BATCH};
 pub use read::{MAX_LOG_LINE, MAX_PAGE};
+pub use triggers::{FiringClaim, FiringRecord, NewTrigger, TriggerCheck, TriggerRecord};
 pub use types::*;
 
 use db::Pool;
