@@ -3,6 +3,7 @@
 
 mod bad_input;
 mod convert;
+mod hub_s3;
 mod orchestrator;
 
 use std::path::{Path, PathBuf};
