@@ -6,6 +6,7 @@ mod gpu;
 mod inspect;
 mod orchestrate;
 mod report;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -38,7 +39,7 @@ enum Command {
     Plan(orchestrate::PlanArgs),
     /// Queue a pipeline run in a shared job store.
     Submit(orchestrate::SubmitArgs),
-    /// Serve the job store: return expired leases to the queue.
+    /// Serve the job store: return expired leases to the queue; with --http, the API and dashboard.
     Server(orchestrate::ServerArgs),
     /// Lease and execute tasks from the job store.
     Worker(orchestrate::WorkerArgs),
@@ -50,6 +51,8 @@ enum Command {
     Cancel(orchestrate::CancelArgs),
     /// Re-queue a failed or cancelled run, or re-run it from a step.
     Retry(orchestrate::RetryArgs),
+    /// Create, list and revoke API tokens of the HTTP API and dashboard.
+    Token(serve::TokenArgs),
 }
 
 /// Exit codes: 0 success, 1 the checked thing is wrong (validation found differences), 2 error.
@@ -75,6 +78,7 @@ fn main() -> ExitCode {
         Command::Logs(a) => orchestrate::run_logs(a),
         Command::Cancel(a) => orchestrate::run_cancel(a),
         Command::Retry(a) => orchestrate::run_retry(a),
+        Command::Token(a) => serve::run_token(a),
     };
     match result {
         Ok(code) => code,

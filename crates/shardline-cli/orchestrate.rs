@@ -30,13 +30,13 @@ pub struct StateArgs {
 }
 
 impl StateArgs {
-    fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         self.database_url.clone().unwrap_or_else(|| format!("sqlite://{}", self.state_dir.join("state.db").display()))
     }
-    fn work_dir(&self) -> PathBuf {
+    pub(crate) fn work_dir(&self) -> PathBuf {
         self.state_dir.join("work")
     }
-    async fn store(&self) -> Result<Store> {
+    pub(crate) async fn store(&self) -> Result<Store> {
         let url = self.url();
         Store::connect(&url).await.with_context(|| format!("connecting to the job store ({})", redact(&url)))
     }
@@ -55,7 +55,7 @@ fn parse_set(s: &str) -> Result<(String, String), String> {
         .ok_or_else(|| format!("`{s}` is not key=value"))
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")
 }
 
@@ -413,6 +413,8 @@ async fn shutdown_signal(tx: watch::Sender<bool>) {
 #[derive(Args, Debug)]
 pub struct ServerArgs {
     #[command(flatten)]
+    pub http: crate::serve::HttpArgs,
+    #[command(flatten)]
     pub state: StateArgs,
 }
 
@@ -421,8 +423,12 @@ pub fn run_server(args: ServerArgs) -> Result<ExitCode> {
         let store = args.state.store().await?;
         let (tx, rx) = watch::channel(false);
         tokio::spawn(shutdown_signal(tx));
+        let http = crate::serve::start_http(&args.http, &store, args.state.work_dir(), rx.clone()).await?;
         eprintln!("server: reaping expired leases on {}", redact(&args.state.url()));
         reaper(store, Duration::from_secs(1), rx).await;
+        if let Some(h) = http {
+            let _ = h.await;
+        }
         Ok(ExitCode::SUCCESS)
     })
 }

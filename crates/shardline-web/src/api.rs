@@ -78,6 +78,36 @@ pub async fn list_pipelines(State(state): State<AppState>, headers: HeaderMap) -
     ))
 }
 
+/// A pipeline's newest spec text (secrets redacted).
+#[utoipa::path(get, path = "/api/v1/pipelines/{name}", tag = "pipelines",
+    params(("name" = String, Path, description = "Pipeline name")),
+    responses((status = 200, body = PipelineDetailDto), (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)))]
+pub async fn get_pipeline(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> ApiResult<Json<PipelineDetailDto>> {
+    read_access(&state, &headers).await?;
+    const SQL: &str =
+        "SELECT p.id, p.spec_hash, p.spec_text, (SELECT COUNT(*) FROM pipelines q WHERE q.name = p.name) \
+         FROM pipelines p WHERE p.name = $1 ORDER BY p.id DESC LIMIT 1";
+    let row: Option<(i64, String, String, i64)> = match state.store.raw_pool() {
+        RawPool::Postgres(p) => sqlx::query_as(SQL).bind(&name).fetch_optional(p).await,
+        RawPool::Sqlite(p) => sqlx::query_as(SQL).bind(&name).fetch_optional(p).await,
+    }
+    .map_err(|e| ApiError::internal("read a pipeline", e))?;
+    let (latest_id, latest_spec_hash, text, versions) = row.ok_or_else(|| {
+        ApiError::not_found(format!("There is no pipeline named `{name}`; list them with GET /api/v1/pipelines."))
+    })?;
+    Ok(Json(PipelineDetailDto {
+        name,
+        versions,
+        latest_id,
+        latest_spec_hash,
+        spec_text: crate::redact::redact_text(&text),
+    }))
+}
+
 /// Runs, newest first, a page at a time (keyset paging on the run id).
 #[utoipa::path(get, path = "/api/v1/runs", tag = "runs", params(RunsQuery),
     responses((status = 200, body = RunPageDto), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody)))]
@@ -116,7 +146,75 @@ pub async fn get_run(
     Ok(Json(RunDetailDto::from(&find_run(&state, id).await?)))
 }
 
-/// The tasks of a run, by id.
+/// Tasks holding a lease now, across runs, with the worker that holds them.
+struct LeasedTask {
+    id: i64,
+    run: i64,
+    name: String,
+    step_id: String,
+    owner: i64,
+    resources: shardline_store::Resources,
+}
+
+async fn leased_tasks(state: &AppState) -> ApiResult<Vec<LeasedTask>> {
+    const SQL: &str = "SELECT id, run_id, name, step_id, lease_owner, CAST(cpus AS BIGINT), CAST(memory AS BIGINT), \
+         CAST(gpus AS BIGINT), CAST(scratch AS BIGINT) FROM tasks WHERE state = 'leased' AND lease_owner IS NOT NULL \
+         ORDER BY id";
+    type Row = (i64, i64, String, String, i64, i64, i64, i64, i64);
+    let rows: Vec<Row> = match state.store.raw_pool() {
+        RawPool::Postgres(p) => sqlx::query_as(SQL).fetch_all(p).await,
+        RawPool::Sqlite(p) => sqlx::query_as(SQL).fetch_all(p).await,
+    }
+    .map_err(|e| ApiError::internal("list leased tasks", e))?;
+    let n = |v: i64| u64::try_from(v).unwrap_or(0);
+    Ok(rows
+        .into_iter()
+        .map(|(id, run, name, step_id, owner, cpus, memory, gpus, scratch)| LeasedTask {
+            id,
+            run,
+            name,
+            step_id,
+            owner,
+            resources: shardline_store::Resources {
+                cpus: u32::try_from(cpus).unwrap_or(u32::MAX),
+                memory: n(memory),
+                gpus: u32::try_from(gpus).unwrap_or(u32::MAX),
+                scratch: n(scratch),
+            },
+        })
+        .collect())
+}
+
+/// A run's tasks as the dashboard shows them: with progress, rate, ETA and why each waits.
+async fn annotated_tasks(state: &AppState, run: RunId) -> ApiResult<Vec<TaskDto>> {
+    let tasks = state.store.run_tasks(run).await?;
+    let deps = state.store.run_deps(run).await?;
+    let needs_workers = tasks.iter().any(|t| t.state == shardline_store::TaskState::Ready);
+    let (workers, held) = if needs_workers {
+        let held = leased_tasks(state)
+            .await?
+            .into_iter()
+            .map(|l| crate::view::Held { worker: l.owner, resources: l.resources })
+            .collect();
+        (state.store.list_workers().await?, held)
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    let now = chrono::Utc::now();
+    let mut reasons = crate::view::reasons(&tasks, &deps, &workers, &held, now);
+    let outputs = crate::view::outputs_by_name(&tasks);
+    Ok(tasks
+        .iter()
+        .map(|t| {
+            let mut dto = TaskDto::from(t);
+            dto.progress_info = crate::view::progress_of(t, &outputs, now);
+            dto.reason = reasons.remove(&t.id.0);
+            dto
+        })
+        .collect())
+}
+
+/// The tasks of a run, by id, with progress (bytes, rate, ETA) and why each waits.
 #[utoipa::path(get, path = "/api/v1/runs/{id}/tasks", tag = "runs", params(("id" = i64, Path, description = "Run id")),
     responses((status = 200, body = Vec<TaskDto>), (status = 404, body = ErrorBody)))]
 pub async fn run_tasks(
@@ -126,11 +224,32 @@ pub async fn run_tasks(
 ) -> ApiResult<Json<Vec<TaskDto>>> {
     read_access(&state, &headers).await?;
     find_run(&state, id).await?;
-    let tasks = state.store.run_tasks(RunId(id)).await?;
-    Ok(Json(tasks.iter().map(TaskDto::from).collect()))
+    Ok(Json(annotated_tasks(&state, RunId(id)).await?))
 }
 
-/// One task.
+/// The step graph of a run: each step's needs, state, fan-out and task counts, bytes.
+#[utoipa::path(get, path = "/api/v1/runs/{id}/graph", tag = "runs", params(("id" = i64, Path, description = "Run id")),
+    responses((status = 200, body = GraphDto), (status = 404, body = ErrorBody)))]
+pub async fn run_graph(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+) -> ApiResult<Json<GraphDto>> {
+    read_access(&state, &headers).await?;
+    let run = find_run(&state, id).await?;
+    let tasks = state.store.run_tasks(RunId(id)).await?;
+    let deps = state.store.run_deps(RunId(id)).await?;
+    let steps = crate::view::steps(&run.spec, &tasks, &deps)
+        .into_iter()
+        .map(|mut s| {
+            s.id = crate::redact::redact_line(&s.id);
+            s
+        })
+        .collect();
+    Ok(Json(GraphDto { run: id, steps }))
+}
+
+/// One task, with progress and why it waits.
 #[utoipa::path(get, path = "/api/v1/tasks/{id}", tag = "tasks", params(("id" = i64, Path, description = "Task id")),
     responses((status = 200, body = TaskDto), (status = 404, body = ErrorBody)))]
 pub async fn get_task(
@@ -141,7 +260,8 @@ pub async fn get_task(
     read_access(&state, &headers).await?;
     let task =
         state.store.task(TaskId(id)).await?.ok_or_else(|| ApiError::not_found(format!("Task {id} does not exist.")))?;
-    Ok(Json(TaskDto::from(&task)))
+    let annotated = annotated_tasks(&state, task.run).await?;
+    Ok(Json(annotated.into_iter().find(|t| t.id == id).unwrap_or_else(|| TaskDto::from(&task))))
 }
 
 /// The attempts (leases) of a task, oldest first.
@@ -160,13 +280,34 @@ pub async fn task_attempts(
     Ok(Json(attempts.iter().map(AttemptDto::from).collect()))
 }
 
-/// Registered workers.
+/// Registered workers with the tasks they hold and what those use.
 #[utoipa::path(get, path = "/api/v1/workers", tag = "workers",
     responses((status = 200, body = Vec<WorkerDto>), (status = 401, body = ErrorBody)))]
 pub async fn list_workers(State(state): State<AppState>, headers: HeaderMap) -> ApiResult<Json<Vec<WorkerDto>>> {
     read_access(&state, &headers).await?;
     let workers = state.store.list_workers().await?;
-    Ok(Json(workers.iter().map(WorkerDto::from).collect()))
+    let leased = leased_tasks(&state).await?;
+    Ok(Json(
+        workers
+            .iter()
+            .map(|w| {
+                let mut dto = WorkerDto::from(w);
+                for l in leased.iter().filter(|l| l.owner == w.id.0) {
+                    dto.used.cpus += l.resources.cpus;
+                    dto.used.memory += l.resources.memory;
+                    dto.used.gpus += l.resources.gpus;
+                    dto.used.scratch += l.resources.scratch;
+                    dto.leases.push(LeaseDto {
+                        task: l.id,
+                        run: l.run,
+                        name: l.name.clone(),
+                        step_id: l.step_id.clone(),
+                    });
+                }
+                dto
+            })
+            .collect(),
+    ))
 }
 
 /// Log lines of a run (or of one of its tasks), in order, a page at a time.

@@ -147,6 +147,39 @@ pub async fn revoke_token(store: &Store, id: i64) -> Result<bool, sqlx::Error> {
     Ok(done > 0)
 }
 
+/// A stored token as listed (never its secret or hash).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenListing {
+    pub id: i64,
+    pub name: String,
+    /// The stored scope (`read`, `submit` or `admin`).
+    pub scope: String,
+    pub created_at: chrono::DateTime<chrono::Utc>,
+    pub revoked_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// Every token, revoked ones included, by id.
+pub async fn list_tokens(store: &Store) -> Result<Vec<TokenListing>, sqlx::Error> {
+    const PG: &str = "SELECT id, name, scope, CAST(EXTRACT(EPOCH FROM created_at) * 1000 AS BIGINT), \
+                      CAST(EXTRACT(EPOCH FROM revoked_at) * 1000 AS BIGINT) FROM api_tokens ORDER BY id";
+    const LITE: &str = "SELECT id, name, scope, created_at, revoked_at FROM api_tokens ORDER BY id";
+    let rows: Vec<(i64, String, String, i64, Option<i64>)> = match store.raw_pool() {
+        RawPool::Postgres(p) => sqlx::query_as(PG).fetch_all(p).await?,
+        RawPool::Sqlite(p) => sqlx::query_as(LITE).fetch_all(p).await?,
+    };
+    let at = |ms: i64| chrono::DateTime::from_timestamp_millis(ms).unwrap_or_default();
+    Ok(rows
+        .into_iter()
+        .map(|(id, name, scope, created, revoked)| TokenListing {
+            id,
+            name,
+            scope,
+            created_at: at(created),
+            revoked_at: revoked.map(at),
+        })
+        .collect())
+}
+
 /// Checks the request's bearer token against `needed`. Returns the token, or None for an open
 /// read without one.
 pub async fn authorize(

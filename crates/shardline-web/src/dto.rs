@@ -19,6 +19,17 @@ pub struct PipelineDto {
     pub latest_spec_hash: String,
 }
 
+/// A pipeline's newest spec, as submitted (secrets redacted), with its triggers.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct PipelineDetailDto {
+    pub name: String,
+    pub versions: i64,
+    pub latest_id: i64,
+    pub latest_spec_hash: String,
+    /// The YAML text of the newest version.
+    pub spec_text: String,
+}
+
 /// Task counts of a run by state.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct TaskCountsDto {
@@ -62,10 +73,18 @@ pub struct RunDto {
     pub started_at: Option<DateTime<Utc>>,
     pub finished_at: Option<DateTime<Utc>>,
     pub tasks: TaskCountsDto,
+    /// The Hub repository (or local path) the run's `hf.download` step reads.
+    pub model: Option<String>,
+    /// The Hub revision, for a Hub source.
+    pub revision: Option<String>,
+    /// From start to finish (to now while running), in milliseconds; absent before the start.
+    pub duration_ms: Option<i64>,
 }
 
 impl From<&RunRow> for RunDto {
     fn from(r: &RunRow) -> RunDto {
+        let (model, revision) = crate::view::model_of(&r.spec);
+        let (model, revision) = (model.map(|m| redact_line(&m)), revision.map(|v| redact_line(&v)));
         RunDto {
             id: r.id.0,
             pipeline_id: r.pipeline_id,
@@ -78,6 +97,9 @@ impl From<&RunRow> for RunDto {
             started_at: r.started_at,
             finished_at: r.finished_at,
             tasks: (&r.tasks).into(),
+            model,
+            revision,
+            duration_ms: crate::view::duration_ms(r, Utc::now()),
         }
     }
 }
@@ -169,6 +191,11 @@ pub struct TaskDto {
     pub error: Option<String>,
     pub created_at: DateTime<Utc>,
     pub finished_at: Option<DateTime<Utc>>,
+    /// Bytes moved, expected total, rate and time left (when the task reports bytes).
+    pub progress_info: Option<ProgressDto>,
+    /// Why the task is where it is: what a blocked or ready task waits for, or that it was
+    /// served from the step cache.
+    pub reason: Option<String>,
 }
 
 impl From<&TaskRow> for TaskDto {
@@ -198,8 +225,50 @@ impl From<&TaskRow> for TaskDto {
             error: t.error.clone(),
             created_at: t.created_at,
             finished_at: t.finished_at,
+            progress_info: None,
+            reason: None,
         }
     }
+}
+
+/// A task's progress as the dashboard shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ProgressDto {
+    /// Bytes written (or checked) so far, as of the last heartbeat.
+    pub bytes: u64,
+    /// Bytes the task is expected to move, when known (rank files: from the plan).
+    pub total_bytes: Option<u64>,
+    /// `bytes / total_bytes`, 0 to 1.
+    pub fraction: Option<f64>,
+    /// Mean rate of the current attempt (leased tasks).
+    pub bytes_per_sec: Option<f64>,
+    /// Seconds left at that rate.
+    pub eta_seconds: Option<f64>,
+}
+
+/// A step of a run's graph: its tasks (fan-out) by state.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct StepDto {
+    pub id: String,
+    /// The step kind, e.g. `megatron.shard`.
+    pub kind: String,
+    /// Steps this one needs.
+    pub needs: Vec<String>,
+    /// `pending`, `blocked`, `ready`, `running`, `succeeded`, `failed` or `cancelled`.
+    pub state: String,
+    /// The step's tasks by state; `total` is its fan-out.
+    pub tasks: TaskCountsDto,
+    /// Tasks served from the step cache.
+    pub cached: i64,
+    pub bytes: u64,
+    pub total_bytes: Option<u64>,
+}
+
+/// A run's step graph.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct GraphDto {
+    pub run: i64,
+    pub steps: Vec<StepDto>,
 }
 
 /// One lease of a task.
@@ -244,6 +313,21 @@ pub struct WorkerDto {
     pub state: String,
     pub registered_at: DateTime<Utc>,
     pub last_heartbeat: DateTime<Utc>,
+    /// Seconds since the last heartbeat.
+    pub heartbeat_age_s: f64,
+    /// Tasks it holds a lease on now.
+    pub leases: Vec<LeaseDto>,
+    /// What those leases hold of its resources.
+    pub used: ResourcesDto,
+}
+
+/// A task a worker holds.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct LeaseDto {
+    pub task: i64,
+    pub run: i64,
+    pub name: String,
+    pub step_id: String,
 }
 
 impl From<&WorkerRow> for WorkerDto {
@@ -256,6 +340,9 @@ impl From<&WorkerRow> for WorkerDto {
             state: w.state.as_str().into(),
             registered_at: w.registered_at,
             last_heartbeat: w.last_heartbeat,
+            heartbeat_age_s: (Utc::now() - w.last_heartbeat).num_milliseconds().max(0) as f64 / 1000.0,
+            leases: Vec::new(),
+            used: ResourcesDto { cpus: 0, memory: 0, gpus: 0, scratch: 0 },
         }
     }
 }

@@ -29,6 +29,8 @@ pub mod auth;
 pub mod dto;
 pub mod error;
 pub mod redact;
+pub mod ui;
+pub mod view;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -98,7 +100,8 @@ impl utoipa::Modify for BearerScheme {
 #[openapi(
     info(title = "Shardline API", description = "Runs, tasks, workers, logs and events of the Shardline orchestrator."),
     paths(
-        api::list_pipelines, api::list_runs, api::get_run, api::run_tasks, api::get_task, api::task_attempts,
+        api::list_pipelines, api::get_pipeline, api::list_runs, api::get_run, api::run_tasks, api::run_graph,
+        api::get_task, api::task_attempts,
         api::list_workers, api::run_logs, api::submit_run, api::cancel_run, api::retry_run, api::lint, api::events,
         openapi_json
     ),
@@ -117,9 +120,11 @@ async fn openapi_json() -> axum::Json<utoipa::openapi::OpenApi> {
 pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
         .route("/pipelines", get(api::list_pipelines))
+        .route("/pipelines/{name}", get(api::get_pipeline))
         .route("/runs", get(api::list_runs).post(api::submit_run))
         .route("/runs/{id}", get(api::get_run))
         .route("/runs/{id}/tasks", get(api::run_tasks))
+        .route("/runs/{id}/graph", get(api::run_graph))
         .route("/runs/{id}/logs", get(api::run_logs))
         .route("/runs/{id}/cancel", post(api::cancel_run))
         .route("/runs/{id}/retry", post(api::retry_run))
@@ -129,14 +134,23 @@ pub fn router(state: AppState) -> Router {
         .route("/lint", post(api::lint))
         .route("/events", get(api::events))
         .route("/openapi.json", get(openapi_json));
-    Router::new().nest("/api/v1", v1).fallback(api::not_found).with_state(state)
+    Router::new().nest("/api/v1", v1).fallback(ui::serve_ui).with_state(state)
 }
 
 /// Serves the API on `addr` until `shutdown` turns true (in-flight requests finish; event
 /// streams end).
-pub async fn serve(addr: SocketAddr, mut state: AppState, mut shutdown: watch::Receiver<bool>) -> std::io::Result<()> {
-    state.stop = Some(shutdown.clone());
+pub async fn serve(addr: SocketAddr, state: AppState, shutdown: watch::Receiver<bool>) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
+    serve_on(listener, state, shutdown).await
+}
+
+/// Like [`serve`], on a bound listener (so a caller can bind port 0 and learn the port first).
+pub async fn serve_on(
+    listener: tokio::net::TcpListener,
+    mut state: AppState,
+    mut shutdown: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    state.stop = Some(shutdown.clone());
     tracing::info!("HTTP API listening on http://{}", listener.local_addr()?);
     axum::serve(listener, router(state))
         .with_graceful_shutdown(async move {

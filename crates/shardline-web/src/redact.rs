@@ -126,6 +126,105 @@ pub fn redact_line(line: &str) -> String {
     out
 }
 
+/// YAML text (a submitted spec) with secrets replaced: token-like words anywhere, and the
+/// scalar after a secret-named key (`hf_token: …`, `{api_key: …}`) up to the end of the line or
+/// the next `,` / `}` of a flow mapping. Secret-named keys that open a block (`credentials:` with
+/// nothing after it) have every scalar of their deeper-indented lines replaced.
+pub fn redact_text(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    // Indentation of a secret-named block key whose nested lines are being redacted.
+    let mut secret_block: Option<usize> = None;
+    for line in text.split_inclusive('\n') {
+        let body = line.trim_end_matches(['\n', '\r']);
+        let ending = &line[body.len()..];
+        let indent = body.len() - body.trim_start().len();
+        if let Some(level) = secret_block {
+            if body.trim().is_empty() || indent > level {
+                out.push_str(&redact_values_after_keys(body, true));
+                out.push_str(ending);
+                continue;
+            }
+            secret_block = None;
+        }
+        let trimmed = body.trim_start().trim_start_matches("- ");
+        if let Some(key) = trimmed.strip_suffix(':') {
+            if is_secret_key(key.trim().trim_matches(['"', '\''])) {
+                secret_block = Some(indent);
+            }
+        }
+        out.push_str(&redact_values_after_keys(body, false));
+        out.push_str(ending);
+    }
+    out
+}
+
+/// Replaces the values of secret-named keys on one line (every value when `all`). A secret key
+/// whose value is a flow mapping has every value of that mapping replaced.
+fn redact_values_after_keys(line: &str, all: bool) -> String {
+    let line = redact_line(line);
+    if line.trim_start().starts_with('#') {
+        return line;
+    }
+    let chars: Vec<char> = line.chars().collect();
+    let mut out: Vec<char> = Vec::with_capacity(chars.len());
+    // Depth of `{` at which every value is secret (a secret key's flow mapping).
+    let mut all_from: Option<usize> = if all { Some(0) } else { None };
+    let mut depth = 0usize;
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        if c == '#' && (i == 0 || chars[i - 1] == ' ') {
+            out.extend(&chars[i..]);
+            break;
+        }
+        if c == '{' {
+            depth += 1;
+        } else if c == '}' {
+            depth = depth.saturating_sub(1);
+            if all_from.is_some_and(|d| depth < d) {
+                all_from = None;
+            }
+        }
+        out.push(c);
+        i += 1;
+        if c != ':' || !(i == chars.len() || chars[i] == ' ') {
+            continue;
+        }
+        let mut start = out.len() - 1;
+        while start > 0 && (out[start - 1].is_alphanumeric() || "_-.\"'".contains(out[start - 1])) {
+            start -= 1;
+        }
+        let key: String = out[start..out.len() - 1].iter().collect();
+        let secret = all_from.is_some() || is_secret_key(key.trim_matches(['"', '\'']));
+        if !secret {
+            continue;
+        }
+        while i < chars.len() && chars[i] == ' ' {
+            out.push(' ');
+            i += 1;
+        }
+        if chars.get(i) == Some(&'{') {
+            if all_from.is_none() {
+                all_from = Some(depth + 1);
+            }
+            continue;
+        }
+        let mut end = i;
+        while end < chars.len() && !matches!(chars[end], ',' | '}') && !(chars[end] == '#' && chars[end - 1] == ' ') {
+            end += 1;
+        }
+        let value: String = chars[i..end].iter().collect();
+        if !value.trim().is_empty() {
+            out.extend(REDACTED.chars());
+            if value.ends_with(' ') {
+                out.push(' ');
+            }
+            i = end;
+        }
+    }
+    out.into_iter().collect()
+}
+
 /// An optional value with secrets replaced.
 pub fn redact_opt(value: &Option<Value>) -> Option<Value> {
     value.as_ref().map(redact)
@@ -162,6 +261,16 @@ mod tests {
             "HF_TOKEN=[redacted]; got 3 files"
         );
         assert_eq!(redact_line("wrote shard_0 of tokenizer"), "wrote shard_0 of tokenizer");
+    }
+
+    #[test]
+    fn spec_text() {
+        let yaml = "name: p\nparams:\n  hf_token: {type: string, default: abc123}\nenv:\n  API_KEY: s3cr3t # set by ops\n  tokenizer: fast\ncredentials:\n  user: u\n  pass: x\nsteps:\n  - id: d\n    with: {repo: org/m, token: t0k, revision: main}\n";
+        let r = redact_text(yaml);
+        assert_eq!(
+            r,
+            "name: p\nparams:\n  hf_token: {type: [redacted], default: [redacted]}\nenv:\n  API_KEY: [redacted] # set by ops\n  tokenizer: fast\ncredentials:\n  user: [redacted]\n  pass: [redacted]\nsteps:\n  - id: d\n    with: {repo: org/m, token: [redacted], revision: main}\n"
+        );
     }
 
     #[test]

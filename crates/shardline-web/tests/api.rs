@@ -559,10 +559,12 @@ async fn openapi_lists_every_route() {
     let paths = v["paths"].as_object().expect("paths");
     let want = [
         ("/api/v1/pipelines", "get"),
+        ("/api/v1/pipelines/{name}", "get"),
         ("/api/v1/runs", "get"),
         ("/api/v1/runs", "post"),
         ("/api/v1/runs/{id}", "get"),
         ("/api/v1/runs/{id}/tasks", "get"),
+        ("/api/v1/runs/{id}/graph", "get"),
         ("/api/v1/runs/{id}/logs", "get"),
         ("/api/v1/runs/{id}/cancel", "post"),
         ("/api/v1/runs/{id}/retry", "post"),
@@ -578,7 +580,19 @@ async fn openapi_lists_every_route() {
     }
     let listed: usize = paths.values().map(|p| p.as_object().map_or(0, |m| m.len())).sum();
     assert_eq!(listed, want.len(), "routes in the document: {:?}", paths.keys().collect::<Vec<_>>());
-    for schema in ["RunDto", "RunDetailDto", "TaskDto", "ErrorBody", "DiagnosticDto", "EventDto"] {
+    for schema in [
+        "RunDto",
+        "RunDetailDto",
+        "TaskDto",
+        "ErrorBody",
+        "DiagnosticDto",
+        "EventDto",
+        "GraphDto",
+        "StepDto",
+        "ProgressDto",
+        "PipelineDetailDto",
+        "LeaseDto",
+    ] {
         assert!(v["components"]["schemas"].get(schema).is_some(), "schema {schema} missing");
     }
     assert!(v["components"]["securitySchemes"]["bearer"].is_object());

@@ -1,0 +1,279 @@
+//! Handler tests of what the dashboard reads beyond the plain rows (step graph with fan-out,
+//! task progress with rate and ETA, why a task waits, worker leases, a pipeline's spec), and of
+//! the dashboard's own files: on a fresh SQLite file and, for the `_pg` variants, a fresh
+//! PostgreSQL database (`SHARDLINE_TEST_DATABASE_URL`; they fail without it).
+
+mod common;
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{header, HeaderMap, Method, Request, StatusCode};
+use axum::Router;
+use common::{Kind, TestDb};
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use shardline_store::*;
+use shardline_web::auth::{create_token, revoke_token};
+use shardline_web::{router, AppState, AuthMode, Scope};
+use tower::ServiceExt;
+
+struct App {
+    db: TestDb,
+    store: Store,
+    router: Router,
+    _work: tempfile::TempDir,
+}
+
+async fn app(kind: Kind, auth: AuthMode) -> App {
+    let db = TestDb::new(kind).await;
+    let store = db.store().await;
+    let work = tempfile::tempdir().expect("temp dir");
+    let mut state = AppState::new(store.clone()).with_auth(auth);
+    state.work_dir = work.path().to_path_buf();
+    state.base_dir = work.path().to_path_buf();
+    App { db, store, router: router(state), _work: work }
+}
+
+impl App {
+    async fn raw(&self, method: Method, uri: &str, token: Option<&str>) -> (StatusCode, HeaderMap, Vec<u8>) {
+        let mut req = Request::builder().method(method).uri(uri);
+        if let Some(t) = token {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        let resp = self.router.clone().oneshot(req.body(Body::empty()).expect("request")).await.expect("response");
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let bytes = resp.into_body().collect().await.expect("body").to_bytes().to_vec();
+        (status, headers, bytes)
+    }
+
+    async fn get_as(&self, uri: &str, token: Option<&str>) -> (StatusCode, Value) {
+        let (s, _, b) = self.raw(Method::GET, uri, token).await;
+        let v = serde_json::from_slice(&b)
+            .unwrap_or_else(|e| panic!("{uri}: not JSON ({e}): {}", String::from_utf8_lossy(&b)));
+        (s, v)
+    }
+
+    async fn get(&self, uri: &str) -> (StatusCode, Value) {
+        self.get_as(uri, None).await
+    }
+}
+
+const SPEC_TEXT: &str = "name: convert\nparams:\n  hf_token: {type: string, default: hf_SECRETSECRETSECRETSECRETSECRET00}\nsteps:\n  - id: download\n    uses: hf.download\n    with: {repo: org/model, revision: v1.0, token: abc123}\n";
+
+fn task(name: &str, step: &str, needs: &[&str], payload: Value, gpus: u32) -> NewTask {
+    NewTask {
+        name: name.into(),
+        step_id: step.into(),
+        kind: "test".into(),
+        needs: needs.iter().map(|s| s.to_string()).collect(),
+        resources: Resources { cpus: 1, memory: 1 << 20, gpus, scratch: 0 },
+        payload,
+        max_attempts: 2,
+        backoff: Duration::ZERO,
+        timeout: Duration::ZERO,
+        cache_key: None,
+    }
+}
+
+/// A run of a Hub model: `download` succeeded, the shard plan succeeded (two ranks of 3000 and
+/// 2000 bytes), rank 0 leased with 1000 bytes written, rank 1 ready, a 4-GPU step nobody can take.
+async fn seed(store: &Store) -> (RunId, WorkerId) {
+    let p = store.upsert_pipeline("convert", SPEC_TEXT, "sha256:abc").await.expect("pipeline");
+    let spec = json!({"name": "convert", "steps": [
+        {"id": "download", "kind": "hf.download", "needs": [],
+         "config": {"kind": "hf.download", "repo": "org/model", "revision": "v1.0"}},
+        {"id": "shard", "kind": "megatron.shard", "needs": ["download"], "config": {"kind": "megatron.shard", "tp": 2}},
+        {"id": "gpu", "kind": "checkpoint.validate", "needs": [], "config": {"kind": "checkpoint.validate"}}]});
+    let (run, _) = store
+        .create_run(NewRun { pipeline_id: p, dedupe_key: None, params: json!({}), spec })
+        .await
+        .expect("create_run");
+    let rank = |r: u64| json!({"role": "rank", "plan_task": "shard", "rank": r});
+    store
+        .add_tasks(
+            run,
+            vec![
+                task("download", "download", &[], json!({"role": "download"}), 0),
+                task("shard", "shard", &["download"], json!({"role": "plan"}), 0),
+                task("shard/rank-0", "shard", &["shard"], rank(0), 0),
+                task("shard/rank-1", "shard", &["shard"], rank(1), 0),
+                task("gpu", "gpu", &[], json!({"role": "validate"}), 4),
+            ],
+        )
+        .await
+        .expect("add_tasks");
+    let worker = store
+        .register_worker(WorkerInfo { name: "cpu-1".into(), cpus: 8, memory: 32 << 30, gpus: vec![], scratch: 1 << 40 })
+        .await
+        .expect("register_worker");
+    let free = Resources { cpus: 1, memory: 1 << 20, gpus: 0, scratch: 0 };
+    let ttl = Duration::from_secs(60);
+    let lease = store.claim(worker, &free, ttl).await.expect("claim").expect("download");
+    assert_eq!(lease.task.name, "download");
+    assert!(store.complete(&lease, Outcome::Succeeded { output: json!({"bytes": 5000}) }).await.expect("complete"));
+    let lease = store.claim(worker, &free, ttl).await.expect("claim").expect("plan");
+    assert_eq!(lease.task.name, "shard");
+    let plan = json!({"bytes_per_rank": [3000, 2000]});
+    assert!(store.complete(&lease, Outcome::Succeeded { output: plan }).await.expect("complete"));
+    let lease = store.claim(worker, &free, ttl).await.expect("claim").expect("rank 0");
+    assert_eq!(lease.task.name, "shard/rank-0");
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    assert!(store.heartbeat(&lease, ttl, Some(json!({"bytes": 1000}))).await.expect("heartbeat"));
+    (run, worker)
+}
+
+async fn views(kind: Kind) {
+    let app = app(kind, AuthMode::Open).await;
+    let (run, worker) = seed(&app.store).await;
+
+    // The list shows model, revision and a duration.
+    let (s, v) = app.get("/api/v1/runs").await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let r = &v["runs"][0];
+    assert_eq!((r["model"].as_str(), r["revision"].as_str()), (Some("org/model"), Some("v1.0")), "{r}");
+    assert!(r["duration_ms"].as_i64().is_some_and(|d| d >= 0), "{r}");
+
+    // The step graph: spec order, needs, fan-out counts, state, bytes.
+    let (s, g) = app.get(&format!("/api/v1/runs/{}/graph", run.0)).await;
+    assert_eq!(s, StatusCode::OK, "{g}");
+    let steps = g["steps"].as_array().expect("steps");
+    let ids: Vec<&str> = steps.iter().map(|s| s["id"].as_str().unwrap_or("")).collect();
+    assert_eq!(ids, ["download", "shard", "gpu"]);
+    assert_eq!((steps[0]["state"].as_str(), steps[0]["kind"].as_str()), (Some("succeeded"), Some("hf.download")));
+    assert_eq!(steps[1]["needs"], json!(["download"]));
+    assert_eq!(
+        steps[1]["tasks"],
+        json!({"blocked": 0, "ready": 1, "leased": 1, "succeeded": 1, "failed": 0, "cancelled": 0, "total": 3})
+    );
+    assert_eq!(steps[1]["state"], "running");
+    assert_eq!((steps[1]["bytes"].as_u64(), steps[1]["total_bytes"].as_u64()), (Some(1000), Some(5000)));
+    assert_eq!(steps[2]["state"], "ready");
+
+    // Tasks: progress with total, rate and ETA; why the others wait.
+    let (s, t) = app.get(&format!("/api/v1/runs/{}/tasks", run.0)).await;
+    assert_eq!(s, StatusCode::OK, "{t}");
+    let by_name = |n: &str| t.as_array().expect("tasks").iter().find(|x| x["name"] == n).cloned().expect(n);
+    let r0 = by_name("shard/rank-0");
+    let p = &r0["progress_info"];
+    assert_eq!((p["bytes"].as_u64(), p["total_bytes"].as_u64()), (Some(1000), Some(3000)), "{r0}");
+    assert!(p["fraction"].as_f64().is_some_and(|f| (f - 1.0 / 3.0).abs() < 1e-9), "{p}");
+    let rate = p["bytes_per_sec"].as_f64().expect("a rate while leased");
+    let eta = p["eta_seconds"].as_f64().expect("an ETA with a known total");
+    assert!(rate > 0.0 && (eta - 2000.0 / rate).abs() < 1e-6, "{p}");
+    assert_eq!(r0["reason"], Value::Null);
+    assert_eq!(by_name("shard/rank-1")["reason"], "waiting for a worker to claim it (one has room)");
+    assert_eq!(by_name("gpu")["reason"], "no worker has enough resources: needs 4 GPUs (most: 0)");
+    assert_eq!(by_name("shard/rank-1")["progress_info"]["total_bytes"], 2000);
+    // One task reads the same.
+    let (s, one) = app.get(&format!("/api/v1/tasks/{}", by_name("gpu")["id"])).await;
+    assert_eq!((s, one["reason"].as_str()), (StatusCode::OK, by_name("gpu")["reason"].as_str()), "{one}");
+
+    // Workers: what they hold now.
+    let (s, w) = app.get("/api/v1/workers").await;
+    assert_eq!(s, StatusCode::OK, "{w}");
+    assert_eq!(w[0]["id"], json!(worker.0));
+    assert_eq!(w[0]["leases"], json!([{"task": r0["id"], "run": run.0, "name": "shard/rank-0", "step_id": "shard"}]));
+    assert_eq!((w[0]["used"]["cpus"].as_u64(), w[0]["used"]["memory"].as_u64()), (Some(1), Some(1 << 20)));
+    assert!(w[0]["heartbeat_age_s"].as_f64().is_some_and(|a| (0.0..60.0).contains(&a)), "{w}");
+
+    // A pipeline's spec, secrets redacted.
+    let (s, p) = app.get("/api/v1/pipelines/convert").await;
+    assert_eq!(s, StatusCode::OK, "{p}");
+    assert_eq!((p["versions"].as_i64(), p["latest_spec_hash"].as_str()), (Some(1), Some("sha256:abc")));
+    let text = p["spec_text"].as_str().expect("spec text");
+    assert!(text.contains("with: {repo: org/model, revision: v1.0, token: [redacted]}"), "{text}");
+    assert!(!text.contains("SECRET") && !text.contains("abc123"), "{text}");
+    let (s, e) = app.get("/api/v1/pipelines/nope").await;
+    assert_eq!((s, e["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("not_found")));
+    let (s, _) = app.get("/api/v1/runs/999999/graph").await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    app.db.cleanup().await;
+}
+
+#[tokio::test]
+async fn views_sqlite() {
+    views(Kind::Sqlite).await;
+}
+
+#[tokio::test]
+async fn views_pg() {
+    views(Kind::Postgres).await;
+}
+
+/// The new reads follow the server's read setting; a revoked or a malformed token is refused.
+async fn auth(kind: Kind) {
+    let app = app(kind, AuthMode::ReadRequiresToken).await;
+    let (run, _) = seed(&app.store).await;
+    let read = create_token(&app.store, "reader", Scope::Read).await.expect("token");
+    let gone = create_token(&app.store, "gone", Scope::Admin).await.expect("token");
+    assert!(revoke_token(&app.store, gone.id).await.expect("revoke"));
+    for uri in [format!("/api/v1/runs/{}/graph", run.0), "/api/v1/pipelines/convert".into(), "/api/v1/workers".into()] {
+        let (s, v) = app.get_as(&uri, None).await;
+        assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::UNAUTHORIZED, Some("unauthorized")), "{uri}");
+        let (s, _) = app.get_as(&uri, Some(&gone.secret)).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "{uri} with a revoked token");
+        let (s, _) = app.get_as(&uri, Some("shl_0000")).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "{uri} with an unknown token");
+        let (s, v) = app.get_as(&uri, Some(&read.secret)).await;
+        assert_eq!(s, StatusCode::OK, "{uri}: {v}");
+    }
+    // The dashboard's files are public (they hold no data); the data behind them is not.
+    let (s, _, body) = app.raw(Method::GET, "/runs", None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(String::from_utf8_lossy(&body).contains("<main id=\"view\""));
+    app.db.cleanup().await;
+}
+
+#[tokio::test]
+async fn auth_sqlite() {
+    auth(Kind::Sqlite).await;
+}
+
+#[tokio::test]
+async fn auth_pg() {
+    auth(Kind::Postgres).await;
+}
+
+/// `/` and the client routes get index.html, files get their type, everything a strict CSP;
+/// unknown `/api/` paths stay JSON 404s.
+#[tokio::test]
+async fn dashboard_files() {
+    let app = app(Kind::Sqlite, AuthMode::Open).await;
+    let index = String::from_utf8(shardline_web::ui::asset("index.html").expect("index").body.to_vec()).expect("utf-8");
+    for page in ["/", "/runs", "/runs/12", "/runs/12?task=3", "/workers", "/pipelines", "/submit", "/token"] {
+        let (s, h, body) = app.raw(Method::GET, page, None).await;
+        assert_eq!(s, StatusCode::OK, "{page}");
+        assert_eq!(h[header::CONTENT_TYPE], "text/html; charset=utf-8", "{page}");
+        assert_eq!(String::from_utf8_lossy(&body), index, "{page}");
+        let csp = h[header::CONTENT_SECURITY_POLICY].to_str().expect("csp");
+        assert!(csp.contains("script-src 'self'") && csp.contains("default-src 'none'"), "{csp}");
+        assert_eq!(h[header::X_CONTENT_TYPE_OPTIONS], "nosniff");
+    }
+    let (s, h, body) = app.raw(Method::GET, "/js/app.js", None).await;
+    assert_eq!((s, h[header::CONTENT_TYPE].to_str().ok()), (StatusCode::OK, Some("text/javascript; charset=utf-8")));
+    assert!(String::from_utf8_lossy(&body).contains("import"), "not the app module");
+    let (s, h, _) = app.raw(Method::GET, "/style.css", None).await;
+    assert_eq!((s, h[header::CONTENT_TYPE].to_str().ok()), (StatusCode::OK, Some("text/css; charset=utf-8")));
+    let (s, h, body) = app.raw(Method::HEAD, "/js/app.js", None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(body.is_empty());
+    assert!(h[header::CONTENT_LENGTH].to_str().ok().and_then(|l| l.parse::<usize>().ok()).is_some_and(|l| l > 100));
+    for missing in ["/nope.txt", "/js/nope.js", "/etc/passwd", "/../Cargo.toml"] {
+        let (s, _, _) = app.raw(Method::GET, missing, None).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "{missing}");
+    }
+    let (s, v) = app.get("/api/v2/runs").await;
+    assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("not_found")));
+    let (s, _, _) = app.raw(Method::POST, "/runs", None).await;
+    assert_eq!(s, StatusCode::METHOD_NOT_ALLOWED);
+    // No page or script sets markup from a string: data only ever becomes text.
+    for a in shardline_web::ui::ASSETS.iter().filter(|a| a.path.ends_with(".js")) {
+        let js = String::from_utf8_lossy(a.body);
+        for banned in ["innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"] {
+            assert!(!js.contains(banned), "{} uses {banned}", a.path);
+        }
+    }
+    app.db.cleanup().await;
+}

@@ -1,0 +1,59 @@
+// Pipelines: each stored pipeline's newest spec, and its triggers with their last and next
+// firing when the server has triggers.
+
+import { get } from '../api.js';
+import { h, replace, link, errorBox } from '../dom.js';
+import { time } from '../format.js';
+
+export function render(view) {
+  const list = h('div', { 'data-testid': 'pipelines' });
+  replace(view, h('h1', {}, 'Pipelines'), list);
+  let stopped = false;
+  (async () => {
+    try {
+      const [ps, triggers] = await Promise.all([get('/pipelines'), get('/triggers').catch(() => null)]);
+      if (stopped) return;
+      if (!ps.length) {
+        replace(list, h('p', { class: 'muted' }, 'No pipeline has been submitted yet. ', link('/submit', 'Submit one.')));
+        return;
+      }
+      replace(list, ps.map((p) => {
+        const spec = h('pre', { class: 'spec', 'data-testid': 'spec' }, 'Loading…');
+        const mine = (triggers || []).filter((t) => t.pipeline === p.name);
+        const details = h('details', { 'data-pipeline': p.name },
+          h('summary', {}, h('strong', {}, p.name), ' ',
+            h('span', { class: 'muted' }, `${p.versions} version${p.versions === 1 ? '' : 's'} · spec ${p.latest_spec_hash.slice(0, 12)}`), ' ',
+            link(`/runs?pipeline=${encodeURIComponent(p.name)}`, 'runs')),
+          triggers ? triggerTable(mine) : null,
+          spec);
+        details.addEventListener('toggle', async () => {
+          if (!details.open || spec.dataset.loaded) return;
+          try {
+            const d = await get(`/pipelines/${encodeURIComponent(p.name)}`);
+            spec.textContent = d.spec_text;
+            spec.dataset.loaded = '1';
+          } catch (e) {
+            replace(spec, errorBox(e));
+          }
+        });
+        return details;
+      }));
+    } catch (e) {
+      if (!stopped) replace(list, errorBox(e));
+    }
+  })();
+  return () => { stopped = true; };
+}
+
+function triggerTable(ts) {
+  if (!ts.length) return h('p', { class: 'muted' }, 'No triggers.');
+  return h('table', { class: 'grid', 'data-testid': 'triggers' },
+    h('thead', {}, h('tr', {}, ['Trigger', 'Kind', 'Schedule / source', 'Last fired', 'Next firing', 'Last run'].map((c) => h('th', {}, c)))),
+    h('tbody', {}, ts.map((t) => h('tr', {},
+      h('td', {}, t.id || t.name || ''),
+      h('td', {}, t.kind || ''),
+      h('td', { class: 'mono' }, t.schedule || t.source || ''),
+      h('td', {}, time(t.last_fired_at)),
+      h('td', {}, time(t.next_fire_at)),
+      h('td', {}, t.last_run ? link(`/runs/${t.last_run}`, `#${t.last_run}`) : '')))));
+}

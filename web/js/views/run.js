@@ -1,0 +1,233 @@
+// A run: header and actions, the step graph with each step's state and fan-out, the task table
+// with progress bars (bytes/s, ETA) and why each task waits, and a task's attempts and logs.
+
+import { get, api } from '../api.js';
+import { h, s, replace, link, badge, errorBox } from '../dom.js';
+import { bytes, rate, eta, duration, ago, time } from '../format.js';
+import { subscribe } from '../live.js';
+import { navigate } from '../app.js';
+import { taskPanel } from './task.js';
+
+const TERMINAL = new Set(['succeeded', 'failed', 'cancelled']);
+
+export function render(view, [idText], params) {
+  const id = Number(idText);
+  const started = performance.now();
+  const selected = params.get('task') ? Number(params.get('task')) : null;
+
+  const header = h('div', { class: 'titlebar' });
+  const meta = h('dl', { class: 'meta' });
+  const message = h('div');
+  const dag = h('div', { class: 'dag', 'data-testid': 'dag' });
+  const filterText = h('input', { type: 'search', placeholder: 'filter tasks by name', 'data-testid': 'task-filter' });
+  const filterState = h('select', { 'data-testid': 'task-state-filter' },
+    ['', 'blocked', 'ready', 'leased', 'succeeded', 'failed', 'cancelled'].map((v) => h('option', { value: v }, v || 'any state')));
+  const tbody = h('tbody');
+  const table = h('table', { class: 'grid tasks', 'data-testid': 'task-table' },
+    h('thead', {}, h('tr', {}, ['Task', 'Step', 'State', 'Attempt', 'Worker', 'Progress', 'Why / error'].map((c) => h('th', {}, c)))),
+    tbody);
+  const panel = h('section', { class: 'panel', 'data-testid': 'task-panel', hidden: true });
+  replace(view, header, message, meta, h('h2', {}, 'Steps'), dag,
+    h('div', { class: 'titlebar' }, h('h2', {}, 'Tasks'), h('div', { class: 'filters' }, filterText, filterState)),
+    table, panel);
+
+  let stopped = false;
+  let run = null;
+  let tasks = [];
+  let workers = new Map();
+  const rows = new Map(); // task id -> { tr, key }
+  let firstRender = true;
+  let closePanel = null;
+
+  function actions() {
+    const out = [];
+    if (run && !TERMINAL.has(run.state)) {
+      out.push(h('button', { class: 'danger', 'data-testid': 'cancel-run', onclick: () => act('cancel') }, 'Cancel run'));
+    }
+    if (run && (run.state === 'failed' || run.state === 'cancelled')) {
+      out.push(h('button', { 'data-testid': 'retry-run', onclick: () => act('retry') }, 'Retry'));
+    }
+    return out;
+  }
+
+  async function act(what) {
+    if (what === 'cancel' && !confirm(`Cancel run #${id}?`)) return;
+    try {
+      await api(`/runs/${id}/${what}`, { method: 'POST', body: {} });
+      replace(message, h('div', { class: 'note' }, what === 'cancel' ? 'Run cancelled.' : 'Run re-queued.'));
+      refresh();
+    } catch (e) {
+      replace(message, errorBox(e));
+    }
+  }
+
+  function renderHeader() {
+    replace(header,
+      h('h1', {}, `Run #${run.id} `, h('span', { class: 'muted' }, run.pipeline), ' ', badge(run.state)),
+      h('div', { class: 'actions' }, actions()));
+    header.dataset.state = run.state;
+    const item = (k, v) => (v ? [h('dt', {}, k), h('dd', {}, v)] : []);
+    replace(meta,
+      item('Model', run.model), item('Revision', run.revision),
+      item('Tasks', `${run.tasks.succeeded}/${run.tasks.total} succeeded` + (run.tasks.failed ? `, ${run.tasks.failed} failed` : '')),
+      item('Created', time(run.created_at)), item('Duration', duration(run.duration_ms)),
+      item('Dedupe key', run.dedupe_key),
+      run.error ? [h('dt', {}, 'Error'), h('dd', { class: 'bad', 'data-testid': 'run-error' }, run.error)] : []);
+  }
+
+  function renderDag(steps) {
+    const depth = new Map();
+    const byId = new Map(steps.map((st) => [st.id, st]));
+    const level = (st, seen = new Set()) => {
+      if (depth.has(st.id)) return depth.get(st.id);
+      if (seen.has(st.id)) return 0;
+      seen.add(st.id);
+      let d = 0;
+      for (const n of st.needs) if (byId.has(n)) d = Math.max(d, level(byId.get(n), seen) + 1);
+      depth.set(st.id, d);
+      return d;
+    };
+    steps.forEach((st) => level(st));
+    const cols = [];
+    for (const st of steps) (cols[depth.get(st.id)] ||= []).push(st);
+    const W = 190, H = 70, GX = 44, GY = 14;
+    const pos = new Map();
+    cols.forEach((col, c) => col.forEach((st, r) => pos.set(st.id, { x: 8 + c * (W + GX), y: 8 + r * (H + GY) })));
+    const width = 16 + cols.length * (W + GX) - GX;
+    const height = 16 + Math.max(1, ...cols.map((c) => c.length)) * (H + GY) - GY;
+    const svg = s('svg', { width, height, viewBox: `0 0 ${width} ${height}`, role: 'img', 'aria-label': 'step graph' });
+    for (const st of steps) {
+      const to = pos.get(st.id);
+      for (const n of st.needs) {
+        const from = pos.get(n);
+        if (!from) continue;
+        const x1 = from.x + W, y1 = from.y + H / 2, x2 = to.x, y2 = to.y + H / 2;
+        svg.append(s('path', { class: 'edge', d: `M${x1},${y1} C${x1 + GX / 2},${y1} ${x2 - GX / 2},${y2} ${x2},${y2}` }));
+      }
+    }
+    for (const st of steps) {
+      const p = pos.get(st.id);
+      const t = st.tasks;
+      const counts = `${t.succeeded}/${t.total} done` + (t.leased ? ` · ${t.leased} running` : '') + (t.failed ? ` · ${t.failed} failed` : '');
+      const extra = (t.total > 1 ? `fan-out ×${t.total}` : '1 task') + (st.cached ? ` · ${st.cached} cached` : '') +
+        (st.total_bytes ? ` · ${bytes(st.bytes)} / ${bytes(st.total_bytes)}` : st.bytes ? ` · ${bytes(st.bytes)}` : '');
+      const g = s('g', { class: `node st-${st.state}`, 'data-step': st.id, 'data-state': st.state, transform: `translate(${p.x},${p.y})` },
+        s('title', {}, `${st.id} (${st.kind}): ${st.state}`),
+        s('rect', { width: W, height: H, rx: 6 }),
+        s('text', { x: 10, y: 18, class: 'step-id' }, st.id),
+        s('text', { x: W - 10, y: 18, class: 'step-state', 'text-anchor': 'end' }, st.state),
+        s('text', { x: 10, y: 36, class: 'step-kind' }, st.kind),
+        s('text', { x: 10, y: 52, class: 'step-counts' }, counts),
+        s('text', { x: 10, y: 65, class: 'step-extra' }, extra));
+      if (st.total_bytes) {
+        const f = Math.min(1, st.bytes / st.total_bytes);
+        g.append(s('rect', { class: 'step-bar', x: 0, y: H - 3, width: Math.round(W * f), height: 3 }));
+      }
+      svg.append(g);
+    }
+    replace(dag, svg);
+  }
+
+  function progressCell(t) {
+    const p = t.progress_info;
+    if (!p) return '';
+    const frac = p.fraction ?? (t.state === 'succeeded' ? 1 : null);
+    const bar = frac === null ? null : h('div', { class: 'bar', role: 'progressbar', 'aria-valuenow': Math.round(frac * 100), 'aria-valuemin': 0, 'aria-valuemax': 100 },
+      h('div', { class: 'fill', style: { width: `${(frac * 100).toFixed(1)}%` } }));
+    const text = [bytes(p.bytes) + (p.total_bytes ? ` / ${bytes(p.total_bytes)}` : ''), rate(p.bytes_per_sec), eta(p.eta_seconds)].filter(Boolean).join(' · ');
+    return [bar, h('div', { class: 'small' }, text)];
+  }
+
+  function rowFor(t) {
+    const owner = t.lease_owner ? (workers.get(t.lease_owner) || `worker ${t.lease_owner}`) : '';
+    const beat = t.state === 'leased' && t.heartbeat_at ? ` (beat ${ago(t.heartbeat_at)})` : '';
+    return h('tr', { 'data-task': t.id, 'data-name': t.name, 'data-state': t.state, class: t.id === selected ? 'selected' : '' },
+      h('td', {}, h('a', { href: `/runs/${id}?task=${t.id}`, 'data-link': true, class: 'task-link' }, t.name)),
+      h('td', {}, t.step_id),
+      h('td', {}, badge(t.state)),
+      h('td', {}, `${t.attempt}/${t.max_attempts}`),
+      h('td', {}, owner, beat),
+      h('td', { class: 'progress' }, progressCell(t)),
+      h('td', { class: t.error ? 'bad' : 'muted' }, t.error || t.reason || ''));
+  }
+
+  function renderTasks() {
+    const needle = filterText.value.trim().toLowerCase();
+    const st = filterState.value;
+    const frag = document.createDocumentFragment();
+    let shown = 0;
+    const seen = new Set();
+    for (const t of tasks) {
+      seen.add(t.id);
+      const key = `${t.state}|${t.attempt}|${t.lease_owner}|${t.heartbeat_at}|${JSON.stringify(t.progress_info)}|${t.reason}|${t.error}|${workers.get(t.lease_owner)}`;
+      let entry = rows.get(t.id);
+      if (!entry || entry.key !== key) {
+        entry = { tr: rowFor(t), key };
+        rows.set(t.id, entry);
+      }
+      const visible = (!needle || t.name.toLowerCase().includes(needle)) && (!st || t.state === st);
+      entry.tr.hidden = !visible;
+      if (visible) shown += 1;
+      frag.append(entry.tr);
+    }
+    for (const k of rows.keys()) if (!seen.has(k)) rows.delete(k);
+    tbody.replaceChildren(frag);
+    table.dataset.count = String(tasks.length);
+    table.dataset.shown = String(shown);
+  }
+  filterText.addEventListener('input', renderTasks);
+  filterState.addEventListener('change', renderTasks);
+
+  async function refresh() {
+    try {
+      const [r, g, ts] = await Promise.all([get(`/runs/${id}`), get(`/runs/${id}/graph`), get(`/runs/${id}/tasks`)]);
+      if (stopped) return;
+      run = r.run;
+      tasks = ts;
+      renderHeader();
+      renderDag(g.steps);
+      renderTasks();
+      if (firstRender) {
+        firstRender = false;
+        // Measured after the frame that shows the table has been laid out.
+        requestAnimationFrame(() => setTimeout(() => {
+          const ms = performance.now();
+          table.dataset.renderedMs = String(Math.round(ms));
+          window.__shardline = { ...(window.__shardline || {}), runPageRenderedMs: ms, runPageScriptMs: ms - started, runPageTasks: tasks.length };
+        }, 0));
+      }
+      if (selected && !closePanel) openPanel(selected);
+    } catch (e) {
+      if (!stopped) replace(message, errorBox(e));
+    }
+  }
+
+  function openPanel(taskId) {
+    const t = tasks.find((x) => x.id === taskId);
+    if (!t) return;
+    panel.hidden = false;
+    closePanel = taskPanel(panel, id, t, () => navigate(`/runs/${id}`));
+  }
+
+  get('/workers').then((ws) => {
+    workers = new Map(ws.map((w) => [w.id, w.name]));
+    if (!firstRender) renderTasks();
+  }).catch(() => {});
+
+  let timer = null;
+  const unsub = subscribe((ev) => {
+    if (ev.run !== id) return;
+    clearTimeout(timer);
+    timer = setTimeout(refresh, 200);
+  });
+  // Heartbeats (progress) are not events: poll while the run is live.
+  const poll = setInterval(() => { if (run && !TERMINAL.has(run.state)) refresh(); }, 2000);
+  refresh();
+  return () => {
+    stopped = true;
+    unsub();
+    clearTimeout(timer);
+    clearInterval(poll);
+    if (closePanel) closePanel();
+  };
+}
