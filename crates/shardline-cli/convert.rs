@@ -11,7 +11,7 @@ use clap::{Args, ValueEnum};
 use serde_json::json;
 use shardline_formats::execute::{write_checkpoint, ExecuteOptions, OutputFormat, Progress};
 use shardline_formats::safetensors::Release;
-use shardline_layout::{build_plan, lower, validate, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
+use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
 
 use crate::report::{bytes, peak_rss, Bar};
 
@@ -105,7 +105,7 @@ pub fn plan_release(from: &Path, mesh: Mesh, options: &PlanOptions) -> Result<(R
         let list = errors.iter().map(|e| format!("  - {e}")).collect::<Vec<_>>().join("\n");
         anyhow::anyhow!("cannot plan `{}` for mesh {mesh}:\n{list}", config.model_type)
     })?;
-    let violations = validate(&lower(&plan), config.num_experts, mesh.ep);
+    let violations = validate_plan(&plan, config.num_experts, mesh.ep);
     if !violations.is_empty() {
         let list = violations.iter().take(20).map(|v| format!("  - {v}")).collect::<Vec<_>>().join("\n");
         bail!("the plan breaks {} invariant(s); nothing was written:\n{list}", violations.len());

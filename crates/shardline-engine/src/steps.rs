@@ -14,7 +14,7 @@ use shardline_formats::checkpoint::open_checkpoint;
 use shardline_formats::execute::{self, ExecuteOptions, OutputFormat, Progress};
 use shardline_formats::safetensors::Release;
 use shardline_formats::verify::verify;
-use shardline_layout::{build_plan, lower, validate, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
+use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
 use thiserror::Error;
 
 use crate::graph::{Payload, ShardJob};
@@ -111,7 +111,7 @@ pub fn job_plan(job: &ShardJob, release: &Release) -> Result<Plan, StepError> {
             errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
         ))
     })?;
-    let violations = validate(&lower(&plan), config.num_experts, mesh.ep);
+    let violations = validate_plan(&plan, config.num_experts, mesh.ep);
     if !violations.is_empty() {
         return Err(StepError::fatal(format!(
             "the plan breaks {} invariant(s): {}",

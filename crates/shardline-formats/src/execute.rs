@@ -36,7 +36,7 @@ use shardline_layout::recipe::{apply_transform, row_elems, segments, Segment, Tr
 use shardline_layout::{DType, OutputTensor, Plan};
 use thiserror::Error;
 
-use crate::dcp_metadata::{self, ChunkMeta, EntryMeta, Metadata, PathElem, StorageInfo, StorageKey};
+use crate::dcp_metadata::{EntryRef, MetadataEncoder, PathElem, StorageRef};
 use crate::safetensors::{FileLayout, Release, SafetensorsError, SafetensorsWriter};
 use crate::torch_save::TensorArchive;
 
@@ -881,35 +881,40 @@ impl DcpLayout {
         self.ranks[rank].last().map_or(0, |i| i.offset + i.length)
     }
 
-    /// The `.metadata` of the checkpoint; chunks are listed in rank order, as torch does.
-    fn metadata(&self, plan: &Plan) -> Metadata {
-        let mut storage_data = Vec::new();
-        let mut chunk_lists: Vec<Vec<ChunkMeta>> = vec![Vec::new(); plan.tensors.len()];
+    /// Streams the checkpoint's `.metadata` to `sink` straight from the plan, so its size never
+    /// sits in memory; chunks are listed in rank order, as torch does.
+    fn write_metadata<W: io::Write>(&self, plan: &Plan, sink: W) -> io::Result<W> {
+        // Every item's (tensor, chunk), grouped by tensor; the stable sort keeps rank order.
+        let mut by_tensor: Vec<(usize, usize)> = self.ranks.iter().flatten().map(|i| (i.tensor, i.chunk)).collect();
+        by_tensor.sort_by_key(|&(tensor, _)| tensor);
+        let mut e = MetadataEncoder::new(sink);
+        let mut rest = by_tensor.as_slice();
+        for (ti, t) in plan.tensors.iter().enumerate() {
+            let (mine, tail) = rest.split_at(rest.iter().take_while(|&&(tensor, _)| tensor == ti).count());
+            rest = tail;
+            let chunks = mine.iter().map(|&(_, c)| (t.chunks[c].offsets.as_slice(), t.chunks[c].sizes.as_slice()));
+            e.entry(&t.key, EntryRef::Tensor { dtype: t.dtype, size: &t.shape, chunks })?;
+        }
+        e.begin_planner_data();
+        for t in &plan.tensors {
+            e.planner_path(&t.key, &planner_path(&t.key))?;
+        }
+        e.begin_storage_data();
         for (rank, items) in self.ranks.iter().enumerate() {
             let name = dcp_rank_file(rank as u64);
             for item in items {
                 let t = &plan.tensors[item.tensor];
-                let c = &t.chunks[item.chunk];
-                chunk_lists[item.tensor].push(ChunkMeta { offsets: c.offsets.clone(), sizes: c.sizes.clone() });
-                storage_data.push((
-                    StorageKey { fqn: t.key.clone(), offset: Some(c.offsets.clone()) },
-                    StorageInfo {
-                        relative_path: name.clone(),
-                        offset: item.offset,
-                        length: item.length,
-                        transform_descriptors: None,
-                    },
-                ));
+                e.storage(&StorageRef {
+                    fqn: &t.key,
+                    chunk_offset: Some(&t.chunks[item.chunk].offsets),
+                    relative_path: &name,
+                    offset: item.offset,
+                    length: item.length,
+                    transform_descriptors: None,
+                })?;
             }
         }
-        let mut state_dict_metadata = Vec::new();
-        let mut planner_data = Vec::new();
-        for (t, chunks) in plan.tensors.iter().zip(chunk_lists) {
-            planner_data.push((t.key.clone(), planner_path(&t.key)));
-            state_dict_metadata
-                .push((t.key.clone(), EntryMeta::Tensor { dtype: t.dtype, size: t.shape.clone(), chunks }));
-        }
-        Metadata { state_dict_metadata, storage_data, planner_data, version: None }
+        e.finish(None)
     }
 }
 
@@ -1198,7 +1203,7 @@ fn write_dcp(
     let (sync_tx, sync_rx) = mpsc::channel();
     let (written, synced, staged) = std::thread::scope(|s| {
         let syncer = s.spawn(move || run_syncer(sync_rx));
-        let metadata = s.spawn(|| stage_metadata(out, &dcp_metadata::encode_metadata(&layout.metadata(plan))));
+        let metadata = s.spawn(|| stage_metadata(out, &layout, plan));
         let written = {
             let tx = sync_tx; // dropped when the writers are done, which ends the sync thread
             for_each_unit(stripes.units.len(), options.threads, progress, |u| {
@@ -1239,10 +1244,10 @@ fn write_dcp(
 }
 
 /// Writes `.metadata.tmp` and syncs it; [`publish_metadata`] renames it into place.
-fn stage_metadata(out: &Path, bytes: &[u8]) -> Result<(), ExecuteError> {
+fn stage_metadata(out: &Path, layout: &DcpLayout, plan: &Plan) -> Result<(), ExecuteError> {
     let tmp = out.join(".metadata.tmp");
     let f = File::create(&tmp).map_err(io_err(&tmp, "create .metadata.tmp"))?;
-    f.write_all_at(bytes, 0).map_err(io_err(&tmp, "write .metadata.tmp"))?;
+    let f = layout.write_metadata(plan, f).map_err(io_err(&tmp, "write .metadata.tmp"))?;
     f.sync_all().map_err(io_err(&tmp, "sync .metadata.tmp"))?;
     Ok(())
 }
@@ -1418,7 +1423,7 @@ pub fn commit_checkpoint(plan: &Plan, dir: &Path, options: &ExecuteOptions) -> R
                     });
                 }
             }
-            stage_metadata(dir, &dcp_metadata::encode_metadata(&layout.metadata(plan)))?;
+            stage_metadata(dir, &layout, plan)?;
             publish_metadata(dir)
         }
         OutputFormat::DcpSafetensors => {
@@ -1438,6 +1443,9 @@ mod tests {
     use shardline_layout::{build_plan, Mesh, ModelConfig, PlanOptions, SourceTensor};
 
     use super::*;
+    use crate::dcp_metadata::{
+        self, decode_metadata, encode_metadata, ChunkMeta, EntryMeta, Metadata, StorageInfo, StorageKey,
+    };
     use crate::torch_save::read_tensor_archive;
 
     fn fixture(name: &str) -> PathBuf {
@@ -1504,6 +1512,49 @@ mod tests {
                 );
                 assert!(parts == whole, "{name} {mesh} {format:?}: bytes differ");
             }
+        }
+    }
+
+    /// The `.metadata` the plan implies, built as a whole [`Metadata`] the plain way.
+    fn whole_metadata(layout: &DcpLayout, plan: &Plan) -> Metadata {
+        let mut storage_data = Vec::new();
+        let mut chunk_lists: Vec<Vec<ChunkMeta>> = vec![Vec::new(); plan.tensors.len()];
+        for (rank, items) in layout.ranks.iter().enumerate() {
+            for item in items {
+                let t = &plan.tensors[item.tensor];
+                let c = &t.chunks[item.chunk];
+                chunk_lists[item.tensor].push(ChunkMeta { offsets: c.offsets.clone(), sizes: c.sizes.clone() });
+                let key = StorageKey { fqn: t.key.clone(), offset: Some(c.offsets.clone()) };
+                let info = StorageInfo {
+                    relative_path: dcp_rank_file(rank as u64),
+                    offset: item.offset,
+                    length: item.length,
+                    transform_descriptors: None,
+                };
+                storage_data.push((key, info));
+            }
+        }
+        let state_dict_metadata = plan
+            .tensors
+            .iter()
+            .zip(chunk_lists)
+            .map(|(t, chunks)| (t.key.clone(), EntryMeta::Tensor { dtype: t.dtype, size: t.shape.clone(), chunks }))
+            .collect();
+        let planner_data = plan.tensors.iter().map(|t| (t.key.clone(), planner_path(&t.key))).collect();
+        Metadata { state_dict_metadata, storage_data, planner_data, version: None }
+    }
+
+    #[test]
+    fn streamed_metadata_equals_the_whole_encoding() {
+        for (name, mesh, optimizer_state) in meshes() {
+            let release = Release::open(fixture(name)).unwrap();
+            let plan = plan(&release, mesh, optimizer_state);
+            let layout = DcpLayout::new(&plan);
+            let streamed = layout.write_metadata(&plan, Vec::new()).unwrap();
+            let whole = whole_metadata(&layout, &plan);
+            assert!(whole.storage_data.len() > plan.tensors.len(), "{name} {mesh}");
+            assert!(streamed == encode_metadata(&whole), "{name} {mesh}: bytes differ");
+            assert_eq!(decode_metadata(&streamed).unwrap(), whole, "{name} {mesh}");
         }
     }
 

@@ -290,6 +290,14 @@ impl PickleWriter {
         &self.buf
     }
 
+    /// Hands the bytes written so far to `sink` and empties the buffer (for streaming large
+    /// pickles that need no memo).
+    pub fn drain_into(&mut self, sink: &mut impl std::io::Write) -> std::io::Result<()> {
+        sink.write_all(&self.buf)?;
+        self.buf.clear();
+        Ok(())
+    }
+
     /// Consumes the writer, returning its bytes.
     pub fn into_bytes(self) -> Vec<u8> {
         self.buf

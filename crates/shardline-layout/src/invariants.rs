@@ -4,23 +4,26 @@
 //! checkpoint produces, so it can judge plans that did not come from our planner — the field's
 //! buggy ones included (see the T1–T6 tests). [`lower`] turns our [`Plan`] into that form.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 use crate::dtype::DType;
-use crate::plan::{Group, Plan, Role};
+use crate::plan::{Group, OutputTensor, Plan, Role};
 
-/// One item a rank would write (possibly empty: ranks list every key of their group).
+/// One item a rank would write (possibly empty: ranks list every key of their group). Names and
+/// shapes borrow from the plan they were lowered from, so validating a plan with many chunks
+/// does not copy its metadata; hand-written plans (the field's buggy ones) own theirs.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct WriteItem {
-    pub key: String,
+pub struct WriteItem<'a> {
+    pub key: Cow<'a, str>,
     pub dtype: DType,
-    pub global_shape: Vec<u64>,
-    pub offsets: Vec<u64>,
-    pub sizes: Vec<u64>,
+    pub global_shape: Cow<'a, [u64]>,
+    pub offsets: Cow<'a, [u64]>,
+    pub sizes: Cow<'a, [u64]>,
     /// The TP-local shape the writer holds.
-    pub local_shape: Vec<u64>,
+    pub local_shape: Cow<'a, [u64]>,
     /// Dim split across TP ranks (`None` when replicated on TP).
     pub tp_dim: Option<usize>,
     pub tp: u64,
@@ -32,16 +35,16 @@ pub struct WriteItem {
     /// Identity of the bytes: equal for identical content (replica consistency).
     pub content: u64,
     /// The global shape implied by the sources (after any declared permutation).
-    pub expected_global: Vec<u64>,
+    pub expected_global: Cow<'a, [u64]>,
     /// For optimizer states, the parameter key they belong to.
-    pub param_key: Option<String>,
+    pub param_key: Option<Cow<'a, str>>,
 }
 
 /// Everything one rank would write, in its order.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RankPlan {
+pub struct RankPlan<'a> {
     pub rank: u64,
-    pub items: Vec<WriteItem>,
+    pub items: Vec<WriteItem<'a>>,
 }
 
 /// The invariants of layouts.md §4 (numbering as there).
@@ -81,49 +84,105 @@ fn list(v: &[u64]) -> String {
     format!("[{}]", v.iter().map(u64::to_string).collect::<Vec<_>>().join(", "))
 }
 
+/// The items of one tensor, one per chunk, with the rank that lists each.
+fn lower_tensor<'a>(plan: &Plan, t: &'a OutputTensor) -> impl Iterator<Item = (u64, WriteItem<'a>)> {
+    let tp_dim = match t.tp_mode {
+        crate::arch::TpMode::Column => Some(0),
+        crate::arch::TpMode::Row => Some(1),
+        crate::arch::TpMode::Replicated => None,
+    };
+    let fsdp_size = match t.group {
+        Group::Dense => plan.mesh.fsdp_size(),
+        Group::Expert { .. } => plan.mesh.expert_dp_size(),
+    };
+    t.chunks.iter().map(move |c| {
+        let mut h = DefaultHasher::new();
+        t.recipe.hash(&mut h);
+        t.shape.hash(&mut h);
+        c.offsets.hash(&mut h);
+        c.sizes.hash(&mut h);
+        let item = WriteItem {
+            key: Cow::Borrowed(&t.key),
+            dtype: t.dtype,
+            global_shape: Cow::Borrowed(&t.shape),
+            offsets: Cow::Borrowed(&c.offsets),
+            sizes: Cow::Borrowed(&c.sizes),
+            local_shape: Cow::Borrowed(&t.local_shape),
+            tp_dim,
+            tp: t.tp,
+            tp_rank: c.tp_rank,
+            fsdp_rank: c.fsdp_rank,
+            fsdp_size,
+            group: t.group,
+            content: h.finish(),
+            expected_global: Cow::Borrowed(&t.shape),
+            param_key: match &t.role {
+                Role::Param => None,
+                Role::OptimizerState { param_key, .. } => Some(Cow::Borrowed(param_key)),
+            },
+        };
+        (c.rank, item)
+    })
+}
+
 /// Lowers a plan to per-rank write plans (every rank lists every key of its group, empty pieces
 /// and deduplicated replicas included, in key order).
-pub fn lower(plan: &Plan) -> Vec<RankPlan> {
-    let mut plans: Vec<RankPlan> = (0..plan.world()).map(|rank| RankPlan { rank, items: Vec::new() }).collect();
+pub fn lower(plan: &Plan) -> Vec<RankPlan<'_>> {
+    let mut counts = vec![0usize; plan.world() as usize];
+    for c in plan.tensors.iter().flat_map(|t| &t.chunks) {
+        counts[c.rank as usize] += 1;
+    }
+    let mut plans: Vec<RankPlan> =
+        counts.into_iter().zip(0..).map(|(n, rank)| RankPlan { rank, items: Vec::with_capacity(n) }).collect();
     for t in &plan.tensors {
-        let tp_dim = match t.tp_mode {
-            crate::arch::TpMode::Column => Some(0),
-            crate::arch::TpMode::Row => Some(1),
-            crate::arch::TpMode::Replicated => None,
-        };
-        let fsdp_size = match t.group {
-            Group::Dense => plan.mesh.fsdp_size(),
-            Group::Expert { .. } => plan.mesh.expert_dp_size(),
-        };
-        for c in &t.chunks {
-            let mut h = DefaultHasher::new();
-            t.recipe.hash(&mut h);
-            t.shape.hash(&mut h);
-            c.offsets.hash(&mut h);
-            c.sizes.hash(&mut h);
-            plans[c.rank as usize].items.push(WriteItem {
-                key: t.key.clone(),
-                dtype: t.dtype,
-                global_shape: t.shape.clone(),
-                offsets: c.offsets.clone(),
-                sizes: c.sizes.clone(),
-                local_shape: t.local_shape.clone(),
-                tp_dim,
-                tp: t.tp,
-                tp_rank: c.tp_rank,
-                fsdp_rank: c.fsdp_rank,
-                fsdp_size,
-                group: t.group,
-                content: h.finish(),
-                expected_global: t.shape.clone(),
-                param_key: match &t.role {
-                    Role::Param => None,
-                    Role::OptimizerState { param_key, .. } => Some(param_key.clone()),
-                },
-            });
+        for (rank, item) in lower_tensor(plan, t) {
+            plans[rank as usize].items.push(item);
         }
     }
     plans
+}
+
+/// Checks every invariant of our own plan, one key at a time: the same checks, with the same
+/// messages, as `validate(&lower(plan), …)`, but holding one key's items at a time instead of
+/// every chunk of the plan, so memory does not grow with the model's chunk count.
+pub fn validate_plan(plan: &Plan, num_experts: u64, ep: u64) -> Vec<Violation> {
+    let mut v = Vec::new();
+    let mut last_key: Vec<Option<&str>> = vec![None; plan.world() as usize];
+    let mut order_broken = vec![false; plan.world() as usize];
+    let mut experts = ExpertCoverage::new(num_experts, ep);
+    let mut states_of: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    let lowered = |t| lower_tensor(plan, t).collect::<Vec<_>>();
+    for t in &plan.tensors {
+        let items = lowered(t);
+        let refs: Vec<(u64, &WriteItem)> = items.iter().map(|(r, it)| (*r, it)).collect();
+        for (rank, it) in &refs {
+            let r = *rank as usize;
+            if let Some(prev) = last_key[r].replace(&t.key) {
+                if !order_broken[r] && prev >= t.key.as_str() {
+                    order_broken[r] = true;
+                    push_order_violation(&mut v, *rank, prev, &it.key);
+                }
+            }
+        }
+        check_key_set(&t.key, &refs, &mut v);
+        check_key(&t.key, &refs, &mut v);
+        experts.observe(&t.key, &refs, &mut v);
+        if let Role::OptimizerState { param_key, .. } = &t.role {
+            states_of.entry(param_key).or_default().push(&t.key);
+        }
+    }
+    for (param, states) in &states_of {
+        let param_items =
+            plan.tensors.binary_search_by(|t| t.key.as_str().cmp(param)).ok().map(|i| lowered(&plan.tensors[i]));
+        let param_refs: Option<Vec<(u64, &WriteItem)>> =
+            param_items.as_ref().map(|items| items.iter().map(|(r, it)| (*r, it)).collect());
+        check_parameter_states(param, param_refs.as_deref(), states, &mut v, |state| {
+            let i = plan.tensors.binary_search_by(|t| t.key.as_str().cmp(state)).ok()?;
+            Some(lowered(&plan.tensors[i]))
+        });
+    }
+    experts.finish(&mut v);
+    v
 }
 
 /// Checks every invariant over the union of the rank plans. `num_experts`/`ep` enable the
@@ -133,17 +192,30 @@ pub fn validate(plans: &[RankPlan], num_experts: u64, ep: u64) -> Vec<Violation>
     let mut by_key: BTreeMap<&str, Vec<(u64, &WriteItem)>> = BTreeMap::new();
     for p in plans {
         for it in &p.items {
-            by_key.entry(it.key.as_str()).or_default().push((p.rank, it));
+            by_key.entry(it.key.as_ref()).or_default().push((p.rank, it));
         }
     }
-    check_determinism(plans, &by_key, &mut v);
+    for p in plans {
+        if let Some(pair) = p.items.windows(2).find(|pair| pair[0].key >= pair[1].key) {
+            push_order_violation(&mut v, p.rank, &pair[0].key, &pair[1].key);
+        }
+    }
+    let mut experts = ExpertCoverage::new(num_experts, ep);
+    let mut states_of: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     for (key, items) in &by_key {
+        check_key_set(key, items, &mut v);
         check_key(key, items, &mut v);
+        experts.observe(key, items, &mut v);
+        if let Some(param) = &items[0].1.param_key {
+            states_of.entry(param.as_ref()).or_default().push(key);
+        }
     }
-    check_optimizer_parity(&by_key, &mut v);
-    if num_experts > 0 && ep > 0 {
-        check_expert_coverage(&by_key, num_experts, ep, &mut v);
+    for (param, states) in &states_of {
+        check_parameter_states(param, by_key.get(param).map(Vec::as_slice), states, &mut v, |state| {
+            Some(by_key.get(state)?.iter().map(|(r, it)| (*r, (*it).clone())).collect())
+        });
     }
+    experts.finish(&mut v);
     v
 }
 
@@ -188,7 +260,7 @@ fn check_key(key: &str, items: &[(u64, &WriteItem)], v: &mut Vec<Violation>) {
             ),
         );
     }
-    let mut boxes: BTreeMap<Vec<u64>, (u64, &WriteItem)> = BTreeMap::new();
+    let mut boxes: BTreeMap<&[u64], (u64, &WriteItem)> = BTreeMap::new();
     for (rank, it) in items {
         // 1. bounds
         let in_bounds = it.offsets.len() == global.len()
@@ -196,8 +268,8 @@ fn check_key(key: &str, items: &[(u64, &WriteItem)], v: &mut Vec<Violation>) {
             && it
                 .offsets
                 .iter()
-                .zip(&it.sizes)
-                .zip(global)
+                .zip(it.sizes.iter())
+                .zip(global.iter())
                 .all(|((o, s), g)| o.checked_add(*s).is_some_and(|e| e <= *g));
         if !in_bounds {
             push(
@@ -249,7 +321,7 @@ fn check_key(key: &str, items: &[(u64, &WriteItem)], v: &mut Vec<Violation>) {
         if it.sizes.iter().product::<u64>() == 0 {
             continue;
         }
-        match boxes.get(&it.offsets) {
+        match boxes.get(it.offsets.as_ref()) {
             Some((other_rank, other)) => {
                 if other.sizes != it.sizes || other.content != it.content {
                     push(
@@ -266,14 +338,14 @@ fn check_key(key: &str, items: &[(u64, &WriteItem)], v: &mut Vec<Violation>) {
                 }
             }
             None => {
-                boxes.insert(it.offsets.clone(), (*rank, it));
+                boxes.insert(it.offsets.as_ref(), (*rank, it));
             }
         }
     }
     // 3. exact tiling: unique boxes pairwise disjoint and covering the volume exactly
     let unique: Vec<Piece> = boxes
         .iter()
-        .map(|(off, (r, it))| Piece { offsets: off.clone(), sizes: it.sizes.clone(), owner: format!("rank {r}") })
+        .map(|(off, (r, it))| Piece { offsets: off.to_vec(), sizes: it.sizes.to_vec(), owner: format!("rank {r}") })
         .collect();
     for message in tiling_violations(global, unique) {
         push(v, Invariant::ExactTiling, key, message);
@@ -336,101 +408,98 @@ pub fn tiling_violations(global: &[u64], mut pieces: Vec<Piece>) -> Vec<String> 
     out
 }
 
-fn check_determinism(plans: &[RankPlan], by_key: &BTreeMap<&str, Vec<(u64, &WriteItem)>>, v: &mut Vec<Violation>) {
-    for p in plans {
-        for pair in p.items.windows(2) {
-            if pair[0].key >= pair[1].key {
-                push(
-                    v,
-                    Invariant::Determinism,
-                    &pair[1].key,
-                    format!(
-                        "rank-divergent key order: rank {} lists `{}` after `{}`; every rank must list keys in the same sorted order",
-                        p.rank, pair[1].key, pair[0].key
-                    ),
-                );
-                break;
-            }
-        }
-    }
-    // Every (tp rank, fsdp rank) of the key's group must list the key, possibly empty.
-    for (key, items) in by_key {
-        let (_, first) = items[0];
-        let present: BTreeSet<(u64, u64)> = items.iter().map(|(_, it)| (it.tp_rank, it.fsdp_rank)).collect();
-        let listing: BTreeSet<u64> = items.iter().map(|(r, _)| *r).collect();
-        let missing: Vec<String> = (0..first.tp)
-            .flat_map(|r| (0..first.fsdp_size).map(move |j| (r, j)))
-            .filter(|rj| !present.contains(rj))
-            .map(|(r, j)| format!("tp{r}/fsdp{j}"))
-            .collect();
-        if !missing.is_empty() {
-            push(
-                v,
-                Invariant::Determinism,
-                key,
-                format!(
-                    "rank-divergent key set: listed by ranks {} but not by {}; ranks that hold no rows must still list the key with an empty chunk",
-                    list(&listing.into_iter().collect::<Vec<_>>()),
-                    missing.join(", ")
-                ),
-            );
-        }
+fn push_order_violation(v: &mut Vec<Violation>, rank: u64, before: &str, after: &str) {
+    push(
+        v,
+        Invariant::Determinism,
+        after,
+        format!(
+            "rank-divergent key order: rank {rank} lists `{after}` after `{before}`; every rank must list keys in the same sorted order"
+        ),
+    );
+}
+
+/// Every (tp rank, fsdp rank) of the key's group must list the key, possibly empty.
+fn check_key_set(key: &str, items: &[(u64, &WriteItem)], v: &mut Vec<Violation>) {
+    let (_, first) = items[0];
+    let present: BTreeSet<(u64, u64)> = items.iter().map(|(_, it)| (it.tp_rank, it.fsdp_rank)).collect();
+    let listing: BTreeSet<u64> = items.iter().map(|(r, _)| *r).collect();
+    let missing: Vec<String> = (0..first.tp)
+        .flat_map(|r| (0..first.fsdp_size).map(move |j| (r, j)))
+        .filter(|rj| !present.contains(rj))
+        .map(|(r, j)| format!("tp{r}/fsdp{j}"))
+        .collect();
+    if !missing.is_empty() {
+        push(
+            v,
+            Invariant::Determinism,
+            key,
+            format!(
+                "rank-divergent key set: listed by ranks {} but not by {}; ranks that hold no rows must still list the key with an empty chunk",
+                list(&listing.into_iter().collect::<Vec<_>>()),
+                missing.join(", ")
+            ),
+        );
     }
 }
 
-fn check_optimizer_parity(by_key: &BTreeMap<&str, Vec<(u64, &WriteItem)>>, v: &mut Vec<Violation>) {
-    let chunk_list = |items: &[(u64, &WriteItem)]| -> BTreeSet<(Vec<u64>, Vec<u64>)> {
-        items
-            .iter()
-            .filter(|(_, it)| it.sizes.iter().product::<u64>() > 0)
-            .map(|(_, it)| (it.offsets.clone(), it.sizes.clone()))
-            .collect()
+/// The non-empty chunks of a key, as a set.
+fn chunk_set(items: &[(u64, &WriteItem)]) -> BTreeSet<(Vec<u64>, Vec<u64>)> {
+    items
+        .iter()
+        .filter(|(_, it)| it.sizes.iter().product::<u64>() > 0)
+        .map(|(_, it)| (it.offsets.to_vec(), it.sizes.to_vec()))
+        .collect()
+}
+
+/// Invariant 9: the optimizer states of `param` (`param_items`: its items, `None` if it does not
+/// exist) have both Adam moments and the parameter's global shape and chunk list. `state_items`
+/// gives a state's items.
+fn check_parameter_states<'s>(
+    param: &str,
+    param_items: Option<&[(u64, &WriteItem)]>,
+    states: &[&'s str],
+    v: &mut Vec<Violation>,
+    state_items: impl Fn(&'s str) -> Option<Vec<(u64, WriteItem<'s>)>>,
+) {
+    let Some(param_items) = param_items else {
+        push(
+            v,
+            Invariant::OptimizerParity,
+            param,
+            format!("optimizer states {states:?} exist but the parameter does not"),
+        );
+        return;
     };
-    let mut states_of: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-    for (key, items) in by_key {
-        if let Some(param) = &items[0].1.param_key {
-            states_of.entry(param.as_str()).or_default().push(key);
+    let p_global = &param_items[0].1.global_shape;
+    let p_chunks = chunk_set(param_items);
+    for suffix in ["exp_avg", "exp_avg_sq"] {
+        if !states.iter().any(|s| s.ends_with(&format!(".{suffix}"))) {
+            push(v, Invariant::OptimizerParity, param, format!("has optimizer state but no `{suffix}`"));
         }
     }
-    for (param, states) in &states_of {
-        let Some(param_items) = by_key.get(param) else {
+    for s in states {
+        let Some(owned) = state_items(s) else { continue };
+        let items: Vec<(u64, &WriteItem)> = owned.iter().map(|(r, it)| (*r, it)).collect();
+        let s_global = &items[0].1.global_shape;
+        if s_global != p_global {
+            let chunks = chunk_set(&items)
+                .iter()
+                .map(|(o, z)| format!("offsets {} sizes {}", tuple(o), tuple(z)))
+                .collect::<Vec<_>>()
+                .join("; ");
             push(
                 v,
                 Invariant::OptimizerParity,
-                param,
-                format!("optimizer states {states:?} exist but the parameter does not"),
+                s,
+                format!(
+                    "global shape {} but its parameter `{param}` has {}; a state saved as a plain local tensor cannot be resharded (chunks: {chunks})",
+                    list(s_global),
+                    list(p_global)
+                ),
             );
-            continue;
-        };
-        let p_global = &param_items[0].1.global_shape;
-        let p_chunks = chunk_list(param_items);
-        for suffix in ["exp_avg", "exp_avg_sq"] {
-            if !states.iter().any(|s| s.ends_with(&format!(".{suffix}"))) {
-                push(v, Invariant::OptimizerParity, param, format!("has optimizer state but no `{suffix}`"));
-            }
-        }
-        for s in states {
-            let items = &by_key[s];
-            let s_global = &items[0].1.global_shape;
-            if s_global != p_global {
-                let chunks = chunk_list(items)
-                    .iter()
-                    .map(|(o, z)| format!("offsets {} sizes {}", tuple(o), tuple(z)))
-                    .collect::<Vec<_>>()
-                    .join("; ");
-                push(
-                    v,
-                    Invariant::OptimizerParity,
-                    s,
-                    format!(
-                        "global shape {} but its parameter `{param}` has {}; a state saved as a plain local tensor cannot be resharded (chunks: {chunks})",
-                        list(s_global),
-                        list(p_global)
-                    ),
-                );
-            } else if chunk_list(items) != p_chunks {
-                push(v, Invariant::OptimizerParity, s, format!("chunk list differs from its parameter `{param}`"));
-            }
+        } else if chunk_set(&items) != p_chunks {
+            push(v, Invariant::OptimizerParity, s, format!("chunk list differs from its parameter `{param}`"));
         }
     }
 }
@@ -443,21 +512,33 @@ fn expert_index(key: &str) -> Option<(String, u64)> {
     Some((format!("{}{{E}}{}", &key[..pos], &key[pos + digits.len()..]), g))
 }
 
-fn check_expert_coverage(
-    by_key: &BTreeMap<&str, Vec<(u64, &WriteItem)>>,
+/// Invariant 11: every expert of every expert parameter is present under its global index, owned
+/// by the EP rank that holds it; fed one key at a time.
+struct ExpertCoverage {
     num_experts: u64,
     ep: u64,
-    v: &mut Vec<Violation>,
-) {
-    let per_rank = num_experts / ep;
-    let mut stems: BTreeMap<String, BTreeSet<u64>> = BTreeMap::new();
-    for (key, items) in by_key {
+    stems: BTreeMap<String, BTreeSet<u64>>,
+}
+
+impl ExpertCoverage {
+    fn new(num_experts: u64, ep: u64) -> Self {
+        ExpertCoverage { num_experts, ep, stems: BTreeMap::new() }
+    }
+
+    fn enabled(&self) -> bool {
+        self.num_experts > 0 && self.ep > 0
+    }
+
+    fn observe(&mut self, key: &str, items: &[(u64, &WriteItem)], v: &mut Vec<Violation>) {
+        if !self.enabled() {
+            return;
+        }
         let Group::Expert { expert, ep_rank } = items[0].1.group else {
-            continue;
+            return;
         };
         match expert_index(key) {
             Some((stem, g)) if g == expert => {
-                stems.entry(stem).or_default().insert(g);
+                self.stems.entry(stem).or_default().insert(g);
             }
             _ => push(
                 v,
@@ -466,22 +547,28 @@ fn check_expert_coverage(
                 format!("key does not carry the global expert index {expert} (a local index leaked to disk?)"),
             ),
         }
+        let per_rank = self.num_experts / self.ep;
         if per_rank > 0 && ep_rank != expert / per_rank {
             push(
                 v,
                 Invariant::ExpertCoverage,
                 key,
                 format!(
-                    "expert {expert} is owned by EP rank {ep_rank}, expected {} (= {expert} / ({num_experts}/{ep}))",
-                    expert / per_rank
+                    "expert {expert} is owned by EP rank {ep_rank}, expected {} (= {expert} / ({}/{}))",
+                    expert / per_rank,
+                    self.num_experts,
+                    self.ep
                 ),
             );
         }
     }
-    for (stem, seen) in stems {
-        let missing: Vec<u64> = (0..num_experts).filter(|g| !seen.contains(g)).collect();
-        if !missing.is_empty() {
-            push(v, Invariant::ExpertCoverage, &stem, format!("experts {} are missing", list(&missing)));
+
+    fn finish(self, v: &mut Vec<Violation>) {
+        for (stem, seen) in self.stems {
+            let missing: Vec<u64> = (0..self.num_experts).filter(|g| !seen.contains(g)).collect();
+            if !missing.is_empty() {
+                push(v, Invariant::ExpertCoverage, &stem, format!("experts {} are missing", list(&missing)));
+            }
         }
     }
 }

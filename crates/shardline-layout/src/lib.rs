@@ -17,7 +17,7 @@ pub mod recipe;
 pub use config::{Family, ModelConfig};
 pub use dtype::DType;
 pub use error::LayoutError;
-pub use invariants::{lower, validate, Invariant, RankPlan, Violation, WriteItem};
+pub use invariants::{lower, validate, validate_plan, Invariant, RankPlan, Violation, WriteItem};
 pub use mesh::Mesh;
 pub use plan::{build_plan, check_mesh_for_model, Chunk, Group, OutputTensor, Plan, PlanOptions, Role, SourceTensor};
 pub use recipe::{RowBlock, Segment, Transform};

@@ -452,6 +452,8 @@ pub fn build_plan(
         tensors.sort_by(|a, b| a.key.cmp(&b.key));
     }
     unconverted.sort();
+    // A plan lives for the whole conversion: no growth slack (it scales with the chunk count).
+    tensors.shrink_to_fit();
     Ok(Plan { mesh, options: options.clone(), model_type: config.model_type.clone(), sources, tensors, unconverted })
 }
 
@@ -770,7 +772,7 @@ fn chunk_draft(
             }
             TpMode::Replicated => rows_of(&shape),
         };
-        let mut chunks = Vec::new();
+        let mut chunks = Vec::with_capacity((dsize * t) as usize);
         for j in 0..dsize {
             // For replicated pieces, the TP replica with the fewest planned bytes writes (like
             // torch's save-plan dedup), lowest rank on ties.
@@ -787,9 +789,12 @@ fn chunk_draft(
                     }
                     TpMode::Row => {
                         let (lo, hi) = fsdp_rows(n_c, dsize, j);
-                        let mut off = vec![lo, r * local_shape[1]];
+                        let dims = 1 + rest.len().max(1);
+                        let mut off = Vec::with_capacity(dims);
+                        off.extend([lo, r * local_shape[1]]);
                         off.extend(rest.iter().skip(1).map(|_| 0));
-                        let mut sz = vec![hi - lo, local_shape[1]];
+                        let mut sz = Vec::with_capacity(dims);
+                        sz.extend([hi - lo, local_shape[1]]);
                         sz.extend(rest.iter().skip(1).copied());
                         (off, sz)
                     }
@@ -831,7 +836,8 @@ fn chunk_draft(
 }
 
 fn with_rest(first: u64, rest: &[u64], zeros: bool) -> Vec<u64> {
-    let mut v = vec![first];
+    let mut v = Vec::with_capacity(1 + rest.len());
+    v.push(first);
     v.extend(rest.iter().map(|r| if zeros { 0 } else { *r }));
     v
 }

@@ -5,8 +5,8 @@
 use shardline_layout::invariants::permuted;
 use shardline_layout::plan::{column_section_rows, fsdp_rows};
 use shardline_layout::{
-    build_plan, lower, validate, DType, Group, Invariant, Mesh, ModelConfig, Plan, PlanOptions, RowBlock, SourceTensor,
-    WriteItem,
+    build_plan, lower, validate, validate_plan, DType, Group, Invariant, Mesh, ModelConfig, Plan, PlanOptions,
+    RowBlock, SourceTensor, WriteItem,
 };
 
 fn src(name: &str, shape: &[u64]) -> SourceTensor {
@@ -30,6 +30,72 @@ fn rows_of_key(plan: &Plan, key: &str, r: u64) -> Vec<(u64, u64)> {
 fn no_violations(plan: &Plan, experts: u64) {
     let v = validate(&lower(plan), experts, plan.mesh.ep);
     assert!(v.is_empty(), "unexpected violations: {v:#?}");
+    let v = validate_plan(plan, experts, plan.mesh.ep);
+    assert!(v.is_empty(), "unexpected violations (key by key): {v:#?}");
+}
+
+/// The violations of `plan`, asserting that the key-by-key validator finds exactly what the
+/// whole-plan one finds (order aside).
+fn violations_agree(plan: &Plan, experts: u64) -> Vec<shardline_layout::Violation> {
+    let sorted = |mut v: Vec<shardline_layout::Violation>| {
+        v.sort_by(|a, b| (a.invariant, &a.key, &a.message).cmp(&(b.invariant, &b.key, &b.message)));
+        v
+    };
+    let whole = sorted(validate(&lower(plan), experts, plan.mesh.ep));
+    let by_key = sorted(validate_plan(plan, experts, plan.mesh.ep));
+    assert_eq!(by_key, whole);
+    whole
+}
+
+#[test]
+fn the_key_by_key_validator_reports_what_the_whole_plan_validator_reports() {
+    let has = |v: &[shardline_layout::Violation], inv: Invariant| v.iter().any(|x| x.invariant == inv);
+    // Overlap, a dropped chunk and a swapped key order in a dense plan.
+    let mut p = t2_plan();
+    p.tensors[0].chunks[1].offsets[0] = 0;
+    assert!(has(&violations_agree(&p, 0), Invariant::ExactTiling));
+    let mut p = t2_plan();
+    p.tensors[0].chunks.pop();
+    assert!(has(&violations_agree(&p, 0), Invariant::Determinism));
+    let mut p = t2_plan();
+    p.tensors.swap(0, 1);
+    let v = violations_agree(&p, 0);
+    assert!(v.iter().any(|x| x.message.contains("rank-divergent key order")), "{v:#?}");
+    // An optimizer state saved as its local shard.
+    let mut p = plan(
+        NORM_T4,
+        vec![src("model.norm.weight", &[256])],
+        Mesh::new(1, 1, 4, 1),
+        PlanOptions { optimizer_state: true, ..PlanOptions::default() },
+    );
+    let state = p.tensors.iter_mut().find(|t| t.key.ends_with("final_layernorm.weight.exp_avg")).expect("exp_avg");
+    state.shape = vec![64];
+    state.local_shape = vec![64];
+    for c in &mut state.chunks {
+        c.offsets = vec![0];
+    }
+    assert!(has(&violations_agree(&p, 0), Invariant::OptimizerParity));
+    // A missing expert.
+    let moe = r#"{"model_type":"qwen3_moe","hidden_size":4,"num_attention_heads":1,"num_key_value_heads":1,
+      "num_hidden_layers":1,"vocab_size":16,"num_experts":2,"moe_intermediate_size":2}"#;
+    let mut sources = vec![
+        src("model.layers.0.mlp.gate.weight", &[2, 4]),
+        src("model.layers.0.post_attention_layernorm.weight", &[4]),
+    ];
+    for e in 0..2 {
+        sources.push(src(&format!("model.layers.0.mlp.experts.{e}.gate_proj.weight"), &[2, 4]));
+        sources.push(src(&format!("model.layers.0.mlp.experts.{e}.up_proj.weight"), &[2, 4]));
+        sources.push(src(&format!("model.layers.0.mlp.experts.{e}.down_proj.weight"), &[4, 2]));
+    }
+    let mut p = plan(moe, sources, Mesh::new(1, 1, 2, 2), PlanOptions::default());
+    assert!(violations_agree(&p, 2).is_empty());
+    let expert_keys = p.tensors.iter().filter(|t| matches!(t.group, Group::Expert { expert: 1, .. })).count();
+    assert!(expert_keys > 0);
+    p.tensors.retain(|t| !matches!(t.group, Group::Expert { expert: 1, .. }));
+    let v = violations_agree(&p, 2);
+    assert!(v
+        .iter()
+        .any(|x| x.invariant == Invariant::ExpertCoverage && x.message.contains("experts [1] are missing")));
 }
 
 const GDN_T1: &str = r#"{"model_type":"qwen3_next","hidden_size":8,"num_attention_heads":4,"num_key_value_heads":2,
@@ -64,7 +130,7 @@ fn t1_gdn_conv1d_split_is_tp_aware() {
 
 /// The buggy T1 plan: the DTensor's global was TP-local, so `elems_per_unit = R/t` halved every
 /// section: query/key/value get rows [1,0,0,0]/[1,0,0,0]/[0,2,0,0] against globals 2/2/4.
-fn t1_buggy_items() -> Vec<shardline_layout::RankPlan> {
+fn t1_buggy_items() -> Vec<shardline_layout::RankPlan<'static>> {
     let sections = [("query", 2u64, [1u64, 0, 0, 0]), ("key", 2, [1, 0, 0, 0]), ("value", 4, [0, 2, 0, 0])];
     let mut plans = Vec::new();
     for tp_rank in 0..2u64 {
@@ -73,12 +139,12 @@ fn t1_buggy_items() -> Vec<shardline_layout::RankPlan> {
             for (name, global, rows) in &sections {
                 let before: u64 = rows[..j as usize].iter().sum();
                 items.push(WriteItem {
-                    key: format!("decoder.layers.0.self_attention.conv1d.weight.{name}"),
+                    key: format!("decoder.layers.0.self_attention.conv1d.weight.{name}").into(),
                     dtype: DType::BF16,
-                    global_shape: vec![*global, 1, 4],
-                    offsets: vec![before, 0, 0],
-                    sizes: vec![rows[j as usize], 1, 4],
-                    local_shape: vec![*global, 1, 4],
+                    global_shape: vec![*global, 1, 4].into(),
+                    offsets: vec![before, 0, 0].into(),
+                    sizes: vec![rows[j as usize], 1, 4].into(),
+                    local_shape: vec![*global, 1, 4].into(),
                     tp_dim: Some(0),
                     tp: 2,
                     tp_rank,
@@ -86,7 +152,7 @@ fn t1_buggy_items() -> Vec<shardline_layout::RankPlan> {
                     fsdp_size: 4,
                     group: Group::Dense,
                     content: tp_rank * 1000 + j,
-                    expected_global: vec![*global, 1, 4],
+                    expected_global: vec![*global, 1, 4].into(),
                     param_key: None,
                 });
             }
@@ -139,7 +205,7 @@ fn t2_uneven_and_empty_shards_are_computed_without_collectives() {
     // Every rank lists the key (empty ones too), in the same sorted order.
     let lowered = lower(&p);
     for rp in &lowered {
-        let keys: Vec<&str> = rp.items.iter().map(|i| i.key.as_str()).collect();
+        let keys: Vec<&str> = rp.items.iter().map(|i| i.key.as_ref()).collect();
         assert_eq!(keys, vec![key, "model.module.decoder.layers.0.pre_mlp_layernorm.weight"], "rank {}", rp.rank);
     }
     no_violations(&p, 0);
@@ -148,7 +214,8 @@ fn t2_uneven_and_empty_shards_are_computed_without_collectives() {
 #[test]
 fn t2_rank_divergent_key_sets_and_orders_are_reported_not_blocked_on() {
     let key = "model.module.decoder.layers.0.mlp.router.weight";
-    let mut omitted = lower(&t2_plan());
+    let plan = t2_plan();
+    let mut omitted = lower(&plan);
     for rp in omitted.iter_mut().filter(|rp| rp.rank >= 5) {
         rp.items.retain(|i| i.key != key);
     }
@@ -157,14 +224,14 @@ fn t2_rank_divergent_key_sets_and_orders_are_reported_not_blocked_on() {
     assert!(m.message.contains("rank-divergent key set"), "{}", m.message);
     assert!(m.message.contains("listed by ranks [0, 1, 2, 3, 4]") && m.message.contains("tp0/fsdp5"), "{}", m.message);
 
-    let mut reordered = lower(&t2_plan());
+    let mut reordered = lower(&plan);
     reordered[6].items.reverse();
     let v = validate(&reordered, 0, 1);
     let m = v.iter().find(|x| x.invariant == Invariant::Determinism).expect("order");
     assert!(m.message.contains("rank-divergent key order: rank 6"), "{}", m.message);
 }
 
-fn t3_items(global: Vec<u64>, place_dim: usize) -> Vec<shardline_layout::RankPlan> {
+fn t3_items(global: Vec<u64>, place_dim: usize) -> Vec<shardline_layout::RankPlan<'static>> {
     // Native down_projs [E=4, I=6, H=8] sharded (Shard(0) on ep=2, Shard(1) on ep_shard=2), local
     // [2,3,8]; transposed 1↔2 to HF [4,8,6] the local is [2,8,3] and the FSDP shard dim must move to 2.
     let local = vec![2u64, 8, 3];
@@ -178,10 +245,10 @@ fn t3_items(global: Vec<u64>, place_dim: usize) -> Vec<shardline_layout::RankPla
                 items: vec![WriteItem {
                     key: "model.layers.0.mlp.experts.down_proj".into(),
                     dtype: DType::BF16,
-                    global_shape: global.clone(),
-                    offsets,
-                    sizes: local.clone(),
-                    local_shape: local.clone(),
+                    global_shape: global.clone().into(),
+                    offsets: offsets.into(),
+                    sizes: local.clone().into(),
+                    local_shape: local.clone().into(),
                     tp_dim: None,
                     tp: 1,
                     tp_rank: 0,
@@ -189,7 +256,7 @@ fn t3_items(global: Vec<u64>, place_dim: usize) -> Vec<shardline_layout::RankPla
                     fsdp_size: 4,
                     group: Group::Dense,
                     content: ep * 2 + s,
-                    expected_global: permuted(&[4, 6, 8], &[0, 2, 1]),
+                    expected_global: permuted(&[4, 6, 8], &[0, 2, 1]).into(),
                     param_key: None,
                 }],
             });
@@ -246,10 +313,10 @@ fn t4_plain_local_optimizer_state_is_rejected() {
     for rp in &mut buggy {
         for it in rp.items.iter_mut().filter(|i| i.key == key) {
             // FusedAdam stored the local tensor as if it were full: size [64], one chunk at 0 per rank.
-            it.global_shape = vec![64];
-            it.expected_global = vec![64];
-            it.local_shape = vec![64];
-            it.offsets = vec![0];
+            it.global_shape = vec![64].into();
+            it.expected_global = vec![64].into();
+            it.local_shape = vec![64].into();
+            it.offsets = vec![0].into();
             it.content = rp.rank;
         }
     }

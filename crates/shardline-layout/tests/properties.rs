@@ -4,7 +4,9 @@
 
 use proptest::prelude::*;
 use shardline_layout::recipe::{rows_of, segments};
-use shardline_layout::{build_plan, lower, validate, DType, Mesh, ModelConfig, PlanOptions, Role, SourceTensor};
+use shardline_layout::{
+    build_plan, lower, validate, validate_plan, DType, Mesh, ModelConfig, PlanOptions, Role, SourceTensor,
+};
 
 #[derive(Clone, Debug)]
 struct Case {
@@ -146,6 +148,8 @@ proptest! {
         };
         let violations = validate(&lower(&plan), c.experts, c.mesh.ep);
         prop_assert!(violations.is_empty(), "{violations:#?}");
+        let violations = validate_plan(&plan, c.experts, c.mesh.ep);
+        prop_assert!(violations.is_empty(), "key by key: {violations:#?}");
 
         // Unique ids: element i of source s is base[s] + i.
         let mut base = Vec::new();
