@@ -108,6 +108,15 @@ pub async fn get_pipeline(
     }))
 }
 
+/// Every pipeline's triggers with their last and next firing, by pipeline and position.
+#[utoipa::path(get, path = "/api/v1/triggers", tag = "pipelines",
+    responses((status = 200, body = Vec<TriggerDto>), (status = 401, body = ErrorBody)))]
+pub async fn list_triggers(State(state): State<AppState>, headers: HeaderMap) -> ApiResult<Json<Vec<TriggerDto>>> {
+    read_access(&state, &headers).await?;
+    let triggers = state.store.list_triggers().await?;
+    Ok(Json(triggers.iter().map(TriggerDto::from).collect()))
+}
+
 /// Runs, newest first, a page at a time (keyset paging on the run id).
 #[utoipa::path(get, path = "/api/v1/runs", tag = "runs", params(RunsQuery),
     responses((status = 200, body = RunPageDto), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody)))]

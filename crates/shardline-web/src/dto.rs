@@ -30,6 +30,54 @@ pub struct PipelineDetailDto {
     pub spec_text: String,
 }
 
+/// A pipeline's trigger with its last and next firing.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TriggerDto {
+    pub id: i64,
+    pub pipeline: String,
+    /// Index in the spec's `triggers:` list.
+    pub position: u32,
+    /// `schedule` or `watch`.
+    pub kind: String,
+    /// One line: `cron "0 2 * * *" Europe/Paris, missed: run-once`, `org/model@main every 10m`.
+    pub summary: String,
+    /// The trigger as written, secrets redacted.
+    #[schema(value_type = Object)]
+    pub spec: Value,
+    pub last_check_at: Option<DateTime<Utc>>,
+    /// When it is due next: the next cron instant or the next poll.
+    pub next_at: Option<DateTime<Utc>>,
+    pub last_sha: Option<String>,
+    pub last_fired_at: Option<DateTime<Utc>>,
+    /// The run it started last.
+    pub last_run: Option<i64>,
+    pub last_error: Option<String>,
+    pub last_error_at: Option<DateTime<Utc>>,
+    /// Failed checks in a row.
+    pub errors: u32,
+}
+
+impl From<&shardline_store::TriggerRecord> for TriggerDto {
+    fn from(t: &shardline_store::TriggerRecord) -> TriggerDto {
+        TriggerDto {
+            id: t.id,
+            pipeline: t.pipeline.clone(),
+            position: t.position,
+            kind: t.kind.clone(),
+            summary: redact_line(&t.summary),
+            spec: redact(&t.spec),
+            last_check_at: t.last_check_at,
+            next_at: t.next_at,
+            last_sha: t.last_sha.clone(),
+            last_fired_at: t.last_fired_at,
+            last_run: t.last_run.map(|r| r.0),
+            last_error: t.last_error.as_deref().map(redact_line),
+            last_error_at: t.last_error_at,
+            errors: t.errors,
+        }
+    }
+}
+
 /// Task counts of a run by state.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct TaskCountsDto {

@@ -100,7 +100,7 @@ impl utoipa::Modify for BearerScheme {
 #[openapi(
     info(title = "Shardline API", description = "Runs, tasks, workers, logs and events of the Shardline orchestrator."),
     paths(
-        api::list_pipelines, api::get_pipeline, api::list_runs, api::get_run, api::run_tasks, api::run_graph,
+        api::list_pipelines, api::get_pipeline, api::list_triggers, api::list_runs, api::get_run, api::run_tasks, api::run_graph,
         api::get_task, api::task_attempts,
         api::list_workers, api::run_logs, api::submit_run, api::cancel_run, api::retry_run, api::lint, api::events,
         openapi_json
@@ -121,6 +121,7 @@ pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
         .route("/pipelines", get(api::list_pipelines))
         .route("/pipelines/{name}", get(api::get_pipeline))
+        .route("/triggers", get(api::list_triggers))
         .route("/runs", get(api::list_runs).post(api::submit_run))
         .route("/runs/{id}", get(api::get_run))
         .route("/runs/{id}/tasks", get(api::run_tasks))

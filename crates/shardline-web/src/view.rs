@@ -69,13 +69,13 @@ fn expected_bytes(task: &TaskRow, outputs: &HashMap<&str, &Value>) -> Option<u64
 /// the mean rate of the current attempt and the time left at that rate.
 pub fn progress_of(task: &TaskRow, outputs: &HashMap<&str, &Value>, now: DateTime<Utc>) -> Option<ProgressDto> {
     let total = expected_bytes(task, outputs);
+    // A finished task moved what was planned (outputs count file bytes, headers included, where
+    // progress and plans count tensor data); without a plan, what its output says.
     let done_bytes = match task.state {
-        TaskState::Succeeded => task
-            .output
-            .as_ref()
-            .and_then(|o| o.get("bytes").or_else(|| o.get("bytes_checked")))
-            .and_then(Value::as_u64)
-            .or(total),
+        TaskState::Succeeded => total.or_else(|| {
+            let o = task.output.as_ref()?;
+            o.get("bytes").or_else(|| o.get("bytes_checked")).and_then(Value::as_u64)
+        }),
         _ => None,
     };
     let bytes = done_bytes.or_else(|| task.progress.as_ref()?.get("bytes")?.as_u64());
@@ -412,6 +412,12 @@ mod tests {
         let rate = p.bytes_per_sec.expect("rate");
         assert!((rate - 500.0).abs() < 1e-6, "{rate}");
         assert!((p.eta_seconds.expect("eta") - 6.0).abs() < 1e-6);
+        // A finished rank moved what was planned, whatever its output counts.
+        let mut done = tasks[1].clone();
+        done.state = TaskState::Succeeded;
+        done.output = Some(json!({"rank": 1, "bytes": 4500}));
+        let p = progress_of(&done, &outputs, now).expect("progress");
+        assert_eq!((p.bytes, p.total_bytes, p.fraction, p.bytes_per_sec), (4000, Some(4000), Some(1.0), None));
         // A task with nothing known has no progress.
         assert!(progress_of(&task(3, "x", "x", TaskState::Ready), &outputs, now).is_none());
     }

@@ -560,6 +560,7 @@ async fn openapi_lists_every_route() {
     let want = [
         ("/api/v1/pipelines", "get"),
         ("/api/v1/pipelines/{name}", "get"),
+        ("/api/v1/triggers", "get"),
         ("/api/v1/runs", "get"),
         ("/api/v1/runs", "post"),
         ("/api/v1/runs/{id}", "get"),
@@ -592,6 +593,7 @@ async fn openapi_lists_every_route() {
         "ProgressDto",
         "PipelineDetailDto",
         "LeaseDto",
+        "TriggerDto",
     ] {
         assert!(v["components"]["schemas"].get(schema).is_some(), "schema {schema} missing");
     }

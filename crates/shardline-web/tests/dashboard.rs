@@ -277,3 +277,64 @@ async fn dashboard_files() {
     }
     app.db.cleanup().await;
 }
+
+/// Triggers with their last and next firing; secrets in a trigger's settings are redacted.
+async fn triggers(kind: Kind) {
+    let app = app(kind, AuthMode::ReadRequiresToken).await;
+    let read = create_token(&app.store, "reader", Scope::Read).await.expect("token");
+    let (s, v) = app.get_as("/api/v1/triggers", None).await;
+    assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::UNAUTHORIZED, Some("unauthorized")));
+    let (s, v) = app.get_as("/api/v1/triggers", Some(&read.secret)).await;
+    assert_eq!((s, v), (StatusCode::OK, json!([])));
+    let registered = app
+        .store
+        .register_triggers(
+            "nightly",
+            &[
+                NewTrigger {
+                    position: 0,
+                    kind: "schedule".into(),
+                    spec: json!({"cron": "0 2 * * *", "timezone": "Europe/Paris"}),
+                    summary: "cron \"0 2 * * *\" Europe/Paris, missed: run-once".into(),
+                },
+                NewTrigger {
+                    position: 1,
+                    kind: "watch".into(),
+                    spec: json!({"repo": "org/model", "hf_token": "hf_SECRETSECRETSECRETSECRETSECRET00"}),
+                    summary: "org/model@main every 10m".into(),
+                },
+            ],
+        )
+        .await
+        .expect("register_triggers");
+    let next = chrono::Utc::now() + chrono::Duration::hours(3);
+    let check = TriggerCheck {
+        checked_at: chrono::Utc::now(),
+        next_at: Some(next),
+        last_sha: None,
+        state: None,
+        error: Some("the Hub answered 503".into()),
+    };
+    assert!(app.store.record_trigger_check(registered[1].id, &check).await.expect("check"));
+    let (s, v) = app.get_as("/api/v1/triggers", Some(&read.secret)).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v.as_array().map(Vec::len), Some(2), "{v}");
+    assert_eq!((v[0]["pipeline"].as_str(), v[0]["kind"].as_str()), (Some("nightly"), Some("schedule")));
+    assert_eq!(v[0]["summary"], "cron \"0 2 * * *\" Europe/Paris, missed: run-once");
+    assert_eq!(v[1]["spec"], json!({"repo": "org/model", "hf_token": "[redacted]"}));
+    assert_eq!((v[1]["errors"].as_u64(), v[1]["last_error"].as_str()), (Some(1), Some("the Hub answered 503")));
+    let at: chrono::DateTime<chrono::Utc> = v[1]["next_at"].as_str().expect("next_at").parse().expect("a time");
+    assert!((at - next).num_milliseconds().abs() < 1000, "{at} vs {next}");
+    assert!(!v.to_string().contains("SECRET"), "{v}");
+    app.db.cleanup().await;
+}
+
+#[tokio::test]
+async fn triggers_sqlite() {
+    triggers(Kind::Sqlite).await;
+}
+
+#[tokio::test]
+async fn triggers_pg() {
+    triggers(Kind::Postgres).await;
+}

@@ -48,12 +48,14 @@ export function render(view) {
 function triggerTable(ts) {
   if (!ts.length) return h('p', { class: 'muted' }, 'No triggers.');
   return h('table', { class: 'grid', 'data-testid': 'triggers' },
-    h('thead', {}, h('tr', {}, ['Trigger', 'Kind', 'Schedule / source', 'Last fired', 'Next firing', 'Last run'].map((c) => h('th', {}, c)))),
-    h('tbody', {}, ts.map((t) => h('tr', {},
-      h('td', {}, t.id || t.name || ''),
-      h('td', {}, t.kind || ''),
-      h('td', { class: 'mono' }, t.schedule || t.source || ''),
-      h('td', {}, time(t.last_fired_at)),
-      h('td', {}, time(t.next_fire_at)),
-      h('td', {}, t.last_run ? link(`/runs/${t.last_run}`, `#${t.last_run}`) : '')))));
+    h('thead', {}, h('tr', {}, ['#', 'Kind', 'Trigger', 'Last fired', 'Next', 'Last run', 'Last check'].map((c) => h('th', {}, c)))),
+    h('tbody', {}, ts.map((t) => h('tr', { 'data-trigger': t.id },
+      h('td', {}, String(t.position)),
+      h('td', {}, t.kind),
+      h('td', { class: 'mono' }, t.summary),
+      h('td', {}, t.last_fired_at ? time(t.last_fired_at) : 'never'),
+      h('td', {}, time(t.next_at)),
+      h('td', {}, t.last_run ? link(`/runs/${t.last_run}`, `#${t.last_run}`) : ''),
+      h('td', { class: t.errors ? 'bad' : 'muted' },
+        t.errors ? `${t.errors} failed in a row: ${t.last_error || ''}` : (t.last_check_at ? `ok, ${time(t.last_check_at)}` : ''))))));
 }

@@ -1,0 +1,282 @@
+// End-to-end test of the dashboard in real headless Chromium (Debian's `chromium` package):
+// the real `shardline` binary serves the API and the dashboard on a temporary SQLite store, a
+// real worker runs the demo pipeline, and the page submits, follows, inspects and cancels runs.
+// Fails (never skips) when Chromium or the binary is missing.
+//
+//   SHARDLINE_BIN   the binary (default: target/debug/shardline)
+//   CHROMIUM        the browser (default: /usr/bin/chromium)
+
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { spawn, execFileSync } from 'node:child_process';
+import { existsSync, mkdtempSync, mkdirSync, readFileSync, rmSync, openSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join, resolve, dirname } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { chromium } from 'playwright-core';
+
+const ROOT = resolve(dirname(fileURLToPath(import.meta.url)), '../..');
+const BIN = process.env.SHARDLINE_BIN || join(ROOT, 'target/debug/shardline');
+const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
+const OUT = join(ROOT, 'target/browser');
+const SCREENSHOT = join(OUT, 'run-page.png');
+const FIXTURE = join(ROOT, 'tests/fixtures/hf-tiny/qwen3_next');
+
+const tmp = mkdtempSync(join(tmpdir(), 'shardline-browser-'));
+const stateDir = join(tmp, 'state');
+const procs = [];
+let base = '';
+let browser = null;
+let submitToken = '';
+let adminToken = '';
+
+function cli(...args) {
+  return execFileSync(BIN, [...args, '--state-dir', stateDir], { cwd: tmp, encoding: 'utf8', env: cleanEnv() });
+}
+
+function cleanEnv() {
+  const env = { ...process.env };
+  delete env.SHARDLINE_DATABASE_URL;
+  return env;
+}
+
+function start(name, args) {
+  const log = join(tmp, `${name}.log`);
+  const fd = openSync(log, 'w');
+  const child = spawn(BIN, [...args, '--state-dir', stateDir], { cwd: tmp, stdio: ['ignore', fd, fd], env: cleanEnv() });
+  procs.push({ name, child, log });
+  return { child, log };
+}
+
+function logs() {
+  return procs.map((p) => `--- ${p.name} ---\n${existsSync(p.log) ? readFileSync(p.log, 'utf8').slice(-4000) : ''}`).join('\n');
+}
+
+async function until(what, fn, timeoutMs = 30000) {
+  const end = Date.now() + timeoutMs;
+  let last;
+  while (Date.now() < end) {
+    try {
+      last = await fn();
+      if (last) return last;
+    } catch (e) {
+      last = e;
+    }
+    await new Promise((r) => setTimeout(r, 100));
+  }
+  throw new Error(`timed out waiting for ${what} (last: ${last})\n${logs()}`);
+}
+
+/** The demo pipeline with paths of this test: the bundled tiny release, output under tmp. */
+function demoSpec(name, extra = '') {
+  const demo = readFileSync(join(ROOT, 'pipelines/demo.yaml'), 'utf8');
+  const spec = demo
+    .replace(/^name: demo$/m, `name: ${name}`)
+    .replace('default: tests/fixtures/hf-tiny/qwen3_next', `default: ${FIXTURE}`)
+    .replace('file://.shardline/out/${{ run.id }}', `file://${tmp}/out/\${{ run.id }}`);
+  assert.ok(spec.includes(FIXTURE) && spec.includes(`file://${tmp}/out/`), 'pipelines/demo.yaml changed: update this test');
+  return spec + extra;
+}
+
+before(async () => {
+  assert.ok(existsSync(BIN), `${BIN} is missing: build it first (cargo build --bin shardline)`);
+  assert.ok(existsSync(CHROMIUM), `${CHROMIUM} is missing: apt-get install chromium (scripts/test installs it)`);
+  assert.ok(existsSync(join(FIXTURE, 'config.json')), `${FIXTURE} is missing`);
+  mkdirSync(OUT, { recursive: true });
+  rmSync(SCREENSHOT, { force: true });
+  mkdirSync(stateDir, { recursive: true });
+  submitToken = cli('token', 'create', '--scope', 'submit', '--name', 'browser-submit').trim();
+  adminToken = cli('token', 'create', '--scope', 'admin', '--name', 'browser-admin').trim();
+  assert.match(submitToken, /^shl_[0-9a-f]{64}$/);
+  const listed = cli('token', 'list');
+  assert.ok(listed.includes('browser-submit') && !listed.includes(submitToken), 'token list shows names, never secrets');
+
+  const server = start('server', ['server', '--http', '127.0.0.1:0', '--public-reads']);
+  base = await until('the server to listen', () => {
+    const m = readFileSync(server.log, 'utf8').match(/http:\/\/(127\.0\.0\.1:\d+)\//);
+    return m ? `http://${m[1]}` : null;
+  });
+  start('worker', ['worker', '--name', 'browser-worker', '--cpus', '4', '--memory', '8GiB', '--lease-seconds', '10']);
+  await until('the worker to register', async () => {
+    const r = await fetch(`${base}/api/v1/workers`);
+    return r.ok && (await r.json()).some((w) => w.name === 'browser-worker');
+  });
+  // A fresh profile (user data directory) under the test's temporary directory.
+  browser = await chromium.launchPersistentContext(join(tmp, 'chromium-profile'), {
+    executablePath: CHROMIUM,
+    headless: true,
+    viewport: { width: 1400, height: 1000 },
+    args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking',
+      '--disable-component-update', '--disable-sync'],
+  });
+});
+
+after(async () => {
+  if (browser) await browser.close();
+  for (const p of procs) {
+    if (p.child.exitCode === null) p.child.kill('SIGTERM');
+  }
+  await Promise.all(procs.map((p) => (p.child.exitCode === null ? new Promise((r) => { p.child.once('exit', r); setTimeout(r, 15000); }) : null)));
+  for (const p of procs) if (p.child.exitCode === null) p.child.kill('SIGKILL');
+  rmSync(tmp, { recursive: true, force: true });
+});
+
+/** A page that records console errors, page errors and failed requests. */
+async function newPage() {
+  const page = await browser.newPage();
+  const context = { close: () => page.close() };
+  const problems = [];
+  page.on('console', (m) => { if (m.type() === 'error') problems.push(`console: ${m.text()}`); });
+  page.on('pageerror', (e) => problems.push(`page error: ${e.message}`));
+  page.on('requestfailed', (r) => {
+    // Event streams are aborted when a page goes away; anything else is a failure.
+    if (!r.url().includes('/api/v1/events')) problems.push(`request failed: ${r.url()} ${r.failure()?.errorText}`);
+  });
+  page.on('dialog', (d) => d.accept());
+  return { context, page, problems };
+}
+
+async function setToken(page, token) {
+  await page.click('nav a[data-nav="token"]');
+  await page.fill('[data-testid=token-input]', token);
+  await page.click('[data-testid=token-save]');
+  await page.waitForFunction(() => document.querySelector('[data-testid=token-status]')?.textContent.includes('The server accepts it.'));
+}
+
+test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 240000 }, async () => {
+  const { context, page, problems } = await newPage();
+  await page.goto(`${base}/`);
+  await page.waitForSelector('[data-testid=runs-table]');
+  await page.waitForFunction(() => document.getElementById('live')?.textContent === 'live');
+  await setToken(page, submitToken);
+
+  // A broken spec: the lint error is shown at its line before anything is submitted.
+  await page.click('nav a[data-nav="submit"]');
+  const broken = demoSpec('browser-demo').replace('uses: megatron.split_fused', 'uses: megatron.split_fuzed');
+  const badLine = broken.split('\n').findIndex((l) => l.includes('split_fuzed')) + 1;
+  await page.fill('[data-testid=spec-input]', broken);
+  const diag = await page.waitForSelector(`[data-testid=diagnostic][data-line="${badLine}"]`);
+  assert.match(await diag.textContent(), /megatron\.split_fuzed/);
+  assert.equal(await page.getAttribute(`.gutter [data-line="${badLine}"]`, 'class'), 'error');
+  assert.equal(await page.isDisabled('[data-testid=submit-run]'), true, 'a spec with errors can be submitted');
+
+  // The fixed spec lints clean and is submitted from the page.
+  await page.fill('[data-testid=spec-input]', demoSpec('browser-demo'));
+  await page.waitForSelector('[data-testid=lint-status] [data-valid="true"]');
+  assert.equal(await page.locator('[data-testid=diagnostic]').count(), 0);
+  await page.click('[data-testid=submit-run]');
+  await page.waitForURL(/\/runs\/\d+$/);
+  const runId = Number(new URL(page.url()).pathname.split('/').pop());
+
+  // It progresses and completes: every step of the graph turns succeeded; states are recorded
+  // as they change (no reload).
+  const seen = new Set();
+  const navigations = [];
+  page.on('framenavigated', (f) => { if (f === page.mainFrame()) navigations.push(f.url()); });
+  await until('the run to succeed', async () => {
+    const states = await page.$$eval('[data-testid=dag] [data-step]', (gs) => gs.map((g) => `${g.dataset.step}:${g.dataset.state}`));
+    states.forEach((s) => seen.add(s));
+    const header = await page.getAttribute('.titlebar[data-state]', 'data-state').catch(() => null);
+    return header === 'succeeded' && states.length === 5 && states.every((s) => s.endsWith(':succeeded'));
+  }, 120000);
+  assert.equal(navigations.length, 0, `the page reloaded: ${navigations}`);
+  const steps = ['download', 'shard', 'split', 'validate', 'upload'];
+  assert.deepEqual(await page.$$eval('[data-testid=dag] [data-step]', (gs) => gs.map((g) => g.dataset.step)), steps);
+  assert.ok([...seen].some((s) => !s.endsWith(':succeeded')), `never saw the run in progress: ${[...seen]}`);
+  // The shard step fans out into plan, 8 rank files and commit.
+  assert.match(await page.textContent('[data-step="shard"]'), /10\/10 done/);
+  assert.match(await page.textContent('[data-step="shard"]'), /fan-out ×10/);
+  const table = page.locator('[data-testid=task-table]');
+  assert.equal(await table.getAttribute('data-count'), '14');
+  const rank = page.locator('tr[data-name="shard/rank-0"]');
+  assert.equal(await rank.getAttribute('data-state'), 'succeeded');
+  assert.equal(await rank.locator('[role=progressbar]').getAttribute('aria-valuenow'), '100');
+  await page.screenshot({ path: SCREENSHOT, fullPage: true });
+  assert.ok(readFileSync(SCREENSHOT).length > 10000, 'the screenshot is empty');
+
+  // A task's logs, from the store: its own lines, searchable.
+  await page.click('tr[data-name="shard/rank-0"] a.task-link');
+  await page.waitForSelector('[data-testid=task-panel]:not([hidden])');
+  assert.equal(await page.textContent('[data-testid=task-name]'), 'shard/rank-0');
+  await page.waitForFunction(() => document.querySelectorAll('[data-testid=logs] [data-line]').length >= 2);
+  const logText = await page.textContent('[data-testid=logs]');
+  assert.match(logText, /succeeded in/);
+  assert.match(await page.textContent('[data-testid=attempts]'), /browser-worker/);
+  await page.fill('[data-testid=log-search]', 'succeeded in');
+  await page.waitForFunction(() => /^1 of \d+ lines match$/.test(document.querySelector('[data-testid=log-count]').textContent));
+  assert.equal(await page.locator('[data-testid=logs] [data-line]').count(), 1);
+
+  // Another run waits for a GPU no worker has; the page says why, and an admin cancels it.
+  const gpuSpec = demoSpec('browser-gpu').replace('resources: {cpus: 2, memory: 2GiB, scratch: 1GiB}', 'resources: {cpus: 2, memory: 2GiB, scratch: 1GiB, gpus: 1}');
+  assert.ok(gpuSpec.includes('gpus: 1'), 'the demo shard step resources moved: update this test');
+  await page.click('nav a[data-nav="submit"]');
+  await page.fill('[data-testid=spec-input]', gpuSpec);
+  await page.waitForSelector('[data-testid=lint-status] [data-valid="true"]');
+  await page.click('[data-testid=submit-run]');
+  await page.waitForURL(/\/runs\/\d+$/);
+  const waitingUrl = page.url();
+  const waitingId = Number(new URL(waitingUrl).pathname.split('/').pop());
+  assert.notEqual(waitingId, runId);
+  await page.waitForFunction(() => /no worker has enough resources: needs 1 GPUs/.test(document.querySelector('tr[data-name="shard"]')?.textContent || ''), null, { timeout: 60000 });
+  assert.equal(await page.locator('[data-testid=cancel-run]').count(), 1);
+  await setToken(page, adminToken);
+  await page.goto(waitingUrl);
+  await page.click('[data-testid=cancel-run]');
+  await page.waitForSelector('.titlebar[data-state="cancelled"]');
+  assert.equal(await page.locator('[data-testid=cancel-run]').count(), 0);
+  assert.equal(await page.locator('[data-testid=retry-run]').count(), 1);
+
+  // The runs page lists both, filters by state, and still shows the finished one's logs.
+  await page.click('nav a[data-nav="runs"]');
+  await page.waitForSelector(`[data-testid=runs-table] tr[data-run="${waitingId}"]`);
+  assert.match(await page.textContent(`tr[data-run="${runId}"]`), /succeeded/);
+  assert.match(await page.textContent(`tr[data-run="${runId}"]`), /qwen3_next/);
+  await page.selectOption('[data-testid=filter-state]', 'cancelled');
+  await page.waitForFunction((id) => !document.querySelector(`tr[data-run="${id}"]`), runId);
+  assert.equal(await page.locator(`tr[data-run="${waitingId}"]`).count(), 1);
+
+  // Workers and pipelines pages.
+  await page.click('nav a[data-nav="workers"]');
+  await page.waitForSelector('tr[data-worker="browser-worker"]');
+  await page.click('nav a[data-nav="pipelines"]');
+  await page.click('details[data-pipeline="browser-demo"] summary');
+  await page.waitForFunction(() => document.querySelector('details[data-pipeline="browser-demo"] [data-testid=spec]')?.textContent.includes('megatron.shard'));
+
+  await context.close();
+  assert.deepEqual(problems, [], `console errors or failed requests:\n${problems.join('\n')}`);
+});
+
+test('the run page of a run with 2,000 tasks renders in under a second', { timeout: 120000 }, async () => {
+  // The demo at tp 2 × dp 997: download, plan, 1,994 rank files, commit, split, validate,
+  // upload. Its shard step wants a GPU this worker lacks, so the run stays put while measured.
+  const spec = demoSpec('browser-2000').replace('resources: {cpus: 2, memory: 2GiB, scratch: 1GiB}', 'resources: {cpus: 2, memory: 2GiB, scratch: 1GiB, gpus: 1}');
+  const file = join(tmp, 'big.yaml');
+  writeFileSync(file, spec);
+  const id = Number(cli('submit', file, '--set', 'tp=2', '--set', 'dp=997').trim());
+  assert.ok(id > 0);
+  const tasks = await (await fetch(`${base}/api/v1/runs/${id}/tasks`)).json();
+  assert.equal(tasks.length, 2000);
+
+  const { context, page, problems } = await newPage();
+  // Once to warm the server's and the browser's caches of the static files, then measured.
+  await page.goto(`${base}/runs/${id}`);
+  await page.waitForSelector('[data-testid=task-table][data-rendered-ms]');
+  const figures = [];
+  for (let i = 0; i < 3; i += 1) {
+    const t0 = Date.now();
+    await page.goto(`${base}/runs/${id}`);
+    await page.waitForSelector('[data-testid=task-table][data-rendered-ms]');
+    const wall = Date.now() - t0;
+    const m = await page.evaluate(() => window.__shardline);
+    assert.equal(m.runPageTasks, 2000);
+    assert.equal(await page.locator('[data-testid=task-table] tbody tr').count(), 2000);
+    figures.push({ navigationToRenderedMs: Math.round(m.runPageRenderedMs), wallMs: wall });
+  }
+  const worst = Math.max(...figures.map((f) => f.navigationToRenderedMs));
+  console.log(`run page with 2,000 tasks: navigation start to task table rendered ${figures.map((f) => `${f.navigationToRenderedMs} ms`).join(', ')} (wall ${figures.map((f) => `${f.wallMs} ms`).join(', ')}); worst ${worst} ms`);
+  writeFileSync(join(OUT, 'run-page-2000.json'), JSON.stringify({ tasks: 2000, figures, worst }, null, 2));
+  assert.ok(worst < 1000, `the run page took ${worst} ms to render 2,000 tasks`);
+  assert.match(await page.textContent('tr[data-name="shard"]'), /no worker has enough resources/);
+  await context.close();
+  assert.deepEqual(problems, [], `console errors or failed requests:\n${problems.join('\n')}`);
+});
