@@ -334,6 +334,19 @@ impl Store {
         .await
     }
 
+    /// Gives up a claim that started no run (its submission failed), so that the next check
+    /// claims it afresh instead of waiting for it to go stale. A firing with a run stays.
+    pub async fn release_firing(&self, dedupe_key: &str) -> Result<(), StoreError> {
+        self.retrying("release_firing", || async {
+            let mut c = self.pool().acquire().await?;
+            c.conn()
+                .exec(sql!("DELETE FROM trigger_firings WHERE dedupe_key = $1 AND run_id IS NULL"), args![dedupe_key])
+                .await?;
+            Ok(())
+        })
+        .await
+    }
+
     /// Records the run a claimed firing started, on the firing and as the trigger's last run.
     pub async fn complete_firing(
         &self,

@@ -220,4 +220,12 @@ async fn a_stale_claim_is_taken_over(db: &TestDb) {
         FiringClaim::Taken { run: None }
     );
     assert_eq!(store.firing("k").await.expect("firing").expect("exists").claimed_at, late);
+    // A released claim (its submission failed) is free at once; a completed one is not released.
+    store.release_firing("k").await.expect("release");
+    assert_eq!(store.firing("k").await.expect("firing"), None);
+    assert_eq!(store.claim_firing(id, "k", &json!({}), late, stale).await.expect("claim"), FiringClaim::Claimed);
+    let r = run(&store).await;
+    store.complete_firing(id, "k", r, late).await.expect("complete");
+    store.release_firing("k").await.expect("release");
+    assert_eq!(store.firing("k").await.expect("firing").expect("kept").run, Some(r));
 }
