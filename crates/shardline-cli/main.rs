@@ -7,6 +7,7 @@ mod inspect;
 mod orchestrate;
 mod report;
 mod serve;
+mod triggers;
 
 use std::process::ExitCode;
 
@@ -53,6 +54,8 @@ enum Command {
     Retry(orchestrate::RetryArgs),
     /// Create, list and revoke API tokens of the HTTP API and dashboard.
     Token(serve::TokenArgs),
+    /// List the registered triggers (schedules, Hub watches) with their last and next firing.
+    Triggers(triggers::TriggersArgs),
 }
 
 /// Exit codes: 0 success, 1 the checked thing is wrong (validation found differences), 2 error.
@@ -79,6 +82,7 @@ fn main() -> ExitCode {
         Command::Cancel(a) => orchestrate::run_cancel(a),
         Command::Retry(a) => orchestrate::run_retry(a),
         Command::Token(a) => serve::run_token(a),
+        Command::Triggers(a) => triggers::run_triggers(a),
     };
     match result {
         Ok(code) => code,

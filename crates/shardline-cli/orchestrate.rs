@@ -415,6 +415,8 @@ pub struct ServerArgs {
     #[command(flatten)]
     pub http: crate::serve::HttpArgs,
     #[command(flatten)]
+    pub triggers: crate::triggers::TriggerServeArgs,
+    #[command(flatten)]
     pub state: StateArgs,
 }
 
@@ -424,9 +426,13 @@ pub fn run_server(args: ServerArgs) -> Result<ExitCode> {
         let (tx, rx) = watch::channel(false);
         tokio::spawn(shutdown_signal(tx));
         let http = crate::serve::start_http(&args.http, &store, args.state.work_dir(), rx.clone()).await?;
+        let triggers = crate::triggers::start(&args.triggers, &store, args.state.work_dir(), rx.clone()).await?;
         eprintln!("server: reaping expired leases on {}", redact(&args.state.url()));
         reaper(store, Duration::from_secs(1), rx).await;
         if let Some(h) = http {
+            let _ = h.await;
+        }
+        if let Some(h) = triggers {
             let _ = h.await;
         }
         Ok(ExitCode::SUCCESS)

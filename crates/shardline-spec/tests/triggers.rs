@@ -101,3 +101,36 @@ fn a_pipeline_without_triggers_has_none() {
     assert!(diags.is_empty(), "{}", render_all(&diags, text));
     assert!(pipeline.expect("pipeline").triggers.is_empty());
 }
+
+#[test]
+fn the_nightly_example_runs_at_two_in_paris_and_on_new_commits() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../pipelines/nightly.yaml");
+    let text = std::fs::read_to_string(&path).expect("pipelines/nightly.yaml");
+    let (pipeline, diags) = lint("pipelines/nightly.yaml", &text, &LintContext::new());
+    assert!(diags.is_empty(), "{}", render_all(&diags, &text));
+    let p = pipeline.expect("pipeline");
+    assert_eq!(p.triggers.len(), 2);
+    assert_eq!(
+        p.triggers[0].kind,
+        TriggerKind::Schedule(Schedule {
+            cron: "0 2 * * *".into(),
+            timezone: "Europe/Paris".into(),
+            missed: MissedPolicy::RunOnce
+        })
+    );
+    let TriggerKind::Watch(w) = &p.triggers[1].kind else { panic!("the second trigger is a watch") };
+    assert_eq!(w.target, WatchTarget::Repo("Qwen/Qwen3-0.6B".into()));
+    // A watch run downloads exactly the commit that fired it.
+    let sha = "0123456789abcdef0123456789abcdef01234567";
+    let ctx = TriggerContext {
+        repo: Some("Qwen/Qwen3-0.6B".into()),
+        sha: Some(sha.into()),
+        revision: Some("main".into()),
+        time: String::new(),
+    };
+    let run = p.instantiate(&p.triggers[1].overrides(&ctx), "r1").expect("instantiate");
+    assert_eq!(run.params["revision"], serde_json::json!(sha));
+    let download = serde_json::to_value(&run.step("download").expect("download").config).expect("json");
+    assert_eq!(download["repo"], "Qwen/Qwen3-0.6B");
+    assert_eq!(download["revision"], sha);
+}

@@ -233,7 +233,19 @@ impl Poller {
                 }
             }
             if registered {
-                match self.tick().await {
+                // A shutdown does not wait for a slow Hub: a tick cut between a claim and its
+                // run leaves a claim that goes stale and is taken over (the run's dedupe key
+                // finds a run that was created meanwhile).
+                let ticked = tokio::select! {
+                    r = self.tick() => r,
+                    r = shutdown.changed() => {
+                        if r.is_err() || *shutdown.borrow() {
+                            return;
+                        }
+                        continue;
+                    }
+                };
+                match ticked {
                     Ok(r) => {
                         for f in &r.fired {
                             tracing::info!(pipeline = %f.pipeline, run = %f.run, key = %f.dedupe_key, "trigger started a run");
