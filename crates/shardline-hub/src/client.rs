@@ -53,6 +53,20 @@ fn jitter() -> f64 {
     (h.finish() >> 11) as f64 / (1u64 << 53) as f64
 }
 
+/// The answer to [`HubClient::list_models_if_changed`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModelListing {
+    /// The listing's `ETag` matched the one sent: nothing changed.
+    Unchanged,
+    /// The listing changed (or nothing was sent to compare).
+    Changed {
+        /// Every model of the listing.
+        models: Vec<ModelSummary>,
+        /// The `ETag` to send next time, when the Hub sent one for a one-page listing.
+        etag: Option<String>,
+    },
+}
+
 /// A Hub client. Cheap to clone; clones share the connection pool.
 #[derive(Clone)]
 pub struct HubClient {
@@ -316,6 +330,22 @@ impl HubClient {
     /// Models by `author` whose id contains `search`: `GET /api/models?author=…&search=…`, with
     /// each model's head sha and last change when the Hub includes them.
     pub async fn list_models(&self, author: Option<&str>, search: Option<&str>) -> Result<Vec<ModelSummary>> {
+        match self.list_models_if_changed(author, search, None).await? {
+            ModelListing::Changed { models, .. } => Ok(models),
+            ModelListing::Unchanged => Ok(Vec::new()),
+        }
+    }
+
+    /// [`HubClient::list_models`] as a conditional request, for watchers: `etag` (from the
+    /// previous answer) is sent as `If-None-Match`, and a 304 answer is
+    /// [`ModelListing::Unchanged`]. An ETag is returned only for a listing of one page (a later
+    /// page may change while the first does not).
+    pub async fn list_models_if_changed(
+        &self,
+        author: Option<&str>,
+        search: Option<&str>,
+        etag: Option<&str>,
+    ) -> Result<ModelListing> {
         self.offline_guard()?;
         let mut q = vec!["expand=sha".to_owned(), "expand=lastModified".to_owned(), "expand=private".to_owned()];
         if let Some(a) = author {
@@ -326,21 +356,51 @@ impl HubClient {
         }
         let mut url = self.url(&format!("/api/models?{}", q.join("&")))?;
         let ctx = Ctx { repo: author.unwrap_or("*"), revision: None, path: None, has_token: self.has_token() };
+        let mut conditional = HeaderMap::new();
+        if let Some(v) = etag.and_then(|e| HeaderValue::from_str(e).ok()) {
+            conditional.insert(IF_NONE_MATCH, v);
+        }
+        let first = self
+            .retrying(&url, |attempt| {
+                let url = url.clone();
+                let headers = conditional.clone();
+                async move {
+                    let resp = self.send(Method::GET, &url, &headers, ctx, attempt).await?.response;
+                    if resp.status() == StatusCode::NOT_MODIFIED {
+                        return Ok(None);
+                    }
+                    let resp = check_status(resp, ctx, attempt).await?;
+                    let headers = resp.headers().clone();
+                    let body = resp.bytes().await.map_err(|e| retry_network(&url, attempt, &e))?;
+                    let items: Vec<ModelListItem> = serde_json::from_slice(&body)
+                        .map_err(|e| Failure::Fatal(invalid(&url, format!("bad JSON: {e}"))))?;
+                    Ok(Some((items, headers)))
+                }
+            })
+            .await?;
+        let Some((mut items, mut headers)) = first else {
+            return Ok(ModelListing::Unchanged);
+        };
+        let first_etag = header_str(&headers, "etag");
+        let mut pages = 1;
         let mut out = Vec::new();
-        for _ in 0..1000 {
-            let (items, headers) = self.get_json::<Vec<ModelListItem>>(&url, ctx).await?;
-            out.extend(items.into_iter().map(|m| ModelSummary {
+        loop {
+            out.extend(items.drain(..).map(|m| ModelSummary {
                 id: m.id,
                 sha: m.sha.filter(|s| is_commit_sha(s)),
                 last_modified: m.last_modified,
                 private: m.private,
             }));
             match next_link(&headers, &url) {
-                Some(next) => url = next,
-                None => break,
+                Some(next) if pages < 1000 => {
+                    url = next;
+                    (items, headers) = self.get_json::<Vec<ModelListItem>>(&url, ctx).await?;
+                    pages += 1;
+                }
+                _ => break,
             }
         }
-        Ok(out)
+        Ok(ModelListing::Changed { models: out, etag: if pages == 1 { first_etag } else { None } })
     }
 
     pub(crate) fn offline_guard(&self) -> Result<()> {

@@ -8,7 +8,7 @@
 //! |---|---|
 //! | `GET /api/models/{repo}/revision/{rev}` | `{id, sha, siblings, …}`, `ETag: "{sha}"`, `If-None-Match` → 304 |
 //! | `GET /api/models/{repo}/tree/{rev}[/{path}]?recursive=…` | `[{type, path, size, oid, lfs: {oid, size, pointerSize}}]`, paged with `Link: <…>; rel="next"` |
-//! | `GET /api/models?author=…&search=…` | `[{id, sha, lastModified, private}]` |
+//! | `GET /api/models?author=…&search=…` | `[{id, sha, lastModified, private}]`, weak `ETag`, `If-None-Match` → 304 |
 //! | `GET /{repo}/resolve/{rev}/{path}` | regular file: 200/206 with `ETag` (git blob id) and `X-Repo-Commit`; LFS file: 302 to the CDN origin (a second port) with `X-Linked-Etag`, `X-Linked-Size`, `X-Repo-Commit` |
 //! | `GET /cdn/{sha256}` (CDN origin) | the bytes, `Range` → 206 + `Content-Range`, unsatisfiable → 416 |
 //!
@@ -634,6 +634,11 @@ fn json_response() -> axum::http::response::Builder {
     status(200).header(header::CONTENT_TYPE, "application/json")
 }
 
+/// An entity tag without `W/` and quotes.
+fn normalize(tag: &str) -> &str {
+    tag.trim().trim_start_matches("W/").trim_matches('"')
+}
+
 fn authorized(repo: &FakeRepo, headers: &HeaderMap) -> bool {
     match &repo.token {
         None => true,
@@ -756,8 +761,15 @@ async fn respond(
                     })
                 })
                 .collect();
-            let v = Value::Array(items);
-            json_response().body(Body::from(v.to_string())).expect("response")
+            // A weak ETag of the body, as the Hub sends one; `If-None-Match` with it is a 304.
+            let body = Value::Array(items).to_string();
+            let etag = format!("W/\"{}\"", hex::encode(&Sha1::digest(body.as_bytes())[..10]));
+            if let Some(inm) = headers.get(header::IF_NONE_MATCH).and_then(|v| v.to_str().ok()) {
+                if inm.split(',').any(|t| t.trim() == "*" || normalize(t) == normalize(&etag)) {
+                    return status(304).header(header::ETAG, &etag).body(Body::empty()).expect("response");
+                }
+            }
+            json_response().header(header::ETAG, &etag).body(Body::from(body)).expect("response")
         }
         Route::Revision { repo, rev } => {
             let st = sh.lock();

@@ -8,7 +8,7 @@ use std::time::Duration;
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde_json::{json, Value};
 use shardline_engine::{parse_pipeline, submit, Submission};
-use shardline_hub::{HubClient, HubError};
+use shardline_hub::{HubClient, HubError, ModelListing};
 use shardline_spec::{Trigger, TriggerContext, TriggerKind, Watch, WatchTarget};
 use shardline_store::{FiringClaim, NewTrigger, RunId, Store, TriggerCheck, TriggerRecord};
 use tokio::sync::watch;
@@ -412,7 +412,18 @@ impl Poller {
         report: &mut TickReport,
     ) -> Result<Polled, TriggerError> {
         let filter = NameFilter::new(author, name)?;
-        let models = self.hub.list_models(Some(author), None).await?;
+        let seen: Option<BTreeMap<String, String>> =
+            row.state.get("seen").and_then(|v| serde_json::from_value(v.clone()).ok());
+        // The listing's ETag says whether the heads of `main` changed; other revisions are
+        // asked per repository.
+        let etag = match (&seen, w.revision == "main") {
+            (Some(_), true) => row.state.get("etag").and_then(Value::as_str),
+            _ => None,
+        };
+        let (models, listing_etag) = match self.hub.list_models_if_changed(Some(author), None, etag).await? {
+            ModelListing::Unchanged => return Ok(Polled::default()),
+            ModelListing::Changed { models, etag } => (models, etag),
+        };
         let mut current = BTreeMap::new();
         for m in models.into_iter().filter(|m| filter.matches(&m.id)) {
             // The listing's sha is the default branch's head; another revision is asked for.
@@ -429,9 +440,8 @@ impl Poller {
             };
             current.insert(m.id, sha);
         }
-        let seen: Option<BTreeMap<String, String>> =
-            row.state.get("seen").and_then(|v| serde_json::from_value(v.clone()).ok());
         let mut remember = current.clone();
+        let mut complete = true;
         let mut last_sha = None;
         let mut errors = Vec::new();
         for (repo, sha) in author_changes(seen.as_ref(), &current) {
@@ -443,7 +453,9 @@ impl Poller {
                 }
                 Ok(Fire::Done) => {}
                 Ok(Fire::Pending) | Err(_) => {
-                    // Not remembered, so the next poll tries again.
+                    // Not remembered (and the listing asked for in full), so the next poll
+                    // tries again.
+                    complete = false;
                     match seen.as_ref().and_then(|s| s.get(&repo)) {
                         Some(old) => remember.insert(repo.clone(), old.clone()),
                         None => remember.remove(&repo),
@@ -454,9 +466,10 @@ impl Poller {
                 }
             }
         }
+        let etag = listing_etag.filter(|_| complete && w.revision == "main");
         Ok(Polled {
             last_sha,
-            state: Some(json!({ "seen": remember })),
+            state: Some(json!({ "seen": remember, "etag": etag })),
             error: (!errors.is_empty()).then(|| errors.join("; ")),
         })
     }

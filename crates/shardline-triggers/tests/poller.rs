@@ -328,9 +328,15 @@ async fn author_watch_picks_up_new_matching_repos_only(db: &TestDb) {
     assert_eq!(fired, vec![Some("Qwen/Qwen3-A".to_string())]);
     assert_eq!(r.fired[0].sha.as_deref(), Some(a2.as_str()));
 
-    // Unchanged: nothing.
+    // Unchanged: a conditional listing answered 304, nothing fired.
+    env.hub.clear_requests();
     env.clock.advance(30 * MIN);
-    assert_eq!(poller.tick().await.expect("tick").fired.len(), 0);
+    let r = poller.tick().await.expect("tick");
+    assert_eq!((r.checked, r.fired.len()), (1, 0));
+    let lists: Vec<_> = env.hub.requests().into_iter().filter(|q| q.kind == RequestKind::ListModels).collect();
+    assert_eq!(lists.len(), 1);
+    assert!(lists[0].if_none_match.is_some());
+    assert_eq!(lists[0].status, 304);
     let all = runs(&store, "family").await;
     let repos: Vec<&str> = all.iter().map(|r| r.params["repo"].as_str().unwrap_or("")).collect();
     assert_eq!(repos, vec!["Qwen/Qwen3-C", "Qwen/Qwen3-A"]);

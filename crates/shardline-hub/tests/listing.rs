@@ -1,0 +1,41 @@
+//! Conditional model listings for author watches: the ETag of an unchanged listing gives a 304.
+
+use shardline_hub::fake::{FakeFile, FakeHub, RequestKind};
+use shardline_hub::{HubClient, ModelListing};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unchanged_listing_is_a_304() {
+    let hub = FakeHub::start().await.expect("fake hub");
+    let client = HubClient::new(hub.endpoint(), None).expect("client");
+    let a = hub.publish("acme/a", vec![FakeFile::new("config.json", "{}")]).expect("publish");
+
+    let ModelListing::Changed { models, etag } =
+        client.list_models_if_changed(Some("acme"), None, None).await.expect("listing")
+    else {
+        panic!("a first listing is never unchanged")
+    };
+    assert_eq!(models.len(), 1);
+    assert_eq!(models[0].sha.as_deref(), Some(a.as_str()));
+    let etag = etag.expect("the listing has an ETag");
+
+    hub.clear_requests();
+    let again = client.list_models_if_changed(Some("acme"), None, Some(&etag)).await.expect("listing");
+    assert_eq!(again, ModelListing::Unchanged);
+    let reqs = hub.requests();
+    assert_eq!(reqs.len(), 1);
+    assert_eq!(reqs[0].kind, RequestKind::ListModels);
+    assert_eq!(reqs[0].if_none_match.as_deref(), Some(etag.as_str()));
+    assert_eq!(reqs[0].status, 304);
+
+    // A new commit changes the listing, and its ETag.
+    let a2 = hub.publish("acme/a", vec![FakeFile::new("config.json", "{\"v\": 2}")]).expect("publish");
+    let ModelListing::Changed { models, etag: etag2 } =
+        client.list_models_if_changed(Some("acme"), None, Some(&etag)).await.expect("listing")
+    else {
+        panic!("the listing changed")
+    };
+    assert_eq!(models[0].sha.as_deref(), Some(a2.as_str()));
+    assert_ne!(etag2.as_deref(), Some(etag.as_str()));
+    // `list_models` is the unconditional form.
+    assert_eq!(client.list_models(Some("acme"), None).await.expect("listing").len(), 1);
+}
