@@ -195,7 +195,7 @@ async fn leased_tasks(state: &AppState) -> ApiResult<Vec<LeasedTask>> {
 }
 
 /// A run's tasks as the dashboard shows them: with progress, rate, ETA and why each waits.
-async fn annotated_tasks(state: &AppState, run: RunId) -> ApiResult<Vec<TaskDto>> {
+async fn annotated_tasks(state: &AppState, run: RunId, full: bool) -> ApiResult<Vec<TaskDto>> {
     let tasks = state.store.run_tasks(run).await?;
     let deps = state.store.run_deps(run).await?;
     let needs_workers = tasks.iter().any(|t| t.state == shardline_store::TaskState::Ready);
@@ -215,7 +215,7 @@ async fn annotated_tasks(state: &AppState, run: RunId) -> ApiResult<Vec<TaskDto>
     Ok(tasks
         .iter()
         .map(|t| {
-            let mut dto = TaskDto::from(t);
+            let mut dto = if full { TaskDto::from(t) } else { TaskDto::summary(t) };
             dto.progress_info = crate::view::progress_of(t, &outputs, now);
             dto.reason = reasons.remove(&t.id.0);
             dto
@@ -224,16 +224,18 @@ async fn annotated_tasks(state: &AppState, run: RunId) -> ApiResult<Vec<TaskDto>
 }
 
 /// The tasks of a run, by id, with progress (bytes, rate, ETA) and why each waits.
-#[utoipa::path(get, path = "/api/v1/runs/{id}/tasks", tag = "runs", params(("id" = i64, Path, description = "Run id")),
+#[utoipa::path(get, path = "/api/v1/runs/{id}/tasks", tag = "runs",
+    params(("id" = i64, Path, description = "Run id"), TasksQuery),
     responses((status = 200, body = Vec<TaskDto>), (status = 404, body = ErrorBody)))]
 pub async fn run_tasks(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<i64>,
+    Query(q): Query<TasksQuery>,
 ) -> ApiResult<Json<Vec<TaskDto>>> {
     read_access(&state, &headers).await?;
     find_run(&state, id).await?;
-    Ok(Json(annotated_tasks(&state, RunId(id)).await?))
+    Ok(Json(annotated_tasks(&state, RunId(id), !q.summary.unwrap_or(false)).await?))
 }
 
 /// The step graph of a run: each step's needs, state, fan-out and task counts, bytes.
@@ -269,8 +271,12 @@ pub async fn get_task(
     read_access(&state, &headers).await?;
     let task =
         state.store.task(TaskId(id)).await?.ok_or_else(|| ApiError::not_found(format!("Task {id} does not exist.")))?;
-    let annotated = annotated_tasks(&state, task.run).await?;
-    Ok(Json(annotated.into_iter().find(|t| t.id == id).unwrap_or_else(|| TaskDto::from(&task))))
+    let full = TaskDto::from(&task);
+    let annotated = annotated_tasks(&state, task.run, false).await?.into_iter().find(|t| t.id == id);
+    Ok(Json(match annotated {
+        Some(a) => TaskDto { progress_info: a.progress_info, reason: a.reason, ..full },
+        None => full,
+    }))
 }
 
 /// The attempts (leases) of a task, oldest first.

@@ -248,6 +248,17 @@ pub struct TaskDto {
 
 impl From<&TaskRow> for TaskDto {
     fn from(t: &TaskRow) -> TaskDto {
+        TaskDto::build(t, true)
+    }
+}
+
+impl TaskDto {
+    /// Without payload and output (`null`): what a listing of many tasks needs.
+    pub fn summary(t: &TaskRow) -> TaskDto {
+        TaskDto::build(t, false)
+    }
+
+    fn build(t: &TaskRow, full: bool) -> TaskDto {
         TaskDto {
             id: t.id.0,
             run: t.run.0,
@@ -257,8 +268,8 @@ impl From<&TaskRow> for TaskDto {
             state: t.state.as_str().into(),
             priority: t.priority,
             resources: (&t.resources).into(),
-            payload: redact(&t.payload),
-            output: redact_opt(&t.output),
+            payload: if full { redact(&t.payload) } else { Value::Null },
+            output: if full { redact_opt(&t.output) } else { None },
             progress: redact_opt(&t.progress),
             attempt: t.attempt,
             max_attempts: t.max_attempts,
@@ -420,6 +431,14 @@ impl From<&LogRow> for LogLineDto {
             line: redact_line(&l.line),
         }
     }
+}
+
+/// Query of `GET /runs/{id}/tasks`.
+#[derive(Debug, Clone, Default, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct TasksQuery {
+    /// `true`: leave out each task's payload and output (`null`), for listings of many tasks.
+    pub summary: Option<bool>,
 }
 
 /// Query of `GET /runs/{id}/logs`.

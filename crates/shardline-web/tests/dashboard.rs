@@ -166,9 +166,18 @@ async fn views(kind: Kind) {
     assert_eq!(by_name("shard/rank-1")["reason"], "waiting for a worker to claim it (one has room)");
     assert_eq!(by_name("gpu")["reason"], "no worker has enough resources: needs 4 GPUs (most: 0)");
     assert_eq!(by_name("shard/rank-1")["progress_info"]["total_bytes"], 2000);
-    // One task reads the same.
+    // The summary listing: the same without payloads and outputs.
+    let (s, sum) = app.get(&format!("/api/v1/runs/{}/tasks?summary=true", run.0)).await;
+    assert_eq!(s, StatusCode::OK, "{sum}");
+    assert_eq!(sum.as_array().map(Vec::len), t.as_array().map(Vec::len));
+    assert!(sum.as_array().expect("tasks").iter().all(|x| x["payload"].is_null() && x["output"].is_null()), "{sum}");
+    assert_eq!(sum[2]["progress_info"], t[2]["progress_info"]);
+    assert_eq!(sum[4]["reason"], t[4]["reason"]);
+    assert!(!t[2]["payload"].is_null());
+    // One task reads the same, with its payload.
     let (s, one) = app.get(&format!("/api/v1/tasks/{}", by_name("gpu")["id"])).await;
     assert_eq!((s, one["reason"].as_str()), (StatusCode::OK, by_name("gpu")["reason"].as_str()), "{one}");
+    assert_eq!(one["payload"], json!({"role": "validate"}));
 
     // Workers: what they hold now.
     let (s, w) = app.get("/api/v1/workers").await;

@@ -180,7 +180,7 @@ export function render(view, [idText], params) {
 
   async function refresh() {
     try {
-      const [r, g, ts] = await Promise.all([get(`/runs/${id}`), get(`/runs/${id}/graph`), get(`/runs/${id}/tasks`)]);
+      const [r, g, ts] = await Promise.all([get(`/runs/${id}`), get(`/runs/${id}/graph`), get(`/runs/${id}/tasks?summary=true`)]);
       if (stopped) return;
       run = r.run;
       tasks = ts;
