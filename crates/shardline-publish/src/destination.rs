@@ -181,6 +181,12 @@ impl Destination {
         &self.backend
     }
 
+    /// `text` (an error of this store, say) without credentials: URL queries and user info, and
+    /// the values of secret-looking options and `AWS_*`/`GOOGLE_*`/`AZURE_*` variables.
+    pub fn redact(&self, text: &str) -> String {
+        self.redactor.redact(text)
+    }
+
     /// The object of the file `name` (a path relative to the checkpoint directory, `/`-separated).
     pub fn object(&self, name: &str) -> ObjPath {
         name.split('/').fold(self.prefix.clone(), |p, part| p.join(part))

@@ -53,6 +53,9 @@ use thiserror::Error;
 
 mod destination;
 mod engine;
+/// moto's S3 server for tests of this and other crates.
+#[cfg(feature = "test-server")]
+pub mod moto;
 
 pub use destination::{Backend, Destination};
 pub use engine::{publish_to, read_manifest_at};

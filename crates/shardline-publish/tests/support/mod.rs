@@ -1,20 +1,19 @@
-//! Test support: an S3-compatible server (moto, from the repository's `.venv`), a store wrapper
+//! Test support: an S3-compatible server (moto, from the repository's `.venv`, through
+//! `shardline_publish::moto`), a store wrapper
 //! that fails on cue and records what was written, and checkpoint fixtures.
 #![allow(dead_code)]
 
 use std::fmt;
 use std::fs;
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io::Write;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use futures_util::stream::{BoxStream, StreamExt};
+pub use shardline_publish::moto::Moto;
 use shardline_publish::object_store::path::Path as ObjPath;
 use shardline_publish::object_store::{
     self, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore, ObjectStoreExt,
@@ -24,173 +23,6 @@ use shardline_publish::{Destination, PublishOptions};
 
 pub const BUCKET: &str = "checkpoints";
 pub const PREFIX: &str = "runs/llama-tp2";
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("repository root")
-}
-
-/// moto's S3 server on 127.0.0.1, started from `.venv` and killed on drop. It also exits by itself
-/// when this process goes away (it watches its stdin, a pipe from us, for end of file).
-pub struct Moto {
-    child: Child,
-    pub port: u16,
-    pub log: PathBuf,
-}
-
-const MOTO_MAIN: &str = r#"
-import os, sys, threading
-def watch_parent():
-    sys.stdin.read()
-    os._exit(0)
-threading.Thread(target=watch_parent, daemon=True).start()
-from moto.server import main
-main(["-H", "127.0.0.1", "-p", sys.argv[1]])
-"#;
-
-impl Moto {
-    /// Starts the server; panics (the test fails, never skips) when `.venv` or moto is missing.
-    pub fn start(dir: &Path) -> Moto {
-        let python = repo_root().join(".venv/bin/python");
-        assert!(
-            python.is_file(),
-            "{} is missing: the S3 tests need the repository's venv with moto[server] (run scripts/setup-python)",
-            python.display()
-        );
-        let check = Command::new(&python).args(["-c", "import moto.server, boto3"]).output().expect("run .venv python");
-        assert!(
-            check.status.success(),
-            "moto[server] is not installed in .venv (run scripts/setup-python): {}",
-            String::from_utf8_lossy(&check.stderr)
-        );
-        let mut last_log = String::new();
-        for attempt in 0..3 {
-            let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-            let log = dir.join(format!("moto-{attempt}.log"));
-            let out = fs::File::create(&log).unwrap();
-            let mut child = Command::new(&python)
-                .args(["-c", MOTO_MAIN, &port.to_string()])
-                .stdin(Stdio::piped())
-                .stdout(out.try_clone().unwrap())
-                .stderr(out)
-                .spawn()
-                .expect("start moto");
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = child.try_wait() {
-                    break;
-                }
-                if let Ok((200, _)) = http(port, "GET", "/") {
-                    return Moto { child, port, log };
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-            last_log = fs::read_to_string(&log).unwrap_or_default();
-        }
-        panic!("moto did not start on 127.0.0.1 after 3 attempts; its log:\n{last_log}");
-    }
-
-    pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    /// Creates a bucket (moto takes unsigned requests).
-    pub fn create_bucket(&self, bucket: &str) {
-        let (status, body) = http(self.port, "PUT", &format!("/{bucket}")).unwrap();
-        assert_eq!(status, 200, "create bucket {bucket}: {body}");
-    }
-
-    /// Multipart uploads started and neither completed nor aborted.
-    pub fn open_multipart_uploads(&self, bucket: &str) -> usize {
-        let (status, body) = http(self.port, "GET", &format!("/{bucket}?uploads")).unwrap();
-        assert_eq!(status, 200, "{body}");
-        body.matches("<UploadId>").count()
-    }
-
-    /// Configuration for object_store (as `PublishOptions::store_options`).
-    pub fn store_options(&self) -> Vec<(String, String)> {
-        vec![
-            ("aws_endpoint".into(), self.endpoint()),
-            ("aws_allow_http".into(), "true".into()),
-            ("aws_region".into(), "us-east-1".into()),
-            ("aws_access_key_id".into(), "testing".into()),
-            ("aws_secret_access_key".into(), "testing-secret".into()),
-        ]
-    }
-
-    /// The requests the server answered so far, in order: (method, path with query, status).
-    pub fn requests(&self) -> Vec<(String, String, u16)> {
-        let text = strip_ansi(&fs::read_to_string(&self.log).unwrap_or_default());
-        text.lines()
-            .filter_map(|l| {
-                let start = l.find('"')? + 1;
-                let rest = &l[start..];
-                let end = rest.find('"')?;
-                let mut words = rest[..end].split_whitespace();
-                let method = words.next()?.to_string();
-                let path = words.next()?.to_string();
-                let status = rest[end + 1..].split_whitespace().next()?.parse().ok()?;
-                Some((method, path, status))
-            })
-            .collect()
-    }
-
-    /// Requests that change objects (PUT, POST, DELETE), as "METHOD key" without the query, but
-    /// for DeleteObjects (object_store's deletes), which shows as "POST /bucket?delete" (the
-    /// keys are in the body).
-    pub fn writes_since(&self, from: usize) -> Vec<String> {
-        self.requests()[from..]
-            .iter()
-            .filter(|(m, _, _)| m == "PUT" || m == "POST" || m == "DELETE")
-            .map(|(m, p, _)| match p.split_once('?') {
-                Some((path, "delete" | "delete=")) => format!("{m} {path}?delete"),
-                Some((path, _)) => format!("{m} {path}"),
-                None => format!("{m} {p}"),
-            })
-            .collect()
-    }
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// The server colours the log lines of answers other than 200 (ANSI escapes).
-fn strip_ansi(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
-/// A minimal HTTP/1.1 request to 127.0.0.1:port.
-fn http(port: u16, method: &str, path: &str) -> std::io::Result<(u16, String)> {
-    let mut s = TcpStream::connect(("127.0.0.1", port))?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")?;
-    let mut resp = String::new();
-    s.read_to_string(&mut resp)?;
-    let status = resp
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| std::io::Error::other(format!("bad response: {resp}")))?;
-    Ok((status, resp))
-}
 
 /// A source checkpoint: three small rank files, one of `big` bytes, and `.metadata`.
 pub fn make_src(dir: &Path, big: usize) {
