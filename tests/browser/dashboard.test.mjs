@@ -91,7 +91,12 @@ before(async () => {
   const listed = cli('token', 'list');
   assert.ok(listed.includes('browser-submit') && !listed.includes(submitToken), 'token list shows names, never secrets');
 
-  const server = start('server', ['server', '--http', '127.0.0.1:0', '--public-reads']);
+  // A pipeline with a schedule trigger (02:00 UTC: it does not fire during the test).
+  const pipelines = join(tmp, 'pipelines');
+  mkdirSync(pipelines, { recursive: true });
+  writeFileSync(join(pipelines, 'nightly.yaml'), demoSpec('browser-nightly')
+    .replace('steps:\n', 'triggers:\n  - schedule: {cron: "0 2 * * *", timezone: UTC}\nsteps:\n'));
+  const server = start('server', ['server', '--http', '127.0.0.1:0', '--public-reads', '--pipelines', pipelines]);
   base = await until('the server to listen', () => {
     const m = readFileSync(server.log, 'utf8').match(/http:\/\/(127\.0\.0\.1:\d+)\//);
     return m ? `http://${m[1]}` : null;
@@ -129,8 +134,10 @@ async function newPage() {
   page.on('console', (m) => { if (m.type() === 'error') problems.push(`console: ${m.text()}`); });
   page.on('pageerror', (e) => problems.push(`page error: ${e.message}`));
   page.on('requestfailed', (r) => {
-    // Event streams are aborted when a page goes away; anything else is a failure.
-    if (!r.url().includes('/api/v1/events')) problems.push(`request failed: ${r.url()} ${r.failure()?.errorText}`);
+    // Requests still in flight when a page is left are aborted by the browser (event streams
+    // always are); any other failure is a problem.
+    const why = r.failure()?.errorText || '';
+    if (why !== 'net::ERR_ABORTED') problems.push(`request failed: ${r.url()} ${why}`);
   });
   page.on('dialog', (d) => d.accept());
   return { context, page, problems };
@@ -201,7 +208,7 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   await page.waitForFunction(() => document.querySelectorAll('[data-testid=logs] [data-line]').length >= 2);
   const logText = await page.textContent('[data-testid=logs]');
   assert.match(logText, /succeeded in/);
-  assert.match(await page.textContent('[data-testid=attempts]'), /browser-worker/);
+  await page.waitForFunction(() => /browser-worker/.test(document.querySelector('[data-testid=attempts]')?.textContent || ''));
   await page.fill('[data-testid=log-search]', 'succeeded in');
   await page.waitForFunction(() => /^1 of \d+ lines match$/.test(document.querySelector('[data-testid=log-count]').textContent));
   assert.equal(await page.locator('[data-testid=logs] [data-line]').count(), 1);
@@ -237,10 +244,24 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   assert.equal(await page.locator(`tr[data-run="${runId}"]`).count(), 0);
   assert.equal(await page.locator('[data-testid=runs-table] tbody tr').count(), 1);
 
-  // Workers and pipelines pages.
+  // Workers and pipelines pages; the trigger with its next firing.
   await page.click('nav a[data-nav="workers"]');
   await page.waitForSelector('tr[data-worker="browser-worker"]');
+  const now = new Date();
+  const due = new Date(Date.UTC(now.getUTCFullYear(), now.getUTCMonth(), now.getUTCDate(), 2));
+  if (due <= now) due.setUTCDate(due.getUTCDate() + 1);
+  const listed = await until('the trigger to be registered with its next firing', async () => {
+    const ts = await (await fetch(`${base}/api/v1/triggers`)).json();
+    return ts.find((t) => t.pipeline === 'browser-nightly' && t.next_at);
+  });
+  assert.equal(new Date(listed.next_at).getTime(), due.getTime(), `next firing ${listed.next_at}`);
   await page.click('nav a[data-nav="pipelines"]');
+  await page.click('details[data-pipeline="browser-nightly"] summary');
+  const trigger = await page.waitForSelector('details[data-pipeline="browser-nightly"] [data-testid=triggers] tbody tr');
+  const cells = await trigger.$$eval('td', (tds) => tds.map((td) => td.textContent));
+  assert.match(cells[2], /0 2 \* \* \*/);
+  assert.equal(cells[3], 'never');
+  assert.equal(cells[4], await page.evaluate((iso) => new Date(iso).toLocaleString(undefined, { hour12: false }), listed.next_at));
   await page.click('details[data-pipeline="browser-demo"] summary');
   await page.waitForFunction(() => document.querySelector('details[data-pipeline="browser-demo"] [data-testid=spec]')?.textContent.includes('megatron.shard'));
 
@@ -280,7 +301,7 @@ test('a running task shows a progress bar with bytes/s and ETA, and its logs fol
   // Its panel while it runs: the lease holder, then the last lines arriving without a reload.
   await page.click(`${row} a.task-link`);
   await page.waitForSelector('[data-testid=task-panel]:not([hidden])');
-  assert.match(await page.textContent('[data-testid=attempts]'), /browser-worker/);
+  await page.waitForFunction(() => /browser-worker/.test(document.querySelector('[data-testid=attempts]')?.textContent || ''));
   const before = await page.locator('[data-testid=logs] [data-line]').count();
   await page.waitForFunction(() => /succeeded in/.test(document.querySelector('[data-testid=logs]')?.textContent || ''), null, { timeout: 120000 });
   assert.ok(await page.locator('[data-testid=logs] [data-line]').count() > before, 'no log line arrived while following');

@@ -13,23 +13,28 @@ export function render(view) {
     try {
       const [ps, triggers] = await Promise.all([get('/pipelines'), get('/triggers').catch(() => null)]);
       if (stopped) return;
-      if (!ps.length) {
+      // Pipelines with a stored spec, then those only a trigger names (not submitted yet).
+      const names = ps.map((p) => p.name);
+      for (const t of triggers || []) if (!names.includes(t.pipeline)) names.push(t.pipeline);
+      if (!names.length) {
         replace(list, h('p', { class: 'muted' }, 'No pipeline has been submitted yet. ', link('/submit', 'Submit one.')));
         return;
       }
-      replace(list, ps.map((p) => {
-        const spec = h('pre', { class: 'spec', 'data-testid': 'spec' }, 'Loading…');
-        const mine = (triggers || []).filter((t) => t.pipeline === p.name);
-        const details = h('details', { 'data-pipeline': p.name },
-          h('summary', {}, h('strong', {}, p.name), ' ',
-            h('span', { class: 'muted' }, `${p.versions} version${p.versions === 1 ? '' : 's'} · spec ${p.latest_spec_hash.slice(0, 12)}`), ' ',
-            link(`/runs?pipeline=${encodeURIComponent(p.name)}`, 'runs')),
+      replace(list, names.map((name) => {
+        const p = ps.find((x) => x.name === name);
+        const spec = p ? h('pre', { class: 'spec', 'data-testid': 'spec' }, 'Loading…') : h('p', { class: 'muted' }, 'No run submitted yet: the spec is stored with the first run.');
+        const mine = (triggers || []).filter((t) => t.pipeline === name);
+        const details = h('details', { 'data-pipeline': name },
+          h('summary', {}, h('strong', {}, name), ' ',
+            p ? h('span', { class: 'muted' }, `${p.versions} version${p.versions === 1 ? '' : 's'} · spec ${p.latest_spec_hash.slice(0, 12)}`) : null, ' ',
+            mine.length ? h('span', { class: 'muted' }, `· ${mine.length} trigger${mine.length === 1 ? '' : 's'}`) : null, ' ',
+            link(`/runs?pipeline=${encodeURIComponent(name)}`, 'runs')),
           triggers ? triggerTable(mine) : null,
           spec);
         details.addEventListener('toggle', async () => {
-          if (!details.open || spec.dataset.loaded) return;
+          if (!p || !details.open || spec.dataset.loaded) return;
           try {
-            const d = await get(`/pipelines/${encodeURIComponent(p.name)}`);
+            const d = await get(`/pipelines/${encodeURIComponent(name)}`);
             spec.textContent = d.spec_text;
             spec.dataset.loaded = '1';
           } catch (e) {
