@@ -348,3 +348,23 @@ test('the run page of a run with 2,000 tasks renders in under a second', { timeo
   await context.close();
   assert.deepEqual(problems, [], `console errors or failed requests:\n${problems.join('\n')}`);
 });
+
+test('logs stay readable after the worker is gone', { timeout: 60000 }, async () => {
+  const worker = procs.find((p) => p.name === 'worker');
+  worker.child.kill('SIGTERM');
+  await until('the worker to exit', () => worker.child.exitCode !== null || worker.child.signalCode !== null);
+  const runs = (await (await fetch(`${base}/api/v1/runs?pipeline=browser-demo`)).json()).runs;
+  assert.equal(runs.length, 1);
+  const tasks = await (await fetch(`${base}/api/v1/runs/${runs[0].id}/tasks?summary=true`)).json();
+  const rank = tasks.find((t) => t.name === 'shard/rank-0');
+
+  const { context, page, problems } = await newPage();
+  await page.goto(`${base}/workers`);
+  await page.waitForSelector('tr[data-worker="browser-worker"] [data-state="stopped"]');
+  await page.goto(`${base}/runs/${runs[0].id}?task=${rank.id}`);
+  await page.waitForSelector('[data-testid=task-panel]:not([hidden])');
+  await page.waitForFunction(() => /succeeded in/.test(document.querySelector('[data-testid=logs]')?.textContent || ''));
+  assert.match(await page.textContent('[data-testid=logs]'), /succeeded in/);
+  await context.close();
+  assert.deepEqual(problems, [], `console errors or failed requests:\n${problems.join('\n')}`);
+});
