@@ -164,7 +164,10 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   await page.fill('[data-testid=spec-input]', broken);
   const diag = await page.waitForSelector(`[data-testid=diagnostic][data-line="${badLine}"]`);
   assert.match(await diag.textContent(), /megatron\.split_fuzed/);
-  assert.equal(await page.getAttribute(`.gutter [data-line="${badLine}"]`, 'class'), 'error');
+  assert.equal(await page.getAttribute(`.gutter [data-line="${badLine}"]`, 'class'), 'g-error');
+  // The gutter's numbers sit beside their lines.
+  const rows = await page.$$eval('.gutter [data-line]', (ds) => ds.map((d) => d.getBoundingClientRect().height));
+  assert.ok(rows.every((hgt) => Math.abs(hgt - 18) < 0.5), `gutter rows are not one text line high: ${rows}`);
   assert.equal(await page.isDisabled('[data-testid=submit-run]'), true, 'a spec with errors can be submitted');
 
   // The fixed spec lints clean and is submitted from the page.

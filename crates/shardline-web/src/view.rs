@@ -309,14 +309,12 @@ pub fn steps(spec: &Value, tasks: &[TaskRow], deps: &[TaskDep]) -> Vec<StepDto> 
         .map(|(id, kind, needs)| {
             let ts = by_step.get(id.as_str()).cloned().unwrap_or_default();
             let counts = count(&ts);
-            let mut bytes = 0u64;
-            let mut total_bytes = 0u64;
-            for t in &ts {
-                if let Some(p) = progress_of(t, &outputs, now) {
-                    bytes += p.bytes;
-                    total_bytes += p.total_bytes.unwrap_or(0);
-                }
-            }
+            // Bytes of the tasks with a known total (a shard step's ranks) against that total;
+            // without any, what the step's tasks report.
+            let progress: Vec<ProgressDto> = ts.iter().filter_map(|t| progress_of(t, &outputs, now)).collect();
+            let planned = progress.iter().any(|p| p.total_bytes.is_some());
+            let bytes = progress.iter().filter(|p| !planned || p.total_bytes.is_some()).map(|p| p.bytes).sum::<u64>();
+            let total_bytes = progress.iter().filter_map(|p| p.total_bytes).sum::<u64>();
             let cached =
                 ts.iter().filter(|t| t.output.as_ref().is_some_and(|o| o.get("cached").is_some())).count() as i64;
             StepDto {
@@ -463,15 +461,24 @@ mod tests {
             task(2, "shard", "shard", TaskState::Succeeded),
             task(3, "shard/rank-0", "shard", TaskState::Leased),
             task(4, "shard/rank-1", "shard", TaskState::Ready),
-            task(5, "shard/commit", "shard", TaskState::Blocked),
+            task(5, "shard/commit", "shard", TaskState::Succeeded),
         ];
+        let mut tasks = tasks;
+        tasks[1].output = Some(json!({"bytes_per_rank": [100, 300]}));
+        tasks[2].payload = json!({"role": "rank", "plan_task": "shard", "rank": 0});
+        tasks[2].progress = Some(json!({"bytes": 40}));
+        tasks[3].payload = json!({"role": "rank", "plan_task": "shard", "rank": 1});
+        tasks[4].output = Some(json!({"bytes": 999}));
+        tasks[0].output = Some(json!({"bytes": 5000}));
         let s = steps(&spec, &tasks, &[]);
+        assert_eq!((s[1].bytes, s[1].total_bytes), (40, Some(400)), "the commit's file bytes do not count");
+        assert_eq!((s[0].bytes, s[0].total_bytes), (5000, None));
         assert_eq!(s.len(), 2);
         assert_eq!(
             (s[0].id.as_str(), s[0].kind.as_str(), s[0].state.as_str()),
             ("download", "hf.download", "succeeded")
         );
-        assert_eq!((s[1].tasks.total, s[1].tasks.succeeded, s[1].state.as_str()), (4, 1, "running"));
+        assert_eq!((s[1].tasks.total, s[1].tasks.succeeded, s[1].state.as_str()), (4, 2, "running"));
         assert_eq!(s[1].needs, ["download"]);
     }
 }

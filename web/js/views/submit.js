@@ -34,7 +34,7 @@ export function render(view) {
   function renderGutter() {
     const n = text.value.split('\n').length;
     const bad = new Map();
-    for (const d of diagnostics) bad.set(d.line, d.severity === 'error' ? 'error' : bad.get(d.line) || 'warning');
+    for (const d of diagnostics) bad.set(d.line, d.severity === 'error' ? 'g-error' : bad.get(d.line) || 'g-warning');
     const frag = document.createDocumentFragment();
     for (let i = 1; i <= n; i += 1) {
       frag.append(h('div', { class: bad.get(i) || '', 'data-line': i }, String(i)));
