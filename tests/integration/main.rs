@@ -5,6 +5,7 @@ mod bad_input;
 mod convert;
 mod hub_s3;
 mod orchestrator;
+mod triggers;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
