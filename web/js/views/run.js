@@ -55,7 +55,7 @@ export function render(view, [idText], params) {
     try {
       await api(`/runs/${id}/${what}`, { method: 'POST', body: {} });
       replace(message, h('div', { class: 'note' }, what === 'cancel' ? 'Run cancelled.' : 'Run re-queued.'));
-      refresh();
+      schedule(0);
     } catch (e) {
       replace(message, errorBox(e));
     }
@@ -178,7 +178,19 @@ export function render(view, [idText], params) {
   filterText.addEventListener('input', renderTasks);
   filterState.addEventListener('change', renderTasks);
 
+  // One refresh at a time; changes meanwhile ask for one more after it (events can arrive
+  // faster than a 2,000-task run can be read).
+  let inFlight = false;
+  let again = false;
+  let timer = null;
+  function schedule(delay = 250) {
+    if (timer) return;
+    timer = setTimeout(() => { timer = null; refresh(); }, delay);
+  }
+
   async function refresh() {
+    if (inFlight) { again = true; return; }
+    inFlight = true;
     try {
       const [r, g, ts] = await Promise.all([get(`/runs/${id}`), get(`/runs/${id}/graph`), get(`/runs/${id}/tasks?summary=true`)]);
       if (stopped) return;
@@ -199,6 +211,9 @@ export function render(view, [idText], params) {
       if (selected && !closePanel) openPanel(selected);
     } catch (e) {
       if (!stopped) replace(message, errorBox(e));
+    } finally {
+      inFlight = false;
+      if (again && !stopped) { again = false; schedule(); }
     }
   }
 
@@ -214,14 +229,11 @@ export function render(view, [idText], params) {
     if (!firstRender) renderTasks();
   }).catch(() => {});
 
-  let timer = null;
   const unsub = subscribe((ev) => {
-    if (ev.run !== id) return;
-    clearTimeout(timer);
-    timer = setTimeout(refresh, 200);
+    if (ev.run === id) schedule();
   });
   // Heartbeats (progress) are not events: poll while the run is live.
-  const poll = setInterval(() => { if (run && !TERMINAL.has(run.state)) refresh(); }, 2000);
+  const poll = setInterval(() => { if (run && !TERMINAL.has(run.state)) schedule(0); }, 2000);
   refresh();
   return () => {
     stopped = true;

@@ -85,10 +85,11 @@ export function render(view, _m, params) {
       h('td', { title: r.created_at }, ago(r.created_at)));
   }
 
+  // At most one reload per 500 ms however fast events come.
   const unsub = subscribe((ev) => {
-    if (ev.kind !== 'run' && ev.state !== 'leased' && ev.state !== 'succeeded') return;
-    clearTimeout(timer);
-    timer = setTimeout(load, 300);
+    if (ev.kind !== 'run' && ev.state !== 'succeeded') return;
+    if (timer) return;
+    timer = setTimeout(() => { timer = null; load(); }, 500);
   });
   const tick = setInterval(load, 10000);
   load();
