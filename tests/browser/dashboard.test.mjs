@@ -371,3 +371,27 @@ test('logs stay readable after the worker is gone', { timeout: 60000 }, async ()
   await context.close();
   assert.deepEqual(problems, [], `console errors or failed requests:\n${problems.join('\n')}`);
 });
+
+test('by default every API request needs a token; a revoked one stops working at once', { timeout: 60000 }, async () => {
+  const server = start('server-closed', ['server', '--http', '127.0.0.1:0']);
+  const closed = await until('the second server to listen', () => {
+    const m = readFileSync(server.log, 'utf8').match(/http:\/\/(127\.0\.0\.1:\d+)\//);
+    return m ? `http://${m[1]}` : null;
+  });
+  const reader = cli('token', 'create', '--scope', 'read', '--name', 'browser-read').trim();
+  const get = (path, token) => fetch(`${closed}${path}`, { headers: token ? { Authorization: `Bearer ${token}` } : {} });
+  assert.equal((await get('/api/v1/runs')).status, 401);
+  assert.equal((await get('/api/v1/runs', reader)).status, 200);
+  const index = await get('/runs');
+  assert.equal(index.status, 200, 'the dashboard itself holds no data and loads without a token');
+  assert.match(index.headers.get('content-security-policy'), /script-src 'self'/);
+  // A read token cannot cancel; the admin token can't after it is revoked.
+  const runs = (await (await get('/api/v1/runs?state=cancelled', reader)).json()).runs;
+  assert.ok(runs.length >= 1);
+  const retry = (token) => fetch(`${closed}/api/v1/runs/${runs[0].id}/retry`, { method: 'POST', headers: { Authorization: `Bearer ${token}` } });
+  assert.equal((await retry(reader)).status, 403);
+  const id = cli('token', 'list').split('\n').find((l) => l.includes('browser-admin')).trim().split(/\s+/)[0];
+  assert.match(cli('token', 'revoke', id), /revoked/);
+  assert.equal((await retry(adminToken)).status, 401);
+  assert.match(cli('token', 'list').split('\n').find((l) => l.includes('browser-admin')), /\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\s*$/);
+});
