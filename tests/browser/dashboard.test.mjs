@@ -159,11 +159,16 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
 
   // A broken spec: the lint error is shown at its line before anything is submitted.
   await page.click('nav a[data-nav="submit"]');
-  const broken = demoSpec('browser-demo').replace('uses: megatron.split_fused', 'uses: megatron.split_fuzed');
+  // Markup in a spec is text on every page (a markup injection would also trip the CSP and
+  // log an error).
+  const evil = '<img src=x onerror=window.__xss=1>';
+  const broken = demoSpec('browser-demo').replace('uses: megatron.split_fused', `uses: "megatron.split_fuzed${evil}"`);
   const badLine = broken.split('\n').findIndex((l) => l.includes('split_fuzed')) + 1;
   await page.fill('[data-testid=spec-input]', broken);
   const diag = await page.waitForSelector(`[data-testid=diagnostic][data-line="${badLine}"]`);
   assert.match(await diag.textContent(), /megatron\.split_fuzed/);
+  assert.ok((await page.textContent('[data-testid=lint-inline]')).includes(evil), 'the spec text is not shown as written');
+  assert.equal(await page.locator('[data-testid=lint-inline] img').count(), 0);
   assert.equal(await page.getAttribute(`.gutter [data-line="${badLine}"]`, 'class'), 'g-error');
   // The gutter's numbers sit beside their lines.
   const rows = await page.$$eval('.gutter [data-line]', (ds) => ds.map((d) => d.getBoundingClientRect().height));
@@ -171,7 +176,9 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   assert.equal(await page.isDisabled('[data-testid=submit-run]'), true, 'a spec with errors can be submitted');
 
   // The fixed spec lints clean and is submitted from the page.
-  await page.fill('[data-testid=spec-input]', demoSpec('browser-demo'));
+  const good = demoSpec('browser-demo').replace(/^description: .*$/m, 'description: "<script>window.__xss=2</script> tiny"');
+  assert.ok(good.includes('<script>'), 'the demo has no description line: update this test');
+  await page.fill('[data-testid=spec-input]', good);
   await page.waitForSelector('[data-testid=lint-status] [data-valid="true"]');
   assert.equal(await page.locator('[data-testid=diagnostic]').count(), 0);
   await page.click('[data-testid=submit-run]');
@@ -267,6 +274,9 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   assert.equal(cells[4], await page.evaluate((iso) => new Date(iso).toLocaleString(undefined, { hour12: false }), listed.next_at));
   await page.click('details[data-pipeline="browser-demo"] summary');
   await page.waitForFunction(() => document.querySelector('details[data-pipeline="browser-demo"] [data-testid=spec]')?.textContent.includes('megatron.shard'));
+  assert.ok((await page.textContent('details[data-pipeline="browser-demo"] [data-testid=spec]')).includes('<script>window.__xss=2</script>'));
+  assert.equal(await page.locator('details[data-pipeline="browser-demo"] script').count(), 0);
+  assert.equal(await page.evaluate(() => window.__xss), undefined);
 
   await context.close();
   assert.deepEqual(problems, [], `console errors or failed requests:\n${problems.join('\n')}`);
