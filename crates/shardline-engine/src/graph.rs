@@ -84,6 +84,19 @@ pub enum Payload {
         #[serde(default = "yes")]
         cache: bool,
     },
+    /// `hf.download` of an object-store prefix into a local cache directory; its output's `path`
+    /// is that directory.
+    ObjectDownload {
+        /// `s3://bucket/prefix`, `gs://…`, `az://…` or `file:///abs/dir`.
+        url: String,
+        /// Where downloads are cached (`<work>/cache/objects`), unless the worker names its own.
+        cache_dir: PathBuf,
+        step_hash: String,
+        /// The step's `cache`: serve the directory from the step cache when the prefix lists the
+        /// same objects (names, sizes, ETags) as before.
+        #[serde(default = "yes")]
+        cache: bool,
+    },
     Plan {
         job: ShardJob,
     },
@@ -209,6 +222,15 @@ pub fn tasks_for(p: &ResolvedPipeline, run_dir: &Path, base_dir: &Path) -> Resul
                 };
                 tasks.push(base(step, step.id.clone(), kinds::DOWNLOAD, needs, payload));
             }
+            StepConfig::HfDownload { source: DownloadSource::ObjectStore { url } } => {
+                let payload = Payload::ObjectDownload {
+                    url: url.clone(),
+                    cache_dir: object_cache_dir(run_dir),
+                    step_hash,
+                    cache: step.cache,
+                };
+                tasks.push(base(step, step.id.clone(), kinds::DOWNLOAD, needs, payload));
+            }
             StepConfig::MegatronShard {
                 tp,
                 cp,
@@ -305,6 +327,13 @@ pub fn tasks_for(p: &ResolvedPipeline, run_dir: &Path, base_dir: &Path) -> Resul
         }
     }
     Ok(tasks)
+}
+
+/// The download cache of object-store sources: `<work>/cache/objects`, next to `<work>/runs`
+/// (a run's directory is `<work>/runs/<run name>`).
+fn object_cache_dir(run_dir: &Path) -> PathBuf {
+    let work = run_dir.parent().and_then(Path::parent).unwrap_or(run_dir);
+    work.join("cache").join("objects")
 }
 
 /// `file://relative/dir` and relative paths are taken relative to the submitting directory.

@@ -8,6 +8,7 @@
 
 pub mod graph;
 pub mod hub;
+pub mod objects;
 pub mod steps;
 pub mod worker;
 
@@ -21,6 +22,7 @@ use thiserror::Error;
 use tokio::sync::watch;
 
 pub use hub::HubSettings;
+pub use objects::ObjectSourceSettings;
 pub use worker::{run_worker, WorkerConfig};
 
 /// Why a submission was refused.

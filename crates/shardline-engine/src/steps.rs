@@ -19,6 +19,7 @@ use thiserror::Error;
 
 use crate::graph::{Payload, ShardJob};
 use crate::hub::{self, HubRequest, HubSettings};
+use crate::objects::{self, ObjectSourceSettings};
 
 /// Why a task failed; `retryable` decides whether another attempt may help.
 #[derive(Debug, Error)]
@@ -50,6 +51,8 @@ pub struct StepContext<'a> {
     pub log: &'a (dyn Fn(String) + Sync),
     /// How Hub downloads reach the Hub.
     pub hub: &'a HubSettings,
+    /// How object-store sources are reached and where they are cached.
+    pub objects: &'a ObjectSourceSettings,
 }
 
 impl StepContext<'_> {
@@ -216,6 +219,20 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<Value, StepError>
             let req = HubRequest { repo, revision, allow, ignore, endpoint: endpoint.as_deref() };
             let output = hub::download(&req, ctx.hub, ctx)?;
             // The snapshot must be a release the later steps can read.
+            let path = output.get("path").and_then(Value::as_str).map(PathBuf::from).unwrap_or_default();
+            let release = open_release(&path)?;
+            (ctx.log)(format!(
+                "release ok: {} files, {} tensors, {} bytes",
+                release.files().len(),
+                release.tensors().len(),
+                release.total_bytes()
+            ));
+            Ok(output)
+        }
+        Payload::ObjectDownload { url, cache_dir, .. } => {
+            let cache_root = ctx.objects.cache_dir.as_deref().unwrap_or(cache_dir);
+            let output = objects::download(url, cache_root, ctx.objects, ctx)?;
+            // The directory must be a release the later steps can read.
             let path = output.get("path").and_then(Value::as_str).map(PathBuf::from).unwrap_or_default();
             let release = open_release(&path)?;
             (ctx.log)(format!(

@@ -17,6 +17,7 @@ use tokio::task::JoinSet;
 
 use crate::graph::Payload;
 use crate::hub::{self, HubRequest, HubSettings};
+use crate::objects::{self, ObjectSourceSettings};
 use crate::steps::{self, StepContext, StepError};
 
 /// How a worker behaves.
@@ -31,6 +32,9 @@ pub struct WorkerConfig {
     pub use_cache: bool,
     /// How `hf.download` tasks reach the Hub (default: the environment).
     pub hub: HubSettings,
+    /// How `hf.download` tasks reach object stores and where they cache what they download
+    /// (default: the environment, `<work>/cache/objects`).
+    pub objects: ObjectSourceSettings,
 }
 
 impl WorkerConfig {
@@ -41,6 +45,7 @@ impl WorkerConfig {
             poll: Duration::from_millis(500),
             use_cache: true,
             hub: HubSettings::default(),
+            objects: ObjectSourceSettings::default(),
         }
     }
 }
@@ -228,12 +233,50 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
         }
     }
 
+    // An object-store prefix: listed (names, sizes, ETags); a directory downloaded before from the
+    // same listing that is still complete on disk is reused without a byte downloaded.
+    if let Payload::ObjectDownload { url, cache: true, .. } = &payload {
+        if config.use_cache && run_uses_cache(store, task.run).await {
+            let listed = match objects::open(url, &config.objects) {
+                Ok(src) => objects::list(&src).await,
+                Err(e) => Err(e),
+            };
+            match listed {
+                Ok(listing) => {
+                    let key = listing.cache_key();
+                    if let Ok(Some(hit)) = store.cache_get(&key).await {
+                        if objects::cached_output_usable(&hit) {
+                            let _ = log_tx.send(sys(format!(
+                                "cache hit {key}: {} lists the same {} objects, already in {}",
+                                listing.url,
+                                listing.objects.len(),
+                                hit.get("path").and_then(Value::as_str).unwrap_or_default()
+                            )));
+                            let mut output = hit;
+                            if let Some(o) = output.as_object_mut() {
+                                o.insert("cached".into(), json!(true));
+                            }
+                            logs.flush(store, &lease).await;
+                            let _ = store.complete(&lease, Outcome::Succeeded { output }).await;
+                            return;
+                        }
+                    }
+                }
+                // The download reports the error (with its retries) if it persists.
+                Err(e) => {
+                    let _ = log_tx.send(sys(format!("step cache not consulted: {e}")));
+                }
+            }
+        }
+    }
+
     let progress = Arc::new(Progress::default());
     let bytes_total = Arc::new(AtomicU64::new(0));
     let exec = {
         let progress = progress.clone();
         let bytes_total = bytes_total.clone();
         let hub_settings = config.hub.clone();
+        let object_settings = config.objects.clone();
         let log_tx = log_tx.clone();
         let payload = payload.clone();
         let outputs = outputs.clone();
@@ -250,6 +293,7 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
                 bytes_total: &bytes_total,
                 log: &log,
                 hub: &hub_settings,
+                objects: &object_settings,
             };
             steps::execute(&payload, &ctx)
         })
@@ -318,8 +362,13 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
     };
     logs.flush(store, &lease).await;
     let succeeded_commit = matches!((&payload, &outcome), (Payload::Commit { .. }, Outcome::Succeeded { .. }));
-    let succeeded_hub_download =
-        matches!((&payload, &outcome), (Payload::HubDownload { cache: true, .. }, Outcome::Succeeded { .. }));
+    let succeeded_hub_download = matches!(
+        (&payload, &outcome),
+        (
+            Payload::HubDownload { cache: true, .. } | Payload::ObjectDownload { cache: true, .. },
+            Outcome::Succeeded { .. }
+        )
+    );
     let output_for_cache = match &outcome {
         Outcome::Succeeded { output } => Some(output.clone()),
         _ => None,
@@ -346,7 +395,8 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     if accepted && succeeded_hub_download {
-        // Remember the snapshot under its commit's key (computed by the download from the sha it got).
+        // Remember the snapshot under its commit's key (computed by the download from the sha it
+        // got), a downloaded prefix under its listing's key.
         if let Some(output) = &output_for_cache {
             if let Some(key) = output.get("cache_key").and_then(Value::as_str) {
                 let _ = store.cache_put(key, output).await;

@@ -31,7 +31,7 @@
 //!
 //! | kind | fields |
 //! |---|---|
-//! | `hf.download` | exactly one of `repo` (a Hub repository, `org/name`) and `path` (a local HF-layout directory); with `repo`: `revision` = `main` (branch, tag or commit sha), `allow` / `ignore` = [] (`fnmatch` globs), `endpoint` = `HF_ENDPOINT`, else `https://huggingface.co` |
+//! | `hf.download` | exactly one of `repo` (a Hub repository, `org/name`) and `path` (a local HF-layout directory, or an object-store prefix: `s3://bucket/prefix`, `gs://…`, `az://…`, `file:///abs/dir`); with `repo`: `revision` = `main` (branch, tag or commit sha), `allow` / `ignore` = [] (`fnmatch` globs), `endpoint` = `HF_ENDPOINT`, else `https://huggingface.co` |
 //! | `megatron.shard` | `tp`, `dp` (required), `cp` = 1, `ep` = 1, `etp` = `tp`, `format` = `dcp` \| `dcp-safetensors`, `prefix` = `model.module.`, `optimizer_state` = false, `vocab_divisible_by` = 128, `keep` = false |
 //! | `megatron.split_fused` | `keep` = false; its only need is a `megatron.shard` step |
 //! | `checkpoint.validate` | none; validates against the upstream download's source |
@@ -65,6 +65,7 @@ mod lint;
 mod model;
 mod resolve;
 mod schema;
+pub use schema::is_object_store_source;
 mod suggest;
 mod template;
 pub mod triggers;

@@ -959,7 +959,8 @@ impl<'a> Linter<'a> {
                 format!("{who} (`hf.download`) has both `with.repo` and `with.path`; a download reads one source"),
             );
             self.push(d.with_note(format!("`with.{first}` is set too")).with_hint(
-                "keep `repo` to download from the Hub into the HF cache, or `path` to read a local directory",
+                "keep `repo` to download from the Hub into the HF cache, or `path` to read a local directory or an \
+                 object-store prefix",
             ));
         } else if !repo && !path {
             let span = if self.loc.values.contains_key(&with_path) {
@@ -974,8 +975,8 @@ impl<'a> Linter<'a> {
                 format!("{who} (`hf.download`) has no source: set `with.repo` or `with.path`"),
             );
             self.push(d.with_hint(
-                "e.g. `with: {repo: Qwen/Qwen3-0.6B}` for a Hub repository, or `with: {path: /data/models/llama}` \
-                 for a local HF-layout directory",
+                "e.g. `with: {repo: Qwen/Qwen3-0.6B}` for a Hub repository, `with: {path: /data/models/llama}` \
+                 for a local HF-layout directory, or `with: {path: s3://bucket/models/llama}` for an object store",
             ));
         } else if path {
             for k in HUB_ONLY_FIELDS {
@@ -985,7 +986,7 @@ impl<'a> Linter<'a> {
                         self.loc.key(&at),
                         &at,
                         "hub-only-field",
-                        format!("`with.{k}` applies to Hub downloads (`with.repo`), but {who} reads a local `path`"),
+                        format!("`with.{k}` applies to Hub downloads (`with.repo`), but {who} reads a `path`"),
                     );
                     self.push(d.with_hint(format!("remove `{k}`, or replace `path` with `repo: org/name`")));
                 }

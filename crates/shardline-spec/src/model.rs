@@ -450,6 +450,9 @@ pub enum DownloadSource {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         endpoint: Option<String>,
     },
+    /// The objects under an object-store prefix (`s3://bucket/prefix`, `gs://…`, `az://…`,
+    /// `file:///abs/dir`; written as `path` in the spec), downloaded into a local cache.
+    ObjectStore { url: String },
     /// A local HF-layout directory.
     Local { path: PathBuf },
 }
@@ -459,7 +462,7 @@ impl DownloadSource {
     pub fn local_path(&self) -> Option<&Path> {
         match self {
             DownloadSource::Local { path } => Some(path),
-            DownloadSource::Hub { .. } => None,
+            DownloadSource::Hub { .. } | DownloadSource::ObjectStore { .. } => None,
         }
     }
 }

@@ -312,7 +312,14 @@ pub(crate) fn resolve_step(
                     ignore: globs(&w, "ignore"),
                     endpoint: w.get("endpoint").map(|_| string(&w, "endpoint")),
                 },
-                _ => DownloadSource::Local { path: PathBuf::from(string(&w, "path")) },
+                _ => {
+                    let path = string(&w, "path");
+                    if crate::schema::is_object_store_source(&path) {
+                        DownloadSource::ObjectStore { url: path }
+                    } else {
+                        DownloadSource::Local { path: PathBuf::from(path) }
+                    }
+                }
             },
         },
         StepKind::MegatronShard => StepConfig::MegatronShard {

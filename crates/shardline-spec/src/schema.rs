@@ -381,7 +381,7 @@ pub(crate) fn convert_text(ty: FieldType, s: &str) -> Result<Concrete, Mismatch>
             if s.trim().is_empty() {
                 Err(invalid("path is empty".to_string(), None))
             } else if let Some((scheme, rest)) = s.split_once("://") {
-                Err(url_as_path(scheme, rest))
+                source_url(s, scheme, rest).map(|()| Concrete::Str(s.to_string()))
             } else {
                 Ok(Concrete::Str(s.to_string()))
             }
@@ -422,7 +422,7 @@ fn target(s: &str) -> Result<(), Mismatch> {
         return Ok(());
     }
     if let Some((scheme, rest)) = s.split_once("://") {
-        if matches!(scheme, "s3" | "gs" | "az") {
+        if OBJECT_STORE_SCHEMES.contains(&scheme) {
             return if rest.is_empty() || rest.starts_with('/') {
                 Err(invalid(format!("`{scheme}://` URL has no bucket"), None))
             } else {
@@ -440,25 +440,62 @@ fn target(s: &str) -> Result<(), Mismatch> {
     ))
 }
 
-/// `path: s3://…` or `path: https://huggingface.co/org/name`: sources are local directories or Hub
-/// repositories.
-fn url_as_path(scheme: &str, rest: &str) -> Mismatch {
+/// The object-store schemes a source `path` and an upload target may use (as the publish crate
+/// opens them: object_store configured from the environment).
+pub(crate) const OBJECT_STORE_SCHEMES: &[&str] = &["s3", "gs", "az"];
+
+/// Whether a source `path` names an object-store prefix (`s3://`, `gs://`, `az://`, `file://`)
+/// rather than a local directory read in place.
+pub fn is_object_store_source(path: &str) -> bool {
+    path.split_once("://").is_some_and(|(scheme, _)| scheme == "file" || OBJECT_STORE_SCHEMES.contains(&scheme))
+}
+
+/// A URL as an `hf.download` `path`: an object-store prefix (`s3://bucket/prefix`, `gs://…`,
+/// `az://…`, `file:///abs/dir`) is a source; anything else (`https://huggingface.co/org/name`,
+/// `ftp://…`) is reported with the way to write it.
+fn source_url(s: &str, scheme: &str, rest: &str) -> Result<(), Mismatch> {
+    if OBJECT_STORE_SCHEMES.contains(&scheme) {
+        let bucket = rest.split('/').next().unwrap_or_default();
+        return if bucket.is_empty() {
+            Err(invalid(
+                format!("`{scheme}://` URL has no bucket"),
+                Some(format!("write `{scheme}://BUCKET/PREFIX`, the prefix the release's objects are under")),
+            ))
+        } else if rest.contains(char::is_whitespace) {
+            Err(invalid(format!("object-store URL {} contains whitespace", quote(s)), None))
+        } else {
+            Ok(())
+        };
+    }
+    if scheme == "file" {
+        return if rest.starts_with('/') && rest.len() > 1 {
+            Ok(())
+        } else {
+            Err(invalid(
+                format!("`file://` source URL {} has no absolute path", quote(s)),
+                Some(format!(
+                    "write `file:///absolute/dir`, or `path: {}` to read a local directory in place",
+                    if rest.is_empty() { "DIR" } else { rest }
+                )),
+            ))
+        };
+    }
     let hub = ["huggingface.co/", "hf.co/"].iter().find_map(|h| rest.strip_prefix(h));
     let hint = match hub.map(|r| r.split('/').take(2).collect::<Vec<_>>()) {
         Some(parts) if parts.len() == 2 && !parts[1].is_empty() => {
             format!("to download from the Hub, write `repo: {}/{}` instead of `path`", parts[0], parts[1])
         }
-        _ => {
-            "copy the release to a local directory first, or download it from the Hub with `repo: org/name`".to_string()
-        }
+        _ => "use a local directory, an `s3://`, `gs://`, `az://` or `file:///` URL, or download from the Hub \
+              with `repo: org/name`"
+            .to_string(),
     };
-    invalid(
+    Err(invalid(
         format!(
-            "`hf.download` reads a local directory (`path`) or a Hub repository (`repo`); `{scheme}://` sources are \
-             not supported"
+            "`hf.download` reads a local directory or an object-store prefix (`path`), or a Hub repository \
+             (`repo`); `{scheme}://` sources are not supported"
         ),
         Some(hint),
-    )
+    ))
 }
 
 /// The Hub's repository id shape: one or two segments of letters, digits, `-`, `_` and `.`, no

@@ -227,6 +227,11 @@ impl Harness {
 
     /// As [`Harness::start_workers`], with Hub settings (a cache directory of the test's own).
     pub fn start_workers_with(&mut self, n: usize, lease: Duration, hub: HubSettings) {
+        self.start_workers_configured(n, lease, |c| c.hub = hub.clone());
+    }
+
+    /// As [`Harness::start_workers`], each worker's configuration adjusted by `configure`.
+    pub fn start_workers_configured(&mut self, n: usize, lease: Duration, configure: impl Fn(&mut WorkerConfig)) {
         for _ in 0..n {
             let info = WorkerInfo {
                 name: format!("w{}", self.workers),
@@ -239,7 +244,7 @@ impl Harness {
             let mut config = WorkerConfig::new(info);
             config.lease_ttl = lease;
             config.poll = Duration::from_millis(100);
-            config.hub = hub.clone();
+            configure(&mut config);
             let store = self.store.clone();
             let rx = self.stop.subscribe();
             self.handles.push(tokio::spawn(async move {
