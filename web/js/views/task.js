@@ -99,10 +99,16 @@ export function taskPanel(panel, runId, task, onClose) {
   search.addEventListener('input', renderLogs);
   follow.addEventListener('change', () => { following = follow.checked; });
 
+  // Follow while the task can still write; once it has ended, one more read gets its last lines.
+  let ended = 0;
   const tick = setInterval(async () => {
     if (!following || stopped) return;
     await readLogs();
-    if (!TERMINAL.has(task.state)) loadAttempts();
+    if (!TERMINAL.has(task.state)) {
+      loadAttempts();
+    } else if ((ended += 1) > 2) {
+      clearInterval(tick);
+    }
   }, 1000);
   loadAttempts();
   readLogs();
