@@ -53,6 +53,20 @@ fn jitter() -> f64 {
     (h.finish() >> 11) as f64 / (1u64 << 53) as f64
 }
 
+/// The answer to [`HubClient::revision_if_changed`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RevisionCheck {
+    /// The `ETag` matched the one sent: the revision points where it did.
+    Unchanged,
+    /// The revision's commit (the same one as before when the `ETag` changed for another reason).
+    Changed {
+        /// The commit sha.
+        sha: String,
+        /// The answer's `ETag`, to send next time.
+        etag: Option<String>,
+    },
+}
+
 /// The answer to [`HubClient::list_models_if_changed`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ModelListing {
@@ -288,18 +302,29 @@ impl HubClient {
     /// changed. `etag` is the `ETag` or the commit sha seen last; it is sent as `If-None-Match`
     /// (a 304 answer means unchanged) and also compared with the sha in a 200 answer.
     pub async fn head_sha(&self, repo: &str, revision: &str, etag: Option<&str>) -> Result<Option<String>> {
+        let sent =
+            etag.map(|e| if e.starts_with('"') || e.starts_with("W/") { e.to_owned() } else { format!("\"{e}\"") });
+        let known = etag.map(normalize_etag);
+        Ok(match self.revision_if_changed(repo, revision, sent.as_deref()).await? {
+            RevisionCheck::Unchanged => None,
+            RevisionCheck::Changed { sha, .. } if known.as_deref() == Some(sha.as_str()) => None,
+            RevisionCheck::Changed { sha, .. } => Some(sha),
+        })
+    }
+
+    /// The commit `revision` points to, as a conditional request: `etag` (the `ETag` of an
+    /// earlier answer, sent as `If-None-Match`) makes an unchanged revision a 304 and
+    /// [`RevisionCheck::Unchanged`]; otherwise the commit and the answer's `ETag`, to send next
+    /// time. `GET /api/models/{repo}/revision/{revision}?expand=sha`.
+    pub async fn revision_if_changed(&self, repo: &str, revision: &str, etag: Option<&str>) -> Result<RevisionCheck> {
         let id = RepoId::parse(repo)?;
         check_revision(revision)?;
         self.offline_guard()?;
         let ctx = Ctx { repo, revision: Some(revision), path: None, has_token: self.has_token() };
         let url = self.url(&format!("/api/models/{}/revision/{}?expand=sha", id, encode_segment(revision)))?;
-        let known = etag.map(normalize_etag);
         let mut headers = HeaderMap::new();
-        if let Some(e) = etag {
-            let v = if e.starts_with('"') || e.starts_with("W/") { e.to_owned() } else { format!("\"{e}\"") };
-            if let Ok(v) = HeaderValue::from_str(&v) {
-                headers.insert(IF_NONE_MATCH, v);
-            }
+        if let Some(v) = etag.and_then(|e| HeaderValue::from_str(e).ok()) {
+            headers.insert(IF_NONE_MATCH, v);
         }
         let out = self
             .retrying(&url, |attempt| {
@@ -311,19 +336,17 @@ impl HubClient {
                         return Ok(None);
                     }
                     let resp = check_status(resp, ctx, attempt).await?;
+                    let etag = header_str(resp.headers(), "etag");
                     let body = resp.bytes().await.map_err(|e| retry_network(&url, attempt, &e))?;
                     let info: ModelInfo = serde_json::from_slice(&body)
                         .map_err(|e| Failure::Fatal(invalid(&url, format!("bad JSON: {e}"))))?;
-                    Ok(Some(info.sha))
+                    Ok(Some((info.sha, etag)))
                 }
             })
             .await?;
         match out {
-            None => Ok(None),
-            Some(sha) => {
-                let sha = check_sha(&url, sha)?;
-                Ok(if known.as_deref() == Some(sha.as_str()) { None } else { Some(sha) })
-            }
+            None => Ok(RevisionCheck::Unchanged),
+            Some((sha, etag)) => Ok(RevisionCheck::Changed { sha: check_sha(&url, sha)?, etag }),
         }
     }
 

@@ -67,7 +67,7 @@ assert_eq!(snap.sha, sha);
 #![deny(missing_docs)]
 
 pub use cache::RepoCache;
-pub use client::{normalize_etag, HubClient, ModelListing, RetryPolicy};
+pub use client::{normalize_etag, HubClient, ModelListing, RetryPolicy, RevisionCheck};
 pub use download::{DownloadOptions, DownloadProgress, ProgressFn, Snapshot};
 pub use env::{HubEnv, DEFAULT_ENDPOINT};
 pub use error::{HubError, Result};

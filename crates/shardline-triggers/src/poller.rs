@@ -8,7 +8,7 @@ use std::time::Duration;
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde_json::{json, Value};
 use shardline_engine::{parse_pipeline, submit, Submission};
-use shardline_hub::{HubClient, HubError, ModelListing};
+use shardline_hub::{HubClient, HubError, ModelListing, RevisionCheck};
 use shardline_spec::{Trigger, TriggerContext, TriggerKind, Watch, WatchTarget};
 use shardline_store::{FiringClaim, NewTrigger, RunId, Store, TriggerCheck, TriggerRecord};
 use tokio::sync::watch;
@@ -384,16 +384,28 @@ impl Poller {
         now: DateTime<Utc>,
         report: &mut TickReport,
     ) -> Result<Polled, TriggerError> {
-        // `If-None-Match` with the last sha: an unchanged revision is a 304 and `None`.
-        let Some(sha) = self.hub.head_sha(repo, &w.revision, row.last_sha.as_deref()).await? else {
-            return Ok(Polled::default());
+        // `If-None-Match` with the revision's last ETag (or the last sha, which is the ETag
+        // some servers send): an unchanged revision is a 304.
+        let etag = row
+            .state
+            .get("etag")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .or_else(|| row.last_sha.as_ref().map(|s| format!("\"{s}\"")));
+        let (sha, etag) = match self.hub.revision_if_changed(repo, &w.revision, etag.as_deref()).await? {
+            RevisionCheck::Unchanged => return Ok(Polled::default()),
+            RevisionCheck::Changed { sha, etag } => (sha, etag),
         };
+        let state = Some(json!({ "etag": etag }));
+        if row.last_sha.as_deref() == Some(sha.as_str()) {
+            return Ok(Polled { state, ..Polled::default() });
+        }
         match self.fire_watch(row, p, t, w, repo, &sha, now).await? {
             Fire::Started(f) => {
                 report.fired.push(f);
-                Ok(Polled { last_sha: Some(sha), ..Polled::default() })
+                Ok(Polled { last_sha: Some(sha), state, ..Polled::default() })
             }
-            Fire::Done => Ok(Polled { last_sha: Some(sha), ..Polled::default() }),
+            Fire::Done => Ok(Polled { last_sha: Some(sha), state, ..Polled::default() }),
             // Not remembered: the next poll sees the sha as new and finds the recorded run.
             Fire::Pending => Ok(Polled::default()),
         }
