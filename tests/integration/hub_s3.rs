@@ -10,116 +10,17 @@
 //! installs them).
 
 use std::fs;
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::Command;
 
 use serde_json::Value;
 use shardline_hub::fake::{FakeHub, RequestKind};
+use shardline_publish::moto::{repo_root, venv_python, Moto};
 
 use crate::{bin, fixture, stderr, stdout};
 
 const BUCKET: &str = "checkpoints";
 const REPO: &str = "acme/tiny-qwen3-next";
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
-}
-
-fn venv_python() -> PathBuf {
-    let python = repo_root().join(".venv/bin/python");
-    assert!(
-        python.is_file(),
-        "{} is missing: this test needs the repository's venv with torch, boto3 and moto[server] \
-         (run scripts/setup-python)",
-        python.display()
-    );
-    python
-}
-
-/// moto's S3 server on 127.0.0.1, killed on drop; it also exits when this process goes away (it
-/// watches its stdin, a pipe from us). The same way the publish crate's tests start it.
-struct Moto {
-    child: Child,
-    port: u16,
-}
-
-const MOTO_MAIN: &str = r#"
-import os, sys, threading
-def watch_parent():
-    sys.stdin.read()
-    os._exit(0)
-threading.Thread(target=watch_parent, daemon=True).start()
-from moto.server import main
-main(["-H", "127.0.0.1", "-p", sys.argv[1]])
-"#;
-
-impl Moto {
-    fn start(dir: &Path) -> Moto {
-        let python = venv_python();
-        let check = Command::new(&python).args(["-c", "import moto.server, boto3"]).output().expect("run .venv python");
-        assert!(
-            check.status.success(),
-            "moto[server] is not installed in .venv (run scripts/setup-python): {}",
-            String::from_utf8_lossy(&check.stderr)
-        );
-        let mut last_log = String::new();
-        for attempt in 0..3 {
-            let port = TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
-            let log = dir.join(format!("moto-{attempt}.log"));
-            let out = fs::File::create(&log).expect("moto log");
-            let mut child = Command::new(&python)
-                .args(["-c", MOTO_MAIN, &port.to_string()])
-                .stdin(Stdio::piped())
-                .stdout(out.try_clone().expect("log handle"))
-                .stderr(out)
-                .spawn()
-                .expect("start moto");
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = child.try_wait() {
-                    break;
-                }
-                if let Ok((200, _)) = http(port, "GET", "/") {
-                    return Moto { child, port };
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-            last_log = fs::read_to_string(&log).unwrap_or_default();
-        }
-        panic!("moto did not start on 127.0.0.1 after 3 attempts; its log:\n{last_log}");
-    }
-
-    fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A minimal HTTP/1.1 request to 127.0.0.1:port (moto takes unsigned requests).
-fn http(port: u16, method: &str, path: &str) -> std::io::Result<(u16, String)> {
-    let mut s = TcpStream::connect(("127.0.0.1", port))?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")?;
-    let mut resp = String::new();
-    s.read_to_string(&mut resp)?;
-    let status = resp
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| std::io::Error::other(format!("bad response: {resp}")))?;
-    Ok((status, resp))
-}
 
 fn shardline_run(dir: &Path, hub: &FakeHub, moto: &Moto, hf_home: &Path, dest: &str) -> std::process::Output {
     let pipeline = repo_root().join("pipelines/hub-qwen3.yaml");
@@ -134,11 +35,7 @@ fn shardline_run(dir: &Path, hub: &FakeHub, moto: &Moto, hf_home: &Path, dest: &
         .env_remove("HF_HUB_OFFLINE")
         .env("HF_ENDPOINT", hub.endpoint())
         .env("HF_HOME", hf_home)
-        .env("AWS_ENDPOINT_URL", moto.endpoint())
-        .env("AWS_ALLOW_HTTP", "true")
-        .env("AWS_REGION", "us-east-1")
-        .env("AWS_ACCESS_KEY_ID", "testing")
-        .env("AWS_SECRET_ACCESS_KEY", "testing-secret")
+        .envs(moto.env())
         .output()
         .expect("run shardline");
     assert!(o.status.success(), "shardline run failed ({}):\n{}\n{}", o.status, stdout(&o), stderr(&o));
@@ -147,9 +44,7 @@ fn shardline_run(dir: &Path, hub: &FakeHub, moto: &Moto, hf_home: &Path, dest: &
 
 /// The `key` objects under `s3://BUCKET/prefix/`, listed through moto's plain HTTP API.
 fn list_keys(moto: &Moto, prefix: &str) -> Vec<String> {
-    let (status, body) = http(moto.port, "GET", &format!("/{BUCKET}?list-type=2&prefix={prefix}/")).expect("list");
-    assert_eq!(status, 200, "{body}");
-    body.split("<Key>").skip(1).filter_map(|s| s.split("</Key>").next()).map(str::to_string).collect()
+    moto.list_keys(BUCKET, &format!("{prefix}/"))
 }
 
 #[test]
@@ -159,8 +54,7 @@ fn hub_to_s3_pipeline_loads_in_torch() {
     let hub = runtime.block_on(FakeHub::start()).expect("start the local Hub");
     let sha = hub.publish_dir(REPO, &fixture("qwen3_next")).expect("publish the fixture");
     let moto = Moto::start(tmp.path());
-    let (status, body) = http(moto.port, "PUT", &format!("/{BUCKET}")).expect("create bucket");
-    assert_eq!(status, 200, "{body}");
+    moto.create_bucket(BUCKET);
 
     let hf_home = tmp.path().join("hf-home");
     let work = tmp.path().join("work");

@@ -4,6 +4,7 @@
 mod bad_input;
 mod convert;
 mod hub_s3;
+mod object_source;
 mod orchestrator;
 mod triggers;
 
