@@ -226,8 +226,13 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   // Another run waits for a GPU no worker has; the page says why, and an admin cancels it.
   const gpuSpec = demoSpec('browser-gpu').replace('resources: {cpus: 2, memory: 2GiB, scratch: 1GiB}', 'resources: {cpus: 2, memory: 2GiB, scratch: 1GiB, gpus: 1}');
   assert.ok(gpuSpec.includes('gpus: 1'), 'the demo shard step resources moved: update this test');
+  // This one is uploaded as a file.
+  const gpuFile = join(tmp, 'browser-gpu.yaml');
+  writeFileSync(gpuFile, gpuSpec);
   await page.click('nav a[data-nav="submit"]');
-  await page.fill('[data-testid=spec-input]', gpuSpec);
+  await page.setInputFiles('[data-testid=spec-file]', gpuFile);
+  await page.waitForFunction((text) => document.querySelector('[data-testid=spec-input]').value === text, gpuSpec);
+  assert.equal(await page.inputValue('[data-testid=spec-name]'), 'browser-gpu.yaml');
   await page.waitForSelector('[data-testid=lint-status] [data-valid="true"]');
   await page.click('[data-testid=submit-run]');
   await page.waitForURL(/\/runs\/\d+$/);
