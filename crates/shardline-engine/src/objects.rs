@@ -115,7 +115,21 @@ impl Listing {
 /// remote stores only (a local directory takes none).
 pub fn open(url: &str, settings: &ObjectSourceSettings) -> Result<Destination, StepError> {
     let options: &[(String, String)] = if url.starts_with("file://") { &[] } else { &settings.store_options };
-    Destination::open(url, options).map_err(|e| StepError::fatal(format!("opening source {url}: {e}")))
+    Destination::open(url, options).map_err(|e| StepError::fatal(format!("opening source {}: {e}", shown(url))))
+}
+
+/// `url` for a message: without user info, query or fragment (the store's errors are redacted by
+/// the store; this is for the URL as written, before a store exists).
+fn shown(url: &str) -> String {
+    let url = url.split(['?', '#']).next().unwrap_or_default();
+    match url.split_once("://") {
+        Some((scheme, rest)) => {
+            let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+            let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+            format!("{scheme}://{host}{path}")
+        }
+        None => url.to_string(),
+    }
 }
 
 fn store_error(src: &Destination, what: &str, e: object_store::Error) -> StepError {
@@ -281,8 +295,12 @@ async fn fetch(
     counters: &Counters,
 ) -> Result<Option<String>, StepError> {
     let target = partial.join(&o.name);
+    let mut tmp_name = target.as_os_str().to_owned();
+    tmp_name.push(TMP_SUFFIX);
+    let tmp = PathBuf::from(tmp_name);
     if fs::metadata(&target).is_ok_and(|m| m.is_file() && m.len() == o.size) {
-        // Finished (and checked) by an earlier attempt.
+        // Finished (and checked) by an earlier attempt; what another one left half-written goes.
+        let _ = tokio::fs::remove_file(&tmp).await;
         counters.reused.fetch_add(o.size, Ordering::Relaxed);
         counters.files_done.fetch_add(1, Ordering::Relaxed);
         return Ok(None);
@@ -291,9 +309,6 @@ async fn fetch(
     if let Some(parent) = target.parent() {
         tokio::fs::create_dir_all(parent).await.map_err(|e| io("create", parent, e))?;
     }
-    let mut tmp_name = target.as_os_str().to_owned();
-    tmp_name.push(TMP_SUFFIX);
-    let tmp = PathBuf::from(tmp_name);
     // The object as listed: a replaced object fails the GET instead of mixing versions.
     let options = GetOptions {
         if_match: o.e_tag.clone().filter(|t| !t.starts_with("mtime:")),
@@ -575,6 +590,16 @@ mod tests {
         );
         assert_eq!(relative_name(&ObjPath::from("models/llama2/config.json"), &prefix), None);
         assert_eq!(relative_name(&ObjPath::from("models/llama"), &prefix), None);
+    }
+
+    #[test]
+    fn urls_are_shown_without_credentials() {
+        assert_eq!(shown("s3://AKIA:secret@bucket/models/llama?x-sig=abc"), "s3://bucket/models/llama");
+        assert_eq!(shown("gs://bucket/p#frag"), "gs://bucket/p");
+        assert_eq!(shown("file:///data/llama"), "file:///data/llama");
+        let e = open("ftp://user:pw@host/x", &ObjectSourceSettings::default()).unwrap_err();
+        assert!(e.message.contains("ftp://host/x") && !e.message.contains("pw"), "{}", e.message);
+        assert!(!e.retryable);
     }
 
     #[test]

@@ -272,6 +272,33 @@ async fn download_reports_bytes_done_out_of_the_total() {
     assert_eq!(again["path"], out["path"]);
     assert_eq!(again["bytes_downloaded"], json!(0));
     assert_eq!(again["bytes_reused"], json!(fixture_bytes()));
+
+    // An interrupted download: only `<key>.partial` exists, with one file finished, one missing
+    // and one half-written under its temporary name. The next download keeps the finished files,
+    // fetches the rest, and only then does the directory appear under its key.
+    let dir = PathBuf::from(out["path"].as_str().expect("path"));
+    let partial = PathBuf::from(format!("{}.partial", dir.display()));
+    std::fs::rename(&dir, &partial).expect("back to partial");
+    let missing = "model-00001-of-00002.safetensors";
+    let half = "model-00002-of-00002.safetensors";
+    std::fs::remove_file(partial.join(missing)).expect("remove");
+    std::fs::remove_file(partial.join(half)).expect("remove");
+    std::fs::write(partial.join(format!("{half}.shardline-download")), b"half of it").expect("tmp");
+    let size = |n: &str| std::fs::metadata(fixture(FIXTURE).join(n)).expect("metadata").len();
+    let (resumed, done, _, _) = run(cache.clone(), url.clone(), settings.clone()).await.expect("join");
+    assert_eq!(done, fixture_bytes());
+    assert_eq!(resumed["bytes_downloaded"], json!(size(missing) + size(half)));
+    assert_eq!(resumed["bytes_reused"], json!(fixture_bytes() - size(missing) - size(half)));
+    assert_eq!(resumed["path"], out["path"]);
+    assert!(!partial.exists(), "the partial directory was renamed into place");
+    assert_same_files(&dir);
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .expect("dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    let expected: Vec<String> = fixture_files().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, expected, "only the release's files, no temporary one");
 }
 
 async fn changed_object_downloads_again(kind: Kind) {
