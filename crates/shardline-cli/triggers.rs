@@ -70,7 +70,7 @@ fn print_table(triggers: &[TriggerRecord]) {
             t.last_fired_at.map_or("-".to_string(), |t| t.format("%Y-%m-%d %H:%M:%SZ").to_string()),
             t.last_run.map_or("-".to_string(), |r| r.0.to_string()),
             t.next_at.map_or("-".to_string(), |t| t.format("%Y-%m-%d %H:%M:%SZ").to_string()),
-            t.last_sha.as_deref().map_or("-", |s| &s[..s.len().min(12)]),
+            t.last_sha.as_deref().map_or("-", |s| s.get(..12).unwrap_or(s)),
             error
         );
     }

@@ -193,14 +193,25 @@ impl fmt::Display for Trigger {
 }
 
 /// Parses a cron expression as schedules use it: five fields (minute hour day-of-month month
-/// day-of-week) or a nickname (`@daily`, `@hourly`, …).
+/// day-of-week) or a nickname (`@daily`, `@hourly`, …). One that matches no date (`0 0 31 2 *`)
+/// is refused.
 pub fn parse_cron(expr: &str) -> Result<croner::Cron, String> {
-    croner::parser::CronParser::builder()
+    let cron = croner::parser::CronParser::builder()
         .seconds(croner::parser::Seconds::Disallowed)
         .year(croner::parser::Year::Disallowed)
         .build()
         .parse(expr)
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+    // Any date that exists matches within 8 years (February 29 included).
+    let start = chrono::NaiveDate::from_ymd_opt(2001, 1, 1).and_then(|d| d.and_hms_opt(0, 0, 0));
+    let end = chrono::NaiveDate::from_ymd_opt(2009, 1, 1).and_then(|d| d.and_hms_opt(0, 0, 0));
+    if let (Some(start), Some(end)) = (start, end) {
+        match cron.find_next_occurrence(&start, false) {
+            Ok(t) if t < end => {}
+            _ => return Err("it matches no date (check day-of-month against month)".to_string()),
+        }
+    }
+    Ok(cron)
 }
 
 /// Parses an IANA time zone name.
@@ -783,6 +794,8 @@ mod tests {
         assert!(parse_cron("@daily").is_ok());
         assert!(parse_cron("0 25 * * *").is_err());
         assert!(parse_cron("0 0 2 * * *").is_err(), "six fields (seconds) are refused");
+        assert!(parse_cron("0 0 31 2 *").is_err(), "February 31 never comes");
+        assert!(parse_cron("0 0 29 2 *").is_ok(), "February 29 comes every four years");
         assert!(parse_timezone("Europe/Paris").is_ok());
         assert!(parse_timezone("Europe/Pariss").is_err());
         assert!(is_repo_id("Qwen/Qwen3-0.6B"));

@@ -15,6 +15,7 @@ fn spec_crate_does_no_io() {
         "globset",
         "croner",
         "chrono-tz",
+        "chrono",
         "proptest",
         "insta",
     ];

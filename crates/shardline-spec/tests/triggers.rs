@@ -134,3 +134,24 @@ fn the_nightly_example_runs_at_two_in_paris_and_on_new_commits() {
     assert_eq!(download["repo"], "Qwen/Qwen3-0.6B");
     assert_eq!(download["revision"], sha);
 }
+
+#[test]
+fn odd_shapes_are_errors_not_panics() {
+    let head = "apiVersion: shardline/v1\nkind: Pipeline\nname: m\nparams:\n  x: {type: string, default: a}\nsteps:\n  - {id: download, uses: hf.download, with: {path: \"/${{ params.x }}\"}}\n";
+    for triggers in [
+        "triggers: {a: 1}",
+        "triggers: [1, \"x\", [], null]",
+        "triggers: [{schedule: 1}, {watch: []}, {schedule: {cron: 5}}]",
+        "triggers: [{watch: {repo: a/b, every: [1]}}, {watch: {repo: a/b, every: -5m}}]",
+        "triggers: [{watch: {repo: a/b}, params: 3}, {watch: {repo: a/b}, params: {x: [1]}}]",
+        "triggers: [{watch: {repo: a/b}, params: {x: \"${{ trigger.sha\"}}]",
+        "triggers: [{watch: {author: \"\", name: \"\"}}, {watch: {author: é, name: \"a/b\"}}]",
+        "triggers: [{schedule: {cron: \"\", timezone: \"\", missed: \"\"}}]",
+        "triggers: [{schedule: {cron: \"@reboot\"}}, {schedule: {cron: \"0 0 31 2 *\"}}]",
+    ] {
+        let text = format!("{head}{triggers}\n");
+        let (pipeline, diags) = lint("odd.yaml", &text, &LintContext::new());
+        assert!(pipeline.is_none(), "{triggers}: expected errors");
+        assert!(diags.iter().any(|d| d.path.starts_with("triggers")), "{triggers}: {}", render_all(&diags, &text));
+    }
+}
