@@ -33,6 +33,9 @@ Two layers:
   an author watch takes its first listing as a baseline and fires only for repositories that
   appear or change afterwards (an author may have hundreds).
 - A schedule registered for the first time owes nothing: it is due at the next instant.
+- A firing's run that fails is not started again by the trigger (its key stays fired); retry it
+  with `shardline retry`. A submission the engine refuses releases the claim and is retried at
+  the next check, with backoff.
 - Missed instants (`missed:`): at most one run catches up, for the latest instant (`run-once`,
   the default) or none (`skip`); an instant fired at most 5 minutes late is on time.
 */
