@@ -198,6 +198,15 @@ async fn leased_tasks(state: &AppState) -> ApiResult<Vec<LeasedTask>> {
 async fn annotated_tasks(state: &AppState, run: RunId, full: bool) -> ApiResult<Vec<TaskDto>> {
     let tasks = state.store.run_tasks(run).await?;
     let deps = state.store.run_deps(run).await?;
+    annotate(state, &tasks, &deps, full).await
+}
+
+async fn annotate(
+    state: &AppState,
+    tasks: &[shardline_store::TaskRow],
+    deps: &[shardline_store::TaskDep],
+    full: bool,
+) -> ApiResult<Vec<TaskDto>> {
     let needs_workers = tasks.iter().any(|t| t.state == shardline_store::TaskState::Ready);
     let (workers, held) = if needs_workers {
         let held = leased_tasks(state)
@@ -210,8 +219,8 @@ async fn annotated_tasks(state: &AppState, run: RunId, full: bool) -> ApiResult<
         (Vec::new(), Vec::new())
     };
     let now = chrono::Utc::now();
-    let mut reasons = crate::view::reasons(&tasks, &deps, &workers, &held, now);
-    let outputs = crate::view::outputs_by_name(&tasks);
+    let mut reasons = crate::view::reasons(tasks, deps, &workers, &held, now);
+    let outputs = crate::view::outputs_by_name(tasks);
     Ok(tasks
         .iter()
         .map(|t| {
@@ -238,6 +247,38 @@ pub async fn run_tasks(
     Ok(Json(annotated_tasks(&state, RunId(id), !q.summary.unwrap_or(false)).await?))
 }
 
+/// Everything a run's page shows, from one read of its tasks: the run, its step graph and its
+/// tasks in summary form (as `GET /runs/{id}/graph` and `GET /runs/{id}/tasks?summary=true`).
+#[utoipa::path(get, path = "/api/v1/runs/{id}/view", tag = "runs", params(("id" = i64, Path, description = "Run id")),
+    responses((status = 200, body = RunViewDto), (status = 404, body = ErrorBody)))]
+pub async fn run_view(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+) -> ApiResult<Json<RunViewDto>> {
+    read_access(&state, &headers).await?;
+    let run = find_run(&state, id).await?;
+    let tasks = state.store.run_tasks(RunId(id)).await?;
+    let deps = state.store.run_deps(RunId(id)).await?;
+    let steps = graph_steps(&run, &tasks, &deps);
+    let tasks = annotate(&state, &tasks, &deps, false).await?;
+    Ok(Json(RunViewDto { run: RunDto::from(&run), steps, tasks }))
+}
+
+fn graph_steps(
+    run: &shardline_store::RunRow,
+    tasks: &[shardline_store::TaskRow],
+    deps: &[shardline_store::TaskDep],
+) -> Vec<StepDto> {
+    crate::view::steps(&run.spec, tasks, deps)
+        .into_iter()
+        .map(|mut s| {
+            s.id = crate::redact::redact_line(&s.id);
+            s
+        })
+        .collect()
+}
+
 /// The step graph of a run: each step's needs, state, fan-out and task counts, bytes.
 #[utoipa::path(get, path = "/api/v1/runs/{id}/graph", tag = "runs", params(("id" = i64, Path, description = "Run id")),
     responses((status = 200, body = GraphDto), (status = 404, body = ErrorBody)))]
@@ -250,14 +291,7 @@ pub async fn run_graph(
     let run = find_run(&state, id).await?;
     let tasks = state.store.run_tasks(RunId(id)).await?;
     let deps = state.store.run_deps(RunId(id)).await?;
-    let steps = crate::view::steps(&run.spec, &tasks, &deps)
-        .into_iter()
-        .map(|mut s| {
-            s.id = crate::redact::redact_line(&s.id);
-            s
-        })
-        .collect();
-    Ok(Json(GraphDto { run: id, steps }))
+    Ok(Json(GraphDto { run: id, steps: graph_steps(&run, &tasks, &deps) }))
 }
 
 /// One task, with progress and why it waits.

@@ -323,6 +323,15 @@ pub struct StepDto {
     pub total_bytes: Option<u64>,
 }
 
+/// What a run's page shows.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct RunViewDto {
+    pub run: RunDto,
+    pub steps: Vec<StepDto>,
+    /// In summary form: payloads and outputs are `null`.
+    pub tasks: Vec<TaskDto>,
+}
+
 /// A run's step graph.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct GraphDto {

@@ -100,7 +100,7 @@ impl utoipa::Modify for BearerScheme {
 #[openapi(
     info(title = "Shardline API", description = "Runs, tasks, workers, logs and events of the Shardline orchestrator."),
     paths(
-        api::list_pipelines, api::get_pipeline, api::list_triggers, api::list_runs, api::get_run, api::run_tasks, api::run_graph,
+        api::list_pipelines, api::get_pipeline, api::list_triggers, api::list_runs, api::get_run, api::run_tasks, api::run_graph, api::run_view,
         api::get_task, api::task_attempts,
         api::list_workers, api::run_logs, api::submit_run, api::cancel_run, api::retry_run, api::lint, api::events,
         openapi_json
@@ -126,6 +126,7 @@ pub fn router(state: AppState) -> Router {
         .route("/runs/{id}", get(api::get_run))
         .route("/runs/{id}/tasks", get(api::run_tasks))
         .route("/runs/{id}/graph", get(api::run_graph))
+        .route("/runs/{id}/view", get(api::run_view))
         .route("/runs/{id}/logs", get(api::run_logs))
         .route("/runs/{id}/cancel", post(api::cancel_run))
         .route("/runs/{id}/retry", post(api::retry_run))

@@ -566,6 +566,7 @@ async fn openapi_lists_every_route() {
         ("/api/v1/runs/{id}", "get"),
         ("/api/v1/runs/{id}/tasks", "get"),
         ("/api/v1/runs/{id}/graph", "get"),
+        ("/api/v1/runs/{id}/view", "get"),
         ("/api/v1/runs/{id}/logs", "get"),
         ("/api/v1/runs/{id}/cancel", "post"),
         ("/api/v1/runs/{id}/retry", "post"),
@@ -594,6 +595,7 @@ async fn openapi_lists_every_route() {
         "PipelineDetailDto",
         "LeaseDto",
         "TriggerDto",
+        "RunViewDto",
     ] {
         assert!(v["components"]["schemas"].get(schema).is_some(), "schema {schema} missing");
     }

@@ -174,6 +174,24 @@ async fn views(kind: Kind) {
     assert_eq!(sum[2]["progress_info"], t[2]["progress_info"]);
     assert_eq!(sum[4]["reason"], t[4]["reason"]);
     assert!(!t[2]["payload"].is_null());
+    // The run page's one request: the same run, graph and summary tasks.
+    let (s, view) = app.get(&format!("/api/v1/runs/{}/view", run.0)).await;
+    assert_eq!(s, StatusCode::OK, "{view}");
+    assert_eq!(view["steps"], g["steps"]);
+    assert_eq!(view["run"]["id"], json!(run.0));
+    assert_eq!(view["run"]["model"], "org/model");
+    let strip = |v: &Value| {
+        let mut v = v.clone();
+        for t in v.as_array_mut().into_iter().flatten() {
+            // Heartbeat-derived rates move with the clock between two requests.
+            t["progress_info"]["bytes_per_sec"] = Value::Null;
+            t["progress_info"]["eta_seconds"] = Value::Null;
+        }
+        v
+    };
+    assert_eq!(strip(&view["tasks"]), strip(&sum));
+    let (s, _) = app.get("/api/v1/runs/999999/view").await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
     // One task reads the same, with its payload.
     let (s, one) = app.get(&format!("/api/v1/tasks/{}", by_name("gpu")["id"])).await;
     assert_eq!((s, one["reason"].as_str()), (StatusCode::OK, by_name("gpu")["reason"].as_str()), "{one}");
@@ -381,6 +399,7 @@ async fn scopes(kind: Kind) {
         (Method::GET, "/api/v1/runs/{id}", format!("/api/v1/runs/{r}"), Scope::Read),
         (Method::GET, "/api/v1/runs/{id}/tasks", format!("/api/v1/runs/{r}/tasks"), Scope::Read),
         (Method::GET, "/api/v1/runs/{id}/graph", format!("/api/v1/runs/{r}/graph"), Scope::Read),
+        (Method::GET, "/api/v1/runs/{id}/view", format!("/api/v1/runs/{r}/view"), Scope::Read),
         (Method::GET, "/api/v1/runs/{id}/logs", format!("/api/v1/runs/{r}/logs"), Scope::Read),
         (Method::POST, "/api/v1/runs/{id}/retry", format!("/api/v1/runs/{r}/retry"), Scope::Admin),
         (Method::POST, "/api/v1/runs/{id}/cancel", format!("/api/v1/runs/{r}/cancel"), Scope::Admin),

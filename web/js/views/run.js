@@ -22,9 +22,12 @@ export function render(view, [idText], params) {
   const filterText = h('input', { type: 'search', placeholder: 'filter tasks by name', 'data-testid': 'task-filter' });
   const filterState = h('select', { 'data-testid': 'task-state-filter' },
     ['', 'blocked', 'ready', 'leased', 'succeeded', 'failed', 'cancelled'].map((v) => h('option', { value: v }, v || 'any state')));
-  const tbody = h('tbody');
-  const table = h('table', { class: 'grid tasks', 'data-testid': 'task-table' },
-    h('thead', {}, h('tr', {}, ['Task', 'Step', 'State', 'Attempt', 'Worker', 'Progress', 'Why / error'].map((c) => h('th', {}, c)))),
+  // A grid of rows rather than a <table>: rows off screen skip style and layout
+  // (content-visibility), which keeps a run of thousands of tasks quick to show.
+  const tbody = h('div', { role: 'rowgroup', class: 'tbody' });
+  const table = h('div', { class: 'tgrid', role: 'table', 'aria-label': 'tasks', 'data-testid': 'task-table' },
+    h('div', { role: 'rowgroup' }, h('div', { class: 'trow thead', role: 'row' },
+      ['Task', 'Step', 'State', 'Attempt', 'Worker', 'Progress', 'Why / error'].map((c) => h('div', { role: 'columnheader' }, c)))),
     tbody);
   const panel = h('section', { class: 'panel', 'data-testid': 'task-panel', hidden: true });
   replace(view, header, message, meta, h('h2', {}, 'Steps'), dag,
@@ -90,7 +93,7 @@ export function render(view, [idText], params) {
     steps.forEach((st) => level(st));
     const cols = [];
     for (const st of steps) (cols[depth.get(st.id)] ||= []).push(st);
-    const W = 190, H = 70, GX = 44, GY = 14;
+    const W = 220, H = 70, GX = 40, GY = 14;
     const pos = new Map();
     cols.forEach((col, c) => col.forEach((st, r) => pos.set(st.id, { x: 8 + c * (W + GX), y: 8 + r * (H + GY) })));
     const width = 16 + cols.length * (W + GX) - GX;
@@ -141,14 +144,14 @@ export function render(view, [idText], params) {
   function rowFor(t) {
     const owner = t.lease_owner ? (workers.get(t.lease_owner) || `worker ${t.lease_owner}`) : '';
     const beat = t.state === 'leased' && t.heartbeat_at ? ` (beat ${ago(t.heartbeat_at)})` : '';
-    return h('tr', { 'data-task': t.id, 'data-name': t.name, 'data-state': t.state, class: t.id === selected ? 'selected' : '' },
-      h('td', {}, h('a', { href: `/runs/${id}?task=${t.id}`, 'data-link': true, class: 'task-link' }, t.name)),
-      h('td', {}, t.step_id),
-      h('td', {}, badge(t.state)),
-      h('td', {}, `${t.attempt}/${t.max_attempts}`),
-      h('td', {}, owner, beat),
-      h('td', { class: 'progress' }, progressCell(t)),
-      h('td', { class: t.error ? 'bad' : 'muted' }, t.error || t.reason || ''));
+    return h('div', { role: 'row', 'data-task': t.id, 'data-name': t.name, 'data-state': t.state, class: t.id === selected ? 'trow selected' : 'trow' },
+      h('div', { role: 'cell' }, h('a', { href: `/runs/${id}?task=${t.id}`, 'data-link': true, class: 'task-link' }, t.name)),
+      h('div', { role: 'cell' }, t.step_id),
+      h('div', { role: 'cell' }, badge(t.state)),
+      h('div', { role: 'cell' }, `${t.attempt}/${t.max_attempts}`),
+      h('div', { role: 'cell' }, owner, beat),
+      h('div', { role: 'cell', class: 'progress' }, progressCell(t)),
+      h('div', { role: 'cell', class: t.error ? 'bad' : 'muted' }, t.error || t.reason || ''));
   }
 
   function renderTasks() {
@@ -192,12 +195,13 @@ export function render(view, [idText], params) {
     if (inFlight) { again = true; return; }
     inFlight = true;
     try {
-      const [r, g, ts] = await Promise.all([get(`/runs/${id}`), get(`/runs/${id}/graph`), get(`/runs/${id}/tasks?summary=true`)]);
+      const v = await get(`/runs/${id}/view`);
       if (stopped) return;
-      run = r.run;
-      tasks = ts;
+      const fetched = performance.now();
+      run = v.run;
+      tasks = v.tasks;
       renderHeader();
-      renderDag(g.steps);
+      renderDag(v.steps);
       renderTasks();
       if (firstRender) {
         firstRender = false;
@@ -205,7 +209,13 @@ export function render(view, [idText], params) {
         requestAnimationFrame(() => setTimeout(() => {
           const ms = performance.now();
           table.dataset.renderedMs = String(Math.round(ms));
-          window.__shardline = { ...(window.__shardline || {}), runPageRenderedMs: ms, runPageScriptMs: ms - started, runPageTasks: tasks.length };
+          window.__shardline = {
+            ...(window.__shardline || {}),
+            runPageRenderedMs: ms, // since navigation start
+            runPageDataMs: fetched, // when the run, graph and tasks had arrived
+            runPageStartedMs: started, // when this page's script began
+            runPageTasks: tasks.length,
+          };
         }, 0));
       }
       if (selected && !closePanel) openPanel(selected);
