@@ -181,8 +181,19 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   await page.fill('[data-testid=spec-input]', good);
   await page.waitForSelector('[data-testid=lint-status] [data-valid="true"]');
   assert.equal(await page.locator('[data-testid=diagnostic]').count(), 0);
-  await page.click('[data-testid=submit-run]');
-  await page.waitForURL(/\/runs\/\d+$/);
+  // The worker is paused while the run is submitted, so the page is sure to show it waiting
+  // (and why) before it runs; it resumes once the page has shown that.
+  const worker = procs.find((p) => p.name === 'worker').child;
+  worker.kill('SIGSTOP');
+  try {
+    await page.click('[data-testid=submit-run]');
+    await page.waitForURL(/\/runs\/\d+$/);
+    await page.waitForSelector('[data-testid=dag] [data-step="download"][data-state="ready"]');
+    await page.waitForFunction(() => /waiting for a worker to claim it/.test(document.querySelector('[data-task][data-name="download"]')?.textContent || ''));
+    assert.match(await page.textContent('[data-task][data-name="split"]'), /waiting on step `shard`/);
+  } finally {
+    worker.kill('SIGCONT');
+  }
   const runId = Number(new URL(page.url()).pathname.split('/').pop());
 
   // It progresses and completes: every step of the graph turns succeeded; states are recorded
