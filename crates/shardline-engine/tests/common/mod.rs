@@ -4,25 +4,16 @@
 //! fail, never skip, without it.
 #![allow(dead_code)]
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use shardline_engine::{reaper, run_worker, submit, HubSettings, Submission, Submitted, WorkerConfig};
 use shardline_store::{AttemptRow, Lease, RunId, RunRow, Store, TaskRow, WorkerInfo};
-use sqlx::{Connection, PgConnection, SqliteConnection};
+#[allow(unused_imports)] // not every test binary uses both
+pub use shardline_testdb::{Kind, TestDb};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-
-pub const ENV: &str = "SHARDLINE_TEST_DATABASE_URL";
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    Sqlite,
-    Postgres,
-}
 
 /// The repository root.
 pub fn repo() -> PathBuf {
@@ -60,140 +51,6 @@ pub fn synth_release(arch: &str, size: &str) -> PathBuf {
     }
     assert!(dir.join("config.json").is_file(), "synthetic release {} missing", dir.display());
     dir
-}
-
-/// The lock every PostgreSQL test holds shared and a test that restarts the cluster holds
-/// exclusively (the same file the store's tests use).
-pub fn cluster_lock(exclusive: bool) -> File {
-    let path = std::env::temp_dir().join("shardline-store-postgres-cluster.lock");
-    let file = File::options()
-        .create(true)
-        .truncate(false)
-        .read(true)
-        .write(true)
-        .open(&path)
-        .unwrap_or_else(|e| panic!("cannot open {}: {e}", path.display()));
-    // Bounded: a restart test that hangs elsewhere fails this one instead of hanging it.
-    let deadline = Instant::now() + Duration::from_secs(600);
-    loop {
-        let attempt = if exclusive { file.try_lock() } else { file.try_lock_shared() };
-        match attempt {
-            Ok(()) => return file,
-            Err(std::fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            Err(e) => panic!("cannot lock {} within 10 minutes: {e:?}", path.display()),
-        }
-    }
-}
-
-pub fn admin_url() -> String {
-    match std::env::var(ENV) {
-        Ok(url) if !url.is_empty() => url,
-        _ => panic!(
-            "{ENV} is not set: PostgreSQL tests need a server. Run `scripts/setup-postgres` and \
-             export {ENV}=<the URL it prints> (scripts/test does both)."
-        ),
-    }
-}
-
-/// `url` with its database name replaced.
-pub fn with_database(url: &str, db: &str) -> String {
-    let (base, query) = match url.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (url, None),
-    };
-    let scheme_end = base.find("://").map_or(0, |i| i + 3);
-    let path_start = base[scheme_end..].find('/').map_or(base.len(), |i| scheme_end + i);
-    let mut out = format!("{}/{db}", &base[..path_start]);
-    if let Some(q) = query {
-        out.push('?');
-        out.push_str(q);
-    }
-    out
-}
-
-static SEQ: AtomicU64 = AtomicU64::new(0);
-
-/// A fresh database: a SQLite file in a temporary directory, or a PostgreSQL database of its own
-/// (named like the store's test databases, so stale ones are dropped by either suite).
-pub struct TestDb {
-    pub kind: Kind,
-    pub url: String,
-    admin_url: Option<String>,
-    name: Option<String>,
-    _dir: Option<tempfile::TempDir>,
-    _lock: Option<File>,
-}
-
-impl TestDb {
-    pub async fn new(kind: Kind) -> TestDb {
-        match kind {
-            Kind::Sqlite => {
-                let dir = tempfile::tempdir().expect("temp dir");
-                let url = format!("sqlite://{}", dir.path().join("state.db").display());
-                TestDb { kind, url, admin_url: None, name: None, _dir: Some(dir), _lock: None }
-            }
-            Kind::Postgres => {
-                let admin = admin_url();
-                let lock = cluster_lock(false);
-                let mut conn = PgConnection::connect(&admin).await.unwrap_or_else(|e| {
-                    panic!("{ENV}: cannot connect to PostgreSQL at {admin}: {e} (run scripts/setup-postgres)")
-                });
-                let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
-                let name = format!("shardline_t_{now}_{}_{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
-                sqlx::query(&format!("CREATE DATABASE \"{name}\""))
-                    .execute(&mut conn)
-                    .await
-                    .unwrap_or_else(|e| panic!("cannot create test database {name}: {e}"));
-                let _ = conn.close().await;
-                TestDb {
-                    kind,
-                    url: with_database(&admin, &name),
-                    admin_url: Some(admin),
-                    name: Some(name),
-                    _dir: None,
-                    _lock: Some(lock),
-                }
-            }
-        }
-    }
-
-    pub async fn store(&self) -> Store {
-        Store::connect(&self.url).await.unwrap_or_else(|e| panic!("connect to {}: {e}", self.url))
-    }
-
-    /// Runs SQL statements on a connection of their own, outside the store (fault injection).
-    pub async fn execute(&self, statements: &[&str]) {
-        match self.kind {
-            Kind::Sqlite => {
-                let mut c = SqliteConnection::connect(&self.url).await.expect("sqlite connection");
-                for s in statements {
-                    sqlx::query(s).execute(&mut c).await.unwrap_or_else(|e| panic!("{s}: {e}"));
-                }
-                let _ = c.close().await;
-            }
-            Kind::Postgres => {
-                let mut c = PgConnection::connect(&self.url).await.expect("postgres connection");
-                sqlx::query("SET search_path = shardline").execute(&mut c).await.expect("search_path");
-                for s in statements {
-                    sqlx::query(s).execute(&mut c).await.unwrap_or_else(|e| panic!("{s}: {e}"));
-                }
-                let _ = c.close().await;
-            }
-        }
-    }
-
-    /// Drops the PostgreSQL database (a failed test leaves it; later runs drop it after an hour).
-    pub async fn cleanup(&self) {
-        if let (Some(admin), Some(name)) = (&self.admin_url, &self.name) {
-            if let Ok(mut conn) = PgConnection::connect(admin).await {
-                let _ =
-                    sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)")).execute(&mut conn).await;
-                let _ = conn.close().await;
-            }
-        }
-    }
 }
 
 /// A store with in-process workers and a reaper; specs are submitted from `base` (relative paths
