@@ -148,6 +148,8 @@ async function setToken(page, token) {
   await page.fill('[data-testid=token-input]', token);
   await page.click('[data-testid=token-save]');
   await page.waitForFunction(() => document.querySelector('[data-testid=token-status]')?.textContent.includes('The server accepts it.'));
+  // The event stream reconnects with the token.
+  await page.waitForFunction(() => document.getElementById('live')?.textContent === 'live');
 }
 
 test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 240000 }, async () => {
@@ -208,6 +210,9 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
     return header === 'succeeded' && states.length === 5 && states.every((s) => s.endsWith(':succeeded'));
   }, 120000);
   assert.equal(navigations.length, 0, `the page reloaded: ${navigations}`);
+  // The changes came over the event stream (a fetch stream, since a token is set).
+  const live = await page.evaluate(() => window.__shardline);
+  assert.ok(live.events > 10 && live.stream === 'fetch', `events: ${JSON.stringify(live)}`);
   const steps = ['download', 'shard', 'split', 'validate', 'upload'];
   assert.deepEqual(await page.$$eval('[data-testid=dag] [data-step]', (gs) => gs.map((g) => g.dataset.step)), steps);
   assert.ok([...seen].some((s) => !s.endsWith(':succeeded')), `never saw the run in progress: ${[...seen]}`);

@@ -30,6 +30,10 @@ function dispatch(kind, data, id) {
   if (kind !== 'run' && kind !== 'task') return;
   let ev;
   try { ev = JSON.parse(data); } catch { return; }
+  // Counted for the end-to-end test (and anyone curious in the console).
+  const stats = (window.__shardline ||= {});
+  stats.events = (stats.events || 0) + 1;
+  stats.stream = source ? 'eventsource' : 'fetch';
   for (const fn of listeners) {
     try { fn(ev); } catch (e) { console.warn('event listener failed', e); }
   }
@@ -105,6 +109,7 @@ function disconnect() {
 /** (Re)connects the stream, e.g. after the token changed. */
 export function connect() {
   disconnect();
+  setStatus('connecting…', false);
   if (getToken()) connectFetch();
   else connectEventSource();
 }
