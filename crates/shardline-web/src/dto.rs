@@ -140,7 +140,7 @@ impl From<&RunRow> for RunDto {
             state: r.state.as_str().into(),
             params: redact(&r.params),
             dedupe_key: r.dedupe_key.clone(),
-            error: r.error.clone(),
+            error: r.error.as_deref().map(redact_line),
             created_at: r.created_at,
             started_at: r.started_at,
             finished_at: r.finished_at,
@@ -281,7 +281,7 @@ impl TaskDto {
             lease_expires_at: t.lease_expires_at,
             heartbeat_at: t.heartbeat_at,
             cache_key: t.cache_key.clone(),
-            error: t.error.clone(),
+            error: t.error.as_deref().map(redact_line),
             created_at: t.created_at,
             finished_at: t.finished_at,
             progress_info: None,
@@ -365,7 +365,7 @@ impl From<&AttemptRow> for AttemptDto {
             started_at: a.started_at,
             ended_at: a.ended_at,
             outcome: a.outcome.map(|o| o.as_str().into()),
-            error: a.error.clone(),
+            error: a.error.as_deref().map(redact_line),
         }
     }
 }
@@ -504,7 +504,7 @@ impl From<&EventRow> for EventDto {
             task,
             attempt,
             state: state.into(),
-            message: e.message.clone(),
+            message: e.message.as_deref().map(redact_line),
         }
     }
 }

@@ -489,3 +489,43 @@ async fn scopes_sqlite() {
 async fn scopes_pg() {
     scopes(Kind::Postgres).await;
 }
+
+/// Errors (of runs, tasks, attempts, events) are shown with token-like words redacted.
+#[tokio::test]
+async fn errors_are_redacted() {
+    let app = app(Kind::Sqlite, AuthMode::Open).await;
+    let p = app.store.upsert_pipeline("leaky", "steps: []", "sha256:1").await.expect("pipeline");
+    let (run, _) = app
+        .store
+        .create_run(NewRun { pipeline_id: p, dedupe_key: None, params: json!({}), spec: json!({}) })
+        .await
+        .expect("create_run");
+    let mut t = task("fetch", "fetch", &[], json!({}), 0);
+    t.max_attempts = 1;
+    app.store.add_tasks(run, vec![t]).await.expect("add_tasks");
+    let worker = app
+        .store
+        .register_worker(WorkerInfo { name: "w".into(), cpus: 1, memory: 1 << 30, gpus: vec![], scratch: 0 })
+        .await
+        .expect("register_worker");
+    let free = Resources { cpus: 1, memory: 1 << 30, gpus: 0, scratch: 0 };
+    let lease = app.store.claim(worker, &free, Duration::from_secs(60)).await.expect("claim").expect("a task");
+    let error = "GET https://hub/api?token=hf_SECRETSECRETSECRETSECRETSECRET00 answered 401".to_string();
+    assert!(app.store.complete(&lease, Outcome::Failed { error, retryable: false }).await.expect("complete"));
+    let id = lease.task.id.0;
+    for uri in [
+        format!("/api/v1/runs/{}", run.0),
+        format!("/api/v1/runs/{}/tasks", run.0),
+        format!("/api/v1/runs/{}/view", run.0),
+        format!("/api/v1/tasks/{id}"),
+        format!("/api/v1/tasks/{id}/attempts"),
+        "/api/v1/runs".to_string(),
+    ] {
+        let (s, v) = app.get(&uri).await;
+        assert_eq!(s, StatusCode::OK, "{uri}: {v}");
+        let text = v.to_string();
+        assert!(!text.contains("SECRET"), "{uri}: {v}");
+        assert!(text.contains("token=[redacted] answered 401"), "{uri}: the error is gone: {v}");
+    }
+    app.db.cleanup().await;
+}
