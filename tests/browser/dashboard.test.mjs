@@ -197,6 +197,7 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
     worker.kill('SIGCONT');
   }
   const runId = Number(new URL(page.url()).pathname.split('/').pop());
+  assert.equal(await page.title(), `Run #${runId} · Shardline`);
 
   // It progresses and completes: every step of the graph turns succeeded; states are recorded
   // as they change (no reload).

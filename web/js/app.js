@@ -33,6 +33,7 @@ function render() {
     const m = path.match(re);
     if (!m) continue;
     for (const a of document.querySelectorAll('[data-nav]')) a.classList.toggle('active', a.dataset.nav === nav);
+    document.title = mod === run ? `Run #${m[1]} · Shardline` : `${nav[0].toUpperCase()}${nav.slice(1)} · Shardline`;
     replace(view);
     cleanup = mod.render(view, m.slice(1), params) || null;
     return;
