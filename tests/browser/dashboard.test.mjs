@@ -263,6 +263,12 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   await page.click('[data-testid=cancel-run]');
   await page.waitForSelector('.titlebar[data-state="cancelled"]');
   assert.equal(await page.locator('[data-testid=cancel-run]').count(), 0);
+  // Retried, it waits again for the same reason; cancelled again.
+  await page.click('[data-testid=retry-run]');
+  await page.waitForSelector('.titlebar[data-state="queued"], .titlebar[data-state="running"]');
+  await page.waitForFunction(() => /no worker has enough resources: needs 1 GPUs/.test(document.querySelector('[data-task][data-name="shard"]')?.textContent || ''));
+  await page.click('[data-testid=cancel-run]');
+  await page.waitForSelector('.titlebar[data-state="cancelled"]');
   assert.equal(await page.locator('[data-testid=retry-run]').count(), 1);
 
   // The runs page lists both with model and state, and filters by state.
