@@ -114,28 +114,7 @@ fn run_name(r: &shardline_store::RunRow) -> String {
     r.params["__run_name"].as_str().expect("run name").to_string()
 }
 
-macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $name() {
-                    super::$name(super::Kind::Sqlite).await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $name() {
-                    super::$name(super::Kind::Postgres).await;
-                }
-            )*
-        }
-    };
-}
-
-on_both_backends!(
+shardline_testdb::on_both_backends!(
     hub_pipeline_publishes_with_repo_and_sha,
     corrupt_blob_fails_the_run_at_download,
     same_commit_is_a_cache_hit_and_a_new_commit_runs,

@@ -146,28 +146,7 @@ fn cache_entries(root: &Path) -> Vec<String> {
     names
 }
 
-macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $name() {
-                    super::$name(super::Kind::Sqlite).await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $name() {
-                    super::$name(super::Kind::Postgres).await;
-                }
-            )*
-        }
-    };
-}
-
-on_both_backends!(
+shardline_testdb::on_both_backends!(
     s3_source_validates_and_the_same_prefix_is_a_cache_hit,
     changed_object_downloads_again,
     corrupt_object_fails_the_run_at_download,

@@ -19,29 +19,7 @@ use shardline_formats::verify::verify;
 use shardline_layout::{build_plan, Mesh, ModelConfig, PlanOptions, SourceTensor};
 use shardline_store::{AttemptOutcome, Outcome, Resources, RunState, TaskState, WorkerInfo};
 
-/// Instantiates each `async fn(Kind)` once per backend.
-macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $name() {
-                    super::$name(super::Kind::Sqlite).await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $name() {
-                    super::$name(super::Kind::Postgres).await;
-                }
-            )*
-        }
-    };
-}
-
-on_both_backends!(
+shardline_testdb::on_both_backends!(
     demo_runs_validates_and_publishes,
     unchanged_pipeline_is_served_from_cache,
     step_with_cache_false_always_recomputes,

@@ -9,33 +9,7 @@ use common::*;
 use serde_json::json;
 use shardline_store::*;
 
-/// Instantiates each `async fn(&TestDb)` once per backend.
-macro_rules! conformance {
-    ($($name:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    let db = super::TestDb::new(super::Kind::Sqlite).await;
-                    super::$name(&db).await;
-                    db.cleanup().await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    let db = super::TestDb::new(super::Kind::Postgres).await;
-                    super::$name(&db).await;
-                    db.cleanup().await;
-                }
-            )*
-        }
-    };
-}
-
-conformance!(
+shardline_testdb::on_both_databases!(
     connect_reports_backend,
     claim_respects_resources,
     dependencies_promote,

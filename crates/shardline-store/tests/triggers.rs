@@ -9,32 +9,7 @@ use common::*;
 use serde_json::json;
 use shardline_store::*;
 
-macro_rules! conformance {
-    ($($name:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    let db = super::TestDb::new(super::Kind::Sqlite).await;
-                    super::$name(&db).await;
-                    db.cleanup().await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    let db = super::TestDb::new(super::Kind::Postgres).await;
-                    super::$name(&db).await;
-                    db.cleanup().await;
-                }
-            )*
-        }
-    };
-}
-
-conformance!(
+shardline_testdb::on_both_databases!(
     register_keeps_state_of_unchanged_triggers,
     checks_count_errors_and_keep_the_last,
     a_firing_is_claimed_once,

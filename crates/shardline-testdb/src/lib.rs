@@ -171,6 +171,58 @@ impl TestDb {
     }
 }
 
+/// Instantiates each `async fn(Kind)` as a test once per backend, in modules `sqlite` and
+/// `postgres` (the function makes its own database or harness).
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    super::$name($crate::Kind::Sqlite).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    super::$name($crate::Kind::Postgres).await;
+                }
+            )*
+        }
+    };
+}
+
+/// Instantiates each `async fn(&TestDb)` as a test once per backend, in modules `sqlite` and
+/// `postgres`, on a fresh database dropped afterwards.
+#[macro_export]
+macro_rules! on_both_databases {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let db = $crate::TestDb::new($crate::Kind::Sqlite).await;
+                    super::$name(&db).await;
+                    db.cleanup().await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let db = $crate::TestDb::new($crate::Kind::Postgres).await;
+                    super::$name(&db).await;
+                    db.cleanup().await;
+                }
+            )*
+        }
+    };
+}
+
 /// Drops test databases more than an hour old (left by crashed or interrupted runs).
 async fn drop_stale(conn: &mut PgConnection, now: u64) {
     let names: Vec<(String,)> =

@@ -9,38 +9,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, TimeZone, Utc};
-use common::{Kind, TestDb};
+use common::TestDb;
 use shardline_hub::fake::{FakeFile, FakeHub, Fault, FaultKind, FaultTarget, RequestKind};
 use shardline_hub::{HubClient, RetryPolicy};
 use shardline_store::{Page, RunFilter, RunRow, Store};
 use shardline_triggers::{ManualClock, PipelineSource, Poller, PollerOptions};
 
-macro_rules! both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    let db = super::TestDb::new(super::Kind::Sqlite).await;
-                    super::$name(&db).await;
-                    db.cleanup().await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    let db = super::TestDb::new(super::Kind::Postgres).await;
-                    super::$name(&db).await;
-                    db.cleanup().await;
-                }
-            )*
-        }
-    };
-}
-
-both_backends!(
+shardline_testdb::on_both_databases!(
     a_new_sha_fires_one_run_an_unchanged_sha_none,
     a_restarted_server_fires_nothing_again,
     two_servers_start_one_run_between_them,
