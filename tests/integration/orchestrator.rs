@@ -12,72 +12,17 @@ use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 use shardline_store::{AttemptOutcome, AttemptRow, RunId, RunRow, RunState, Store, StoreError, TaskRow, TaskState};
+use shardline_testdb::TestDb;
 
 use crate::{bin, fixture, run, stderr, stdout};
 
-const ENV: &str = "SHARDLINE_TEST_DATABASE_URL";
 /// The longest any single wait of these tests may take.
 const WAIT: Duration = Duration::from_secs(90);
 
 // ---- the deployment under test ------------------------------------------------------------------
-
-fn admin_url() -> String {
-    match std::env::var(ENV) {
-        Ok(url) if !url.is_empty() => url,
-        _ => panic!(
-            "{ENV} is not set: these tests need PostgreSQL. Run `scripts/setup-postgres` and export \
-             {ENV}=<the URL it prints> (scripts/test does both)."
-        ),
-    }
-}
-
-/// `url` with its database name replaced.
-fn with_database(url: &str, db: &str) -> String {
-    let (base, query) = url.split_once('?').map_or((url, None), |(b, q)| (b, Some(q)));
-    let scheme_end = base.find("://").map_or(0, |i| i + 3);
-    let path_start = base[scheme_end..].find('/').map_or(base.len(), |i| scheme_end + i);
-    let mut out = format!("{}/{db}", &base[..path_start]);
-    if let Some(q) = query {
-        out.push('?');
-        out.push_str(q);
-    }
-    out
-}
-
-fn psql(admin: &str, sql: &str) {
-    let o = Command::new("psql")
-        .args([admin, "-X", "-q", "-v", "ON_ERROR_STOP=1", "-c", sql])
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run psql (PostgreSQL client tools): {e}"));
-    assert!(o.status.success(), "psql `{sql}`: {}", String::from_utf8_lossy(&o.stderr));
-}
-
-/// Held shared by every PostgreSQL test and exclusively by a test that restarts the cluster.
-fn cluster_lock(exclusive: bool) -> File {
-    let path = std::env::temp_dir().join("shardline-store-postgres-cluster.lock");
-    let file = File::options()
-        .create(true)
-        .truncate(false)
-        .read(true)
-        .write(true)
-        .open(&path)
-        .unwrap_or_else(|e| panic!("cannot open {}: {e}", path.display()));
-    // Bounded: a restart test that hangs elsewhere fails this one instead of hanging it.
-    let deadline = Instant::now() + Duration::from_secs(600);
-    loop {
-        let attempt = if exclusive { file.try_lock() } else { file.try_lock_shared() };
-        match attempt {
-            Ok(()) => return file,
-            Err(std::fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            Err(e) => panic!("cannot lock {} within 10 minutes: {e:?}", path.display()),
-        }
-    }
-}
 
 /// A synthetic release made with `shardline synth`, kept under the target directory between runs.
 fn synth(arch: &str, size: &str) -> PathBuf {
@@ -110,34 +55,26 @@ static SEQ: AtomicU64 = AtomicU64::new(0);
 /// a store handle for looking at the run. Dropping it kills every process and drops the database.
 struct Deployment {
     url: String,
-    admin: String,
-    db: String,
+    db: Option<TestDb>,
     dir: tempfile::TempDir,
     procs: Vec<Proc>,
     rt: tokio::runtime::Runtime,
     store: Option<Store>,
-    _lock: File,
 }
 
 impl Deployment {
     fn new(exclusive: bool) -> Deployment {
-        let admin = admin_url();
-        let lock = cluster_lock(exclusive);
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
-        let db = format!("shardline_t_{now}_{}_{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
-        psql(&admin, &format!("CREATE DATABASE \"{db}\""));
-        let url = with_database(&admin, &db);
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
-        let store = rt.block_on(Store::connect(&url)).unwrap_or_else(|e| panic!("connect {url}: {e}"));
+        let db = rt.block_on(TestDb::postgres(exclusive));
+        let url = db.url.clone();
+        let store = rt.block_on(db.store());
         Deployment {
             url,
-            admin,
-            db,
+            db: Some(db),
             dir: tempfile::tempdir().expect("temp dir"),
             procs: Vec::new(),
             rt,
             store: Some(store),
-            _lock: lock,
         }
     }
 
@@ -329,9 +266,9 @@ impl Drop for Deployment {
         if let Some(store) = self.store.take() {
             self.rt.block_on(store.close());
         }
-        let _ = Command::new("psql")
-            .args([&self.admin, "-X", "-q", "-c", &format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.db)])
-            .output();
+        if let Some(db) = self.db.take() {
+            self.rt.block_on(db.cleanup());
+        }
     }
 }
 
