@@ -91,6 +91,20 @@ fn open_release(path: &Path) -> Result<Release, StepError> {
     Release::open(path).map_err(|e| StepError::fatal(format!("reading release {}: {e}", path.display())))
 }
 
+/// A downloaded directory (a download step's `output.path`) must be a release the later steps
+/// can read: checked before the step succeeds.
+fn checked_release(output: Value, ctx: &StepContext) -> Result<Value, StepError> {
+    let path = output.get("path").and_then(Value::as_str).map(PathBuf::from).unwrap_or_default();
+    let release = open_release(&path)?;
+    (ctx.log)(format!(
+        "release ok: {} files, {} tensors, {} bytes",
+        release.files().len(),
+        release.tensors().len(),
+        release.total_bytes()
+    ));
+    Ok(output)
+}
+
 /// Rebuilds a job's plan from its inputs (a pure function of config, inventory, mesh, options).
 pub fn job_plan(job: &ShardJob, release: &Release) -> Result<Plan, StepError> {
     let config = ModelConfig::from_json(release.config_json()).map_err(|e| StepError::fatal(e.to_string()))?;
@@ -217,31 +231,11 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<Value, StepError>
         }
         Payload::HubDownload { repo, revision, allow, ignore, endpoint, .. } => {
             let req = HubRequest { repo, revision, allow, ignore, endpoint: endpoint.as_deref() };
-            let output = hub::download(&req, ctx.hub, ctx)?;
-            // The snapshot must be a release the later steps can read.
-            let path = output.get("path").and_then(Value::as_str).map(PathBuf::from).unwrap_or_default();
-            let release = open_release(&path)?;
-            (ctx.log)(format!(
-                "release ok: {} files, {} tensors, {} bytes",
-                release.files().len(),
-                release.tensors().len(),
-                release.total_bytes()
-            ));
-            Ok(output)
+            checked_release(hub::download(&req, ctx.hub, ctx)?, ctx)
         }
         Payload::ObjectDownload { url, cache_dir, .. } => {
             let cache_root = ctx.objects.cache_dir.as_deref().unwrap_or(cache_dir);
-            let output = objects::download(url, cache_root, ctx.objects, ctx)?;
-            // The directory must be a release the later steps can read.
-            let path = output.get("path").and_then(Value::as_str).map(PathBuf::from).unwrap_or_default();
-            let release = open_release(&path)?;
-            (ctx.log)(format!(
-                "release ok: {} files, {} tensors, {} bytes",
-                release.files().len(),
-                release.tensors().len(),
-                release.total_bytes()
-            ));
-            Ok(output)
+            checked_release(objects::download(url, cache_root, ctx.objects, ctx)?, ctx)
         }
         Payload::Plan { job } => {
             let release = open_release(&ctx.source_path(&job.source_task)?)?;
