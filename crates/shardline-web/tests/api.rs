@@ -218,16 +218,6 @@ async fn reads(kind: Kind) {
     app.db.cleanup().await;
 }
 
-#[tokio::test]
-async fn reads_sqlite() {
-    reads(Kind::Sqlite).await;
-}
-
-#[tokio::test]
-async fn reads_pg() {
-    reads(Kind::Postgres).await;
-}
-
 fn spec(extra_param: &str) -> String {
     format!(
         "apiVersion: shardline/v1\nkind: Pipeline\nname: tiny\nparams:\n  tp: {{type: int, default: 1}}\n{extra_param}steps:\n  - id: download\n    uses: hf.download\n    with: {{path: /data/models/llama}}\n"
@@ -314,16 +304,6 @@ async fn mutations(kind: Kind) {
     app.db.cleanup().await;
 }
 
-#[tokio::test]
-async fn mutations_sqlite() {
-    mutations(Kind::Sqlite).await;
-}
-
-#[tokio::test]
-async fn mutations_pg() {
-    mutations(Kind::Postgres).await;
-}
-
 async fn auth(kind: Kind) {
     // Reads open: no token is fine; mutations still need one.
     let open = app(kind, AuthMode::Open).await;
@@ -377,16 +357,6 @@ async fn auth(kind: Kind) {
     let (s, v) = closed.call(Method::GET, "/api/v1/runs", Some(&read), None).await;
     assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::UNAUTHORIZED, Some("unauthorized")), "{v}");
     closed.db.cleanup().await;
-}
-
-#[tokio::test]
-async fn auth_sqlite() {
-    auth(Kind::Sqlite).await;
-}
-
-#[tokio::test]
-async fn auth_pg() {
-    auth(Kind::Postgres).await;
 }
 
 async fn paging(kind: Kind) {
@@ -473,16 +443,6 @@ async fn paging(kind: Kind) {
     app.db.cleanup().await;
 }
 
-#[tokio::test]
-async fn paging_sqlite() {
-    paging(Kind::Sqlite).await;
-}
-
-#[tokio::test]
-async fn paging_pg() {
-    paging(Kind::Postgres).await;
-}
-
 /// Reads SSE frames until one contains `needle` (or the deadline passes).
 async fn read_until(body: &mut Body, needle: &str, deadline: Duration) -> String {
     let mut text = String::new();
@@ -541,16 +501,6 @@ async fn events(kind: Kind) {
 }
 
 #[tokio::test]
-async fn events_sqlite() {
-    events(Kind::Sqlite).await;
-}
-
-#[tokio::test]
-async fn events_pg() {
-    events(Kind::Postgres).await;
-}
-
-#[tokio::test]
 async fn openapi_lists_every_route() {
     let app = app(Kind::Sqlite, AuthMode::Open).await;
     let (s, v) = app.get("/api/v1/openapi.json").await;
@@ -602,3 +552,5 @@ async fn openapi_lists_every_route() {
     assert!(v["components"]["securitySchemes"]["bearer"].is_object());
     app.db.cleanup().await;
 }
+
+shardline_testdb::on_both_backends!(reads, mutations, auth, paging, events,);

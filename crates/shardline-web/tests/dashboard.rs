@@ -219,16 +219,6 @@ async fn views(kind: Kind) {
     app.db.cleanup().await;
 }
 
-#[tokio::test]
-async fn views_sqlite() {
-    views(Kind::Sqlite).await;
-}
-
-#[tokio::test]
-async fn views_pg() {
-    views(Kind::Postgres).await;
-}
-
 /// The new reads follow the server's read setting; a revoked or a malformed token is refused.
 async fn auth(kind: Kind) {
     let app = app(kind, AuthMode::ReadRequiresToken).await;
@@ -251,16 +241,6 @@ async fn auth(kind: Kind) {
     assert_eq!(s, StatusCode::OK);
     assert!(String::from_utf8_lossy(&body).contains("<main id=\"view\""));
     app.db.cleanup().await;
-}
-
-#[tokio::test]
-async fn auth_sqlite() {
-    auth(Kind::Sqlite).await;
-}
-
-#[tokio::test]
-async fn auth_pg() {
-    auth(Kind::Postgres).await;
 }
 
 /// `/` and the client routes get index.html, files get their type, everything a strict CSP;
@@ -354,16 +334,6 @@ async fn triggers(kind: Kind) {
     assert!((at - next).num_milliseconds().abs() < 1000, "{at} vs {next}");
     assert!(!v.to_string().contains("SECRET"), "{v}");
     app.db.cleanup().await;
-}
-
-#[tokio::test]
-async fn triggers_sqlite() {
-    triggers(Kind::Sqlite).await;
-}
-
-#[tokio::test]
-async fn triggers_pg() {
-    triggers(Kind::Postgres).await;
 }
 
 /// Every documented endpoint against every kind of token, with reads behind a token: none (401),
@@ -480,16 +450,6 @@ async fn scopes(kind: Kind) {
     app.db.cleanup().await;
 }
 
-#[tokio::test]
-async fn scopes_sqlite() {
-    scopes(Kind::Sqlite).await;
-}
-
-#[tokio::test]
-async fn scopes_pg() {
-    scopes(Kind::Postgres).await;
-}
-
 /// Errors (of runs, tasks, attempts, events) are shown with token-like words redacted.
 #[tokio::test]
 async fn errors_are_redacted() {
@@ -529,3 +489,5 @@ async fn errors_are_redacted() {
     }
     app.db.cleanup().await;
 }
+
+shardline_testdb::on_both_backends!(views, auth, triggers, scopes,);
