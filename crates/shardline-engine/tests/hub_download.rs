@@ -7,18 +7,13 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use common::*;
 use serde_json::{json, Value};
 use shardline_engine::HubSettings;
-use shardline_formats::checkpoint::open_checkpoint;
-use shardline_formats::execute::Progress;
-use shardline_formats::safetensors::Release;
-use shardline_formats::verify::verify;
 use shardline_hub::fake::{FakeFile, FakeHub, Fault, FaultKind, FaultTarget, RequestKind};
-use shardline_layout::{build_plan, Mesh, ModelConfig, PlanOptions, SourceTensor};
 use shardline_store::{RunState, TaskState};
 
 const RUN_TIMEOUT: Duration = Duration::from_secs(180);
@@ -91,23 +86,6 @@ fn fixture_bytes() -> u64 {
         .expect("fixture")
         .map(|e| e.expect("entry").metadata().expect("metadata").len())
         .sum()
-}
-
-/// Rebuilds every tensor of `ckpt_dir` from `source` and compares bit for bit.
-fn assert_bit_exact(ckpt_dir: &Path, source: &Path) {
-    let ckpt = open_checkpoint(ckpt_dir).unwrap_or_else(|e| panic!("{}: {e}", ckpt_dir.display()));
-    let release = Release::open(source).expect("release");
-    let config = ModelConfig::from_json(release.config_json()).expect("config");
-    let sources = release
-        .tensors()
-        .iter()
-        .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
-        .collect();
-    let options = PlanOptions { vocab_divisible_by: 1, split_fused: true, ..PlanOptions::default() };
-    let reference = build_plan(&config, sources, Mesh::new(1, 1, 1, 1), &options).expect("reference plan");
-    let report = verify(&ckpt, &release, &reference, &Progress::default()).expect("verify");
-    assert!(report.ok(), "{} differs from {}: {:?}", ckpt_dir.display(), source.display(), &report.findings[..1]);
-    assert!(report.bytes_checked > 0);
 }
 
 fn run_name(r: &shardline_store::RunRow) -> String {

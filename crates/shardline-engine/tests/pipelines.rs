@@ -12,11 +12,6 @@ use std::time::{Duration, Instant, SystemTime};
 
 use common::*;
 use serde_json::{json, Value};
-use shardline_formats::checkpoint::open_checkpoint;
-use shardline_formats::execute::Progress;
-use shardline_formats::safetensors::Release;
-use shardline_formats::verify::verify;
-use shardline_layout::{build_plan, Mesh, ModelConfig, PlanOptions, SourceTensor};
 use shardline_store::{AttemptOutcome, Outcome, Resources, RunState, TaskState, WorkerInfo};
 
 shardline_testdb::on_both_backends!(
@@ -33,24 +28,6 @@ const LEASE: Duration = Duration::from_secs(3);
 
 fn demo_source() -> (&'static str, String) {
     ("source", fixture("qwen3_next").display().to_string())
-}
-
-/// Rebuilds every tensor of `ckpt_dir` from `source` and compares bit for bit (independently of
-/// the pipeline's own validate step).
-fn assert_bit_exact(ckpt_dir: &Path, source: &Path) {
-    let ckpt = open_checkpoint(ckpt_dir).unwrap_or_else(|e| panic!("{}: {e}", ckpt_dir.display()));
-    let release = Release::open(source).expect("release");
-    let config = ModelConfig::from_json(release.config_json()).expect("config");
-    let sources = release
-        .tensors()
-        .iter()
-        .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
-        .collect();
-    let options = PlanOptions { vocab_divisible_by: 1, split_fused: true, ..PlanOptions::default() };
-    let reference = build_plan(&config, sources, Mesh::new(1, 1, 1, 1), &options).expect("reference plan");
-    let report = verify(&ckpt, &release, &reference, &Progress::default()).expect("verify");
-    assert!(report.ok(), "{} differs from {}: {:?}", ckpt_dir.display(), source.display(), &report.findings[..1]);
-    assert!(report.bytes_checked > 0 && !report.digests.is_empty());
 }
 
 /// File name → modification time of every file in `dir`.
