@@ -1,5 +1,5 @@
 //! Handler tests: each request goes through the whole router with `oneshot`, against a fresh
-//! SQLite file, and for the `_pg` variants a fresh PostgreSQL database
+//! SQLite file, and for the `postgres::` variants a fresh PostgreSQL database
 //! (`SHARDLINE_TEST_DATABASE_URL`, which `scripts/test` sets; they fail without it).
 
 mod common;
@@ -8,65 +8,14 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::http::{header, Method, Request, StatusCode};
-use axum::Router;
-use common::{Kind, TestDb};
+use common::{app, Kind};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use shardline_store::tokens::RawPool;
 use shardline_store::*;
-use shardline_web::auth::{create_token, revoke_token};
-use shardline_web::{router, AppState, AuthMode, Scope};
+use shardline_web::auth::revoke_token;
+use shardline_web::{AuthMode, Scope};
 use tower::ServiceExt;
-
-struct App {
-    db: TestDb,
-    store: Store,
-    router: Router,
-    _work: tempfile::TempDir,
-}
-
-async fn app(kind: Kind, auth: AuthMode) -> App {
-    let db = TestDb::new(kind).await;
-    let store = db.store().await;
-    let work = tempfile::tempdir().expect("temp dir");
-    let mut state = AppState::new(store.clone()).with_auth(auth);
-    state.work_dir = work.path().to_path_buf();
-    state.base_dir = work.path().to_path_buf();
-    state.event_poll = Duration::from_millis(20);
-    App { db, store, router: router(state), _work: work }
-}
-
-impl App {
-    async fn call(&self, method: Method, uri: &str, token: Option<&str>, body: Option<Value>) -> (StatusCode, Value) {
-        let mut req = Request::builder().method(method).uri(uri);
-        if let Some(t) = token {
-            req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
-        }
-        let req = match body {
-            Some(b) => req.header(header::CONTENT_TYPE, "application/json").body(Body::from(b.to_string())),
-            None => req.body(Body::empty()),
-        }
-        .expect("request");
-        let resp = self.router.clone().oneshot(req).await.expect("response");
-        let status = resp.status();
-        let bytes = resp.into_body().collect().await.expect("body").to_bytes();
-        let value = if bytes.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_slice(&bytes)
-                .unwrap_or_else(|e| panic!("{uri}: not JSON ({e}): {}", String::from_utf8_lossy(&bytes)))
-        };
-        (status, value)
-    }
-
-    async fn get(&self, uri: &str) -> (StatusCode, Value) {
-        self.call(Method::GET, uri, None, None).await
-    }
-
-    async fn token(&self, scope: Scope) -> String {
-        create_token(&self.store, &format!("test-{scope}"), scope).await.expect("create_token").secret
-    }
-}
 
 /// A run with three tasks (`a` succeeded with logs, `b` ready, `c` blocked on `b`), a worker,
 /// and secrets in params and payload.

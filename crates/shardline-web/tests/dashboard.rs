@@ -1,6 +1,6 @@
 //! Handler tests of what the dashboard reads beyond the plain rows (step graph with fan-out,
 //! task progress with rate and ETA, why a task waits, worker leases, a pipeline's spec), and of
-//! the dashboard's own files: on a fresh SQLite file and, for the `_pg` variants, a fresh
+//! the dashboard's own files: on a fresh SQLite file and, for the `postgres::` variants, a fresh
 //! PostgreSQL database (`SHARDLINE_TEST_DATABASE_URL`; they fail without it).
 
 mod common;
@@ -8,57 +8,14 @@ mod common;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::{header, HeaderMap, Method, Request, StatusCode};
-use axum::Router;
-use common::{Kind, TestDb};
+use axum::http::{header, Method, Request, StatusCode};
+use common::{app, Kind};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use shardline_store::*;
 use shardline_web::auth::{create_token, revoke_token};
-use shardline_web::{router, AppState, AuthMode, Scope};
+use shardline_web::{AuthMode, Scope};
 use tower::ServiceExt;
-
-struct App {
-    db: TestDb,
-    store: Store,
-    router: Router,
-    _work: tempfile::TempDir,
-}
-
-async fn app(kind: Kind, auth: AuthMode) -> App {
-    let db = TestDb::new(kind).await;
-    let store = db.store().await;
-    let work = tempfile::tempdir().expect("temp dir");
-    let mut state = AppState::new(store.clone()).with_auth(auth);
-    state.work_dir = work.path().to_path_buf();
-    state.base_dir = work.path().to_path_buf();
-    App { db, store, router: router(state), _work: work }
-}
-
-impl App {
-    async fn raw(&self, method: Method, uri: &str, token: Option<&str>) -> (StatusCode, HeaderMap, Vec<u8>) {
-        let mut req = Request::builder().method(method).uri(uri);
-        if let Some(t) = token {
-            req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
-        }
-        let resp = self.router.clone().oneshot(req.body(Body::empty()).expect("request")).await.expect("response");
-        let status = resp.status();
-        let headers = resp.headers().clone();
-        let bytes = resp.into_body().collect().await.expect("body").to_bytes().to_vec();
-        (status, headers, bytes)
-    }
-
-    async fn get_as(&self, uri: &str, token: Option<&str>) -> (StatusCode, Value) {
-        let (s, _, b) = self.raw(Method::GET, uri, token).await;
-        let v = serde_json::from_slice(&b)
-            .unwrap_or_else(|e| panic!("{uri}: not JSON ({e}): {}", String::from_utf8_lossy(&b)));
-        (s, v)
-    }
-
-    async fn get(&self, uri: &str) -> (StatusCode, Value) {
-        self.get_as(uri, None).await
-    }
-}
 
 const SPEC_TEXT: &str = "name: convert\nparams:\n  hf_token: {type: string, default: hf_SECRETSECRETSECRETSECRETSECRET00}\nsteps:\n  - id: download\n    uses: hf.download\n    with: {repo: org/model, revision: v1.0, token: abc123}\n";
 
@@ -237,7 +194,7 @@ async fn auth(kind: Kind) {
         assert_eq!(s, StatusCode::OK, "{uri}: {v}");
     }
     // The dashboard's files are public (they hold no data); the data behind them is not.
-    let (s, _, body) = app.raw(Method::GET, "/runs", None).await;
+    let (s, _, body) = app.raw(Method::GET, "/runs", None, None).await;
     assert_eq!(s, StatusCode::OK);
     assert!(String::from_utf8_lossy(&body).contains("<main id=\"view\""));
     app.db.cleanup().await;
@@ -250,7 +207,7 @@ async fn dashboard_files() {
     let app = app(Kind::Sqlite, AuthMode::Open).await;
     let index = String::from_utf8(shardline_web::ui::asset("index.html").expect("index").body.to_vec()).expect("utf-8");
     for page in ["/", "/runs", "/runs/12", "/runs/12?task=3", "/workers", "/pipelines", "/submit", "/token"] {
-        let (s, h, body) = app.raw(Method::GET, page, None).await;
+        let (s, h, body) = app.raw(Method::GET, page, None, None).await;
         assert_eq!(s, StatusCode::OK, "{page}");
         assert_eq!(h[header::CONTENT_TYPE], "text/html; charset=utf-8", "{page}");
         assert_eq!(String::from_utf8_lossy(&body), index, "{page}");
@@ -258,22 +215,22 @@ async fn dashboard_files() {
         assert!(csp.contains("script-src 'self'") && csp.contains("default-src 'none'"), "{csp}");
         assert_eq!(h[header::X_CONTENT_TYPE_OPTIONS], "nosniff");
     }
-    let (s, h, body) = app.raw(Method::GET, "/js/app.js", None).await;
+    let (s, h, body) = app.raw(Method::GET, "/js/app.js", None, None).await;
     assert_eq!((s, h[header::CONTENT_TYPE].to_str().ok()), (StatusCode::OK, Some("text/javascript; charset=utf-8")));
     assert!(String::from_utf8_lossy(&body).contains("import"), "not the app module");
-    let (s, h, _) = app.raw(Method::GET, "/style.css", None).await;
+    let (s, h, _) = app.raw(Method::GET, "/style.css", None, None).await;
     assert_eq!((s, h[header::CONTENT_TYPE].to_str().ok()), (StatusCode::OK, Some("text/css; charset=utf-8")));
-    let (s, h, body) = app.raw(Method::HEAD, "/js/app.js", None).await;
+    let (s, h, body) = app.raw(Method::HEAD, "/js/app.js", None, None).await;
     assert_eq!(s, StatusCode::OK);
     assert!(body.is_empty());
     assert!(h[header::CONTENT_LENGTH].to_str().ok().and_then(|l| l.parse::<usize>().ok()).is_some_and(|l| l > 100));
     for missing in ["/nope.txt", "/js/nope.js", "/etc/passwd", "/../Cargo.toml"] {
-        let (s, _, _) = app.raw(Method::GET, missing, None).await;
+        let (s, _, _) = app.raw(Method::GET, missing, None, None).await;
         assert_eq!(s, StatusCode::NOT_FOUND, "{missing}");
     }
     let (s, v) = app.get("/api/v2/runs").await;
     assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("not_found")));
-    let (s, _, _) = app.raw(Method::POST, "/runs", None).await;
+    let (s, _, _) = app.raw(Method::POST, "/runs", None, None).await;
     assert_eq!(s, StatusCode::METHOD_NOT_ALLOWED);
     // No page or script sets markup from a string: data only ever becomes text.
     for a in shardline_web::ui::ASSETS.iter().filter(|a| a.path.ends_with(".js")) {
