@@ -98,7 +98,6 @@ pub fn plan_release(from: &Path, mesh: Mesh, options: &PlanOptions) -> Result<(R
         .with_context(|| format!("reading {}", from.join("config.json").display()))?;
     let sources = release
         .tensors()
-        .iter()
         .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
         .collect();
     let plan = build_plan(&config, sources, mesh, options).map_err(|errors| {
@@ -198,7 +197,7 @@ fn print_plan(plan: &Plan, as_json: bool) {
                 json!({
                     "key": t.key, "dtype": t.dtype.to_string(), "shape": t.shape,
                     "split_from": t.split_from.as_ref().map(|s| &s.0),
-                    "chunks": t.chunks.iter().filter(|c| c.written && c.numel() > 0)
+                    "chunks": t.chunks(&plan.mesh).filter(|c| c.written && c.numel() > 0)
                         .map(|c| json!({"rank": c.rank, "offsets": c.offsets, "sizes": c.sizes})).collect::<Vec<_>>(),
                 })
             })

@@ -110,7 +110,6 @@ pub fn job_plan(job: &ShardJob, release: &Release) -> Result<Plan, StepError> {
     let config = ModelConfig::from_json(release.config_json()).map_err(|e| StepError::fatal(e.to_string()))?;
     let sources = release
         .tensors()
-        .iter()
         .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
         .collect();
     let mesh = Mesh { tp: job.tp, cp: job.cp, dp: job.dp, ep: job.ep, etp: job.etp };
@@ -329,7 +328,6 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<Value, StepError>
             };
             let sources = release
                 .tensors()
-                .iter()
                 .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
                 .collect();
             // The unsplit form depends on tp: validate against the mesh it was written for.

@@ -33,7 +33,7 @@ use std::sync::{mpsc, Arc, Mutex};
 
 use rustix::io::Errno;
 use shardline_layout::recipe::{apply_transform, row_elems, segments, Segment, Transform};
-use shardline_layout::{DType, OutputTensor, Plan};
+use shardline_layout::{Chunk, DType, OutputTensor, Plan};
 use thiserror::Error;
 
 use crate::dcp_metadata::{EntryRef, MetadataEncoder, PathElem, StorageRef};
@@ -850,7 +850,7 @@ struct DcpLayout {
 impl DcpLayout {
     fn new(plan: &Plan) -> DcpLayout {
         let mut archives = Vec::new();
-        let mut index: HashMap<(DType, &[u64]), usize> = HashMap::new();
+        let mut index: HashMap<(DType, Vec<u64>), usize> = HashMap::new();
         let ranks = plan
             .rank_items()
             .into_iter()
@@ -859,8 +859,8 @@ impl DcpLayout {
                 list.into_iter()
                     .map(|(tensor, chunk)| {
                         let t = &plan.tensors[tensor];
-                        let sizes = t.chunks[chunk].sizes.as_slice();
-                        let archive = *index.entry((t.dtype, sizes)).or_insert_with(|| {
+                        let sizes = t.chunk(&plan.mesh, chunk).sizes;
+                        let archive = *index.entry((t.dtype, sizes)).or_insert_with_key(|(_, sizes)| {
                             let a = TensorArchive::new(t.dtype, sizes);
                             let trailer = a.suffix(0);
                             archives.push((a, trailer));
@@ -892,7 +892,8 @@ impl DcpLayout {
         for (ti, t) in plan.tensors.iter().enumerate() {
             let (mine, tail) = rest.split_at(rest.iter().take_while(|&&(tensor, _)| tensor == ti).count());
             rest = tail;
-            let chunks = mine.iter().map(|&(_, c)| (t.chunks[c].offsets.as_slice(), t.chunks[c].sizes.as_slice()));
+            let listed: Vec<Chunk> = mine.iter().map(|&(_, c)| t.chunk(&plan.mesh, c)).collect();
+            let chunks = listed.iter().map(|c| (c.offsets.as_slice(), c.sizes.as_slice()));
             e.entry(&t.key, EntryRef::Tensor { dtype: t.dtype, size: &t.shape, chunks })?;
         }
         e.begin_planner_data();
@@ -906,7 +907,7 @@ impl DcpLayout {
                 let t = &plan.tensors[item.tensor];
                 e.storage(&StorageRef {
                     fqn: &t.key,
-                    chunk_offset: Some(&t.chunks[item.chunk].offsets),
+                    chunk_offset: Some(&t.chunk(&plan.mesh, item.chunk).offsets),
                     relative_path: &name,
                     offset: item.offset,
                     length: item.length,
@@ -963,7 +964,7 @@ impl StripeSets {
         for (rank, items) in layout.ranks.iter().enumerate() {
             for (i, item) in items.iter().enumerate() {
                 let t = &plan.tensors[item.tensor];
-                let c = &t.chunks[item.chunk];
+                let c = &t.chunk(&plan.mesh, item.chunk);
                 let stripe = t.shape.len() >= 2 && !(c.offsets[1] == 0 && c.sizes[1] == t.shape[1]);
                 let plain = t.recipe.iter().all(|b| b.transform == Transform::Identity);
                 let row_bytes = row_elems(&t.shape) * t.dtype.size() as u64;
@@ -1112,7 +1113,7 @@ fn write_item(
     progress: &Progress,
 ) -> Result<(), ExecuteError> {
     let t = &plan.tensors[item.tensor];
-    let c = &t.chunks[item.chunk];
+    let c = &t.chunk(&plan.mesh, item.chunk);
     begin_item(layout, item, file)?;
     for Segment { source, len, transform } in segments(&t.shape, t.dtype, &t.recipe, &c.offsets, &c.sizes) {
         match source {
@@ -1139,7 +1140,7 @@ fn write_stripe_set(
     progress: &Progress,
 ) -> Result<(), ExecuteError> {
     let t = &plan.tensors[items[0].tensor];
-    let first = &t.chunks[items[0].chunk];
+    let first = &t.chunk(&plan.mesh, items[0].chunk);
     let itemsize = t.dtype.size() as u64;
     let row_bytes = row_elems(&t.shape) * itemsize;
     let column_bytes = t.shape[2..].iter().product::<u64>() * itemsize;
@@ -1174,7 +1175,7 @@ fn write_stripe_set(
             }
         }
         for (&k, item) in ks.iter().zip(items) {
-            let c = &t.chunks[item.chunk];
+            let c = &t.chunk(&plan.mesh, item.chunk);
             let (col, width) = ((c.offsets[1] * column_bytes) as usize, (c.sizes[1] * column_bytes) as usize);
             files[k].write_stripes(&staging[..bytes], row_bytes as usize, col, width)?;
             progress.bytes_written.fetch_add(batch * width as u64, Ordering::Relaxed);
@@ -1281,7 +1282,7 @@ fn write_safetensors_rank(
     let sharding: serde_json::Map<String, serde_json::Value> = items[rank]
         .iter()
         .map(|&(ti, ci)| {
-            let c = &plan.tensors[ti].chunks[ci];
+            let c = &plan.tensors[ti].chunk(&plan.mesh, ci);
             (plan.tensors[ti].key.clone(), serde_json::json!({ "saved_offsets": c.offsets }))
         })
         .collect();
@@ -1292,10 +1293,12 @@ fn write_safetensors_rank(
     ]
     .into_iter()
     .collect();
+    let sizes: Vec<Vec<u64>> =
+        items[rank].iter().map(|&(ti, ci)| plan.tensors[ti].chunk(&plan.mesh, ci).sizes).collect();
     let layout = FileLayout::new(
-        items[rank].iter().map(|&(ti, ci)| {
+        items[rank].iter().zip(&sizes).map(|(&(ti, _), sizes)| {
             let t = &plan.tensors[ti];
-            (t.key.as_str(), t.dtype, t.chunks[ci].sizes.as_slice())
+            (t.key.as_str(), t.dtype, sizes.as_slice())
         }),
         &metadata,
     )?;
@@ -1304,7 +1307,7 @@ fn write_safetensors_rank(
     let mut pending: Vec<u8> = Vec::with_capacity(options.buffer_bytes);
     for &(ti, ci) in &items[rank] {
         let t = &plan.tensors[ti];
-        let c = &t.chunks[ci];
+        let c = &t.chunk(&plan.mesh, ci);
         stream_chunk(t, &c.offsets, &c.sizes, sources, &mut buf, |b| {
             progress.bytes_written.fetch_add(b.len() as u64, Ordering::Relaxed);
             if pending.len() + b.len() > pending.capacity() {
@@ -1456,7 +1459,6 @@ mod tests {
         let config = ModelConfig::from_json(release.config_json()).unwrap();
         let sources = release
             .tensors()
-            .iter()
             .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
             .collect();
         let options = PlanOptions { optimizer_state, ..PlanOptions::default() };
@@ -1522,7 +1524,7 @@ mod tests {
         for (rank, items) in layout.ranks.iter().enumerate() {
             for item in items {
                 let t = &plan.tensors[item.tensor];
-                let c = &t.chunks[item.chunk];
+                let c = &t.chunk(&plan.mesh, item.chunk);
                 chunk_lists[item.tensor].push(ChunkMeta { offsets: c.offsets.clone(), sizes: c.sizes.clone() });
                 let key = StorageKey { fqn: t.key.clone(), offset: Some(c.offsets.clone()) };
                 let info = StorageInfo {

@@ -660,11 +660,11 @@ impl<'de> Visitor<'de> for StringPairs {
 // ------------------------------------------------------------------------------------------------
 
 /// A tensor of a release and the file that holds it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ReleaseTensor {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReleaseTensor<'a> {
     /// Index into [`Release::files`].
     pub file_index: usize,
-    pub info: TensorInfo,
+    pub info: &'a TensorInfo,
 }
 
 /// A checked HuggingFace safetensors release: `config.json` plus one `model.safetensors`, or the
@@ -676,8 +676,9 @@ pub struct Release {
     index_path: Option<PathBuf>,
     /// Sorted by path.
     files: Vec<FileHeader>,
-    /// Sorted by name.
-    tensors: Vec<ReleaseTensor>,
+    /// Every tensor as `(file index, index in that file's header)`, sorted by name: the headers
+    /// hold each tensor's description once, however many tensors a release has.
+    by_name: Vec<(u32, u32)>,
     total_bytes: u64,
 }
 
@@ -804,18 +805,22 @@ impl Release {
         index_path: Option<PathBuf>,
         files: Vec<FileHeader>,
     ) -> Result<Release, SafetensorsError> {
-        let mut tensors = Vec::new();
+        let count: usize = files.iter().map(|h| h.tensors().len()).sum();
+        let mut by_name = Vec::with_capacity(count);
         let mut total_bytes = 0u64;
         for (file_index, header) in files.iter().enumerate() {
-            for info in header.tensors() {
+            for (i, info) in header.tensors().iter().enumerate() {
                 total_bytes = total_bytes
                     .checked_add(info.byte_len)
                     .ok_or_else(|| SafetensorsError::TotalOverflow { dir: dir.to_path_buf() })?;
-                tensors.push(ReleaseTensor { file_index, info: info.clone() });
+                let index =
+                    |n: usize| u32::try_from(n).map_err(|_| SafetensorsError::TotalOverflow { dir: dir.to_path_buf() });
+                by_name.push((index(file_index)?, index(i)?));
             }
         }
-        tensors.sort_by(|a, b| a.info.name.cmp(&b.info.name));
-        Ok(Release { dir: dir.to_path_buf(), config_json, index_path, files, tensors, total_bytes })
+        let name = |&(f, i): &(u32, u32)| files[f as usize].tensors[i as usize].name.as_str();
+        by_name.sort_by(|a, b| name(a).cmp(name(b)));
+        Ok(Release { dir: dir.to_path_buf(), config_json, index_path, files, by_name, total_bytes })
     }
 
     /// The release directory.
@@ -844,20 +849,24 @@ impl Release {
     }
 
     /// Every tensor of the release, sorted by name.
-    pub fn tensors(&self) -> &[ReleaseTensor] {
-        &self.tensors
+    pub fn tensors(&self) -> impl ExactSizeIterator<Item = ReleaseTensor<'_>> + Clone + '_ {
+        self.by_name.iter().map(|&entry| self.entry(entry))
+    }
+
+    fn entry(&self, (file, index): (u32, u32)) -> ReleaseTensor<'_> {
+        ReleaseTensor { file_index: file as usize, info: &self.files[file as usize].tensors[index as usize] }
     }
 
     /// Looks a tensor up by name.
-    pub fn tensor(&self, name: &str) -> Option<&ReleaseTensor> {
-        let i = self.tensors.binary_search_by(|t| t.info.name.as_str().cmp(name)).ok()?;
-        self.tensors.get(i)
+    pub fn tensor(&self, name: &str) -> Option<ReleaseTensor<'_>> {
+        let i = self.by_name.binary_search_by(|&e| self.entry(e).info.name.as_str().cmp(name)).ok()?;
+        Some(self.entry(self.by_name[i]))
     }
 
     /// The file holding the tensor `name`, and the tensor.
     pub fn locate(&self, name: &str) -> Option<(&FileHeader, &TensorInfo)> {
         let t = self.tensor(name)?;
-        Some((self.files.get(t.file_index)?, &t.info))
+        Some((self.files.get(t.file_index)?, t.info))
     }
 
     /// Sum of the byte lengths of all tensors.
@@ -1587,7 +1596,7 @@ mod tests {
         assert_eq!(release.tensors().len(), 21);
         assert_eq!(release.total_bytes(), 205_440);
         assert!(release.index_path().is_some());
-        let names: Vec<&str> = release.tensors().iter().map(|t| t.info.name.as_str()).collect();
+        let names: Vec<&str> = release.tensors().map(|t| t.info.name.as_str()).collect();
         let mut sorted = names.clone();
         sorted.sort_unstable();
         assert_eq!(names, sorted, "tensors sorted by name");
@@ -1646,7 +1655,7 @@ mod tests {
         let release = Release::open(dir.path()).unwrap();
         assert!(release.index_path().is_none());
         assert_eq!(release.total_bytes(), 12);
-        let names: Vec<&str> = release.tensors().iter().map(|t| t.info.name.as_str()).collect();
+        let names: Vec<&str> = release.tensors().map(|t| t.info.name.as_str()).collect();
         assert_eq!(names, vec!["b", "w"]);
         assert_eq!(release.config_json(), "{}");
     }

@@ -1593,7 +1593,6 @@ mod tests {
     fn tensor_bytes(release: &Release) -> BTreeMap<String, Vec<u8>> {
         release
             .tensors()
-            .iter()
             .map(|t| {
                 let (file, info) = release.locate(&t.info.name).unwrap();
                 let bytes = fs::read(file.path()).unwrap();
@@ -1629,7 +1628,6 @@ mod tests {
         let config = ModelConfig::from_json(release.config_json()).unwrap();
         let sources = release
             .tensors()
-            .iter()
             .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
             .collect();
         if let Err(errors) = build_plan(&config, sources, Mesh::new(1, 1, 1, 1), &PlanOptions::default()) {
@@ -1815,7 +1813,7 @@ mod tests {
             let model = SynthModel::new(arch, fixture_dims(&config)).unwrap();
 
             let theirs: BTreeMap<&str, &[u64]> =
-                release.tensors().iter().map(|t| (t.info.name.as_str(), t.info.shape.as_slice())).collect();
+                release.tensors().map(|t| (t.info.name.as_str(), t.info.shape.as_slice())).collect();
             let ours: BTreeMap<&str, &[u64]> =
                 model.tensors().iter().map(|t| (t.name.as_str(), t.shape.as_slice())).collect();
             assert_eq!(ours, theirs, "{name}");
@@ -1849,7 +1847,7 @@ mod tests {
                 assert_eq!(release.tensors().len(), report.num_tensors, "{arch}");
                 assert!(relative_error(report.total_bytes, 2_000_000) <= SIZE_TOLERANCE);
                 assert_eq!(report.files.len(), release.files().len());
-                assert!(release.tensors().iter().all(|t| t.info.dtype == DType::BF16));
+                assert!(release.tensors().all(|t| t.info.dtype == DType::BF16));
                 let sharded = report.files.len() > 1;
                 assert_eq!(sharded, options.max_shard_bytes < 2_000_000, "{arch}");
                 assert_eq!(report.index.is_some(), sharded);

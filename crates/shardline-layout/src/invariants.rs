@@ -85,7 +85,7 @@ fn list(v: &[u64]) -> String {
 }
 
 /// The items of one tensor, one per chunk, with the rank that lists each.
-fn lower_tensor<'a>(plan: &Plan, t: &'a OutputTensor) -> impl Iterator<Item = (u64, WriteItem<'a>)> {
+fn lower_tensor<'a>(plan: &'a Plan, t: &'a OutputTensor) -> impl Iterator<Item = (u64, WriteItem<'a>)> {
     let tp_dim = match t.tp_mode {
         crate::arch::TpMode::Column => Some(0),
         crate::arch::TpMode::Row => Some(1),
@@ -95,7 +95,7 @@ fn lower_tensor<'a>(plan: &Plan, t: &'a OutputTensor) -> impl Iterator<Item = (u
         Group::Dense => plan.mesh.fsdp_size(),
         Group::Expert { .. } => plan.mesh.expert_dp_size(),
     };
-    t.chunks.iter().map(move |c| {
+    t.chunks(&plan.mesh).map(move |c| {
         let mut h = DefaultHasher::new();
         t.recipe.hash(&mut h);
         t.shape.hash(&mut h);
@@ -105,8 +105,8 @@ fn lower_tensor<'a>(plan: &Plan, t: &'a OutputTensor) -> impl Iterator<Item = (u
             key: Cow::Borrowed(&t.key),
             dtype: t.dtype,
             global_shape: Cow::Borrowed(&t.shape),
-            offsets: Cow::Borrowed(&c.offsets),
-            sizes: Cow::Borrowed(&c.sizes),
+            offsets: Cow::Owned(c.offsets),
+            sizes: Cow::Owned(c.sizes),
             local_shape: Cow::Borrowed(&t.local_shape),
             tp_dim,
             tp: t.tp,
@@ -129,7 +129,7 @@ fn lower_tensor<'a>(plan: &Plan, t: &'a OutputTensor) -> impl Iterator<Item = (u
 /// and deduplicated replicas included, in key order).
 pub fn lower(plan: &Plan) -> Vec<RankPlan<'_>> {
     let mut counts = vec![0usize; plan.world() as usize];
-    for c in plan.tensors.iter().flat_map(|t| &t.chunks) {
+    for c in plan.tensors.iter().flat_map(|t| t.chunks(&plan.mesh)) {
         counts[c.rank as usize] += 1;
     }
     let mut plans: Vec<RankPlan> =

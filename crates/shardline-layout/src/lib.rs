@@ -19,5 +19,8 @@ pub use dtype::DType;
 pub use error::LayoutError;
 pub use invariants::{lower, validate, validate_plan, Invariant, RankPlan, Violation, WriteItem};
 pub use mesh::Mesh;
-pub use plan::{build_plan, check_mesh_for_model, Chunk, Group, OutputTensor, Plan, PlanOptions, Role, SourceTensor};
+pub use plan::{
+    build_plan, check_mesh_for_model, Chunk, FsdpTiling, Group, OutputTensor, Plan, PlanOptions, Role, SourceTensor,
+    Tiling,
+};
 pub use recipe::{RowBlock, Segment, Transform};

@@ -75,8 +75,8 @@ pub enum Role {
 }
 
 /// One `(TP rank, FSDP rank)` piece of a tensor. Pieces with no rows, and replicas of a
-/// TP-replicated piece other than the one chosen to write it, are kept with `written = false`
-/// so the per-rank plans stay complete for validation.
+/// TP-replicated piece other than the one chosen to write it, have `written = false` so the
+/// per-rank plans stay complete for validation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Chunk {
     pub rank: u64,
@@ -92,6 +92,33 @@ impl Chunk {
     pub fn numel(&self) -> u64 {
         self.sizes.iter().product()
     }
+}
+
+/// How a tensor is cut into chunks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Tiling {
+    /// Megatron-FSDP's arithmetic, as the planner produces it: chunks are computed when asked
+    /// for, so a plan holds a few numbers per tensor however many ranks it spans.
+    Fsdp(FsdpTiling),
+    /// Chunks listed one by one (hand-written plans, including the field's buggy ones).
+    Listed(Vec<Chunk>),
+}
+
+/// The numbers a tensor's Megatron-FSDP chunks are derived from: chunk `i` is TP rank
+/// `i mod tp` of FSDP rank `i div tp`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FsdpTiling {
+    /// Size of the FSDP shard group.
+    pub fsdp_size: u64,
+    /// Rows of the TP-local tensor that is FSDP-sharded (the whole fused tensor for a section).
+    pub local_rows: u64,
+    /// Column-parallel sections: first TP-local row of this section within `local_rows`.
+    pub section_start: u64,
+    /// TP-local rows of this key.
+    pub section_rows: u64,
+    /// TP-replicated tensors: the TP rank that writes each FSDP piece (the others are replicas
+    /// and are not written); empty for TP-split tensors.
+    pub writers: Box<[u32]>,
 }
 
 /// An output tensor of the checkpoint.
@@ -110,7 +137,7 @@ pub struct OutputTensor {
     /// When this key is a section of a fused parameter: `(fused name, section index, sections)`.
     pub split_from: Option<(String, usize, usize)>,
     pub role: Role,
-    pub chunks: Vec<Chunk>,
+    pub tiling: Tiling,
 }
 
 impl OutputTensor {
@@ -118,6 +145,73 @@ impl OutputTensor {
     pub fn nbytes(&self) -> u64 {
         self.shape.iter().product::<u64>() * self.dtype.size() as u64
     }
+
+    /// Number of chunks, written or not.
+    pub fn chunk_count(&self) -> usize {
+        match &self.tiling {
+            Tiling::Fsdp(f) => (f.fsdp_size * self.tp) as usize,
+            Tiling::Listed(chunks) => chunks.len(),
+        }
+    }
+
+    /// Chunk `i` (`i < chunk_count()`) on `mesh`, the mesh of the plan holding this tensor.
+    pub fn chunk(&self, mesh: &Mesh, i: usize) -> Chunk {
+        match &self.tiling {
+            Tiling::Fsdp(f) => fsdp_chunk(self, f, mesh, i as u64),
+            Tiling::Listed(chunks) => chunks[i].clone(),
+        }
+    }
+
+    /// Every chunk, in order.
+    pub fn chunks<'a>(&'a self, mesh: &'a Mesh) -> impl Iterator<Item = Chunk> + 'a {
+        (0..self.chunk_count()).map(move |i| self.chunk(mesh, i))
+    }
+
+    /// The chunks as a list that can be edited (to build a plan by hand from a planned one).
+    pub fn listed_chunks(&mut self, mesh: &Mesh) -> &mut Vec<Chunk> {
+        if let Tiling::Fsdp(_) = self.tiling {
+            self.tiling = Tiling::Listed(self.chunks(mesh).collect());
+        }
+        match &mut self.tiling {
+            Tiling::Listed(chunks) => chunks,
+            Tiling::Fsdp(_) => unreachable!("just listed"),
+        }
+    }
+}
+
+/// Chunk `i` of `t` under Megatron-FSDP (layouts.md §3): TP rank `r`, FSDP rank `j`.
+fn fsdp_chunk(t: &OutputTensor, f: &FsdpTiling, mesh: &Mesh, i: u64) -> Chunk {
+    let (j, r) = (i / t.tp, i % t.tp);
+    let rest = t.shape.get(1..).unwrap_or(&[]);
+    let (offsets, sizes) = match t.tp_mode {
+        TpMode::Column => {
+            let (row, rows) = column_section_rows(f.local_rows, f.section_start, f.section_rows, r, f.fsdp_size, j);
+            (with_rest(row, rest, true), with_rest(rows, rest, false))
+        }
+        TpMode::Row => {
+            let (lo, hi) = fsdp_rows(f.section_rows, f.fsdp_size, j);
+            let cols = t.local_shape.get(1).copied().unwrap_or(0);
+            let mut off = vec![lo, r * cols];
+            off.extend(rest.iter().skip(1).map(|_| 0));
+            let mut sz = vec![hi - lo, cols];
+            sz.extend(rest.iter().skip(1).copied());
+            (off, sz)
+        }
+        TpMode::Replicated if t.shape.is_empty() => (vec![], vec![]),
+        TpMode::Replicated => {
+            let (lo, hi) = fsdp_rows(f.section_rows, f.fsdp_size, j);
+            (with_rest(lo, rest, true), with_rest(hi - lo, rest, false))
+        }
+    };
+    let numel: u64 = sizes.iter().product();
+    // A 0-d tensor is one element: FSDP rank 0 holds it.
+    let zero_d_extra = t.shape.is_empty() && j > 0;
+    let writer = f.writers.get(j as usize).is_none_or(|&w| u64::from(w) == r);
+    let rank = match t.group {
+        Group::Dense => mesh.dense_rank(r, j),
+        Group::Expert { ep_rank, .. } => mesh.expert_rank(r, ep_rank, j),
+    };
+    Chunk { rank, tp_rank: r, fsdp_rank: j, offsets, sizes, written: numel > 0 && !zero_d_extra && writer }
 }
 
 /// A conversion plan.
@@ -143,7 +237,7 @@ impl Plan {
     pub fn bytes_per_rank(&self) -> Vec<u64> {
         let mut bytes = vec![0u64; self.world() as usize];
         for t in &self.tensors {
-            for c in t.chunks.iter().filter(|c| c.written) {
+            for c in t.chunks(&self.mesh).filter(|c| c.written) {
                 bytes[c.rank as usize] += c.numel() * t.dtype.size() as u64;
             }
         }
@@ -154,7 +248,7 @@ impl Plan {
     pub fn rank_items(&self) -> Vec<Vec<(usize, usize)>> {
         let mut items = vec![Vec::new(); self.world() as usize];
         for (ti, t) in self.tensors.iter().enumerate() {
-            for (ci, c) in t.chunks.iter().enumerate() {
+            for (ci, c) in t.chunks(&self.mesh).enumerate() {
                 if c.written && c.numel() > 0 {
                     items[c.rank as usize].push((ti, ci));
                 }
@@ -757,7 +851,6 @@ fn chunk_draft(
     let mut out = Vec::new();
     let mut a_c = 0u64;
     for (ci, (suffix, shape, recipe)) in sections.into_iter().enumerate() {
-        let rest: Vec<u64> = shape.iter().skip(1).copied().collect();
         let mut local_shape = shape.clone();
         let n_c = match d.tp_mode {
             TpMode::Column => {
@@ -772,52 +865,21 @@ fn chunk_draft(
             }
             TpMode::Replicated => rows_of(&shape),
         };
-        let mut chunks = Vec::with_capacity((dsize * t) as usize);
-        for j in 0..dsize {
-            // For replicated pieces, the TP replica with the fewest planned bytes writes (like
-            // torch's save-plan dedup), lowest rank on ties.
-            let replicated_writer = if d.tp_mode == TpMode::Replicated {
-                (0..t).min_by_key(|r| (rank_bytes[rank_of(*r, j) as usize], rank_of(*r, j)))
-            } else {
-                None
-            };
-            for r in 0..t {
-                let (offsets, sizes) = match d.tp_mode {
-                    TpMode::Column => {
-                        let (row, rows) = column_section_rows(local_rows, a_c, n_c, r, dsize, j);
-                        (with_rest(row, &rest, true), with_rest(rows, &rest, false))
-                    }
-                    TpMode::Row => {
-                        let (lo, hi) = fsdp_rows(n_c, dsize, j);
-                        let dims = 1 + rest.len().max(1);
-                        let mut off = Vec::with_capacity(dims);
-                        off.extend([lo, r * local_shape[1]]);
-                        off.extend(rest.iter().skip(1).map(|_| 0));
-                        let mut sz = Vec::with_capacity(dims);
-                        sz.extend([hi - lo, local_shape[1]]);
-                        sz.extend(rest.iter().skip(1).copied());
-                        (off, sz)
-                    }
-                    TpMode::Replicated => {
-                        if shape.is_empty() {
-                            (vec![], vec![])
-                        } else {
-                            let (lo, hi) = fsdp_rows(n_c, dsize, j);
-                            (with_rest(lo, &rest, true), with_rest(hi - lo, &rest, false))
-                        }
-                    }
-                };
-                let numel: u64 = sizes.iter().product();
-                let zero_d_extra = shape.is_empty() && j > 0;
-                let written = numel > 0 && !zero_d_extra && replicated_writer.is_none_or(|w| w == r);
-                let rank = rank_of(r, j);
-                if written {
-                    rank_bytes[rank as usize] += numel * item;
-                }
-                chunks.push(Chunk { rank, tp_rank: r, fsdp_rank: j, offsets, sizes, written });
-            }
-        }
-        out.push(OutputTensor {
+        // For replicated pieces, the TP replica with the fewest planned bytes writes (like
+        // torch's save-plan dedup), lowest rank on ties. Each FSDP piece's replicas sit on ranks
+        // of their own, so the choice for one piece does not depend on the others.
+        let writers: Box<[u32]> = if d.tp_mode == TpMode::Replicated {
+            (0..dsize)
+                .map(|j| {
+                    let w = (0..t).min_by_key(|r| (rank_bytes[rank_of(*r, j) as usize], rank_of(*r, j))).unwrap_or(0);
+                    u32::try_from(w).unwrap_or(u32::MAX)
+                })
+                .collect()
+        } else {
+            Box::default()
+        };
+        let tiling = FsdpTiling { fsdp_size: dsize, local_rows, section_start: a_c, section_rows: n_c, writers };
+        let tensor = OutputTensor {
             key: format!("{}{}{}", options.prefix, d.name, suffix),
             dtype: d.dtype,
             shape,
@@ -828,8 +890,12 @@ fn chunk_draft(
             local_shape,
             split_from: (n_sections > 1).then(|| (d.name.clone(), ci, n_sections)),
             role: Role::Param,
-            chunks,
-        });
+            tiling: Tiling::Fsdp(tiling),
+        };
+        for c in tensor.chunks(mesh).filter(|c| c.written) {
+            rank_bytes[c.rank as usize] += c.numel() * item;
+        }
+        out.push(tensor);
         a_c += n_c;
     }
     out

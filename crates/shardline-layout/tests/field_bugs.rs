@@ -22,7 +22,7 @@ fn plan(config: &str, sources: Vec<SourceTensor>, mesh: Mesh, options: PlanOptio
 fn rows_of_key(plan: &Plan, key: &str, r: u64) -> Vec<(u64, u64)> {
     let t = plan.tensors.iter().find(|t| t.key == key).unwrap_or_else(|| panic!("no key {key}"));
     let mut v: Vec<_> =
-        t.chunks.iter().filter(|c| c.tp_rank == r).map(|c| (c.fsdp_rank, c.offsets[0], c.sizes[0])).collect();
+        t.chunks(&plan.mesh).filter(|c| c.tp_rank == r).map(|c| (c.fsdp_rank, c.offsets[0], c.sizes[0])).collect();
     v.sort();
     v.into_iter().map(|(_, o, s)| (o, s)).collect()
 }
@@ -52,10 +52,11 @@ fn the_key_by_key_validator_reports_what_the_whole_plan_validator_reports() {
     let has = |v: &[shardline_layout::Violation], inv: Invariant| v.iter().any(|x| x.invariant == inv);
     // Overlap, a dropped chunk and a swapped key order in a dense plan.
     let mut p = t2_plan();
-    p.tensors[0].chunks[1].offsets[0] = 0;
+    let mesh = p.mesh;
+    p.tensors[0].listed_chunks(&mesh)[1].offsets[0] = 0;
     assert!(has(&violations_agree(&p, 0), Invariant::ExactTiling));
     let mut p = t2_plan();
-    p.tensors[0].chunks.pop();
+    p.tensors[0].listed_chunks(&mesh).pop();
     assert!(has(&violations_agree(&p, 0), Invariant::Determinism));
     let mut p = t2_plan();
     p.tensors.swap(0, 1);
@@ -71,7 +72,7 @@ fn the_key_by_key_validator_reports_what_the_whole_plan_validator_reports() {
     let state = p.tensors.iter_mut().find(|t| t.key.ends_with("final_layernorm.weight.exp_avg")).expect("exp_avg");
     state.shape = vec![64];
     state.local_shape = vec![64];
-    for c in &mut state.chunks {
+    for c in state.listed_chunks(&Mesh::new(1, 1, 4, 1)) {
         c.offsets = vec![0];
     }
     assert!(has(&violations_agree(&p, 0), Invariant::OptimizerParity));
@@ -294,7 +295,7 @@ fn t4_optimizer_state_is_sharded_like_its_parameter() {
     let t = p.tensors.iter().find(|t| t.key == key).expect("exp_avg");
     assert_eq!(t.shape, vec![256]);
     assert_eq!(t.dtype, DType::F32);
-    let chunks: Vec<_> = t.chunks.iter().map(|c| (c.offsets.clone(), c.sizes.clone())).collect();
+    let chunks: Vec<_> = t.chunks(&p.mesh).map(|c| (c.offsets, c.sizes)).collect();
     assert_eq!(chunks, vec![(vec![0], vec![64]), (vec![64], vec![64]), (vec![128], vec![64]), (vec![192], vec![64])]);
     assert_eq!(t.recipe, vec![RowBlock::zeros(256)]);
     no_violations(&p, 0);

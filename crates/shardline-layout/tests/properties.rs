@@ -166,7 +166,7 @@ proptest! {
             let numel: u64 = t.shape.iter().product();
             // Reassemble the global tensor from the written chunks; 0 = never written.
             let mut global = vec![u32::MAX; numel as usize];
-            for ch in t.chunks.iter().filter(|ch| ch.written && ch.numel() > 0) {
+            for ch in t.chunks(&plan.mesh).filter(|ch| ch.written && ch.numel() > 0) {
                 let mut vals = Vec::new();
                 for seg in segments(&t.shape, DType::F32, &t.recipe, &ch.offsets, &ch.sizes) {
                     match seg.source {

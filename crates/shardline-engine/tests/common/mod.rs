@@ -233,7 +233,6 @@ pub fn assert_bit_exact(ckpt_dir: &Path, source: &Path) {
     let config = ModelConfig::from_json(release.config_json()).expect("config");
     let sources = release
         .tensors()
-        .iter()
         .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
         .collect();
     let options = PlanOptions { vocab_divisible_by: 1, split_fused: true, ..PlanOptions::default() };
