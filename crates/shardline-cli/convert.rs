@@ -196,7 +196,7 @@ fn print_plan(plan: &Plan, as_json: bool) {
             .map(|t| {
                 json!({
                     "key": t.key, "dtype": t.dtype.to_string(), "shape": t.shape,
-                    "split_from": t.split_from.as_ref().map(|s| &s.0),
+                    "split_from": t.split_from().map(|s| s.0),
                     "chunks": t.chunks(&plan.mesh).filter(|c| c.written && c.numel() > 0)
                         .map(|c| json!({"rank": c.rank, "offsets": c.offsets, "sizes": c.sizes})).collect::<Vec<_>>(),
                 })
@@ -212,7 +212,7 @@ fn print_plan(plan: &Plan, as_json: bool) {
     println!("plan for `{}` on {} ({} ranks)", plan.model_type, plan.mesh, plan.world());
     println!("{:<90} {:>6} {:>18}  split from", "key", "dtype", "global shape");
     for t in &plan.tensors {
-        let split = t.split_from.as_ref().map(|s| format!("{} ({}/{})", s.0, s.1 + 1, s.2)).unwrap_or_default();
+        let split = t.split_from().map(|s| format!("{} ({}/{})", s.0, s.1 + 1, s.2)).unwrap_or_default();
         println!("{:<90} {:>6} {:>18}  {split}", t.key, t.dtype.to_string(), format!("{:?}", t.shape));
     }
     println!("\nbytes per rank:");

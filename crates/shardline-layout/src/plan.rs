@@ -8,6 +8,7 @@
 //! tensor and then split into its sections, so a section can straddle an FSDP boundary (layouts.md
 //! §3). Any exact tiling loads in DCP; this one is what a Megatron-FSDP job would save.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::arch::{self, Kind, Rule, TpMode};
@@ -121,6 +122,15 @@ pub struct FsdpTiling {
     pub writers: Box<[u32]>,
 }
 
+/// Where a split section comes from: the fused parameter's name (a byte range of the key, so a
+/// plan holds no second copy of it) and the section's place among its siblings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SplitFrom {
+    pub name: (u32, u32),
+    pub index: u16,
+    pub sections: u16,
+}
+
 /// An output tensor of the checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OutputTensor {
@@ -134,8 +144,8 @@ pub struct OutputTensor {
     pub group: Group,
     /// TP-local shape of this key (section of the fused TP-local tensor when split).
     pub local_shape: Vec<u64>,
-    /// When this key is a section of a fused parameter: `(fused name, section index, sections)`.
-    pub split_from: Option<(String, usize, usize)>,
+    /// When this key is a section of a fused parameter.
+    pub split: Option<SplitFrom>,
     pub role: Role,
     pub tiling: Tiling,
 }
@@ -144,6 +154,13 @@ impl OutputTensor {
     /// Bytes of the whole tensor.
     pub fn nbytes(&self) -> u64 {
         self.shape.iter().product::<u64>() * self.dtype.size() as u64
+    }
+
+    /// `(fused parameter name, section index, sections)` when this key is a split section.
+    pub fn split_from(&self) -> Option<(&str, usize, usize)> {
+        let s = self.split?;
+        let name = self.key.get(s.name.0 as usize..s.name.1 as usize)?;
+        Some((name, usize::from(s.index), usize::from(s.sections)))
     }
 
     /// Number of chunks, written or not.
@@ -268,6 +285,8 @@ struct Section {
 /// A Megatron parameter before chunking.
 struct Draft {
     name: String,
+    /// The first release tensor it is made from (to name it in errors).
+    first_source: usize,
     dtype: DType,
     tp_mode: TpMode,
     expert: Option<u64>,
@@ -294,12 +313,12 @@ fn div_ceil(a: u64, b: u64) -> u64 {
 /// Release inventory, indexed by normalised name (multimodal `model.language_model.` → `model.`).
 struct Inventory<'a> {
     sources: &'a [SourceTensor],
-    by_name: HashMap<String, usize>,
+    by_name: HashMap<Cow<'a, str>, usize>,
 }
 
 impl<'a> Inventory<'a> {
     fn new(sources: &'a [SourceTensor], language_model_prefix: bool) -> Inventory<'a> {
-        let mut by_name = HashMap::new();
+        let mut by_name = HashMap::with_capacity(sources.len());
         for (i, s) in sources.iter().enumerate() {
             by_name.insert(normalise(&s.name, language_model_prefix), i);
         }
@@ -313,13 +332,13 @@ impl<'a> Inventory<'a> {
     }
 }
 
-fn normalise(name: &str, language_model_prefix: bool) -> String {
+fn normalise(name: &str, language_model_prefix: bool) -> Cow<'_, str> {
     if language_model_prefix {
         if let Some(rest) = name.strip_prefix("model.language_model.") {
-            return format!("model.{rest}");
+            return Cow::Owned(format!("model.{rest}"));
         }
     }
-    name.to_string()
+    Cow::Borrowed(name)
 }
 
 /// Model-level divisibility checks Megatron would make for this mesh; every violation names the
@@ -425,7 +444,6 @@ pub fn build_plan(
 
     let layers: Vec<u64> = (0..config.num_layers).collect();
     let experts: Vec<u64> = (0..config.num_experts).collect();
-    let mut seen_targets: BTreeSet<String> = BTreeSet::new();
     for (rule, mtp) in &rules {
         let megatron_t = retarget(rule.megatron, *mtp);
         let hf_t: Vec<String> = rule.hf.iter().map(|h| retarget(h, *mtp)).collect();
@@ -454,16 +472,6 @@ pub fn build_plan(
                     }
                 }
                 if ids.len() != hf_t.len() {
-                    continue;
-                }
-                if !seen_targets.insert(target.clone()) {
-                    // Two rules for one target (e.g. per-expert and packed forms both present).
-                    errors.push(LayoutError::Shape {
-                        tensor: guard.clone(),
-                        actual: inv.shape(ids[0]).to_vec(),
-                        expected: format!("a single source for `{target}`"),
-                        why: "the release holds the same parameter twice".to_string(),
-                    });
                     continue;
                 }
                 for id in &ids {
@@ -516,19 +524,31 @@ pub fn build_plan(
             }
         }
     }
+    drafts.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+    for pair in drafts.windows(2).filter(|pair| pair[0].name == pair[1].name) {
+        // Two rules for one target (e.g. per-expert and packed forms both present).
+        let id = pair[1].first_source;
+        errors.push(LayoutError::Shape {
+            tensor: sources[id].name.clone(),
+            actual: sources[id].shape.clone(),
+            expected: format!("a single source for `{}`", pair[1].name),
+            why: "the release holds the same parameter twice".to_string(),
+        });
+    }
     if !errors.is_empty() {
         let mut seen = BTreeSet::new();
         errors.retain(|e| seen.insert(e.to_string()));
         return Err(errors);
     }
 
-    drafts.sort_by(|a, b| a.name.cmp(&b.name));
-    let mut tensors = Vec::new();
+    // A plan lives for the whole conversion: sized exactly, and sorted in place.
+    let params: usize = drafts.iter().map(|d| d.sections.len()).sum();
+    let mut tensors = Vec::with_capacity(if options.optimizer_state { 3 * params } else { params });
     let mut rank_bytes = vec![0u64; mesh.world() as usize];
-    for d in &drafts {
+    for d in drafts {
         tensors.extend(chunk_draft(d, &mesh, config, options, &mut rank_bytes));
     }
-    tensors.sort_by(|a, b| a.key.cmp(&b.key));
+    tensors.sort_unstable_by(|a, b| a.key.cmp(&b.key));
     if options.optimizer_state {
         let mut states = Vec::new();
         for t in &tensors {
@@ -536,6 +556,11 @@ pub fn build_plan(
             for state in ["exp_avg", "exp_avg_sq"] {
                 let mut s = t.clone();
                 s.key = format!("{}{name}.{state}", options.optimizer_prefix);
+                if let Some(split) = &mut s.split {
+                    // The fused name sits after the optimizer prefix instead of the model one.
+                    let shift = |at: u32| at as usize - (t.key.len() - name.len()) + options.optimizer_prefix.len();
+                    split.name = (shift(split.name.0) as u32, shift(split.name.1) as u32);
+                }
                 s.dtype = DType::F32;
                 s.recipe = vec![RowBlock::zeros(rows_of(&t.shape))];
                 s.role = Role::OptimizerState { param_key: t.key.clone(), state };
@@ -543,11 +568,9 @@ pub fn build_plan(
             }
         }
         tensors.extend(states);
-        tensors.sort_by(|a, b| a.key.cmp(&b.key));
+        tensors.sort_unstable_by(|a, b| a.key.cmp(&b.key));
     }
     unconverted.sort();
-    // A plan lives for the whole conversion: no growth slack (it scales with the chunk count).
-    tensors.shrink_to_fit();
     Ok(Plan { mesh, options: options.clone(), model_type: config.model_type.clone(), sources, tensors, unconverted })
 }
 
@@ -650,7 +673,15 @@ fn draft(
         }
         Kind::GdnInProjQkvz | Kind::GdnInProjSplit | Kind::GdnConv1d => (TpMode::Column, gdn(config, inv, kind, ids)?),
     };
-    Ok(Draft { name: target.to_string(), dtype, tp_mode, expert, pad_vocab: kind == Kind::Vocab, sections })
+    Ok(Draft {
+        name: target.to_string(),
+        first_source: ids[0],
+        dtype,
+        tp_mode,
+        expert,
+        pad_vocab: kind == Kind::Vocab,
+        sections,
+    })
 }
 
 /// QKV interleave per query group (layouts.md §2.1), with output-gate heads when present.
@@ -799,7 +830,7 @@ pub fn column_section_rows(local_rows: u64, a_c: u64, n_c: u64, r: u64, d: u64, 
 }
 
 fn chunk_draft(
-    d: &Draft,
+    d: Draft,
     mesh: &Mesh,
     config: &ModelConfig,
     options: &PlanOptions,
@@ -816,7 +847,7 @@ fn chunk_draft(
         Group::Expert { ep_rank, .. } => mesh.expert_rank(r, ep_rank, j),
     };
     let mut sections: Vec<(String, Vec<u64>, Vec<RowBlock>)> =
-        d.sections.iter().map(|s| (s.suffix.clone(), s.shape.clone(), s.recipe.clone())).collect();
+        d.sections.into_iter().map(|s| (s.suffix, s.shape, s.recipe)).collect();
     // Vocab padding happens here because it depends on tp.
     if d.pad_vocab {
         let (_, shape, recipe) = &mut sections[0];
@@ -879,8 +910,18 @@ fn chunk_draft(
             Box::default()
         };
         let tiling = FsdpTiling { fsdp_size: dsize, local_rows, section_start: a_c, section_rows: n_c, writers };
+        let key = format!("{}{}{}", options.prefix, d.name, suffix);
+        let split = (n_sections > 1).then(|| {
+            let start = options.prefix.len();
+            let at = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+            SplitFrom {
+                name: (at(start), at(start + d.name.len())),
+                index: u16::try_from(ci).unwrap_or(u16::MAX),
+                sections: u16::try_from(n_sections).unwrap_or(u16::MAX),
+            }
+        });
         let tensor = OutputTensor {
-            key: format!("{}{}{}", options.prefix, d.name, suffix),
+            key,
             dtype: d.dtype,
             shape,
             recipe,
@@ -888,7 +929,7 @@ fn chunk_draft(
             tp: t,
             group,
             local_shape,
-            split_from: (n_sections > 1).then(|| (d.name.clone(), ci, n_sections)),
+            split,
             role: Role::Param,
             tiling: Tiling::Fsdp(tiling),
         };
@@ -912,6 +953,6 @@ fn with_rest(first: u64, rest: &[u64], zeros: bool) -> Vec<u64> {
 pub fn summary(plan: &Plan) -> BTreeMap<String, (DType, Vec<u64>, Option<String>)> {
     plan.tensors
         .iter()
-        .map(|t| (t.key.clone(), (t.dtype, t.shape.clone(), t.split_from.as_ref().map(|s| s.0.clone()))))
+        .map(|t| (t.key.clone(), (t.dtype, t.shape.clone(), t.split_from().map(|s| s.0.to_string()))))
         .collect()
 }
