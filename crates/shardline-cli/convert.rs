@@ -217,7 +217,7 @@ fn print_plan(plan: &Plan, as_json: bool) {
     }
     println!("\nbytes per rank:");
     for (r, b) in per_rank.iter().enumerate() {
-        println!("  rank {r:>4}: {:>12}  ({} chunks)", bytes(*b), plan.rank_items()[r].len());
+        println!("  rank {r:>4}: {:>12}  ({} chunks)", bytes(*b), plan.rank_chunks(r as u64).count());
     }
     println!("total: {} in {} keys", bytes(per_rank.iter().sum()), plan.tensors.len());
     report_unconverted(plan);

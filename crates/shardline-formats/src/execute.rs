@@ -832,67 +832,88 @@ pub fn write_checkpoint(
 /// One DCP item of a rank file: a written chunk, where it goes, and its archive framing.
 struct DcpItem {
     tensor: usize,
-    chunk: usize,
+    chunk: Chunk,
     offset: u64,
     length: u64,
     /// Index into [`DcpLayout::archives`].
     archive: usize,
 }
 
-/// Every rank file's items and their byte ranges, known before any byte is written (the archive
-/// of a chunk depends only on its dtype and shape), and the framing of each distinct archive.
+/// What every rank file holds and where, known before any byte is written (the archive of a
+/// chunk depends only on its dtype and shape). Items are recomputed from the plan as each file
+/// is written, so the layout holds a few numbers per rank and per distinct chunk shape, however
+/// many chunks the checkpoint has.
 struct DcpLayout {
-    ranks: Vec<Vec<DcpItem>>,
-    /// Archives and their trailer with CRC 0; most chunks share a few shapes.
+    /// Archives and their trailer with CRC 0, by `(dtype, chunk sizes)`; most chunks share a few.
     archives: Vec<(TensorArchive, Vec<u8>)>,
+    archive_of: HashMap<(DType, Vec<u64>), usize>,
+    file_lens: Vec<u64>,
+    items: u64,
 }
 
 impl DcpLayout {
     fn new(plan: &Plan) -> DcpLayout {
-        let mut archives = Vec::new();
-        let mut index: HashMap<(DType, Vec<u64>), usize> = HashMap::new();
-        let ranks = plan
-            .rank_items()
-            .into_iter()
-            .map(|list| {
-                let mut offset = 0u64;
-                list.into_iter()
-                    .map(|(tensor, chunk)| {
-                        let t = &plan.tensors[tensor];
-                        let sizes = t.chunk(&plan.mesh, chunk).sizes;
-                        let archive = *index.entry((t.dtype, sizes)).or_insert_with_key(|(_, sizes)| {
-                            let a = TensorArchive::new(t.dtype, sizes);
-                            let trailer = a.suffix(0);
-                            archives.push((a, trailer));
-                            archives.len() - 1
-                        });
-                        let length = archives[archive].0.total_len();
-                        let item = DcpItem { tensor, chunk, offset, length, archive };
-                        offset += length;
-                        item
-                    })
-                    .collect()
-            })
-            .collect();
-        DcpLayout { ranks, archives }
+        let mut layout =
+            DcpLayout { archives: Vec::new(), archive_of: HashMap::new(), file_lens: Vec::new(), items: 0 };
+        for rank in 0..plan.world() {
+            let len = layout.items(plan, rank as usize).fold(0, |_, item| item.offset + item.length);
+            layout.file_lens.push(len);
+        }
+        layout
+    }
+
+    /// The archive index of a chunk, adding its framing the first time its shape is seen.
+    fn archive(&mut self, dtype: DType, sizes: &[u64]) -> usize {
+        if let Some(&i) = self.archive_of.get(&(dtype, sizes.to_vec())) {
+            return i;
+        }
+        let a = TensorArchive::new(dtype, sizes);
+        let trailer = a.suffix(0);
+        self.archives.push((a, trailer));
+        self.archive_of.insert((dtype, sizes.to_vec()), self.archives.len() - 1);
+        self.archives.len() - 1
+    }
+
+    /// Builds the item list of `rank` while the layout is being made (registering archives).
+    fn items<'a>(&'a mut self, plan: &'a Plan, rank: usize) -> impl Iterator<Item = DcpItem> + 'a {
+        let mut offset = 0u64;
+        plan.rank_chunks(rank as u64).map(move |(tensor, _, chunk)| {
+            let archive = self.archive(plan.tensors[tensor].dtype, &chunk.sizes);
+            let length = self.archives[archive].0.total_len();
+            self.items += 1;
+            let item = DcpItem { tensor, chunk, offset, length, archive };
+            offset += length;
+            item
+        })
+    }
+
+    /// The items of `rank`'s file, in order.
+    fn rank<'a>(&'a self, plan: &'a Plan, rank: usize) -> impl Iterator<Item = DcpItem> + 'a {
+        let mut offset = 0u64;
+        plan.rank_chunks(rank as u64).map(move |(tensor, _, chunk)| {
+            let archive = self.archive_of[&(plan.tensors[tensor].dtype, chunk.sizes.clone())];
+            let length = self.archives[archive].0.total_len();
+            let item = DcpItem { tensor, chunk, offset, length, archive };
+            offset += length;
+            item
+        })
     }
 
     fn file_len(&self, rank: usize) -> u64 {
-        self.ranks[rank].last().map_or(0, |i| i.offset + i.length)
+        self.file_lens[rank]
+    }
+
+    fn world(&self) -> usize {
+        self.file_lens.len()
     }
 
     /// Streams the checkpoint's `.metadata` to `sink` straight from the plan, so its size never
     /// sits in memory; chunks are listed in rank order, as torch does.
     fn write_metadata<W: io::Write>(&self, plan: &Plan, sink: W) -> io::Result<W> {
-        // Every item's (tensor, chunk), grouped by tensor; the stable sort keeps rank order.
-        let mut by_tensor: Vec<(usize, usize)> = self.ranks.iter().flatten().map(|i| (i.tensor, i.chunk)).collect();
-        by_tensor.sort_by_key(|&(tensor, _)| tensor);
         let mut e = MetadataEncoder::new(sink);
-        let mut rest = by_tensor.as_slice();
-        for (ti, t) in plan.tensors.iter().enumerate() {
-            let (mine, tail) = rest.split_at(rest.iter().take_while(|&&(tensor, _)| tensor == ti).count());
-            rest = tail;
-            let listed: Vec<Chunk> = mine.iter().map(|&(_, c)| t.chunk(&plan.mesh, c)).collect();
+        for t in &plan.tensors {
+            let mut listed: Vec<Chunk> = t.chunks(&plan.mesh).filter(|c| c.written && c.numel() > 0).collect();
+            listed.sort_by_key(|c| c.rank);
             let chunks = listed.iter().map(|c| (c.offsets.as_slice(), c.sizes.as_slice()));
             e.entry(&t.key, EntryRef::Tensor { dtype: t.dtype, size: &t.shape, chunks })?;
         }
@@ -901,13 +922,12 @@ impl DcpLayout {
             e.planner_path(&t.key, &planner_path(&t.key))?;
         }
         e.begin_storage_data();
-        for (rank, items) in self.ranks.iter().enumerate() {
+        for rank in 0..self.world() {
             let name = dcp_rank_file(rank as u64);
-            for item in items {
-                let t = &plan.tensors[item.tensor];
+            for item in self.rank(plan, rank) {
                 e.storage(&StorageRef {
-                    fqn: &t.key,
-                    chunk_offset: Some(&t.chunk(&plan.mesh, item.chunk).offsets),
+                    fqn: &plan.tensors[item.tensor].key,
+                    chunk_offset: Some(&item.chunk.offsets),
                     relative_path: &name,
                     offset: item.offset,
                     length: item.length,
@@ -938,46 +958,52 @@ fn write_dcp_rank(
     progress: &Progress,
 ) -> Result<u64, ExecuteError> {
     let mut file = RankFile::create(path, data, syncer)?;
-    for item in &layout.ranks[rank] {
+    for item in layout.rank(plan, rank) {
         if progress.cancel.load(Ordering::Relaxed) {
             return Err(ExecuteError::Cancelled);
         }
-        write_item(plan, layout, item, &mut file, progress)?;
+        write_item(plan, layout, &item, &mut file, progress)?;
     }
     file.finish()
 }
 
 /// Column stripes of the same rows of one tensor held by different ranks (row-parallel weights
 /// under TP or expert TP): their full rows are read once and each rank's columns written from
-/// there, instead of each rank reading its columns with the other ranks' columns as gaps.
+/// there, instead of each rank reading its columns with the other ranks' columns as gaps. The
+/// ranks whose stripes meet are written by one writer, their files advancing together, so the
+/// members of a set are the files whose next items are stripes of the same rows.
 struct StripeSets {
-    /// Members of each set: `(rank, index of the item in the rank's layout)`.
-    sets: Vec<Vec<(usize, usize)>>,
-    by_item: HashMap<(usize, usize), usize>,
+    /// Whether stripes are gathered across the files of a unit (otherwise rank by rank).
+    shared: bool,
     /// Ranks written together by one writer: those linked by sets (a TP group), or each alone.
     units: Vec<Vec<usize>>,
 }
 
+/// Whether `item` is a column stripe that a stripe set can gather: plain bytes, rows that fit
+/// the staging buffer.
+fn is_stripe(t: &OutputTensor, c: &Chunk) -> bool {
+    let stripe = t.shape.len() >= 2 && !(c.offsets[1] == 0 && c.sizes[1] == t.shape[1]);
+    let plain = t.recipe.iter().all(|b| b.transform == Transform::Identity);
+    let row_bytes = row_elems(&t.shape) * t.dtype.size() as u64;
+    stripe && plain && row_bytes <= STAGING_BYTES as u64
+}
+
 impl StripeSets {
-    fn new(plan: &Plan, layout: &DcpLayout, threads: usize) -> StripeSets {
-        let mut keyed: HashMap<(usize, u64, u64), Vec<(usize, usize)>> = HashMap::new();
-        for (rank, items) in layout.ranks.iter().enumerate() {
-            for (i, item) in items.iter().enumerate() {
-                let t = &plan.tensors[item.tensor];
-                let c = &t.chunk(&plan.mesh, item.chunk);
-                let stripe = t.shape.len() >= 2 && !(c.offsets[1] == 0 && c.sizes[1] == t.shape[1]);
-                let plain = t.recipe.iter().all(|b| b.transform == Transform::Identity);
-                let row_bytes = row_elems(&t.shape) * t.dtype.size() as u64;
-                if stripe && plain && row_bytes <= STAGING_BYTES as u64 {
-                    keyed.entry((item.tensor, c.offsets[0], c.sizes[0])).or_default().push((rank, i));
-                }
+    fn new(plan: &Plan, threads: usize) -> StripeSets {
+        let world = plan.world() as usize;
+        // The ranks holding stripes of the same rows of a tensor, each rank once.
+        let mut keyed: HashMap<(usize, u64, u64), Vec<usize>> = HashMap::new();
+        for (ti, t) in plan.tensors.iter().enumerate() {
+            if t.shape.len() < 2 {
+                continue;
+            }
+            for c in t.chunks(&plan.mesh).filter(|c| c.written && c.numel() > 0 && is_stripe(t, c)) {
+                keyed.entry((ti, c.offsets[0], c.sizes[0])).or_default().push(c.rank as usize);
             }
         }
-        let mut sets: Vec<Vec<(usize, usize)>> =
-            keyed.into_values().filter(|m| m.len() >= 2 && m.windows(2).all(|w| w[0].0 < w[1].0)).collect();
-        sets.sort();
+        let sets: Vec<Vec<usize>> =
+            keyed.into_values().filter(|m| m.len() >= 2 && m.windows(2).all(|w| w[0] < w[1])).collect();
         // Ranks linked by a set form one unit (union-find).
-        let world = layout.ranks.len();
         let mut parent: Vec<usize> = (0..world).collect();
         fn root(parent: &mut [usize], mut r: usize) -> usize {
             while parent[r] != r {
@@ -988,7 +1014,7 @@ impl StripeSets {
         }
         for m in &sets {
             for w in m.windows(2) {
-                let (a, b) = (root(&mut parent, w[0].0), root(&mut parent, w[1].0));
+                let (a, b) = (root(&mut parent, w[0]), root(&mut parent, w[1]));
                 parent[a.max(b)] = a.min(b);
             }
         }
@@ -1004,12 +1030,12 @@ impl StripeSets {
         }
         // Sharing reads must not cost parallelism: with fewer units than writers, every rank is
         // its own unit and stripes are gathered rank by rank.
+        let mut shared = !sets.is_empty();
         if units.len() < threads.min(world) {
-            sets.clear();
+            shared = false;
             units = (0..world).map(|r| vec![r]).collect();
         }
-        let by_item = sets.iter().enumerate().flat_map(|(s, m)| m.iter().map(move |&k| (k, s))).collect();
-        StripeSets { sets, by_item, units }
+        StripeSets { shared, units }
     }
 }
 
@@ -1032,36 +1058,36 @@ fn write_dcp_unit(
     for &rank in unit {
         files.push(RankFile::create(out.join(dcp_rank_file(rank as u64)), data, syncer)?);
     }
-    let mut next = vec![0usize; unit.len()];
+    let mut next: Vec<_> = unit.iter().map(|&rank| layout.rank(plan, rank).peekable()).collect();
     let mut staging = Vec::new();
-    let upcoming = |k: usize, next: &[usize]| layout.ranks[unit[k]].get(next[k]).map(|i| i.tensor);
     // The unit's files advance together in tensor order, so the members of a set meet.
-    while let Some(k) = (0..unit.len()).filter(|&k| upcoming(k, &next).is_some()).min_by_key(|&k| upcoming(k, &next)) {
+    while let Some(k) = (0..unit.len()).filter_map(|k| Some((next[k].peek()?.tensor, k))).min().map(|(_, k)| k) {
         if progress.cancel.load(Ordering::Relaxed) {
             return Err(ExecuteError::Cancelled);
         }
-        // The set of this item, if each member is the next item of its file.
-        let members: Option<Vec<usize>> = stripes.by_item.get(&(unit[k], next[k])).and_then(|&s| {
-            stripes.sets[s]
-                .iter()
-                .map(|&(rank, i)| unit.iter().position(|&r| r == rank).filter(|&kk| next[kk] == i))
-                .collect()
-        });
-        match members {
-            Some(ks) => {
-                if staging.is_empty() {
-                    staging = vec![0u8; STAGING_BYTES];
-                }
-                let items: Vec<&DcpItem> = ks.iter().map(|&kk| &layout.ranks[unit[kk]][next[kk]]).collect();
-                write_stripe_set(plan, layout, &mut files, &ks, &items, &mut staging, data, progress)?;
-                for kk in ks {
-                    next[kk] += 1;
-                }
+        // The stripe set of this item: the files whose next items are stripes of the same rows.
+        let members: Vec<usize> = match next[k].peek() {
+            Some(item) if stripes.shared && is_stripe(&plan.tensors[item.tensor], &item.chunk) => {
+                let rows = (item.tensor, item.chunk.offsets[0], item.chunk.sizes[0]);
+                (0..unit.len())
+                    .filter(|&kk| {
+                        next[kk].peek().is_some_and(|other| {
+                            (other.tensor, other.chunk.offsets[0], other.chunk.sizes[0]) == rows
+                                && is_stripe(&plan.tensors[other.tensor], &other.chunk)
+                        })
+                    })
+                    .collect()
             }
-            None => {
-                write_item(plan, layout, &layout.ranks[unit[k]][next[k]], &mut files[k], progress)?;
-                next[k] += 1;
+            _ => Vec::new(),
+        };
+        if members.len() >= 2 {
+            if staging.is_empty() {
+                staging = vec![0u8; STAGING_BYTES];
             }
+            let items: Vec<DcpItem> = members.iter().filter_map(|&kk| next[kk].next()).collect();
+            write_stripe_set(plan, layout, &mut files, &members, &items, &mut staging, data, progress)?;
+        } else if let Some(item) = next[k].next() {
+            write_item(plan, layout, &item, &mut files[k], progress)?;
         }
     }
     let mut lengths = Vec::with_capacity(unit.len());
@@ -1113,7 +1139,7 @@ fn write_item(
     progress: &Progress,
 ) -> Result<(), ExecuteError> {
     let t = &plan.tensors[item.tensor];
-    let c = &t.chunk(&plan.mesh, item.chunk);
+    let c = &item.chunk;
     begin_item(layout, item, file)?;
     for Segment { source, len, transform } in segments(&t.shape, t.dtype, &t.recipe, &c.offsets, &c.sizes) {
         match source {
@@ -1134,13 +1160,13 @@ fn write_stripe_set(
     layout: &DcpLayout,
     files: &mut [RankFile<'_>],
     ks: &[usize],
-    items: &[&DcpItem],
+    items: &[DcpItem],
     staging: &mut [u8],
     data: &DataPath<'_>,
     progress: &Progress,
 ) -> Result<(), ExecuteError> {
     let t = &plan.tensors[items[0].tensor];
-    let first = &t.chunk(&plan.mesh, items[0].chunk);
+    let first = &items[0].chunk;
     let itemsize = t.dtype.size() as u64;
     let row_bytes = row_elems(&t.shape) * itemsize;
     let column_bytes = t.shape[2..].iter().product::<u64>() * itemsize;
@@ -1175,7 +1201,7 @@ fn write_stripe_set(
             }
         }
         for (&k, item) in ks.iter().zip(items) {
-            let c = &t.chunk(&plan.mesh, item.chunk);
+            let c = &item.chunk;
             let (col, width) = ((c.offsets[1] * column_bytes) as usize, (c.sizes[1] * column_bytes) as usize);
             files[k].write_stripes(&staging[..bytes], row_bytes as usize, col, width)?;
             progress.bytes_written.fetch_add(batch * width as u64, Ordering::Relaxed);
@@ -1198,7 +1224,7 @@ fn write_dcp(
     progress: &Progress,
 ) -> Result<WriteReport, ExecuteError> {
     let layout = DcpLayout::new(plan);
-    let stripes = StripeSets::new(plan, &layout, options.threads);
+    let stripes = StripeSets::new(plan, options.threads);
     let world = plan.world() as usize;
     let data = DataPath::new(sources, options);
     let (sync_tx, sync_rx) = mpsc::channel();
@@ -1234,12 +1260,11 @@ fn write_dcp(
         }
     }
     publish_metadata(out)?;
-    let items = layout.ranks.iter().flatten();
     Ok(WriteReport {
         files: (0..world).map(|r| out.join(dcp_rank_file(r as u64))).collect(),
         tensor_bytes: plan.bytes_per_rank().iter().sum(),
         file_bytes: lengths.iter().sum(),
-        chunks: items.count() as u64,
+        chunks: layout.items,
         kernel_copy_bytes: data.kernel_copied.load(Ordering::Relaxed),
     })
 }
@@ -1270,7 +1295,6 @@ fn publish_metadata(out: &Path) -> Result<(), ExecuteError> {
 /// Writes one DCP-safetensors rank file (through a temporary name); returns `(path, length, chunks)`.
 fn write_safetensors_rank(
     plan: &Plan,
-    items: &[Vec<(usize, usize)>],
     rank: usize,
     out: &Path,
     sources: &SourceMap,
@@ -1279,12 +1303,10 @@ fn write_safetensors_rank(
 ) -> Result<(PathBuf, u64, u64), ExecuteError> {
     let world = plan.world() as usize;
     let name = dcp_safetensors_rank_file(rank as u64, world as u64);
-    let sharding: serde_json::Map<String, serde_json::Value> = items[rank]
+    let items: Vec<(usize, Chunk)> = plan.rank_chunks(rank as u64).map(|(ti, _, c)| (ti, c)).collect();
+    let sharding: serde_json::Map<String, serde_json::Value> = items
         .iter()
-        .map(|&(ti, ci)| {
-            let c = &plan.tensors[ti].chunk(&plan.mesh, ci);
-            (plan.tensors[ti].key.clone(), serde_json::json!({ "saved_offsets": c.offsets }))
-        })
+        .map(|(ti, c)| (plan.tensors[*ti].key.clone(), serde_json::json!({ "saved_offsets": c.offsets })))
         .collect();
     let metadata = [
         ("DCP_SHARDING_INFO".to_string(), serde_json::Value::Object(sharding).to_string()),
@@ -1293,21 +1315,18 @@ fn write_safetensors_rank(
     ]
     .into_iter()
     .collect();
-    let sizes: Vec<Vec<u64>> =
-        items[rank].iter().map(|&(ti, ci)| plan.tensors[ti].chunk(&plan.mesh, ci).sizes).collect();
     let layout = FileLayout::new(
-        items[rank].iter().zip(&sizes).map(|(&(ti, _), sizes)| {
-            let t = &plan.tensors[ti];
-            (t.key.as_str(), t.dtype, sizes.as_slice())
+        items.iter().map(|(ti, c)| {
+            let t = &plan.tensors[*ti];
+            (t.key.as_str(), t.dtype, c.sizes.as_slice())
         }),
         &metadata,
     )?;
     let mut writer = SafetensorsWriter::create(out.join(&name), layout)?;
     let mut buf = vec![0u8; options.buffer_bytes];
     let mut pending: Vec<u8> = Vec::with_capacity(options.buffer_bytes);
-    for &(ti, ci) in &items[rank] {
-        let t = &plan.tensors[ti];
-        let c = &t.chunk(&plan.mesh, ci);
+    for (ti, c) in &items {
+        let t = &plan.tensors[*ti];
         stream_chunk(t, &c.offsets, &c.sizes, sources, &mut buf, |b| {
             progress.bytes_written.fetch_add(b.len() as u64, Ordering::Relaxed);
             if pending.len() + b.len() > pending.capacity() {
@@ -1326,7 +1345,7 @@ fn write_safetensors_rank(
     writer.write_next(&pending)?;
     let path = writer.finish()?;
     let len = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
-    Ok((path, len, items[rank].len() as u64))
+    Ok((path, len, items.len() as u64))
 }
 
 fn write_dcp_safetensors(
@@ -1336,10 +1355,9 @@ fn write_dcp_safetensors(
     options: &ExecuteOptions,
     progress: &Progress,
 ) -> Result<WriteReport, ExecuteError> {
-    let items = plan.rank_items();
     let world = plan.world() as usize;
     let per_rank = for_each_unit(world, options.threads, progress, |rank| {
-        let written = write_safetensors_rank(plan, &items, rank, out, sources, options, progress)?;
+        let written = write_safetensors_rank(plan, rank, out, sources, options, progress)?;
         progress.files_done.fetch_add(1, Ordering::Relaxed);
         Ok(written)
     })?;
@@ -1399,8 +1417,7 @@ pub fn write_rank_file(
             Ok(len)
         }
         OutputFormat::DcpSafetensors => {
-            let items = plan.rank_items();
-            let (_, len, _) = write_safetensors_rank(plan, &items, rank as usize, dir, &sources, options, progress)?;
+            let (_, len, _) = write_safetensors_rank(plan, rank as usize, dir, &sources, options, progress)?;
             Ok(len)
         }
     }
@@ -1521,10 +1538,10 @@ mod tests {
     fn whole_metadata(layout: &DcpLayout, plan: &Plan) -> Metadata {
         let mut storage_data = Vec::new();
         let mut chunk_lists: Vec<Vec<ChunkMeta>> = vec![Vec::new(); plan.tensors.len()];
-        for (rank, items) in layout.ranks.iter().enumerate() {
-            for item in items {
+        for rank in 0..layout.world() {
+            for item in layout.rank(plan, rank) {
                 let t = &plan.tensors[item.tensor];
-                let c = &t.chunk(&plan.mesh, item.chunk);
+                let c = &item.chunk;
                 chunk_lists[item.tensor].push(ChunkMeta { offsets: c.offsets.clone(), sizes: c.sizes.clone() });
                 let key = StorageKey { fqn: t.key.clone(), offset: Some(c.offsets.clone()) };
                 let info = StorageInfo {
@@ -1616,17 +1633,12 @@ mod tests {
     fn column_stripes_of_tp_peers_are_written_together() {
         let release = Release::open(fixture("qwen3_moe")).unwrap();
         let plan = plan(&release, Mesh { tp: 2, cp: 1, dp: 2, ep: 2, etp: 2 }, false);
-        let layout = DcpLayout::new(&plan);
-        let shared = StripeSets::new(&plan, &layout, 2);
-        assert!(shared.sets.len() > 10, "{}", shared.sets.len());
+        let shared = StripeSets::new(&plan, 2);
+        assert!(shared.shared);
         assert_eq!(shared.units, vec![vec![0, 1], vec![2, 3]]);
-        for set in &shared.sets {
-            let keys: Vec<_> = set.iter().map(|&(r, i)| layout.ranks[r][i].tensor).collect();
-            assert!(keys.windows(2).all(|w| w[0] == w[1]));
-        }
         // More writers than groups: each rank alone, stripes gathered per rank.
-        let alone = StripeSets::new(&plan, &layout, 4);
-        assert!(alone.sets.is_empty());
+        let alone = StripeSets::new(&plan, 4);
+        assert!(!alone.shared);
         assert_eq!(alone.units.len(), 4);
     }
 

@@ -179,6 +179,20 @@ impl OutputTensor {
         }
     }
 
+    /// The rank that lists chunk `i`, without computing the chunk's geometry.
+    pub fn chunk_rank(&self, mesh: &Mesh, i: usize) -> u64 {
+        match &self.tiling {
+            Tiling::Fsdp(_) => {
+                let (j, r) = (i as u64 / self.tp, i as u64 % self.tp);
+                match self.group {
+                    Group::Dense => mesh.dense_rank(r, j),
+                    Group::Expert { ep_rank, .. } => mesh.expert_rank(r, ep_rank, j),
+                }
+            }
+            Tiling::Listed(chunks) => chunks[i].rank,
+        }
+    }
+
     /// Every chunk, in order.
     pub fn chunks<'a>(&'a self, mesh: &'a Mesh) -> impl Iterator<Item = Chunk> + 'a {
         (0..self.chunk_count()).map(move |i| self.chunk(mesh, i))
@@ -261,17 +275,15 @@ impl Plan {
         bytes
     }
 
-    /// The written chunks of each rank, in key order: `(tensor index, chunk index)`.
-    pub fn rank_items(&self) -> Vec<Vec<(usize, usize)>> {
-        let mut items = vec![Vec::new(); self.world() as usize];
-        for (ti, t) in self.tensors.iter().enumerate() {
-            for (ci, c) in t.chunks(&self.mesh).enumerate() {
-                if c.written && c.numel() > 0 {
-                    items[c.rank as usize].push((ti, ci));
-                }
-            }
-        }
-        items
+    /// The non-empty written chunks of `rank`, in key order, as `(tensor index, chunk index,
+    /// chunk)`: what the rank's file holds, computed as it is read.
+    pub fn rank_chunks(&self, rank: u64) -> impl Iterator<Item = (usize, usize, Chunk)> + '_ {
+        self.tensors.iter().enumerate().flat_map(move |(ti, t)| {
+            (0..t.chunk_count())
+                .filter(move |&ci| t.chunk_rank(&self.mesh, ci) == rank)
+                .map(move |ci| (ti, ci, t.chunk(&self.mesh, ci)))
+                .filter(|(_, _, c)| c.written && c.numel() > 0)
+        })
     }
 }
 
