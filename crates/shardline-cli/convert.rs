@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use serde_json::json;
-use shardline_formats::execute::{write_checkpoint, ExecuteOptions, OutputFormat, Progress};
+use shardline_formats::execute::{write_checkpoint_from, ExecuteOptions, OutputFormat, Progress, SourceMap};
 use shardline_formats::safetensors::Release;
 use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
 
@@ -120,7 +120,7 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
         optimizer_state: args.optimizer_state,
         ..PlanOptions::default()
     };
-    let (release, plan) = plan_release(&args.from, mesh, &options)?;
+    let (release, mut plan) = plan_release(&args.from, mesh, &options)?;
     if args.dry_run {
         print_plan(&plan, args.json);
         return Ok(ExitCode::SUCCESS);
@@ -139,10 +139,19 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
     let total: u64 = plan.bytes_per_rank().iter().sum();
     let progress = Arc::new(Progress::default());
     let started = Instant::now();
+    let sources =
+        SourceMap::new(&plan, &release).with_context(|| format!("writing checkpoint to {}", out.display()))?;
+    // From here on the writers read through `sources`: the release's and the plan's descriptions
+    // of the source tensors go, and with them what planning freed, so the copy runs in the
+    // memory of the plan and the I/O buffers alone.
+    let source_bytes = release.total_bytes();
+    drop(release);
+    drop(std::mem::take(&mut plan.sources));
+    crate::report::return_freed_memory();
     let report = {
         let p = progress.clone();
         let _bar = Bar::start("convert", total, move || p.bytes_written.load(Ordering::Relaxed));
-        write_checkpoint(&plan, &release, out, &exec, &progress)
+        write_checkpoint_from(&plan, &sources, out, &exec, &progress)
             .with_context(|| format!("writing checkpoint to {}", out.display()))?
     };
     let secs = started.elapsed().as_secs_f64();
@@ -155,7 +164,7 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
                 "files": report.files.len(), "chunks": report.chunks, "tensor_bytes": report.tensor_bytes,
                 "file_bytes": report.file_bytes, "kernel_copy_bytes": report.kernel_copy_bytes,
                 "seconds": secs, "peak_rss_bytes": rss,
-                "source_bytes": release.total_bytes(), "unconverted": plan.unconverted,
+                "source_bytes": source_bytes, "unconverted": plan.unconverted,
             })
         );
     } else {

@@ -31,6 +31,17 @@ pub fn peak_rss() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// Hands memory the allocator holds free back to the system, so that what a finished phase
+/// freed does not stay resident through the next one (glibc keeps it otherwise; other
+/// allocators return it on their own).
+pub fn return_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free pages of the allocator's own heaps.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// A progress bar over a byte counter, drawn on stderr only when it is a terminal.
 pub struct Bar {
     stop: Arc<AtomicBool>,

@@ -136,14 +136,18 @@ pub struct WriteReport {
     pub kernel_copy_bytes: u64,
 }
 
-/// Where each plan source lives: `(file index, absolute data offset, byte length)`.
-pub(crate) struct SourceMap {
+/// The release files a plan reads, open, and where each of the plan's sources sits in them:
+/// `(file index, absolute data offset, byte length)`. All the writers need of the release, so a
+/// caller can let the release's header descriptions go before the bytes are copied.
+pub struct SourceMap {
     files: Vec<(PathBuf, File)>,
     locs: Vec<(usize, u64, u64)>,
 }
 
 impl SourceMap {
-    pub(crate) fn new(plan: &Plan, release: &Release) -> Result<SourceMap, ExecuteError> {
+    /// Opens the files of `release` and locates every source of `plan` in them, checking that
+    /// each has the dtype and shape the plan was made for.
+    pub fn new(plan: &Plan, release: &Release) -> Result<SourceMap, ExecuteError> {
         let mut files = Vec::new();
         for p in release.file_paths() {
             let f = File::open(p).map_err(io_err(p, "open release file"))?;
@@ -809,11 +813,21 @@ pub fn write_checkpoint(
     options: &ExecuteOptions,
     progress: &Progress,
 ) -> Result<WriteReport, ExecuteError> {
-    let sources = SourceMap::new(plan, release)?;
+    write_checkpoint_from(plan, &SourceMap::new(plan, release)?, out, options, progress)
+}
+
+/// Writes the checkpoint of `plan` into `out`, reading through `sources`.
+pub fn write_checkpoint_from(
+    plan: &Plan,
+    sources: &SourceMap,
+    out: &Path,
+    options: &ExecuteOptions,
+    progress: &Progress,
+) -> Result<WriteReport, ExecuteError> {
     prepare_dir(out, options.format, options.overwrite)?;
     let result = match options.format {
-        OutputFormat::Dcp => write_dcp(plan, &sources, out, options, progress),
-        OutputFormat::DcpSafetensors => write_dcp_safetensors(plan, &sources, out, options, progress),
+        OutputFormat::Dcp => write_dcp(plan, sources, out, options, progress),
+        OutputFormat::DcpSafetensors => write_dcp_safetensors(plan, sources, out, options, progress),
     };
     if result.is_err() {
         // Leave nothing that could be mistaken for output: no marker was written; drop rank files.
