@@ -370,6 +370,25 @@ impl Tx<'_> {
             Tx::Lite(t) => t.rollback().await,
         }
     }
+
+    /// Ends the transaction by `result`: commits an `Ok`, rolls an `Err` back and waits for it.
+    /// A transaction merely dropped is rolled back only when its connection is next used, so the
+    /// row locks of a refused operation would outlive the call, and a claim (`SKIP LOCKED`)
+    /// right after it would not see the rows it had locked.
+    pub(crate) async fn finish<T, E: From<sqlx::Error>>(self, result: Result<T, E>) -> Result<T, E> {
+        match result {
+            Ok(v) => {
+                self.commit().await?;
+                Ok(v)
+            }
+            Err(e) => {
+                // The operation's own error is the one to report; a failed rollback leaves the
+                // connection to sqlx, which discards it.
+                let _ = self.rollback().await;
+                Err(e)
+            }
+        }
+    }
 }
 
 /// A point in time as stored: `timestamptz` on PostgreSQL, integer milliseconds on SQLite.

@@ -120,9 +120,8 @@ impl Store {
         let ids = self
             .retrying_conflicts("add_tasks", || async {
                 let mut tx = self.pool().begin().await?;
-                let (ids, ready) = add_tasks_tx(&mut tx.conn(), run, &prepared).await?;
-                tx.commit().await?;
-                Ok((ids, ready))
+                let added = add_tasks_tx(&mut tx.conn(), run, &prepared).await;
+                tx.finish(added).await
             })
             .await?;
         if ids.1 {
@@ -145,31 +144,34 @@ impl Store {
         let (ids, ready) = self
             .retrying_conflicts("add_tasks_and_redirect", || async {
                 let mut tx = self.pool().begin().await?;
-                let mut c = tx.conn();
-                let owner: Option<(i64,)> =
-                    c.opt(sql!("SELECT run_id FROM tasks WHERE id = $1"), args![from_task.0]).await?;
-                match owner {
-                    Some((r,)) if r == run.0 => {}
-                    _ => return Err(StoreError::TaskNotFound(from_task)),
-                }
-                // The successors' rows first (task rows before the run's row, as everywhere).
-                let dependents: Vec<(i64, String, String)> = c
-                    .all(
-                        sql!(
-                            "SELECT t.id, t.name, t.state FROM tasks t JOIN task_deps d ON d.task_id = t.id \
+                let redirected = async {
+                    let mut c = tx.conn();
+                    let owner: Option<(i64,)> =
+                        c.opt(sql!("SELECT run_id FROM tasks WHERE id = $1"), args![from_task.0]).await?;
+                    match owner {
+                        Some((r,)) if r == run.0 => {}
+                        _ => return Err(StoreError::TaskNotFound(from_task)),
+                    }
+                    // The successors' rows first (task rows before the run's row, as everywhere).
+                    let dependents: Vec<(i64, String, String)> = c
+                        .all(
+                            sql!(
+                                "SELECT t.id, t.name, t.state FROM tasks t JOIN task_deps d ON d.task_id = t.id \
                              WHERE d.needs_id = $1 ORDER BY t.id {for_update}"
-                        ),
-                        args![from_task.0],
-                    )
-                    .await?;
-                let (ids, ready) = add_tasks_tx(&mut c, run, &prepared).await?;
-                let new: HashSet<i64> = ids.iter().map(|t| t.0).collect();
-                let new_ids: Vec<i64> = ids.iter().map(|t| t.0).collect();
-                for (id, name, state) in dependents.into_iter().filter(|(id, _, _)| !new.contains(id)) {
-                    add_edges(&mut c, run, (id, &name, &state), &new_ids).await?;
+                            ),
+                            args![from_task.0],
+                        )
+                        .await?;
+                    let (ids, ready) = add_tasks_tx(&mut c, run, &prepared).await?;
+                    let new: HashSet<i64> = ids.iter().map(|t| t.0).collect();
+                    let new_ids: Vec<i64> = ids.iter().map(|t| t.0).collect();
+                    for (id, name, state) in dependents.into_iter().filter(|(id, _, _)| !new.contains(id)) {
+                        add_edges(&mut c, run, (id, &name, &state), &new_ids).await?;
+                    }
+                    Ok((ids, ready))
                 }
-                tx.commit().await?;
-                Ok((ids, ready))
+                .await;
+                tx.finish(redirected).await
             })
             .await?;
         if ready {
@@ -184,42 +186,45 @@ impl Store {
     pub async fn add_deps(&self, run: RunId, task_name: &str, needs: Vec<String>) -> Result<(), StoreError> {
         self.retrying("add_deps", || async {
             let mut tx = self.pool().begin().await?;
-            let mut c = tx.conn();
-            let task: Option<(i64, String)> = c
-                .opt(
-                    sql!("SELECT id, state FROM tasks WHERE run_id = $1 AND name = $2 {for_update}"),
-                    args![run.0, task_name],
-                )
-                .await?;
-            let Some((task_id, state)) = task else {
-                return Err(StoreError::InvalidTasks {
-                    run,
-                    problems: vec![format!("no task `{task_name}` in run {run}")],
-                });
-            };
-            let found: Vec<(i64, String, String)> = c
-                .all(
-                    sql!(
-                        "SELECT id, name, state FROM tasks WHERE run_id = $1 AND name IN {strs:$2} \
+            let added = async {
+                let mut c = tx.conn();
+                let task: Option<(i64, String)> = c
+                    .opt(
+                        sql!("SELECT id, state FROM tasks WHERE run_id = $1 AND name = $2 {for_update}"),
+                        args![run.0, task_name],
+                    )
+                    .await?;
+                let Some((task_id, state)) = task else {
+                    return Err(StoreError::InvalidTasks {
+                        run,
+                        problems: vec![format!("no task `{task_name}` in run {run}")],
+                    });
+                };
+                let found: Vec<(i64, String, String)> = c
+                    .all(
+                        sql!(
+                            "SELECT id, name, state FROM tasks WHERE run_id = $1 AND name IN {strs:$2} \
                          ORDER BY id {for_share}"
-                    ),
-                    args![run.0, json!(needs)],
-                )
-                .await?;
-            let known: HashSet<&str> = found.iter().map(|(_, n, _)| n.as_str()).collect();
-            let problems: Vec<String> = needs
-                .iter()
-                .filter(|n| !known.contains(n.as_str()))
-                .map(|n| format!("task `{task_name}` cannot need `{n}`: no such task in run {run}"))
-                .collect();
-            if !problems.is_empty() {
-                return Err(StoreError::InvalidTasks { run, problems });
+                        ),
+                        args![run.0, json!(needs)],
+                    )
+                    .await?;
+                let known: HashSet<&str> = found.iter().map(|(_, n, _)| n.as_str()).collect();
+                let problems: Vec<String> = needs
+                    .iter()
+                    .filter(|n| !known.contains(n.as_str()))
+                    .map(|n| format!("task `{task_name}` cannot need `{n}`: no such task in run {run}"))
+                    .collect();
+                if !problems.is_empty() {
+                    return Err(StoreError::InvalidTasks { run, problems });
+                }
+                lock_live_run(&mut c, run, "tasks can only gain needs while it is queued or running").await?;
+                let need_ids: Vec<i64> = found.iter().map(|(id, _, _)| *id).collect();
+                add_edges(&mut c, run, (task_id, task_name, &state), &need_ids).await?;
+                Ok(())
             }
-            lock_live_run(&mut c, run, "tasks can only gain needs while it is queued or running").await?;
-            let need_ids: Vec<i64> = found.iter().map(|(id, _, _)| *id).collect();
-            add_edges(&mut c, run, (task_id, task_name, &state), &need_ids).await?;
-            tx.commit().await?;
-            Ok(())
+            .await;
+            tx.finish(added).await
         })
         .await
     }
