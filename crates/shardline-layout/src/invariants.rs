@@ -107,7 +107,7 @@ fn lower_tensor<'a>(plan: &'a Plan, t: &'a OutputTensor) -> impl Iterator<Item =
             global_shape: Cow::Borrowed(&t.shape),
             offsets: Cow::Owned(c.offsets),
             sizes: Cow::Owned(c.sizes),
-            local_shape: Cow::Borrowed(&t.local_shape),
+            local_shape: Cow::Owned(t.local_shape()),
             tp_dim,
             tp: t.tp,
             tp_rank: c.tp_rank,

@@ -142,8 +142,6 @@ pub struct OutputTensor {
     /// TP (or ETP for experts) degree the parameter is split over.
     pub tp: u64,
     pub group: Group,
-    /// TP-local shape of this key (section of the fused TP-local tensor when split).
-    pub local_shape: Vec<u64>,
     /// When this key is a section of a fused parameter.
     pub split: Option<SplitFrom>,
     pub role: Role,
@@ -154,6 +152,21 @@ impl OutputTensor {
     /// Bytes of the whole tensor.
     pub fn nbytes(&self) -> u64 {
         self.shape.iter().product::<u64>() * self.dtype.size() as u64
+    }
+
+    /// The TP-local shape of this key (a section of the fused TP-local tensor when split): the
+    /// global shape with its TP-split dim divided by `tp`.
+    pub fn local_shape(&self) -> Vec<u64> {
+        let mut local = self.shape.clone();
+        let dim = match self.tp_mode {
+            TpMode::Column => 0,
+            TpMode::Row => 1,
+            TpMode::Replicated => return local,
+        };
+        if let Some(d) = local.get_mut(dim) {
+            *d /= self.tp.max(1);
+        }
+        local
     }
 
     /// `(fused parameter name, section index, sections)` when this key is a split section.
@@ -221,7 +234,7 @@ fn fsdp_chunk(t: &OutputTensor, f: &FsdpTiling, mesh: &Mesh, i: u64) -> Chunk {
         }
         TpMode::Row => {
             let (lo, hi) = fsdp_rows(f.section_rows, f.fsdp_size, j);
-            let cols = t.local_shape.get(1).copied().unwrap_or(0);
+            let cols = t.shape.get(1).map_or(0, |c| c / t.tp);
             let mut off = vec![lo, r * cols];
             off.extend(rest.iter().skip(1).map(|_| 0));
             let mut sz = vec![hi - lo, cols];
@@ -894,19 +907,9 @@ fn chunk_draft(
     let mut out = Vec::new();
     let mut a_c = 0u64;
     for (ci, (suffix, shape, recipe)) in sections.into_iter().enumerate() {
-        let mut local_shape = shape.clone();
         let n_c = match d.tp_mode {
-            TpMode::Column => {
-                if let Some(first) = local_shape.first_mut() {
-                    *first /= t;
-                }
-                rows_of(&shape) / t
-            }
-            TpMode::Row => {
-                local_shape[1] /= t;
-                rows_of(&shape)
-            }
-            TpMode::Replicated => rows_of(&shape),
+            TpMode::Column => rows_of(&shape) / t,
+            TpMode::Row | TpMode::Replicated => rows_of(&shape),
         };
         // For replicated pieces, the TP replica with the fewest planned bytes writes (like
         // torch's save-plan dedup), lowest rank on ties. Each FSDP piece's replicas sit on ranks
@@ -922,7 +925,9 @@ fn chunk_draft(
             Box::default()
         };
         let tiling = FsdpTiling { fsdp_size: dsize, local_rows, section_start: a_c, section_rows: n_c, writers };
-        let key = format!("{}{}{}", options.prefix, d.name, suffix);
+        // Sized exactly: a plan keeps every key for the whole conversion.
+        let mut key = String::with_capacity(options.prefix.len() + d.name.len() + suffix.len());
+        key.extend([options.prefix.as_str(), &d.name, &suffix]);
         let split = (n_sections > 1).then(|| {
             let start = options.prefix.len();
             let at = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
@@ -940,7 +945,6 @@ fn chunk_draft(
             tp_mode: d.tp_mode,
             tp: t,
             group,
-            local_shape,
             split,
             role: Role::Param,
             tiling: Tiling::Fsdp(tiling),
