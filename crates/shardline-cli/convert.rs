@@ -113,6 +113,7 @@ pub fn plan_release(from: &Path, mesh: Mesh, options: &PlanOptions) -> Result<(R
 }
 
 pub fn run(args: ConvertArgs) -> Result<ExitCode> {
+    crate::report::map_large_buffers();
     let mesh = args.mesh.mesh();
     let options = PlanOptions {
         prefix: args.prefix.clone(),

@@ -42,6 +42,17 @@ pub fn return_freed_memory() {
     }
 }
 
+/// Makes every allocation of 256 KiB or more its own mapping, returned to the system when
+/// freed. glibc otherwise raises that threshold once a large buffer is freed and serves the next
+/// ones from its heaps, where freed I/O buffers stay resident for the rest of the run.
+pub fn map_large_buffers() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes a tuning parameter of the allocator.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 10);
+    }
+}
+
 /// A progress bar over a byte counter, drawn on stderr only when it is a terminal.
 pub struct Bar {
     stop: Arc<AtomicBool>,
