@@ -1005,19 +1005,9 @@ fn is_stripe(t: &OutputTensor, c: &Chunk) -> bool {
 impl StripeSets {
     fn new(plan: &Plan, threads: usize) -> StripeSets {
         let world = plan.world() as usize;
-        // The ranks holding stripes of the same rows of a tensor, each rank once.
-        let mut keyed: HashMap<(usize, u64, u64), Vec<usize>> = HashMap::new();
-        for (ti, t) in plan.tensors.iter().enumerate() {
-            if t.shape.len() < 2 {
-                continue;
-            }
-            for c in t.chunks(&plan.mesh).filter(|c| c.written && c.numel() > 0 && is_stripe(t, c)) {
-                keyed.entry((ti, c.offsets[0], c.sizes[0])).or_default().push(c.rank as usize);
-            }
-        }
-        let sets: Vec<Vec<usize>> =
-            keyed.into_values().filter(|m| m.len() >= 2 && m.windows(2).all(|w| w[0] < w[1])).collect();
-        // Ranks linked by a set form one unit (union-find).
+        // Ranks holding stripes of the same rows of a tensor (each rank once) form a set; the
+        // ranks a set links are written by one writer (union-find), tensor by tensor so that
+        // nothing is kept per chunk.
         let mut parent: Vec<usize> = (0..world).collect();
         fn root(parent: &mut [usize], mut r: usize) -> usize {
             while parent[r] != r {
@@ -1026,10 +1016,22 @@ impl StripeSets {
             }
             r
         }
-        for m in &sets {
-            for w in m.windows(2) {
-                let (a, b) = (root(&mut parent, w[0]), root(&mut parent, w[1]));
-                parent[a.max(b)] = a.min(b);
+        let mut any_set = false;
+        for t in plan.tensors.iter().filter(|t| t.shape.len() >= 2) {
+            let mut stripes: Vec<(u64, u64, usize)> = t
+                .chunks(&plan.mesh)
+                .filter(|c| c.written && c.numel() > 0 && is_stripe(t, c))
+                .map(|c| (c.offsets[0], c.sizes[0], c.rank as usize))
+                .collect();
+            stripes.sort_unstable();
+            for set in stripes.chunk_by(|a, b| (a.0, a.1) == (b.0, b.1)) {
+                if set.len() >= 2 && set.windows(2).all(|w| w[0].2 < w[1].2) {
+                    any_set = true;
+                    for w in set.windows(2) {
+                        let (a, b) = (root(&mut parent, w[0].2), root(&mut parent, w[1].2));
+                        parent[a.max(b)] = a.min(b);
+                    }
+                }
             }
         }
         let mut units: Vec<Vec<usize>> = Vec::new();
@@ -1044,7 +1046,7 @@ impl StripeSets {
         }
         // Sharing reads must not cost parallelism: with fewer units than writers, every rank is
         // its own unit and stripes are gathered rank by rank.
-        let mut shared = !sets.is_empty();
+        let mut shared = any_set;
         if units.len() < threads.min(world) {
             shared = false;
             units = (0..world).map(|r| vec![r]).collect();
