@@ -206,6 +206,28 @@ impl OutputTensor {
         }
     }
 
+    /// The indices of the chunks `rank` lists, in order. Under Megatron-FSDP a rank holds at
+    /// most one chunk of a tensor and its index follows from the rank, so a rank's chunks are
+    /// found without looking at the other ranks'.
+    pub fn chunks_of_rank<'a>(&'a self, mesh: &'a Mesh, rank: u64) -> impl Iterator<Item = usize> + 'a {
+        let (direct, listed) = match &self.tiling {
+            Tiling::Fsdp(_) => {
+                // Invert dense_rank / expert_rank: chunk i is TP rank i mod tp of FSDP rank i div tp.
+                let index = match self.group {
+                    Group::Dense => Some(rank),
+                    Group::Expert { ep_rank, .. } => {
+                        let (etp_rank, rest) = (rank % mesh.etp, rank / mesh.etp);
+                        (rest % mesh.ep == ep_rank).then(|| (rest / mesh.ep) * self.tp + etp_rank)
+                    }
+                };
+                let index = index.and_then(|i| usize::try_from(i).ok()).filter(|&i| i < self.chunk_count());
+                (index, 0..0)
+            }
+            Tiling::Listed(chunks) => (None, 0..chunks.len()),
+        };
+        direct.into_iter().chain(listed.filter(move |&i| self.chunk_rank(mesh, i) == rank))
+    }
+
     /// Every chunk, in order.
     pub fn chunks<'a>(&'a self, mesh: &'a Mesh) -> impl Iterator<Item = Chunk> + 'a {
         (0..self.chunk_count()).map(move |i| self.chunk(mesh, i))
@@ -292,8 +314,7 @@ impl Plan {
     /// chunk)`: what the rank's file holds, computed as it is read.
     pub fn rank_chunks(&self, rank: u64) -> impl Iterator<Item = (usize, usize, Chunk)> + '_ {
         self.tensors.iter().enumerate().flat_map(move |(ti, t)| {
-            (0..t.chunk_count())
-                .filter(move |&ci| t.chunk_rank(&self.mesh, ci) == rank)
+            t.chunks_of_rank(&self.mesh, rank)
                 .map(move |ci| (ti, ci, t.chunk(&self.mesh, ci)))
                 .filter(|(_, _, c)| c.written && c.numel() > 0)
         })

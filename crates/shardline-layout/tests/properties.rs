@@ -150,6 +150,15 @@ proptest! {
         prop_assert!(violations.is_empty(), "{violations:#?}");
         let violations = validate_plan(&plan, c.experts, c.mesh.ep);
         prop_assert!(violations.is_empty(), "key by key: {violations:#?}");
+        // A rank's chunks found from the rank alone are the ones found by asking every chunk.
+        for t in &plan.tensors {
+            for rank in 0..plan.world() {
+                let direct: Vec<usize> = t.chunks_of_rank(&plan.mesh, rank).collect();
+                let scanned: Vec<usize> =
+                    (0..t.chunk_count()).filter(|&i| t.chunk(&plan.mesh, i).rank == rank).collect();
+                prop_assert_eq!(direct, scanned, "{} rank {}", t.key, rank);
+            }
+        }
 
         // Unique ids: element i of source s is base[s] + i.
         let mut base = Vec::new();
