@@ -870,35 +870,26 @@ impl DcpLayout {
         let mut layout =
             DcpLayout { archives: Vec::new(), archive_of: HashMap::new(), file_lens: Vec::new(), items: 0 };
         for rank in 0..plan.world() {
-            let len = layout.items(plan, rank as usize).fold(0, |_, item| item.offset + item.length);
-            layout.file_lens.push(len);
+            for (tensor, _, chunk) in plan.rank_chunks(rank) {
+                layout.add_archive(plan.tensors[tensor].dtype, &chunk.sizes);
+                layout.items += 1;
+            }
         }
+        layout.file_lens = (0..plan.world() as usize)
+            .map(|r| layout.rank(plan, r).last().map_or(0, |i| i.offset + i.length))
+            .collect();
         layout
     }
 
-    /// The archive index of a chunk, adding its framing the first time its shape is seen.
-    fn archive(&mut self, dtype: DType, sizes: &[u64]) -> usize {
-        if let Some(&i) = self.archive_of.get(&(dtype, sizes.to_vec())) {
-            return i;
+    /// Adds the framing of a chunk shape the first time it is seen.
+    fn add_archive(&mut self, dtype: DType, sizes: &[u64]) {
+        let key = (dtype, sizes.to_vec());
+        if !self.archive_of.contains_key(&key) {
+            let a = TensorArchive::new(dtype, sizes);
+            let trailer = a.suffix(0);
+            self.archives.push((a, trailer));
+            self.archive_of.insert(key, self.archives.len() - 1);
         }
-        let a = TensorArchive::new(dtype, sizes);
-        let trailer = a.suffix(0);
-        self.archives.push((a, trailer));
-        self.archive_of.insert((dtype, sizes.to_vec()), self.archives.len() - 1);
-        self.archives.len() - 1
-    }
-
-    /// Builds the item list of `rank` while the layout is being made (registering archives).
-    fn items<'a>(&'a mut self, plan: &'a Plan, rank: usize) -> impl Iterator<Item = DcpItem> + 'a {
-        let mut offset = 0u64;
-        plan.rank_chunks(rank as u64).map(move |(tensor, _, chunk)| {
-            let archive = self.archive(plan.tensors[tensor].dtype, &chunk.sizes);
-            let length = self.archives[archive].0.total_len();
-            self.items += 1;
-            let item = DcpItem { tensor, chunk, offset, length, archive };
-            offset += length;
-            item
-        })
     }
 
     /// The items of `rank`'s file, in order.
