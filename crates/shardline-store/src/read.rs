@@ -192,29 +192,32 @@ impl Store {
             .collect();
         self.retrying_conflicts("append_logs", || async {
             let mut tx = self.pool().begin().await?;
-            let mut c = tx.conn();
-            for chunk in &chunks {
-                let n = c
-                    .exec(
-                        sql!(
-                            pg: "INSERT INTO logs (task_id, run_id, attempt, ts, stream, line) \
-                                 SELECT $1, t.run_id, $2, to_timestamp((x.v ->> 'ts')::bigint / 1000.0), \
-                                     x.v ->> 'stream', x.v ->> 'line' \
-                                 FROM tasks t, jsonb_array_elements($3) WITH ORDINALITY AS x(v, ord) \
-                                 WHERE t.id = $1 ORDER BY x.ord",
-                            lite: "INSERT INTO logs (task_id, run_id, attempt, ts, stream, line) \
-                                   SELECT $1, t.run_id, $2, value ->> '$.ts', value ->> '$.stream', value ->> '$.line' \
-                                   FROM tasks t, json_each($3) WHERE t.id = $1 ORDER BY key"
-                        ),
-                        args![task.0, i64::from(attempt), chunk.clone()],
-                    )
-                    .await?;
-                if n == 0 {
-                    return Err(StoreError::TaskNotFound(task));
+            let result = async {
+                let mut c = tx.conn();
+                for chunk in &chunks {
+                    let n = c
+                        .exec(
+                            sql!(
+                                pg: "INSERT INTO logs (task_id, run_id, attempt, ts, stream, line) \
+                                     SELECT $1, t.run_id, $2, to_timestamp((x.v ->> 'ts')::bigint / 1000.0), \
+                                         x.v ->> 'stream', x.v ->> 'line' \
+                                     FROM tasks t, jsonb_array_elements($3) WITH ORDINALITY AS x(v, ord) \
+                                     WHERE t.id = $1 ORDER BY x.ord",
+                                lite: "INSERT INTO logs (task_id, run_id, attempt, ts, stream, line) \
+                                       SELECT $1, t.run_id, $2, value ->> '$.ts', value ->> '$.stream', value ->> '$.line' \
+                                       FROM tasks t, json_each($3) WHERE t.id = $1 ORDER BY key"
+                            ),
+                            args![task.0, i64::from(attempt), chunk.clone()],
+                        )
+                        .await?;
+                    if n == 0 {
+                        return Err(StoreError::TaskNotFound(task));
+                    }
                 }
+                Ok(())
             }
-            tx.commit().await?;
-            Ok(())
+            .await;
+            tx.finish(result).await
         })
         .await
     }
@@ -333,23 +336,26 @@ async fn publish_events(store: &Store) -> Result<()> {
         return Ok(());
     }
     let mut tx = pc.begin().await?;
-    let mut c = tx.conn();
-    c.exec(sql!("SELECT pg_advisory_xact_lock($1)"), args![EVENTS_LOCK]).await?;
-    // A fresh statement, so its snapshot sees the previous publisher's commit.
-    c.exec(
-        sql!(
-            "WITH pending AS ( \
-                 SELECT seq FROM events WHERE id IS NULL ORDER BY seq LIMIT 10000), \
-             numbered AS ( \
-                 SELECT seq, (SELECT COALESCE(max(id), 0) FROM events) \
-                     + row_number() OVER (ORDER BY seq) AS new_id FROM pending) \
-             UPDATE events e SET id = n.new_id FROM numbered n WHERE e.seq = n.seq"
-        ),
-        args![],
-    )
-    .await?;
-    tx.commit().await?;
-    Ok(())
+    let result = async {
+        let mut c = tx.conn();
+        c.exec(sql!("SELECT pg_advisory_xact_lock($1)"), args![EVENTS_LOCK]).await?;
+        // A fresh statement, so its snapshot sees the previous publisher's commit.
+        c.exec(
+            sql!(
+                "WITH pending AS ( \
+                     SELECT seq FROM events WHERE id IS NULL ORDER BY seq LIMIT 10000), \
+                 numbered AS ( \
+                     SELECT seq, (SELECT COALESCE(max(id), 0) FROM events) \
+                         + row_number() OVER (ORDER BY seq) AS new_id FROM pending) \
+                 UPDATE events e SET id = n.new_id FROM numbered n WHERE e.seq = n.seq"
+            ),
+            args![],
+        )
+        .await?;
+        Ok(())
+    }
+    .await;
+    tx.finish(result).await
 }
 
 async fn counts(c: &mut Conn<'_>, runs: &[i64]) -> Result<HashMap<i64, TaskCounts>> {

@@ -191,31 +191,34 @@ impl Store {
         }
         self.retrying("register_triggers", || async {
             let mut tx = self.pool().begin().await?;
-            let mut c = tx.conn();
-            for t in triggers {
+            let result = async {
+                let mut c = tx.conn();
+                for t in triggers {
+                    c.exec(
+                        sql!(
+                            "INSERT INTO triggers (pipeline, position, kind, spec, summary) VALUES ($1, $2, $3, $4, $5) \
+                             ON CONFLICT (pipeline, position) DO UPDATE SET \
+                               state = CASE WHEN triggers.spec = excluded.spec THEN triggers.state ELSE $6 END, \
+                               next_at = CASE WHEN triggers.spec = excluded.spec THEN triggers.next_at ELSE NULL END, \
+                               last_sha = CASE WHEN triggers.spec = excluded.spec THEN triggers.last_sha ELSE NULL END, \
+                               errors = CASE WHEN triggers.spec = excluded.spec THEN triggers.errors ELSE 0 END, \
+                               kind = excluded.kind, spec = excluded.spec, summary = excluded.summary, \
+                               updated_at = {now}"
+                        ),
+                        args![pipeline, i64::from(t.position), &t.kind, &t.spec, &t.summary, json!({})],
+                    )
+                    .await?;
+                }
+                let positions: Vec<u32> = triggers.iter().map(|t| t.position).collect();
                 c.exec(
-                    sql!(
-                        "INSERT INTO triggers (pipeline, position, kind, spec, summary) VALUES ($1, $2, $3, $4, $5) \
-                         ON CONFLICT (pipeline, position) DO UPDATE SET \
-                           state = CASE WHEN triggers.spec = excluded.spec THEN triggers.state ELSE $6 END, \
-                           next_at = CASE WHEN triggers.spec = excluded.spec THEN triggers.next_at ELSE NULL END, \
-                           last_sha = CASE WHEN triggers.spec = excluded.spec THEN triggers.last_sha ELSE NULL END, \
-                           errors = CASE WHEN triggers.spec = excluded.spec THEN triggers.errors ELSE 0 END, \
-                           kind = excluded.kind, spec = excluded.spec, summary = excluded.summary, \
-                           updated_at = {now}"
-                    ),
-                    args![pipeline, i64::from(t.position), &t.kind, &t.spec, &t.summary, json!({})],
+                    sql!("DELETE FROM triggers WHERE pipeline = $1 AND position NOT IN {ids:$2}"),
+                    args![pipeline, json!(positions)],
                 )
                 .await?;
+                Ok(())
             }
-            let positions: Vec<u32> = triggers.iter().map(|t| t.position).collect();
-            c.exec(
-                sql!("DELETE FROM triggers WHERE pipeline = $1 AND position NOT IN {ids:$2}"),
-                args![pipeline, json!(positions)],
-            )
-            .await?;
-            tx.commit().await?;
-            Ok(())
+            .await;
+            tx.finish(result).await
         })
         .await?;
         Ok(self.list_triggers().await?.into_iter().filter(|t| t.pipeline == pipeline).collect())
@@ -298,38 +301,39 @@ impl Store {
         // which goes stale and is taken over.
         self.retrying_conflicts("claim_firing", || async {
             let mut tx = self.pool().begin().await?;
-            let mut c = tx.conn();
-            let inserted: Option<(String,)> = c
-                .opt(
-                    sql!(
-                        "INSERT INTO trigger_firings (dedupe_key, trigger_id, detail, claimed_at) \
-                         VALUES ($1, $2, $3, $4) ON CONFLICT (dedupe_key) DO NOTHING RETURNING dedupe_key"
-                    ),
-                    args![dedupe_key, trigger_id, detail, now],
-                )
-                .await?;
-            if inserted.is_some() {
-                tx.commit().await?;
-                return Ok(FiringClaim::Claimed);
+            let result = async {
+                let mut c = tx.conn();
+                let inserted: Option<(String,)> = c
+                    .opt(
+                        sql!(
+                            "INSERT INTO trigger_firings (dedupe_key, trigger_id, detail, claimed_at) \
+                             VALUES ($1, $2, $3, $4) ON CONFLICT (dedupe_key) DO NOTHING RETURNING dedupe_key"
+                        ),
+                        args![dedupe_key, trigger_id, detail, now],
+                    )
+                    .await?;
+                if inserted.is_some() {
+                    return Ok(FiringClaim::Claimed);
+                }
+                let taken_over: Option<(String,)> = c
+                    .opt(
+                        sql!(
+                            "UPDATE trigger_firings SET claimed_at = $2, trigger_id = $3 \
+                             WHERE dedupe_key = $1 AND run_id IS NULL AND fired_at IS NULL AND claimed_at < $4 \
+                             RETURNING dedupe_key"
+                        ),
+                        args![dedupe_key, now, trigger_id, stale_before],
+                    )
+                    .await?;
+                if taken_over.is_some() {
+                    return Ok(FiringClaim::Claimed);
+                }
+                let run: Option<(Option<i64>,)> =
+                    c.opt(sql!("SELECT run_id FROM trigger_firings WHERE dedupe_key = $1"), args![dedupe_key]).await?;
+                Ok(FiringClaim::Taken { run: run.and_then(|(r,)| r).map(RunId) })
             }
-            let taken_over: Option<(String,)> = c
-                .opt(
-                    sql!(
-                        "UPDATE trigger_firings SET claimed_at = $2, trigger_id = $3 \
-                         WHERE dedupe_key = $1 AND run_id IS NULL AND fired_at IS NULL AND claimed_at < $4 \
-                         RETURNING dedupe_key"
-                    ),
-                    args![dedupe_key, now, trigger_id, stale_before],
-                )
-                .await?;
-            if taken_over.is_some() {
-                tx.commit().await?;
-                return Ok(FiringClaim::Claimed);
-            }
-            let run: Option<(Option<i64>,)> =
-                c.opt(sql!("SELECT run_id FROM trigger_firings WHERE dedupe_key = $1"), args![dedupe_key]).await?;
-            tx.commit().await?;
-            Ok(FiringClaim::Taken { run: run.and_then(|(r,)| r).map(RunId) })
+            .await;
+            tx.finish(result).await
         })
         .await
     }
@@ -357,19 +361,22 @@ impl Store {
     ) -> Result<(), StoreError> {
         self.retrying("complete_firing", || async {
             let mut tx = self.pool().begin().await?;
-            let mut c = tx.conn();
-            c.exec(
-                sql!("UPDATE trigger_firings SET run_id = $2, fired_at = $3 WHERE dedupe_key = $1"),
-                args![dedupe_key, run.0, now],
-            )
-            .await?;
-            c.exec(
-                sql!("UPDATE triggers SET last_fired_at = $2, last_run_id = $3, updated_at = {now} WHERE id = $1"),
-                args![trigger_id, now, run.0],
-            )
-            .await?;
-            tx.commit().await?;
-            Ok(())
+            let result = async {
+                let mut c = tx.conn();
+                c.exec(
+                    sql!("UPDATE trigger_firings SET run_id = $2, fired_at = $3 WHERE dedupe_key = $1"),
+                    args![dedupe_key, run.0, now],
+                )
+                .await?;
+                c.exec(
+                    sql!("UPDATE triggers SET last_fired_at = $2, last_run_id = $3, updated_at = {now} WHERE id = $1"),
+                    args![trigger_id, now, run.0],
+                )
+                .await?;
+                Ok(())
+            }
+            .await;
+            tx.finish(result).await
         })
         .await
     }
