@@ -273,10 +273,7 @@ fn fsdp_chunk(t: &OutputTensor, f: &FsdpTiling, mesh: &Mesh, i: u64) -> Chunk {
     // A 0-d tensor is one element: FSDP rank 0 holds it.
     let zero_d_extra = t.shape.is_empty() && j > 0;
     let writer = f.writers.get(j as usize).is_none_or(|&w| u64::from(w) == r);
-    let rank = match t.group {
-        Group::Dense => mesh.dense_rank(r, j),
-        Group::Expert { ep_rank, .. } => mesh.expert_rank(r, ep_rank, j),
-    };
+    let rank = t.chunk_rank(mesh, i as usize);
     Chunk { rank, tp_rank: r, fsdp_rank: j, offsets, sizes, written: numel > 0 && !zero_d_extra && writer }
 }
 
