@@ -17,15 +17,16 @@
 //! - transformed bytes are read into the buffer and transformed there; zero rows are filled there.
 //!
 //! Column stripes of row-parallel weights (thousands of short rows) are the exception: the TP
-//! peers holding the stripes of the same rows are written by one writer, which reads the full
-//! rows once and hands each file its columns in one gathering `pwritev` (`StripeSets`).
+//! peers holding the stripes of the same rows are written by one writer, which reads a batch
+//! of full rows once, with one `preadv` that scatters each row's columns straight into the
+//! buffers of the files holding them (`StripeSets`): no staging copy, no buffer beyond theirs.
 //!
 //! When `copy_file_range` is refused (another filesystem, no kernel support), every copy takes
 //! the buffered path, with the same bytes as result.
 
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, IoSlice, IoSliceMut};
+use std::io::{self, IoSliceMut};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -223,7 +224,7 @@ pub(crate) fn stream_chunk(
 
 /// At most this many buffers in one `preadv` (Linux's `UIO_MAXIOV`; a handful in unit tests, to
 /// exercise the batch boundaries on tiny fixtures).
-const MAX_IOVECS: usize = if cfg!(test) { 7 } else { 1024 };
+const MAX_IOVECS: usize = if cfg!(test) { 11 } else { 1024 };
 /// Source bytes between two gathered reads that are read (into scratch) rather than skipped with
 /// a new syscall: copying a few KiB costs about what a syscall does.
 const MAX_GATHER_GAP: u64 = 8 << 10;
@@ -239,36 +240,6 @@ struct PendingRead {
     src: u64,
     at: usize,
     len: usize,
-}
-
-/// Writes every byte of `slices` at `offset` with `pwritev` (at most [`MAX_IOVECS`] at a time);
-/// returns the byte count.
-fn write_all_vectored_at(file: &File, slices: &[IoSlice<'_>], offset: u64) -> io::Result<u64> {
-    let mut at = offset;
-    for batch in slices.chunks(MAX_IOVECS) {
-        let total: usize = batch.iter().map(|s| s.len()).sum();
-        let n = loop {
-            match rustix::io::pwritev(file, batch, at) {
-                Err(Errno::INTR) => continue,
-                other => break other?,
-            }
-        };
-        if n < total {
-            // A short write: finish the batch piece by piece.
-            let (mut skip, mut pos) = (n, at + n as u64);
-            for s in batch {
-                if skip >= s.len() {
-                    skip -= s.len();
-                    continue;
-                }
-                file.write_all_at(&s[skip..], pos)?;
-                pos += (s.len() - skip) as u64;
-                skip = 0;
-            }
-        }
-        at += total as u64;
-    }
-    Ok(at - offset)
 }
 
 /// Whether `copy_file_range` failed because this pair of files cannot use it (rather than an I/O
@@ -587,27 +558,6 @@ impl<'a> RankFile<'a> {
             }
             Err(e) => Err(ExecuteError::Io { path: path.clone(), action: "read release tensor", error: e.into() }),
         }
-    }
-
-    /// Appends columns `[col, col + width)` of every `row_bytes` row of `rows` as data, with one
-    /// gathering write (the buffered bytes first).
-    fn write_stripes(&mut self, rows: &[u8], row_bytes: usize, col: usize, width: usize) -> Result<(), ExecuteError> {
-        self.resolve_reads()?;
-        let stripes = rows.chunks_exact(row_bytes).map(|r| &r[col..col + width]);
-        if let Some((h, from)) = &mut self.crc {
-            h.update(&self.buf[*from..self.fill]);
-            *from = 0;
-            stripes.clone().for_each(|s| h.update(s));
-        }
-        let mut slices = Vec::with_capacity(1 + rows.len() / row_bytes);
-        slices.push(IoSlice::new(&self.buf[..self.fill]));
-        slices.extend(stripes.map(IoSlice::new));
-        let written =
-            write_all_vectored_at(&self.file, &slices, self.flushed).map_err(io_err(&self.path, "write rank file"))?;
-        self.flushed += written;
-        self.fill = 0;
-        self.request_writeback(false);
-        Ok(())
     }
 
     /// Overwrites bytes at absolute `offset` (before the current position).
@@ -984,13 +934,12 @@ struct StripeSets {
     units: Vec<Vec<usize>>,
 }
 
-/// Whether `item` is a column stripe that a stripe set can gather: plain bytes, rows that fit
-/// the staging buffer.
+/// Whether `item` is a column stripe that a stripe set can gather: plain bytes (a read lands
+/// where it is written, untransformed).
 fn is_stripe(t: &OutputTensor, c: &Chunk) -> bool {
     let stripe = t.shape.len() >= 2 && !(c.offsets[1] == 0 && c.sizes[1] == t.shape[1]);
     let plain = t.recipe.iter().all(|b| b.transform == Transform::Identity);
-    let row_bytes = row_elems(&t.shape) * t.dtype.size() as u64;
-    stripe && plain && row_bytes <= STAGING_BYTES as u64
+    stripe && plain
 }
 
 impl StripeSets {
@@ -1046,9 +995,6 @@ impl StripeSets {
     }
 }
 
-/// Bytes of full source rows staged at once for a stripe set.
-const STAGING_BYTES: usize = if cfg!(test) { 1000 } else { 1 << 20 };
-
 /// Writes the rank files of one unit; returns `(rank, file length)` for each.
 #[allow(clippy::too_many_arguments)]
 fn write_dcp_unit(
@@ -1066,7 +1012,7 @@ fn write_dcp_unit(
         files.push(RankFile::create(out.join(dcp_rank_file(rank as u64)), data, syncer)?);
     }
     let mut next: Vec<_> = unit.iter().map(|&rank| layout.rank(plan, rank).peekable()).collect();
-    let mut staging = Vec::new();
+    let mut scratch = Vec::new();
     // The unit's files advance together in tensor order, so the members of a set meet.
     while let Some(k) = (0..unit.len()).filter_map(|k| Some((next[k].peek()?.tensor, k))).min().map(|(_, k)| k) {
         if progress.cancel.load(Ordering::Relaxed) {
@@ -1088,11 +1034,8 @@ fn write_dcp_unit(
             _ => Vec::new(),
         };
         if members.len() >= 2 {
-            if staging.is_empty() {
-                staging = vec![0u8; STAGING_BYTES];
-            }
             let items: Vec<DcpItem> = members.iter().filter_map(|&kk| next[kk].next()).collect();
-            write_stripe_set(plan, layout, &mut files, &members, &items, &mut staging, data, progress)?;
+            write_stripe_set(plan, layout, &mut files, &members, &items, &mut scratch, data, progress)?;
         } else if let Some(item) = next[k].next() {
             write_item(plan, layout, &item, &mut files[k], progress)?;
         }
@@ -1158,9 +1101,9 @@ fn write_item(
     end_item(layout, item, file, progress)
 }
 
-/// Writes the items of a stripe set, `items[j]` being the next item of `files[ks[j]]`: the full
-/// rows are read into `staging` a batch at a time, and each file gets its columns of a batch
-/// in one gathering write.
+/// Writes the items of a stripe set, `items[j]` being the next item of `files[ks[j]]`: each batch
+/// of full rows is read once, by one `preadv` that scatters every row's columns straight into
+/// the buffers of the files holding them (and columns no member holds into `scratch`).
 #[allow(clippy::too_many_arguments)]
 fn write_stripe_set(
     plan: &Plan,
@@ -1168,55 +1111,170 @@ fn write_stripe_set(
     files: &mut [RankFile<'_>],
     ks: &[usize],
     items: &[DcpItem],
-    staging: &mut [u8],
+    scratch: &mut Vec<u8>,
     data: &DataPath<'_>,
     progress: &Progress,
 ) -> Result<(), ExecuteError> {
     let t = &plan.tensors[items[0].tensor];
-    let first = &items[0].chunk;
     let itemsize = t.dtype.size() as u64;
     let row_bytes = row_elems(&t.shape) * itemsize;
     let column_bytes = t.shape[2..].iter().product::<u64>() * itemsize;
-    let (row0, nrows) = (first.offsets[0], first.sizes[0]);
-    // The full-width rows of the set, as segments of sources and zeros.
+    // `(first byte in the row, bytes, file)` of each member's columns, in column order.
+    let mut columns: Vec<(u64, u64, usize)> = ks
+        .iter()
+        .zip(items)
+        .map(|(&k, item)| (item.chunk.offsets[1] * column_bytes, item.chunk.sizes[1] * column_bytes, k))
+        .collect();
+    columns.sort_unstable();
+    let held: u64 = columns.iter().map(|c| c.1).sum();
+    let gap_per_row = row_bytes - held.min(row_bytes);
+    let disjoint = columns.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0);
+    if !disjoint || gap_per_row > GAP_SCRATCH as u64 || columns.iter().any(|c| c.1 > data.buffer_bytes as u64) {
+        // Not one read's worth (overlapping replicas, far-apart or very wide stripes): each
+        // file reads its own columns.
+        for (&k, item) in ks.iter().zip(items) {
+            write_item(plan, layout, item, &mut files[k], progress)?;
+        }
+        return Ok(());
+    }
+    // A buffer per member and one per run of columns between members (or rows).
+    let wrap = row_bytes - (columns[columns.len() - 1].0 + columns[columns.len() - 1].1) + columns[0].0;
+    let between = columns.windows(2).filter(|w| w[0].0 + w[0].1 < w[1].0).count();
+    let iovecs_per_row = columns.len() + between + usize::from(wrap > 0);
+    let first = &items[0].chunk;
     let mut full_offsets = vec![0; t.shape.len()];
-    full_offsets[0] = row0;
+    full_offsets[0] = first.offsets[0];
     let mut full_sizes = t.shape.clone();
-    full_sizes[0] = nrows;
-    let rows = segments(&t.shape, t.dtype, &t.recipe, &full_offsets, &full_sizes);
+    full_sizes[0] = first.sizes[0];
     for (&k, item) in ks.iter().zip(items) {
         begin_item(layout, item, &mut files[k])?;
     }
-    let per_batch = staging.len() as u64 / row_bytes;
-    let (mut seg, mut seg_done, mut row) = (0usize, 0u64, 0u64);
-    while row < nrows {
-        let batch = per_batch.min(nrows - row);
-        let bytes = (batch * row_bytes) as usize;
-        let mut filled = 0usize;
-        while filled < bytes {
-            let Segment { source, len, .. } = rows[seg];
-            let n = (len - seg_done).min((bytes - filled) as u64) as usize;
-            let dst = &mut staging[filled..filled + n];
+    // The full-width rows are whole rows of sources or zeros, segment by segment.
+    for Segment { source, len, .. } in segments(&t.shape, t.dtype, &t.recipe, &full_offsets, &full_sizes) {
+        let (nrows, mut row) = (len / row_bytes, 0u64);
+        while row < nrows {
+            let mut batch = (nrows - row).min((MAX_IOVECS / iovecs_per_row).max(1) as u64);
+            if gap_per_row > 0 {
+                batch = batch.min(GAP_SCRATCH as u64 / gap_per_row);
+            }
+            for &(_, width, k) in &columns {
+                if (files[k].free() as u64) < width {
+                    files[k].flush()?;
+                }
+                batch = batch.min(files[k].free() as u64 / width);
+            }
             match source {
-                Some((id, off)) => data.sources.read(id, off + seg_done, dst)?,
-                None => dst.fill(0),
+                Some((id, off)) => {
+                    let from = off + row * row_bytes;
+                    scatter_rows(files, &columns, data, (id, from), batch, row_bytes, gap_per_row, scratch)?
+                }
+                None => {
+                    for &(_, width, k) in &columns {
+                        files[k].zeros(batch * width)?;
+                    }
+                }
             }
-            filled += n;
-            seg_done += n as u64;
-            if seg_done == len {
-                (seg, seg_done) = (seg + 1, 0);
-            }
+            progress.bytes_written.fetch_add(batch * held, Ordering::Relaxed);
+            row += batch;
         }
-        for (&k, item) in ks.iter().zip(items) {
-            let c = &item.chunk;
-            let (col, width) = ((c.offsets[1] * column_bytes) as usize, (c.sizes[1] * column_bytes) as usize);
-            files[k].write_stripes(&staging[..bytes], row_bytes as usize, col, width)?;
-            progress.bytes_written.fetch_add(batch * width as u64, Ordering::Relaxed);
-        }
-        row += batch;
     }
     for (&k, item) in ks.iter().zip(items) {
         end_item(layout, item, &mut files[k], progress)?;
+    }
+    Ok(())
+}
+
+/// Reads `batch` full rows of source `id` from byte `from` with one `preadv`: each row's
+/// `columns` go to the end of their file's buffer, the bytes between them to `scratch`.
+#[allow(clippy::too_many_arguments)]
+fn scatter_rows(
+    files: &mut [RankFile<'_>],
+    columns: &[(u64, u64, usize)],
+    data: &DataPath<'_>,
+    (id, from): (usize, u64),
+    batch: u64,
+    row_bytes: u64,
+    gap_per_row: u64,
+    scratch: &mut Vec<u8>,
+) -> Result<(), ExecuteError> {
+    let first_col = columns[0].0;
+    let (last_col, last_width, _) = columns[columns.len() - 1];
+    // From the first member's first byte of the first row to the last member's last byte of the
+    // last row.
+    let span = (batch - 1) * row_bytes + last_col + last_width - first_col;
+    let (fi, at) = data.sources.locate(id, from + first_col, span);
+    let gaps = (gap_per_row * batch) as usize;
+    if scratch.len() < gaps {
+        scratch.resize(gaps, 0);
+    }
+    let mut place: Vec<usize> = vec![usize::MAX; files.len()];
+    for (j, c) in columns.iter().enumerate() {
+        place[c.2] = j;
+    }
+    // Each member's room in its buffer, cut into one piece per row.
+    let mut rooms: Vec<(usize, std::slice::ChunksExactMut<'_, u8>)> = files
+        .iter_mut()
+        .enumerate()
+        .filter(|(k, _)| place[*k] != usize::MAX)
+        .map(|(k, f)| {
+            let width = columns[place[k]].1 as usize;
+            let start = f.fill;
+            (place[k], f.buf[start..start + batch as usize * width].chunks_exact_mut(width))
+        })
+        .collect();
+    rooms.sort_unstable_by_key(|r| r.0);
+    let mut spare: &mut [u8] = &mut scratch[..gaps];
+    let mut take_gap = |n: u64| {
+        let (g, rest) = std::mem::take(&mut spare).split_at_mut(n as usize);
+        spare = rest;
+        IoSliceMut::new(g)
+    };
+    let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity(2 * columns.len() * batch as usize);
+    for row in 0..batch {
+        for (j, room) in rooms.iter_mut() {
+            let (col, width, _) = columns[*j];
+            // Before a member: the columns since the previous one (or since the end of the
+            // previous row's last member).
+            let gap = if *j == 0 {
+                if row == 0 {
+                    0
+                } else {
+                    row_bytes - (last_col + last_width) + first_col
+                }
+            } else {
+                let (prev_col, prev_width, _) = columns[*j - 1];
+                col - (prev_col + prev_width)
+            };
+            if gap > 0 {
+                iov.push(take_gap(gap));
+            }
+            if let Some(piece) = room.next() {
+                debug_assert_eq!(piece.len() as u64, width);
+                iov.push(IoSliceMut::new(piece));
+            }
+        }
+    }
+    let (path, source) = &data.sources.files[fi];
+    preadv_exact(source, &mut iov, at).map_err(io_err(path, "read release tensor"))?;
+    drop(iov);
+    for &(_, width, k) in columns {
+        files[k].fill += (batch * width) as usize;
+    }
+    Ok(())
+}
+
+/// Fills every buffer of `iov` from `file` at `at`, resuming after short reads.
+fn preadv_exact(file: &File, mut iov: &mut [IoSliceMut<'_>], mut at: u64) -> io::Result<()> {
+    while !iov.is_empty() {
+        match rustix::io::preadv(file, iov, at) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => {
+                at += n as u64;
+                IoSliceMut::advance_slices(&mut iov, n);
+            }
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
     }
     Ok(())
 }
@@ -1647,6 +1705,39 @@ mod tests {
         let alone = StripeSets::new(&plan, 4);
         assert!(!alone.shared);
         assert_eq!(alone.units.len(), 4);
+    }
+
+    #[test]
+    fn stripe_sets_with_columns_between_and_around_them_write_what_ranks_alone_write() {
+        let release = Release::open(fixture("qwen3_moe")).unwrap();
+        let mesh = Mesh { tp: 2, cp: 1, dp: 2, ep: 2, etp: 2 };
+        let mut plan = plan(&release, mesh, false);
+        // Narrow the TP stripes of the row-parallel dense weights so that source columns lie
+        // before, between and after those any rank holds: a set then reads them into scratch.
+        let mut narrowed = 0;
+        for t in plan.tensors.iter_mut().filter(|t| t.tp_mode == shardline_layout::arch::TpMode::Row) {
+            for c in t.listed_chunks(&mesh).iter_mut().filter(|c| c.sizes[1] > 2) {
+                c.offsets[1] += 1;
+                c.sizes[1] -= 2;
+                narrowed += 1;
+            }
+        }
+        assert!(narrowed > 0);
+        let base = ExecuteOptions { copy_file_range: false, ..ExecuteOptions::default() };
+        // Eight writers for four TP groups: every rank alone, reading its own columns.
+        let (alone, _) = convert(&release, &plan, &ExecuteOptions { threads: 8, ..base.clone() });
+        assert!(!StripeSets::new(&plan, 8).shared && StripeSets::new(&plan, 2).shared);
+        for options in [
+            ExecuteOptions { threads: 2, ..base.clone() },
+            // A buffer of a few rows: sets flush their files between batches.
+            ExecuteOptions { threads: 2, buffer_bytes: 4099, ..base.clone() },
+        ] {
+            let (together, _) = convert(&release, &plan, &options);
+            assert_eq!(together.keys().collect::<Vec<_>>(), alone.keys().collect::<Vec<_>>());
+            for (file, bytes) in &alone {
+                assert!(together[file] == *bytes, "{file} differs with {options:?}");
+            }
+        }
     }
 
     #[test]
