@@ -93,14 +93,28 @@ pub struct ConvertArgs {
 
 /// Opens a release and plans it; every planning error is reported at once.
 pub fn plan_release(from: &Path, mesh: Mesh, options: &PlanOptions) -> Result<(Release, Plan)> {
-    let release = Release::open(from).with_context(|| format!("reading release {}", from.display()))?;
-    let config = ModelConfig::from_json(release.config_json())
-        .with_context(|| format!("reading {}", from.join("config.json").display()))?;
+    let release = open_release(from)?;
+    let config = read_config(&release, from)?;
     let sources = release
         .tensors()
         .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
         .collect();
-    let plan = build_plan(&config, sources, mesh, options).map_err(|errors| {
+    let plan = plan_sources(&config, sources, mesh, options)?;
+    Ok((release, plan))
+}
+
+fn open_release(from: &Path) -> Result<Release> {
+    Release::open(from).with_context(|| format!("reading release {}", from.display()))
+}
+
+fn read_config(release: &Release, from: &Path) -> Result<ModelConfig> {
+    ModelConfig::from_json(release.config_json())
+        .with_context(|| format!("reading {}", from.join("config.json").display()))
+}
+
+/// Plans the release tensors `sources` and checks the plan against the invariants.
+fn plan_sources(config: &ModelConfig, sources: Vec<SourceTensor>, mesh: Mesh, options: &PlanOptions) -> Result<Plan> {
+    let plan = build_plan(config, sources, mesh, options).map_err(|errors| {
         let list = errors.iter().map(|e| format!("  - {e}")).collect::<Vec<_>>().join("\n");
         anyhow::anyhow!("cannot plan `{}` for mesh {mesh}:\n{list}", config.model_type)
     })?;
@@ -109,7 +123,7 @@ pub fn plan_release(from: &Path, mesh: Mesh, options: &PlanOptions) -> Result<(R
         let list = violations.iter().take(20).map(|v| format!("  - {v}")).collect::<Vec<_>>().join("\n");
         bail!("the plan breaks {} invariant(s); nothing was written:\n{list}", violations.len());
     }
-    Ok((release, plan))
+    Ok(plan)
 }
 
 pub fn run(args: ConvertArgs) -> Result<ExitCode> {
@@ -121,7 +135,13 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
         optimizer_state: args.optimizer_state,
         ..PlanOptions::default()
     };
-    let (release, mut plan) = plan_release(&args.from, mesh, &options)?;
+    let release = open_release(&args.from)?;
+    let config = read_config(&release, &args.from)?;
+    let source_bytes = release.total_bytes();
+    // The release's tensor descriptions move into the plan's sources: a release is described
+    // once while it is planned, and not at all while it is copied.
+    let (sources, locations) = release.into_sources();
+    let mut plan = plan_sources(&config, sources, mesh, &options)?;
     if args.dry_run {
         print_plan(&plan, args.json);
         return Ok(ExitCode::SUCCESS);
@@ -141,12 +161,10 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
     let progress = Arc::new(Progress::default());
     let started = Instant::now();
     let sources =
-        SourceMap::new(&plan, &release).with_context(|| format!("writing checkpoint to {}", out.display()))?;
-    // From here on the writers read through `sources`: the release's and the plan's descriptions
-    // of the source tensors go, and with them what planning freed, so the copy runs in the
-    // memory of the plan and the I/O buffers alone.
-    let source_bytes = release.total_bytes();
-    drop(release);
+        SourceMap::open(&plan, locations).with_context(|| format!("writing checkpoint to {}", out.display()))?;
+    // From here on the writers read through `sources`: the plan's descriptions of the source
+    // tensors go, and with them what planning freed, so the copy runs in the memory of the plan
+    // and the I/O buffers alone.
     drop(std::mem::take(&mut plan.sources));
     crate::report::return_freed_memory();
     let report = {

@@ -38,7 +38,7 @@ use shardline_layout::{Chunk, DType, OutputTensor, Plan};
 use thiserror::Error;
 
 use crate::dcp_metadata::{EntryRef, MetadataEncoder, PathElem, StorageRef};
-use crate::safetensors::{FileLayout, Release, SafetensorsError, SafetensorsWriter};
+use crate::safetensors::{FileLayout, Release, SafetensorsError, SafetensorsWriter, SourceLocations};
 use crate::torch_save::TensorArchive;
 
 /// The checkpoint layouts Shardline writes.
@@ -105,6 +105,8 @@ pub enum ExecuteError {
     MissingSource(String),
     #[error("release tensor `{name}` is {actual} in the release but {planned} in the plan")]
     SourceMismatch { name: String, planned: String, actual: String },
+    #[error("the plan has {planned} source tensors but {located} were located in the release")]
+    SourceCount { planned: usize, located: usize },
     #[error(transparent)]
     Safetensors(#[from] SafetensorsError),
     #[error("cancelled")]
@@ -138,6 +140,19 @@ pub struct WriteReport {
 }
 
 /// The release files a plan reads, open, and where each of the plan's sources sits in them:
+/// Opens release files for reading.
+fn open_release_files<'a>(paths: impl Iterator<Item = &'a Path>) -> Result<Vec<(PathBuf, File)>, ExecuteError> {
+    let mut files = Vec::new();
+    for p in paths {
+        let f = File::open(p).map_err(io_err(p, "open release file"))?;
+        // Larger readahead when the release is not in the page cache, as `cp` asks; a hint that
+        // may be refused.
+        let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::Sequential);
+        files.push((p.to_path_buf(), f));
+    }
+    Ok(files)
+}
+
 /// `(file index, absolute data offset, byte length)`. All the writers need of the release, so a
 /// caller can let the release's header descriptions go before the bytes are copied.
 pub struct SourceMap {
@@ -149,14 +164,7 @@ impl SourceMap {
     /// Opens the files of `release` and locates every source of `plan` in them, checking that
     /// each has the dtype and shape the plan was made for.
     pub fn new(plan: &Plan, release: &Release) -> Result<SourceMap, ExecuteError> {
-        let mut files = Vec::new();
-        for p in release.file_paths() {
-            let f = File::open(p).map_err(io_err(p, "open release file"))?;
-            // Larger readahead when the release is not in the page cache, as `cp` asks; a hint
-            // that may be refused.
-            let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::Sequential);
-            files.push((p.to_path_buf(), f));
-        }
+        let files = open_release_files(release.file_paths())?;
         let mut locs = Vec::with_capacity(plan.sources.len());
         for s in &plan.sources {
             let t = release.tensor(&s.name).ok_or_else(|| ExecuteError::MissingSource(s.name.clone()))?;
@@ -169,6 +177,17 @@ impl SourceMap {
             }
             locs.push((t.file_index, t.info.file_offset, t.info.byte_len));
         }
+        Ok(SourceMap { files, locs })
+    }
+
+    /// Opens the files of a release whose sources `plan` was made from, as
+    /// [`Release::into_sources`] gave them with `locations`.
+    pub fn open(plan: &Plan, locations: SourceLocations) -> Result<SourceMap, ExecuteError> {
+        if locations.tensors.len() != plan.sources.len() {
+            return Err(ExecuteError::SourceCount { planned: plan.sources.len(), located: locations.tensors.len() });
+        }
+        let files = open_release_files(locations.files.iter().map(PathBuf::as_path))?;
+        let locs = locations.tensors.into_iter().map(|(file, offset, len)| (file as usize, offset, len)).collect();
         Ok(SourceMap { files, locs })
     }
 
@@ -1705,6 +1724,31 @@ mod tests {
         let alone = StripeSets::new(&plan, 4);
         assert!(!alone.shared);
         assert_eq!(alone.units.len(), 4);
+    }
+
+    #[test]
+    fn a_release_consumed_into_sources_converts_as_the_release_does() {
+        let mesh = Mesh { tp: 2, cp: 1, dp: 2, ep: 2, etp: 2 };
+        let release = Release::open(fixture("qwen3_moe")).unwrap();
+        let planned = plan(&release, mesh, false);
+        let options = ExecuteOptions { threads: 2, ..ExecuteOptions::default() };
+        let (want, _) = convert(&release, &planned, &options);
+        let config = ModelConfig::from_json(release.config_json()).unwrap();
+        let (sources, locations) = release.into_sources();
+        assert_eq!(sources, planned.sources, "the same sources, in the same order");
+        let plan = build_plan(&config, sources, mesh, &PlanOptions::default()).unwrap();
+        let mut short = locations.clone();
+        short.tensors.pop();
+        assert!(matches!(
+            SourceMap::open(&plan, short),
+            Err(ExecuteError::SourceCount { planned, located }) if located + 1 == planned
+        ));
+        let map = SourceMap::open(&plan, locations).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        write_checkpoint_from(&plan, &map, dir.path(), &options, &Progress::default()).unwrap();
+        for (file, bytes) in &want {
+            assert!(fs::read(dir.path().join(file)).unwrap() == *bytes, "{file}");
+        }
     }
 
     #[test]

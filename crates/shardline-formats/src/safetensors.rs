@@ -40,7 +40,7 @@ use std::sync::Mutex;
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::error::Category;
-use shardline_layout::DType;
+use shardline_layout::{DType, SourceTensor};
 use thiserror::Error;
 
 /// Largest JSON header accepted or written, in bytes (the 8-byte length prefix not included).
@@ -873,6 +873,35 @@ impl Release {
     pub fn total_bytes(&self) -> u64 {
         self.total_bytes
     }
+
+    /// Every tensor of the release, sorted by name, as a plan's sources, and where each one's
+    /// bytes are (`locations.tensors[i]` holds `sources[i]`). The headers' names and shapes move
+    /// into the sources instead of being copied, so a large release is described once, not twice,
+    /// while it is planned.
+    pub fn into_sources(self) -> (Vec<SourceTensor>, SourceLocations) {
+        let Release { mut files, by_name, .. } = self;
+        let mut sources = Vec::with_capacity(by_name.len());
+        let mut tensors = Vec::with_capacity(by_name.len());
+        for (file, index) in by_name {
+            let info = &mut files[file as usize].tensors[index as usize];
+            sources.push(SourceTensor {
+                name: std::mem::take(&mut info.name),
+                dtype: info.dtype,
+                shape: std::mem::take(&mut info.shape),
+            });
+            tensors.push((file, info.file_offset, info.byte_len));
+        }
+        let files = files.into_iter().map(|f| f.path).collect();
+        (sources, SourceLocations { files, tensors })
+    }
+}
+
+/// Where the bytes of a release's tensors are: its files, and for each tensor `(file index,
+/// absolute data offset, byte length)`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SourceLocations {
+    pub files: Vec<PathBuf>,
+    pub tensors: Vec<(u32, u64, u64)>,
 }
 
 /// Whether a file name from an index stays inside the release directory: relative, and made only
