@@ -13,6 +13,7 @@ pub mod invariants;
 pub mod mesh;
 pub mod plan;
 pub mod recipe;
+pub mod table;
 
 pub use config::{Family, ModelConfig};
 pub use dtype::DType;
@@ -20,7 +21,8 @@ pub use error::LayoutError;
 pub use invariants::{lower, validate, validate_plan, Invariant, RankPlan, Violation, WriteItem};
 pub use mesh::Mesh;
 pub use plan::{
-    build_plan, check_mesh_for_model, Chunk, FsdpTiling, Group, OutputTensor, Plan, PlanOptions, Role, SourceTensor,
-    Tiling,
+    build_plan, check_mesh_for_model, Chunk, FsdpNumbers, FsdpTiling, Group, OutputTensor, Plan, PlanOptions, Role,
+    SourceTensor, TensorView, Tiling, TilingView,
 };
 pub use recipe::{RowBlock, Segment, Transform};
+pub use table::PlanTable;

@@ -105,10 +105,19 @@ pub enum Tiling {
     Listed(Vec<Chunk>),
 }
 
-/// The numbers a tensor's Megatron-FSDP chunks are derived from: chunk `i` is TP rank
-/// `i mod tp` of FSDP rank `i div tp`.
+/// How a tensor's Megatron-FSDP chunks are derived: chunk `i` is TP rank `i mod tp` of FSDP
+/// rank `i div tp`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FsdpTiling {
+    pub numbers: FsdpNumbers,
+    /// TP-replicated tensors: the TP rank that writes each FSDP piece (the others are replicas
+    /// and are not written); empty for TP-split tensors.
+    pub writers: Box<[u32]>,
+}
+
+/// The numbers a tensor's Megatron-FSDP chunks are derived from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FsdpNumbers {
     /// Size of the FSDP shard group.
     pub fsdp_size: u64,
     /// Rows of the TP-local tensor that is FSDP-sharded (the whole fused tensor for a section).
@@ -117,9 +126,6 @@ pub struct FsdpTiling {
     pub section_start: u64,
     /// TP-local rows of this key.
     pub section_rows: u64,
-    /// TP-replicated tensors: the TP rank that writes each FSDP piece (the others are replicas
-    /// and are not written); empty for TP-split tensors.
-    pub writers: Box<[u32]>,
 }
 
 /// Where a split section comes from: the fused parameter's name (a byte range of the key, so a
@@ -149,24 +155,32 @@ pub struct OutputTensor {
 }
 
 impl OutputTensor {
+    /// What the writers and the chunk arithmetic read of this tensor.
+    pub fn view(&self) -> TensorView<'_> {
+        TensorView {
+            key: &self.key,
+            dtype: self.dtype,
+            shape: &self.shape,
+            recipe: &self.recipe,
+            tp_mode: self.tp_mode,
+            tp: self.tp,
+            group: self.group,
+            tiling: match &self.tiling {
+                Tiling::Fsdp(f) => TilingView::Fsdp(f.numbers, &f.writers),
+                Tiling::Listed(chunks) => TilingView::Listed(chunks),
+            },
+        }
+    }
+
     /// Bytes of the whole tensor.
     pub fn nbytes(&self) -> u64 {
-        self.shape.iter().product::<u64>() * self.dtype.size() as u64
+        self.view().nbytes()
     }
 
     /// The TP-local shape of this key (a section of the fused TP-local tensor when split): the
     /// global shape with its TP-split dim divided by `tp`.
     pub fn local_shape(&self) -> Vec<u64> {
-        let mut local = self.shape.clone();
-        let dim = match self.tp_mode {
-            TpMode::Column => 0,
-            TpMode::Row => 1,
-            TpMode::Replicated => return local,
-        };
-        if let Some(d) = local.get_mut(dim) {
-            *d /= self.tp.max(1);
-        }
-        local
+        self.view().local_shape()
     }
 
     /// `(fused parameter name, section index, sections)` when this key is a split section.
@@ -178,59 +192,27 @@ impl OutputTensor {
 
     /// Number of chunks, written or not.
     pub fn chunk_count(&self) -> usize {
-        match &self.tiling {
-            Tiling::Fsdp(f) => (f.fsdp_size * self.tp) as usize,
-            Tiling::Listed(chunks) => chunks.len(),
-        }
+        self.view().chunk_count()
     }
 
     /// Chunk `i` (`i < chunk_count()`) on `mesh`, the mesh of the plan holding this tensor.
     pub fn chunk(&self, mesh: &Mesh, i: usize) -> Chunk {
-        match &self.tiling {
-            Tiling::Fsdp(f) => fsdp_chunk(self, f, mesh, i as u64),
-            Tiling::Listed(chunks) => chunks[i].clone(),
-        }
+        self.view().chunk(mesh, i)
     }
 
     /// The rank that lists chunk `i`, without computing the chunk's geometry.
     pub fn chunk_rank(&self, mesh: &Mesh, i: usize) -> u64 {
-        match &self.tiling {
-            Tiling::Fsdp(_) => {
-                let (j, r) = (i as u64 / self.tp, i as u64 % self.tp);
-                match self.group {
-                    Group::Dense => mesh.dense_rank(r, j),
-                    Group::Expert { ep_rank, .. } => mesh.expert_rank(r, ep_rank, j),
-                }
-            }
-            Tiling::Listed(chunks) => chunks[i].rank,
-        }
+        self.view().chunk_rank(mesh, i)
     }
 
-    /// The indices of the chunks `rank` lists, in order. Under Megatron-FSDP a rank holds at
-    /// most one chunk of a tensor and its index follows from the rank, so a rank's chunks are
-    /// found without looking at the other ranks'.
+    /// The indices of the chunks `rank` lists, in order (see [`TensorView::chunks_of_rank`]).
     pub fn chunks_of_rank<'a>(&'a self, mesh: &'a Mesh, rank: u64) -> impl Iterator<Item = usize> + 'a {
-        let (direct, listed) = match &self.tiling {
-            Tiling::Fsdp(_) => {
-                // Invert dense_rank / expert_rank: chunk i is TP rank i mod tp of FSDP rank i div tp.
-                let index = match self.group {
-                    Group::Dense => Some(rank),
-                    Group::Expert { ep_rank, .. } => {
-                        let (etp_rank, rest) = (rank % mesh.etp, rank / mesh.etp);
-                        (rest % mesh.ep == ep_rank).then(|| (rest / mesh.ep) * self.tp + etp_rank)
-                    }
-                };
-                let index = index.and_then(|i| usize::try_from(i).ok()).filter(|&i| i < self.chunk_count());
-                (index, 0..0)
-            }
-            Tiling::Listed(chunks) => (None, 0..chunks.len()),
-        };
-        direct.into_iter().chain(listed.filter(move |&i| self.chunk_rank(mesh, i) == rank))
+        self.view().chunks_of_rank(mesh, rank)
     }
 
     /// Every chunk, in order.
     pub fn chunks<'a>(&'a self, mesh: &'a Mesh) -> impl Iterator<Item = Chunk> + 'a {
-        (0..self.chunk_count()).map(move |i| self.chunk(mesh, i))
+        self.view().chunks(mesh)
     }
 
     /// The chunks as a list that can be edited (to build a plan by hand from a planned one).
@@ -245,8 +227,108 @@ impl OutputTensor {
     }
 }
 
+/// A [`Tiling`], borrowed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TilingView<'a> {
+    /// The FSDP numbers and the writers of TP-replicated pieces (empty for TP-split tensors).
+    Fsdp(FsdpNumbers, &'a [u32]),
+    Listed(&'a [Chunk]),
+}
+
+/// An output tensor as the writers read it, borrowed from an [`OutputTensor`] or a
+/// [`PlanTable`]: the chunk arithmetic lives here, so both give the same chunks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorView<'a> {
+    pub key: &'a str,
+    pub dtype: DType,
+    pub shape: &'a [u64],
+    pub recipe: &'a [RowBlock],
+    pub tp_mode: TpMode,
+    pub tp: u64,
+    pub group: Group,
+    pub tiling: TilingView<'a>,
+}
+
+impl<'a> TensorView<'a> {
+    /// Bytes of the whole tensor.
+    pub fn nbytes(self) -> u64 {
+        self.shape.iter().product::<u64>() * self.dtype.size() as u64
+    }
+
+    /// The TP-local shape (see [`OutputTensor::local_shape`]).
+    pub fn local_shape(self) -> Vec<u64> {
+        let mut local = self.shape.to_vec();
+        let dim = match self.tp_mode {
+            TpMode::Column => 0,
+            TpMode::Row => 1,
+            TpMode::Replicated => return local,
+        };
+        if let Some(d) = local.get_mut(dim) {
+            *d /= self.tp.max(1);
+        }
+        local
+    }
+
+    /// Number of chunks, written or not.
+    pub fn chunk_count(self) -> usize {
+        match self.tiling {
+            TilingView::Fsdp(f, _) => (f.fsdp_size * self.tp) as usize,
+            TilingView::Listed(chunks) => chunks.len(),
+        }
+    }
+
+    /// Chunk `i` (`i < chunk_count()`) on `mesh`, the mesh of the plan holding this tensor.
+    pub fn chunk(self, mesh: &Mesh, i: usize) -> Chunk {
+        match self.tiling {
+            TilingView::Fsdp(f, writers) => fsdp_chunk(self, f, writers, mesh, i as u64),
+            TilingView::Listed(chunks) => chunks[i].clone(),
+        }
+    }
+
+    /// The rank that lists chunk `i`, without computing the chunk's geometry.
+    pub fn chunk_rank(self, mesh: &Mesh, i: usize) -> u64 {
+        match self.tiling {
+            TilingView::Fsdp(..) => {
+                let (j, r) = (i as u64 / self.tp, i as u64 % self.tp);
+                match self.group {
+                    Group::Dense => mesh.dense_rank(r, j),
+                    Group::Expert { ep_rank, .. } => mesh.expert_rank(r, ep_rank, j),
+                }
+            }
+            TilingView::Listed(chunks) => chunks[i].rank,
+        }
+    }
+
+    /// The indices of the chunks `rank` lists, in order. Under Megatron-FSDP a rank holds at
+    /// most one chunk of a tensor and its index follows from the rank, so a rank's chunks are
+    /// found without looking at the other ranks'.
+    pub fn chunks_of_rank(self, mesh: &'a Mesh, rank: u64) -> impl Iterator<Item = usize> + 'a {
+        let (direct, listed) = match self.tiling {
+            TilingView::Fsdp(..) => {
+                // Invert dense_rank / expert_rank: chunk i is TP rank i mod tp of FSDP rank i div tp.
+                let index = match self.group {
+                    Group::Dense => Some(rank),
+                    Group::Expert { ep_rank, .. } => {
+                        let (etp_rank, rest) = (rank % mesh.etp, rank / mesh.etp);
+                        (rest % mesh.ep == ep_rank).then(|| (rest / mesh.ep) * self.tp + etp_rank)
+                    }
+                };
+                let index = index.and_then(|i| usize::try_from(i).ok()).filter(|&i| i < self.chunk_count());
+                (index, 0..0)
+            }
+            TilingView::Listed(chunks) => (None, 0..chunks.len()),
+        };
+        direct.into_iter().chain(listed.filter(move |&i| self.chunk_rank(mesh, i) == rank))
+    }
+
+    /// Every chunk, in order.
+    pub fn chunks(self, mesh: &'a Mesh) -> impl Iterator<Item = Chunk> + 'a {
+        (0..self.chunk_count()).map(move |i| self.chunk(mesh, i))
+    }
+}
+
 /// Chunk `i` of `t` under Megatron-FSDP (layouts.md §3): TP rank `r`, FSDP rank `j`.
-fn fsdp_chunk(t: &OutputTensor, f: &FsdpTiling, mesh: &Mesh, i: u64) -> Chunk {
+fn fsdp_chunk(t: TensorView<'_>, f: FsdpNumbers, writers: &[u32], mesh: &Mesh, i: u64) -> Chunk {
     let (j, r) = (i / t.tp, i % t.tp);
     let rest = t.shape.get(1..).unwrap_or(&[]);
     let (offsets, sizes) = match t.tp_mode {
@@ -272,7 +354,7 @@ fn fsdp_chunk(t: &OutputTensor, f: &FsdpTiling, mesh: &Mesh, i: u64) -> Chunk {
     let numel: u64 = sizes.iter().product();
     // A 0-d tensor is one element: FSDP rank 0 holds it.
     let zero_d_extra = t.shape.is_empty() && j > 0;
-    let writer = f.writers.get(j as usize).is_none_or(|&w| u64::from(w) == r);
+    let writer = writers.get(j as usize).is_none_or(|&w| u64::from(w) == r);
     let rank = t.chunk_rank(mesh, i as usize);
     Chunk { rank, tp_rank: r, fsdp_rank: j, offsets, sizes, written: numel > 0 && !zero_d_extra && writer }
 }
@@ -296,26 +378,45 @@ impl Plan {
         self.mesh.world()
     }
 
+    /// The output tensors as the writers read them, in key order.
+    pub fn views(&self) -> impl Iterator<Item = TensorView<'_>> + '_ {
+        self.tensors.iter().map(OutputTensor::view)
+    }
+
     /// Bytes each rank writes (tensor data only).
     pub fn bytes_per_rank(&self) -> Vec<u64> {
-        let mut bytes = vec![0u64; self.world() as usize];
-        for t in &self.tensors {
-            for c in t.chunks(&self.mesh).filter(|c| c.written) {
-                bytes[c.rank as usize] += c.numel() * t.dtype.size() as u64;
-            }
-        }
-        bytes
+        bytes_per_rank(&self.mesh, self.views())
     }
 
     /// The non-empty written chunks of `rank`, in key order, as `(tensor index, chunk index,
     /// chunk)`: what the rank's file holds, computed as it is read.
     pub fn rank_chunks(&self, rank: u64) -> impl Iterator<Item = (usize, usize, Chunk)> + '_ {
-        self.tensors.iter().enumerate().flat_map(move |(ti, t)| {
-            t.chunks_of_rank(&self.mesh, rank)
-                .map(move |ci| (ti, ci, t.chunk(&self.mesh, ci)))
-                .filter(|(_, _, c)| c.written && c.numel() > 0)
-        })
+        rank_chunks(&self.mesh, self.views(), rank)
     }
+}
+
+/// Bytes each rank of `mesh` writes of `tensors` (tensor data only).
+pub(crate) fn bytes_per_rank<'a>(mesh: &Mesh, tensors: impl Iterator<Item = TensorView<'a>>) -> Vec<u64> {
+    let mut bytes = vec![0u64; mesh.world() as usize];
+    for t in tensors {
+        for c in t.chunks(mesh).filter(|c| c.written) {
+            bytes[c.rank as usize] += c.numel() * t.dtype.size() as u64;
+        }
+    }
+    bytes
+}
+
+/// The non-empty written chunks of `rank` among `tensors`, as `(tensor index, chunk index, chunk)`.
+pub(crate) fn rank_chunks<'a>(
+    mesh: &'a Mesh,
+    tensors: impl Iterator<Item = TensorView<'a>> + 'a,
+    rank: u64,
+) -> impl Iterator<Item = (usize, usize, Chunk)> + 'a {
+    tensors.enumerate().flat_map(move |(ti, t)| {
+        t.chunks_of_rank(mesh, rank)
+            .map(move |ci| (ti, ci, t.chunk(mesh, ci)))
+            .filter(|(_, _, c)| c.written && c.numel() > 0)
+    })
 }
 
 /// A fused parameter's section before chunking.
@@ -942,7 +1043,8 @@ fn chunk_draft(
         } else {
             Box::default()
         };
-        let tiling = FsdpTiling { fsdp_size: dsize, local_rows, section_start: a_c, section_rows: n_c, writers };
+        let numbers = FsdpNumbers { fsdp_size: dsize, local_rows, section_start: a_c, section_rows: n_c };
+        let tiling = FsdpTiling { numbers, writers };
         // Sized exactly: a plan keeps every key for the whole conversion.
         let mut key = String::with_capacity(options.prefix.len() + d.name.len() + suffix.len());
         key.extend([options.prefix.as_str(), &d.name, &suffix]);

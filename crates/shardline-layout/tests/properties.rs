@@ -5,7 +5,7 @@
 use proptest::prelude::*;
 use shardline_layout::recipe::{rows_of, segments};
 use shardline_layout::{
-    build_plan, lower, validate, validate_plan, DType, Mesh, ModelConfig, PlanOptions, Role, SourceTensor,
+    build_plan, lower, validate, validate_plan, DType, Mesh, ModelConfig, PlanOptions, PlanTable, Role, SourceTensor,
 };
 
 #[derive(Clone, Debug)]
@@ -159,6 +159,19 @@ proptest! {
                 prop_assert_eq!(direct, scanned, "{} rank {}", t.key, rank);
             }
         }
+        // The flat table the writers read holds the same tensors, chunks and per-rank bytes.
+        let table = PlanTable::new(&plan);
+        prop_assert!(table.tensors().eq(plan.views()));
+        prop_assert_eq!(table.bytes_per_rank(), plan.bytes_per_rank());
+        for rank in 0..plan.world() {
+            prop_assert!(table.rank_chunks(rank).eq(plan.rank_chunks(rank)), "rank {}", rank);
+        }
+        // Also when listed and derived tilings alternate (hand-edited plans).
+        let mut edited = plan.clone();
+        for t in edited.tensors.iter_mut().step_by(3) {
+            t.listed_chunks(&c.mesh);
+        }
+        prop_assert!(PlanTable::new(&edited).tensors().eq(edited.views()));
 
         // Unique ids: element i of source s is base[s] + i.
         let mut base = Vec::new();
