@@ -11,7 +11,7 @@ use clap::{Args, ValueEnum};
 use serde_json::json;
 use shardline_formats::execute::{write_checkpoint_from, ExecuteOptions, OutputFormat, Progress, SourceMap};
 use shardline_formats::safetensors::Release;
-use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
+use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, Plan, PlanOptions, PlanTable, SourceTensor};
 
 use crate::report::{bytes, peak_rss, Bar};
 
@@ -162,15 +162,20 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
     let started = Instant::now();
     let sources =
         SourceMap::open(&plan, locations).with_context(|| format!("writing checkpoint to {}", out.display()))?;
-    // From here on the writers read through `sources`: the plan's descriptions of the source
-    // tensors go, and with them what planning freed, so the copy runs in the memory of the plan
-    // and the I/O buffers alone.
+    // From here on the writers read through `sources` and a flat table of the plan. The plan's
+    // descriptions of the sources go first, so that the table is built in the room they and
+    // planning leave; then the plan goes, and the copy runs in the memory of the table and the
+    // I/O buffers alone.
     drop(std::mem::take(&mut plan.sources));
+    crate::report::return_freed_memory();
+    let table = PlanTable::new(&plan);
+    let (model_type, unconverted) = (std::mem::take(&mut plan.model_type), std::mem::take(&mut plan.unconverted));
+    drop(plan);
     crate::report::return_freed_memory();
     let report = {
         let p = progress.clone();
         let _bar = Bar::start("convert", total, move || p.bytes_written.load(Ordering::Relaxed));
-        write_checkpoint_from(&plan, &sources, out, &exec, &progress)
+        write_checkpoint_from(&table, &sources, out, &exec, &progress)
             .with_context(|| format!("writing checkpoint to {}", out.display()))?
     };
     let secs = started.elapsed().as_secs_f64();
@@ -179,11 +184,11 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
         println!(
             "{}",
             json!({
-                "model_type": plan.model_type, "mesh": mesh.to_string(), "world": plan.world(),
+                "model_type": model_type, "mesh": mesh.to_string(), "world": table.world(),
                 "files": report.files.len(), "chunks": report.chunks, "tensor_bytes": report.tensor_bytes,
                 "file_bytes": report.file_bytes, "kernel_copy_bytes": report.kernel_copy_bytes,
                 "seconds": secs, "peak_rss_bytes": rss,
-                "source_bytes": source_bytes, "unconverted": plan.unconverted,
+                "source_bytes": source_bytes, "unconverted": unconverted,
             })
         );
     } else {
@@ -198,19 +203,19 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
             bytes((report.tensor_bytes as f64 / secs.max(1e-9)) as u64),
             bytes(rss)
         );
-        report_unconverted(&plan);
+        report_unconverted(&unconverted);
     }
     Ok(ExitCode::SUCCESS)
 }
 
-fn report_unconverted(plan: &Plan) {
-    if !plan.unconverted.is_empty() {
-        eprintln!("note: {} release tensor(s) not converted (vision tower):", plan.unconverted.len());
-        for n in plan.unconverted.iter().take(20) {
+fn report_unconverted(unconverted: &[String]) {
+    if !unconverted.is_empty() {
+        eprintln!("note: {} release tensor(s) not converted (vision tower):", unconverted.len());
+        for n in unconverted.iter().take(20) {
             eprintln!("  {n}");
         }
-        if plan.unconverted.len() > 20 {
-            eprintln!("  … and {} more", plan.unconverted.len() - 20);
+        if unconverted.len() > 20 {
+            eprintln!("  … and {} more", unconverted.len() - 20);
         }
     }
 }
@@ -248,7 +253,7 @@ fn print_plan(plan: &Plan, as_json: bool) {
         println!("  rank {r:>4}: {:>12}  ({} chunks)", bytes(*b), plan.rank_chunks(r as u64).count());
     }
     println!("total: {} in {} keys", bytes(per_rank.iter().sum()), plan.tensors.len());
-    report_unconverted(plan);
+    report_unconverted(&plan.unconverted);
 }
 
 #[derive(Args, Debug)]

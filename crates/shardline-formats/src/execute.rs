@@ -34,7 +34,7 @@ use std::sync::{mpsc, Arc, Mutex};
 
 use rustix::io::Errno;
 use shardline_layout::recipe::{apply_transform, row_elems, segments, Segment, Transform};
-use shardline_layout::{Chunk, DType, OutputTensor, Plan};
+use shardline_layout::{Chunk, DType, Plan, PlanTable, TensorView};
 use thiserror::Error;
 
 use crate::dcp_metadata::{EntryRef, MetadataEncoder, PathElem, StorageRef};
@@ -212,7 +212,7 @@ impl SourceMap {
 
 /// Streams the bytes of one chunk through `sink`, in bounded pieces.
 pub(crate) fn stream_chunk(
-    t: &OutputTensor,
+    t: TensorView<'_>,
     offsets: &[u64],
     sizes: &[u64],
     sources: &SourceMap,
@@ -222,7 +222,7 @@ pub(crate) fn stream_chunk(
     let item = t.dtype.size();
     // Keep pieces element-aligned so transforms see whole elements.
     let piece = (buf.len() / item).max(1) * item;
-    for Segment { source, len, transform } in segments(&t.shape, t.dtype, &t.recipe, offsets, sizes) {
+    for Segment { source, len, transform } in segments(t.shape, t.dtype, t.recipe, offsets, sizes) {
         let mut done = 0u64;
         while done < len {
             let n = ((len - done) as usize).min(piece);
@@ -782,12 +782,13 @@ pub fn write_checkpoint(
     options: &ExecuteOptions,
     progress: &Progress,
 ) -> Result<WriteReport, ExecuteError> {
-    write_checkpoint_from(plan, &SourceMap::new(plan, release)?, out, options, progress)
+    write_checkpoint_from(&PlanTable::new(plan), &SourceMap::new(plan, release)?, out, options, progress)
 }
 
-/// Writes the checkpoint of `plan` into `out`, reading through `sources`.
+/// Writes the checkpoint of a plan, frozen as `plan`, into `out`, reading through `sources`:
+/// a caller that drops the [`Plan`] first copies in the memory of the table alone.
 pub fn write_checkpoint_from(
-    plan: &Plan,
+    plan: &PlanTable,
     sources: &SourceMap,
     out: &Path,
     options: &ExecuteOptions,
@@ -835,12 +836,12 @@ struct DcpLayout {
 }
 
 impl DcpLayout {
-    fn new(plan: &Plan) -> DcpLayout {
+    fn new(plan: &PlanTable) -> DcpLayout {
         let mut layout =
             DcpLayout { archives: Vec::new(), archive_of: HashMap::new(), file_lens: Vec::new(), items: 0 };
         for rank in 0..plan.world() {
             for (tensor, _, chunk) in plan.rank_chunks(rank) {
-                layout.add_archive(plan.tensors[tensor].dtype, &chunk.sizes);
+                layout.add_archive(plan.tensor(tensor).dtype, &chunk.sizes);
                 layout.items += 1;
             }
         }
@@ -862,10 +863,10 @@ impl DcpLayout {
     }
 
     /// The items of `rank`'s file, in order.
-    fn rank<'a>(&'a self, plan: &'a Plan, rank: usize) -> impl Iterator<Item = DcpItem> + 'a {
+    fn rank<'a>(&'a self, plan: &'a PlanTable, rank: usize) -> impl Iterator<Item = DcpItem> + 'a {
         let mut offset = 0u64;
         plan.rank_chunks(rank as u64).map(move |(tensor, _, chunk)| {
-            let archive = self.archive_of[&(plan.tensors[tensor].dtype, chunk.sizes.clone())];
+            let archive = self.archive_of[&(plan.tensor(tensor).dtype, chunk.sizes.clone())];
             let length = self.archives[archive].0.total_len();
             let item = DcpItem { tensor, chunk, offset, length, archive };
             offset += length;
@@ -883,24 +884,24 @@ impl DcpLayout {
 
     /// Streams the checkpoint's `.metadata` to `sink` straight from the plan, so its size never
     /// sits in memory; chunks are listed in rank order, as torch does.
-    fn write_metadata<W: io::Write>(&self, plan: &Plan, sink: W) -> io::Result<W> {
+    fn write_metadata<W: io::Write>(&self, plan: &PlanTable, sink: W) -> io::Result<W> {
         let mut e = MetadataEncoder::new(sink);
-        for t in &plan.tensors {
+        for t in plan.tensors() {
             let mut listed: Vec<Chunk> = t.chunks(&plan.mesh).filter(|c| c.written && c.numel() > 0).collect();
             listed.sort_by_key(|c| c.rank);
             let chunks = listed.iter().map(|c| (c.offsets.as_slice(), c.sizes.as_slice()));
-            e.entry(&t.key, EntryRef::Tensor { dtype: t.dtype, size: &t.shape, chunks })?;
+            e.entry(t.key, EntryRef::Tensor { dtype: t.dtype, size: t.shape, chunks })?;
         }
         e.begin_planner_data();
-        for t in &plan.tensors {
-            e.planner_path(&t.key, &planner_path(&t.key))?;
+        for t in plan.tensors() {
+            e.planner_path(t.key, &planner_path(t.key))?;
         }
         e.begin_storage_data();
         for rank in 0..self.world() {
             let name = dcp_rank_file(rank as u64);
             for item in self.rank(plan, rank) {
                 e.storage(&StorageRef {
-                    fqn: &plan.tensors[item.tensor].key,
+                    fqn: plan.tensor(item.tensor).key,
                     chunk_offset: Some(&item.chunk.offsets),
                     relative_path: &name,
                     offset: item.offset,
@@ -923,7 +924,7 @@ fn layout_mismatch(path: &Path, what: &str) -> ExecuteError {
 
 /// Writes one DCP rank file at `path`; returns its length.
 fn write_dcp_rank(
-    plan: &Plan,
+    plan: &PlanTable,
     layout: &DcpLayout,
     rank: usize,
     path: PathBuf,
@@ -955,14 +956,14 @@ struct StripeSets {
 
 /// Whether `item` is a column stripe that a stripe set can gather: plain bytes (a read lands
 /// where it is written, untransformed).
-fn is_stripe(t: &OutputTensor, c: &Chunk) -> bool {
+fn is_stripe(t: TensorView<'_>, c: &Chunk) -> bool {
     let stripe = t.shape.len() >= 2 && !(c.offsets[1] == 0 && c.sizes[1] == t.shape[1]);
     let plain = t.recipe.iter().all(|b| b.transform == Transform::Identity);
     stripe && plain
 }
 
 impl StripeSets {
-    fn new(plan: &Plan, threads: usize) -> StripeSets {
+    fn new(plan: &PlanTable, threads: usize) -> StripeSets {
         let world = plan.world() as usize;
         // Ranks holding stripes of the same rows of a tensor (each rank once) form a set; the
         // ranks a set links are written by one writer (union-find), tensor by tensor so that
@@ -976,7 +977,7 @@ impl StripeSets {
             r
         }
         let mut any_set = false;
-        for t in plan.tensors.iter().filter(|t| t.shape.len() >= 2) {
+        for t in plan.tensors().filter(|t| t.shape.len() >= 2) {
             let mut stripes: Vec<(u64, u64, usize)> = t
                 .chunks(&plan.mesh)
                 .filter(|c| c.written && c.numel() > 0 && is_stripe(t, c))
@@ -1017,7 +1018,7 @@ impl StripeSets {
 /// Writes the rank files of one unit; returns `(rank, file length)` for each.
 #[allow(clippy::too_many_arguments)]
 fn write_dcp_unit(
-    plan: &Plan,
+    plan: &PlanTable,
     layout: &DcpLayout,
     stripes: &StripeSets,
     unit: &[usize],
@@ -1039,13 +1040,13 @@ fn write_dcp_unit(
         }
         // The stripe set of this item: the files whose next items are stripes of the same rows.
         let members: Vec<usize> = match next[k].peek() {
-            Some(item) if stripes.shared && is_stripe(&plan.tensors[item.tensor], &item.chunk) => {
+            Some(item) if stripes.shared && is_stripe(plan.tensor(item.tensor), &item.chunk) => {
                 let rows = (item.tensor, item.chunk.offsets[0], item.chunk.sizes[0]);
                 (0..unit.len())
                     .filter(|&kk| {
                         next[kk].peek().is_some_and(|other| {
                             (other.tensor, other.chunk.offsets[0], other.chunk.sizes[0]) == rows
-                                && is_stripe(&plan.tensors[other.tensor], &other.chunk)
+                                && is_stripe(plan.tensor(other.tensor), &other.chunk)
                         })
                     })
                     .collect()
@@ -1101,16 +1102,16 @@ fn end_item(
 
 /// Writes one item, segment by segment.
 fn write_item(
-    plan: &Plan,
+    plan: &PlanTable,
     layout: &DcpLayout,
     item: &DcpItem,
     file: &mut RankFile<'_>,
     progress: &Progress,
 ) -> Result<(), ExecuteError> {
-    let t = &plan.tensors[item.tensor];
+    let t = plan.tensor(item.tensor);
     let c = &item.chunk;
     begin_item(layout, item, file)?;
-    for Segment { source, len, transform } in segments(&t.shape, t.dtype, &t.recipe, &c.offsets, &c.sizes) {
+    for Segment { source, len, transform } in segments(t.shape, t.dtype, t.recipe, &c.offsets, &c.sizes) {
         match source {
             Some((id, off)) => file.copy(id, off, len, transform, t.dtype)?,
             None => file.zeros(len)?,
@@ -1125,7 +1126,7 @@ fn write_item(
 /// the buffers of the files holding them (and columns no member holds into `scratch`).
 #[allow(clippy::too_many_arguments)]
 fn write_stripe_set(
-    plan: &Plan,
+    plan: &PlanTable,
     layout: &DcpLayout,
     files: &mut [RankFile<'_>],
     ks: &[usize],
@@ -1134,9 +1135,9 @@ fn write_stripe_set(
     data: &DataPath<'_>,
     progress: &Progress,
 ) -> Result<(), ExecuteError> {
-    let t = &plan.tensors[items[0].tensor];
+    let t = plan.tensor(items[0].tensor);
     let itemsize = t.dtype.size() as u64;
-    let row_bytes = row_elems(&t.shape) * itemsize;
+    let row_bytes = row_elems(t.shape) * itemsize;
     let column_bytes = t.shape[2..].iter().product::<u64>() * itemsize;
     // `(first byte in the row, bytes, file)` of each member's columns, in column order.
     let mut columns: Vec<(u64, u64, usize)> = ks
@@ -1163,13 +1164,13 @@ fn write_stripe_set(
     let first = &items[0].chunk;
     let mut full_offsets = vec![0; t.shape.len()];
     full_offsets[0] = first.offsets[0];
-    let mut full_sizes = t.shape.clone();
+    let mut full_sizes = t.shape.to_vec();
     full_sizes[0] = first.sizes[0];
     for (&k, item) in ks.iter().zip(items) {
         begin_item(layout, item, &mut files[k])?;
     }
     // The full-width rows are whole rows of sources or zeros, segment by segment.
-    for Segment { source, len, .. } in segments(&t.shape, t.dtype, &t.recipe, &full_offsets, &full_sizes) {
+    for Segment { source, len, .. } in segments(t.shape, t.dtype, t.recipe, &full_offsets, &full_sizes) {
         let (nrows, mut row) = (len / row_bytes, 0u64);
         while row < nrows {
             let mut batch = (nrows - row).min((MAX_IOVECS / iovecs_per_row).max(1) as u64);
@@ -1301,7 +1302,7 @@ fn preadv_exact(file: &File, mut iov: &mut [IoSliceMut<'_>], mut at: u64) -> io:
 /// DCP: rank files written by `options.threads` writers and synced by the sync thread while
 /// another thread encodes and stages `.metadata`; the rename that commits comes after every sync.
 fn write_dcp(
-    plan: &Plan,
+    plan: &PlanTable,
     sources: &SourceMap,
     out: &Path,
     options: &ExecuteOptions,
@@ -1354,7 +1355,7 @@ fn write_dcp(
 }
 
 /// Writes `.metadata.tmp` and syncs it; [`publish_metadata`] renames it into place.
-fn stage_metadata(out: &Path, layout: &DcpLayout, plan: &Plan) -> Result<(), ExecuteError> {
+fn stage_metadata(out: &Path, layout: &DcpLayout, plan: &PlanTable) -> Result<(), ExecuteError> {
     let tmp = out.join(".metadata.tmp");
     let f = File::create(&tmp).map_err(io_err(&tmp, "create .metadata.tmp"))?;
     let f = layout.write_metadata(plan, f).map_err(io_err(&tmp, "write .metadata.tmp"))?;
@@ -1378,7 +1379,7 @@ fn publish_metadata(out: &Path) -> Result<(), ExecuteError> {
 
 /// Writes one DCP-safetensors rank file (through a temporary name); returns `(path, length, chunks)`.
 fn write_safetensors_rank(
-    plan: &Plan,
+    plan: &PlanTable,
     rank: usize,
     out: &Path,
     sources: &SourceMap,
@@ -1390,7 +1391,7 @@ fn write_safetensors_rank(
     let items: Vec<(usize, Chunk)> = plan.rank_chunks(rank as u64).map(|(ti, _, c)| (ti, c)).collect();
     let sharding: serde_json::Map<String, serde_json::Value> = items
         .iter()
-        .map(|(ti, c)| (plan.tensors[*ti].key.clone(), serde_json::json!({ "saved_offsets": c.offsets })))
+        .map(|(ti, c)| (plan.tensor(*ti).key.to_string(), serde_json::json!({ "saved_offsets": c.offsets })))
         .collect();
     let metadata = [
         ("DCP_SHARDING_INFO".to_string(), serde_json::Value::Object(sharding).to_string()),
@@ -1401,8 +1402,8 @@ fn write_safetensors_rank(
     .collect();
     let layout = FileLayout::new(
         items.iter().map(|(ti, c)| {
-            let t = &plan.tensors[*ti];
-            (t.key.as_str(), t.dtype, c.sizes.as_slice())
+            let t = plan.tensor(*ti);
+            (t.key, t.dtype, c.sizes.as_slice())
         }),
         &metadata,
     )?;
@@ -1410,7 +1411,7 @@ fn write_safetensors_rank(
     let mut buf = vec![0u8; options.buffer_bytes];
     let mut pending: Vec<u8> = Vec::with_capacity(options.buffer_bytes);
     for (ti, c) in &items {
-        let t = &plan.tensors[*ti];
+        let t = plan.tensor(*ti);
         stream_chunk(t, &c.offsets, &c.sizes, sources, &mut buf, |b| {
             progress.bytes_written.fetch_add(b.len() as u64, Ordering::Relaxed);
             if pending.len() + b.len() > pending.capacity() {
@@ -1433,7 +1434,7 @@ fn write_safetensors_rank(
 }
 
 fn write_dcp_safetensors(
-    plan: &Plan,
+    plan: &PlanTable,
     sources: &SourceMap,
     out: &Path,
     options: &ExecuteOptions,
@@ -1467,6 +1468,7 @@ pub fn write_rank_file(
     progress: &Progress,
 ) -> Result<u64, ExecuteError> {
     let sources = SourceMap::new(plan, release)?;
+    let plan = &PlanTable::new(plan);
     fs::create_dir_all(dir).map_err(io_err(dir, "create output directory"))?;
     match options.format {
         OutputFormat::Dcp => {
@@ -1512,6 +1514,7 @@ pub fn write_rank_file(
 /// `.metadata.tmp` + fsync + rename. Needs no state from the writers: the layout follows from the
 /// plan alone.
 pub fn commit_checkpoint(plan: &Plan, dir: &Path, options: &ExecuteOptions) -> Result<(), ExecuteError> {
+    let plan = &PlanTable::new(plan);
     let world = plan.world() as usize;
     match options.format {
         OutputFormat::Dcp => {
@@ -1623,7 +1626,7 @@ mod tests {
         let mut storage_data = Vec::new();
         let mut chunk_lists: Vec<Vec<ChunkMeta>> = vec![Vec::new(); plan.tensors.len()];
         for rank in 0..layout.world() {
-            for item in layout.rank(plan, rank) {
+            for item in layout.rank(&PlanTable::new(plan), rank) {
                 let t = &plan.tensors[item.tensor];
                 let c = &item.chunk;
                 chunk_lists[item.tensor].push(ChunkMeta { offsets: c.offsets.clone(), sizes: c.sizes.clone() });
@@ -1652,8 +1655,8 @@ mod tests {
         for (name, mesh, optimizer_state) in meshes() {
             let release = Release::open(fixture(name)).unwrap();
             let plan = plan(&release, mesh, optimizer_state);
-            let layout = DcpLayout::new(&plan);
-            let streamed = layout.write_metadata(&plan, Vec::new()).unwrap();
+            let layout = DcpLayout::new(&PlanTable::new(&plan));
+            let streamed = layout.write_metadata(&PlanTable::new(&plan), Vec::new()).unwrap();
             let whole = whole_metadata(&layout, &plan);
             assert!(whole.storage_data.len() > plan.tensors.len(), "{name} {mesh}");
             assert!(streamed == encode_metadata(&whole), "{name} {mesh}: bytes differ");
@@ -1717,6 +1720,7 @@ mod tests {
     fn column_stripes_of_tp_peers_are_written_together() {
         let release = Release::open(fixture("qwen3_moe")).unwrap();
         let plan = plan(&release, Mesh { tp: 2, cp: 1, dp: 2, ep: 2, etp: 2 }, false);
+        let plan = PlanTable::new(&plan);
         let shared = StripeSets::new(&plan, 2);
         assert!(shared.shared);
         assert_eq!(shared.units, vec![vec![0, 1], vec![2, 3]]);
@@ -1745,7 +1749,7 @@ mod tests {
         ));
         let map = SourceMap::open(&plan, locations).unwrap();
         let dir = tempfile::tempdir().unwrap();
-        write_checkpoint_from(&plan, &map, dir.path(), &options, &Progress::default()).unwrap();
+        write_checkpoint_from(&PlanTable::new(&plan), &map, dir.path(), &options, &Progress::default()).unwrap();
         for (file, bytes) in &want {
             assert!(fs::read(dir.path().join(file)).unwrap() == *bytes, "{file}");
         }
@@ -1770,7 +1774,8 @@ mod tests {
         let base = ExecuteOptions { copy_file_range: false, ..ExecuteOptions::default() };
         // Eight writers for four TP groups: every rank alone, reading its own columns.
         let (alone, _) = convert(&release, &plan, &ExecuteOptions { threads: 8, ..base.clone() });
-        assert!(!StripeSets::new(&plan, 8).shared && StripeSets::new(&plan, 2).shared);
+        let table = PlanTable::new(&plan);
+        assert!(!StripeSets::new(&table, 8).shared && StripeSets::new(&table, 2).shared);
         for options in [
             ExecuteOptions { threads: 2, ..base.clone() },
             // A buffer of a few rows: sets flush their files between batches.

@@ -159,7 +159,7 @@ pub fn verify(
             let mut cursor = 0u64;
             let mut mismatch: Option<u64> = None;
             let mut io_error: Option<std::io::Error> = None;
-            stream_chunk(&want, &c.offsets, &c.sizes, &sources, &mut buf, |piece| {
+            stream_chunk(want.view(), &c.offsets, &c.sizes, &sources, &mut buf, |piece| {
                 let got = &mut actual[..piece.len()];
                 if let Err(e) = f.read_exact_at(got, c.data_offset + cursor) {
                     io_error.get_or_insert(e);
