@@ -1149,18 +1149,21 @@ fn write_stripe_set(
     let held: u64 = columns.iter().map(|c| c.1).sum();
     let gap_per_row = row_bytes - held.min(row_bytes);
     let disjoint = columns.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0);
-    if !disjoint || gap_per_row > GAP_SCRATCH as u64 || columns.iter().any(|c| c.1 > data.buffer_bytes as u64) {
-        // Not one read's worth (overlapping replicas, far-apart or very wide stripes): each
-        // file reads its own columns.
+    // A buffer per member and one per run of columns between members (or rows).
+    let between = columns.windows(2).filter(|w| w[0].0 + w[0].1 < w[1].0).count();
+    let iovecs_per_row = columns.len() + between + 1;
+    if !disjoint
+        || gap_per_row > GAP_SCRATCH as u64
+        || iovecs_per_row > MAX_IOVECS
+        || columns.iter().any(|c| c.1 > data.buffer_bytes as u64)
+    {
+        // Not one read's worth (overlapping replicas, far-apart, very wide or very many
+        // stripes): each file reads its own columns.
         for (&k, item) in ks.iter().zip(items) {
             write_item(plan, layout, item, &mut files[k], progress)?;
         }
         return Ok(());
     }
-    // A buffer per member and one per run of columns between members (or rows).
-    let wrap = row_bytes - (columns[columns.len() - 1].0 + columns[columns.len() - 1].1) + columns[0].0;
-    let between = columns.windows(2).filter(|w| w[0].0 + w[0].1 < w[1].0).count();
-    let iovecs_per_row = columns.len() + between + usize::from(wrap > 0);
     let first = &items[0].chunk;
     let mut full_offsets = vec![0; t.shape.len()];
     full_offsets[0] = first.offsets[0];
