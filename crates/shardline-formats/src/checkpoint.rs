@@ -11,7 +11,7 @@ use thiserror::Error;
 
 use crate::dcp_metadata::{decode_metadata, DcpMetadataError, EntryMeta};
 use crate::safetensors::{read_header, SafetensorsError};
-use crate::torch_save::{read_tensor_archive, TorchSaveError};
+use crate::torch_save::{read_object_archive, read_tensor_archive, TorchSaveError};
 
 /// Which layout a checkpoint directory holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,7 +113,25 @@ fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
     let bytes = fs::read(&md_path).map_err(io_err(&md_path, "read"))?;
     let md = decode_metadata(&bytes).map_err(|source| CheckpointError::Metadata { path: md_path.clone(), source })?;
     let mut storage: BTreeMap<(String, Vec<u64>), (String, u64, u64)> = BTreeMap::new();
+    let keys: std::collections::HashSet<&str> = md.state_dict_metadata.iter().map(|(k, _)| k.as_str()).collect();
     for (k, info) in &md.storage_data {
+        if info.transform_descriptors.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(CheckpointError::Inconsistent {
+                key: k.fqn.clone(),
+                offsets: k.offset.clone().unwrap_or_default(),
+                message: format!(
+                    "stored with transforms {:?}, which this reader does not undo",
+                    info.transform_descriptors
+                ),
+            });
+        }
+        if !keys.contains(k.fqn.as_str()) {
+            return Err(CheckpointError::Inconsistent {
+                key: k.fqn.clone(),
+                offsets: k.offset.clone().unwrap_or_default(),
+                message: "storage_data names a key that state_dict_metadata does not have".into(),
+            });
+        }
         if let Some(off) = &k.offset {
             storage.insert((k.fqn.clone(), off.clone()), (info.relative_path.clone(), info.offset, info.length));
         }
@@ -123,6 +141,21 @@ fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
     let mut bytes_items = Vec::new();
     for (key, entry) in &md.state_dict_metadata {
         let EntryMeta::Tensor { dtype, size, chunks } = entry else {
+            // A bytes item must load too: its archive and pickle are read strictly.
+            let info = md
+                .storage(key, None)
+                .ok_or_else(|| CheckpointError::MissingStorage { key: key.clone(), offsets: Vec::new() })?;
+            safe_name(&info.relative_path)?;
+            let p = dir.join(&info.relative_path);
+            let f = File::open(&p).map_err(io_err(&p, "open rank file"))?;
+            read_object_archive(&f, info.offset, info.length).map_err(|source| CheckpointError::Item {
+                key: key.clone(),
+                offsets: Vec::new(),
+                file: info.relative_path.clone(),
+                offset: info.offset,
+                length: info.length,
+                source,
+            })?;
             bytes_items.push(key.clone());
             continue;
         };
@@ -165,6 +198,19 @@ fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
             });
         }
         tensors.push(StoredTensor { key: key.clone(), dtype: *dtype, shape: size.clone(), chunks: stored });
+    }
+    // Every chunk found its storage item; an item no chunk names is a corruption too.
+    let chunks: usize = tensors.iter().map(|t: &StoredTensor| t.chunks.len()).sum();
+    if storage.len() != chunks {
+        let extra = storage.keys().find(|(k, off)| {
+            !tensors.iter().any(|t: &StoredTensor| t.key == *k && t.chunks.iter().any(|c| c.offsets == *off))
+        });
+        let (key, offsets) = extra.cloned().unwrap_or_default();
+        return Err(CheckpointError::Inconsistent {
+            key,
+            offsets,
+            message: "storage_data has an item that no chunk of state_dict_metadata names".into(),
+        });
     }
     tensors.sort_by(|a, b| a.key.cmp(&b.key));
     Ok(Checkpoint { dir: dir.to_path_buf(), format: CheckpointFormat::Dcp, tensors, bytes_items })

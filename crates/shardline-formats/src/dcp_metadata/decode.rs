@@ -11,7 +11,9 @@ use std::path::Path;
 
 use shardline_layout::DType;
 
-use super::{ChunkMeta, DcpMetadataError, EntryMeta, Metadata, PathElem, StorageInfo, StorageKey, FS_MODULE, MD_MODULE};
+use super::{
+    ChunkMeta, DcpMetadataError, EntryMeta, Metadata, PathElem, StorageInfo, StorageKey, FS_MODULE, MD_MODULE,
+};
 use crate::pickle::{scan_memo_references, Limits, PickleError, Reader, Value};
 
 /// The sections of `Metadata`'s state, in the order of its dataclass fields (which is the order
@@ -92,7 +94,8 @@ impl<E> From<PickleError> for Stop<E> {
 
 /// Decodes a whole `.metadata` held in memory.
 pub fn decode_metadata(bytes: &[u8]) -> Result<Metadata, DcpMetadataError> {
-    let mut md = Metadata { state_dict_metadata: Vec::new(), storage_data: Vec::new(), planner_data: Vec::new(), version: None };
+    let mut md =
+        Metadata { state_dict_metadata: Vec::new(), storage_data: Vec::new(), planner_data: Vec::new(), version: None };
     let mut seen = HashSet::new();
     let tail = read_metadata(bytes, bytes, bytes.len() as u64, |item| {
         match item {
@@ -135,7 +138,10 @@ impl Decoder {
             0 => {
                 let fqn = into_str(k, &format!("{name} key"))?;
                 if !self.entry_keys.insert(fqn.clone()) {
-                    return Err(DcpMetadataError::Duplicate { what: "state_dict_metadata key", key: format!("{fqn:?}") });
+                    return Err(DcpMetadataError::Duplicate {
+                        what: "state_dict_metadata key",
+                        key: format!("{fqn:?}"),
+                    });
                 }
                 let entry = decode_entry(&v, &key_path(name, &fqn))?;
                 Ok(MetadataItem::Entry(fqn, entry))
@@ -246,7 +252,10 @@ fn object_state(v: Value, path: &str, module: &str, class: &str) -> Result<Optio
     };
     match v {
         Value::Object { class: c, args, kwargs: None, state, list_items, dict_items }
-            if c.is_global(module, class) && *args == Value::Tuple(Vec::new()) && list_items.is_empty() && dict_items.is_empty() =>
+            if c.is_global(module, class)
+                && *args == Value::Tuple(Vec::new())
+                && list_items.is_empty()
+                && dict_items.is_empty() =>
         {
             Ok(state.map(|s| *s))
         }
@@ -447,15 +456,20 @@ fn decode_storage_info(v: &Value, path: &str) -> Result<StorageInfo, DcpMetadata
     let state = object_state(v.clone(), path, FS_MODULE, "_StorageInfo")?;
     let all = ["relative_path", "offset", "length", "transform_descriptors"];
     let mut f = state_fields(state, path, &all, &all[..3])?;
-    let relative_path = into_str(take_field(&mut f, "relative_path").unwrap_or(Value::None), &format!("{path}.relative_path"))?;
+    let relative_path =
+        into_str(take_field(&mut f, "relative_path").unwrap_or(Value::None), &format!("{path}.relative_path"))?;
     let offset = to_u64(&take_field(&mut f, "offset").unwrap_or(Value::None), &format!("{path}.offset"))?;
     let length = to_u64(&take_field(&mut f, "length").unwrap_or(Value::None), &format!("{path}.length"))?;
     let td_path = format!("{path}.transform_descriptors");
     let transform_descriptors = match take_field(&mut f, "transform_descriptors").and_then(optional) {
         None => None,
-        Some(Value::List(items)) => {
-            Some(items.into_iter().enumerate().map(|(i, s)| into_str(s, &format!("{td_path}[{i}]"))).collect::<Result<Vec<_>, _>>()?)
-        }
+        Some(Value::List(items)) => Some(
+            items
+                .into_iter()
+                .enumerate()
+                .map(|(i, s)| into_str(s, &format!("{td_path}[{i}]")))
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
         Some(other) => return Err(unexpected(&td_path, "a list of str", &other)),
     };
     Ok(StorageInfo { relative_path, offset, length, transform_descriptors })

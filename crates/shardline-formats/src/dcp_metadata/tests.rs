@@ -6,7 +6,6 @@ use super::encode::{new_instance, write_metadata, write_size, write_tensor_prope
 use super::*;
 use crate::pickle::{self, PickleWriter};
 #[cfg(test)]
-
 use crate::torch_save::{
     encode_object_archive, encode_tensor_archive, read_object_archive, read_tensor_archive, PyObject,
 };
@@ -62,8 +61,7 @@ fn encoding_follows_the_brief_recipe_byte_for_byte() {
         b"_MEM_FORMAT_ENCODING\nK\x00\x85R\x89tb",
     ]
     .concat();
-    let chunk =
-        [&m[..], b"ChunkStorageMetadata\n)\x81}(", &x("offsets"), &size0, &x("sizes"), &size0, b"ub"].concat();
+    let chunk = [&m[..], b"ChunkStorageMetadata\n)\x81}(", &x("offsets"), &size0, &x("sizes"), &size0, b"ub"].concat();
     let tsm = [
         &m[..],
         b"TensorStorageMetadata\n)\x81}(",
@@ -150,10 +148,7 @@ fn rich_metadata() -> Metadata {
                     ],
                 },
             ),
-            (
-                "big".into(),
-                EntryMeta::Tensor { dtype: DType::F8E5M2, size: vec![1 << 33, 2, 3, 4, 5], chunks: vec![] },
-            ),
+            ("big".into(), EntryMeta::Tensor { dtype: DType::F8E5M2, size: vec![1 << 33, 2, 3, 4, 5], chunks: vec![] }),
             ("optimizer.param_groups.0.lr".into(), EntryMeta::Bytes),
         ],
         storage_data: vec![
@@ -349,7 +344,9 @@ fn accepts_the_variants_torch_versions_write() {
         w.mark().global("torch", "float16").global("torch", "strided").bool(false);
         w.global(MD_MODULE, "_MEM_FORMAT_ENCODING").int(2).tuple1().reduce().bool(false).tuple();
     };
-    for (name, pkl) in [("6-tuple with index", variant_pickle(six, true)), ("5-tuple without index", variant_pickle(five, false))] {
+    for (name, pkl) in
+        [("6-tuple with index", variant_pickle(six, true)), ("5-tuple without index", variant_pickle(five, false))]
+    {
         let md = decode_metadata(&pkl).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(
             md.state_dict_metadata,
@@ -416,8 +413,11 @@ fn refuses_other_classes_fields_and_order() {
         decode_metadata(&b).unwrap_err().to_string()
     };
     // Another module or class of the same length.
-    assert!(replace(b"torch.distributed.checkpoint.metadata\nMetadataIndex", b"torch.distributed.checkpoint.metadata\nMetadataIndey")
-        .contains("expected MetadataIndex"));
+    assert!(replace(
+        b"torch.distributed.checkpoint.metadata\nMetadataIndex",
+        b"torch.distributed.checkpoint.metadata\nMetadataIndey"
+    )
+    .contains("expected MetadataIndex"));
     assert!(replace(b"Size", b"Sise").contains("torch.Size"));
     // An unknown field of a dataclass.
     assert!(replace(b"relative_path", b"relative_patH").contains("unexpected field"));

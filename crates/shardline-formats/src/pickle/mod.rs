@@ -22,7 +22,6 @@ pub use write::PickleWriter;
 /// The highest pickle protocol the reader accepts.
 pub const HIGHEST_PROTOCOL: u8 = 5;
 
-
 /// A Python object as the pickle describes it. Nothing is evaluated: a class instance is its
 /// class reference plus the arguments and state the pickle gives for it.
 #[derive(Clone, Debug, PartialEq)]
@@ -207,7 +206,6 @@ impl Limits {
         }
     }
 }
-
 
 #[cfg(test)]
 mod tests;

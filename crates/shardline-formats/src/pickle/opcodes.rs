@@ -1,6 +1,5 @@
 //! Pickle opcodes (CPython's `pickle.py` names) and their names for error messages.
 
-
 pub(super) const MARK: u8 = b'(';
 pub(super) const STOP: u8 = b'.';
 pub(super) const POP: u8 = b'0';
@@ -38,7 +37,7 @@ pub(super) const TUPLE: u8 = b't';
 pub(super) const EMPTY_TUPLE: u8 = b')';
 pub(super) const SETITEMS: u8 = b'u';
 pub(super) const BINFLOAT: u8 = b'G';
-    // protocol 2
+// protocol 2
 pub(super) const PROTO: u8 = 0x80;
 pub(super) const NEWOBJ: u8 = 0x81;
 pub(super) const TUPLE1: u8 = 0x85;
@@ -48,10 +47,10 @@ pub(super) const NEWTRUE: u8 = 0x88;
 pub(super) const NEWFALSE: u8 = 0x89;
 pub(super) const LONG1: u8 = 0x8a;
 pub(super) const LONG4: u8 = 0x8b;
-    // protocol 3
+// protocol 3
 pub(super) const BINBYTES: u8 = b'B';
 pub(super) const SHORT_BINBYTES: u8 = b'C';
-    // protocol 4
+// protocol 4
 pub(super) const SHORT_BINUNICODE: u8 = 0x8c;
 pub(super) const BINUNICODE8: u8 = 0x8d;
 pub(super) const BINBYTES8: u8 = 0x8e;
@@ -62,7 +61,7 @@ pub(super) const NEWOBJ_EX: u8 = 0x92;
 pub(super) const STACK_GLOBAL: u8 = 0x93;
 pub(super) const MEMOIZE: u8 = 0x94;
 pub(super) const FRAME: u8 = 0x95;
-    // protocol 5
+// protocol 5
 pub(super) const BYTEARRAY8: u8 = 0x96;
 
 /// The name of an opcode, for error messages.

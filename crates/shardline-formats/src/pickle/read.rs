@@ -133,11 +133,37 @@ enum Arg {
 
 fn arg_of(code: u8) -> Option<Arg> {
     Some(match code {
-        op::MARK | op::STOP | op::POP | op::POP_MARK | op::DUP | op::NONE | op::BINPERSID | op::REDUCE
-        | op::APPEND | op::BUILD | op::DICT | op::EMPTY_DICT | op::APPENDS | op::LIST | op::EMPTY_LIST
-        | op::SETITEM | op::TUPLE | op::EMPTY_TUPLE | op::SETITEMS | op::NEWOBJ | op::TUPLE1 | op::TUPLE2
-        | op::TUPLE3 | op::NEWTRUE | op::NEWFALSE | op::EMPTY_SET | op::ADDITEMS | op::FROZENSET
-        | op::NEWOBJ_EX | op::STACK_GLOBAL | op::MEMOIZE => Arg::None,
+        op::MARK
+        | op::STOP
+        | op::POP
+        | op::POP_MARK
+        | op::DUP
+        | op::NONE
+        | op::BINPERSID
+        | op::REDUCE
+        | op::APPEND
+        | op::BUILD
+        | op::DICT
+        | op::EMPTY_DICT
+        | op::APPENDS
+        | op::LIST
+        | op::EMPTY_LIST
+        | op::SETITEM
+        | op::TUPLE
+        | op::EMPTY_TUPLE
+        | op::SETITEMS
+        | op::NEWOBJ
+        | op::TUPLE1
+        | op::TUPLE2
+        | op::TUPLE3
+        | op::NEWTRUE
+        | op::NEWFALSE
+        | op::EMPTY_SET
+        | op::ADDITEMS
+        | op::FROZENSET
+        | op::NEWOBJ_EX
+        | op::STACK_GLOBAL
+        | op::MEMOIZE => Arg::None,
         op::PROTO | op::BININT1 | op::BINPUT | op::BINGET => Arg::Fixed(1),
         op::BININT2 => Arg::Fixed(2),
         op::BININT | op::LONG_BINPUT | op::LONG_BINGET => Arg::Fixed(4),
@@ -174,8 +200,12 @@ pub fn scan_memo_references<R: BufRead>(r: R) -> Result<MemoReferences, PickleEr
             return Err(PickleError::MissingStop { offset: input.pos });
         };
         let opcode = opcode_name(code);
-        let truncated =
-            |needed: u64, got: &[u8]| PickleError::Truncated { opcode, offset: start, needed, available: got.len() as u64 };
+        let truncated = |needed: u64, got: &[u8]| PickleError::Truncated {
+            opcode,
+            offset: start,
+            needed,
+            available: got.len() as u64,
+        };
         let invalid = |detail: &str| PickleError::Invalid { opcode, offset: start, detail: detail.to_owned() };
         if code == op::FRAME && frame_end.is_some() {
             return Err(invalid("a frame starts before the current frame ends"));
@@ -193,7 +223,11 @@ pub fn scan_memo_references<R: BufRead>(r: R) -> Result<MemoReferences, PickleEr
                     return Err(truncated(w.into(), &buf));
                 }
                 let n = le_u64(&buf);
-                let n = if w == 4 && code != op::BINUNICODE && code != op::BINBYTES { n as u32 as i32 as i64 as u64 } else { n };
+                let n = if w == 4 && code != op::BINUNICODE && code != op::BINBYTES {
+                    n as u32 as i32 as i64 as u64
+                } else {
+                    n
+                };
                 // Skip without keeping: read in bounded pieces.
                 let mut left = n;
                 while left > 0 {
@@ -249,7 +283,9 @@ pub fn scan_memo_references<R: BufRead>(r: R) -> Result<MemoReferences, PickleEr
             match fetched {
                 Some(k) if k < refs.count => refs.insert(k),
                 Some(k) => return Err(PickleError::UndefinedMemo { key: k, opcode, offset: start }),
-                None => return Err(PickleError::Invalid { opcode, offset: start, detail: "malformed memo key".into() }),
+                None => {
+                    return Err(PickleError::Invalid { opcode, offset: start, detail: "malformed memo key".into() })
+                }
             }
         }
         if code == op::STOP {
@@ -623,9 +659,7 @@ impl<'a, R: BufRead> Reader<'a, R> {
                 let pid = self.take_line()?;
                 self.push_built(Value::PersistentId(Box::new(Value::Str(pid))), 1)?
             }
-            _ => {
-                return Err(PickleError::UnsupportedOpcode { opcode: code, name: self.opcode, offset: self.op_start })
-            }
+            _ => return Err(PickleError::UnsupportedOpcode { opcode: code, name: self.opcode, offset: self.op_start }),
         }
         Ok(None)
     }

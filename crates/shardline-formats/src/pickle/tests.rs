@@ -1,8 +1,7 @@
 //! Tests of the writer and the reader together: what one writes the other reads.
 
-use super::*;
 use super::write::long_bytes;
-
+use super::*;
 
 fn hex(s: &str) -> Vec<u8> {
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()

@@ -15,8 +15,8 @@
 //!   storage, whether written by this module or by torch (any archive directory name, data
 //!   descriptors, zip64, the extra entries torch adds).
 
-
 mod read;
+mod strict;
 mod write;
 
 use std::io;

@@ -5,8 +5,8 @@ use std::io;
 
 use shardline_layout::DType;
 
-use super::*;
 use super::write::numel_and_bytes;
+use super::*;
 use crate::pickle::{self, Value};
 // Reading
 
@@ -43,6 +43,9 @@ impl ReadAt for Vec<u8> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ArchiveEntry {
     pub name: String,
+    /// "Version needed to extract" and general purpose flags, as the central directory says.
+    pub version_needed: u16,
+    pub flags: u16,
     /// 0 = stored.
     pub method: u16,
     pub crc32: u32,
@@ -76,11 +79,11 @@ pub(super) struct Archive<'a, R: ReadAt + ?Sized> {
     src: &'a R,
     base: u64,
     len: u64,
-    entries: Vec<ArchiveEntry>,
+    pub(super) entries: Vec<ArchiveEntry>,
     /// `<dir>/` of the first entry.
-    dir: String,
+    pub(super) dir: String,
     /// Where the central directory starts; entry data must end before it.
-    cd_offset: u64,
+    pub(super) cd_offset: u64,
 }
 
 pub(super) fn le16(b: &[u8], at: usize) -> u16 {
@@ -106,7 +109,7 @@ pub(super) fn le64(b: &[u8], at: usize) -> u64 {
 }
 
 impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
-    fn read(&self, what: &'static str, offset: u64, len: u64) -> Result<Vec<u8>, TorchSaveError> {
+    pub(super) fn read(&self, what: &'static str, offset: u64, len: u64) -> Result<Vec<u8>, TorchSaveError> {
         offset.checked_add(len).filter(|&e| e <= self.len).ok_or_else(|| {
             TorchSaveError::Corrupt(format!(
                 "{what} at offset {offset} ({len} bytes) runs past the end of the {}-byte item",
@@ -149,9 +152,14 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
         let mut cd_size = u64::from(le32(eocd, 12));
         let mut cd_offset = u64::from(le32(eocd, 16));
         let mut cd_end_limit = eocd_offset;
-        if le16(eocd, 4) != 0 || le16(eocd, 6) != 0 {
+        if le16(eocd, 4) != 0 || le16(eocd, 6) != 0 || le16(eocd, 8) != le16(eocd, 10) {
             return Err(TorchSaveError::Corrupt("multi-disk archives are not supported".into()));
         }
+        if le16(eocd, 20) != 0 {
+            return Err(TorchSaveError::Corrupt("the end-of-central-directory record has a comment".into()));
+        }
+        let saturated = le16(eocd, 10) == u16::MAX || le32(eocd, 12) == u32::MAX || le32(eocd, 16) == u32::MAX;
+        let mut zip64 = false;
 
         // Zip64: a locator right before the end record points at the zip64 end record.
         if eocd_offset >= EOCD64_LOCATOR_LEN {
@@ -171,17 +179,33 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
                         "no zip64 end record signature at offset {e64_offset}"
                     )));
                 }
+                if le64(&e64, 4) != EOCD64_LEN - 12
+                    || le32(&e64, 16) != 0
+                    || le32(&e64, 20) != 0
+                    || le64(&e64, 24) != le64(&e64, 32)
+                    || le32(&loc, 4) != 0
+                    || le32(&loc, 16) != 1
+                    || e64_offset + EOCD64_LEN != loc_offset
+                {
+                    return Err(TorchSaveError::Corrupt(format!(
+                        "zip64 end records at offsets {e64_offset} and {loc_offset} are inconsistent"
+                    )));
+                }
                 count = le64(&e64, 32);
                 cd_size = le64(&e64, 40);
                 cd_offset = le64(&e64, 48);
                 cd_end_limit = e64_offset;
+                zip64 = true;
             }
         }
 
-        if cd_offset.checked_add(cd_size).is_none_or(|end| end > cd_end_limit) {
+        if saturated && !zip64 {
+            return Err(TorchSaveError::Corrupt("end record fields are saturated but there is no zip64 record".into()));
+        }
+        if cd_offset.checked_add(cd_size).is_none_or(|end| end != cd_end_limit) {
             return Err(TorchSaveError::Corrupt(format!(
-                "central directory at offset {cd_offset} ({cd_size} bytes) overlaps the end \
-                 records at {cd_end_limit}"
+                "central directory at offset {cd_offset} ({cd_size} bytes) does not end where the \
+                 end records start, at {cd_end_limit}"
             )));
         }
         if cd_size > MAX_CENTRAL_DIRECTORY_LEN {
@@ -207,7 +231,21 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
                          signature"
                     ))
                 })?;
+            let version_needed = le16(header, 6);
+            let flags = le16(header, 8);
             let method = le16(header, 10);
+            // miniz treats an entry with the DOS directory attribute as a directory and extracts
+            // nothing from it.
+            if le32(header, 38) & 0x10 != 0 {
+                return Err(TorchSaveError::Corrupt(format!(
+                    "central directory entry {i} at offset {at} is marked as a directory"
+                )));
+            }
+            if le16(header, 34) != 0 {
+                return Err(TorchSaveError::Corrupt(format!(
+                    "central directory entry {i} at offset {at} is on another disk"
+                )));
+            }
             let crc32 = le32(header, 16);
             let mut compressed_size = u64::from(le32(header, 20));
             let mut size = u64::from(le32(header, 24));
@@ -230,7 +268,12 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
                     "central directory entry {i} at offset {at} runs past the directory"
                 )));
             }
-            let name = String::from_utf8_lossy(name).into_owned();
+            let name = String::from_utf8(name.to_vec()).map_err(|_| {
+                TorchSaveError::Corrupt(format!("central directory entry {i} at offset {at}: name is not UTF-8"))
+            })?;
+            if comment_len != 0 {
+                return Err(TorchSaveError::Corrupt(format!("entry {name}: has a comment")));
+            }
             // Zip64 extended information: the 64-bit values of the saturated fields, in order.
             let mut e = 0usize;
             while e + 4 <= extra.len() {
@@ -261,8 +304,26 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
                 }
                 e += 4 + n;
             }
-            ar.entries.push(ArchiveEntry { name, method, crc32, compressed_size, size, local_header_offset });
+            if e != extra.len() {
+                return Err(TorchSaveError::Corrupt(format!("entry {name}: extra data ends inside a field")));
+            }
+            ar.entries.push(ArchiveEntry {
+                name,
+                version_needed,
+                flags,
+                method,
+                crc32,
+                compressed_size,
+                size,
+                local_header_offset,
+            });
             pos = next;
+        }
+        if pos != cd.len() {
+            return Err(TorchSaveError::Corrupt(format!(
+                "central directory has {} bytes after its {count} entries",
+                cd.len() - pos
+            )));
         }
         // torch takes the archive directory from the first entry.
         let first = ar.entries.first().ok_or_else(|| TorchSaveError::Corrupt("archive has no entries".into()))?;
@@ -272,10 +333,11 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
             .map(|(d, _)| d)
             .ok_or_else(|| TorchSaveError::Corrupt(format!("first entry {} is not in a directory", first.name)))?;
         ar.dir = format!("{dir}/");
+        super::strict::check_archive(&ar)?;
         Ok(ar)
     }
 
-    fn entry(&self, rel: &str) -> Option<&ArchiveEntry> {
+    pub(super) fn entry(&self, rel: &str) -> Option<&ArchiveEntry> {
         let full = format!("{}{rel}", self.dir);
         self.entries.iter().find(|e| e.name == full)
     }
@@ -285,7 +347,7 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
     }
 
     /// Offset in the item of `entry`'s data, checked to be stored and in bounds.
-    fn data_offset(&self, entry: &ArchiveEntry) -> Result<u64, TorchSaveError> {
+    pub(super) fn data_offset(&self, entry: &ArchiveEntry) -> Result<u64, TorchSaveError> {
         if entry.method != 0 {
             return Err(TorchSaveError::Compressed { name: entry.name.clone(), method: entry.method });
         }
@@ -399,9 +461,13 @@ fn tensor_spec(root: &Value) -> Result<TensorSpec, TorchSaveError> {
     // Unwrap nn.Parameter: _rebuild_parameter(data, requires_grad, hooks[, state]).
     let mut v = root;
     let (callable, args) = loop {
-        let Value::Reduce { callable, args, .. } = v else {
+        // A plain call: torch's unpickler would hand anything applied after it to the tensor.
+        let Value::Reduce { callable, args, state: None, list_items, dict_items } = v else {
             return Err(not_tensor(format!("expected a call, found {}", v.describe())));
         };
+        if !list_items.is_empty() || !dict_items.is_empty() {
+            return Err(not_tensor("the tensor call has items applied to it"));
+        }
         match callable.as_global() {
             Some(("torch._utils", "_rebuild_parameter" | "_rebuild_parameter_with_state")) => {
                 v = args
@@ -424,15 +490,31 @@ fn tensor_spec(root: &Value) -> Result<TensorSpec, TorchSaveError> {
     };
     let args =
         args.as_seq().ok_or_else(|| not_tensor(format!("arguments: expected a tuple, found {}", args.describe())))?;
+    // (storage, storage_offset, size, stride, requires_grad, backward_hooks[, dtype][, metadata])
     let min_args = if v3 { 7 } else { 6 };
-    if args.len() < min_args {
+    if !(min_args..=min_args + 1).contains(&args.len()) {
         return Err(not_tensor(format!(
-            "{} takes at least {min_args} arguments, found {}",
+            "{} takes {min_args} or {} arguments, found {}",
             if v3 { "_rebuild_tensor_v3" } else { "_rebuild_tensor_v2" },
+            min_args + 1,
             args.len()
         )));
     }
     let arg = |i: usize| args.get(i).unwrap_or(&Value::None);
+    if !matches!(arg(4), Value::Bool(_)) {
+        return Err(not_tensor(format!("requires_grad: expected a bool, found {}", arg(4).describe())));
+    }
+    let empty_hooks = matches!(arg(5), Value::Reduce { callable, args, state: None, list_items, dict_items }
+        if callable.is_global("collections", "OrderedDict") && **args == Value::Tuple(Vec::new())
+            && list_items.is_empty() && dict_items.is_empty());
+    if !empty_hooks {
+        return Err(not_tensor(format!("backward hooks: expected OrderedDict(), found {}", arg(5).describe())));
+    }
+    if let Some(meta) = args.get(min_args) {
+        if !matches!(meta, Value::None | Value::Dict(_)) {
+            return Err(not_tensor(format!("tensor metadata: expected a dict, found {}", meta.describe())));
+        }
+    }
 
     // ('storage', storage_type, key, location, numel)
     let Value::PersistentId(pid) = arg(0) else {
@@ -456,6 +538,9 @@ fn tensor_spec(root: &Value) -> Result<TensorSpec, TorchSaveError> {
         }
     };
     let storage_key = pid_item(2).as_str().ok_or_else(|| not_tensor("storage key: expected a str"))?.to_owned();
+    if pid_item(3).as_str().is_none() {
+        return Err(not_tensor("storage location: expected a str"));
+    }
     let storage_numel = to_u64(pid_item(4), "storage numel")?;
     let storage_bytes =
         storage_numel.checked_mul(storage_dtype.size() as u64).ok_or_else(|| not_tensor("storage size overflows"))?;
@@ -543,4 +628,3 @@ pub fn read_tensor_archive<R: ReadAt + ?Sized>(
         data_crc32: (whole && (entry.crc32 != NO_CRC32 || data_len == 0)).then_some(entry.crc32),
     })
 }
-

@@ -1,11 +1,10 @@
 //! Archives written here and by torch, read back; corruptions refused.
 
-use super::*;
 use super::read::{le32, Archive};
-use super::write::{central_directory, push_entry, tensor_pickle, LOCAL_CRC_FIELD};
+use super::write::{central_directory, local_header, push_entry, tensor_pickle, EntryRecord, LOCAL_CRC_FIELD};
+use super::*;
 use crate::pickle::{self, PickleWriter, Value};
 #[cfg(test)]
-
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/torch-written");
 
@@ -56,8 +55,7 @@ fn tensor_archive_layout() {
     assert!(!bytes.windows(4).any(|w| w == SIG_EOCD64.to_le_bytes()));
     assert_eq!(&bytes[bytes.len() - 22..bytes.len() - 18], b"PK\x05\x06");
 
-    let names: Vec<String> =
-        list_archive(&bytes, 0, bytes.len() as u64).unwrap().into_iter().map(|e| e.name).collect();
+    let names: Vec<String> = list_archive(&bytes, 0, bytes.len() as u64).unwrap().into_iter().map(|e| e.name).collect();
     assert_eq!(names, ["archive/data.pkl", "archive/byteorder", "archive/version", "archive/data/0"]);
 
     let t = read_tensor_archive(&bytes, 0, bytes.len() as u64).unwrap();
@@ -303,7 +301,17 @@ fn custom_archive(dir: &str, pkl: &[u8], storage: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
     let mut entries = Vec::new();
     push_entry(&mut out, &mut entries, format!("{dir}data.pkl"), pkl);
-    push_entry(&mut out, &mut entries, format!("{dir}data/0"), storage);
+    push_entry(&mut out, &mut entries, format!("{dir}version"), b"3\n");
+    // The storage record starts 64-byte aligned, as torch writes it.
+    let entry = EntryRecord {
+        name: format!("{dir}data/0"),
+        crc32: crc32fast::hash(storage),
+        size: storage.len() as u64,
+        local_header_offset: out.len() as u64,
+    };
+    out.extend_from_slice(&local_header(&entry, entry.local_header_offset, DATA_ALIGNMENT));
+    out.extend_from_slice(storage);
+    entries.push(entry);
     let cd = central_directory(&entries, out.len() as u64);
     out.extend_from_slice(&cd);
     out
@@ -402,7 +410,9 @@ fn archives_without_crcs_read_like_torch_reads_them() {
     let mut bad = good.clone();
     let cd = bad.windows(4).position(|w| w == b"PK\x01\x02").unwrap();
     bad[cd + 16] ^= 1;
-    assert!(matches!(read_tensor_archive(&bad, 0, bad.len() as u64), Err(TorchSaveError::Crc { .. })));
+    // The local header still has the right crc, so the two disagree.
+    let err = read_tensor_archive(&bad, 0, bad.len() as u64).unwrap_err();
+    assert!(matches!(err, TorchSaveError::Corrupt(ref m) if m.contains("crc or sizes differ")), "{err}");
 }
 
 #[test]
@@ -423,6 +433,7 @@ fn corrupt_archives_are_errors() {
     let mut entries = Vec::new();
     push_entry(&mut out, &mut entries, "a/data.pkl".into(), &object_pickle(&PyObject::None));
     push_entry(&mut out, &mut entries, "a/byteorder".into(), b"big");
+    push_entry(&mut out, &mut entries, "a/version".into(), b"3\n");
     let cd = central_directory(&entries, out.len() as u64);
     out.extend_from_slice(&cd);
     let err = read_object_archive(&out, 0, out.len() as u64).unwrap_err();
@@ -464,5 +475,61 @@ proptest::proptest! {
         proptest::prop_assert_eq!(t.data_offset_in_item % 64, 0);
         let off = t.data_offset_in_item as usize;
         proptest::prop_assert_eq!(&bytes[off..off + data.len()], data.as_slice());
+    }
+}
+
+#[test]
+fn an_entry_marked_as_a_directory_is_refused() {
+    // miniz extracts nothing from an entry whose external attributes carry the DOS directory bit,
+    // so torch reads zeros where data.pkl was.
+    let mut ar = encode_tensor_archive(DType::F32, &[2], &[0u8; 8]).unwrap();
+    let cd = ar.windows(4).position(|w| w == b"PK\x01\x02").unwrap();
+    ar[cd + 38] |= 0x10;
+    let err = read_tensor_archive(&ar, 0, ar.len() as u64).unwrap_err();
+    assert!(err.to_string().contains("marked as a directory"), "{err}");
+}
+
+#[test]
+fn structure_torch_walks_is_checked_field_by_field() {
+    let good = encode_tensor_archive(DType::F32, &[2], &[0u8; 8]).unwrap();
+    read_tensor_archive(&good, 0, good.len() as u64).unwrap();
+    let at =
+        |pat: &[u8], nth: usize| good.windows(pat.len()).enumerate().filter(|(_, w)| *w == pat).nth(nth).unwrap().0;
+    let local_version = at(b"PK\x03\x04", 2); // data.pkl, byteorder, version, data/0
+    let central_version = at(b"PK\x01\x02", 2);
+    let version_body = at(b"3\n", 0);
+    let eocd = at(b"PK\x05\x06", 0);
+    let cases: [(&str, usize, u8, &str); 9] = [
+        ("local name", local_version + 30, b'V', "name differs"),
+        ("local name length", local_version + 26, 0x10, ""),
+        ("local method", local_version + 8, 8, "method"),
+        ("local flags", local_version + 6, 1, "flags"),
+        ("central name", central_version + 46 + 8, b'V', "not a record torch writes"),
+        ("central disk", central_version + 34, 1, "another disk"),
+        ("version record", version_body, b'x', "archive/version"),
+        ("entries on this disk", eocd + 8, 1, "multi-disk"),
+        ("end comment length", eocd + 20, 1, ""),
+    ];
+    for (what, offset, value, want) in cases {
+        let mut bad = good.clone();
+        bad[offset] ^= value;
+        let err = read_tensor_archive(&bad, 0, bad.len() as u64).expect_err(what).to_string();
+        assert!(err.contains(want), "{what}: {err}");
+    }
+}
+
+#[test]
+fn a_version_torch_cannot_parse_is_refused() {
+    for (body, ok) in
+        [(&b"3\n"[..], true), (b"10", true), (b"-\n", false), (b"0\n", false), (b"11\n", false), (b"", false)]
+    {
+        let mut out = Vec::new();
+        let mut entries = Vec::new();
+        push_entry(&mut out, &mut entries, "a/data.pkl".into(), &object_pickle(&PyObject::None));
+        push_entry(&mut out, &mut entries, "a/version".into(), body);
+        let cd = central_directory(&entries, out.len() as u64);
+        out.extend_from_slice(&cd);
+        let got = read_object_archive(&out, 0, out.len() as u64);
+        assert_eq!(got.is_ok(), ok, "{body:?}: {got:?}");
     }
 }

@@ -9,10 +9,10 @@ use crate::pickle::PickleWriter;
 /// Whether and how an entry uses zip64.
 #[derive(Clone, Debug)]
 pub(super) struct EntryRecord {
-    name: String,
-    crc32: u32,
-    size: u64,
-    local_header_offset: u64,
+    pub(super) name: String,
+    pub(super) crc32: u32,
+    pub(super) size: u64,
+    pub(super) local_header_offset: u64,
 }
 
 impl EntryRecord {
@@ -431,4 +431,3 @@ pub fn encode_object_archive(value: &PyObject) -> Vec<u8> {
     out.extend_from_slice(&cd);
     out
 }
-
