@@ -1,0 +1,76 @@
+"""Checkpoints that torch itself saved (torch 2.15 here, torch 2.5 in its own venv) are read by the
+same strict readers as ours: `validate` proves them bit-exact against the release, `inspect` lists
+them, bytes items included, and a corruption of torch's own archive layout is caught."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import harness
+
+MODEL = "qwen3_moe"
+# What a training job keeps next to its weights: plain Python objects, saved as bytes items.
+BYTES_ITEMS = {"iteration": 7, "checkpoint_version": 3.0,
+               "args": argparse.Namespace(tensor_model_parallel_size=1, lr=1e-4)}
+
+SAVE_ON_TORCH_2_5 = """
+import sys, torch, torch.distributed.checkpoint as dcp
+state = torch.load(sys.argv[1], weights_only=False)
+dcp.save(state, checkpoint_id=sys.argv[2])
+print(torch.__version__)
+"""
+
+
+def save_with(version: str, state: dict, ckpt: Path, tmp_path: Path) -> None:
+    if version == "2.15":
+        assert torch.__version__.startswith("2.15"), torch.__version__
+        dcp.save(state, checkpoint_id=str(ckpt))
+        return
+    py = harness.OLD_TORCH_PYTHON
+    assert py.is_file(), f"{py} missing: run scripts/setup-python (it creates .venv-torch25 with torch 2.5.1)"
+    torch.save(state, tmp_path / "state.pt")
+    proc = subprocess.run([str(py), "-c", SAVE_ON_TORCH_2_5, str(tmp_path / "state.pt"), str(ckpt)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().startswith("2.5."), proc.stdout
+
+
+def run(*args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("version", ["2.15", "2.5"])
+def test_torch_saved_checkpoints_validate_and_inspect(shardline, tmp_path, version):
+    want = harness.reference(MODEL, tp=1)
+    ckpt = tmp_path / "ckpt"
+    save_with(version, {**want, **BYTES_ITEMS}, ckpt, tmp_path)
+
+    v = run(shardline, "validate", ckpt, "--against", harness.fixture_dir(MODEL), "--json")
+    assert v.returncode == 0, f"validate refused torch {version}'s checkpoint:\n{v.stdout[-3000:]}\n{v.stderr[-3000:]}"
+    report = json.loads(v.stdout)
+    assert report["ok"] is True and report["tensors"] == len(want), report
+
+    i = run(shardline, "inspect", ckpt, "--json")
+    assert i.returncode == 0, i.stderr[-3000:]
+    listing = json.loads(i.stdout)
+    assert {t["key"] for t in listing["tensors"]} == set(want)
+    assert set(listing["bytes_items"]) == set(BYTES_ITEMS)
+    for t in listing["tensors"]:
+        assert t["shape"] == list(want[t["key"]].shape), t["key"]
+
+    # torch writes its local headers with a data descriptor: a wrong descriptor crc is caught.
+    rank_file = next(ckpt.glob("*.distcp"))
+    data = bytearray(rank_file.read_bytes())
+    descriptor = data.find(b"PK\x07\x08")
+    assert descriptor > 0, "torch's archives carry data descriptors"
+    data[descriptor + 4] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+    v = run(shardline, "validate", ckpt, "--against", harness.fixture_dir(MODEL))
+    assert v.returncode != 0 and "data descriptor" in (v.stdout + v.stderr), v.stdout + v.stderr
