@@ -305,6 +305,10 @@ pub struct BenchArgs {
     /// Convert with --zip-crc32.
     #[arg(long)]
     pub zip_crc32: bool,
+    /// Also time torch's `FileSystemReader(CKPT).read_metadata()` with this Python (one that has
+    /// torch), next to `validate` and `inspect`.
+    #[arg(long, value_name = "PYTHON")]
+    pub torch_python: Option<PathBuf>,
     #[arg(long)]
     pub json: bool,
 }
@@ -338,6 +342,7 @@ pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
         let out = args.work.join("converted");
         let (mut best_cp, mut best_cp_sync, mut best_conv) = (f64::MAX, f64::MAX, f64::MAX);
         let mut rss = 0u64;
+        let mut readers = ReaderTimes::default();
         for _ in 0..args.repeat.max(1) {
             let _ = std::fs::remove_dir_all(&copy);
             let (t, _) = time_command(Command::new("cp").arg("-r").arg(&src).arg(&copy))?;
@@ -364,6 +369,7 @@ pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
             best_conv = best_conv.min(t);
             let v: serde_json::Value = serde_json::from_str(stdout.trim()).context("parsing convert --json")?;
             rss = rss.max(v["peak_rss_bytes"].as_u64().unwrap_or(0));
+            readers.measure(&exe, &out, &src, args.torch_python.as_deref())?;
             let _ = std::fs::remove_dir_all(&out);
         }
         rows.push(json!({
@@ -371,6 +377,9 @@ pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
             "cp_seconds": best_cp, "cp_sync_seconds": best_cp_sync, "convert_seconds": best_conv,
             "ratio_to_cp": best_conv / best_cp, "ratio_to_cp_sync": best_conv / best_cp_sync,
             "convert_gb_per_s": input as f64 / best_conv / 1e9, "peak_rss_bytes": rss,
+            "validate_seconds": readers.validate.0, "validate_peak_rss_bytes": readers.validate.1,
+            "inspect_seconds": readers.inspect.0, "inspect_peak_rss_bytes": readers.inspect.1,
+            "torch_read_metadata_seconds": readers.torch,
         }));
         if !args.json {
             println!(
@@ -383,10 +392,56 @@ pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
                 input as f64 / best_conv / 1e9,
                 bytes(rss)
             );
+            println!(
+                "  validate {:.2}s ({:.2}× convert), peak RSS {}; inspect --summary {:.2}s, peak RSS {}{}",
+                readers.validate.0,
+                readers.validate.0 / best_conv,
+                bytes(readers.validate.1),
+                readers.inspect.0,
+                bytes(readers.inspect.1),
+                readers.torch.map(|t| format!("; torch read_metadata {t:.2}s")).unwrap_or_default()
+            );
         }
     }
     if args.json {
         println!("{}", serde_json::Value::Array(rows));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Best times (seconds) and largest peak RSS of the readers of a converted checkpoint.
+struct ReaderTimes {
+    validate: (f64, u64),
+    inspect: (f64, u64),
+    torch: Option<f64>,
+}
+
+impl Default for ReaderTimes {
+    fn default() -> Self {
+        ReaderTimes { validate: (f64::MAX, 0), inspect: (f64::MAX, 0), torch: None }
+    }
+}
+
+/// torch's own reading of `.metadata`, to compare with.
+const TORCH_READ_METADATA: &str =
+    "import sys; from torch.distributed.checkpoint import FileSystemReader; FileSystemReader(sys.argv[1]).read_metadata()";
+
+impl ReaderTimes {
+    fn measure(&mut self, exe: &Path, ckpt: &Path, src: &Path, torch_python: Option<&Path>) -> Result<()> {
+        let (t, stdout) =
+            time_command(Command::new(exe).args(["validate", "--json"]).arg(ckpt).arg("--against").arg(src))?;
+        let v: serde_json::Value = serde_json::from_str(stdout.trim()).context("parsing validate --json")?;
+        if v["ok"] != true {
+            bail!("validate of the benchmark's checkpoint failed: {v}");
+        }
+        self.validate = (self.validate.0.min(t), self.validate.1.max(v["peak_rss_bytes"].as_u64().unwrap_or(0)));
+        let (t, stdout) = time_command(Command::new(exe).args(["inspect", "--json", "--summary"]).arg(ckpt))?;
+        let v: serde_json::Value = serde_json::from_str(stdout.trim()).context("parsing inspect --json")?;
+        self.inspect = (self.inspect.0.min(t), self.inspect.1.max(v["peak_rss_bytes"].as_u64().unwrap_or(0)));
+        if let Some(py) = torch_python {
+            let (t, _) = time_command(Command::new(py).args(["-c", TORCH_READ_METADATA]).arg(ckpt))?;
+            self.torch = Some(self.torch.map_or(t, |b: f64| b.min(t)));
+        }
+        Ok(())
+    }
 }

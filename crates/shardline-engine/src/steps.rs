@@ -13,7 +13,7 @@ use sha2::{Digest, Sha256};
 use shardline_formats::checkpoint::open_checkpoint;
 use shardline_formats::execute::{self, ExecuteOptions, OutputFormat, Progress};
 use shardline_formats::safetensors::Release;
-use shardline_formats::verify::verify;
+use shardline_formats::verify::{verify_checkpoint, VerifyError};
 use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
 use thiserror::Error;
 
@@ -314,7 +314,6 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<Value, StepError>
         Payload::Validate { checkpoint_task, source_task, prefix } => {
             let dir = checkpoint_dir(ctx, checkpoint_task)?;
             let source = ctx.source_path(source_task)?;
-            let ckpt = open_checkpoint(&dir).map_err(|e| StepError::fatal(format!("{}: {e}", dir.display())))?;
             let split = ctx.output(checkpoint_task)?.get("split_fused").and_then(Value::as_bool).unwrap_or(true);
             let release = open_release(&source)?;
             let config = ModelConfig::from_json(release.config_json()).map_err(|e| StepError::fatal(e.to_string()))?;
@@ -322,9 +321,10 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<Value, StepError>
             let options = PlanOptions {
                 prefix: prefix.clone(),
                 vocab_divisible_by: 1,
-                optimizer_state: ckpt.tensors.iter().any(|t| t.key.starts_with(&defaults.optimizer_prefix)),
+                // Optimizer state is expected when the checkpoint has any (see verify_checkpoint).
+                optimizer_state: true,
                 split_fused: split,
-                ..defaults
+                ..defaults.clone()
             };
             let sources = release
                 .tensors()
@@ -337,8 +337,11 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<Value, StepError>
             };
             let reference =
                 build_plan(&config, sources, mesh, &options).map_err(|e| StepError::fatal(format!("{e:?}")))?;
-            let report =
-                verify(&ckpt, &release, &reference, ctx.progress).map_err(|e| StepError::transient(e.to_string()))?;
+            let report = verify_checkpoint(&dir, &release, &reference, Some(&defaults.optimizer_prefix), ctx.progress)
+                .map_err(|e| match e {
+                    VerifyError::Execute(_) => StepError::transient(e.to_string()),
+                    _ => StepError::fatal(format!("{}: {e}", dir.display())),
+                })?;
             if !report.ok() {
                 for f in report.findings.iter().take(50) {
                     (ctx.log)(format!("`{}`: {}", f.key, f.message));
@@ -351,12 +354,8 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<Value, StepError>
                     report.findings[0].message
                 )));
             }
-            (ctx.log)(format!(
-                "{} tensors, {} bytes reconstructed bit-exactly",
-                report.digests.len(),
-                report.bytes_checked
-            ));
-            Ok(json!({"ok": true, "dir": dir, "tensors": report.digests.len(), "bytes_checked": report.bytes_checked}))
+            (ctx.log)(format!("{} tensors, {} bytes reconstructed bit-exactly", report.tensors, report.bytes_checked));
+            Ok(json!({"ok": true, "dir": dir, "tensors": report.tensors, "bytes_checked": report.bytes_checked}))
         }
         Payload::Upload { checkpoint_task, source_task, to, .. } => {
             let dir = checkpoint_dir(ctx, checkpoint_task)?;

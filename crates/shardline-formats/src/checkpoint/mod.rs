@@ -289,3 +289,6 @@ fn open_dcp_safetensors(dir: &Path, files: &[String]) -> Result<Checkpoint, Chec
         bytes_items: Vec::new(),
     })
 }
+
+mod scan;
+pub use scan::{scan_checkpoint, FileSummary, ScanSummary, TensorSummary};
