@@ -517,3 +517,17 @@ fn check_storage_meta(v: Value) -> Result<(), DcpMetadataError> {
     }
     Ok(())
 }
+
+/// Reads `bytes` keeping every section whole until the end, as a reader that does not stream
+/// would: for tests comparing the two.
+#[cfg(test)]
+pub(super) fn read_metadata_whole(bytes: &[u8]) -> Result<Vec<MetadataItem>, DcpMetadataError> {
+    let refs = scan_memo_references(bytes)?;
+    let root = Reader::new(bytes, Limits::for_input(bytes.len()), &refs, &[]).run(|_, _, _| Ok::<(), PickleError>(()))?;
+    let mut items = Vec::new();
+    Decoder::default().finish(root, &mut |i| {
+        items.push(i);
+        Ok::<(), DcpMetadataError>(())
+    })?;
+    Ok(items)
+}

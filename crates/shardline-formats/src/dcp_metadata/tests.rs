@@ -585,3 +585,52 @@ fn interop_checkpoint_reads_back() {
     let si = back.storage("checkpoint_version", None).unwrap();
     assert_eq!(read_object_archive(&file, si.offset, si.length).unwrap(), pickle::Value::Float(3.0));
 }
+
+/// Counts the bytes a reader has taken, to see when items are handed over.
+struct Tracked<'a> {
+    data: &'a [u8],
+    pos: std::rc::Rc<std::cell::Cell<usize>>,
+}
+
+impl std::io::Read for Tracked<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = buf.len().min(4096).min(self.data.len() - self.pos.get());
+        buf[..n].copy_from_slice(&self.data[self.pos.get()..self.pos.get() + n]);
+        self.pos.set(self.pos.get() + n);
+        Ok(n)
+    }
+}
+
+#[test]
+fn streaming_and_whole_readers_agree_and_items_arrive_while_reading() {
+    let mut md = rich_metadata();
+    md.storage_data.retain(|(k, _)| k.offset.is_some());
+    for i in 0..20_000u64 {
+        let fqn = format!("layers.{i}.w");
+        let chunks = vec![ChunkMeta { offsets: vec![0, 0], sizes: vec![4, 4] }];
+        md.state_dict_metadata.push((fqn.clone(), EntryMeta::Tensor { dtype: DType::F32, size: vec![4, 4], chunks }));
+        md.storage_data.push((key(&fqn, Some(&[0, 0])), info("__0_0.distcp", i * 64, 64)));
+    }
+    let torch = std::fs::read(format!("{FIXTURES}/ckpt/.metadata")).unwrap();
+    let ours = encode_metadata(&md);
+    for bytes in [&ours, &torch] {
+        let mut streamed = Vec::new();
+        read_metadata(bytes.as_slice(), bytes.as_slice(), bytes.len() as u64, |i| {
+            streamed.push(i);
+            Ok::<(), DcpMetadataError>(())
+        })
+        .unwrap();
+        assert_eq!(streamed, decode::read_metadata_whole(bytes).unwrap());
+    }
+    // The first item is handed over long before the end of a large file.
+    let pos = std::rc::Rc::new(std::cell::Cell::new(0));
+    let mut first_at = None;
+    let reader = std::io::BufReader::with_capacity(4096, Tracked { data: &ours, pos: pos.clone() });
+    read_metadata(ours.as_slice(), reader, ours.len() as u64, |_| {
+        first_at.get_or_insert(pos.get());
+        Ok::<(), DcpMetadataError>(())
+    })
+    .unwrap();
+    let first_at = first_at.unwrap();
+    assert!(first_at * 4 < ours.len(), "first item after {first_at} of {} bytes", ours.len());
+}
