@@ -622,15 +622,21 @@ fn streaming_and_whole_readers_agree_and_items_arrive_while_reading() {
         .unwrap();
         assert_eq!(streamed, decode::read_metadata_whole(bytes).unwrap());
     }
-    // The first item is handed over long before the end of a large file.
+    // Items are handed over while reading, every section: the first entry long before the end,
+    // and the storage items (the last section) well before the end too.
     let pos = std::rc::Rc::new(std::cell::Cell::new(0));
-    let mut first_at = None;
+    let (mut first_at, mut storage_at) = (None, Vec::new());
     let reader = std::io::BufReader::with_capacity(4096, Tracked { data: &ours, pos: pos.clone() });
-    read_metadata(ours.as_slice(), reader, ours.len() as u64, |_| {
+    read_metadata(ours.as_slice(), reader, ours.len() as u64, |i| {
         first_at.get_or_insert(pos.get());
+        if matches!(i, MetadataItem::Storage(..)) {
+            storage_at.push(pos.get());
+        }
         Ok::<(), DcpMetadataError>(())
     })
     .unwrap();
     let first_at = first_at.unwrap();
     assert!(first_at * 4 < ours.len(), "first item after {first_at} of {} bytes", ours.len());
+    let middle = storage_at[storage_at.len() / 2];
+    assert!(middle + (ours.len() / 8) < ours.len(), "half the storage items after {middle} of {} bytes", ours.len());
 }

@@ -839,12 +839,16 @@ impl<'a, R: BufRead> Reader<'a, R> {
         let depth = items.iter().map(|s| s.depth + 1).max().unwrap_or(1);
         let pairs = self.pairs(items)?;
         self.push_built(Value::Dict(pairs), depth)?;
-        // The value of a streamed name in the root object's state: stack [obj, state, MARK, name].
+        // The value of a streamed name in the root object's state, whose items are being set:
+        // stack [obj, state, MARK, (key, value)*, name, this dict].
         let streamed = match self.stack.as_slice() {
-            [Slot { value: Value::Object { .. }, .. }, Slot { value: Value::Dict(_), .. }, Slot { value: Value::Str(name), .. }, _]
-                if self.marks == [2] =>
+            [Slot { value: Value::Object { .. }, .. }, Slot { value: Value::Dict(_), .. }, rest @ ..]
+                if self.marks == [2] && rest.len() % 2 == 0 =>
             {
-                self.streamed.iter().position(|s| s == name)
+                match rest.get(rest.len().wrapping_sub(2)) {
+                    Some(Slot { value: Value::Str(name), .. }) => self.streamed.iter().position(|s| s == name),
+                    _ => None,
+                }
             }
             _ => None,
         };
