@@ -131,29 +131,29 @@ impl Decoder {
     fn item(&mut self, section: usize, k: Value, v: Value) -> Result<MetadataItem, DcpMetadataError> {
         let name = SECTIONS.get(section).copied().unwrap_or("?");
         if section < self.section {
-            return Err(invalid("Metadata", format!("{name} comes after {}", SECTIONS[self.section])));
+            return Err(invalid(&At::root("Metadata"), format!("{name} comes after {}", SECTIONS[self.section])));
         }
         self.section = section;
         match section {
             0 => {
-                let fqn = into_str(k, &format!("{name} key"))?;
+                let fqn = into_str(k, &At::root(name).field("<key>"))?;
                 if !self.entry_keys.insert(fqn.clone()) {
                     return Err(DcpMetadataError::Duplicate {
                         what: "state_dict_metadata key",
                         key: format!("{fqn:?}"),
                     });
                 }
-                let entry = decode_entry(&v, &key_path(name, &fqn))?;
+                let entry = decode_entry(v, &At::root(name).key(&fqn))?;
                 Ok(MetadataItem::Entry(fqn, entry))
             }
             1 => {
-                let fqn = into_str(k, &format!("{name} key"))?;
-                let path = decode_path(&v, &key_path(name, &fqn))?;
+                let fqn = into_str(k, &At::root(name).field("<key>"))?;
+                let path = decode_path(&v, &At::root(name).key(&fqn))?;
                 Ok(MetadataItem::PlannerPath(fqn, path))
             }
             _ => {
-                let key = decode_storage_key(&k, "storage_data key")?;
-                let info = decode_storage_info(&v, &format!("storage_data[{:?}, {:?}]", key.fqn, key.offset))?;
+                let key = decode_storage_key(k, &At::root("storage_data key"))?;
+                let info = decode_storage_info(v, &key)?;
                 Ok(MetadataItem::Storage(key, info))
             }
         }
@@ -166,18 +166,19 @@ impl Decoder {
         root: Value,
         item: &mut impl FnMut(MetadataItem) -> Result<(), E>,
     ) -> Result<MetadataTail, E> {
-        let state = object_state(root, "Metadata", MD_MODULE, "Metadata")?;
-        let fields = state_fields(state, "Metadata", &FIELDS, &["state_dict_metadata"])?;
+        let md = At::root("Metadata");
+        let state = object_state(root, &md, MD_MODULE, "Metadata")?;
+        let fields = state_fields(state, &md, &FIELDS, &["state_dict_metadata"])?;
         let mut tail = MetadataTail::default();
         let mut last = 0;
         for (name, v) in fields {
             let i = FIELDS.iter().position(|f| *f == name).unwrap_or(0);
             if i < last {
-                return Err(invalid("Metadata", format!("field {name} out of order")).into());
+                return Err(invalid(&md, format!("field {name} out of order")).into());
             }
             last = i;
             match name.as_str() {
-                "version" => tail.version = optional(v).map(|v| into_str(v, "version")).transpose()?,
+                "version" => tail.version = optional(v).map(|v| into_str(v, &At::root("version"))).transpose()?,
                 "storage_meta" => {
                     if let Some(v) = optional(v) {
                         check_storage_meta(v)?;
@@ -197,7 +198,7 @@ impl Decoder {
                     };
                     tail.has_planner_data |= section == "planner_data";
                     let Value::Dict(pairs) = v else {
-                        return Err(unexpected(section, "a dict", &v).into());
+                        return Err(unexpected(&At::root(section), "a dict", &v).into());
                     };
                     for (k, v) in pairs {
                         item(self.item(i, k, v)?)?;
@@ -212,25 +213,72 @@ impl Decoder {
 // ------------------------------------------------------------------------------------------------
 // Shapes
 
-fn unexpected(path: &str, expected: &'static str, found: &Value) -> DcpMetadataError {
-    DcpMetadataError::Unexpected { path: path.to_owned(), expected, found: found.describe() }
+/// Where a value is, Python-style (`state_dict_metadata['w'].chunks[1].offsets`): a chain of
+/// borrowed segments, rendered only when an error names it (an item has a dozen fields, a
+/// checkpoint millions of items).
+#[derive(Clone, Copy)]
+struct At<'a> {
+    parent: Option<&'a At<'a>>,
+    seg: Seg<'a>,
 }
 
-fn invalid(path: &str, message: String) -> DcpMetadataError {
-    DcpMetadataError::Invalid { path: path.to_owned(), message }
+#[derive(Clone, Copy)]
+enum Seg<'a> {
+    Root(&'a str),
+    Field(&'a str),
+    Key(&'a str),
+    Index(usize),
+    Storage(&'a StorageKey),
 }
 
-/// A Python repr-ish rendering of a key for paths.
-fn key_path(parent: &str, key: &str) -> String {
-    format!("{parent}[{key:?}]")
+impl<'a> At<'a> {
+    fn root(name: &'a str) -> Self {
+        At { parent: None, seg: Seg::Root(name) }
+    }
+    fn field(&'a self, name: &'a str) -> At<'a> {
+        At { parent: Some(self), seg: Seg::Field(name) }
+    }
+    fn key(&'a self, key: &'a str) -> At<'a> {
+        At { parent: Some(self), seg: Seg::Key(key) }
+    }
+    fn index(&'a self, i: usize) -> At<'a> {
+        At { parent: Some(self), seg: Seg::Index(i) }
+    }
+    fn storage(&'a self, key: &'a StorageKey) -> At<'a> {
+        At { parent: Some(self), seg: Seg::Storage(key) }
+    }
 }
+
+impl std::fmt::Display for At<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some(p) = self.parent {
+            p.fmt(f)?;
+        }
+        match self.seg {
+            Seg::Root(s) => write!(f, "{s}"),
+            Seg::Field(s) => write!(f, ".{s}"),
+            Seg::Key(k) => write!(f, "[{k:?}]"),
+            Seg::Index(i) => write!(f, "[{i}]"),
+            Seg::Storage(k) => write!(f, "[{:?}, {:?}]", k.fqn, k.offset),
+        }
+    }
+}
+
+fn unexpected(path: &At<'_>, expected: &'static str, found: &Value) -> DcpMetadataError {
+    DcpMetadataError::Unexpected { path: path.to_string(), expected, found: found.describe() }
+}
+
+fn invalid(path: &At<'_>, message: String) -> DcpMetadataError {
+    DcpMetadataError::Invalid { path: path.to_string(), message }
+}
+
 
 /// `None` → `None`.
 fn optional(v: Value) -> Option<Value> {
     (!matches!(v, Value::None)).then_some(v)
 }
 
-fn into_str(v: Value, path: &str) -> Result<String, DcpMetadataError> {
+fn into_str(v: Value, path: &At<'_>) -> Result<String, DcpMetadataError> {
     match v {
         Value::Str(s) => Ok(s),
         other => Err(unexpected(path, "a str", &other)),
@@ -239,7 +287,7 @@ fn into_str(v: Value, path: &str) -> Result<String, DcpMetadataError> {
 
 /// The state of `module.class.__new__(module.class)` + `BUILD state`: what CPython's pickler
 /// writes for a dataclass, and nothing else (no arguments, no list or dict items).
-fn object_state(v: Value, path: &str, module: &str, class: &str) -> Result<Option<Value>, DcpMetadataError> {
+fn object_state(v: Value, path: &At<'_>, module: &str, class: &str) -> Result<Option<Value>, DcpMetadataError> {
     let expected = match class {
         "Metadata" => "Metadata",
         "TensorStorageMetadata" => "TensorStorageMetadata",
@@ -266,7 +314,7 @@ fn object_state(v: Value, path: &str, module: &str, class: &str) -> Result<Optio
 /// The fields of a dataclass state dict: str keys from `allowed`, each once, `required` present.
 fn state_fields(
     state: Option<Value>,
-    path: &str,
+    path: &At<'_>,
     allowed: &[&str],
     required: &[&'static str],
 ) -> Result<Vec<(String, Value)>, DcpMetadataError> {
@@ -277,7 +325,7 @@ fn state_fields(
     };
     let mut out: Vec<(String, Value)> = Vec::with_capacity(pairs.len());
     for (k, v) in pairs {
-        let name = into_str(k, &format!("{path} field name"))?;
+        let name = into_str(k, &path.field("<name>"))?;
         if !allowed.contains(&name.as_str()) {
             return Err(invalid(path, format!("unexpected field {name:?}")));
         }
@@ -288,7 +336,7 @@ fn state_fields(
     }
     for r in required {
         if !out.iter().any(|(n, _)| n == r) {
-            return Err(DcpMetadataError::Missing { path: path.to_owned(), field: r });
+            return Err(DcpMetadataError::Missing { path: path.to_string(), field: r });
         }
     }
     Ok(out)
@@ -299,11 +347,11 @@ fn take_field(fields: &mut Vec<(String, Value)>, name: &str) -> Option<Value> {
     Some(fields.swap_remove(i).1)
 }
 
-fn to_u64(v: &Value, path: &str) -> Result<u64, DcpMetadataError> {
+fn to_u64(v: &Value, path: &At<'_>) -> Result<u64, DcpMetadataError> {
     v.as_int().and_then(|i| u64::try_from(i).ok()).ok_or_else(|| unexpected(path, "a non-negative int", v))
 }
 
-fn to_bool(v: &Value, path: &str) -> Result<bool, DcpMetadataError> {
+fn to_bool(v: &Value, path: &At<'_>) -> Result<bool, DcpMetadataError> {
     match v {
         Value::Bool(b) => Ok(*b),
         other => Err(unexpected(path, "a bool", other)),
@@ -326,23 +374,23 @@ fn call_args<'v>(v: &'v Value, module: &str, name: &str) -> Option<&'v [Value]> 
 }
 
 /// A `torch.Size((dims...))`.
-fn to_size(v: &Value, path: &str) -> Result<Vec<u64>, DcpMetadataError> {
+fn to_size(v: &Value, path: &At<'_>) -> Result<Vec<u64>, DcpMetadataError> {
     let Some([Value::Tuple(dims)]) = call_args(v, "torch", "Size") else {
         return Err(unexpected(path, "torch.Size((dims...))", v));
     };
-    dims.iter().enumerate().map(|(i, d)| to_u64(d, &format!("{path}[{i}]"))).collect()
+    dims.iter().enumerate().map(|(i, d)| to_u64(d, &path.index(i))).collect()
 }
 
-fn to_dtype(v: &Value, path: &str) -> Result<DType, DcpMetadataError> {
+fn to_dtype(v: &Value, path: &At<'_>) -> Result<DType, DcpMetadataError> {
     match v.as_global() {
         Some(("torch", name)) => DType::from_torch_name(name)
-            .ok_or_else(|| DcpMetadataError::UnsupportedDtype { path: path.to_owned(), name: format!("torch.{name}") }),
+            .ok_or_else(|| DcpMetadataError::UnsupportedDtype { path: path.to_string(), name: format!("torch.{name}") }),
         _ => Err(unexpected(path, "a torch dtype", v)),
     }
 }
 
 /// `torch.strided`, as a global or as `torch.serialization._get_layout("torch.strided")`.
-fn check_layout(v: &Value, path: &str) -> Result<(), DcpMetadataError> {
+fn check_layout(v: &Value, path: &At<'_>) -> Result<(), DcpMetadataError> {
     let ok = v.is_global("torch", "strided")
         || matches!(call_args(v, "torch.serialization", "_get_layout"), Some([Value::Str(s)]) if s == "torch.strided");
     if ok {
@@ -353,7 +401,7 @@ fn check_layout(v: &Value, path: &str) -> Result<(), DcpMetadataError> {
 }
 
 /// `_MEM_FORMAT_ENCODING(n)` for one of its three members (contiguous, channels last, preserve).
-fn check_memory_format(v: &Value, path: &str) -> Result<(), DcpMetadataError> {
+fn check_memory_format(v: &Value, path: &At<'_>) -> Result<(), DcpMetadataError> {
     match call_args(v, MD_MODULE, "_MEM_FORMAT_ENCODING") {
         Some([Value::Int(0..=2)]) => Ok(()),
         _ => Err(unexpected(path, "_MEM_FORMAT_ENCODING(0, 1 or 2)", v)),
@@ -362,112 +410,114 @@ fn check_memory_format(v: &Value, path: &str) -> Result<(), DcpMetadataError> {
 
 /// `TensorProperties` state: `(dtype, layout, requires_grad, memory_format, pin_memory)`, plus
 /// the strides torch 2.15 appends.
-fn decode_tensor_properties(v: Value, path: &str) -> Result<DType, DcpMetadataError> {
+fn decode_tensor_properties(v: Value, path: &At<'_>) -> Result<DType, DcpMetadataError> {
     let state = object_state(v, path, MD_MODULE, "TensorProperties")?;
     let items = match state {
         Some(Value::Tuple(items)) if (5..=6).contains(&items.len()) => items,
         Some(other) => return Err(unexpected(path, "a 5- or 6-tuple state", &other)),
-        None => return Err(DcpMetadataError::Missing { path: path.to_owned(), field: "dtype" }),
+        None => return Err(DcpMetadataError::Missing { path: path.to_string(), field: "dtype" }),
     };
     let at = |i: usize| items.get(i).unwrap_or(&Value::None);
-    let dtype = to_dtype(at(0), &format!("{path}.dtype"))?;
-    check_layout(at(1), &format!("{path}.layout"))?;
-    to_bool(at(2), &format!("{path}.requires_grad"))?;
-    check_memory_format(at(3), &format!("{path}.memory_format"))?;
-    to_bool(at(4), &format!("{path}.pin_memory"))?;
+    let dtype = to_dtype(at(0), &path.field("dtype"))?;
+    check_layout(at(1), &path.field("layout"))?;
+    to_bool(at(2), &path.field("requires_grad"))?;
+    check_memory_format(at(3), &path.field("memory_format"))?;
+    to_bool(at(4), &path.field("pin_memory"))?;
     if let Some(strides) = items.get(5) {
-        let p = format!("{path}.strides");
+        let p = path.field("strides");
         let Value::Tuple(s) = strides else { return Err(unexpected(&p, "a tuple of ints", strides)) };
         for (i, x) in s.iter().enumerate() {
-            to_u64(x, &format!("{p}[{i}]"))?;
+            to_u64(x, &p.index(i))?;
         }
     }
     Ok(dtype)
 }
 
-fn decode_chunk(v: Value, path: &str) -> Result<ChunkMeta, DcpMetadataError> {
+fn decode_chunk(v: Value, path: &At<'_>) -> Result<ChunkMeta, DcpMetadataError> {
     let state = object_state(v, path, MD_MODULE, "ChunkStorageMetadata")?;
     let mut f = state_fields(state, path, &["offsets", "sizes"], &["offsets", "sizes"])?;
-    let offsets = to_size(&take_field(&mut f, "offsets").unwrap_or(Value::None), &format!("{path}.offsets"))?;
-    let sizes = to_size(&take_field(&mut f, "sizes").unwrap_or(Value::None), &format!("{path}.sizes"))?;
+    let offsets = to_size(&take_field(&mut f, "offsets").unwrap_or(Value::None), &path.field("offsets"))?;
+    let sizes = to_size(&take_field(&mut f, "sizes").unwrap_or(Value::None), &path.field("sizes"))?;
     if offsets.len() != sizes.len() {
         return Err(invalid(path, format!("offsets have {} dims but sizes {}", offsets.len(), sizes.len())));
     }
     Ok(ChunkMeta { offsets, sizes })
 }
 
-fn decode_entry(v: &Value, path: &str) -> Result<EntryMeta, DcpMetadataError> {
-    let class = match v {
-        Value::Object { class, .. } => class.as_global(),
+fn decode_entry(v: Value, path: &At<'_>) -> Result<EntryMeta, DcpMetadataError> {
+    let class = match &v {
+        Value::Object { class, .. } => class.as_global().map(|(m, c)| (m == MD_MODULE, c.to_owned())),
         _ => None,
     };
-    match class {
-        Some((m, "BytesStorageMetadata")) if m == MD_MODULE => {
-            let state = object_state(v.clone(), path, MD_MODULE, "BytesStorageMetadata")?;
+    match class.as_ref().map(|(m, c)| (*m, c.as_str())) {
+        Some((true, "BytesStorageMetadata")) => {
+            let state = object_state(v, path, MD_MODULE, "BytesStorageMetadata")?;
             match state {
                 None => Ok(EntryMeta::Bytes),
                 Some(Value::Dict(d)) if d.is_empty() => Ok(EntryMeta::Bytes),
                 Some(other) => Err(unexpected(path, "BytesStorageMetadata without state", &other)),
             }
         }
-        Some((m, "TensorStorageMetadata")) if m == MD_MODULE => {
-            let state = object_state(v.clone(), path, MD_MODULE, "TensorStorageMetadata")?;
+        Some((true, "TensorStorageMetadata")) => {
+            let state = object_state(v, path, MD_MODULE, "TensorStorageMetadata")?;
             let all = ["properties", "size", "chunks"];
             let mut f = state_fields(state, path, &all, &all)?;
             let dtype = decode_tensor_properties(
                 take_field(&mut f, "properties").unwrap_or(Value::None),
-                &format!("{path}.properties"),
+                &path.field("properties"),
             )?;
-            let size = to_size(&take_field(&mut f, "size").unwrap_or(Value::None), &format!("{path}.size"))?;
-            let chunks_path = format!("{path}.chunks");
+            let size = to_size(&take_field(&mut f, "size").unwrap_or(Value::None), &path.field("size"))?;
+            let chunks_path = path.field("chunks");
             let Some(Value::List(items)) = take_field(&mut f, "chunks") else {
                 return Err(invalid(&chunks_path, "expected a list".into()));
             };
             let chunks = items
                 .into_iter()
                 .enumerate()
-                .map(|(i, c)| decode_chunk(c, &format!("{chunks_path}[{i}]")))
+                .map(|(i, c)| decode_chunk(c, &chunks_path.index(i)))
                 .collect::<Result<Vec<_>, _>>()?;
             if let Some(c) = chunks.iter().position(|c| c.offsets.len() != size.len()) {
                 return Err(invalid(
-                    &format!("{chunks_path}[{c}]"),
+                    &chunks_path.index(c),
                     format!("has {} dims but the tensor has {}", chunks[c].offsets.len(), size.len()),
                 ));
             }
             Ok(EntryMeta::Tensor { dtype, size, chunks })
         }
-        _ => Err(unexpected(path, "TensorStorageMetadata or BytesStorageMetadata", v)),
+        _ => Err(unexpected(path, "TensorStorageMetadata or BytesStorageMetadata", &v)),
     }
 }
 
-fn decode_storage_key(v: &Value, path: &str) -> Result<StorageKey, DcpMetadataError> {
-    let state = object_state(v.clone(), path, MD_MODULE, "MetadataIndex")?;
+fn decode_storage_key(v: Value, path: &At<'_>) -> Result<StorageKey, DcpMetadataError> {
+    let state = object_state(v, path, MD_MODULE, "MetadataIndex")?;
     let mut f = state_fields(state, path, &["fqn", "offset", "index"], &["fqn"])?;
-    let fqn = into_str(take_field(&mut f, "fqn").unwrap_or(Value::None), &format!("{path}.fqn"))?;
+    let fqn = into_str(take_field(&mut f, "fqn").unwrap_or(Value::None), &path.field("fqn"))?;
     let offset =
-        take_field(&mut f, "offset").and_then(optional).map(|o| to_size(&o, &format!("{path}.offset"))).transpose()?;
+        take_field(&mut f, "offset").and_then(optional).map(|o| to_size(&o, &path.field("offset"))).transpose()?;
     if let Some(index) = take_field(&mut f, "index").and_then(optional) {
-        to_u64(&index, &format!("{path}.index"))?;
+        to_u64(&index, &path.field("index"))?;
     }
     Ok(StorageKey { fqn, offset })
 }
 
-fn decode_storage_info(v: &Value, path: &str) -> Result<StorageInfo, DcpMetadataError> {
-    let state = object_state(v.clone(), path, FS_MODULE, "_StorageInfo")?;
+fn decode_storage_info(v: Value, key: &StorageKey) -> Result<StorageInfo, DcpMetadataError> {
+    let root = At::root("storage_data");
+    let path = &root.storage(key);
+    let state = object_state(v, path, FS_MODULE, "_StorageInfo")?;
     let all = ["relative_path", "offset", "length", "transform_descriptors"];
     let mut f = state_fields(state, path, &all, &all[..3])?;
     let relative_path =
-        into_str(take_field(&mut f, "relative_path").unwrap_or(Value::None), &format!("{path}.relative_path"))?;
-    let offset = to_u64(&take_field(&mut f, "offset").unwrap_or(Value::None), &format!("{path}.offset"))?;
-    let length = to_u64(&take_field(&mut f, "length").unwrap_or(Value::None), &format!("{path}.length"))?;
-    let td_path = format!("{path}.transform_descriptors");
+        into_str(take_field(&mut f, "relative_path").unwrap_or(Value::None), &path.field("relative_path"))?;
+    let offset = to_u64(&take_field(&mut f, "offset").unwrap_or(Value::None), &path.field("offset"))?;
+    let length = to_u64(&take_field(&mut f, "length").unwrap_or(Value::None), &path.field("length"))?;
+    let td_path = path.field("transform_descriptors");
     let transform_descriptors = match take_field(&mut f, "transform_descriptors").and_then(optional) {
         None => None,
         Some(Value::List(items)) => Some(
             items
                 .into_iter()
                 .enumerate()
-                .map(|(i, s)| into_str(s, &format!("{td_path}[{i}]")))
+                .map(|(i, s)| into_str(s, &td_path.index(i)))
                 .collect::<Result<Vec<_>, _>>()?,
         ),
         Some(other) => return Err(unexpected(&td_path, "a list of str", &other)),
@@ -475,7 +525,7 @@ fn decode_storage_info(v: &Value, path: &str) -> Result<StorageInfo, DcpMetadata
     Ok(StorageInfo { relative_path, offset, length, transform_descriptors })
 }
 
-fn decode_path(v: &Value, path: &str) -> Result<Vec<PathElem>, DcpMetadataError> {
+fn decode_path(v: &Value, path: &At<'_>) -> Result<Vec<PathElem>, DcpMetadataError> {
     let Value::Tuple(items) = v else {
         return Err(unexpected(path, "a tuple of str and int", v));
     };
@@ -486,19 +536,19 @@ fn decode_path(v: &Value, path: &str) -> Result<Vec<PathElem>, DcpMetadataError>
             Value::Str(s) => Ok(PathElem::Key(s.clone())),
             Value::Int(n) => u64::try_from(*n)
                 .map(PathElem::Index)
-                .map_err(|_| unexpected(&format!("{path}[{i}]"), "a str or non-negative int", p)),
-            other => Err(unexpected(&format!("{path}[{i}]"), "a str or int", other)),
+                .map_err(|_| unexpected(&path.index(i), "a str or non-negative int", p)),
+            other => Err(unexpected(&path.index(i), "a str or int", other)),
         })
         .collect()
 }
 
 /// `StorageMeta(checkpoint_id, save_id, load_id, modules)`: str or path, str, str, list of str.
 fn check_storage_meta(v: Value) -> Result<(), DcpMetadataError> {
-    let path = "storage_meta";
+    let path = &At::root("storage_meta");
     let state = object_state(v, path, MD_MODULE, "StorageMeta")?;
     let fields = state_fields(state, path, &["checkpoint_id", "save_id", "load_id", "modules"], &[])?;
     for (name, v) in fields {
-        let p = format!("{path}.{name}");
+        let p = path.field(&name);
         let ok = match (name.as_str(), &v) {
             (_, Value::None) => true,
             ("save_id" | "load_id", Value::Str(_)) => true,

@@ -1,6 +1,7 @@
 //! Reading `torch.save` archives strictly, the way torch's `PytorchStreamReader` (miniz) and
 //! its unpickler walk them.
 
+use std::borrow::Cow;
 use std::io;
 
 use shardline_layout::DType;
@@ -14,6 +15,12 @@ use crate::pickle::{self, Value};
 pub trait ReadAt {
     /// Fills `buf` from absolute position `offset`, or fails (short data is an error).
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+
+    /// The bytes `[offset, offset + len)` borrowed, for sources held in memory (an archive read
+    /// whole is parsed without copying each header).
+    fn slice_at(&self, _offset: u64, _len: usize) -> Option<&[u8]> {
+        None
+    }
 }
 
 impl ReadAt for std::fs::File {
@@ -31,11 +38,20 @@ impl ReadAt for [u8] {
         buf.copy_from_slice(src);
         Ok(())
     }
+
+    fn slice_at(&self, offset: u64, len: usize) -> Option<&[u8]> {
+        let start = usize::try_from(offset).ok()?;
+        self.get(start..start.checked_add(len)?)
+    }
 }
 
 impl ReadAt for Vec<u8> {
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         self.as_slice().read_exact_at(buf, offset)
+    }
+
+    fn slice_at(&self, offset: u64, len: usize) -> Option<&[u8]> {
+        self.as_slice().slice_at(offset, len)
     }
 }
 
@@ -109,7 +125,7 @@ pub(super) fn le64(b: &[u8], at: usize) -> u64 {
 }
 
 impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
-    pub(super) fn read(&self, what: &'static str, offset: u64, len: u64) -> Result<Vec<u8>, TorchSaveError> {
+    pub(super) fn read(&self, what: &'static str, offset: u64, len: u64) -> Result<Cow<'a, [u8]>, TorchSaveError> {
         offset.checked_add(len).filter(|&e| e <= self.len).ok_or_else(|| {
             TorchSaveError::Corrupt(format!(
                 "{what} at offset {offset} ({len} bytes) runs past the end of the {}-byte item",
@@ -118,13 +134,16 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
         })?;
         let n =
             usize::try_from(len).map_err(|_| TorchSaveError::Corrupt(format!("{what} of {len} bytes is too large")))?;
-        let mut buf = vec![0u8; n];
         let abs = self
             .base
             .checked_add(offset)
             .ok_or_else(|| TorchSaveError::Corrupt(format!("{what} offset {offset} overflows")))?;
+        if let Some(b) = self.src.slice_at(abs, n) {
+            return Ok(Cow::Borrowed(b));
+        }
+        let mut buf = vec![0u8; n];
         self.src.read_exact_at(&mut buf, abs).map_err(|source| TorchSaveError::Io { what, offset, source })?;
-        Ok(buf)
+        Ok(Cow::Owned(buf))
     }
 
     pub(super) fn open(src: &'a R, base: u64, len: u64) -> Result<Self, TorchSaveError> {
@@ -375,7 +394,7 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
     }
 
     /// A whole small entry, crc-checked (a stored crc of 0 means none was computed).
-    pub(super) fn read_small(&self, entry: &ArchiveEntry, max: u64) -> Result<Vec<u8>, TorchSaveError> {
+    pub(super) fn read_small(&self, entry: &ArchiveEntry, max: u64) -> Result<Cow<'a, [u8]>, TorchSaveError> {
         if entry.size > max {
             return Err(TorchSaveError::EntryTooLarge { name: entry.name.clone(), size: entry.size, max });
         }
@@ -387,16 +406,6 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
             return Err(TorchSaveError::Crc { name: entry.name.clone(), expected: entry.crc32, actual });
         }
         Ok(body)
-    }
-
-    fn check_byteorder(&self) -> Result<(), TorchSaveError> {
-        if let Some(e) = self.entry("byteorder") {
-            let body = self.read_small(e, 16)?;
-            if body != b"little" {
-                return Err(TorchSaveError::ByteOrder(String::from_utf8_lossy(&body).into_owned()));
-            }
-        }
-        Ok(())
     }
 
     fn pickle(&self) -> Result<Value, TorchSaveError> {
@@ -419,7 +428,6 @@ pub fn list_archive<R: ReadAt + ?Sized>(
 /// (a DCP bytes item).
 pub fn read_object_archive<R: ReadAt + ?Sized>(src: &R, offset: u64, length: u64) -> Result<Value, TorchSaveError> {
     let ar = Archive::open(src, offset, length)?;
-    ar.check_byteorder()?;
     ar.pickle()
 }
 
@@ -580,7 +588,6 @@ pub fn read_tensor_archive<R: ReadAt + ?Sized>(
     length: u64,
 ) -> Result<ArchivedTensor, TorchSaveError> {
     let ar = Archive::open(src, offset, length)?;
-    ar.check_byteorder()?;
     let spec = tensor_spec(&ar.pickle()?)?;
     if !is_contiguous(&spec.shape, &spec.strides) {
         return Err(TorchSaveError::NonContiguous { shape: spec.shape, strides: spec.strides });

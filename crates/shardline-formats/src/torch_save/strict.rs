@@ -169,7 +169,7 @@ fn check_records<R: ReadAt + ?Sized>(ar: &Archive<'_, R>) -> Result<(), TorchSav
     }
     if let Some(e) = ar.entry("byteorder") {
         let body = ar.read_small(e, 16)?;
-        if body != b"little" {
+        if *body != *b"little" {
             return Err(TorchSaveError::ByteOrder(String::from_utf8_lossy(&body).into_owned()));
         }
     }

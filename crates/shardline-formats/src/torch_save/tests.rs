@@ -20,7 +20,7 @@ fn bf16_bytes(values: &[f32]) -> Vec<u8> {
 fn data_pkl(bytes: &[u8], offset: u64, length: u64) -> Vec<u8> {
     let ar = Archive::open(bytes, offset, length).unwrap();
     let e = ar.require("data.pkl").unwrap().clone();
-    ar.read_small(&e, MAX_PICKLE_LEN).unwrap()
+    ar.read_small(&e, MAX_PICKLE_LEN).unwrap().into_owned()
 }
 
 #[test]

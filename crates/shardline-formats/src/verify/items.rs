@@ -42,7 +42,7 @@ pub(super) struct Worker<'a> {
     dir: &'a Path,
     sources: &'a SourceMap,
     progress: &'a Progress,
-    files: HashMap<Arc<str>, File>,
+    files: HashMap<Arc<str>, Arc<File>>,
     item: Vec<u8>,
     expected: Vec<u8>,
     actual: Vec<u8>,
@@ -77,13 +77,14 @@ impl<'a> Worker<'a> {
         }
     }
 
-    fn file(&mut self, name: &Arc<str>) -> Result<&File, String> {
-        if !self.files.contains_key(name) {
-            let p = self.dir.join(&**name);
-            let f = File::open(&p).map_err(|e| format!("cannot open {}: {e}", p.display()))?;
-            self.files.insert(name.clone(), f);
+    fn file(&mut self, name: &Arc<str>) -> Result<Arc<File>, String> {
+        if let Some(f) = self.files.get(name) {
+            return Ok(f.clone());
         }
-        self.files.get(name).ok_or_else(|| "file vanished".to_string())
+        let p = self.dir.join(&**name);
+        let f = Arc::new(File::open(&p).map_err(|e| format!("cannot open {}: {e}", p.display()))?);
+        self.files.insert(name.clone(), f.clone());
+        Ok(f)
     }
 
     /// Checks `job`; problems become findings, only failures of the release stop validation.
@@ -102,13 +103,13 @@ impl<'a> Worker<'a> {
 
     fn check_item(&mut self, job: &Job) -> Result<(), String> {
         let key = &job.key;
-        let file = self.file(&job.file)?.try_clone().map_err(|e| e.to_string())?;
+        let file = self.file(&job.file)?;
         let Some(offsets) = &job.offsets else {
             if key.want.is_some() || !key.shape.is_empty() || key.dtype != shardline_layout::DType::U8 {
                 return Err("a tensor key stored without chunk offsets".into());
             }
             let Location::Archive { offset, length } = job.location else { return Err("not an archive".into()) };
-            read_object_archive(&file, offset, length).map_err(|e| e.to_string())?;
+            read_object_archive(&*file, offset, length).map_err(|e| e.to_string())?;
             self.found.entry(key.index).or_default().add(&[], &[]);
             return Ok(());
         };

@@ -67,6 +67,9 @@ pub enum VerifyError {
     Checkpoint(#[from] CheckpointError),
 }
 
+/// Items per message to the checking threads.
+const JOB_BATCH: usize = 256;
+
 /// Findings kept from the metadata pass.
 const MAX_FINDINGS: usize = 1000;
 
@@ -83,7 +86,7 @@ pub fn verify_checkpoint(
 ) -> Result<VerifyReport, VerifyError> {
     let sources = SourceMap::new(reference, release)?;
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, 8);
-    let (tx, rx) = sync_channel::<Job>(4 * threads);
+    let (tx, rx) = sync_channel::<Vec<Job>>(4 * threads);
     let rx = Mutex::new(rx);
     let mut keys = Keys::new(reference);
     let mut findings = Vec::new();
@@ -99,7 +102,11 @@ pub fn verify_checkpoint(
                             Err(_) => break,
                         };
                         match job {
-                            Ok(job) => w.check(job)?,
+                            Ok(jobs) => {
+                                for job in jobs {
+                                    w.check(job)?;
+                                }
+                            }
                             Err(_) => break,
                         }
                     }
@@ -107,7 +114,16 @@ pub fn verify_checkpoint(
                 })
             })
             .collect();
-        let fed = feed(dir, &mut keys, &mut findings, |job| tx.send(job).is_ok());
+        // Jobs go in batches: one channel message per item would cost more than checking it.
+        let mut batch = Vec::with_capacity(JOB_BATCH);
+        let fed = feed(dir, &mut keys, &mut findings, |job| {
+            batch.push(job);
+            batch.len() < JOB_BATCH || tx.send(std::mem::replace(&mut batch, Vec::with_capacity(JOB_BATCH))).is_ok()
+        });
+        if !batch.is_empty() {
+            // Workers that stopped early report why when joined.
+            let _ = tx.send(batch);
+        }
         drop(tx);
         let workers: Vec<_> = pool.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(worker_panicked()))).collect();
         (workers, fed)
