@@ -14,6 +14,8 @@ mod opcodes;
 mod read;
 mod write;
 
+use std::sync::Arc;
+
 use thiserror::Error;
 
 pub use read::{loads, loads_with_limits, scan_memo_references, MemoReferences, Reader};
@@ -40,9 +42,10 @@ pub enum Value {
     Set(Vec<Value>),
     FrozenSet(Vec<Value>),
     /// A reference to `module.name` (`GLOBAL` or `STACK_GLOBAL`).
+    /// Shared: a pickle names the same few classes over and over.
     Global {
-        module: String,
-        name: String,
+        module: Arc<str>,
+        name: Arc<str>,
     },
     /// `callable(*args)` (`REDUCE`), with what later opcodes applied to the result: `BUILD`
     /// (state), `APPEND(S)` (list items) and `SETITEM(S)` (dict items) — the last three parts

@@ -11,7 +11,9 @@
 //! are kept, so a pickle that memoizes every object (protocol 4 does) costs no more than one that
 //! memoizes none.
 
+use std::collections::HashSet;
 use std::io::BufRead;
+use std::sync::Arc;
 
 use super::opcodes::{self as op, opcode_name};
 use super::{Limits, PickleError, Value, HIGHEST_PROTOCOL};
@@ -345,6 +347,7 @@ pub struct Reader<'a, R> {
     op_start: u64,
     opcode: &'static str,
     buf: Vec<u8>,
+    names: HashSet<Arc<str>>,
 }
 
 /// Reads one pickle held in memory with [`Limits::for_input`].
@@ -374,6 +377,7 @@ impl<'a, R: BufRead> Reader<'a, R> {
             op_start: 0,
             opcode: "PROTO",
             buf: Vec::new(),
+            names: HashSet::new(),
         }
     }
 
@@ -597,8 +601,8 @@ impl<'a, R: BufRead> Reader<'a, R> {
             }
 
             op::GLOBAL => {
-                let module = self.take_line()?;
-                let name = self.take_line()?;
+                let module = self.take_name()?;
+                let name = self.take_name()?;
                 self.push_global(module, name)?
             }
             op::STACK_GLOBAL => {
@@ -607,6 +611,7 @@ impl<'a, R: BufRead> Reader<'a, R> {
                 let (Value::Str(module), Value::Str(name)) = (module, name) else {
                     return Err(self.invalid("module and name must be str"));
                 };
+                let (module, name) = (self.intern(&module), self.intern(&name));
                 self.push_global(module, name)?
             }
             op::REDUCE => {
@@ -711,6 +716,19 @@ impl<'a, R: BufRead> Reader<'a, R> {
             return Err(self.truncated(1));
         }
         String::from_utf8(self.buf.clone()).map_err(|_| self.invalid("line is not UTF-8"))
+    }
+
+    /// A `\n`-terminated UTF-8 line, interned (`GLOBAL`'s module and name).
+    fn take_name(&mut self) -> Result<Arc<str>, PickleError> {
+        let mut buf = std::mem::take(&mut self.buf);
+        let ok = self.input.line_into(&mut buf);
+        let name = match ok {
+            Ok(true) => std::str::from_utf8(&buf).map(|s| self.intern(s)).map_err(|_| self.invalid("line is not UTF-8")),
+            Ok(false) => Err(self.truncated(1)),
+            Err(e) => Err(e),
+        };
+        self.buf = buf;
+        name
     }
 
     /// The two's-complement little-endian integer in `self.buf`.
@@ -875,7 +893,20 @@ impl<'a, R: BufRead> Reader<'a, R> {
         self.push(Slot::new(Value::Bytes(b), 0))
     }
 
-    fn push_global(&mut self, module: String, name: String) -> Result<(), PickleError> {
+    /// The one shared copy of a global's module or name.
+    fn intern(&mut self, s: &str) -> Arc<str> {
+        if let Some(a) = self.names.get(s) {
+            return a.clone();
+        }
+        let a: Arc<str> = Arc::from(s);
+        // A pickle names few globals; a hostile one naming many only loses the sharing.
+        if self.names.len() < 4096 {
+            self.names.insert(a.clone());
+        }
+        a
+    }
+
+    fn push_global(&mut self, module: Arc<str>, name: Arc<str>) -> Result<(), PickleError> {
         self.charge(1, module.len() + name.len())?;
         self.push(Slot::new(Value::Global { module, name }, 0))
     }
