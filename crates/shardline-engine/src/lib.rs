@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use serde_json::json;
 use shardline_spec::{lint, render_all, LintContext, Pipeline, ResolvedPipeline};
-use shardline_store::{NewRun, RunId, Store, StoreError};
+use shardline_store::{NewRun, RunId, RunOptions, Store, StoreError};
 use thiserror::Error;
 use tokio::sync::watch;
 
@@ -85,13 +85,11 @@ pub async fn submit(store: &Store, s: Submission<'_>) -> Result<Submitted, Submi
     let run_dir = absolute(s.work_dir).join("runs").join(&name);
     let tasks = graph::tasks_for(&resolved, &run_dir, &absolute(s.base_dir)).map_err(SubmitError::Invalid)?;
     let pipeline_id = store.upsert_pipeline(&pipeline.name, s.text, &resolved.spec_hash).await?;
-    let mut params = serde_json::to_value(&resolved.params).unwrap_or(json!({}));
-    if let Some(o) = params.as_object_mut() {
-        o.insert("__run_name".into(), json!(name));
-        o.insert("__no_cache".into(), json!(s.no_cache));
-    }
+    let params = serde_json::to_value(&resolved.params).unwrap_or(json!({}));
     let spec = serde_json::to_value(&resolved).unwrap_or(json!({}));
-    let (run, created) = store.create_run(NewRun { pipeline_id, dedupe_key: s.dedupe_key, params, spec }).await?;
+    let options = RunOptions { name: Some(name.clone()), no_cache: s.no_cache };
+    let (run, created) =
+        store.create_run(NewRun { pipeline_id, dedupe_key: s.dedupe_key, params, spec, options }).await?;
     if created {
         store.add_tasks(run, tasks).await?;
     }

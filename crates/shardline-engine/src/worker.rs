@@ -416,7 +416,7 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
 
 async fn run_uses_cache(store: &Store, run: shardline_store::RunId) -> bool {
     match store.get_run(run).await {
-        Ok(Some(r)) => !r.params.get("__no_cache").and_then(Value::as_bool).unwrap_or(false),
+        Ok(Some(r)) => !r.options.no_cache,
         _ => true,
     }
 }

@@ -89,7 +89,7 @@ fn fixture_bytes() -> u64 {
 }
 
 fn run_name(r: &shardline_store::RunRow) -> String {
-    r.params["__run_name"].as_str().expect("run name").to_string()
+    r.options.name.clone().expect("run name")
 }
 
 shardline_testdb::on_both_backends!(

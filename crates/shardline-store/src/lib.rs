@@ -51,11 +51,12 @@ dedicated connection with a jittered poll as fallback. On SQLite writers are ser
 # Schema
 
 `migrations/postgres` (everything in schema `shardline`) and `migrations/sqlite`, applied by
-[`Store::connect`]: `pipelines` (one row per spec version), `runs`, `tasks`, `task_deps`
-(edges), `attempts` (one row per lease), `workers`, `events`, `logs` (kept for ever, no
-reference to workers), `cache`, `triggers` and `trigger_firings` (see [`Store::list_triggers`] and
-[`Store::claim_firing`]). On PostgreSQL, `claim_task` and `complete_succeeded` are
-plpgsql functions, so a claim and a success are one round trip each.
+[`Store::connect`]: `pipelines` (one row per spec version), `runs` (their [`RunOptions`] in
+columns of their own, never in `params`), `tasks`, `task_deps` (edges), `attempts` (one row
+per lease), `workers`, `events`, `logs` (kept for ever, no reference to workers), `cache`,
+`triggers` and `trigger_firings` (see [`Store::list_triggers`] and [`Store::claim_firing`]). On
+PostgreSQL, `claim_task` and `complete_succeeded` are plpgsql functions, so a claim and a
+success are one round trip each.
 
 # Example
 
@@ -67,7 +68,13 @@ use shardline_store::*;
 let store = Store::connect("sqlite::memory:").await?;
 let pipeline = store.upsert_pipeline("convert", "steps: …", "sha256:…").await?;
 let (run, _created) = store
-    .create_run(NewRun { pipeline_id: pipeline, dedupe_key: None, params: serde_json::json!({}), spec: serde_json::json!({}) })
+    .create_run(NewRun {
+        pipeline_id: pipeline,
+        dedupe_key: None,
+        params: serde_json::json!({}),
+        spec: serde_json::json!({}),
+        options: RunOptions::default(),
+    })
     .await?;
 store
     .add_tasks(run, vec![NewTask { name: "download".into(), step_id: "download".into(), kind: "hf.download".into(), ..NewTask::default() }])

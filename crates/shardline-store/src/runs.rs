@@ -61,11 +61,19 @@ impl Store {
             let inserted: Option<(i64,)> = c
                 .opt(
                     sql!(
-                        "INSERT INTO runs (pipeline_id, params, spec, dedupe_key) VALUES ($1, $2, $3, $4) \
+                        "INSERT INTO runs (pipeline_id, params, spec, dedupe_key, name, no_cache) \
+                         VALUES ($1, $2, $3, $4, $5, $6) \
                          ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL \
                          AND state IN ('queued', 'running', 'succeeded') DO NOTHING RETURNING id"
                     ),
-                    args![new.pipeline_id, &new.params, &new.spec, new.dedupe_key.clone()],
+                    args![
+                        new.pipeline_id,
+                        &new.params,
+                        &new.spec,
+                        new.dedupe_key.clone(),
+                        new.options.name.clone(),
+                        new.options.no_cache
+                    ],
                 )
                 .await
                 .map_err(|e| fk_or(e, StoreError::PipelineNotFound(new.pipeline_id)))?;

@@ -44,7 +44,7 @@ async fn seed(store: &Store) -> (RunId, WorkerId) {
         {"id": "shard", "kind": "megatron.shard", "needs": ["download"], "config": {"kind": "megatron.shard", "tp": 2}},
         {"id": "gpu", "kind": "checkpoint.validate", "needs": [], "config": {"kind": "checkpoint.validate"}}]});
     let (run, _) = store
-        .create_run(NewRun { pipeline_id: p, dedupe_key: None, params: json!({}), spec })
+        .create_run(NewRun { pipeline_id: p, dedupe_key: None, params: json!({}), spec, options: Default::default() })
         .await
         .expect("create_run");
     let rank = |r: u64| json!({"role": "rank", "plan_task": "shard", "rank": r});
@@ -414,7 +414,7 @@ async fn errors_are_redacted() {
     let p = app.store.upsert_pipeline("leaky", "steps: []", "sha256:1").await.expect("pipeline");
     let (run, _) = app
         .store
-        .create_run(NewRun { pipeline_id: p, dedupe_key: None, params: json!({}), spec: json!({}) })
+        .create_run(NewRun { pipeline_id: p, dedupe_key: None, params: json!({}), spec: json!({}), options: Default::default() })
         .await
         .expect("create_run");
     let mut t = task("fetch", "fetch", &[], json!({}), 0);
