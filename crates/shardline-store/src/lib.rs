@@ -118,7 +118,7 @@ use tokio::task::JoinHandle;
 pub use error::StoreError;
 pub use lease::{MAX_BACKOFF, REAP_BATCH};
 pub use read::{MAX_LOG_LINE, MAX_PAGE};
-pub use triggers::{FiringClaim, FiringRecord, NewTrigger, TriggerCheck, TriggerRecord};
+pub use triggers::{FiringClaim, FiringRecord, NewTrigger, TriggerCheck, TriggerRecord, TriggerState};
 pub use types::*;
 
 use db::Pool;
