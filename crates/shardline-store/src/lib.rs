@@ -54,9 +54,10 @@ dedicated connection with a jittered poll as fallback. On SQLite writers are ser
 [`Store::connect`]: `pipelines` (one row per spec version), `runs` (their [`RunOptions`] in
 columns of their own, never in `params`), `tasks`, `task_deps` (edges), `attempts` (one row
 per lease), `workers`, `events`, `logs` (kept for ever, no reference to workers), `cache`,
-`triggers` and `trigger_firings` (see [`Store::list_triggers`] and [`Store::claim_firing`]). On
-PostgreSQL, `claim_task` and `complete_succeeded` are plpgsql functions, so a claim and a
-success are one round trip each.
+`triggers` and `trigger_firings` (see [`Store::list_triggers`] and [`Store::claim_firing`]),
+and `api_tokens` (hashes of the HTTP API's tokens, see [`Store::insert_token`]). Every SQL
+statement on these tables is in this crate. On PostgreSQL, `claim_task` and
+`complete_succeeded` are plpgsql functions, so a claim and a success are one round trip each.
 
 # Example
 
@@ -95,10 +96,11 @@ if let Some(lease) = store.claim(worker, &free, Duration::from_secs(60)).await? 
 mod db;
 mod error;
 mod lease;
+mod listings;
 mod read;
 mod records;
 mod runs;
-pub mod tokens;
+mod tokens;
 mod triggers;
 mod types;
 
@@ -117,7 +119,9 @@ use tokio::task::JoinHandle;
 
 pub use error::StoreError;
 pub use lease::{MAX_BACKOFF, REAP_BATCH};
+pub use listings::{LeasedTask, PipelineSummary, PipelineVersion};
 pub use read::{MAX_LOG_LINE, MAX_PAGE};
+pub use tokens::TokenRow;
 pub use triggers::{FiringClaim, FiringRecord, NewTrigger, TriggerCheck, TriggerRecord, TriggerState};
 pub use types::*;
 
