@@ -9,8 +9,9 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
-use shardline_engine::graph::{kinds, Payload};
-use shardline_engine::{reaper, run_worker, steps, submit, Submission, WorkerConfig};
+use shardline_control::graph::{kinds, Payload};
+use shardline_control::{submit, Submission};
+use shardline_engine::{reaper, run_worker, steps, WorkerConfig};
 use shardline_spec::{lint, parse_size, render_all, Severity};
 use shardline_store::{LogFilter, Page, RunFilter, RunId, RunState, Store, TaskState, WorkerInfo};
 use tokio::sync::watch;
@@ -75,7 +76,7 @@ pub fn run_lint(args: LintArgs) -> Result<ExitCode> {
     let mut failed = false;
     for f in &args.files {
         let text = read_spec(f)?;
-        let (_, diags) = lint(&f.display().to_string(), &text, &shardline_engine::lint_context(&base));
+        let (_, diags) = lint(&f.display().to_string(), &text, &shardline_control::lint_context(&base));
         if diags.is_empty() {
             println!("{}: ok", f.display());
         } else {
@@ -178,7 +179,7 @@ pub fn run_run(args: RunArgs) -> Result<ExitCode> {
         .await
         {
             Ok(s) => s,
-            Err(shardline_engine::SubmitError::Invalid(msg)) => {
+            Err(shardline_control::SubmitError::Invalid(msg)) => {
                 eprint!("{msg}");
                 return Ok(ExitCode::from(2));
             }
@@ -271,7 +272,7 @@ pub struct PlanArgs {
 pub fn run_plan(args: PlanArgs) -> Result<ExitCode> {
     let text = read_spec(&args.file)?;
     let base = std::env::current_dir()?;
-    let pipeline = match shardline_engine::parse_pipeline(&args.file.display().to_string(), &text, &base) {
+    let pipeline = match shardline_control::parse_pipeline(&args.file.display().to_string(), &text, &base) {
         Ok(p) => p,
         Err(e) => {
             eprint!("{e}");
@@ -281,7 +282,7 @@ pub fn run_plan(args: PlanArgs) -> Result<ExitCode> {
     let resolved =
         pipeline.instantiate(&args.set, "plan-preview").map_err(|d| anyhow::anyhow!(render_all(&d, &text)))?;
     let work = args.state.work_dir();
-    let tasks = shardline_engine::graph::tasks_for(&resolved, &work.join("runs").join("plan-preview"), &base)
+    let tasks = shardline_control::graph::tasks_for(&resolved, &work.join("runs").join("plan-preview"), &base)
         .map_err(|e| anyhow::anyhow!(e))?;
     // One runtime for every store call: a pool must not outlive the runtime it was made on.
     let rt = runtime()?;
@@ -388,7 +389,7 @@ pub fn run_submit(args: SubmitArgs) -> Result<ExitCode> {
                 }
                 Ok(ExitCode::SUCCESS)
             }
-            Err(shardline_engine::SubmitError::Invalid(msg)) => {
+            Err(shardline_control::SubmitError::Invalid(msg)) => {
                 eprint!("{msg}");
                 Ok(ExitCode::from(2))
             }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
+use shardline_control::graph::{Payload, ShardJob};
 use shardline_formats::checkpoint::open_checkpoint;
 use shardline_formats::execute::{self, ExecuteOptions, OutputFormat, Progress};
 use shardline_formats::safetensors::Release;
@@ -17,7 +18,6 @@ use shardline_formats::verify::verify;
 use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
 use thiserror::Error;
 
-use crate::graph::{Payload, ShardJob};
 use crate::hub::{self, HubRequest, HubSettings};
 use crate::objects::{self, ObjectSourceSettings};
 

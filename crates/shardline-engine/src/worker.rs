@@ -10,12 +10,12 @@ use std::time::Duration;
 
 use chrono::Utc;
 use serde_json::{json, Value};
+use shardline_control::graph::Payload;
 use shardline_formats::execute::Progress;
 use shardline_store::{Lease, LogLine, LogStream, Outcome, Resources, Store, TaskState, WorkerId, WorkerInfo};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::graph::Payload;
 use crate::hub::{self, HubRequest, HubSettings};
 use crate::objects::{self, ObjectSourceSettings};
 use crate::steps::{self, StepContext, StepError};

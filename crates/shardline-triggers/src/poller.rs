@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, SubsecRound, Utc};
 use serde_json::{json, Value};
-use shardline_engine::{parse_pipeline, submit, Submission};
+use shardline_control::{parse_pipeline, submit, Submission};
 use shardline_hub::{HubClient, HubError, ModelListing, RevisionCheck};
 use shardline_spec::{Trigger, TriggerContext, TriggerKind, Watch, WatchTarget};
 use shardline_store::{FiringClaim, NewTrigger, RunId, Store, TriggerCheck, TriggerRecord, TriggerState};

@@ -349,7 +349,7 @@ pub async fn run_logs(
 }
 
 fn diagnostics_of(file: &str, text: &str, state: &AppState) -> (bool, Vec<DiagnosticDto>) {
-    let (pipeline, diagnostics) = shardline_spec::lint(file, text, &shardline_engine::lint_context(&state.base_dir));
+    let (pipeline, diagnostics) = shardline_spec::lint(file, text, &shardline_control::lint_context(&state.base_dir));
     let valid = pipeline.is_some() && diagnostics.iter().all(|d| d.severity != shardline_spec::Severity::Error);
     (valid, diagnostics.iter().map(DiagnosticDto::from).collect())
 }
@@ -397,9 +397,9 @@ pub async fn submit_run(
             (k, v)
         })
         .collect();
-    let submitted = shardline_engine::submit(
+    let submitted = shardline_control::submit(
         &state.store,
-        shardline_engine::Submission {
+        shardline_control::Submission {
             file: &file,
             text: &req.spec,
             overrides: &overrides,
@@ -411,7 +411,7 @@ pub async fn submit_run(
     )
     .await
     .map_err(|e| match e {
-        shardline_engine::SubmitError::Store(s) => ApiError::from(s),
+        shardline_control::SubmitError::Store(s) => ApiError::from(s),
         other => ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "invalid_submission",
