@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use serde_json::{json, Value};
+use serde_json::json;
 use shardline_control::graph::{kinds, Payload};
-use shardline_control::{submit, Submission};
+use shardline_control::{submit, Submission, TaskOutput, TaskProgress};
 use shardline_engine::{reaper, run_worker, steps, WorkerConfig};
 use shardline_spec::{lint, parse_size, render_all, Severity};
 use shardline_store::{LogFilter, Page, RunFilter, RunId, RunState, Store, TaskState, WorkerInfo};
@@ -225,14 +225,14 @@ async fn follow_run(store: &Store, run: RunId) -> Result<RunState> {
             e.1 += 1;
             if t.state == TaskState::Succeeded {
                 e.0 += 1;
-                if t.output.as_ref().is_some_and(|o| o.get("cached").is_some()) {
+                if t.output.as_ref().is_some_and(|o| TaskOutput::from_value(o).is_cached()) {
                     e.4 = true;
                 }
             }
             if t.state == TaskState::Failed {
                 e.2 += 1;
             }
-            e.3 += t.progress.as_ref().and_then(|p| p.get("bytes")).and_then(Value::as_u64).unwrap_or(0);
+            e.3 += t.progress.as_ref().and_then(TaskProgress::from_value).map_or(0, |p| p.bytes);
         }
         for (step, (done, total, failed, b, cached)) in &by_step {
             let line = format!(
@@ -306,12 +306,13 @@ pub fn run_plan(args: PlanArgs) -> Result<ExitCode> {
                     if let Ok(digest) = steps::release_digest(&release) {
                         let key = steps::shard_cache_key(job, &digest);
                         // A `cache: false` step always runs; an unreadable store says nothing.
+                        let usable = steps::cached_checkpoint_usable;
                         cached = match &store {
                             _ if !job.cache => Some(false),
                             Some(s) => rt
                                 .block_on(s.cache_get(&key))
                                 .ok()
-                                .map(|hit| hit.is_some_and(|v| steps::cached_checkpoint_usable(&v))),
+                                .map(|hit| hit.is_some_and(|v| usable(&TaskOutput::from_value(&v)))),
                             None => Some(false),
                         };
                     }

@@ -13,6 +13,9 @@
 //! client, publishing or object stores — submitting a run never moves a byte of a model.
 
 pub mod graph;
+pub mod output;
+
+pub use output::{ListedFile, TaskOutput, TaskProgress};
 
 use std::path::{Path, PathBuf};
 

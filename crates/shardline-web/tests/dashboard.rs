@@ -12,6 +12,7 @@ use axum::http::{header, Method, Request, StatusCode};
 use common::{app, Kind};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
+use shardline_control::graph::{Payload, ShardJob};
 use shardline_store::*;
 use shardline_web::auth::{create_token, revoke_token};
 use shardline_web::{AuthMode, Scope};
@@ -47,7 +48,26 @@ async fn seed(store: &Store) -> (RunId, WorkerId) {
         .create_run(NewRun { pipeline_id: p, dedupe_key: None, params: json!({}), spec, options: Default::default() })
         .await
         .expect("create_run");
-    let rank = |r: u64| json!({"role": "rank", "plan_task": "shard", "rank": r});
+    let job = ShardJob {
+        tp: 2,
+        cp: 1,
+        dp: 1,
+        ep: 1,
+        etp: 1,
+        format: "dcp".into(),
+        prefix: "model.module.".into(),
+        optimizer_state: false,
+        vocab_divisible_by: 1,
+        split_fused: false,
+        source_task: "download".into(),
+        out: "/runs/convert/shard/checkpoint".into(),
+        step_hash: String::new(),
+        cache: true,
+    };
+    let rank = |rank: u64| {
+        let payload = Payload::Rank { job: job.clone(), plan_task: "shard".into(), rank };
+        serde_json::to_value(payload).expect("payload")
+    };
     store
         .add_tasks(
             run,
@@ -414,7 +434,13 @@ async fn errors_are_redacted() {
     let p = app.store.upsert_pipeline("leaky", "steps: []", "sha256:1").await.expect("pipeline");
     let (run, _) = app
         .store
-        .create_run(NewRun { pipeline_id: p, dedupe_key: None, params: json!({}), spec: json!({}), options: Default::default() })
+        .create_run(NewRun {
+            pipeline_id: p,
+            dedupe_key: None,
+            params: json!({}),
+            spec: json!({}),
+            options: Default::default(),
+        })
         .await
         .expect("create_run");
     let mut t = task("fetch", "fetch", &[], json!({}), 0);
