@@ -3,12 +3,14 @@
 //!
 //! - [`graph`]: a resolved pipeline → a run's task graph, and the typed task payloads
 //!   ([`graph::Payload`], [`graph::ShardJob`]) that the graph writes and workers read;
+//! - [`output`]: what tasks report — [`TaskOutput`] when they succeed, [`TaskProgress`] with
+//!   each heartbeat — written by the engine, read by the engine, the dashboard and the CLI;
 //! - [`submit`]: lint, instantiate and store a run with its whole task graph and its
 //!   [`RunOptions`] (name, no-cache);
 //! - [`lint_context`] and [`parse_pipeline`]: spec loading as `submit` does it, for linting
 //!   from anywhere.
 //!
-//! **Owns:** the shape of task payloads and how runs are submitted.
+//! **Owns:** the shape of task payloads, outputs and progress, and how runs are submitted.
 //! **Must not depend on:** the engine, the data plane's I/O (`shardline-formats`), the Hub
 //! client, publishing or object stores — submitting a run never moves a byte of a model.
 

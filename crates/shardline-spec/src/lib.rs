@@ -2,6 +2,11 @@
 //! YAML files, read with a position for every key path, linted with every problem reported at
 //! once in compiler style, and instantiated into typed, hashable step configs.
 //!
+//! **Owns:** the spec language (syntax, lint, `--set`, interpolation, triggers' settings) and
+//! the units it is written in (sizes, durations).
+//! **Must not depend on:** any workspace crate but `shardline-layout` (model configs for mesh
+//! checks), nor on I/O of any kind: files come in as text, model configs through `LintContext`.
+//!
 //! ```
 //! use shardline_spec::{lint, LintContext};
 //!

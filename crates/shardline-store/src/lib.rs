@@ -3,6 +3,10 @@ The job store of the Shardline orchestrator: pipelines, runs, the tasks of a run
 dependencies, leases of tasks to workers, attempts, logs, events and the step cache — on
 PostgreSQL (shared deployments) or SQLite (the embedded default), behind one API.
 
+**Owns:** every table and every SQL statement on them (API tokens included), and task state:
+only the store changes it. **Must not depend on:** any workspace crate; payloads and outputs
+are opaque JSON to it, typed by `shardline-control`.
+
 # Leasing
 
 A worker asks for work with the resources it has free; [`Store::claim`] hands it at most one
