@@ -14,12 +14,13 @@ const ALLOWED: &[(&str, &[&str])] = &[
     // The pure core and the I/O shells of the data plane.
     ("shardline-layout", &[]),
     ("shardline-formats", &["shardline-layout"]),
-    // Leaves of the control plane: no workspace crate at all.
-    ("shardline-store", &[]),
+    // Leaves: no workspace crate at all (the store: units for its messages).
+    ("shardline-units", &[]),
+    ("shardline-store", &["shardline-units"]),
     ("shardline-hub", &[]),
     ("shardline-publish", &[]),
-    // Specs are pure: the layout's config parser only (for mesh checks).
-    ("shardline-spec", &["shardline-layout"]),
+    // Specs are pure: the layout's config parser (for mesh checks) and the units.
+    ("shardline-spec", &["shardline-layout", "shardline-units"]),
     // Contracts and submission: never the engine, the data plane's I/O, the Hub or object stores.
     ("shardline-control", &["shardline-layout", "shardline-spec", "shardline-store"]),
     // Runs tasks: everything a task needs, nothing that serves or schedules.

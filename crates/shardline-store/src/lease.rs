@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use rand::Rng;
 use serde_json::{json, Value};
+use shardline_units::format_duration_human;
 
 use crate::db::{args, sql, Conn, PoolConn};
 use crate::error::{Result, StoreError};
@@ -428,7 +429,7 @@ impl Store {
                 AttemptOutcome::TimedOut,
                 format!(
                     "timed out after {} (attempt {made}, owner {})",
-                    human(Duration::from_millis(u64::try_from(info.timeout_ms).unwrap_or(0))),
+                    format_duration_human(Duration::from_millis(u64::try_from(info.timeout_ms).unwrap_or(0))),
                     cand.owner
                 ),
             )
@@ -523,8 +524,10 @@ async fn fail_attempt(
             return Ok(None);
         }
         end_attempt(c, info.id, token, outcome, error).await?;
-        let message =
-            format!("retry in {} after: {error}", human(Duration::from_millis(u64::try_from(delay).unwrap_or(0))));
+        let message = format!(
+            "retry in {} after: {error}",
+            format_duration_human(Duration::from_millis(u64::try_from(delay).unwrap_or(0)))
+        );
         task_events(c, &json!([info.id]), Some(&message)).await?;
         if delay == 0 {
             notify(c).await?;
@@ -645,20 +648,6 @@ pub(crate) fn clean(s: &str) -> String {
         out.push_str(" … (truncated)");
     }
     out
-}
-
-/// `1.5s`, `2m 5s`, `3h 0m`.
-pub(crate) fn human(d: Duration) -> String {
-    let ms = d.as_millis();
-    if ms < 1000 {
-        format!("{ms}ms")
-    } else if ms < 60_000 {
-        format!("{:.1}s", d.as_secs_f64())
-    } else if ms < 3_600_000 {
-        format!("{}m {}s", ms / 60_000, (ms / 1000) % 60)
-    } else {
-        format!("{}h {}m", ms / 3_600_000, (ms / 60_000) % 60)
-    }
 }
 
 #[cfg(test)]
