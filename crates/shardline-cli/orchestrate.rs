@@ -13,7 +13,7 @@ use shardline_control::graph::{kinds, Payload};
 use shardline_control::{submit, Submission, TaskOutput, TaskProgress};
 use shardline_engine::{reaper, run_worker, steps, WorkerConfig};
 use shardline_spec::{lint, parse_size, render_all, Severity};
-use shardline_store::{LogFilter, Page, RunFilter, RunId, RunState, Store, TaskState, WorkerInfo};
+use shardline_store::{redact_url, LogFilter, Page, RunFilter, RunId, RunState, Store, TaskState, WorkerInfo};
 use tokio::sync::watch;
 
 use crate::report::bytes;
@@ -39,14 +39,7 @@ impl StateArgs {
     }
     pub(crate) async fn store(&self) -> Result<Store> {
         let url = self.url();
-        Store::connect(&url).await.with_context(|| format!("connecting to the job store ({})", redact(&url)))
-    }
-}
-
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.find('@')) {
-        (Some(s), Some(a)) if a > s => format!("{}://***@{}", &url[..s], &url[a + 1..]),
-        _ => url.to_string(),
+        Store::connect(&url).await.with_context(|| format!("connecting to the job store ({})", redact_url(&url)))
     }
 }
 
@@ -429,7 +422,7 @@ pub fn run_server(args: ServerArgs) -> Result<ExitCode> {
         tokio::spawn(shutdown_signal(tx));
         let http = crate::serve::start_http(&args.http, &store, args.state.work_dir(), rx.clone()).await?;
         let triggers = crate::triggers::start(&args.triggers, &store, args.state.work_dir(), rx.clone()).await?;
-        eprintln!("server: reaping expired leases on {}", redact(&args.state.url()));
+        eprintln!("server: reaping expired leases on {}", redact_url(&args.state.url()));
         reaper(store, Duration::from_secs(1), rx).await;
         if let Some(h) = http {
             let _ = h.await;

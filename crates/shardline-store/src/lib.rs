@@ -232,7 +232,7 @@ impl Store {
         } else if url.starts_with("sqlite:") {
             (Pool::Lite(connect_sqlite(url, &options).await?), None)
         } else {
-            return Err(StoreError::UnsupportedUrl(redact(url)));
+            return Err(StoreError::UnsupportedUrl(redact_url(url)));
         };
         let inner = Inner { pool, listen_options, wake: Arc::new(Wake::default()), listener: Mutex::new(None) };
         Ok(Store { inner: Arc::new(inner), seen: AtomicU64::new(0) })
@@ -395,7 +395,7 @@ async fn listen(pool: PgPool, wake: Arc<Wake>) {
 }
 
 async fn connect_pg(url: &str, options: &StoreOptions) -> Result<(PgPool, PgConnectOptions)> {
-    let connect_err = |source| StoreError::Connect { backend: Backend::Postgres, url: redact(url), source };
+    let connect_err = |source| StoreError::Connect { backend: Backend::Postgres, url: redact_url(url), source };
     let opts = PgConnectOptions::from_str(url).map_err(connect_err)?.options([
         ("search_path", PG_SCHEMA),
         // A leaked transaction would hold back vacuum and event publication: end it.
@@ -475,8 +475,9 @@ async fn connect_sqlite(url: &str, options: &StoreOptions) -> Result<sqlx::Sqlit
     Ok(pool)
 }
 
-/// The URL with the password of its user info replaced by `***`.
-fn redact(url: &str) -> String {
+/// A database URL fit to print: the password of its user info replaced by `***`
+/// (`postgres://user:***@host/db`). Every message that names a store's URL goes through it.
+pub fn redact_url(url: &str) -> String {
     let Some(scheme_end) = url.find("://") else {
         return url.to_string();
     };
@@ -498,8 +499,13 @@ mod tests {
 
     #[test]
     fn redacts_passwords() {
-        assert_eq!(redact("postgres://postgres:secret@127.0.0.1:5432/db"), "postgres://postgres:***@127.0.0.1:5432/db");
-        assert_eq!(redact("postgres://127.0.0.1/db"), "postgres://127.0.0.1/db");
-        assert_eq!(redact("sqlite::memory:"), "sqlite::memory:");
+        assert_eq!(
+            redact_url("postgres://postgres:secret@127.0.0.1:5432/db"),
+            "postgres://postgres:***@127.0.0.1:5432/db"
+        );
+        assert_eq!(redact_url("postgres://127.0.0.1/db"), "postgres://127.0.0.1/db");
+        assert_eq!(redact_url("sqlite::memory:"), "sqlite::memory:");
+        // An `@` after the host (in a query) is not user info.
+        assert_eq!(redact_url("postgres://h/db?application_name=a@b"), "postgres://h/db?application_name=a@b");
     }
 }
