@@ -14,10 +14,12 @@ const ALLOWED: &[(&str, &[&str])] = &[
     // The pure core and the I/O shells of the data plane.
     ("shardline-layout", &[]),
     ("shardline-formats", &["shardline-layout"]),
-    // Leaves: no workspace crate at all (the store: units for its messages).
+    // Leaves: small helpers, and the store, the Hub client and publishing (the store spells
+    // durations with the units and backs off as everyone does).
     ("shardline-units", &[]),
-    ("shardline-store", &["shardline-units"]),
-    ("shardline-hub", &[]),
+    ("shardline-backoff", &[]),
+    ("shardline-store", &["shardline-units", "shardline-backoff"]),
+    ("shardline-hub", &["shardline-backoff"]),
     ("shardline-publish", &[]),
     // Specs are pure: the layout's config parser (for mesh checks) and the units.
     ("shardline-spec", &["shardline-layout", "shardline-units"]),
@@ -37,7 +39,10 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ),
     // Serve and submit through the control plane, never the engine.
     ("shardline-web", &["shardline-control", "shardline-spec", "shardline-store"]),
-    ("shardline-triggers", &["shardline-control", "shardline-spec", "shardline-store", "shardline-hub"]),
+    (
+        "shardline-triggers",
+        &["shardline-control", "shardline-spec", "shardline-store", "shardline-hub", "shardline-backoff"],
+    ),
     ("shardline-testdb", &["shardline-store"]),
 ];
 

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use rand::Rng;
 use serde_json::{json, Value};
+use shardline_backoff::Backoff;
 use shardline_units::format_duration_human;
 
 use crate::db::{args, sql, Conn, PoolConn};
@@ -624,15 +624,10 @@ async fn finish_run_if_done(c: &mut Conn<'_>, run: i64) -> Result<()> {
 /// The delay before retry number `made` (1 after the first failed attempt):
 /// `backoff · 2^(made-1)`, ± 20 % jitter, at most [`MAX_BACKOFF`]; in milliseconds.
 pub(crate) fn retry_delay(backoff_ms: i64, made: i64) -> i64 {
-    if backoff_ms <= 0 {
-        return 0;
-    }
-    let cap = i64::try_from(MAX_BACKOFF.as_millis()).unwrap_or(i64::MAX);
-    let exp = u32::try_from((made - 1).clamp(0, 40)).unwrap_or(40);
-    let base = backoff_ms.saturating_mul(1i64.checked_shl(exp).unwrap_or(i64::MAX)).min(cap);
-    let jitter: f64 = rand::rng().random_range(0.8..=1.2);
-    // Both factors are bounded, so the product fits; the cast saturates anyway.
-    ((base as f64 * jitter) as i64).clamp(0, cap)
+    let Ok(base) = u64::try_from(backoff_ms) else { return 0 };
+    let failures = u32::try_from(made.max(1)).unwrap_or(u32::MAX);
+    let delay = Backoff { base: Duration::from_millis(base), cap: MAX_BACKOFF, spread: (0.8, 1.2) }.jittered(failures);
+    i64::try_from(delay.as_millis()).unwrap_or(i64::MAX)
 }
 
 /// Errors are stored as text: no NUL bytes (PostgreSQL refuses them), at most 64 KiB.

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, SubsecRound, Utc};
 use serde_json::{json, Value};
+use shardline_backoff::random_unit;
 use shardline_control::{parse_pipeline, submit, Submission};
 use shardline_hub::{HubClient, HubError, ModelListing, RevisionCheck};
 use shardline_spec::{Trigger, TriggerContext, TriggerKind, Watch, WatchTarget};
@@ -306,7 +307,7 @@ impl Poller {
                 // Keep `next_at`: the next pass looks again once the other server recorded its run.
                 Ok(Fire::Pending) => return Ok(row.next_at),
                 Err(e) => {
-                    let wait = backoff(Duration::from_secs(60), row.errors + 1, rand::random::<f64>());
+                    let wait = backoff(Duration::from_secs(60), row.errors + 1, random_unit());
                     // Whole seconds, as the state has always recorded it.
                     let retry = (now + chrono::Duration::from_std(wait).unwrap_or_default()).trunc_subsecs(0);
                     let check = TriggerCheck {
@@ -363,7 +364,7 @@ impl Poller {
                 (check, outcome.error.map_or(Ok(()), |e| Err(TriggerError::Invalid(e))))
             }
             Err(e) => {
-                let wait = backoff(w.every(), row.errors + 1, rand::random::<f64>());
+                let wait = backoff(w.every(), row.errors + 1, random_unit());
                 let next = now + chrono::Duration::from_std(wait).unwrap_or_default();
                 let check = TriggerCheck {
                     checked_at: now,
