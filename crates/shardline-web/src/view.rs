@@ -371,22 +371,7 @@ mod tests {
 
     /// The payload of rank `rank` of the shard step `shard`.
     fn rank_payload(rank: u64) -> Value {
-        let job = ShardJob {
-            tp: 1,
-            cp: 1,
-            dp: 2,
-            ep: 1,
-            etp: 1,
-            format: "dcp".into(),
-            prefix: "model.module.".into(),
-            optimizer_state: false,
-            vocab_divisible_by: 1,
-            split_fused: false,
-            source_task: "download".into(),
-            out: "/out".into(),
-            step_hash: String::new(),
-            cache: true,
-        };
+        let job = ShardJob { dp: 2, source_task: "download".into(), ..ShardJob::default() };
         serde_json::to_value(Payload::Rank { job, plan_task: "shard".into(), rank }).expect("payload")
     }
 

@@ -48,22 +48,7 @@ async fn seed(store: &Store) -> (RunId, WorkerId) {
         .create_run(NewRun { pipeline_id: p, dedupe_key: None, params: json!({}), spec, options: Default::default() })
         .await
         .expect("create_run");
-    let job = ShardJob {
-        tp: 2,
-        cp: 1,
-        dp: 1,
-        ep: 1,
-        etp: 1,
-        format: "dcp".into(),
-        prefix: "model.module.".into(),
-        optimizer_state: false,
-        vocab_divisible_by: 1,
-        split_fused: false,
-        source_task: "download".into(),
-        out: "/runs/convert/shard/checkpoint".into(),
-        step_hash: String::new(),
-        cache: true,
-    };
+    let job = ShardJob { tp: 2, source_task: "download".into(), ..ShardJob::default() };
     let rank = |rank: u64| {
         let payload = Payload::Rank { job: job.clone(), plan_task: "shard".into(), rank };
         serde_json::to_value(payload).expect("payload")
