@@ -182,17 +182,41 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
     };
     let started = tokio::time::Instant::now();
     let result = run_step(store, config, &lease, &mut logs, &log_tx, &payload, &outputs).await;
+    match conclude(store, task, &payload, cache_key, started, result, &log).await {
+        Ok(output) => {
+            let accepted = report(store, &lease, &mut logs, Outcome::Succeeded { output: output.to_value() }).await;
+            if accepted {
+                remember(store, &payload, &outputs, &output).await;
+            }
+        }
+        Err(failure) => {
+            report(store, &lease, &mut logs, failure).await;
+        }
+    }
+}
+
+/// What a step's result means for its task: a success records its plan (a plan task) and its
+/// cache key and is logged; a failure after the task's timeout is a timeout (retryable).
+async fn conclude(
+    store: &Store,
+    task: &TaskRow,
+    payload: &Payload,
+    cache_key: Option<String>,
+    started: tokio::time::Instant,
+    result: Result<TaskOutput, StepError>,
+    log: &(dyn Fn(LogStream, String) + Sync),
+) -> Result<TaskOutput, Outcome> {
     let timed_out = !task.timeout.is_zero() && started.elapsed() > task.timeout;
-    let outcome = match result {
+    match result {
         Ok(mut output) => {
-            if let Payload::Plan { .. } = &payload {
+            if let Payload::Plan { .. } = payload {
                 if let Err(e) = store.set_run_plan(task.run, output.to_value()).await {
                     // The plan is shown with the run; the tasks read it from the plan task's output.
                     tracing::warn!("storing the plan of run {} failed: {e}", task.run);
                 }
             }
-            if let Some(key) = &cache_key {
-                output.cache_key = Some(key.clone());
+            if cache_key.is_some() {
+                output.cache_key = cache_key;
             }
             log(LogStream::System, format!("succeeded in {:.2}s", started.elapsed().as_secs_f64()));
             Ok(output)
@@ -203,17 +227,6 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
         Err(e) => {
             log(LogStream::Stderr, format!("error: {e}"));
             Err(Outcome::Failed { error: e.message, retryable: e.retryable })
-        }
-    };
-    match outcome {
-        Ok(output) => {
-            let accepted = report(store, &lease, &mut logs, Outcome::Succeeded { output: output.to_value() }).await;
-            if accepted {
-                remember(store, &payload, &outputs, &output).await;
-            }
-        }
-        Err(failure) => {
-            report(store, &lease, &mut logs, failure).await;
         }
     }
 }
