@@ -97,6 +97,7 @@ if let Some(lease) = store.claim(worker, &free, Duration::from_secs(60)).await? 
 ```
 */
 
+mod batch;
 mod db;
 mod error;
 mod lease;
