@@ -251,7 +251,7 @@ async fn inputs(store: &Store, task: &TaskRow) -> Result<(Payload, BTreeMap<Stri
 /// What the step cache says about a task before any byte moves.
 enum CacheCheck {
     /// Served from the cache: the output to report.
-    Hit(TaskOutput),
+    Hit(Box<TaskOutput>),
     /// To run; a plan's `key` goes into its output, for its commit to remember the checkpoint by.
     Miss { key: Option<String> },
 }
@@ -277,12 +277,12 @@ async fn check_cache(
             if step_cache(job.cache).await {
                 if let Some(hit) = cached(store, &key, steps::cached_checkpoint_usable).await {
                     log(LogStream::System, format!("cache hit {key}: {}", Value::from(path_text(&hit.dir))));
-                    return CacheCheck::Hit(TaskOutput {
+                    return CacheCheck::Hit(Box::new(TaskOutput {
                         cached: Some(hit.to_value()),
                         cache_key: Some(key),
                         plan_digest: Some(String::new()),
                         ..TaskOutput::default()
-                    });
+                    }));
                 }
             }
             CacheCheck::Miss { key: Some(key) }
@@ -307,7 +307,7 @@ async fn check_cache(
             if let Some(s) = hit.source.as_mut().and_then(Value::as_object_mut) {
                 s.insert("revision".into(), json!(revision));
             }
-            CacheCheck::Hit(hit)
+            CacheCheck::Hit(Box::new(hit))
         }
         Payload::ObjectDownload { url, cache, .. } if step_cache(*cache).await => {
             let listed = match objects::open(url, &config.objects) {
@@ -330,7 +330,7 @@ async fn check_cache(
                 ),
             );
             hit.cached = Some(json!(true));
-            CacheCheck::Hit(hit)
+            CacheCheck::Hit(Box::new(hit))
         }
         _ => miss,
     }
