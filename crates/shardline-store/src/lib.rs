@@ -116,6 +116,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rand::Rng;
+use shardline_backoff::Backoff;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -362,12 +363,14 @@ impl Store {
 }
 
 async fn listen(pool: PgPool, wake: Arc<Wake>) {
-    let mut backoff = Duration::from_millis(50);
+    // Reconnects back off from 50 ms to 2 s, without jitter: one listener per process.
+    let backoff = Backoff { base: Duration::from_millis(50), cap: Duration::from_secs(2), spread: (1.0, 1.0) };
+    let mut failures = 0;
     loop {
         match PgListener::connect_with(&pool).await {
             Ok(mut listener) => match listener.listen(PG_CHANNEL).await {
                 Ok(()) => {
-                    backoff = Duration::from_millis(50);
+                    failures = 0;
                     wake.listener_connects.fetch_add(1, Ordering::AcqRel);
                     // Whatever was sent while we were not listening is lost: let waiters poll.
                     wake.bump();
@@ -390,8 +393,8 @@ async fn listen(pool: PgPool, wake: Arc<Wake>) {
             },
             Err(e) => tracing::debug!(error = %e, "cannot open the LISTEN connection"),
         }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(2));
+        failures += 1;
+        tokio::time::sleep(backoff.delay(failures, 0.0)).await;
     }
 }
 
