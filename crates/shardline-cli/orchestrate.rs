@@ -8,11 +8,12 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use serde_json::{json, Value};
-use shardline_engine::graph::{kinds, Payload};
-use shardline_engine::{reaper, run_worker, steps, submit, Submission, WorkerConfig};
+use serde_json::json;
+use shardline_control::graph::{kinds, Payload};
+use shardline_control::{submit, Submission, TaskOutput, TaskProgress};
+use shardline_engine::{reaper, run_worker, steps, WorkerConfig};
 use shardline_spec::{lint, parse_size, render_all, Severity};
-use shardline_store::{LogFilter, Page, RunFilter, RunId, RunState, Store, TaskState, WorkerInfo};
+use shardline_store::{redact_url, LogFilter, Page, RunFilter, RunId, RunState, Store, TaskState, WorkerInfo};
 use tokio::sync::watch;
 
 use crate::report::bytes;
@@ -38,14 +39,7 @@ impl StateArgs {
     }
     pub(crate) async fn store(&self) -> Result<Store> {
         let url = self.url();
-        Store::connect(&url).await.with_context(|| format!("connecting to the job store ({})", redact(&url)))
-    }
-}
-
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.find('@')) {
-        (Some(s), Some(a)) if a > s => format!("{}://***@{}", &url[..s], &url[a + 1..]),
-        _ => url.to_string(),
+        Store::connect(&url).await.with_context(|| format!("connecting to the job store ({})", redact_url(&url)))
     }
 }
 
@@ -75,7 +69,7 @@ pub fn run_lint(args: LintArgs) -> Result<ExitCode> {
     let mut failed = false;
     for f in &args.files {
         let text = read_spec(f)?;
-        let (_, diags) = lint(&f.display().to_string(), &text, &shardline_engine::lint_context(&base));
+        let (_, diags) = lint(&f.display().to_string(), &text, &shardline_control::lint_context(&base));
         if diags.is_empty() {
             println!("{}: ok", f.display());
         } else {
@@ -178,7 +172,7 @@ pub fn run_run(args: RunArgs) -> Result<ExitCode> {
         .await
         {
             Ok(s) => s,
-            Err(shardline_engine::SubmitError::Invalid(msg)) => {
+            Err(shardline_control::SubmitError::Invalid(msg)) => {
                 eprint!("{msg}");
                 return Ok(ExitCode::from(2));
             }
@@ -224,14 +218,14 @@ async fn follow_run(store: &Store, run: RunId) -> Result<RunState> {
             e.1 += 1;
             if t.state == TaskState::Succeeded {
                 e.0 += 1;
-                if t.output.as_ref().is_some_and(|o| o.get("cached").is_some()) {
+                if t.output.as_ref().is_some_and(|o| TaskOutput::from_value(o).is_cached()) {
                     e.4 = true;
                 }
             }
             if t.state == TaskState::Failed {
                 e.2 += 1;
             }
-            e.3 += t.progress.as_ref().and_then(|p| p.get("bytes")).and_then(Value::as_u64).unwrap_or(0);
+            e.3 += t.progress.as_ref().and_then(TaskProgress::from_value).map_or(0, |p| p.bytes);
         }
         for (step, (done, total, failed, b, cached)) in &by_step {
             let line = format!(
@@ -271,7 +265,7 @@ pub struct PlanArgs {
 pub fn run_plan(args: PlanArgs) -> Result<ExitCode> {
     let text = read_spec(&args.file)?;
     let base = std::env::current_dir()?;
-    let pipeline = match shardline_engine::parse_pipeline(&args.file.display().to_string(), &text, &base) {
+    let pipeline = match shardline_control::parse_pipeline(&args.file.display().to_string(), &text, &base) {
         Ok(p) => p,
         Err(e) => {
             eprint!("{e}");
@@ -281,7 +275,7 @@ pub fn run_plan(args: PlanArgs) -> Result<ExitCode> {
     let resolved =
         pipeline.instantiate(&args.set, "plan-preview").map_err(|d| anyhow::anyhow!(render_all(&d, &text)))?;
     let work = args.state.work_dir();
-    let tasks = shardline_engine::graph::tasks_for(&resolved, &work.join("runs").join("plan-preview"), &base)
+    let tasks = shardline_control::graph::tasks_for(&resolved, &work.join("runs").join("plan-preview"), &base)
         .map_err(|e| anyhow::anyhow!(e))?;
     // One runtime for every store call: a pool must not outlive the runtime it was made on.
     let rt = runtime()?;
@@ -305,12 +299,13 @@ pub fn run_plan(args: PlanArgs) -> Result<ExitCode> {
                     if let Ok(digest) = steps::release_digest(&release) {
                         let key = steps::shard_cache_key(job, &digest);
                         // A `cache: false` step always runs; an unreadable store says nothing.
+                        let usable = steps::cached_checkpoint_usable;
                         cached = match &store {
                             _ if !job.cache => Some(false),
                             Some(s) => rt
                                 .block_on(s.cache_get(&key))
                                 .ok()
-                                .map(|hit| hit.is_some_and(|v| steps::cached_checkpoint_usable(&v))),
+                                .map(|hit| hit.is_some_and(|v| usable(&TaskOutput::from_value(&v)))),
                             None => Some(false),
                         };
                     }
@@ -388,7 +383,7 @@ pub fn run_submit(args: SubmitArgs) -> Result<ExitCode> {
                 }
                 Ok(ExitCode::SUCCESS)
             }
-            Err(shardline_engine::SubmitError::Invalid(msg)) => {
+            Err(shardline_control::SubmitError::Invalid(msg)) => {
                 eprint!("{msg}");
                 Ok(ExitCode::from(2))
             }
@@ -427,7 +422,7 @@ pub fn run_server(args: ServerArgs) -> Result<ExitCode> {
         tokio::spawn(shutdown_signal(tx));
         let http = crate::serve::start_http(&args.http, &store, args.state.work_dir(), rx.clone()).await?;
         let triggers = crate::triggers::start(&args.triggers, &store, args.state.work_dir(), rx.clone()).await?;
-        eprintln!("server: reaping expired leases on {}", redact(&args.state.url()));
+        eprintln!("server: reaping expired leases on {}", redact_url(&args.state.url()));
         reaper(store, Duration::from_secs(1), rx).await;
         if let Some(h) = http {
             let _ = h.await;

@@ -1,6 +1,7 @@
 //! End-to-end tests of the `shardline` binary on the tiny real HF checkpoints in
 //! `tests/fixtures/hf-tiny/` (written by `transformers`).
 
+mod architecture;
 mod bad_input;
 mod convert;
 mod hub_s3;

@@ -186,7 +186,7 @@ impl Deployment {
     }
 
     fn run_name(&self, run: RunId) -> String {
-        self.run_row(run).params["__run_name"].as_str().expect("run name").to_string()
+        self.run_row(run).options.name.expect("run name")
     }
 
     fn run_dir(&self, run: RunId) -> PathBuf {

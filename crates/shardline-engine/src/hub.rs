@@ -5,13 +5,14 @@
 //! The step cache key is the repository, the resolved commit sha and the allow/ignore patterns:
 //! a second run of the same commit is served without a byte downloaded; a new commit runs again.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
+use shardline_control::TaskOutput;
 use shardline_formats::execute::Progress;
 use shardline_hub::{DownloadOptions, DownloadProgress, HubClient, HubEnv, HubError, RetryPolicy, Snapshot};
 
@@ -95,17 +96,10 @@ pub async fn resolve_sha(req: &HubRequest<'_>, settings: &HubSettings) -> Result
 
 /// Whether a remembered download output still describes a complete snapshot: the directory and
 /// every file with its size.
-pub fn cached_snapshot_usable(output: &Value) -> bool {
-    let Some(dir) = output.get("path").and_then(Value::as_str).map(Path::new) else { return false };
-    let Some(files) = output.get("file_list").and_then(Value::as_array) else { return false };
+pub fn cached_snapshot_usable(output: &TaskOutput) -> bool {
+    let (Some(dir), Some(files)) = (&output.path, &output.file_list) else { return false };
     !files.is_empty()
-        && files.iter().all(|f| {
-            let (Some(p), Some(size)) = (f.get("path").and_then(Value::as_str), f.get("size").and_then(Value::as_u64))
-            else {
-                return false;
-            };
-            std::fs::metadata(dir.join(p)).is_ok_and(|m| m.is_file() && m.len() == size)
-        })
+        && files.iter().all(|f| std::fs::metadata(dir.join(&f.path)).is_ok_and(|m| m.is_file() && m.len() == f.size))
 }
 
 /// A digest of the snapshot's content for the shard step's cache key: the repository, the commit

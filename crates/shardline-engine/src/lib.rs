@@ -1,110 +1,29 @@
-//! Runs pipelines: a resolved spec becomes a run's task graph ([`graph`]); workers lease tasks
-//! and execute them ([`worker`], [`steps`]); the reaper returns expired leases to the queue.
+//! Runs pipelines: workers lease the tasks of a run's graph (built and submitted by
+//! `shardline-control`) and execute them ([`worker`], [`steps`], [`hub`], [`objects`]); the
+//! reaper returns expired leases to the queue.
+//!
+//! **Owns:** what each task does and the worker loop (leases, heartbeats, logs, the step cache).
+//! **Must not depend on:** the HTTP API, the trigger poller or the CLI; it reads payloads as
+//! `shardline-control` defines them and never writes SQL (the store does).
 //!
 //! **Architecture invariant:** only the store changes task state, and every change after a claim
 //! carries the lease's fencing token. No task needs another task's in-memory state: each reads
 //! the outputs its needs recorded, and sharding tasks rebuild the recorded plan from the run's
 //! inputs (checking its digest).
 
-pub mod graph;
 pub mod hub;
 pub mod objects;
 pub mod steps;
 pub mod worker;
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde_json::json;
-use shardline_spec::{lint, render_all, LintContext, Pipeline, ResolvedPipeline};
-use shardline_store::{NewRun, RunId, Store, StoreError};
-use thiserror::Error;
+use shardline_store::Store;
 use tokio::sync::watch;
 
 pub use hub::HubSettings;
 pub use objects::ObjectSourceSettings;
 pub use worker::{run_worker, WorkerConfig};
-
-/// Why a submission was refused.
-#[derive(Debug, Error)]
-#[non_exhaustive]
-pub enum SubmitError {
-    #[error("{0}")]
-    Invalid(String),
-    #[error(transparent)]
-    Store(#[from] StoreError),
-}
-
-/// A lint context that reads model configs from disk, so mesh errors show at lint time.
-pub fn lint_context(base_dir: &Path) -> LintContext {
-    LintContext::new().with_base_dir(base_dir.to_path_buf()).with_model_config(|path: &Path| {
-        let text = std::fs::read_to_string(path.join("config.json")).ok()?;
-        shardline_layout::ModelConfig::from_json(&text).ok()
-    })
-}
-
-/// Lints a spec; all diagnostics rendered in one message on failure.
-pub fn parse_pipeline(file: &str, text: &str, base_dir: &Path) -> Result<Pipeline, SubmitError> {
-    let (pipeline, diagnostics) = lint(file, text, &lint_context(base_dir));
-    match pipeline {
-        Some(p) if diagnostics.iter().all(|d| d.severity != shardline_spec::Severity::Error) => Ok(p),
-        _ => Err(SubmitError::Invalid(render_all(&diagnostics, text))),
-    }
-}
-
-/// What to submit.
-pub struct Submission<'a> {
-    pub file: &'a str,
-    pub text: &'a str,
-    pub overrides: &'a [(String, String)],
-    /// Directory relative spec paths are resolved against.
-    pub base_dir: &'a Path,
-    /// Root of run work directories (`<work>/runs/<run name>/<step>/…`).
-    pub work_dir: &'a Path,
-    /// Idempotency key: a second submission with it returns the existing run (unless that failed).
-    pub dedupe_key: Option<String>,
-    pub no_cache: bool,
-}
-
-/// A submitted run.
-#[derive(Clone, Debug)]
-pub struct Submitted {
-    pub run: RunId,
-    pub name: String,
-    pub created: bool,
-    pub resolved: ResolvedPipeline,
-}
-
-/// Lints, instantiates and stores a run with its whole task graph.
-pub async fn submit(store: &Store, s: Submission<'_>) -> Result<Submitted, SubmitError> {
-    let pipeline = parse_pipeline(s.file, s.text, s.base_dir)?;
-    // The run's name is its work directory and its `${{ run.id }}`.
-    let name = format!("{}-{}", pipeline.name, chrono::Utc::now().format("%Y%m%d-%H%M%S-%6f"));
-    let resolved =
-        pipeline.instantiate(s.overrides, &name).map_err(|d| SubmitError::Invalid(render_all(&d, s.text)))?;
-    let run_dir = absolute(s.work_dir).join("runs").join(&name);
-    let tasks = graph::tasks_for(&resolved, &run_dir, &absolute(s.base_dir)).map_err(SubmitError::Invalid)?;
-    let pipeline_id = store.upsert_pipeline(&pipeline.name, s.text, &resolved.spec_hash).await?;
-    let mut params = serde_json::to_value(&resolved.params).unwrap_or(json!({}));
-    if let Some(o) = params.as_object_mut() {
-        o.insert("__run_name".into(), json!(name));
-        o.insert("__no_cache".into(), json!(s.no_cache));
-    }
-    let spec = serde_json::to_value(&resolved).unwrap_or(json!({}));
-    let (run, created) = store.create_run(NewRun { pipeline_id, dedupe_key: s.dedupe_key, params, spec }).await?;
-    if created {
-        store.add_tasks(run, tasks).await?;
-    }
-    Ok(Submitted { run, name, created, resolved })
-}
-
-fn absolute(p: &Path) -> PathBuf {
-    if p.is_absolute() {
-        p.to_path_buf()
-    } else {
-        std::env::current_dir().map(|d| d.join(p)).unwrap_or_else(|_| p.to_path_buf())
-    }
-}
 
 /// Returns expired leases to the queue every `every`, until `shutdown`. Safe to run in several
 /// servers at once (the store's reaper is idempotent).

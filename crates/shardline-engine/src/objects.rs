@@ -442,7 +442,7 @@ async fn fetch_all(
 }
 
 /// Whether a remembered output still describes a complete directory (every file with its size).
-pub fn cached_output_usable(output: &Value) -> bool {
+pub fn cached_output_usable(output: &shardline_control::TaskOutput) -> bool {
     crate::hub::cached_snapshot_usable(output)
 }
 

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
-use serde_json::{json, Value};
+use serde_json::json;
 use sha2::{Digest, Sha256};
 use shardline_formats::checkpoint::open_checkpoint;
 use shardline_formats::execute::{self, ExecuteOptions, OutputFormat, Progress};
@@ -17,9 +17,10 @@ use shardline_formats::verify::{verify_checkpoint, VerifyError};
 use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
 use thiserror::Error;
 
-use crate::graph::{Payload, ShardJob};
 use crate::hub::{self, HubRequest, HubSettings};
 use crate::objects::{self, ObjectSourceSettings};
+use shardline_control::graph::{Payload, ShardJob};
+use shardline_control::TaskOutput;
 
 /// Why a task failed; `retryable` decides whether another attempt may help.
 #[derive(Debug, Error)]
@@ -43,7 +44,7 @@ impl StepError {
 /// What a running task can see and report.
 pub struct StepContext<'a> {
     /// Outputs of the run's succeeded tasks, by task name.
-    pub outputs: &'a BTreeMap<String, Value>,
+    pub outputs: &'a BTreeMap<String, TaskOutput>,
     /// Bytes, chunks and files done (sent with each heartbeat); `cancel` asks the task to stop.
     pub progress: &'a Arc<Progress>,
     /// Bytes the task will move in all, when it knows (a download does), else 0.
@@ -56,15 +57,14 @@ pub struct StepContext<'a> {
 }
 
 impl StepContext<'_> {
-    fn output(&self, task: &str) -> Result<&Value, StepError> {
+    fn output(&self, task: &str) -> Result<&TaskOutput, StepError> {
         self.outputs.get(task).ok_or_else(|| StepError::transient(format!("output of task `{task}` is not available")))
     }
 
     fn source_path(&self, task: &str) -> Result<PathBuf, StepError> {
         self.output(task)?
-            .get("path")
-            .and_then(Value::as_str)
-            .map(PathBuf::from)
+            .path
+            .clone()
             .ok_or_else(|| StepError::fatal(format!("task `{task}` did not report a source path")))
     }
 }
@@ -93,9 +93,8 @@ fn open_release(path: &Path) -> Result<Release, StepError> {
 
 /// A downloaded directory (a download step's `output.path`) must be a release the later steps
 /// can read: checked before the step succeeds.
-fn checked_release(output: Value, ctx: &StepContext) -> Result<Value, StepError> {
-    let path = output.get("path").and_then(Value::as_str).map(PathBuf::from).unwrap_or_default();
-    let release = open_release(&path)?;
+fn checked_release(output: TaskOutput, ctx: &StepContext) -> Result<TaskOutput, StepError> {
+    let release = open_release(output.path.as_deref().unwrap_or(Path::new("")))?;
     (ctx.log)(format!(
         "release ok: {} files, {} tensors, {} bytes",
         release.files().len(),
@@ -175,9 +174,9 @@ pub fn shard_cache_key(job: &ShardJob, source_digest: &str) -> String {
 }
 
 /// Whether a cached checkpoint output still points at a complete checkpoint.
-pub fn cached_checkpoint_usable(output: &Value) -> bool {
-    let Some(dir) = output.get("dir").and_then(Value::as_str) else { return false };
-    open_checkpoint(Path::new(dir)).is_ok()
+pub fn cached_checkpoint_usable(output: &TaskOutput) -> bool {
+    let Some(dir) = &output.dir else { return false };
+    open_checkpoint(dir).is_ok()
 }
 
 fn staging_dir(job: &ShardJob) -> PathBuf {
@@ -197,7 +196,7 @@ fn exec_options(job: &ShardJob) -> ExecuteOptions {
 
 /// The plan a rank or commit task works from, checked against what the plan task recorded.
 fn checked_plan(ctx: &StepContext, job: &ShardJob, plan_task: &str) -> Result<(Release, Plan), StepError> {
-    let recorded = ctx.output(plan_task)?.get("plan_digest").and_then(Value::as_str).unwrap_or_default().to_string();
+    let recorded = ctx.output(plan_task)?.plan_digest.clone().unwrap_or_default();
     let release = open_release(&ctx.source_path(&job.source_task)?)?;
     let plan = job_plan(job, &release)?;
     let digest = plan_digest(&plan);
@@ -209,12 +208,13 @@ fn checked_plan(ctx: &StepContext, job: &ShardJob, plan_task: &str) -> Result<(R
     Ok((release, plan))
 }
 
-fn is_cached(ctx: &StepContext, plan_task: &str) -> Result<Option<Value>, StepError> {
-    Ok(ctx.output(plan_task)?.get("cached").cloned())
+/// The cached checkpoint's output when the plan task was served from the step cache.
+fn is_cached(ctx: &StepContext, plan_task: &str) -> Result<Option<TaskOutput>, StepError> {
+    Ok(ctx.output(plan_task)?.cached.as_ref().map(TaskOutput::from_value))
 }
 
 /// Runs one task. Returns its output.
-pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<Value, StepError> {
+pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepError> {
     match payload {
         Payload::Download { path, .. } => {
             let release = open_release(path)?;
@@ -226,15 +226,21 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<Value, StepError>
                 release.tensors().len(),
                 release.total_bytes()
             ));
-            Ok(json!({"path": path, "digest": digest, "bytes": release.total_bytes(), "files": release.files().len()}))
+            Ok(TaskOutput {
+                path: Some(path.clone()),
+                digest: Some(digest),
+                bytes: Some(release.total_bytes()),
+                files: Some(release.files().len() as u64),
+                ..TaskOutput::default()
+            })
         }
         Payload::HubDownload { repo, revision, allow, ignore, endpoint, .. } => {
             let req = HubRequest { repo, revision, allow, ignore, endpoint: endpoint.as_deref() };
-            checked_release(hub::download(&req, ctx.hub, ctx)?, ctx)
+            checked_release(TaskOutput::from_value(&hub::download(&req, ctx.hub, ctx)?), ctx)
         }
         Payload::ObjectDownload { url, cache_dir, .. } => {
             let cache_root = ctx.objects.cache_dir.as_deref().unwrap_or(cache_dir);
-            checked_release(objects::download(url, cache_root, ctx.objects, ctx)?, ctx)
+            checked_release(TaskOutput::from_value(&objects::download(url, cache_root, ctx.objects, ctx)?), ctx)
         }
         Payload::Plan { job } => {
             let release = open_release(&ctx.source_path(&job.source_task)?)?;
@@ -255,27 +261,28 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<Value, StepError>
                 per_rank.iter().sum::<u64>(),
                 plan.unconverted.len()
             ));
-            Ok(json!({
-                "plan_digest": plan_digest(&plan),
-                "mesh": plan.mesh.to_string(),
-                "world": plan.world(),
-                "keys": plan.tensors.len(),
-                "bytes_per_rank": per_rank,
-                "split_fused": job.split_fused,
-                "unconverted": plan.unconverted,
-            }))
+            Ok(TaskOutput {
+                plan_digest: Some(plan_digest(&plan)),
+                mesh: Some(plan.mesh.to_string()),
+                world: Some(plan.world()),
+                keys: Some(plan.tensors.len() as u64),
+                bytes_per_rank: Some(per_rank),
+                split_fused: Some(job.split_fused),
+                ..TaskOutput::default()
+            }
+            .with("unconverted", json!(plan.unconverted)))
         }
         Payload::Rank { job, plan_task, rank } => {
             if is_cached(ctx, plan_task)?.is_some() {
                 (ctx.log)("served from cache".into());
-                return Ok(json!({"cached": true}));
+                return Ok(TaskOutput { cached: Some(json!(true)), ..TaskOutput::default() });
             }
             let (release, plan) = checked_plan(ctx, job, plan_task)?;
             let staging = staging_dir(job);
             let bytes = execute::write_rank_file(&plan, &release, &staging, *rank, &exec_options(job), ctx.progress)
                 .map_err(|e| StepError::transient(e.to_string()))?;
             (ctx.log)(format!("wrote rank {rank}: {bytes} bytes"));
-            Ok(json!({"rank": rank, "bytes": bytes}))
+            Ok(TaskOutput { bytes: Some(bytes), ..TaskOutput::default() }.with("rank", json!(rank)))
         }
         Payload::Commit { job, plan_task } => {
             if let Some(cached) = is_cached(ctx, plan_task)? {
@@ -298,23 +305,29 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<Value, StepError>
                     .map_err(|e| StepError::transient(format!("{}: {e}", job.out.display())))?;
             }
             (ctx.log)(format!("committed {}", job.out.display()));
-            Ok(json!({
-                "dir": job.out, "format": job.format, "mesh": plan.mesh.to_string(), "world": plan.world(),
-                "keys": plan.tensors.len(), "bytes": plan.bytes_per_rank().iter().sum::<u64>(), "split_fused": job.split_fused,
-            }))
+            Ok(TaskOutput {
+                dir: Some(job.out.clone()),
+                mesh: Some(plan.mesh.to_string()),
+                world: Some(plan.world()),
+                keys: Some(plan.tensors.len() as u64),
+                bytes: Some(plan.bytes_per_rank().iter().sum::<u64>()),
+                split_fused: Some(job.split_fused),
+                ..TaskOutput::default()
+            }
+            .with("format", json!(job.format)))
         }
         Payload::SplitPassThrough { checkpoint_task } => {
-            let mut out = ctx.output(checkpoint_task)?.clone();
-            if let Some(o) = out.as_object_mut() {
-                o.insert("split".into(), json!("applied in the shard plan: no bytes were rewritten"));
-            }
+            let out = ctx
+                .output(checkpoint_task)?
+                .clone()
+                .with("split", json!("applied in the shard plan: no bytes were rewritten"));
             (ctx.log)("fused projections were split by the shard plan (plan exchanged, no intermediate output)".into());
             Ok(out)
         }
         Payload::Validate { checkpoint_task, source_task, prefix } => {
             let dir = checkpoint_dir(ctx, checkpoint_task)?;
             let source = ctx.source_path(source_task)?;
-            let split = ctx.output(checkpoint_task)?.get("split_fused").and_then(Value::as_bool).unwrap_or(true);
+            let split = ctx.output(checkpoint_task)?.split_fused.unwrap_or(true);
             let release = open_release(&source)?;
             let config = ModelConfig::from_json(release.config_json()).map_err(|e| StepError::fatal(e.to_string()))?;
             let defaults = PlanOptions::default();
@@ -331,7 +344,7 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<Value, StepError>
                 .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
                 .collect();
             // The unsplit form depends on tp: validate against the mesh it was written for.
-            let mesh = match ctx.output(checkpoint_task)?.get("mesh").and_then(Value::as_str).and_then(parse_mesh) {
+            let mesh = match ctx.output(checkpoint_task)?.mesh.as_deref().and_then(parse_mesh) {
                 Some(m) if !split => m,
                 _ => Mesh::new(1, 1, 1, 1),
             };
@@ -355,15 +368,17 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<Value, StepError>
                 )));
             }
             (ctx.log)(format!("{} tensors, {} bytes reconstructed bit-exactly", report.tensors, report.bytes_checked));
-            Ok(json!({"ok": true, "dir": dir, "tensors": report.tensors, "bytes_checked": report.bytes_checked}))
+            Ok(TaskOutput { dir: Some(dir), bytes_checked: Some(report.bytes_checked), ..TaskOutput::default() }
+                .with("ok", json!(true))
+                .with("tensors", json!(report.tensors)))
         }
         Payload::Upload { checkpoint_task, source_task, to, .. } => {
             let dir = checkpoint_dir(ctx, checkpoint_task)?;
             let dest = to.as_str();
             // A Hub download names its source (repository, commit); a local one is described by its output.
             let source = ctx.output(source_task)?;
-            let source = source.get("source").cloned().unwrap_or_else(|| source.clone());
-            let layout = ctx.output(checkpoint_task)?.clone();
+            let source = source.source.clone().unwrap_or_else(|| source.to_value());
+            let layout = ctx.output(checkpoint_task)?.to_value();
             // Object stores are reached through object_store, configured from the environment.
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -381,18 +396,18 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<Value, StepError>
                 report.skipped.len(),
                 report.bytes_copied
             ));
-            Ok(
-                json!({"dest": dest, "files": manifest.files.len(), "copied": report.copied.len(), "skipped": report.skipped.len()}),
-            )
+            Ok(TaskOutput { files: Some(manifest.files.len() as u64), ..TaskOutput::default() }
+                .with("dest", json!(dest))
+                .with("copied", json!(report.copied.len()))
+                .with("skipped", json!(report.skipped.len())))
         }
     }
 }
 
 fn checkpoint_dir(ctx: &StepContext, task: &str) -> Result<PathBuf, StepError> {
     ctx.output(task)?
-        .get("dir")
-        .and_then(Value::as_str)
-        .map(PathBuf::from)
+        .dir
+        .clone()
         .ok_or_else(|| StepError::fatal(format!("task `{task}` did not report a checkpoint directory")))
 }
 

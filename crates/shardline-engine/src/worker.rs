@@ -10,12 +10,15 @@ use std::time::Duration;
 
 use chrono::Utc;
 use serde_json::{json, Value};
+use shardline_control::graph::Payload;
+use shardline_control::{TaskOutput, TaskProgress};
 use shardline_formats::execute::Progress;
-use shardline_store::{Lease, LogLine, LogStream, Outcome, Resources, Store, TaskState, WorkerId, WorkerInfo};
+use shardline_store::{
+    Lease, LogLine, LogStream, Outcome, Resources, RunId, Store, TaskRow, TaskState, WorkerId, WorkerInfo,
+};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::graph::Payload;
 use crate::hub::{self, HubRequest, HubSettings};
 use crate::objects::{self, ObjectSourceSettings};
 use crate::steps::{self, StepContext, StepError};
@@ -101,14 +104,22 @@ pub async fn run_worker(
                 tokio::select! {
                     _ = store.wait_for_work(config.poll) => {}
                     _ = shutdown.changed() => {}
-                    _ = beat.tick() => { let _ = store.worker_heartbeat(id).await; }
+                    _ = beat.tick() => {
+                        if let Err(e) = store.worker_heartbeat(id).await {
+                            // Only the dashboard reads it; the next beat tries again.
+                            tracing::warn!("worker heartbeat failed (will retry): {e}");
+                        }
+                    }
                     Some(_) = running.join_next(), if !running.is_empty() => {}
                 }
             }
         }
     }
     while running.join_next().await.is_some() {}
-    let _ = store.stop_worker(id).await;
+    if let Err(e) = store.stop_worker(id).await {
+        // It only marks the worker stopped for listings; its leases are all settled by now.
+        tracing::warn!("marking worker {id} stopped failed: {e}");
+    }
     Ok(id)
 }
 
@@ -134,142 +145,226 @@ fn release(pool: &Mutex<Pool>, need: &Resources, devices: &[u32]) {
     p.gpus.extend(devices.iter().copied());
 }
 
-/// Runs one leased task to its outcome.
+/// Runs one leased task to its outcome: read what it builds on, serve it from the step cache
+/// or execute it, report the outcome, and remember a cacheable output.
 async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec<u32>) {
     let task = &lease.task;
     let (log_tx, log_rx) = mpsc::channel::<LogLine>();
     let mut logs = LogBuffer::new(log_rx);
-    let sys = |line: String| stamped(LogStream::System, line);
-    let _ = log_tx.send(sys(format!(
-        "attempt {} of `{}` on worker `{}` (lease token {})",
-        task.attempt, task.name, config.info.name, lease.token
-    )));
+    let log = |stream: LogStream, line: String| send_log(&log_tx, stream, line);
+    log(
+        LogStream::System,
+        format!(
+            "attempt {} of `{}` on worker `{}` (lease token {})",
+            task.attempt, task.name, config.info.name, lease.token
+        ),
+    );
     if !devices.is_empty() {
         let list = devices.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
-        let _ = log_tx.send(sys(format!("assigned GPUs [{list}] (CUDA_VISIBLE_DEVICES={list})")));
+        log(LogStream::System, format!("assigned GPUs [{list}] (CUDA_VISIBLE_DEVICES={list})"));
     }
-    let payload: Payload = match serde_json::from_value(task.payload.clone()) {
-        Ok(p) => p,
-        Err(e) => {
-            let error = format!("unreadable task payload: {e}");
-            let _ = log_tx.send(stamped(LogStream::Stderr, format!("error: {error}")));
-            logs.flush(store, &lease).await;
-            let _ = store.complete(&lease, Outcome::Failed { error, retryable: false }).await;
+    let (payload, outputs) = match inputs(store, task).await {
+        Ok(inputs) => inputs,
+        Err(failure) => {
+            if let Outcome::Failed { error, .. } = &failure {
+                log(LogStream::Stderr, format!("error: {error}"));
+            }
+            report(store, &lease, &mut logs, failure).await;
             return;
         }
     };
-    // Outputs of the run's finished tasks: what this task builds on.
-    let outputs: BTreeMap<String, Value> = match store.run_tasks(task.run).await {
-        Ok(tasks) => tasks
-            .into_iter()
-            .filter(|t| t.state == TaskState::Succeeded)
-            .filter_map(|t| t.output.map(|o| (t.name, o)))
-            .collect(),
-        Err(e) => {
-            let error = format!("reading run state: {e}");
-            let _ = log_tx.send(stamped(LogStream::Stderr, format!("error: {error}")));
-            logs.flush(store, &lease).await;
-            let _ = store.complete(&lease, Outcome::Failed { error, retryable: true }).await;
+    let cache_key = match check_cache(store, config, task.run, &payload, &outputs, &log).await {
+        CacheCheck::Hit(output) => {
+            report(store, &lease, &mut logs, Outcome::Succeeded { output: output.to_value() }).await;
             return;
         }
+        CacheCheck::Miss { key } => key,
     };
-
-    // The step cache, checked before any byte moves.
-    let mut cache_key = None;
-    if let Payload::Plan { job } = &payload {
-        let digest = outputs.get(&job.source_task).and_then(|o| o.get("digest")).and_then(Value::as_str).unwrap_or("");
-        let key = steps::shard_cache_key(job, digest);
-        if config.use_cache && job.cache && run_uses_cache(store, task.run).await {
-            if let Ok(Some(hit)) = store.cache_get(&key).await {
-                if steps::cached_checkpoint_usable(&hit) {
-                    let _ =
-                        log_tx.send(sys(format!("cache hit {key}: {}", hit.get("dir").cloned().unwrap_or_default())));
-                    logs.flush(store, &lease).await;
-                    let _ = store
-                        .complete(
-                            &lease,
-                            Outcome::Succeeded { output: json!({"cached": hit, "cache_key": key, "plan_digest": ""}) },
-                        )
-                        .await;
-                    return;
-                }
+    let started = tokio::time::Instant::now();
+    let result = run_step(store, config, &lease, &mut logs, &log_tx, &payload, &outputs).await;
+    match conclude(store, task, &payload, cache_key, started, result, &log).await {
+        Ok(output) => {
+            let accepted = report(store, &lease, &mut logs, Outcome::Succeeded { output: output.to_value() }).await;
+            if accepted {
+                remember(store, &payload, &outputs, &output).await;
             }
         }
-        cache_key = Some(key);
+        Err(failure) => {
+            report(store, &lease, &mut logs, failure).await;
+        }
     }
-    // A Hub download: the revision is resolved to a commit (one API request); a snapshot of that
-    // commit with the same patterns that is still complete on disk is reused without a download.
-    if let Payload::HubDownload { repo, revision, allow, ignore, endpoint, cache, .. } = &payload {
-        if config.use_cache && *cache && run_uses_cache(store, task.run).await {
+}
+
+/// What a step's result means for its task: a success records its plan (a plan task) and its
+/// cache key and is logged; a failure after the task's timeout is a timeout (retryable).
+async fn conclude(
+    store: &Store,
+    task: &TaskRow,
+    payload: &Payload,
+    cache_key: Option<String>,
+    started: tokio::time::Instant,
+    result: Result<TaskOutput, StepError>,
+    log: &(dyn Fn(LogStream, String) + Sync),
+) -> Result<TaskOutput, Outcome> {
+    let timed_out = !task.timeout.is_zero() && started.elapsed() > task.timeout;
+    match result {
+        Ok(mut output) => {
+            if let Payload::Plan { .. } = payload {
+                if let Err(e) = store.set_run_plan(task.run, output.to_value()).await {
+                    // The plan is shown with the run; the tasks read it from the plan task's output.
+                    tracing::warn!("storing the plan of run {} failed: {e}", task.run);
+                }
+            }
+            if cache_key.is_some() {
+                output.cache_key = cache_key;
+            }
+            log(LogStream::System, format!("succeeded in {:.2}s", started.elapsed().as_secs_f64()));
+            Ok(output)
+        }
+        Err(e) if timed_out => {
+            Err(Outcome::Failed { error: format!("timed out after {:?}: {e}", task.timeout), retryable: true })
+        }
+        Err(e) => {
+            log(LogStream::Stderr, format!("error: {e}"));
+            Err(Outcome::Failed { error: e.message, retryable: e.retryable })
+        }
+    }
+}
+
+/// What a task reads before it runs: its payload and the outputs of the run's succeeded tasks.
+/// A failure is the outcome to report instead.
+async fn inputs(store: &Store, task: &TaskRow) -> Result<(Payload, BTreeMap<String, TaskOutput>), Outcome> {
+    let payload: Payload = serde_json::from_value(task.payload.clone())
+        .map_err(|e| Outcome::Failed { error: format!("unreadable task payload: {e}"), retryable: false })?;
+    let tasks = store
+        .run_tasks(task.run)
+        .await
+        .map_err(|e| Outcome::Failed { error: format!("reading run state: {e}"), retryable: true })?;
+    let outputs = tasks
+        .into_iter()
+        .filter(|t| t.state == TaskState::Succeeded)
+        .filter_map(|t| Some((t.name, TaskOutput::from_value(t.output.as_ref()?))))
+        .collect();
+    Ok((payload, outputs))
+}
+
+/// What the step cache says about a task before any byte moves.
+enum CacheCheck {
+    /// Served from the cache: the output to report.
+    Hit(Box<TaskOutput>),
+    /// To run; a plan's `key` goes into its output, for its commit to remember the checkpoint by.
+    Miss { key: Option<String> },
+}
+
+/// Looks a task up in the step cache: a shard plan by its job and source digest, a Hub download
+/// by its commit (one API request resolves the revision), an object-store download by its
+/// listing (names, sizes, ETags). A hit must still be complete on disk to be served.
+async fn check_cache(
+    store: &Store,
+    config: &WorkerConfig,
+    run: RunId,
+    payload: &Payload,
+    outputs: &BTreeMap<String, TaskOutput>,
+    log: &(dyn Fn(LogStream, String) + Sync),
+) -> CacheCheck {
+    let miss = CacheCheck::Miss { key: None };
+    let step_cache =
+        |step_allows: bool| async move { step_allows && config.use_cache && run_uses_cache(store, run).await };
+    match payload {
+        Payload::Plan { job } => {
+            let digest = outputs.get(&job.source_task).and_then(|o| o.digest.as_deref()).unwrap_or("");
+            let key = steps::shard_cache_key(job, digest);
+            if step_cache(job.cache).await {
+                if let Some(hit) = cached(store, &key, steps::cached_checkpoint_usable).await {
+                    log(LogStream::System, format!("cache hit {key}: {}", Value::from(path_text(&hit.dir))));
+                    return CacheCheck::Hit(Box::new(TaskOutput {
+                        cached: Some(hit.to_value()),
+                        cache_key: Some(key),
+                        plan_digest: Some(String::new()),
+                        ..TaskOutput::default()
+                    }));
+                }
+            }
+            CacheCheck::Miss { key: Some(key) }
+        }
+        Payload::HubDownload { repo, revision, allow, ignore, endpoint, cache, .. } if step_cache(*cache).await => {
             let req = HubRequest { repo, revision, allow, ignore, endpoint: endpoint.as_deref() };
-            match hub::resolve_sha(&req, &config.hub).await {
-                Ok(sha) => {
-                    let key = hub::cache_key(repo, &sha, allow, ignore);
-                    if let Ok(Some(hit)) = store.cache_get(&key).await {
-                        if hub::cached_snapshot_usable(&hit) {
-                            let _ = log_tx.send(sys(format!(
-                                "cache hit {key}: `{repo}` at `{revision}` is commit {sha}, already in {}",
-                                hit.get("path").and_then(Value::as_str).unwrap_or_default()
-                            )));
-                            let mut output = hit;
-                            if let Some(o) = output.as_object_mut() {
-                                o.insert("cached".into(), json!(true));
-                                o.insert("revision".into(), json!(revision));
-                                if let Some(s) = o.get_mut("source").and_then(Value::as_object_mut) {
-                                    s.insert("revision".into(), json!(revision));
-                                }
-                            }
-                            logs.flush(store, &lease).await;
-                            let _ = store.complete(&lease, Outcome::Succeeded { output }).await;
-                            return;
-                        }
-                    }
-                }
-                // The download reports the error (with its retries) if it persists.
-                Err(e) => {
-                    let _ = log_tx.send(sys(format!("step cache not consulted: {e}")));
-                }
+            let sha = match hub::resolve_sha(&req, &config.hub).await {
+                Ok(sha) => sha,
+                Err(e) => return not_consulted(log, e),
+            };
+            let key = hub::cache_key(repo, &sha, allow, ignore);
+            let Some(mut hit) = cached(store, &key, hub::cached_snapshot_usable).await else { return miss };
+            log(
+                LogStream::System,
+                format!(
+                    "cache hit {key}: `{repo}` at `{revision}` is commit {sha}, already in {}",
+                    path_text(&hit.path).unwrap_or_default()
+                ),
+            );
+            hit.cached = Some(json!(true));
+            hit.rest.insert("revision".into(), json!(revision));
+            if let Some(s) = hit.source.as_mut().and_then(Value::as_object_mut) {
+                s.insert("revision".into(), json!(revision));
             }
+            CacheCheck::Hit(Box::new(hit))
         }
-    }
-
-    // An object-store prefix: listed (names, sizes, ETags); a directory downloaded before from the
-    // same listing that is still complete on disk is reused without a byte downloaded.
-    if let Payload::ObjectDownload { url, cache: true, .. } = &payload {
-        if config.use_cache && run_uses_cache(store, task.run).await {
+        Payload::ObjectDownload { url, cache, .. } if step_cache(*cache).await => {
             let listed = match objects::open(url, &config.objects) {
                 Ok(src) => objects::list(&src).await,
                 Err(e) => Err(e),
             };
-            match listed {
-                Ok(listing) => {
-                    let key = listing.cache_key();
-                    if let Ok(Some(hit)) = store.cache_get(&key).await {
-                        if objects::cached_output_usable(&hit) {
-                            let _ = log_tx.send(sys(format!(
-                                "cache hit {key}: {} lists the same {} objects, already in {}",
-                                listing.url,
-                                listing.objects.len(),
-                                hit.get("path").and_then(Value::as_str).unwrap_or_default()
-                            )));
-                            let mut output = hit;
-                            if let Some(o) = output.as_object_mut() {
-                                o.insert("cached".into(), json!(true));
-                            }
-                            logs.flush(store, &lease).await;
-                            let _ = store.complete(&lease, Outcome::Succeeded { output }).await;
-                            return;
-                        }
-                    }
-                }
-                // The download reports the error (with its retries) if it persists.
-                Err(e) => {
-                    let _ = log_tx.send(sys(format!("step cache not consulted: {e}")));
-                }
-            }
+            let listing = match listed {
+                Ok(listing) => listing,
+                Err(e) => return not_consulted(log, e),
+            };
+            let key = listing.cache_key();
+            let Some(mut hit) = cached(store, &key, objects::cached_output_usable).await else { return miss };
+            log(
+                LogStream::System,
+                format!(
+                    "cache hit {key}: {} lists the same {} objects, already in {}",
+                    listing.url,
+                    listing.objects.len(),
+                    path_text(&hit.path).unwrap_or_default()
+                ),
+            );
+            hit.cached = Some(json!(true));
+            CacheCheck::Hit(Box::new(hit))
         }
+        _ => miss,
     }
+}
 
+/// The download reports the error (with its retries) if it persists.
+fn not_consulted(log: &(dyn Fn(LogStream, String) + Sync), e: StepError) -> CacheCheck {
+    log(LogStream::System, format!("step cache not consulted: {e}"));
+    CacheCheck::Miss { key: None }
+}
+
+/// The cached output under `key`, when there is one and `usable` says it is still complete. An
+/// unreadable cache is a miss: the task runs.
+async fn cached(store: &Store, key: &str, usable: fn(&TaskOutput) -> bool) -> Option<TaskOutput> {
+    let hit = store.cache_get(key).await.ok().flatten()?;
+    Some(TaskOutput::from_value(&hit)).filter(usable)
+}
+
+fn path_text(p: &Option<std::path::PathBuf>) -> Option<String> {
+    p.as_ref().map(|p| p.display().to_string())
+}
+
+/// Executes the task on a blocking thread; meanwhile flushes its logs, heartbeats its lease with
+/// progress, and stops it when the lease is lost or its timeout passed.
+async fn run_step(
+    store: &Store,
+    config: &WorkerConfig,
+    lease: &Lease,
+    logs: &mut LogBuffer,
+    log_tx: &mpsc::Sender<LogLine>,
+    payload: &Payload,
+    outputs: &BTreeMap<String, TaskOutput>,
+) -> Result<TaskOutput, StepError> {
+    let task = &lease.task;
     let progress = Arc::new(Progress::default());
     let bytes_total = Arc::new(AtomicU64::new(0));
     let exec = {
@@ -277,14 +372,13 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
         let bytes_total = bytes_total.clone();
         let hub_settings = config.hub.clone();
         let object_settings = config.objects.clone();
-        let log_tx = log_tx.clone();
+        let log_tx = Mutex::new(log_tx.clone());
         let payload = payload.clone();
         let outputs = outputs.clone();
         tokio::task::spawn_blocking(move || {
-            let log_tx = Mutex::new(log_tx);
             let log = move |line: String| {
                 if let Ok(tx) = log_tx.lock() {
-                    let _ = tx.send(stamped(LogStream::Stdout, line));
+                    send_log(&tx, LogStream::Stdout, line);
                 }
             };
             let ctx = StepContext {
@@ -305,31 +399,29 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
     let mut log_tick = tokio::time::interval((config.lease_ttl / 3).min(LOG_FLUSH));
     log_tick.tick().await;
     let started = tokio::time::Instant::now();
-    let result: Result<Value, StepError> = loop {
+    loop {
         tokio::select! {
             r = &mut exec => {
-                break r.unwrap_or_else(|e| Err(StepError::transient(format!("task panicked: {e}"))));
+                return r.unwrap_or_else(|e| Err(StepError::transient(format!("task panicked: {e}"))));
             }
             _ = log_tick.tick() => {
-                logs.flush(store, &lease).await;
+                logs.flush(store, lease).await;
             }
             _ = tick.tick() => {
-                logs.flush(store, &lease).await;
-                let mut p = json!({
-                    "bytes": progress.bytes_written.load(Ordering::Relaxed),
-                    "chunks": progress.chunks_written.load(Ordering::Relaxed),
-                    "files": progress.files_done.load(Ordering::Relaxed),
-                });
+                logs.flush(store, lease).await;
                 let total = bytes_total.load(Ordering::Relaxed);
-                if total > 0 {
-                    p["bytes_total"] = json!(total);
-                }
-                match store.heartbeat(&lease, config.lease_ttl, Some(p)).await {
+                let p = TaskProgress {
+                    bytes: progress.bytes_written.load(Ordering::Relaxed),
+                    chunks: progress.chunks_written.load(Ordering::Relaxed),
+                    files: progress.files_done.load(Ordering::Relaxed),
+                    bytes_total: (total > 0).then_some(total),
+                };
+                match store.heartbeat(lease, config.lease_ttl, Some(p.to_value())).await {
                     Ok(true) => {}
                     Ok(false) => {
                         // Fenced out (expired, re-leased or cancelled): stop writing at once.
                         progress.cancel.store(true, Ordering::Relaxed);
-                        let _ = log_tx.send(sys("lease lost; stopping".into()));
+                        send_log(log_tx, LogStream::System, "lease lost; stopping".into());
                     }
                     Err(e) => tracing::warn!("heartbeat failed (will retry): {e}"),
                 }
@@ -338,44 +430,17 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
                 }
             }
         }
-    };
-    let timed_out = !task.timeout.is_zero() && started.elapsed() > task.timeout;
-    let outcome = match result {
-        Ok(output) => {
-            if let Payload::Plan { .. } = &payload {
-                let _ = store.set_run_plan(task.run, output.clone()).await;
-            }
-            let mut output = output;
-            if let (Some(key), Some(o)) = (&cache_key, output.as_object_mut()) {
-                o.insert("cache_key".into(), json!(key));
-            }
-            let _ = log_tx.send(sys(format!("succeeded in {:.2}s", started.elapsed().as_secs_f64())));
-            Outcome::Succeeded { output }
-        }
-        Err(e) if timed_out => {
-            Outcome::Failed { error: format!("timed out after {:?}: {e}", task.timeout), retryable: true }
-        }
-        Err(e) => {
-            let _ = log_tx.send(stamped(LogStream::Stderr, format!("error: {e}")));
-            Outcome::Failed { error: e.message, retryable: e.retryable }
-        }
-    };
-    logs.flush(store, &lease).await;
-    let succeeded_commit = matches!((&payload, &outcome), (Payload::Commit { .. }, Outcome::Succeeded { .. }));
-    let succeeded_hub_download = matches!(
-        (&payload, &outcome),
-        (
-            Payload::HubDownload { cache: true, .. } | Payload::ObjectDownload { cache: true, .. },
-            Outcome::Succeeded { .. }
-        )
-    );
-    let output_for_cache = match &outcome {
-        Outcome::Succeeded { output } => Some(output.clone()),
-        _ => None,
-    };
+    }
+}
+
+/// Reports the outcome with the lease's token (a few tries while the store is unreachable), then
+/// gives the log lines the store refused meanwhile a few more chances. Returns whether the store
+/// accepted the outcome (false: the lease was lost, or the store stayed unreachable).
+async fn report(store: &Store, lease: &Lease, logs: &mut LogBuffer, outcome: Outcome) -> bool {
+    logs.flush(store, lease).await;
     let mut accepted = false;
     for _ in 0..5 {
-        match store.complete(&lease, outcome.clone()).await {
+        match store.complete(lease, outcome.clone()).await {
             Ok(a) => {
                 accepted = a;
                 break;
@@ -383,42 +448,51 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
             Err(e) => {
                 tracing::warn!("reporting the outcome failed (will retry): {e}");
                 tokio::time::sleep(Duration::from_millis(500)).await;
-                logs.flush(store, &lease).await;
+                logs.flush(store, lease).await;
             }
         }
     }
-    // Lines the store refused while the outcome was pending get a few more chances.
     for _ in 0..5 {
-        if logs.flush(store, &lease).await {
+        if logs.flush(store, lease).await {
             break;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    if accepted && succeeded_hub_download {
-        // Remember the snapshot under its commit's key (computed by the download from the sha it
-        // got), a downloaded prefix under its listing's key.
-        if let Some(output) = &output_for_cache {
-            if let Some(key) = output.get("cache_key").and_then(Value::as_str) {
-                let _ = store.cache_put(key, output).await;
-            }
+    accepted
+}
+
+/// Remembers an accepted output in the step cache: a downloaded snapshot or prefix under the key
+/// its download computed (from the commit, from the listing), a committed checkpoint under its
+/// plan task's key.
+async fn remember(store: &Store, payload: &Payload, outputs: &BTreeMap<String, TaskOutput>, output: &TaskOutput) {
+    let key = match payload {
+        Payload::HubDownload { cache: true, .. } | Payload::ObjectDownload { cache: true, .. } => {
+            output.cache_key.as_deref()
         }
-    }
-    if accepted && succeeded_commit {
-        // Remember the committed checkpoint under its plan task's cache key.
-        if let (Payload::Commit { plan_task, job }, Some(output)) = (&payload, output_for_cache) {
-            let key = outputs.get(plan_task).and_then(|o| o.get("cache_key")).and_then(Value::as_str);
-            if let Some(key) = key.filter(|_| job.cache && output.get("dir").is_some()) {
-                let _ = store.cache_put(key, &output).await;
-            }
+        Payload::Commit { plan_task, job } if job.cache && output.dir.is_some() => {
+            outputs.get(plan_task).and_then(|o| o.cache_key.as_deref())
+        }
+        _ => None,
+    };
+    if let Some(key) = key {
+        if let Err(e) = store.cache_put(key, &output.to_value()).await {
+            // The cache only saves work: a later run recomputes what was not remembered.
+            tracing::warn!("remembering the output under {key} failed: {e}");
         }
     }
 }
 
-async fn run_uses_cache(store: &Store, run: shardline_store::RunId) -> bool {
+async fn run_uses_cache(store: &Store, run: RunId) -> bool {
     match store.get_run(run).await {
-        Ok(Some(r)) => !r.params.get("__no_cache").and_then(Value::as_bool).unwrap_or(false),
+        Ok(Some(r)) => !r.options.no_cache,
         _ => true,
     }
+}
+
+/// Queues a log line for the store. The receiver lives as long as the task's handler, which
+/// outlives every sender, so a send cannot fail while anyone reads: a failure is ignored.
+fn send_log(tx: &mpsc::Sender<LogLine>, stream: LogStream, line: String) {
+    let _ = tx.send(stamped(stream, line));
 }
 
 /// Longest a log line waits before it is sent to the store.

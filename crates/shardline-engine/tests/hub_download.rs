@@ -66,7 +66,7 @@ async fn setup(kind: Kind) -> Setup {
 }
 
 impl Setup {
-    async fn run(&self) -> (shardline_engine::Submitted, shardline_store::RunRow) {
+    async fn run(&self) -> (shardline_control::Submitted, shardline_store::RunRow) {
         let s = self.h.submit(PIPELINE, &[("endpoint", self.hub.endpoint())], false).await;
         let r = self.h.wait_finished(s.run, RUN_TIMEOUT).await;
         (s, r)
@@ -89,7 +89,7 @@ fn fixture_bytes() -> u64 {
 }
 
 fn run_name(r: &shardline_store::RunRow) -> String {
-    r.params["__run_name"].as_str().expect("run name").to_string()
+    r.options.name.clone().expect("run name")
 }
 
 shardline_testdb::on_both_backends!(

@@ -63,7 +63,7 @@ async fn setup(kind: Kind) -> Setup {
 }
 
 impl Setup {
-    async fn run(&self, source: &str) -> (shardline_engine::Submitted, shardline_store::RunRow) {
+    async fn run(&self, source: &str) -> (shardline_control::Submitted, shardline_store::RunRow) {
         let s = self.h.submit(PIPELINE, &[("source", source.to_string())], false).await;
         let r = self.h.wait_finished(s.run, RUN_TIMEOUT).await;
         (s, r)

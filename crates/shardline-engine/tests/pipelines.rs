@@ -46,7 +46,7 @@ fn dir_of(v: &Value) -> PathBuf {
 }
 
 fn run_name(r: &shardline_store::RunRow) -> String {
-    r.params["__run_name"].as_str().expect("run name").to_string()
+    r.options.name.clone().expect("run name")
 }
 
 // ---------------------------------------------------------------------------------------------

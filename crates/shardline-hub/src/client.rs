@@ -8,6 +8,7 @@ use std::time::Duration;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue, AUTHORIZATION, IF_NONE_MATCH, LOCATION, RETRY_AFTER};
 use reqwest::{Method, Response, StatusCode, Url};
 use serde::Deserialize;
+use shardline_backoff::Backoff;
 
 use crate::env::HubEnv;
 use crate::repo::{check_revision, is_commit_sha, is_safe_repo_path};
@@ -39,18 +40,8 @@ impl Default for RetryPolicy {
 
 impl RetryPolicy {
     pub(crate) fn backoff(&self, attempt: u32) -> Duration {
-        let exp = self.base_delay.saturating_mul(1u32 << attempt.saturating_sub(1).min(16));
-        let capped = exp.min(self.max_delay);
-        capped.mul_f64(0.5 + 0.5 * jitter())
+        Backoff { base: self.base_delay, cap: self.max_delay, spread: (0.5, 1.0) }.jittered(attempt)
     }
-}
-
-/// A number in [0, 1) that differs between calls (std's randomly keyed hasher, no RNG crate).
-fn jitter() -> f64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64));
-    (h.finish() >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// The answer to [`HubClient::revision_if_changed`].

@@ -1,6 +1,9 @@
 /*!
 A HuggingFace Hub client for the first step of every Shardline pipeline (`hf.download`).
 
+**Owns:** talking to the Hub and the HF cache layout. **Must not depend on:** any workspace
+crate: the engine and the trigger poller use it, never the other way round.
+
 It resolves a revision to a commit sha and the commit's files (sizes, LFS sha256), downloads the
 selected files with bounded parallel streams (large files as parallel ranges, partial files
 resumed with `Range`), **verifies every file's digest before it is linked** (sha256 for LFS,

@@ -2,6 +2,9 @@
 //! store (`file://`, `s3://`, `gs://`, `az://`), all through the `object_store` crate — a local
 //! destination is object_store's `LocalFileSystem`, so both take the same code path.
 //!
+//! **Owns:** destinations and object stores (the one place they are configured) and the
+//! manifest. **Must not depend on:** any workspace crate.
+//!
 //! # The protocol
 //!
 //! 1. Every source file is hashed (size and SHA-256).

@@ -2,6 +2,12 @@
 //! YAML files, read with a position for every key path, linted with every problem reported at
 //! once in compiler style, and instantiated into typed, hashable step configs.
 //!
+//! **Owns:** the spec language (syntax, lint, `--set`, interpolation, triggers' settings); its
+//! sizes and durations are `shardline-units`'.
+//! **Must not depend on:** any workspace crate but `shardline-layout` (model configs for mesh
+//! checks) and `shardline-units`, nor on I/O of any kind: files come in as text, model configs
+//! through `LintContext`.
+//!
 //! ```
 //! use shardline_spec::{lint, LintContext};
 //!
@@ -69,7 +75,6 @@ pub use schema::is_object_store_source;
 mod suggest;
 mod template;
 pub mod triggers;
-mod units;
 mod yaml;
 
 pub use diagnostic::{render_all, Diagnostic, Severity, MAX_DIAGNOSTICS};
@@ -80,13 +85,13 @@ pub use model::{
     UnknownStepKind, API_VERSION, KIND,
 };
 pub use resolve::{parse_override, OverrideSyntaxError};
+pub use shardline_units::{format_duration, format_size, parse_duration, parse_size, UnitError};
 pub use suggest::did_you_mean;
 pub use template::{Part, Template};
 pub use triggers::{
     parse_cron, parse_timezone, MissedPolicy, Schedule, Trigger, TriggerContext, TriggerKind, Watch, WatchTarget,
     DEFAULT_WATCH_INTERVAL, MIN_WATCH_INTERVAL, ON_TIME_GRACE, TRIGGER_VARS,
 };
-pub use units::{format_duration, format_size, parse_duration, parse_size, UnitError};
 
 /// Limits on untrusted input.
 pub mod limits {

@@ -11,8 +11,8 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::template::Template;
-use crate::units::{format_duration, format_size};
 use crate::yaml::Span;
+use shardline_units::{format_duration, format_size};
 
 /// The only `apiVersion` this crate reads.
 pub const API_VERSION: &str = "shardline/v1";

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use crate::model::{OutputFormatName, ParamType, ParamValue, SpecValue, StepKind};
 use crate::suggest::{did_you_mean, list};
-use crate::units::{format_size, parse_duration, parse_size};
 use crate::yaml::{describe_scalar, quote, Kind, Node, Resolved};
+use shardline_units::{format_size, parse_duration, parse_size};
 
 /// The type of a field.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

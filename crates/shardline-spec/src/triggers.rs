@@ -35,8 +35,8 @@ use serde::{Deserialize, Serialize};
 use crate::diagnostic::Diagnostic;
 use crate::model::ParamSpec;
 use crate::suggest::{did_you_mean, list};
-use crate::units::{format_duration, parse_duration};
 use crate::yaml::{quote, Entry, Kind, Node, Resolved, Span};
+use shardline_units::{format_duration, parse_duration};
 
 /// Keys of one entry of `triggers`.
 pub(crate) const TRIGGER_KEYS: &[&str] = &["schedule", "watch", "params"];

@@ -86,7 +86,13 @@ fn summary(label: &str, mut ms: Vec<f64>) {
 async fn new_run(store: &Store, label: &str) -> RunId {
     let p = store.upsert_pipeline("bench", "bench", "bench").await.expect("pipeline");
     store
-        .create_run(NewRun { pipeline_id: p, dedupe_key: None, params: json!({ "phase": label }), spec: json!({}) })
+        .create_run(NewRun {
+            pipeline_id: p,
+            dedupe_key: None,
+            params: json!({ "phase": label }),
+            spec: json!({}),
+            options: Default::default(),
+        })
         .await
         .expect("create_run")
         .0

@@ -113,6 +113,7 @@ fn render(text: &str, backend: Backend) -> String {
 /// A query argument.
 #[derive(Debug, Clone)]
 pub(crate) enum Arg {
+    Bool(bool),
     I64(i64),
     OptI64(Option<i64>),
     Text(String),
@@ -123,6 +124,11 @@ pub(crate) enum Arg {
     OptTime(Option<DateTime<Utc>>),
 }
 
+impl From<bool> for Arg {
+    fn from(v: bool) -> Arg {
+        Arg::Bool(v)
+    }
+}
 impl From<i64> for Arg {
     fn from(v: i64) -> Arg {
         Arg::I64(v)
@@ -189,6 +195,7 @@ macro_rules! bind_all {
         let mut q = $q;
         for a in $args {
             q = match a {
+                Arg::Bool(v) => q.bind(v),
                 Arg::I64(v) => q.bind(v),
                 Arg::OptI64(v) => q.bind(v),
                 Arg::Text(v) => q.bind(v),

@@ -3,8 +3,9 @@
 
 use std::time::Duration;
 
-use rand::Rng;
 use serde_json::{json, Value};
+use shardline_backoff::Backoff;
+use shardline_units::format_duration_human;
 
 use crate::db::{args, sql, Conn, PoolConn};
 use crate::error::{Result, StoreError};
@@ -428,7 +429,7 @@ impl Store {
                 AttemptOutcome::TimedOut,
                 format!(
                     "timed out after {} (attempt {made}, owner {})",
-                    human(Duration::from_millis(u64::try_from(info.timeout_ms).unwrap_or(0))),
+                    format_duration_human(Duration::from_millis(u64::try_from(info.timeout_ms).unwrap_or(0))),
                     cand.owner
                 ),
             )
@@ -523,8 +524,10 @@ async fn fail_attempt(
             return Ok(None);
         }
         end_attempt(c, info.id, token, outcome, error).await?;
-        let message =
-            format!("retry in {} after: {error}", human(Duration::from_millis(u64::try_from(delay).unwrap_or(0))));
+        let message = format!(
+            "retry in {} after: {error}",
+            format_duration_human(Duration::from_millis(u64::try_from(delay).unwrap_or(0)))
+        );
         task_events(c, &json!([info.id]), Some(&message)).await?;
         if delay == 0 {
             notify(c).await?;
@@ -621,15 +624,10 @@ async fn finish_run_if_done(c: &mut Conn<'_>, run: i64) -> Result<()> {
 /// The delay before retry number `made` (1 after the first failed attempt):
 /// `backoff · 2^(made-1)`, ± 20 % jitter, at most [`MAX_BACKOFF`]; in milliseconds.
 pub(crate) fn retry_delay(backoff_ms: i64, made: i64) -> i64 {
-    if backoff_ms <= 0 {
-        return 0;
-    }
-    let cap = i64::try_from(MAX_BACKOFF.as_millis()).unwrap_or(i64::MAX);
-    let exp = u32::try_from((made - 1).clamp(0, 40)).unwrap_or(40);
-    let base = backoff_ms.saturating_mul(1i64.checked_shl(exp).unwrap_or(i64::MAX)).min(cap);
-    let jitter: f64 = rand::rng().random_range(0.8..=1.2);
-    // Both factors are bounded, so the product fits; the cast saturates anyway.
-    ((base as f64 * jitter) as i64).clamp(0, cap)
+    let Ok(base) = u64::try_from(backoff_ms) else { return 0 };
+    let failures = u32::try_from(made.max(1)).unwrap_or(u32::MAX);
+    let delay = Backoff { base: Duration::from_millis(base), cap: MAX_BACKOFF, spread: (0.8, 1.2) }.jittered(failures);
+    i64::try_from(delay.as_millis()).unwrap_or(i64::MAX)
 }
 
 /// Errors are stored as text: no NUL bytes (PostgreSQL refuses them), at most 64 KiB.
@@ -645,20 +643,6 @@ pub(crate) fn clean(s: &str) -> String {
         out.push_str(" … (truncated)");
     }
     out
-}
-
-/// `1.5s`, `2m 5s`, `3h 0m`.
-pub(crate) fn human(d: Duration) -> String {
-    let ms = d.as_millis();
-    if ms < 1000 {
-        format!("{ms}ms")
-    } else if ms < 60_000 {
-        format!("{:.1}s", d.as_secs_f64())
-    } else if ms < 3_600_000 {
-        format!("{}m {}s", ms / 60_000, (ms / 1000) % 60)
-    } else {
-        format!("{}h {}m", ms / 3_600_000, (ms / 60_000) % 60)
-    }
 }
 
 #[cfg(test)]

@@ -3,6 +3,10 @@ The job store of the Shardline orchestrator: pipelines, runs, the tasks of a run
 dependencies, leases of tasks to workers, attempts, logs, events and the step cache — on
 PostgreSQL (shared deployments) or SQLite (the embedded default), behind one API.
 
+**Owns:** every table and every SQL statement on them (API tokens included), and task state:
+only the store changes it. **Must not depend on:** any workspace crate; payloads and outputs
+are opaque JSON to it, typed by `shardline-control`.
+
 # Leasing
 
 A worker asks for work with the resources it has free; [`Store::claim`] hands it at most one
@@ -51,11 +55,13 @@ dedicated connection with a jittered poll as fallback. On SQLite writers are ser
 # Schema
 
 `migrations/postgres` (everything in schema `shardline`) and `migrations/sqlite`, applied by
-[`Store::connect`]: `pipelines` (one row per spec version), `runs`, `tasks`, `task_deps`
-(edges), `attempts` (one row per lease), `workers`, `events`, `logs` (kept for ever, no
-reference to workers), `cache`, `triggers` and `trigger_firings` (see [`Store::list_triggers`] and
-[`Store::claim_firing`]). On PostgreSQL, `claim_task` and `complete_succeeded` are
-plpgsql functions, so a claim and a success are one round trip each.
+[`Store::connect`]: `pipelines` (one row per spec version), `runs` (their [`RunOptions`] in
+columns of their own, never in `params`), `tasks`, `task_deps` (edges), `attempts` (one row
+per lease), `workers`, `events`, `logs` (kept for ever, no reference to workers), `cache`,
+`triggers` and `trigger_firings` (see [`Store::list_triggers`] and [`Store::claim_firing`]),
+and `api_tokens` (hashes of the HTTP API's tokens, see [`Store::insert_token`]). Every SQL
+statement on these tables is in this crate. On PostgreSQL, `claim_task` and
+`complete_succeeded` are plpgsql functions, so a claim and a success are one round trip each.
 
 # Example
 
@@ -67,7 +73,13 @@ use shardline_store::*;
 let store = Store::connect("sqlite::memory:").await?;
 let pipeline = store.upsert_pipeline("convert", "steps: …", "sha256:…").await?;
 let (run, _created) = store
-    .create_run(NewRun { pipeline_id: pipeline, dedupe_key: None, params: serde_json::json!({}), spec: serde_json::json!({}) })
+    .create_run(NewRun {
+        pipeline_id: pipeline,
+        dedupe_key: None,
+        params: serde_json::json!({}),
+        spec: serde_json::json!({}),
+        options: RunOptions::default(),
+    })
     .await?;
 store
     .add_tasks(run, vec![NewTask { name: "download".into(), step_id: "download".into(), kind: "hf.download".into(), ..NewTask::default() }])
@@ -85,13 +97,15 @@ if let Some(lease) = store.claim(worker, &free, Duration::from_secs(60)).await? 
 ```
 */
 
+mod batch;
 mod db;
 mod error;
 mod lease;
+mod listings;
 mod read;
 mod records;
 mod runs;
-pub mod tokens;
+mod tokens;
 mod triggers;
 mod types;
 
@@ -102,6 +116,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rand::Rng;
+use shardline_backoff::Backoff;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -110,8 +125,10 @@ use tokio::task::JoinHandle;
 
 pub use error::StoreError;
 pub use lease::{MAX_BACKOFF, REAP_BATCH};
+pub use listings::{LeasedTask, PipelineSummary, PipelineVersion};
 pub use read::{MAX_LOG_LINE, MAX_PAGE};
-pub use triggers::{FiringClaim, FiringRecord, NewTrigger, TriggerCheck, TriggerRecord};
+pub use tokens::TokenRow;
+pub use triggers::{FiringClaim, FiringRecord, NewTrigger, TriggerCheck, TriggerRecord, TriggerState};
 pub use types::*;
 
 use db::Pool;
@@ -217,7 +234,7 @@ impl Store {
         } else if url.starts_with("sqlite:") {
             (Pool::Lite(connect_sqlite(url, &options).await?), None)
         } else {
-            return Err(StoreError::UnsupportedUrl(redact(url)));
+            return Err(StoreError::UnsupportedUrl(redact_url(url)));
         };
         let inner = Inner { pool, listen_options, wake: Arc::new(Wake::default()), listener: Mutex::new(None) };
         Ok(Store { inner: Arc::new(inner), seen: AtomicU64::new(0) })
@@ -346,12 +363,14 @@ impl Store {
 }
 
 async fn listen(pool: PgPool, wake: Arc<Wake>) {
-    let mut backoff = Duration::from_millis(50);
+    // Reconnects back off from 50 ms to 2 s, without jitter: one listener per process.
+    let backoff = Backoff { base: Duration::from_millis(50), cap: Duration::from_secs(2), spread: (1.0, 1.0) };
+    let mut failures = 0;
     loop {
         match PgListener::connect_with(&pool).await {
             Ok(mut listener) => match listener.listen(PG_CHANNEL).await {
                 Ok(()) => {
-                    backoff = Duration::from_millis(50);
+                    failures = 0;
                     wake.listener_connects.fetch_add(1, Ordering::AcqRel);
                     // Whatever was sent while we were not listening is lost: let waiters poll.
                     wake.bump();
@@ -374,13 +393,13 @@ async fn listen(pool: PgPool, wake: Arc<Wake>) {
             },
             Err(e) => tracing::debug!(error = %e, "cannot open the LISTEN connection"),
         }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(2));
+        failures += 1;
+        tokio::time::sleep(backoff.delay(failures, 0.0)).await;
     }
 }
 
 async fn connect_pg(url: &str, options: &StoreOptions) -> Result<(PgPool, PgConnectOptions)> {
-    let connect_err = |source| StoreError::Connect { backend: Backend::Postgres, url: redact(url), source };
+    let connect_err = |source| StoreError::Connect { backend: Backend::Postgres, url: redact_url(url), source };
     let opts = PgConnectOptions::from_str(url).map_err(connect_err)?.options([
         ("search_path", PG_SCHEMA),
         // A leaked transaction would hold back vacuum and event publication: end it.
@@ -460,8 +479,9 @@ async fn connect_sqlite(url: &str, options: &StoreOptions) -> Result<sqlx::Sqlit
     Ok(pool)
 }
 
-/// The URL with the password of its user info replaced by `***`.
-fn redact(url: &str) -> String {
+/// A database URL fit to print: the password of its user info replaced by `***`
+/// (`postgres://user:***@host/db`). Every message that names a store's URL goes through it.
+pub fn redact_url(url: &str) -> String {
     let Some(scheme_end) = url.find("://") else {
         return url.to_string();
     };
@@ -483,8 +503,13 @@ mod tests {
 
     #[test]
     fn redacts_passwords() {
-        assert_eq!(redact("postgres://postgres:secret@127.0.0.1:5432/db"), "postgres://postgres:***@127.0.0.1:5432/db");
-        assert_eq!(redact("postgres://127.0.0.1/db"), "postgres://127.0.0.1/db");
-        assert_eq!(redact("sqlite::memory:"), "sqlite::memory:");
+        assert_eq!(
+            redact_url("postgres://postgres:secret@127.0.0.1:5432/db"),
+            "postgres://postgres:***@127.0.0.1:5432/db"
+        );
+        assert_eq!(redact_url("postgres://127.0.0.1/db"), "postgres://127.0.0.1/db");
+        assert_eq!(redact_url("sqlite::memory:"), "sqlite::memory:");
+        // An `@` after the host (in a query) is not user info.
+        assert_eq!(redact_url("postgres://h/db?application_name=a@b"), "postgres://h/db?application_name=a@b");
     }
 }

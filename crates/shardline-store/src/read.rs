@@ -328,7 +328,7 @@ impl Store {
 
 /// Gives ids to committed events that have none, in insertion order, after the highest id
 /// given so far; one publisher at a time, so ids grow in publication order.
-async fn publish_events(store: &Store) -> Result<()> {
+pub(crate) async fn publish_events(store: &Store) -> Result<()> {
     let mut pc = store.pool().acquire().await?;
     let pending: Option<(i64,)> =
         pc.conn().opt(sql!("SELECT seq FROM events WHERE id IS NULL LIMIT 1"), args![]).await?;

@@ -113,8 +113,8 @@ impl TaskRecord {
 
 macro_rules! run_cols {
     () => {
-        "r.id, r.pipeline_id, p.name AS pipeline_name, r.state, r.params, r.spec, r.plan, \
-         r.dedupe_key, r.error, r.created_at, r.started_at, r.finished_at"
+        "r.id, r.pipeline_id, p.name AS pipeline_name, r.state, r.params, r.spec, r.name, r.no_cache, \
+         r.plan, r.dedupe_key, r.error, r.created_at, r.started_at, r.finished_at"
     };
 }
 pub(crate) use run_cols;
@@ -127,6 +127,8 @@ pub(crate) struct RunRecord {
     state: String,
     params: Json<Value>,
     spec: Json<Value>,
+    name: Option<String>,
+    no_cache: bool,
     plan: Option<Json<Value>>,
     dedupe_key: Option<String>,
     error: Option<String>,
@@ -144,6 +146,7 @@ impl RunRecord {
             state: parse("runs", &self.state)?,
             params: self.params.0,
             spec: self.spec.0,
+            options: RunOptions { name: self.name, no_cache: self.no_cache },
             plan: self.plan.map(|j| j.0),
             dedupe_key: self.dedupe_key,
             error: self.error,

@@ -12,6 +12,7 @@
 //! enforces too). A claim whose server died before recording its run becomes stale after a
 //! while and may be taken over; a submission repeated that way finds the live run by its key.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -37,6 +38,23 @@ pub struct NewTrigger {
     pub summary: String,
 }
 
+/// What the poller carries from one check of a trigger to the next. Stored as JSON; a field
+/// that is absent is `None`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TriggerState {
+    /// The ETag of the Hub's last answer (a revision, or an author's model listing), sent back
+    /// as `If-None-Match`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub etag: Option<String>,
+    /// An author watch: the commit of each matching repository at the last listing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seen: Option<BTreeMap<String, String>>,
+    /// A schedule whose firing failed: not checked again before this time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_at: Option<DateTime<Utc>>,
+}
+
 /// A registered trigger and its state, as [`Store::list_triggers`] returns it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TriggerRecord {
@@ -52,7 +70,7 @@ pub struct TriggerRecord {
     /// One line: `cron "0 2 * * *" Europe/Paris, missed: run-once`, `Qwen/Qwen3-0.6B@main every 10m`.
     pub summary: String,
     /// What the poller carries between checks (ETags, an author listing's shas).
-    pub state: Value,
+    pub state: TriggerState,
     /// When the trigger was last checked (a watch polled, a schedule evaluated).
     pub last_check_at: Option<DateTime<Utc>>,
     /// When it is due next: the next cron instant, or the next poll.
@@ -77,7 +95,7 @@ pub struct TriggerCheck {
     /// A new `last_sha`; `None` keeps the old one.
     pub last_sha: Option<String>,
     /// A new `state`; `None` keeps the old one.
-    pub state: Option<Value>,
+    pub state: Option<TriggerState>,
     /// `Some`: the check failed (`errors` + 1); `None`: it succeeded (`errors` = 0).
     pub error: Option<String>,
 }
@@ -136,7 +154,8 @@ impl TriggerRow {
             kind: self.kind,
             spec: self.spec.0,
             summary: self.summary,
-            state: self.state.0,
+            state: serde_json::from_value(self.state.0)
+                .map_err(|e| corrupt(format!("`state` of trigger {}: {e}", self.id)))?,
             last_check_at: self.last_check_at.map(|t| t.0),
             next_at: self.next_at.map(|t| t.0),
             last_sha: self.last_sha,
@@ -189,6 +208,7 @@ impl Store {
                 return Err(StoreError::InvalidArgument(format!("unknown trigger kind `{}`", t.kind)));
             }
         }
+        let fresh = json!(TriggerState::default());
         self.retrying("register_triggers", || async {
             let mut tx = self.pool().begin().await?;
             let result = async {
@@ -205,7 +225,7 @@ impl Store {
                                kind = excluded.kind, spec = excluded.spec, summary = excluded.summary, \
                                updated_at = {now}"
                         ),
-                        args![pipeline, i64::from(t.position), &t.kind, &t.spec, &t.summary, json!({})],
+                        args![pipeline, i64::from(t.position), &t.kind, &t.spec, &t.summary, fresh.clone()],
                     )
                     .await?;
                 }
@@ -270,7 +290,7 @@ impl Store {
                         check.checked_at,
                         check.next_at,
                         check.last_sha.clone(),
-                        check.state.clone(),
+                        check.state.as_ref().map(|st| json!(st)),
                         check.error.clone()
                     ],
                 )

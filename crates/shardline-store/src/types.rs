@@ -192,6 +192,17 @@ impl Resources {
     }
 }
 
+/// How a run is executed, beside its pipeline's parameters (stored in columns of their own, never
+/// in `params`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunOptions {
+    /// The run's name: its work directory and its `${{ run.id }}`. Runs created without one
+    /// (directly through the store) have none.
+    pub name: Option<String>,
+    /// Skip the step cache: recompute every step even when an identical output exists.
+    pub no_cache: bool,
+}
+
 /// A run to create.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewRun {
@@ -202,6 +213,7 @@ pub struct NewRun {
     pub params: Value,
     /// The resolved spec this run executes, kept with the run.
     pub spec: Value,
+    pub options: RunOptions,
 }
 
 /// A task to add to a run.
@@ -364,6 +376,7 @@ pub struct RunRow {
     pub state: RunState,
     pub params: Value,
     pub spec: Value,
+    pub options: RunOptions,
     pub plan: Option<Value>,
     pub dedupe_key: Option<String>,
     /// Why it failed ("task `x` failed after 3 attempts: …") or "cancelled".

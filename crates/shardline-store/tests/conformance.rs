@@ -46,10 +46,7 @@ async fn connect_reports_backend(db: &TestDb) {
     let a = store.upsert_pipeline("p", "v1", "h1").await.expect("upsert");
     assert_eq!(store.upsert_pipeline("p", "v1", "h1").await.expect("upsert"), a);
     assert_ne!(store.upsert_pipeline("p", "v2", "h2").await.expect("upsert"), a);
-    let err = store
-        .create_run(NewRun { pipeline_id: 9999, dedupe_key: None, params: json!({}), spec: json!({}) })
-        .await
-        .expect_err("unknown pipeline");
+    let err = store.create_run(new_run(9999, json!({}))).await.expect_err("unknown pipeline");
     assert!(matches!(err, StoreError::PipelineNotFound(9999)), "{err}");
 }
 
@@ -393,6 +390,7 @@ async fn create_run_is_idempotent_by_dedupe_key(db: &TestDb) {
         dedupe_key: Some(key.into()),
         params: json!({"repo": "org/model", "sha": "abc"}),
         spec: json!({"steps": 1}),
+        options: Default::default(),
     };
     let (r1, created) = store.create_run(new("org/model@abc")).await.expect("create");
     assert!(created);
@@ -631,10 +629,7 @@ async fn reads_list_and_count(db: &TestDb) {
     let mut runs = Vec::new();
     for i in 0..5 {
         let p = if i % 2 == 0 { p1 } else { p2 };
-        let (r, _) = store
-            .create_run(NewRun { pipeline_id: p, dedupe_key: None, params: json!({ "i": i }), spec: json!({}) })
-            .await
-            .expect("create");
+        let (r, _) = store.create_run(new_run(p, json!({ "i": i }))).await.expect("create");
         runs.push(r);
     }
     store.add_tasks(runs[4], vec![task("a", &[]), task("b", &["a"])]).await.expect("add_tasks");

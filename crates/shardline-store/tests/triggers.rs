@@ -46,7 +46,7 @@ async fn register_keeps_state_of_unchanged_triggers(db: &TestDb) {
     assert_eq!((rows[0].position, rows[0].kind.as_str()), (0, "watch"));
     assert_eq!((rows[1].position, rows[1].kind.as_str()), (1, "schedule"));
     assert_eq!(rows[1].summary, "cron \"0 2 * * *\" Europe/Paris, missed: run-once");
-    assert_eq!(rows[0].state, json!({}));
+    assert_eq!(rows[0].state, TriggerState::default());
     assert_eq!(rows[0].next_at, None);
     let watch_id = rows[0].id;
 
@@ -54,7 +54,7 @@ async fn register_keeps_state_of_unchanged_triggers(db: &TestDb) {
         checked_at: t0(),
         next_at: Some(t0() + chrono::Duration::minutes(10)),
         last_sha: Some("a".repeat(40)),
-        state: Some(json!({"etag": "x"})),
+        state: Some(TriggerState { etag: Some("x".into()), ..TriggerState::default() }),
         error: None,
     };
     assert!(store.record_trigger_check(watch_id, &check).await.expect("check"));
@@ -63,7 +63,7 @@ async fn register_keeps_state_of_unchanged_triggers(db: &TestDb) {
     let again = store.register_triggers("nightly", &[watch("a/b"), schedule()]).await.expect("register again");
     assert_eq!(again[0].id, watch_id);
     assert_eq!(again[0].last_sha.as_deref(), Some("a".repeat(40).as_str()));
-    assert_eq!(again[0].state, json!({"etag": "x"}));
+    assert_eq!(again[0].state.etag.as_deref(), Some("x"));
     assert_eq!(again[0].next_at, Some(t0() + chrono::Duration::minutes(10)));
     assert_eq!(again[0].last_check_at, Some(t0()));
 
@@ -72,7 +72,7 @@ async fn register_keeps_state_of_unchanged_triggers(db: &TestDb) {
     assert_eq!(changed.len(), 1);
     assert_eq!(changed[0].id, watch_id);
     assert_eq!(changed[0].last_sha, None);
-    assert_eq!(changed[0].state, json!({}));
+    assert_eq!(changed[0].state, TriggerState::default());
     assert_eq!(changed[0].next_at, None);
     assert_eq!(changed[0].summary, "a/c@main every 10m");
 

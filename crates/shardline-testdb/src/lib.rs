@@ -3,6 +3,7 @@
 //! prints it) and fail, never skip, without it.
 //!
 //! A dev-dependency of every crate whose tests need a job store; not part of the binary.
+//! **Must not depend on:** any workspace crate but `shardline-store`.
 
 use std::fs::File;
 use std::sync::atomic::{AtomicU64, Ordering};

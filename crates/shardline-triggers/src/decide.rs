@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use chrono_tz::Tz;
+use shardline_backoff::Backoff;
 use shardline_spec::{MissedPolicy, Schedule, ON_TIME_GRACE};
 
 use crate::TriggerError;
@@ -102,10 +103,8 @@ pub fn is_due(next_at: Option<DateTime<Utc>>, now: DateTime<Utc>) -> bool {
 /// 30 s doubling each time, capped at the larger of `every` and an hour, scaled by
 /// `0.5 + 0.5·jitter` (`jitter` in [0, 1)) so servers that failed together do not retry together.
 pub fn backoff(every: Duration, errors: u32, jitter: f64) -> Duration {
-    let base = Duration::from_secs(30);
     let cap = every.max(Duration::from_secs(3600));
-    let exp = base.saturating_mul(1u32 << errors.saturating_sub(1).min(16));
-    exp.min(cap).mul_f64(0.5 + 0.5 * jitter.clamp(0.0, 1.0))
+    Backoff { base: Duration::from_secs(30), cap, spread: (0.5, 1.0) }.delay(errors, jitter)
 }
 
 /// The dedupe key of a watch firing: one run per pipeline, repository and commit.

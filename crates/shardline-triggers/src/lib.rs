@@ -4,6 +4,10 @@ expression in a named time zone, a `watch:` polls the Hugging Face Hub and fires
 repository (or any of an author's repositories whose name matches a glob) has a new commit at a
 revision. The spec side (`triggers:` in a pipeline file, lint) lives in `shardline-spec`.
 
+**Owns:** when runs start on their own. **Must not depend on:** the engine, the data plane or
+the HTTP API: runs are submitted through `shardline-control`, state kept by `shardline-store`,
+the Hub asked through `shardline-hub`.
+
 Two layers:
 
 - [`decide`] is the pure core: given a trigger's settings, what it remembers and "now" (from an

@@ -5,12 +5,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::{DateTime, SecondsFormat, Utc};
+use chrono::{DateTime, SecondsFormat, SubsecRound, Utc};
 use serde_json::{json, Value};
-use shardline_engine::{parse_pipeline, submit, Submission};
+use shardline_backoff::random_unit;
+use shardline_control::{parse_pipeline, submit, Submission};
 use shardline_hub::{HubClient, HubError, ModelListing, RevisionCheck};
 use shardline_spec::{Trigger, TriggerContext, TriggerKind, Watch, WatchTarget};
-use shardline_store::{FiringClaim, NewTrigger, RunId, Store, TriggerCheck, TriggerRecord};
+use shardline_store::{FiringClaim, NewTrigger, RunId, Store, TriggerCheck, TriggerRecord, TriggerState};
 use tokio::sync::watch;
 
 use crate::decide::{author_changes, backoff, is_due, schedule_key, watch_key, CompiledSchedule, NameFilter};
@@ -282,7 +283,7 @@ impl Poller {
         report: &mut TickReport,
     ) -> Result<Option<DateTime<Utc>>, TriggerError> {
         let now = self.clock.now();
-        let retry_at = time_field(&row.state, "retry_at");
+        let retry_at = row.state.retry_at;
         if row.next_at.is_some() && !is_due(row.next_at, now) {
             return Ok(row.next_at);
         }
@@ -306,13 +307,14 @@ impl Poller {
                 // Keep `next_at`: the next pass looks again once the other server recorded its run.
                 Ok(Fire::Pending) => return Ok(row.next_at),
                 Err(e) => {
-                    let wait = backoff(Duration::from_secs(60), row.errors + 1, rand::random::<f64>());
-                    let retry = now + chrono::Duration::from_std(wait).unwrap_or_default();
+                    let wait = backoff(Duration::from_secs(60), row.errors + 1, random_unit());
+                    // Whole seconds, as the state has always recorded it.
+                    let retry = (now + chrono::Duration::from_std(wait).unwrap_or_default()).trunc_subsecs(0);
                     let check = TriggerCheck {
                         checked_at: now,
                         next_at: row.next_at,
                         last_sha: None,
-                        state: Some(json!({ "retry_at": rfc3339(retry) })),
+                        state: Some(TriggerState { retry_at: Some(retry), ..TriggerState::default() }),
                         error: Some(e.to_string()),
                     };
                     self.store.record_trigger_check(row.id, &check).await?;
@@ -320,8 +322,13 @@ impl Poller {
                 }
             }
         }
-        let check =
-            TriggerCheck { checked_at: now, next_at: d.next_at, last_sha: None, state: Some(json!({})), error: None };
+        let check = TriggerCheck {
+            checked_at: now,
+            next_at: d.next_at,
+            last_sha: None,
+            state: Some(TriggerState::default()),
+            error: None,
+        };
         self.store.record_trigger_check(row.id, &check).await?;
         Ok(d.next_at)
     }
@@ -357,7 +364,7 @@ impl Poller {
                 (check, outcome.error.map_or(Ok(()), |e| Err(TriggerError::Invalid(e))))
             }
             Err(e) => {
-                let wait = backoff(w.every(), row.errors + 1, rand::random::<f64>());
+                let wait = backoff(w.every(), row.errors + 1, random_unit());
                 let next = now + chrono::Duration::from_std(wait).unwrap_or_default();
                 let check = TriggerCheck {
                     checked_at: now,
@@ -386,17 +393,12 @@ impl Poller {
     ) -> Result<Polled, TriggerError> {
         // `If-None-Match` with the revision's last ETag (or the last sha, which is the ETag
         // some servers send): an unchanged revision is a 304.
-        let etag = row
-            .state
-            .get("etag")
-            .and_then(Value::as_str)
-            .map(str::to_owned)
-            .or_else(|| row.last_sha.as_ref().map(|s| format!("\"{s}\"")));
+        let etag = row.state.etag.clone().or_else(|| row.last_sha.as_ref().map(|s| format!("\"{s}\"")));
         let (sha, etag) = match self.hub.revision_if_changed(repo, &w.revision, etag.as_deref()).await? {
             RevisionCheck::Unchanged => return Ok(Polled::default()),
             RevisionCheck::Changed { sha, etag } => (sha, etag),
         };
-        let state = Some(json!({ "etag": etag }));
+        let state = Some(TriggerState { etag, ..TriggerState::default() });
         if row.last_sha.as_deref() == Some(sha.as_str()) {
             return Ok(Polled { state, ..Polled::default() });
         }
@@ -424,12 +426,11 @@ impl Poller {
         report: &mut TickReport,
     ) -> Result<Polled, TriggerError> {
         let filter = NameFilter::new(author, name)?;
-        let seen: Option<BTreeMap<String, String>> =
-            row.state.get("seen").and_then(|v| serde_json::from_value(v.clone()).ok());
+        let seen = row.state.seen.as_ref();
         // The listing's ETag says whether the heads of `main` changed; other revisions are
         // asked per repository.
         let etag = match (&seen, w.revision == "main") {
-            (Some(_), true) => row.state.get("etag").and_then(Value::as_str),
+            (Some(_), true) => row.state.etag.as_deref(),
             _ => None,
         };
         let (models, listing_etag) = match self.hub.list_models_if_changed(Some(author), None, etag).await? {
@@ -456,7 +457,7 @@ impl Poller {
         let mut complete = true;
         let mut last_sha = None;
         let mut errors = Vec::new();
-        for (repo, sha) in author_changes(seen.as_ref(), &current) {
+        for (repo, sha) in author_changes(seen, &current) {
             let outcome = self.fire_watch(row, p, t, w, &repo, &sha, now).await;
             match outcome {
                 Ok(Fire::Started(f)) => {
@@ -468,7 +469,7 @@ impl Poller {
                     // Not remembered (and the listing asked for in full), so the next poll
                     // tries again.
                     complete = false;
-                    match seen.as_ref().and_then(|s| s.get(&repo)) {
+                    match seen.and_then(|s| s.get(&repo)) {
                         Some(old) => remember.insert(repo.clone(), old.clone()),
                         None => remember.remove(&repo),
                     };
@@ -481,7 +482,7 @@ impl Poller {
         let etag = listing_etag.filter(|_| complete && w.revision == "main");
         Ok(Polled {
             last_sha,
-            state: Some(json!({ "seen": remember, "etag": etag })),
+            state: Some(TriggerState { seen: Some(remember), etag, ..TriggerState::default() }),
             error: (!errors.is_empty()).then(|| errors.join("; ")),
         })
     }
@@ -575,7 +576,7 @@ impl Poller {
 #[derive(Default)]
 struct Polled {
     last_sha: Option<String>,
-    state: Option<Value>,
+    state: Option<TriggerState>,
     /// Some firings failed (the poll itself succeeded).
     error: Option<String>,
 }
@@ -586,8 +587,4 @@ fn spec_json(t: &Trigger) -> Value {
 
 fn rfc3339(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Secs, true)
-}
-
-fn time_field(state: &Value, key: &str) -> Option<DateTime<Utc>> {
-    state.get(key)?.as_str().and_then(|s| DateTime::parse_from_rfc3339(s).ok()).map(|t| t.with_timezone(&Utc))
 }

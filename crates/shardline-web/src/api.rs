@@ -10,7 +10,6 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::IntoResponse;
 use futures_util::stream::{self, Stream};
 use serde_json::Value;
-use shardline_store::tokens::RawPool;
 use shardline_store::{LogFilter, Page, RunFilter, RunId, RunState, TaskId};
 
 use crate::auth::{authorize, Scope};
@@ -58,21 +57,14 @@ async fn find_run(state: &AppState, id: i64) -> ApiResult<shardline_store::RunRo
     responses((status = 200, body = Vec<PipelineDto>), (status = 401, body = ErrorBody)))]
 pub async fn list_pipelines(State(state): State<AppState>, headers: HeaderMap) -> ApiResult<Json<Vec<PipelineDto>>> {
     read_access(&state, &headers).await?;
-    const SQL: &str = "SELECT p.name, g.versions, p.id, p.spec_hash FROM pipelines p \
-         JOIN (SELECT MAX(id) AS id, COUNT(*) AS versions FROM pipelines GROUP BY name) g ON g.id = p.id \
-         ORDER BY p.name";
-    let rows: Vec<(String, i64, i64, String)> = match state.store.raw_pool() {
-        RawPool::Postgres(p) => sqlx::query_as(SQL).fetch_all(p).await,
-        RawPool::Sqlite(p) => sqlx::query_as(SQL).fetch_all(p).await,
-    }
-    .map_err(|e| ApiError::internal("list pipelines", e))?;
+    let rows = state.store.list_pipelines().await?;
     Ok(Json(
         rows.into_iter()
-            .map(|(name, versions, latest_id, latest_spec_hash)| PipelineDto {
-                name,
-                versions,
-                latest_id,
-                latest_spec_hash,
+            .map(|p| PipelineDto {
+                name: p.name,
+                versions: p.versions,
+                latest_id: p.latest_id,
+                latest_spec_hash: p.latest_spec_hash,
             })
             .collect(),
     ))
@@ -88,23 +80,15 @@ pub async fn get_pipeline(
     Path(name): Path<String>,
 ) -> ApiResult<Json<PipelineDetailDto>> {
     read_access(&state, &headers).await?;
-    const SQL: &str =
-        "SELECT p.id, p.spec_hash, p.spec_text, (SELECT COUNT(*) FROM pipelines q WHERE q.name = p.name) \
-         FROM pipelines p WHERE p.name = $1 ORDER BY p.id DESC LIMIT 1";
-    let row: Option<(i64, String, String, i64)> = match state.store.raw_pool() {
-        RawPool::Postgres(p) => sqlx::query_as(SQL).bind(&name).fetch_optional(p).await,
-        RawPool::Sqlite(p) => sqlx::query_as(SQL).bind(&name).fetch_optional(p).await,
-    }
-    .map_err(|e| ApiError::internal("read a pipeline", e))?;
-    let (latest_id, latest_spec_hash, text, versions) = row.ok_or_else(|| {
+    let p = state.store.latest_pipeline(&name).await?.ok_or_else(|| {
         ApiError::not_found(format!("There is no pipeline named `{name}`; list them with GET /api/v1/pipelines."))
     })?;
     Ok(Json(PipelineDetailDto {
         name,
-        versions,
-        latest_id,
-        latest_spec_hash,
-        spec_text: crate::redact::redact_text(&text),
+        versions: p.versions,
+        latest_id: p.id,
+        latest_spec_hash: p.spec_hash,
+        spec_text: crate::redact::redact_text(&p.spec_text),
     }))
 }
 
@@ -155,45 +139,6 @@ pub async fn get_run(
     Ok(Json(RunDetailDto::from(&find_run(&state, id).await?)))
 }
 
-/// Tasks holding a lease now, across runs, with the worker that holds them.
-struct LeasedTask {
-    id: i64,
-    run: i64,
-    name: String,
-    step_id: String,
-    owner: i64,
-    resources: shardline_store::Resources,
-}
-
-async fn leased_tasks(state: &AppState) -> ApiResult<Vec<LeasedTask>> {
-    const SQL: &str = "SELECT id, run_id, name, step_id, lease_owner, CAST(cpus AS BIGINT), CAST(memory AS BIGINT), \
-         CAST(gpus AS BIGINT), CAST(scratch AS BIGINT) FROM tasks WHERE state = 'leased' AND lease_owner IS NOT NULL \
-         ORDER BY id";
-    type Row = (i64, i64, String, String, i64, i64, i64, i64, i64);
-    let rows: Vec<Row> = match state.store.raw_pool() {
-        RawPool::Postgres(p) => sqlx::query_as(SQL).fetch_all(p).await,
-        RawPool::Sqlite(p) => sqlx::query_as(SQL).fetch_all(p).await,
-    }
-    .map_err(|e| ApiError::internal("list leased tasks", e))?;
-    let n = |v: i64| u64::try_from(v).unwrap_or(0);
-    Ok(rows
-        .into_iter()
-        .map(|(id, run, name, step_id, owner, cpus, memory, gpus, scratch)| LeasedTask {
-            id,
-            run,
-            name,
-            step_id,
-            owner,
-            resources: shardline_store::Resources {
-                cpus: u32::try_from(cpus).unwrap_or(u32::MAX),
-                memory: n(memory),
-                gpus: u32::try_from(gpus).unwrap_or(u32::MAX),
-                scratch: n(scratch),
-            },
-        })
-        .collect())
-}
-
 /// A run's tasks as the dashboard shows them: with progress, rate, ETA and why each waits.
 async fn annotated_tasks(state: &AppState, run: RunId, full: bool) -> ApiResult<Vec<TaskDto>> {
     let tasks = state.store.run_tasks(run).await?;
@@ -209,10 +154,12 @@ async fn annotate(
 ) -> ApiResult<Vec<TaskDto>> {
     let needs_workers = tasks.iter().any(|t| t.state == shardline_store::TaskState::Ready);
     let (workers, held) = if needs_workers {
-        let held = leased_tasks(state)
+        let held = state
+            .store
+            .leased_tasks()
             .await?
             .into_iter()
-            .map(|l| crate::view::Held { worker: l.owner, resources: l.resources })
+            .map(|l| crate::view::Held { worker: l.owner.0, resources: l.resources })
             .collect();
         (state.store.list_workers().await?, held)
     } else {
@@ -335,20 +282,20 @@ pub async fn task_attempts(
 pub async fn list_workers(State(state): State<AppState>, headers: HeaderMap) -> ApiResult<Json<Vec<WorkerDto>>> {
     read_access(&state, &headers).await?;
     let workers = state.store.list_workers().await?;
-    let leased = leased_tasks(&state).await?;
+    let leased = state.store.leased_tasks().await?;
     Ok(Json(
         workers
             .iter()
             .map(|w| {
                 let mut dto = WorkerDto::from(w);
-                for l in leased.iter().filter(|l| l.owner == w.id.0) {
+                for l in leased.iter().filter(|l| l.owner == w.id) {
                     dto.used.cpus += l.resources.cpus;
                     dto.used.memory += l.resources.memory;
                     dto.used.gpus += l.resources.gpus;
                     dto.used.scratch += l.resources.scratch;
                     dto.leases.push(LeaseDto {
-                        task: l.id,
-                        run: l.run,
+                        task: l.id.0,
+                        run: l.run.0,
                         name: l.name.clone(),
                         step_id: l.step_id.clone(),
                     });
@@ -402,7 +349,7 @@ pub async fn run_logs(
 }
 
 fn diagnostics_of(file: &str, text: &str, state: &AppState) -> (bool, Vec<DiagnosticDto>) {
-    let (pipeline, diagnostics) = shardline_spec::lint(file, text, &shardline_engine::lint_context(&state.base_dir));
+    let (pipeline, diagnostics) = shardline_spec::lint(file, text, &shardline_control::lint_context(&state.base_dir));
     let valid = pipeline.is_some() && diagnostics.iter().all(|d| d.severity != shardline_spec::Severity::Error);
     (valid, diagnostics.iter().map(DiagnosticDto::from).collect())
 }
@@ -450,9 +397,9 @@ pub async fn submit_run(
             (k, v)
         })
         .collect();
-    let submitted = shardline_engine::submit(
+    let submitted = shardline_control::submit(
         &state.store,
-        shardline_engine::Submission {
+        shardline_control::Submission {
             file: &file,
             text: &req.spec,
             overrides: &overrides,
@@ -464,7 +411,7 @@ pub async fn submit_run(
     )
     .await
     .map_err(|e| match e {
-        shardline_engine::SubmitError::Store(s) => ApiError::from(s),
+        shardline_control::SubmitError::Store(s) => ApiError::from(s),
         other => ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "invalid_submission",
@@ -537,19 +484,6 @@ pub async fn lint(
     Ok(Json(LintResponse { valid, diagnostics }))
 }
 
-/// The id of the newest event. On PostgreSQL events get their ids when first read, so reading
-/// past the end first numbers every committed one.
-async fn latest_event_id(state: &AppState) -> ApiResult<i64> {
-    state.store.events_after(i64::MAX, 1).await?;
-    const SQL: &str = "SELECT COALESCE(MAX(id), 0) FROM events";
-    let (id,): (i64,) = match state.store.raw_pool() {
-        RawPool::Postgres(p) => sqlx::query_as(SQL).fetch_one(p).await,
-        RawPool::Sqlite(p) => sqlx::query_as(SQL).fetch_one(p).await,
-    }
-    .map_err(|e| ApiError::internal("read the event log", e))?;
-    Ok(id)
-}
-
 /// Server-sent events of run and task state changes. Each event's `id` is its event id
 /// (reconnects with `Last-Event-ID` resume after it), its `event` is `run` or `task`, its data
 /// an [`EventDto`].
@@ -566,7 +500,7 @@ pub async fn events(
         headers.get("last-event-id").and_then(|v| v.to_str().ok()).and_then(|s| s.trim().parse::<i64>().ok());
     let start = match last_event_id.or(q.after) {
         Some(id) => id.max(0),
-        None => latest_event_id(&state).await?,
+        None => state.store.latest_event_id().await?,
     };
     let run_filter = q.run;
     struct Cursor {

@@ -19,8 +19,7 @@ use axum::http::HeaderMap;
 use rand::RngCore;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use shardline_store::tokens::RawPool;
-use shardline_store::Store;
+use shardline_store::{Store, StoreError, TokenRow};
 
 use crate::error::ApiError;
 
@@ -101,83 +100,28 @@ pub fn hash_token(secret: &str) -> String {
 }
 
 /// Creates a token named `name` (for people: who or what uses it) with `scope`.
-pub async fn create_token(store: &Store, name: &str, scope: Scope) -> Result<NewToken, sqlx::Error> {
+pub async fn create_token(store: &Store, name: &str, scope: Scope) -> Result<NewToken, StoreError> {
     let mut bytes = [0u8; 32];
     rand::rng().fill_bytes(&mut bytes);
     let secret = format!("{TOKEN_PREFIX}{}", hex::encode(bytes));
-    let hash = hash_token(&secret);
-    const SQL: &str = "INSERT INTO api_tokens (name, hash, scope) VALUES ($1, $2, $3) RETURNING id";
-    let (id,): (i64,) = match store.raw_pool() {
-        RawPool::Postgres(p) => sqlx::query_as(SQL).bind(name).bind(&hash).bind(scope.as_str()).fetch_one(p).await?,
-        RawPool::Sqlite(p) => sqlx::query_as(SQL).bind(name).bind(&hash).bind(scope.as_str()).fetch_one(p).await?,
-    };
+    let id = store.insert_token(name, &hash_token(&secret), scope.as_str()).await?;
     Ok(NewToken { id, secret })
 }
 
 /// The unrevoked token with this secret, if any.
-pub async fn find_token(store: &Store, secret: &str) -> Result<Option<TokenInfo>, sqlx::Error> {
-    let hash = hash_token(secret);
-    const SQL: &str = "SELECT id, name, scope FROM api_tokens WHERE hash = $1 AND revoked_at IS NULL";
-    let row: Option<(i64, String, String)> = match store.raw_pool() {
-        RawPool::Postgres(p) => sqlx::query_as(SQL).bind(&hash).fetch_optional(p).await?,
-        RawPool::Sqlite(p) => sqlx::query_as(SQL).bind(&hash).fetch_optional(p).await?,
-    };
-    Ok(row.and_then(|(id, name, scope)| Some(TokenInfo { id, name, scope: scope.parse().ok()? })))
+pub async fn find_token(store: &Store, secret: &str) -> Result<Option<TokenInfo>, StoreError> {
+    let row = store.token_by_hash(&hash_token(secret)).await?;
+    Ok(row.and_then(|t| Some(TokenInfo { id: t.id, name: t.name, scope: t.scope.parse().ok()? })))
 }
 
 /// Revokes a token; false when there is no such unrevoked token.
-pub async fn revoke_token(store: &Store, id: i64) -> Result<bool, sqlx::Error> {
-    let done = match store.raw_pool() {
-        RawPool::Postgres(p) => {
-            sqlx::query("UPDATE api_tokens SET revoked_at = now() WHERE id = $1 AND revoked_at IS NULL")
-                .bind(id)
-                .execute(p)
-                .await?
-                .rows_affected()
-        }
-        RawPool::Sqlite(p) => sqlx::query(
-            "UPDATE api_tokens SET revoked_at = CAST(unixepoch('subsec') * 1000 AS INTEGER) \
-             WHERE id = $1 AND revoked_at IS NULL",
-        )
-        .bind(id)
-        .execute(p)
-        .await?
-        .rows_affected(),
-    };
-    Ok(done > 0)
+pub async fn revoke_token(store: &Store, id: i64) -> Result<bool, StoreError> {
+    store.revoke_token(id).await
 }
 
-/// A stored token as listed (never its secret or hash).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TokenListing {
-    pub id: i64,
-    pub name: String,
-    /// The stored scope (`read`, `submit` or `admin`).
-    pub scope: String,
-    pub created_at: chrono::DateTime<chrono::Utc>,
-    pub revoked_at: Option<chrono::DateTime<chrono::Utc>>,
-}
-
-/// Every token, revoked ones included, by id.
-pub async fn list_tokens(store: &Store) -> Result<Vec<TokenListing>, sqlx::Error> {
-    const PG: &str = "SELECT id, name, scope, CAST(EXTRACT(EPOCH FROM created_at) * 1000 AS BIGINT), \
-                      CAST(EXTRACT(EPOCH FROM revoked_at) * 1000 AS BIGINT) FROM api_tokens ORDER BY id";
-    const LITE: &str = "SELECT id, name, scope, created_at, revoked_at FROM api_tokens ORDER BY id";
-    let rows: Vec<(i64, String, String, i64, Option<i64>)> = match store.raw_pool() {
-        RawPool::Postgres(p) => sqlx::query_as(PG).fetch_all(p).await?,
-        RawPool::Sqlite(p) => sqlx::query_as(LITE).fetch_all(p).await?,
-    };
-    let at = |ms: i64| chrono::DateTime::from_timestamp_millis(ms).unwrap_or_default();
-    Ok(rows
-        .into_iter()
-        .map(|(id, name, scope, created, revoked)| TokenListing {
-            id,
-            name,
-            scope,
-            created_at: at(created),
-            revoked_at: revoked.map(at),
-        })
-        .collect())
+/// Every token, revoked ones included, by id (never a secret or a hash).
+pub async fn list_tokens(store: &Store) -> Result<Vec<TokenRow>, StoreError> {
+    store.list_tokens().await
 }
 
 /// Checks the request's bearer token against `needed`. Returns the token, or None for an open

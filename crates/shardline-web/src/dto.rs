@@ -115,6 +115,10 @@ pub struct RunDto {
     /// Parameters, secrets redacted.
     #[schema(value_type = Object)]
     pub params: Value,
+    /// The run's name (its work directory and `${{ run.id }}`); absent for runs made without one.
+    pub name: Option<String>,
+    /// Whether the run skips the step cache.
+    pub no_cache: bool,
     pub dedupe_key: Option<String>,
     pub error: Option<String>,
     pub created_at: DateTime<Utc>,
@@ -139,6 +143,8 @@ impl From<&RunRow> for RunDto {
             pipeline: r.pipeline_name.clone(),
             state: r.state.as_str().into(),
             params: redact(&r.params),
+            name: r.options.name.as_deref().map(redact_line),
+            no_cache: r.options.no_cache,
             dedupe_key: r.dedupe_key.clone(),
             error: r.error.as_deref().map(redact_line),
             created_at: r.created_at,

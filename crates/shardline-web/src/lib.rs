@@ -3,6 +3,11 @@ The HTTP API of the Shardline orchestrator, under `/api/v1`: pipelines, runs, ta
 workers and logs to read; submissions, cancels and retries; lint; a server-sent event stream of
 run and task state changes; and its own OpenAPI document at `/api/v1/openapi.json`.
 
+**Owns:** HTTP, API tokens' secrets and scopes, redaction, what the dashboard computes from
+rows, and the dashboard's files. **Must not depend on:** the engine or the data plane (it
+submits through `shardline-control` and reads typed payloads and outputs from there), and runs
+no SQL of its own (every statement is in `shardline-store`).
+
 Errors are JSON, `{"error": {"code": "…", "message": "…"}}`, with a fitting status (400 bad
 input, 401 no/unknown/revoked token, 403 insufficient scope, 404 unknown run or task, 409 a
 state conflict such as cancelling a finished run, 422 a spec that does not lint).

@@ -5,7 +5,10 @@
 use std::collections::{BTreeMap, HashMap};
 
 use chrono::{DateTime, Utc};
+use serde::Deserialize;
 use serde_json::Value;
+use shardline_control::graph::Payload;
+use shardline_control::{TaskOutput, TaskProgress};
 use shardline_store::{Resources, RunRow, TaskDep, TaskRow, TaskState, WorkerRow, WorkerState};
 
 use crate::dto::{ProgressDto, StepDto, TaskCountsDto};
@@ -49,36 +52,31 @@ pub fn duration_ms(run: &RunRow, now: DateTime<Utc>) -> Option<i64> {
 
 /// The bytes a task is expected to move, when known: a rank task's planned bytes (from its plan
 /// task's output), a validate or download task's source size.
-fn expected_bytes(task: &TaskRow, outputs: &HashMap<&str, &Value>) -> Option<u64> {
-    let p = &task.payload;
-    match p.get("role").and_then(Value::as_str)? {
-        "rank" => {
-            let plan_task = p.get("plan_task").and_then(Value::as_str)?;
-            let index = usize::try_from(p.get("rank").and_then(Value::as_u64)?).ok()?;
-            outputs.get(plan_task)?.get("bytes_per_rank")?.as_array()?.get(index)?.as_u64()
+fn expected_bytes(task: &TaskRow, outputs: &HashMap<&str, TaskOutput>) -> Option<u64> {
+    match Payload::deserialize(&task.payload).ok()? {
+        Payload::Rank { plan_task, rank, .. } => {
+            let index = usize::try_from(rank).ok()?;
+            outputs.get(plan_task.as_str())?.bytes_per_rank.as_ref()?.get(index).copied()
         }
-        "validate" => {
-            let source = p.get("source_task").and_then(Value::as_str)?;
-            outputs.get(source)?.get("bytes")?.as_u64()
-        }
+        Payload::Validate { source_task, .. } => outputs.get(source_task.as_str())?.bytes,
         _ => None,
     }
 }
 
 /// Progress of a task: bytes so far (from its last heartbeat), the expected total when known,
 /// the mean rate of the current attempt and the time left at that rate.
-pub fn progress_of(task: &TaskRow, outputs: &HashMap<&str, &Value>, now: DateTime<Utc>) -> Option<ProgressDto> {
+pub fn progress_of(task: &TaskRow, outputs: &HashMap<&str, TaskOutput>, now: DateTime<Utc>) -> Option<ProgressDto> {
     let total = expected_bytes(task, outputs);
     // A finished task moved what was planned (outputs count file bytes, headers included, where
     // progress and plans count tensor data); without a plan, what its output says.
     let done_bytes = match task.state {
         TaskState::Succeeded => total.or_else(|| {
-            let o = task.output.as_ref()?;
-            o.get("bytes").or_else(|| o.get("bytes_checked")).and_then(Value::as_u64)
+            let o = TaskOutput::from_value(task.output.as_ref()?);
+            o.bytes.or(o.bytes_checked)
         }),
         _ => None,
     };
-    let bytes = done_bytes.or_else(|| task.progress.as_ref()?.get("bytes")?.as_u64());
+    let bytes = done_bytes.or_else(|| Some(TaskProgress::from_value(task.progress.as_ref()?)?.bytes));
     if bytes.is_none() && total.is_none() {
         return None;
     }
@@ -212,7 +210,7 @@ pub fn reasons(
                     )
                 }
             },
-            TaskState::Succeeded if t.output.as_ref().is_some_and(|o| o.get("cached").is_some()) => {
+            TaskState::Succeeded if t.output.as_ref().is_some_and(|o| TaskOutput::from_value(o).is_cached()) => {
                 Some("served from the step cache".to_string())
             }
             _ => None,
@@ -225,11 +223,11 @@ pub fn reasons(
 }
 
 /// Outputs of succeeded tasks by task name (rank tasks read their plan task's).
-pub fn outputs_by_name(tasks: &[TaskRow]) -> HashMap<&str, &Value> {
+pub fn outputs_by_name(tasks: &[TaskRow]) -> HashMap<&str, TaskOutput> {
     tasks
         .iter()
         .filter(|t| t.state == TaskState::Succeeded)
-        .filter_map(|t| Some((t.name.as_str(), t.output.as_ref()?)))
+        .filter_map(|t| Some((t.name.as_str(), TaskOutput::from_value(t.output.as_ref()?))))
         .collect()
 }
 
@@ -316,7 +314,8 @@ pub fn steps(spec: &Value, tasks: &[TaskRow], deps: &[TaskDep]) -> Vec<StepDto> 
             let bytes = progress.iter().filter(|p| !planned || p.total_bytes.is_some()).map(|p| p.bytes).sum::<u64>();
             let total_bytes = progress.iter().filter_map(|p| p.total_bytes).sum::<u64>();
             let cached =
-                ts.iter().filter(|t| t.output.as_ref().is_some_and(|o| o.get("cached").is_some())).count() as i64;
+                ts.iter().filter(|t| t.output.as_ref().is_some_and(|o| TaskOutput::from_value(o).is_cached())).count()
+                    as i64;
             StepDto {
                 state: step_state(&counts).into(),
                 id,
@@ -335,6 +334,7 @@ pub fn steps(spec: &Value, tasks: &[TaskRow], deps: &[TaskDep]) -> Vec<StepDto> 
 mod tests {
     use super::*;
     use serde_json::json;
+    use shardline_control::graph::ShardJob;
     use shardline_store::{RunId, TaskId, WorkerId};
     use std::time::Duration;
 
@@ -369,6 +369,12 @@ mod tests {
         }
     }
 
+    /// The payload of rank `rank` of the shard step `shard`.
+    fn rank_payload(rank: u64) -> Value {
+        let job = ShardJob { dp: 2, source_task: "download".into(), ..ShardJob::default() };
+        serde_json::to_value(Payload::Rank { job, plan_task: "shard".into(), rank }).expect("payload")
+    }
+
     fn worker(id: i64, gpus: u32, memory: u64, beat: DateTime<Utc>) -> WorkerRow {
         WorkerRow {
             id: WorkerId(id),
@@ -398,7 +404,7 @@ mod tests {
         let mut plan = task(1, "shard", "shard", TaskState::Succeeded);
         plan.output = Some(json!({"bytes_per_rank": [1000, 4000]}));
         let mut rank = task(2, "shard/rank-1", "shard", TaskState::Leased);
-        rank.payload = json!({"role": "rank", "plan_task": "shard", "rank": 1});
+        rank.payload = rank_payload(1);
         rank.progress = Some(json!({"bytes": 1000}));
         rank.leased_at = Some(now - chrono::Duration::seconds(10));
         rank.heartbeat_at = Some(now - chrono::Duration::seconds(8));
@@ -465,9 +471,9 @@ mod tests {
         ];
         let mut tasks = tasks;
         tasks[1].output = Some(json!({"bytes_per_rank": [100, 300]}));
-        tasks[2].payload = json!({"role": "rank", "plan_task": "shard", "rank": 0});
+        tasks[2].payload = rank_payload(0);
         tasks[2].progress = Some(json!({"bytes": 40}));
-        tasks[3].payload = json!({"role": "rank", "plan_task": "shard", "rank": 1});
+        tasks[3].payload = rank_payload(1);
         tasks[4].output = Some(json!({"bytes": 999}));
         tasks[0].output = Some(json!({"bytes": 5000}));
         let s = steps(&spec, &tasks, &[]);

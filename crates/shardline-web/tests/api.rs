@@ -11,7 +11,6 @@ use axum::http::{header, Method, Request, StatusCode};
 use common::{app, Kind};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
-use shardline_store::tokens::RawPool;
 use shardline_store::*;
 use shardline_web::auth::revoke_token;
 use shardline_web::{AuthMode, Scope};
@@ -27,6 +26,7 @@ async fn seed(store: &Store) -> (RunId, Vec<TaskId>, WorkerId) {
             dedupe_key: None,
             params: json!({"repo": "org/model", "hf_token": "hf_SECRETSECRETSECRETSECRETSECRET00", "tp": 2}),
             spec: json!({"name": "convert", "params": {"hf_token": "hf_SECRETSECRETSECRETSECRETSECRET00"}}),
+            options: Default::default(),
         })
         .await
         .expect("create_run");
@@ -288,17 +288,8 @@ async fn auth(kind: Kind) {
     // Revoked tokens fail; only hashes are stored.
     let id = {
         let hash = shardline_web::auth::hash_token(&read);
-        let row: (i64, String) = match closed.store.raw_pool() {
-            RawPool::Postgres(p) => {
-                sqlx::query_as("SELECT id, hash FROM api_tokens WHERE hash = $1").bind(&hash).fetch_one(p).await
-            }
-            RawPool::Sqlite(p) => {
-                sqlx::query_as("SELECT id, hash FROM api_tokens WHERE hash = $1").bind(&hash).fetch_one(p).await
-            }
-        }
-        .expect("token row");
-        assert_eq!(row.1.len(), 64);
-        row.0
+        assert_eq!(hash.len(), 64);
+        closed.store.token_by_hash(&hash).await.expect("token row").expect("stored by its hash").id
     };
     assert!(read.starts_with("shl_") && read.len() == 4 + 64);
     assert!(revoke_token(&closed.store, id).await.expect("revoke"));
@@ -314,32 +305,21 @@ async fn paging(kind: Kind) {
     let other = app.store.upsert_pipeline("other", "steps: []", "sha256:2").await.expect("pipeline");
     // 10,000 runs in one statement: a third failed, the rest succeeded; every tenth of `other`.
     let n = 10_000;
-    match app.store.raw_pool() {
-        RawPool::Sqlite(pool) => sqlx::query(
-            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < $1) \
+    let bulk = match kind {
+        Kind::Sqlite => format!(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {n}) \
              INSERT INTO runs (pipeline_id, state, params, spec) \
-             SELECT CASE WHEN i % 10 = 0 THEN $3 ELSE $2 END, CASE WHEN i % 3 = 0 THEN 'failed' ELSE 'succeeded' END, \
-                    '{}', '{}' FROM n",
-        )
-        .bind(n)
-        .bind(p)
-        .bind(other)
-        .execute(pool)
-        .await
-        .map(|_| ()),
-        RawPool::Postgres(pool) => sqlx::query(
+             SELECT CASE WHEN i % 10 = 0 THEN {other} ELSE {p} END, \
+                    CASE WHEN i % 3 = 0 THEN 'failed' ELSE 'succeeded' END, '{{}}', '{{}}' FROM n"
+        ),
+        Kind::Postgres => format!(
             "INSERT INTO runs (pipeline_id, state, params, spec) \
-             SELECT CASE WHEN i % 10 = 0 THEN $3 ELSE $2 END, CASE WHEN i % 3 = 0 THEN 'failed' ELSE 'succeeded' END, \
-                    '{}'::jsonb, '{}'::jsonb FROM generate_series(1, $1::bigint) AS i",
-        )
-        .bind(n)
-        .bind(p)
-        .bind(other)
-        .execute(pool)
-        .await
-        .map(|_| ()),
-    }
-    .expect("bulk insert");
+             SELECT CASE WHEN i % 10 = 0 THEN {other} ELSE {p} END, \
+                    CASE WHEN i % 3 = 0 THEN 'failed' ELSE 'succeeded' END, '{{}}'::jsonb, '{{}}'::jsonb \
+             FROM generate_series(1, {n}::bigint) AS i"
+        ),
+    };
+    app.db.execute(&[&bulk]).await;
 
     let mut seen = 0;
     let mut before: Option<i64> = None;

@@ -12,6 +12,7 @@ use axum::http::{header, Method, Request, StatusCode};
 use common::{app, Kind};
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
+use shardline_control::graph::{Payload, ShardJob};
 use shardline_store::*;
 use shardline_web::auth::{create_token, revoke_token};
 use shardline_web::{AuthMode, Scope};
@@ -44,10 +45,14 @@ async fn seed(store: &Store) -> (RunId, WorkerId) {
         {"id": "shard", "kind": "megatron.shard", "needs": ["download"], "config": {"kind": "megatron.shard", "tp": 2}},
         {"id": "gpu", "kind": "checkpoint.validate", "needs": [], "config": {"kind": "checkpoint.validate"}}]});
     let (run, _) = store
-        .create_run(NewRun { pipeline_id: p, dedupe_key: None, params: json!({}), spec })
+        .create_run(NewRun { pipeline_id: p, dedupe_key: None, params: json!({}), spec, options: Default::default() })
         .await
         .expect("create_run");
-    let rank = |r: u64| json!({"role": "rank", "plan_task": "shard", "rank": r});
+    let job = ShardJob { tp: 2, source_task: "download".into(), ..ShardJob::default() };
+    let rank = |rank: u64| {
+        let payload = Payload::Rank { job: job.clone(), plan_task: "shard".into(), rank };
+        serde_json::to_value(payload).expect("payload")
+    };
     store
         .add_tasks(
             run,
@@ -414,7 +419,13 @@ async fn errors_are_redacted() {
     let p = app.store.upsert_pipeline("leaky", "steps: []", "sha256:1").await.expect("pipeline");
     let (run, _) = app
         .store
-        .create_run(NewRun { pipeline_id: p, dedupe_key: None, params: json!({}), spec: json!({}) })
+        .create_run(NewRun {
+            pipeline_id: p,
+            dedupe_key: None,
+            params: json!({}),
+            spec: json!({}),
+            options: Default::default(),
+        })
         .await
         .expect("create_run");
     let mut t = task("fetch", "fetch", &[], json!({}), 0);

@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use shardline_engine::{reaper, run_worker, submit, HubSettings, Submission, Submitted, WorkerConfig};
+use shardline_control::{submit, Submission, Submitted};
+use shardline_engine::{reaper, run_worker, HubSettings, WorkerConfig};
 use shardline_formats::execute::Progress;
 use shardline_formats::safetensors::Release;
 use shardline_formats::verify::verify_checkpoint;

@@ -15,13 +15,14 @@ pub async fn pipeline(store: &Store) -> i64 {
     store.upsert_pipeline("convert", "steps: []", "sha256:0").await.expect("upsert_pipeline")
 }
 
+/// A run of pipeline `pipeline_id` with `params`, no dedupe key, an empty spec, default options.
+pub fn new_run(pipeline_id: i64, params: serde_json::Value) -> NewRun {
+    NewRun { pipeline_id, dedupe_key: None, params, spec: json!({}), options: RunOptions::default() }
+}
+
 pub async fn run(store: &Store) -> RunId {
     let p = pipeline(store).await;
-    store
-        .create_run(NewRun { pipeline_id: p, dedupe_key: None, params: json!({}), spec: json!({}) })
-        .await
-        .expect("create_run")
-        .0
+    store.create_run(new_run(p, json!({}))).await.expect("create_run").0
 }
 
 pub fn task(name: &str, needs: &[&str]) -> NewTask {

@@ -1,5 +1,9 @@
-//! Sizes (`4GiB`) and durations (`90s`, `1h30m`): parsing with precise errors, and the canonical
-//! spelling used when a value is printed, interpolated or hashed.
+//! Sizes (`4GiB`) and durations (`90s`, `1h30m`): parsing with precise errors, the canonical
+//! spelling used when a value is printed, interpolated or hashed ([`format_size`],
+//! [`format_duration`]), and a rounded spelling for messages ([`format_duration_human`]).
+//!
+//! **Owns:** the one grammar of sizes and durations in the workspace (specs, `--set` values,
+//! CLI flags). **Must not depend on:** any workspace crate: specs, the store and the CLI use it.
 
 use std::time::Duration;
 
@@ -171,6 +175,20 @@ pub fn format_duration(d: Duration) -> String {
     "0s".to_string()
 }
 
+/// A duration rounded for a message: `300ms`, `1.5s`, `2m 5s`, `3h 0m`.
+pub fn format_duration_human(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1000 {
+        format!("{ms}ms")
+    } else if ms < 60_000 {
+        format!("{:.1}s", d.as_secs_f64())
+    } else if ms < 3_600_000 {
+        format!("{}m {}s", ms / 60_000, (ms / 1000) % 60)
+    } else {
+        format!("{}h {}m", ms / 3_600_000, (ms / 60_000) % 60)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -210,5 +228,13 @@ mod tests {
         assert_eq!(format_duration(Duration::from_millis(1500)), "1500ms");
         assert_eq!(format_duration(Duration::ZERO), "0s");
         assert_eq!(format_duration(Duration::from_secs(86_400)), "1d");
+    }
+
+    #[test]
+    fn human_durations() {
+        assert_eq!(format_duration_human(Duration::from_millis(300)), "300ms");
+        assert_eq!(format_duration_human(Duration::from_millis(1500)), "1.5s");
+        assert_eq!(format_duration_human(Duration::from_secs(125)), "2m 5s");
+        assert_eq!(format_duration_human(Duration::from_secs(3 * 3600 + 59)), "3h 0m");
     }
 }

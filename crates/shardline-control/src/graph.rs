@@ -26,8 +26,8 @@ pub mod kinds {
     pub const UPLOAD: &str = "store.upload";
 }
 
-/// What a sharding subgraph writes.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// What a sharding subgraph writes. (`Default` is an empty job, for tests to fill in.)
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardJob {
     pub tp: u64,
     pub cp: u64,

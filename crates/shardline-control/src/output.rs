@@ -1,0 +1,155 @@
+//! The recorded output of a task: what the engine's steps write when a task succeeds, and what
+//! later tasks, the step cache, the dashboard and the CLI read back. Each role fills the fields
+//! it knows (a download its `path`, a plan its `plan_digest` and `bytes_per_rank`, a commit its
+//! `dir`, …); what no reader needs by name (a Hub snapshot's file list, an upload's counts) is
+//! kept in `rest`, so an output read and written again keeps every field it had.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// A task's output. Serializes to the JSON object stored with the task (absent fields are left
+/// out).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TaskOutput {
+    /// A download: the directory later steps read the release from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// A download: the content digest of the release (the shard step's cache key reads it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// Bytes of the release (a download), of a rank file (a rank) or of the checkpoint (a commit).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    /// Files of the release (a download) or published (an upload).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub files: Option<u64>,
+    /// A download: every file with its size (what a cached download is checked against).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub file_list: Option<Vec<ListedFile>>,
+    /// A download: what the manifest of a publish records as the checkpoint's source (a local
+    /// release has none: its whole output describes it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source: Option<Value>,
+    /// A validation: bytes reconstructed and compared.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes_checked: Option<u64>,
+    /// A plan: the digest rank and commit tasks check the plan they rebuild against.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub plan_digest: Option<String>,
+    /// A plan: the tensor bytes each rank file will hold.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes_per_rank: Option<Vec<u64>>,
+    /// A checkpoint (commit, validation): its directory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dir: Option<PathBuf>,
+    /// A plan or checkpoint: the mesh it was written for (`tp2·cp1·dp4·ep1·etp2`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mesh: Option<String>,
+    /// A plan or checkpoint: ranks in the mesh.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub world: Option<u64>,
+    /// A plan or checkpoint: tensors written.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keys: Option<u64>,
+    /// A plan or checkpoint: whether fused projections were split.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub split_fused: Option<bool>,
+    /// The step-cache key this output is (or will be) remembered under.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_key: Option<String>,
+    /// Served from the step cache: `true`, or (a plan task) the cached checkpoint's output.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cached: Option<Value>,
+    /// Every other field, as written.
+    #[serde(flatten)]
+    pub rest: Map<String, Value>,
+}
+
+/// A file of a downloaded source, as its download lists it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ListedFile {
+    /// Relative to the output's `path`.
+    pub path: String,
+    pub size: u64,
+    /// What else the download knows of it (SHA-256, blob name, ETag), as written.
+    #[serde(flatten)]
+    pub rest: Map<String, Value>,
+}
+
+impl TaskOutput {
+    /// Reads a stored output; a value of another shape reads as what it has of the known fields
+    /// (nothing, for a non-object).
+    pub fn from_value(v: &Value) -> TaskOutput {
+        serde_json::from_value(v.clone()).unwrap_or_default()
+    }
+
+    /// The JSON stored with the task.
+    pub fn to_value(&self) -> Value {
+        serde_json::to_value(self).unwrap_or(Value::Null)
+    }
+
+    /// Keeps `value` under `key` among the fields no reader needs by name.
+    pub fn with(mut self, key: &str, value: Value) -> TaskOutput {
+        self.rest.insert(key.to_string(), value);
+        self
+    }
+
+    /// Whether the task was served from the step cache.
+    pub fn is_cached(&self) -> bool {
+        self.cached.is_some()
+    }
+}
+
+/// What a running task reports with each heartbeat.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskProgress {
+    /// Bytes written (or downloaded) so far.
+    pub bytes: u64,
+    #[serde(default)]
+    pub chunks: u64,
+    #[serde(default)]
+    pub files: u64,
+    /// Bytes the task will move in all, when it knows (a download does).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_total: Option<u64>,
+}
+
+impl TaskProgress {
+    /// Reads a stored progress report; `None` when it is not one.
+    pub fn from_value(v: &Value) -> Option<TaskProgress> {
+        serde_json::from_value(v.clone()).ok()
+    }
+
+    /// The JSON stored with the task.
+    pub fn to_value(&self) -> Value {
+        serde_json::to_value(self).unwrap_or(Value::Null)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn round_trips_known_and_other_fields() {
+        let v = json!({
+            "path": "/c/snap", "digest": "d", "bytes": 12, "files": 3, "cache_key": "k",
+            "file_list": [{"path": "a.safetensors", "size": 12, "sha256": null, "blob": "b"}],
+            "source": {"kind": "hf.download", "repo": "org/m"}, "cached": true,
+        });
+        let o = TaskOutput::from_value(&v);
+        assert_eq!(o.path.as_deref(), Some(std::path::Path::new("/c/snap")));
+        assert_eq!((o.bytes, o.cache_key.as_deref(), o.is_cached()), (Some(12), Some("k"), true));
+        assert_eq!((o.files, o.source.as_ref().map(|s| s["repo"].clone())), (Some(3), Some(json!("org/m"))));
+        assert!(o.rest.is_empty(), "{:?}", o.rest);
+        assert_eq!(o.to_value(), v);
+        let plan = json!({"cached": {"dir": "/x", "bytes": 5}, "cache_key": "k", "plan_digest": ""});
+        assert_eq!(TaskOutput::from_value(&plan).to_value(), plan);
+        assert_eq!(TaskOutput::from_value(&json!(null)), TaskOutput::default());
+    }
+}
