@@ -3,6 +3,10 @@
 //! a plan with bounded memory, and verifying a written checkpoint against its source.
 //!
 //! Nothing here decides where a byte goes: that is the plan's job (`shardline-layout`).
+//!
+//! **Owns:** the file formats (safetensors, pickle, `torch.save` archives, DCP `.metadata`), the
+//! copy of a plan into files and the strict reading of checkpoints back. **Must not depend on:**
+//! any workspace crate but `shardline-layout`.
 
 pub mod checkpoint;
 pub mod dcp_metadata;

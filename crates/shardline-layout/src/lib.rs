@@ -2,6 +2,8 @@
 //! mesh, the conversion plan (every chunk of every output tensor, derived arithmetically), and the
 //! invariants a plan must satisfy before a byte is written.
 //!
+//! **Owns:** where every byte goes. **Must not depend on:** any workspace crate.
+//!
 //! **Architecture invariant:** this crate does no I/O, spawns nothing, and knows nothing of YAML,
 //! HTTP, SQL or async runtimes; a test reads its manifest to keep it so.
 
