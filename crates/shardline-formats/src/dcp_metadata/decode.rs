@@ -272,7 +272,6 @@ fn invalid(path: &At<'_>, message: String) -> DcpMetadataError {
     DcpMetadataError::Invalid { path: path.to_string(), message }
 }
 
-
 /// `None` → `None`.
 fn optional(v: Value) -> Option<Value> {
     (!matches!(v, Value::None)).then_some(v)
@@ -383,8 +382,10 @@ fn to_size(v: &Value, path: &At<'_>) -> Result<Vec<u64>, DcpMetadataError> {
 
 fn to_dtype(v: &Value, path: &At<'_>) -> Result<DType, DcpMetadataError> {
     match v.as_global() {
-        Some(("torch", name)) => DType::from_torch_name(name)
-            .ok_or_else(|| DcpMetadataError::UnsupportedDtype { path: path.to_string(), name: format!("torch.{name}") }),
+        Some(("torch", name)) => DType::from_torch_name(name).ok_or_else(|| DcpMetadataError::UnsupportedDtype {
+            path: path.to_string(),
+            name: format!("torch.{name}"),
+        }),
         _ => Err(unexpected(path, "a torch dtype", v)),
     }
 }
@@ -573,7 +574,8 @@ fn check_storage_meta(v: Value) -> Result<(), DcpMetadataError> {
 #[cfg(test)]
 pub(super) fn read_metadata_whole(bytes: &[u8]) -> Result<Vec<MetadataItem>, DcpMetadataError> {
     let refs = scan_memo_references(bytes)?;
-    let root = Reader::new(bytes, Limits::for_input(bytes.len()), &refs, &[]).run(|_, _, _| Ok::<(), PickleError>(()))?;
+    let root =
+        Reader::new(bytes, Limits::for_input(bytes.len()), &refs, &[]).run(|_, _, _| Ok::<(), PickleError>(()))?;
     let mut items = Vec::new();
     Decoder::default().finish(root, &mut |i| {
         items.push(i);

@@ -723,7 +723,9 @@ impl<'a, R: BufRead> Reader<'a, R> {
         let mut buf = std::mem::take(&mut self.buf);
         let ok = self.input.line_into(&mut buf);
         let name = match ok {
-            Ok(true) => std::str::from_utf8(&buf).map(|s| self.intern(s)).map_err(|_| self.invalid("line is not UTF-8")),
+            Ok(true) => {
+                std::str::from_utf8(&buf).map(|s| self.intern(s)).map_err(|_| self.invalid("line is not UTF-8"))
+            }
             Ok(false) => Err(self.truncated(1)),
             Err(e) => Err(e),
         };
