@@ -363,39 +363,26 @@ fn accepts_the_variants_torch_versions_write() {
 fn refuses_what_torch_cannot_unpickle_into_tensor_properties() {
     // torch's TensorProperties.__setstate__ unpacks a tuple and maps the memory format encoding:
     // a dict state, a None or unknown encoding, or another layout do not load.
-    let cases: [(&str, Box<dyn Fn(&mut PickleWriter)>, &str); 4] = [
-        (
-            "memory format None",
-            Box::new(|w: &mut PickleWriter| {
-                w.mark().global("torch", "float16").global("torch", "strided").bool(false).none();
-                w.bool(false).tuple();
-            }),
-            "memory_format",
-        ),
-        (
-            "memory format 3",
-            Box::new(|w: &mut PickleWriter| {
-                w.mark().global("torch", "float16").global("torch", "strided").bool(false);
-                w.global(MD_MODULE, "_MEM_FORMAT_ENCODING").int(3).tuple1().reduce().bool(false).tuple();
-            }),
-            "memory_format",
-        ),
-        (
-            "dict state",
-            Box::new(|w: &mut PickleWriter| {
-                w.empty_dict().mark().str("dtype").global("torch", "float16").str("layout");
-                w.global("torch", "strided").setitems();
-            }),
-            "5- or 6-tuple",
-        ),
-        (
-            "sparse layout",
-            Box::new(|w: &mut PickleWriter| {
-                w.mark().global("torch", "float16").global("torch", "sparse_coo").bool(false);
-                w.global(MD_MODULE, "_MEM_FORMAT_ENCODING").int(0).tuple1().reduce().bool(false).tuple();
-            }),
-            "layout",
-        ),
+    // A 5-tuple state with this layout and memory format encoding (None: a bare None).
+    let tuple_state = |layout: &'static str, encoding: Option<i128>| -> Box<dyn Fn(&mut PickleWriter)> {
+        Box::new(move |w: &mut PickleWriter| {
+            w.mark().global("torch", "float16").global("torch", layout).bool(false);
+            match encoding {
+                Some(e) => w.global(MD_MODULE, "_MEM_FORMAT_ENCODING").int(e).tuple1().reduce(),
+                None => w.none(),
+            };
+            w.bool(false).tuple();
+        })
+    };
+    let dict_state: Box<dyn Fn(&mut PickleWriter)> = Box::new(|w: &mut PickleWriter| {
+        w.empty_dict().mark().str("dtype").global("torch", "float16").str("layout");
+        w.global("torch", "strided").setitems();
+    });
+    let cases = [
+        ("memory format None", tuple_state("strided", None), "memory_format"),
+        ("memory format 3", tuple_state("strided", Some(3)), "memory_format"),
+        ("dict state", dict_state, "5- or 6-tuple"),
+        ("sparse layout", tuple_state("sparse_coo", Some(0)), "layout"),
     ];
     for (name, state, want) in cases {
         let err = decode_metadata(&variant_pickle(state, false)).unwrap_err().to_string();
