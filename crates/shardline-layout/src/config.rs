@@ -183,7 +183,8 @@ impl ModelConfig {
 
     /// Query heads per group (`nh / ng`); `None` when not integral.
     pub fn heads_per_group(&self) -> Option<u64> {
-        (self.num_attention_heads % self.num_query_groups == 0)
+        self.num_attention_heads
+            .is_multiple_of(self.num_query_groups)
             .then(|| self.num_attention_heads / self.num_query_groups)
     }
 }

@@ -57,7 +57,7 @@ impl Mesh {
                 errors.push(LayoutError::Mesh(format!("`{name}` must be at least 1, got 0")));
             }
         }
-        if errors.is_empty() && self.world() % (self.etp * self.ep) != 0 {
+        if errors.is_empty() && !self.world().is_multiple_of(self.etp * self.ep) {
             errors.push(LayoutError::Mesh(format!(
                 "world size tp·cp·dp = {}·{}·{} = {} is not divisible by etp·ep = {}·{} = {}",
                 self.tp,

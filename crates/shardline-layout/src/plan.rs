@@ -520,7 +520,7 @@ pub fn check_mesh_for_model(config: &ModelConfig, mesh: &Mesh) -> Vec<LayoutErro
         }
     } else {
         let e = config.num_experts;
-        if e % mesh.ep != 0 {
+        if !e.is_multiple_of(mesh.ep) {
             err(format!("num_experts ({e}) is not divisible by ep ({})", mesh.ep));
         }
         if let Some(f) = config.moe_ffn_hidden_size {
@@ -652,7 +652,7 @@ pub fn build_plan(
         for s in &d.sections {
             let bad = match d.tp_mode {
                 // Vocab rows are padded to a multiple of tp when chunked.
-                TpMode::Column => !d.pad_vocab && rows_of(&s.shape) % t != 0,
+                TpMode::Column => !d.pad_vocab && !rows_of(&s.shape).is_multiple_of(t),
                 TpMode::Row => s.shape.len() != 2 || s.shape[1] % t != 0,
                 TpMode::Replicated => false,
             };

@@ -54,6 +54,10 @@ struct Entry {
     listed_end: usize,
 }
 
+/// What tensors of one kind share: global shape, dtype, TP mode, rows per TP rank, group and
+/// FSDP numbers.
+type KindKey<'a> = (&'a [u64], DType, TpMode, u64, Group, Option<FsdpNumbers>);
+
 impl PlanTable {
     pub fn new(plan: &Plan) -> PlanTable {
         let total = |part: fn(TensorView<'_>) -> usize| plan.views().map(part).sum::<usize>();
@@ -74,7 +78,7 @@ impl PlanTable {
             entries: Vec::with_capacity(plan.tensors.len()),
         };
         // Kinds by their fields, the shape by value (its place in `shapes` is not known yet).
-        let mut kind_of: HashMap<(&[u64], DType, TpMode, u64, Group, Option<FsdpNumbers>), usize> = HashMap::new();
+        let mut kind_of: HashMap<KindKey<'_>, usize> = HashMap::new();
         for t in plan.views() {
             table.keys.push_str(t.key);
             table.recipes.extend_from_slice(t.recipe);

@@ -981,7 +981,7 @@ impl<'a, R: BufRead> Reader<'a, R> {
     }
 
     fn pairs(&self, items: Vec<Slot>) -> Result<Vec<(Value, Value)>, PickleError> {
-        if items.len() % 2 != 0 {
+        if !items.len().is_multiple_of(2) {
             return Err(self.invalid("odd number of items for key/value pairs"));
         }
         let mut it = items.into_iter();

@@ -135,7 +135,7 @@ fn check_local<R: ReadAt + ?Sized>(ar: &Archive<'_, R>, e: &ArchiveEntry) -> Res
     } else if (local_crc, local_sizes) != (e.crc32, [e.size, e.size]) {
         return Err(bad("crc or sizes differ from the central directory"));
     }
-    if e.name.contains("/data/") && !e.name.contains("/.data/") && data_start % DATA_ALIGNMENT != 0 {
+    if e.name.contains("/data/") && !e.name.contains("/.data/") && !data_start.is_multiple_of(DATA_ALIGNMENT) {
         return Err(bad(&format!("storage data at offset {data_start} is not {DATA_ALIGNMENT}-byte aligned")));
     }
     if !descriptor {

@@ -4,7 +4,6 @@ use super::read::{le32, Archive};
 use super::write::{central_directory, local_header, push_entry, tensor_pickle, EntryRecord, LOCAL_CRC_FIELD};
 use super::*;
 use crate::pickle::{self, PickleWriter, Value};
-#[cfg(test)]
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/torch-written");
 
