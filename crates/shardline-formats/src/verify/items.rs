@@ -89,14 +89,12 @@ impl<'a> Worker<'a> {
 
     /// Checks `job`; problems become findings, only failures of the release stop validation.
     pub fn check(&mut self, job: Job) -> Result<(), VerifyError> {
-        let key = job.key.clone();
-        let what = match &job.offsets {
-            Some(o) => format!("chunk offsets {o:?} in {}", job.file),
-            None => format!("bytes item in {}", job.file),
-        };
         if let Err(message) = self.check_item(&job) {
-            self.find(&key.fqn, format!("{what}: {message}"));
-            return Ok(());
+            let what = match &job.offsets {
+                Some(o) => format!("chunk offsets {o:?} in {}", job.file),
+                None => format!("bytes item in {}", job.file),
+            };
+            self.find(&job.key.fqn, format!("{what}: {message}"));
         }
         Ok(())
     }
