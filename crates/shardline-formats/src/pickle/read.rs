@@ -201,18 +201,24 @@ pub fn scan_memo_references<R: BufRead>(r: R) -> Result<MemoReferences, PickleEr
         let Some(code) = input.next_byte()? else {
             return Err(PickleError::MissingStop { offset: input.pos });
         };
-        let opcode = opcode_name(code);
+        // Named only when an error needs it: this loop runs once per opcode of a large file.
+        let opcode = || opcode_name(code);
         let truncated = |needed: u64, got: &[u8]| PickleError::Truncated {
-            opcode,
+            opcode: opcode(),
             offset: start,
             needed,
             available: got.len() as u64,
         };
-        let invalid = |detail: &str| PickleError::Invalid { opcode, offset: start, detail: detail.to_owned() };
+        let invalid =
+            |detail: &str| PickleError::Invalid { opcode: opcode(), offset: start, detail: detail.to_owned() };
         if code == op::FRAME && frame_end.is_some() {
             return Err(invalid("a frame starts before the current frame ends"));
         }
-        let arg = arg_of(code).ok_or(PickleError::UnsupportedOpcode { opcode: code, name: opcode, offset: start })?;
+        let arg = arg_of(code).ok_or_else(|| PickleError::UnsupportedOpcode {
+            opcode: code,
+            name: opcode(),
+            offset: start,
+        })?;
         match arg {
             Arg::None => {}
             Arg::Fixed(n) => {
@@ -268,7 +274,7 @@ pub fn scan_memo_references<R: BufRead>(r: R) -> Result<MemoReferences, PickleEr
         if matches!(code, op::MEMOIZE | op::BINPUT | op::LONG_BINPUT | op::PUT) {
             if key != Some(refs.count) {
                 return Err(PickleError::Invalid {
-                    opcode,
+                    opcode: opcode(),
                     offset: start,
                     detail: format!("memo key {key:?} out of sequence (expected {})", refs.count),
                 });
@@ -284,9 +290,13 @@ pub fn scan_memo_references<R: BufRead>(r: R) -> Result<MemoReferences, PickleEr
         if matches!(code, op::BINGET | op::LONG_BINGET | op::GET) {
             match fetched {
                 Some(k) if k < refs.count => refs.insert(k),
-                Some(k) => return Err(PickleError::UndefinedMemo { key: k, opcode, offset: start }),
+                Some(k) => return Err(PickleError::UndefinedMemo { key: k, opcode: opcode(), offset: start }),
                 None => {
-                    return Err(PickleError::Invalid { opcode, offset: start, detail: "malformed memo key".into() })
+                    return Err(PickleError::Invalid {
+                        opcode: opcode(),
+                        offset: start,
+                        detail: "malformed memo key".into(),
+                    })
                 }
             }
         }
@@ -345,7 +355,7 @@ pub struct Reader<'a, R> {
     nodes: usize,
     bytes: usize,
     op_start: u64,
-    opcode: &'static str,
+    code: u8,
     buf: Vec<u8>,
     names: HashSet<Arc<str>>,
 }
@@ -375,7 +385,7 @@ impl<'a, R: BufRead> Reader<'a, R> {
             nodes: 0,
             bytes: 0,
             op_start: 0,
-            opcode: "PROTO",
+            code: op::PROTO,
             buf: Vec::new(),
             names: HashSet::new(),
         }
@@ -392,7 +402,7 @@ impl<'a, R: BufRead> Reader<'a, R> {
             let Some(code) = self.input.next_byte()? else {
                 return Err(PickleError::MissingStop { offset: self.input.pos }.into());
             };
-            self.opcode = opcode_name(code);
+            self.code = code;
             if code == op::STOP {
                 let root = self.pop()?;
                 if !self.stack.is_empty() || !self.marks.is_empty() {
@@ -664,7 +674,13 @@ impl<'a, R: BufRead> Reader<'a, R> {
                 let pid = self.take_line()?;
                 self.push_built(Value::PersistentId(Box::new(Value::Str(pid))), 1)?
             }
-            _ => return Err(PickleError::UnsupportedOpcode { opcode: code, name: self.opcode, offset: self.op_start }),
+            _ => {
+                return Err(PickleError::UnsupportedOpcode {
+                    opcode: code,
+                    name: opcode_name(code),
+                    offset: self.op_start,
+                })
+            }
         }
         Ok(None)
     }
@@ -673,7 +689,12 @@ impl<'a, R: BufRead> Reader<'a, R> {
 
     /// `needed` bytes asked for, `self.buf` holding the fewer there were.
     fn truncated(&self, needed: u64) -> PickleError {
-        PickleError::Truncated { opcode: self.opcode, offset: self.op_start, needed, available: self.buf.len() as u64 }
+        PickleError::Truncated {
+            opcode: opcode_name(self.code),
+            offset: self.op_start,
+            needed,
+            available: self.buf.len() as u64,
+        }
     }
 
     /// `n` bytes into `self.buf`.
@@ -758,12 +779,17 @@ impl<'a, R: BufRead> Reader<'a, R> {
 
     // --- errors
 
+    /// The opcode being run, for errors built after a mutable borrow of the stack.
+    fn at(&self) -> OpAt {
+        OpAt { code: self.code, offset: self.op_start }
+    }
+
     fn invalid(&self, detail: &str) -> PickleError {
-        PickleError::Invalid { opcode: self.opcode, offset: self.op_start, detail: detail.to_owned() }
+        self.at().invalid(detail)
     }
 
     fn underflow(&self) -> PickleError {
-        PickleError::StackUnderflow { opcode: self.opcode, offset: self.op_start }
+        self.at().underflow()
     }
 
     fn limit(&self, what: &'static str, max: u64) -> PickleError {
@@ -947,7 +973,10 @@ impl<'a, R: BufRead> Reader<'a, R> {
     }
 
     fn pop_mark(&mut self) -> Result<Vec<Slot>, PickleError> {
-        let mark = self.marks.pop().ok_or(PickleError::MissingMark { opcode: self.opcode, offset: self.op_start })?;
+        let mark = self
+            .marks
+            .pop()
+            .ok_or(PickleError::MissingMark { opcode: opcode_name(self.code), offset: self.op_start })?;
         if mark > self.stack.len() {
             return Err(self.underflow());
         }
@@ -966,16 +995,16 @@ impl<'a, R: BufRead> Reader<'a, R> {
         if self.stack.len() <= self.floor() {
             return Err(self.underflow());
         }
-        let e = self.underflow();
-        self.stack.last_mut().ok_or(e)
+        let at = self.at();
+        self.stack.last_mut().ok_or_else(|| at.underflow())
     }
 
     /// The top of the stack as the target of a mutation: never a shared object.
     fn target(&mut self) -> Result<&mut Slot, PickleError> {
-        let shared = self.invalid("mutates an object that is referenced elsewhere (a cycle or a shared object)");
+        let at = self.at();
         let top = self.top_mut()?;
         if top.shared {
-            return Err(shared);
+            return Err(at.invalid("mutates an object that is referenced elsewhere (a cycle or a shared object)"));
         }
         Ok(top)
     }
@@ -995,14 +1024,14 @@ impl<'a, R: BufRead> Reader<'a, R> {
     fn extend(&mut self, items: Vec<Slot>, set: bool) -> Result<(), PickleError> {
         let depth = items.iter().map(|s| s.depth + 1).max().unwrap_or(0);
         let values = items.into_iter().map(|s| s.value);
-        let e = self.invalid(if set { "target is not a set" } else { "target is not a list or object" });
+        let at = self.at();
         let target = self.target()?;
         match (&mut target.value, set) {
             (Value::Set(v), true)
             | (Value::List(v), false)
             | (Value::Reduce { list_items: v, .. }, false)
             | (Value::Object { list_items: v, .. }, false) => v.extend(values),
-            _ => return Err(e),
+            _ => return Err(at.invalid(if set { "target is not a set" } else { "target is not a list or object" })),
         }
         target.depth = target.depth.max(depth);
         let d = target.depth;
@@ -1014,7 +1043,7 @@ impl<'a, R: BufRead> Reader<'a, R> {
     fn set_items(&mut self, items: Vec<Slot>) -> Result<Option<(usize, Vec<(Value, Value)>)>, PickleError> {
         let depth = items.iter().map(|s| s.depth + 1).max().unwrap_or(0);
         let pairs = self.pairs(items)?;
-        let e = self.invalid("target is not a dict or object");
+        let at = self.at();
         let target = self.target()?;
         if let (Some(section), Value::Dict(_)) = (target.streamed, &target.value) {
             return Ok(Some((section, pairs)));
@@ -1023,7 +1052,7 @@ impl<'a, R: BufRead> Reader<'a, R> {
             Value::Dict(v) | Value::Reduce { dict_items: v, .. } | Value::Object { dict_items: v, .. } => {
                 v.extend(pairs)
             }
-            _ => return Err(e),
+            _ => return Err(at.invalid("target is not a dict or object")),
         }
         target.depth = target.depth.max(depth);
         let d = target.depth;
@@ -1053,13 +1082,14 @@ impl<'a, R: BufRead> Reader<'a, R> {
     }
 
     fn memo_get(&mut self, key: u64) -> Result<(), PickleError> {
-        let undefined = PickleError::UndefinedMemo { key, opcode: self.opcode, offset: self.op_start };
+        let at = self.at();
+        let undefined = || PickleError::UndefinedMemo { key, opcode: opcode_name(at.code), offset: at.offset };
         let (value, depth) = match usize::try_from(key).ok().and_then(|k| self.memo.get(k)) {
-            None => return Err(undefined),
+            None => return Err(undefined()),
             Some(Memo::Ready(v, d)) => (v.clone(), *d),
             // Still on the stack: a later reference to an object of the same batch.
             Some(Memo::Pending) => {
-                let slot = self.stack.iter_mut().rev().find(|s| s.memo_key == Some(key)).ok_or(undefined)?;
+                let slot = self.stack.iter_mut().rev().find(|s| s.memo_key == Some(key)).ok_or_else(undefined)?;
                 slot.shared = true;
                 (slot.value.clone(), slot.depth)
             }
@@ -1067,5 +1097,22 @@ impl<'a, R: BufRead> Reader<'a, R> {
         };
         self.charge_clone(&value)?;
         self.push(Slot { shared: true, ..Slot::new(value, depth) })
+    }
+}
+
+/// Where the machine is: the opcode and its offset, for errors.
+#[derive(Clone, Copy)]
+struct OpAt {
+    code: u8,
+    offset: u64,
+}
+
+impl OpAt {
+    fn invalid(self, detail: &str) -> PickleError {
+        PickleError::Invalid { opcode: opcode_name(self.code), offset: self.offset, detail: detail.to_owned() }
+    }
+
+    fn underflow(self) -> PickleError {
+        PickleError::StackUnderflow { opcode: opcode_name(self.code), offset: self.offset }
     }
 }
