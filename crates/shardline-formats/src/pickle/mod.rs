@@ -10,15 +10,18 @@
 //!   `BufRead`, and hands the items of chosen top-level dicts to the caller as they complete
 //!   instead of keeping them, so memory follows the largest item, not the file.
 
+mod input;
 mod opcodes;
 mod read;
+mod scan;
 mod write;
 
 use std::sync::Arc;
 
 use thiserror::Error;
 
-pub use read::{loads, loads_with_limits, scan_memo_references, MemoReferences, Reader};
+pub use read::{loads, loads_with_limits, Reader};
+pub use scan::{scan_memo_references, MemoReferences};
 pub use write::PickleWriter;
 
 /// The highest pickle protocol the reader accepts.
@@ -91,6 +94,39 @@ impl Value {
             Value::Object { class, .. } => format!("instance of {}", class.describe()),
             Value::PersistentId(_) => "persistent id".into(),
         }
+    }
+
+    /// `(nodes, string bytes)` of this value counted without recursion, or `None` past
+    /// `max_nodes` nodes.
+    pub fn size_within(&self, max_nodes: usize) -> Option<(usize, usize)> {
+        let (mut nodes, mut bytes) = (0usize, 0usize);
+        let mut todo = vec![self];
+        while let Some(v) = todo.pop() {
+            nodes += 1;
+            if nodes > max_nodes {
+                return None;
+            }
+            match v {
+                Value::Str(s) => bytes += s.len(),
+                Value::Bytes(b) => bytes += b.len(),
+                Value::Global { module, name } => bytes += module.len() + name.len(),
+                Value::Tuple(x) | Value::List(x) | Value::Set(x) | Value::FrozenSet(x) => todo.extend(x),
+                Value::Dict(p) => todo.extend(p.iter().flat_map(|(k, v)| [k, v])),
+                Value::PersistentId(x) => todo.push(x),
+                Value::Reduce { callable: a, args: b, state, list_items, dict_items }
+                | Value::Object { class: a, args: b, state, list_items, dict_items, .. } => {
+                    todo.extend([&**a, &**b]);
+                    todo.extend(state.as_deref());
+                    if let Value::Object { kwargs: Some(k), .. } = v {
+                        todo.push(k);
+                    }
+                    todo.extend(list_items);
+                    todo.extend(dict_items.iter().flat_map(|(k, v)| [k, v]));
+                }
+                _ => {}
+            }
+        }
+        Some((nodes, bytes))
     }
 
     /// The string, if this is a `str`.

@@ -1,5 +1,7 @@
 //! Pickle opcodes (CPython's `pickle.py` names) and their names for error messages.
 
+use super::PickleError;
+
 pub(super) const MARK: u8 = b'(';
 pub(super) const STOP: u8 = b'.';
 pub(super) const POP: u8 = b'0';
@@ -136,5 +138,22 @@ pub(super) fn opcode_name(code: u8) -> &'static str {
         0x97 => "NEXT_BUFFER",
         0x98 => "READONLY_BUFFER",
         _ => "unknown",
+    }
+}
+
+/// Where the machine is: the opcode and its offset, for errors.
+#[derive(Clone, Copy)]
+pub(super) struct OpAt {
+    pub(super) code: u8,
+    pub(super) offset: u64,
+}
+
+impl OpAt {
+    pub(super) fn invalid(self, detail: &str) -> PickleError {
+        PickleError::Invalid { opcode: opcode_name(self.code), offset: self.offset, detail: detail.to_owned() }
+    }
+
+    pub(super) fn underflow(self) -> PickleError {
+        PickleError::StackUnderflow { opcode: opcode_name(self.code), offset: self.offset }
     }
 }
