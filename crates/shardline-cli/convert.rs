@@ -272,9 +272,11 @@ pub struct SynthArgs {
 }
 
 pub fn run_synth(args: SynthArgs) -> Result<ExitCode> {
-    let target = shardline_formats::synth::parse_size(&args.size).with_context(|| format!("--size {}", args.size))?;
+    let target = shardline_units::parse_size_lenient(&args.size)
+        .map_err(|e| anyhow::anyhow!("{e} ({})", shardline_units::LENIENT_SIZE_FORMS))
+        .with_context(|| format!("--size {}", args.size))?;
     let started = Instant::now();
-    let report = shardline_formats::synth::synth(&args.arch, target, &args.out, args.seed, &Default::default())
+    let report = shardline_synth::synth(&args.arch, target, &args.out, args.seed, &Default::default())
         .with_context(|| format!("writing synthetic {} release to {}", args.arch, args.out.display()))?;
     println!(
         "wrote synthetic {} release ({}) to {} in {:.2}s",

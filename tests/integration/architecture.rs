@@ -14,6 +14,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     // The pure core and the I/O shells of the data plane.
     ("shardline-layout", &[]),
     ("shardline-formats", &["shardline-layout"]),
+    // Synthetic releases for `synth`, `bench` and the scale tests, written through the formats.
+    ("shardline-synth", &["shardline-layout", "shardline-formats"]),
     // Leaves: small helpers, and the store, the Hub client and publishing (the store spells
     // durations with the units and backs off as everyone does).
     ("shardline-units", &[]),

@@ -18,6 +18,5 @@ pub mod dcp_metadata;
 pub mod execute;
 pub mod pickle;
 pub mod safetensors;
-pub mod synth;
 pub mod torch_save;
 pub mod verify;

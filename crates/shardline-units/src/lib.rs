@@ -25,6 +25,8 @@ pub enum UnitError {
     UnknownUnit { text: String, unit: String },
     #[error("`{0}` is too large")]
     Overflow(String),
+    #[error("`{0}` is not a number")]
+    NotANumber(String),
 }
 
 impl UnitError {
@@ -110,6 +112,58 @@ pub fn parse_size(text: &str) -> Result<u64, UnitError> {
             .ok_or_else(|| UnitError::UnknownUnit { text: t.to_string(), unit: unit.to_string() })?
     };
     n.checked_mul(factor).ok_or_else(|| UnitError::Overflow(t.to_string()))
+}
+
+/// What [`parse_size_lenient`] accepts, for messages.
+pub const LENIENT_SIZE_FORMS: &str = "expected a number with an optional unit, e.g. `1MB`, `512MiB`, `4GB`, \
+                                      `1.5TiB`; B, KB, MB, GB, TB, PB are powers of 1000, KiB … PiB and K, M, \
+                                      G, T, P are powers of 1024";
+
+/// Parses a size as command-line flags take it (`shardline synth --size`, `bench --size`): every
+/// spelling [`parse_size`] accepts with the same value, and also units in any case (`4gb`), the
+/// one-letter binary units of `dd` (`K`, `M`, `G`, `T`, `P`), any blanks between number and unit,
+/// and a fractional number (`1.5TiB`, `.25MiB`), rounded down to whole bytes. Specs keep the
+/// strict grammar of [`parse_size`].
+pub fn parse_size_lenient(text: &str) -> Result<u64, UnitError> {
+    let t = text.trim();
+    if t.is_empty() {
+        return Err(UnitError::Empty);
+    }
+    let end = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (number, unit) = t.split_at(end);
+    let unit = unit.trim();
+    if number.is_empty() {
+        return Err(UnitError::NoNumber(t.to_string()));
+    }
+    let multiplier = match unit.to_ascii_uppercase().as_str() {
+        "" => 1,
+        "K" => 1 << 10,
+        "M" => 1 << 20,
+        "G" => 1 << 30,
+        "T" => 1 << 40,
+        "P" => 1 << 50,
+        upper => SIZE_UNITS
+            .iter()
+            .find(|(u, _)| u.to_ascii_uppercase() == upper)
+            .map(|(_, f)| *f)
+            .ok_or_else(|| UnitError::UnknownUnit { text: t.to_string(), unit: unit.to_string() })?,
+    };
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    if fraction.contains('.') || (whole.is_empty() && fraction.is_empty()) {
+        return Err(UnitError::NotANumber(t.to_string()));
+    }
+    let too_large = || UnitError::Overflow(t.to_string());
+    let whole: u64 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| too_large())? };
+    let bytes = whole.checked_mul(multiplier).ok_or_else(too_large)?;
+    // fraction · multiplier / 10^digits, exactly; digits beyond 10^-20 are below one byte.
+    let mut numerator: u128 = 0;
+    let mut denominator: u128 = 1;
+    for digit in fraction.bytes().take(20) {
+        denominator *= 10;
+        numerator = numerator * 10 + u128::from(digit - b'0');
+    }
+    let extra = u64::try_from(numerator * u128::from(multiplier) / denominator).map_err(|_| too_large())?;
+    bytes.checked_add(extra).ok_or_else(too_large)
 }
 
 /// The canonical spelling of a size: the largest binary unit that divides it (`4GiB`), else bytes.
@@ -210,6 +264,49 @@ mod tests {
         assert_eq!(format_size(1536 << 20), "1536MiB");
         assert_eq!(format_size(0), "0B");
         assert_eq!(format_size(1000), "1000B");
+    }
+
+    /// The spellings `shardline synth --size` took before it used this crate, with their values.
+    #[test]
+    fn lenient_sizes() {
+        for (input, bytes) in [
+            ("1MB", 1_000_000),
+            ("1mb", 1_000_000),
+            ("512MiB", 512 << 20),
+            ("4GB", 4_000_000_000),
+            ("4 GiB", 4 << 30),
+            ("4gib", 4 << 30),
+            ("8GiB", 8 << 30),
+            ("  8GB ", 8_000_000_000),
+            ("4  GB", 4_000_000_000),
+            ("1024", 1024),
+            ("10B", 10),
+            ("10b", 10),
+            ("3KB", 3000),
+            ("3KiB", 3072),
+            ("2G", 2 << 30),
+            ("2g", 2 << 30),
+            ("1T", 1 << 40),
+            ("2TB", 2_000_000_000_000),
+            ("1PB", 1_000_000_000_000_000),
+            ("1.5GB", 1_500_000_000),
+            ("0.5KiB", 512),
+            (".25MiB", 256 << 10),
+            ("1.", 1),
+            ("1.0000000000000000000000001GB", 1_000_000_000),
+            ("0", 0),
+        ] {
+            assert_eq!(parse_size_lenient(input), Ok(bytes), "{input}");
+        }
+        for input in
+            ["", "GB", "-1GB", "1.2.3GB", "1XB", "1 G B", "99999999999999999999", "20000PB", "16384PiB", ".", "1e9"]
+        {
+            assert!(parse_size_lenient(input).is_err(), "{input}");
+        }
+        // Every strict spelling reads the same.
+        for input in ["4GiB", "4 GiB", "10GB", "0", "123B", "1KB", "7PiB", "1TB"] {
+            assert_eq!(parse_size_lenient(input), parse_size(input), "{input}");
+        }
     }
 
     #[test]

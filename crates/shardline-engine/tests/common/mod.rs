@@ -46,8 +46,8 @@ pub fn synth_release(arch: &str, size: &str) -> PathBuf {
     }
     std::fs::create_dir_all(&cache).expect("synth cache dir");
     let tmp = tempfile::tempdir_in(&cache).expect("synth temp dir");
-    let bytes = shardline_formats::synth::parse_size(size).expect("size");
-    shardline_formats::synth::synth(arch, bytes, tmp.path(), 0, &Default::default())
+    let bytes = shardline_units::parse_size(size).expect("size");
+    shardline_synth::synth(arch, bytes, tmp.path(), 0, &Default::default())
         .unwrap_or_else(|e| panic!("synth {arch} {size}: {e}"));
     let staged = tmp.keep();
     if std::fs::rename(&staged, &dir).is_err() {

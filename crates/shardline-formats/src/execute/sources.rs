@@ -1,0 +1,115 @@
+//! The release as the writers read it: open files and where each of a plan's sources sits in
+//! them, and the streaming of one chunk's bytes out of them.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use shardline_layout::recipe::{apply_transform, segments, Segment};
+use shardline_layout::{Plan, TensorView};
+
+use crate::safetensors::{Release, SourceLocations};
+
+use super::*;
+
+/// Opens release files for reading.
+fn open_release_files<'a>(paths: impl Iterator<Item = &'a Path>) -> Result<Vec<(PathBuf, File)>, ExecuteError> {
+    let mut files = Vec::new();
+    for p in paths {
+        let f = File::open(p).map_err(io_err(p, "open release file"))?;
+        // Larger readahead when the release is not in the page cache, as `cp` asks; a hint that
+        // may be refused.
+        let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::Sequential);
+        files.push((p.to_path_buf(), f));
+    }
+    Ok(files)
+}
+
+/// The release files a plan reads, open, and where each of the plan's sources sits in them:
+/// `(file index, absolute data offset, byte length)`. All the writers need of the release, so a
+/// caller can let the release's header descriptions go before the bytes are copied.
+pub struct SourceMap {
+    pub(super) files: Vec<(PathBuf, File)>,
+    locs: Vec<(usize, u64, u64)>,
+}
+
+impl SourceMap {
+    /// Opens the files of `release` and locates every source of `plan` in them, checking that
+    /// each has the dtype and shape the plan was made for.
+    pub fn new(plan: &Plan, release: &Release) -> Result<SourceMap, ExecuteError> {
+        let files = open_release_files(release.file_paths())?;
+        let mut locs = Vec::with_capacity(plan.sources.len());
+        for s in &plan.sources {
+            let t = release.tensor(&s.name).ok_or_else(|| ExecuteError::MissingSource(s.name.clone()))?;
+            if t.info.dtype != s.dtype || t.info.shape != s.shape {
+                return Err(ExecuteError::SourceMismatch {
+                    name: s.name.clone(),
+                    planned: format!("{} {:?}", s.dtype, s.shape),
+                    actual: format!("{} {:?}", t.info.dtype, t.info.shape),
+                });
+            }
+            locs.push((t.file_index, t.info.file_offset, t.info.byte_len));
+        }
+        Ok(SourceMap { files, locs })
+    }
+
+    /// Opens the files of a release whose sources `plan` was made from, as
+    /// [`Release::into_sources`] gave them with `locations`.
+    pub fn open(plan: &Plan, locations: SourceLocations) -> Result<SourceMap, ExecuteError> {
+        if locations.tensors.len() != plan.sources.len() {
+            return Err(ExecuteError::SourceCount { planned: plan.sources.len(), located: locations.tensors.len() });
+        }
+        let files = open_release_files(locations.files.iter().map(PathBuf::as_path))?;
+        let locs = locations.tensors.into_iter().map(|(file, offset, len)| (file as usize, offset, len)).collect();
+        Ok(SourceMap { files, locs })
+    }
+
+    /// Reads `buf.len()` bytes of source `id` at byte `offset` within the tensor.
+    pub(super) fn read(&self, id: usize, offset: u64, buf: &mut [u8]) -> Result<(), ExecuteError> {
+        let (fi, at) = self.locate(id, offset, buf.len() as u64);
+        self.read_at(fi, at, buf)
+    }
+
+    /// `(file index, absolute offset)` of byte `offset` of source `id`, for `len` bytes.
+    pub(super) fn locate(&self, id: usize, offset: u64, len: u64) -> (usize, u64) {
+        let (fi, start, tensor_len) = self.locs[id];
+        debug_assert!(offset + len <= tensor_len);
+        (fi, start + offset)
+    }
+
+    pub(super) fn read_at(&self, fi: usize, at: u64, buf: &mut [u8]) -> Result<(), ExecuteError> {
+        let (path, file) = &self.files[fi];
+        file.read_exact_at(buf, at).map_err(io_err(path, "read release tensor"))
+    }
+}
+
+/// Streams the bytes of one chunk through `sink`, in bounded pieces.
+pub(crate) fn stream_chunk(
+    t: TensorView<'_>,
+    offsets: &[u64],
+    sizes: &[u64],
+    sources: &SourceMap,
+    buf: &mut [u8],
+    mut sink: impl FnMut(&[u8]) -> Result<(), ExecuteError>,
+) -> Result<(), ExecuteError> {
+    let item = t.dtype.size();
+    // Keep pieces element-aligned so transforms see whole elements.
+    let piece = (buf.len() / item).max(1) * item;
+    for Segment { source, len, transform } in segments(t.shape, t.dtype, t.recipe, offsets, sizes) {
+        let mut done = 0u64;
+        while done < len {
+            let n = ((len - done) as usize).min(piece);
+            let b = &mut buf[..n];
+            match source {
+                Some((id, off)) => {
+                    sources.read(id, off + done, b)?;
+                    apply_transform(transform, t.dtype, b);
+                }
+                None => b.fill(0),
+            }
+            sink(b)?;
+            done += n as u64;
+        }
+    }
+    Ok(())
+}
