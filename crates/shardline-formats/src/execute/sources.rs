@@ -83,7 +83,12 @@ impl SourceMap {
     }
 }
 
-/// Streams the bytes of one chunk through `sink`, in bounded pieces.
+/// Neighbouring segments of one source are read together when the bytes between them are at most
+/// this many: a chunk of a column-split weight is one short stripe per row, and a read per row
+/// costs more than the bytes it skips.
+const COALESCE_GAP: u64 = 64 << 10;
+
+/// Streams the bytes of one chunk through `sink`, in pieces of at most `buf.len()` bytes.
 pub(crate) fn stream_chunk(
     t: TensorView<'_>,
     offsets: &[u64],
@@ -95,7 +100,26 @@ pub(crate) fn stream_chunk(
     let item = t.dtype.size();
     // Keep pieces element-aligned so transforms see whole elements.
     let piece = (buf.len() / item).max(1) * item;
-    for Segment { source, len, transform } in segments(t.shape, t.dtype, t.recipe, offsets, sizes) {
+    let segs = segments(t.shape, t.dtype, t.recipe, offsets, sizes);
+    let mut i = 0;
+    while i < segs.len() {
+        let run = coalesced_run(&segs[i..], piece as u64);
+        if run > 1 {
+            // One read covers the run; each segment's bytes are then cut out of it.
+            let (Some((id, start)), Some(last)) = (segs[i].source, segs.get(i + run - 1)) else { break };
+            let end = last.source.map_or(start, |(_, o)| o + last.len);
+            let span = &mut buf[..(end - start) as usize];
+            sources.read(id, start, span)?;
+            for s in &segs[i..i + run] {
+                let at = (s.source.map_or(start, |(_, o)| o) - start) as usize;
+                let b = &mut span[at..at + s.len as usize];
+                apply_transform(s.transform, t.dtype, b);
+                sink(b)?;
+            }
+            i += run;
+            continue;
+        }
+        let Segment { source, len, transform } = segs[i];
         let mut done = 0u64;
         while done < len {
             let n = ((len - done) as usize).min(piece);
@@ -110,6 +134,30 @@ pub(crate) fn stream_chunk(
             sink(b)?;
             done += n as u64;
         }
+        i += 1;
     }
     Ok(())
+}
+
+/// How many segments from the first one read together: the same source, in increasing order,
+/// gaps of at most [`COALESCE_GAP`], the whole span within `max_span` bytes.
+fn coalesced_run(segs: &[Segment], max_span: u64) -> usize {
+    let Some((id, start)) = segs.first().and_then(|s| s.source) else { return 1 };
+    let mut end = start + segs[0].len;
+    let mut n = 1;
+    for s in &segs[1..] {
+        match s.source {
+            Some((sid, off))
+                if sid == id && off >= end && off - end <= COALESCE_GAP && off + s.len - start <= max_span =>
+            {
+                end = off + s.len;
+                n += 1;
+            }
+            _ => break,
+        }
+    }
+    if end - start > max_span {
+        return 1;
+    }
+    n
 }
