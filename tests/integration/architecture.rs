@@ -87,3 +87,71 @@ fn crate_dependencies_follow_the_architecture() {
     }
     assert!(problems.is_empty(), "the crate graph breaks the architecture:\n{}", problems.join("\n"));
 }
+
+/// The one file allowed `unsafe` code: glibc malloc tuning in the binary. The workspace lint is
+/// `unsafe_code = "deny"` (not "forbid") so that this module alone can allow it.
+const UNSAFE_ALLOWED: &str = "crates/shardline-cli/src/malloc.rs";
+
+/// Whether a line of Rust uses `unsafe` (a block, fn, impl, trait or extern block) or allows it,
+/// comments aside. Strings that merely contain the word (error messages) do not count.
+fn uses_unsafe(line: &str) -> bool {
+    let code = line.split("//").next().unwrap_or_default();
+    let code = code.replace(char::is_whitespace, " ");
+    ["unsafe {", "unsafe fn", "unsafe impl", "unsafe trait", "unsafe extern", "allow(unsafe_code)"]
+        .iter()
+        .any(|p| code.contains(p))
+        || code.trim_end().ends_with("unsafe")
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("read source directory").flatten() {
+        let path = entry.path();
+        let name = entry.file_name();
+        if path.is_dir() {
+            if name != "target" && name != "node_modules" && !name.to_string_lossy().starts_with('.') {
+                rust_files(&path, out);
+            }
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+#[test]
+fn unsafe_code_is_only_in_the_malloc_module() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    for dir in ["crates", "tests"] {
+        rust_files(&root.join(dir), &mut files);
+    }
+    assert!(files.iter().any(|f| f.ends_with(UNSAFE_ALLOWED)), "{UNSAFE_ALLOWED} is missing");
+    assert!(files.len() > 100, "only {} Rust files found", files.len());
+    let mut problems = Vec::new();
+    for file in &files {
+        let rel = file.strip_prefix(root).unwrap_or(file);
+        // This file names the patterns it looks for.
+        if rel == Path::new(UNSAFE_ALLOWED) || rel == Path::new(file!()) {
+            continue;
+        }
+        let text = std::fs::read_to_string(file).expect("read source file");
+        for (i, line) in text.lines().enumerate() {
+            if uses_unsafe(line) {
+                problems.push(format!("{}:{}: {}", rel.display(), i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(problems.is_empty(), "`unsafe` outside {UNSAFE_ALLOWED}:\n{}", problems.join("\n"));
+}
+
+#[test]
+fn the_unsafe_check_sees_unsafe_code() {
+    assert!(uses_unsafe("    unsafe {"));
+    assert!(uses_unsafe("pub unsafe fn f() {}"));
+    assert!(uses_unsafe("unsafe impl Send for X {}"));
+    assert!(uses_unsafe("#![allow(unsafe_code)]"));
+    assert!(uses_unsafe("    let x = unsafe"));
+    assert!(!uses_unsafe("// SAFETY: unsafe { is fine in a comment"));
+    assert!(!uses_unsafe(r#"message: format!("unsafe file path `{}`", p),"#));
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(UNSAFE_ALLOWED)).unwrap();
+    assert!(text.lines().any(uses_unsafe), "the check finds the malloc module's unsafe blocks");
+}

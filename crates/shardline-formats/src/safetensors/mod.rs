@@ -18,7 +18,7 @@
 //!
 //! * `SafeTensors::read_metadata` wants a buffer holding the *whole file* (it compares the
 //!   header's end offset with the buffer length), so it needs the file in memory or memory-mapped,
-//!   and mapping a file takes `unsafe`, which this workspace forbids.
+//!   and mapping a file takes `unsafe`, which this workspace denies.
 //! * Its `Metadata` deserializer goes through a `HashMap`, so a duplicated tensor name silently
 //!   keeps one of the two entries; it also rejects with errors that name neither the numbers nor,
 //!   for size mismatches, the tensor (`TensorInvalidInfo`), and accepts dtypes we cannot convert

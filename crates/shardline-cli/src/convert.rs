@@ -127,7 +127,7 @@ fn plan_sources(config: &ModelConfig, sources: Vec<SourceTensor>, mesh: Mesh, op
 }
 
 pub fn run(args: ConvertArgs) -> Result<ExitCode> {
-    crate::report::map_large_buffers();
+    crate::malloc::map_large_buffers();
     let mesh = args.mesh.mesh();
     let options = PlanOptions {
         prefix: args.prefix.clone(),
@@ -167,11 +167,11 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
     // planning leave; then the plan goes, and the copy runs in the memory of the table and the
     // I/O buffers alone.
     drop(std::mem::take(&mut plan.sources));
-    crate::report::return_freed_memory();
+    crate::malloc::return_freed_memory();
     let table = PlanTable::new(&plan);
     let (model_type, unconverted) = (std::mem::take(&mut plan.model_type), std::mem::take(&mut plan.unconverted));
     drop(plan);
-    crate::report::return_freed_memory();
+    crate::malloc::return_freed_memory();
     let report = {
         let p = progress.clone();
         let _bar = Bar::start("convert", total, move || p.bytes_written.load(Ordering::Relaxed));

@@ -4,6 +4,7 @@
 mod convert;
 mod gpu;
 mod inspect;
+mod malloc;
 mod orchestrate;
 mod report;
 mod serve;

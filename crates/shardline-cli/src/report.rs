@@ -31,28 +31,6 @@ pub fn peak_rss() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// Hands memory the allocator holds free back to the system, so that what a finished phase
-/// freed does not stay resident through the next one (glibc keeps it otherwise; other
-/// allocators return it on their own).
-pub fn return_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only releases free pages of the allocator's own heaps.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
-/// Makes every allocation of 256 KiB or more its own mapping, returned to the system when
-/// freed. glibc otherwise raises that threshold once a large buffer is freed and serves the next
-/// ones from its heaps, where freed I/O buffers stay resident for the rest of the run.
-pub fn map_large_buffers() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes a tuning parameter of the allocator.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 10);
-    }
-}
-
 /// A progress bar over a byte counter, drawn on stderr only when it is a terminal.
 pub struct Bar {
     stop: Arc<AtomicBool>,
