@@ -250,8 +250,8 @@ fn write_stripe_set(
         let (nrows, mut row) = (len / row_bytes, 0u64);
         while row < nrows {
             let mut batch = (nrows - row).min((MAX_IOVECS / iovecs_per_row).max(1) as u64);
-            if gap_per_row > 0 {
-                batch = batch.min(GAP_SCRATCH as u64 / gap_per_row);
+            if let Some(rows) = (GAP_SCRATCH as u64).checked_div(gap_per_row) {
+                batch = batch.min(rows);
             }
             for &(_, width, k) in &columns {
                 if (files[k].free() as u64) < width {
