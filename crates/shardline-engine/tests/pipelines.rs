@@ -358,7 +358,14 @@ steps:
 
     let r = h.wait_finished(s.run, RUN_TIMEOUT).await;
     assert_eq!(r.state, RunState::Succeeded, "{:?}", r.error);
-    let rows = h.log_rows(s.run, "validate").await;
+    // A task that finished while its lines were refused stores them on a later retry of its
+    // worker: wait for the last line rather than read once.
+    let waited = Instant::now();
+    let mut rows = h.log_rows(s.run, "validate").await;
+    while !rows.iter().any(|l| l.line.contains("succeeded in")) && waited.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        rows = h.log_rows(s.run, "validate").await;
+    }
     let lines: Vec<&str> = rows.iter().map(|l| l.line.as_str()).collect();
     for want in ["attempt 1 of `validate`", "reconstructed bit-exactly", "succeeded in"] {
         let n = lines.iter().filter(|l| l.contains(want)).count();
