@@ -26,7 +26,10 @@ use thiserror::Error;
 
 use crate::pickle::PickleError;
 
-pub use read::{list_archive, read_object_archive, read_tensor_archive, ArchiveEntry, ArchivedTensor, ReadAt};
+pub use read::{
+    list_archive, read_object_archive, read_tensor_archive, read_tensor_archive_with, ArchiveEntry, ArchivedTensor,
+    ReadAt, SpecCache,
+};
 pub use write::*;
 
 /// The directory inside the archive. torch uses `archive`; readers take whatever the first

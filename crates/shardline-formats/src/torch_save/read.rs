@@ -357,8 +357,7 @@ impl<'a, R: ReadAt + ?Sized> Archive<'a, R> {
     }
 
     pub(super) fn entry(&self, rel: &str) -> Option<&ArchiveEntry> {
-        let full = format!("{}{rel}", self.dir);
-        self.entries.iter().find(|e| e.name == full)
+        self.entries.iter().find(|e| e.name.strip_prefix(self.dir.as_str()) == Some(rel))
     }
 
     pub(super) fn require(&self, rel: &str) -> Result<&ArchiveEntry, TorchSaveError> {
@@ -432,6 +431,7 @@ pub fn read_object_archive<R: ReadAt + ?Sized>(src: &R, offset: u64, length: u64
 }
 
 /// What `data.pkl` says about a tensor.
+#[derive(Clone)]
 struct TensorSpec {
     dtype: DType,
     shape: Vec<u64>,
@@ -587,8 +587,39 @@ pub fn read_tensor_archive<R: ReadAt + ?Sized>(
     offset: u64,
     length: u64,
 ) -> Result<ArchivedTensor, TorchSaveError> {
+    read_tensor_archive_with(src, offset, length, &mut SpecCache::default())
+}
+
+/// The tensors that the `data.pkl`s already read describe, by their bytes: the items of one
+/// checkpoint repeat a few pickles (one per chunk shape and dtype) hundreds of thousands of
+/// times, and the same bytes always describe the same tensor.
+#[derive(Default)]
+pub struct SpecCache {
+    specs: std::collections::HashMap<Vec<u8>, TensorSpec>,
+}
+
+/// Pickles kept by a [`SpecCache`]; past that it stops remembering new ones.
+const SPEC_CACHE_ENTRIES: usize = 4096;
+
+/// [`read_tensor_archive`], reusing what `cache` already knows of a `data.pkl`.
+pub fn read_tensor_archive_with<R: ReadAt + ?Sized>(
+    src: &R,
+    offset: u64,
+    length: u64,
+    cache: &mut SpecCache,
+) -> Result<ArchivedTensor, TorchSaveError> {
     let ar = Archive::open(src, offset, length)?;
-    let spec = tensor_spec(&ar.pickle()?)?;
+    let body = ar.read_small(ar.require("data.pkl")?, MAX_PICKLE_LEN)?;
+    let spec = match cache.specs.get(&*body) {
+        Some(spec) => spec.clone(),
+        None => {
+            let spec = tensor_spec(&pickle::loads(&body)?)?;
+            if cache.specs.len() < SPEC_CACHE_ENTRIES {
+                cache.specs.insert(body.into_owned(), spec.clone());
+            }
+            spec
+        }
+    };
     if !is_contiguous(&spec.shape, &spec.strides) {
         return Err(TorchSaveError::NonContiguous { shape: spec.shape, strides: spec.strides });
     }

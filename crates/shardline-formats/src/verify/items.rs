@@ -11,7 +11,7 @@ use std::sync::Arc;
 use super::keys::{BoxSet, KeyInfo};
 use super::{Finding, VerifyError};
 use crate::execute::{stream_chunk, Progress, SourceMap};
-use crate::torch_save::{read_object_archive, read_tensor_archive, ArchivedTensor};
+use crate::torch_save::{read_object_archive, read_tensor_archive_with, ArchivedTensor, SpecCache};
 
 /// Items up to this size are read whole with one read and parsed from memory.
 const WHOLE_ITEM_MAX: u64 = 1 << 20;
@@ -43,10 +43,12 @@ pub(super) struct Worker<'a> {
     sources: &'a SourceMap,
     progress: &'a Progress,
     files: HashMap<Arc<str>, Arc<File>>,
+    specs: SpecCache,
     item: Vec<u8>,
     expected: Vec<u8>,
     actual: Vec<u8>,
-    pub found: HashMap<u32, BoxSet>,
+    /// The boxes found, by key index.
+    pub found: Vec<BoxSet>,
     pub findings: Vec<Finding>,
     pub findings_dropped: u64,
     pub bytes: u64,
@@ -59,14 +61,23 @@ impl<'a> Worker<'a> {
             sources,
             progress,
             files: HashMap::new(),
+            specs: SpecCache::default(),
             item: Vec::new(),
             expected: vec![0; PIECE],
             actual: vec![0; PIECE],
-            found: HashMap::new(),
+            found: Vec::new(),
             findings: Vec::new(),
             findings_dropped: 0,
             bytes: 0,
         }
+    }
+
+    fn found_for(&mut self, index: u32) -> &mut BoxSet {
+        let i = index as usize;
+        if self.found.len() <= i {
+            self.found.resize(i + 1, BoxSet::default());
+        }
+        &mut self.found[i]
     }
 
     fn find(&mut self, key: &str, message: String) {
@@ -108,7 +119,7 @@ impl<'a> Worker<'a> {
             }
             let Location::Archive { offset, length } = job.location else { return Err("not an archive".into()) };
             read_object_archive(&*file, offset, length).map_err(|e| e.to_string())?;
-            self.found.entry(key.index).or_default().add(&[], &[]);
+            self.found_for(key.index).add(&[], &[]);
             return Ok(());
         };
         let (sizes, data_at, in_memory) = match &job.location {
@@ -125,7 +136,7 @@ impl<'a> Worker<'a> {
             }
             Location::Raw { data_offset, sizes } => (sizes.clone(), *data_offset, false),
         };
-        self.found.entry(key.index).or_default().add(offsets, &sizes);
+        self.found_for(key.index).add(offsets, &sizes);
         let fits = offsets.len() == key.shape.len()
             && sizes.len() == key.shape.len()
             && offsets.iter().zip(&sizes).zip(&key.shape).all(|((o, s), g)| o.checked_add(*s).is_some_and(|e| e <= *g));
@@ -139,11 +150,11 @@ impl<'a> Worker<'a> {
     /// Reads a tensor archive, whole into `self.item` when it is small.
     fn read_archive(&mut self, file: &File, offset: u64, length: u64) -> Result<ArchivedTensor, String> {
         if length > WHOLE_ITEM_MAX {
-            return read_tensor_archive(file, offset, length).map_err(|e| e.to_string());
+            return read_tensor_archive_with(file, offset, length, &mut self.specs).map_err(|e| e.to_string());
         }
         self.item.resize(length as usize, 0);
         file.read_exact_at(&mut self.item, offset).map_err(|e| format!("cannot read the item: {e}"))?;
-        read_tensor_archive(&self.item[..], 0, length).map_err(|e| e.to_string())
+        read_tensor_archive_with(&self.item[..], 0, length, &mut self.specs).map_err(|e| e.to_string())
     }
 
     /// Compares the stored box with the release's mapping of it.
@@ -178,10 +189,10 @@ impl<'a> Worker<'a> {
                 }
                 buf
             };
-            if mismatch.is_none() {
-                if let Some(p) = got.iter().zip(piece).position(|(a, b)| a != b) {
-                    mismatch = Some(cursor + p as u64);
-                }
+            // Slice equality is a memcmp; the position is looked for only when they differ.
+            if mismatch.is_none() && got != piece {
+                let p = got.iter().zip(piece).position(|(a, b)| a != b).unwrap_or(0);
+                mismatch = Some(cursor + p as u64);
             }
             cursor += piece.len() as u64;
             progress.bytes_written.fetch_add(piece.len() as u64, Ordering::Relaxed);

@@ -128,15 +128,15 @@ pub fn verify_checkpoint(
         let workers: Vec<_> = pool.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(worker_panicked()))).collect();
         (workers, fed)
     });
-    let mut found: HashMap<u32, BoxSet> = HashMap::new();
+    let mut found: Vec<BoxSet> = vec![BoxSet::default(); keys.infos.len()];
     let mut report = VerifyReport { findings, ..VerifyReport::default() };
     for w in workers {
         let w = w?;
         report.bytes_checked += w.bytes;
         report.findings.extend(w.findings);
         report.findings_dropped += w.findings_dropped;
-        for (k, b) in w.found {
-            found.entry(k).or_default().merge(b);
+        for (held, b) in found.iter_mut().zip(w.found) {
+            held.merge(b);
         }
     }
     fed?;
@@ -144,7 +144,7 @@ pub fn verify_checkpoint(
         report.findings.push(Finding { key, message: "missing from the checkpoint".into() });
     }
     for (info, declared) in keys.infos.iter().zip(&keys.declared) {
-        let held = found.get(&info.index).copied().unwrap_or_default();
+        let held = found.get(info.index as usize).copied().unwrap_or_default();
         report.items += held.count;
         if held != *declared {
             report.findings.push(Finding {
