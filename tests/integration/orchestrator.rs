@@ -402,7 +402,8 @@ fn server_restart_mid_run_resumes() {
     d.server("server");
     d.worker("w1", &["--cpus", "1", "--lease-seconds", "2"]);
     d.worker("w2", &["--cpus", "1", "--lease-seconds", "2"]);
-    let run = d.submit(&spec("server-restart", &source, 1, 2, ""));
+    // 32 ranks: validate reads enough items to still be running when the server is killed.
+    let run = d.submit(&spec("server-restart", &source, 1, 32, ""));
     let leased = d.wait_task(run, "validate", |t| t.state == TaskState::Leased);
 
     d.kill9("server");
@@ -429,14 +430,15 @@ fn server_restart_mid_run_resumes() {
 /// run, and take new work afterwards.
 #[test]
 fn postgres_restart_mid_run_workers_reconnect() {
-    // Validating 600 MB takes longer than a restart: the restart falls inside `validate`.
+    // Validating 600 MB sharded for 64 ranks takes longer than a restart: the restart falls
+    // inside `validate`.
     let source = synth("qwen3_moe", "600MB");
     let mut d = Deployment::new(true);
     d.server("server");
     // Leases outlast the restart: the running attempt is not reaped meanwhile.
     d.worker("w1", &["--cpus", "1", "--lease-seconds", "10"]);
     d.worker("w2", &["--cpus", "1", "--lease-seconds", "10"]);
-    let run = d.submit(&spec("pg-restart", &source, 1, 2, ""));
+    let run = d.submit(&spec("pg-restart", &source, 1, 64, ""));
     d.wait_task(run, "validate", |t| t.state == TaskState::Leased);
 
     let cluster = std::env::var("SHARDLINE_PG_CLUSTER").unwrap_or_else(|_| "15 main".to_string());
@@ -486,7 +488,8 @@ fn sigterm_drains_the_running_task_and_takes_no_new_one() {
         "  - id: upload\n    uses: store.upload\n    needs: [validate]\n    with: {{to: \"file://{}\"}}\n",
         out.display()
     );
-    let run = d.submit(&spec("drain", &source, 1, 2, &upload));
+    // 32 ranks: validate runs long enough for the signal to arrive while it runs.
+    let run = d.submit(&spec("drain", &source, 1, 32, &upload));
     let leased = d.wait_task(run, "validate", |t| t.state == TaskState::Leased && t.progress.is_some());
     assert_eq!(d.worker_name(leased.lease_owner.expect("owner")), "w1");
 

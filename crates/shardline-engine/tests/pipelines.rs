@@ -161,7 +161,8 @@ async fn step_with_cache_false_always_recomputes(kind: Kind) {
 }
 
 async fn cancel_stops_leasing_and_refuses_late_completions(kind: Kind) {
-    // Validating a synthetic release takes seconds: the run is cancelled while it runs.
+    // Validating a synthetic release sharded for 32 ranks takes seconds (validate's time grows
+    // with the items it reads): the run is cancelled while it runs.
     let release = synth_release("qwen3_moe", "200MB");
     let mut h = Harness::new(kind).await;
     h.start_workers(2, LEASE);
@@ -176,7 +177,7 @@ steps:
   - id: shard
     uses: megatron.shard
     needs: [download]
-    with: {{tp: 1, dp: 2}}
+    with: {{tp: 1, dp: 32}}
   - id: validate
     uses: checkpoint.validate
     needs: [shard]
