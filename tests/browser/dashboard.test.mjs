@@ -311,13 +311,14 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
 });
 
 test('a running task shows a progress bar with bytes/s and ETA, and its logs follow live', { timeout: 240000 }, async () => {
-  // A synthetic release big enough that validating it (debug build) spans several heartbeats.
+  // A synthetic release big enough, sharded for 128 ranks, that validating it (debug build)
+  // spans several heartbeats: validate's time grows with the items it reads.
   const release = join(tmp, 'synth-qwen3-moe');
   execFileSync(BIN, ['synth', '--arch', 'qwen3_moe', '--size', '400MB', release], { cwd: tmp, stdio: 'ignore' });
   const spec = [
     'apiVersion: shardline/v1', 'kind: Pipeline', 'name: browser-progress', 'steps:',
     '  - id: download', '    uses: hf.download', `    with: {path: "${release}"}`,
-    '  - id: shard', '    uses: megatron.shard', '    needs: [download]', '    with: {tp: 1, dp: 2}',
+    '  - id: shard', '    uses: megatron.shard', '    needs: [download]', '    with: {tp: 1, dp: 128}',
     '  - id: validate', '    uses: checkpoint.validate', '    needs: [shard]', '',
   ].join('\n');
   const file = join(tmp, 'progress.yaml');
