@@ -101,7 +101,8 @@ before(async () => {
     const m = readFileSync(server.log, 'utf8').match(/http:\/\/(127\.0\.0\.1:\d+)\//);
     return m ? `http://${m[1]}` : null;
   });
-  start('worker', ['worker', '--name', 'browser-worker', '--cpus', '4', '--memory', '8GiB', '--lease-seconds', '4']);
+  // Short leases: heartbeats (and the progress they carry) every 0.67 s, several per validation.
+  start('worker', ['worker', '--name', 'browser-worker', '--cpus', '4', '--memory', '8GiB', '--lease-seconds', '2']);
   await until('the worker to register', async () => {
     const r = await fetch(`${base}/api/v1/workers`);
     return r.ok && (await r.json()).some((w) => w.name === 'browser-worker');
