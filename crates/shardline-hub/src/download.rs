@@ -7,6 +7,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use reqwest::header::{HeaderMap, HeaderValue, CONTENT_RANGE, RANGE};
@@ -137,7 +138,10 @@ struct Job {
 }
 
 const WRITE_BUF: usize = 4 << 20;
+/// Progress is reported every this many bytes of a stream...
 const REPORT_EVERY: u64 = 16 << 20;
+/// ... and at least this often while bytes arrive, so that a slow link still shows a live rate.
+const REPORT_INTERVAL: Duration = Duration::from_millis(250);
 
 impl HubClient {
     /// Downloads the files of `repo` at `revision` selected by `opts` into the HF cache and returns
@@ -614,6 +618,7 @@ impl Job {
             s => return Err(Failure::Fatal(invalid(&final_url, format!("unexpected HTTP {}", s.as_u16())))),
         }
         let mut since_report = 0u64;
+        let mut reported = Instant::now();
         loop {
             match resp.chunk().await {
                 Ok(Some(mut b)) => {
@@ -636,8 +641,9 @@ impl Job {
                     w.write(b).await.map_err(|e| Failure::Fatal(HubError::io(PathBuf::from(&f.path), e)))?;
                     *pos += n;
                     since_report += n;
-                    if since_report >= REPORT_EVERY {
+                    if since_report >= REPORT_EVERY || reported.elapsed() >= REPORT_INTERVAL {
                         since_report = 0;
+                        reported = Instant::now();
                         self.report(&f.path);
                     }
                     if self.cancelled() {

@@ -66,7 +66,10 @@ fn expected_bytes(task: &TaskRow, outputs: &HashMap<&str, TaskOutput>) -> Option
 /// Progress of a task: bytes so far (from its last heartbeat), the expected total when known,
 /// the mean rate of the current attempt and the time left at that rate.
 pub fn progress_of(task: &TaskRow, outputs: &HashMap<&str, TaskOutput>, now: DateTime<Utc>) -> Option<ProgressDto> {
-    let total = expected_bytes(task, outputs);
+    let reported = task.progress.as_ref().and_then(TaskProgress::from_value);
+    // The plan's figure first; else what the task itself says it will move (a download knows
+    // once it has listed the files).
+    let total = expected_bytes(task, outputs).or(reported.and_then(|p| p.bytes_total));
     // A finished task moved what was planned (outputs count file bytes, headers included, where
     // progress and plans count tensor data); without a plan, what its output says.
     let done_bytes = match task.state {
@@ -76,7 +79,7 @@ pub fn progress_of(task: &TaskRow, outputs: &HashMap<&str, TaskOutput>, now: Dat
         }),
         _ => None,
     };
-    let bytes = done_bytes.or_else(|| Some(TaskProgress::from_value(task.progress.as_ref()?)?.bytes));
+    let bytes = done_bytes.or(reported.map(|p| p.bytes));
     if bytes.is_none() && total.is_none() {
         return None;
     }
@@ -424,6 +427,19 @@ mod tests {
         assert_eq!((p.bytes, p.total_bytes, p.fraction, p.bytes_per_sec), (4000, Some(4000), Some(1.0), None));
         // A task with nothing known has no progress.
         assert!(progress_of(&task(3, "x", "x", TaskState::Ready), &outputs, now).is_none());
+    }
+
+    #[test]
+    fn a_download_reports_its_own_total() {
+        let now = Utc::now();
+        let mut dl = task(1, "download", "download", TaskState::Leased);
+        dl.progress = Some(json!({"bytes": 3000, "bytes_total": 12000}));
+        dl.leased_at = Some(now - chrono::Duration::seconds(4));
+        dl.heartbeat_at = Some(now - chrono::Duration::seconds(1));
+        let p = progress_of(&dl, &HashMap::new(), now).expect("progress");
+        assert_eq!((p.bytes, p.total_bytes, p.fraction), (3000, Some(12000), Some(0.25)));
+        assert!((p.bytes_per_sec.expect("rate") - 1000.0).abs() < 1e-6);
+        assert!((p.eta_seconds.expect("eta") - 9.0).abs() < 1e-6);
     }
 
     #[test]
