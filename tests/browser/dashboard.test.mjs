@@ -9,7 +9,9 @@
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn, execFileSync } from 'node:child_process';
-import { existsSync, mkdtempSync, mkdirSync, readFileSync, rmSync, openSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdtempSync, mkdirSync, readFileSync, readdirSync, rmSync, openSync, writeFileSync } from 'node:fs';
+import { createServer } from 'node:http';
+import { createHash } from 'node:crypto';
 import { tmpdir } from 'node:os';
 import { join, resolve, dirname } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -25,6 +27,7 @@ const FIXTURE = join(ROOT, 'tests/fixtures/hf-tiny/qwen3_next');
 const tmp = mkdtempSync(join(tmpdir(), 'shardline-browser-'));
 const stateDir = join(tmp, 'state');
 const procs = [];
+const servers = [];
 let base = '';
 let browser = null;
 let submitToken = '';
@@ -35,9 +38,63 @@ function cli(...args) {
 }
 
 function cleanEnv() {
-  const env = { ...process.env };
+  const env = { ...process.env, HF_HOME: join(tmp, 'hf-home') };
   delete env.SHARDLINE_DATABASE_URL;
+  delete env.HF_HUB_CACHE;
+  delete env.HF_ENDPOINT;
+  delete env.HF_TOKEN;
   return env;
+}
+
+/**
+ * A Hub imitation serving the files of `dir` as repository `repo` at one commit, over the Hub's
+ * HTTP API (revision, recursive tree, resolve with `Range`), its bodies throttled to
+ * `bytesPerSecond` over all connections: a download that lasts long enough to be watched
+ * whatever the speed of the machine. Files are plain git blobs (ETag = git blob sha1).
+ */
+async function slowHub(repo, dir, bytesPerSecond) {
+  const sha = createHash('sha1').update(`${repo}@${dir}`).digest('hex');
+  const files = new Map(readdirSync(dir).sort().map((name) => {
+    const data = readFileSync(join(dir, name));
+    const oid = createHash('sha1').update(`blob ${data.length}\0`).update(data).digest('hex');
+    return [name, { data, oid }];
+  }));
+  let nextFree = Date.now();
+  const server = createServer(async (req, res) => {
+    const url = new URL(req.url, 'http://hub');
+    const json = (v) => { res.writeHead(200, { 'content-type': 'application/json', etag: `"${sha}"` }); res.end(JSON.stringify(v)); };
+    if (url.pathname === `/api/models/${repo}/revision/main`) {
+      return json({ id: repo, sha, siblings: [...files.keys()].map((rfilename) => ({ rfilename })) });
+    }
+    if (url.pathname === `/api/models/${repo}/tree/${sha}` || url.pathname === `/api/models/${repo}/tree/main`) {
+      return json([...files].map(([path, f]) => ({ type: 'file', oid: f.oid, size: f.data.length, path })));
+    }
+    const prefix = `/${repo}/resolve/${sha}/`;
+    const f = url.pathname.startsWith(prefix) && files.get(decodeURIComponent(url.pathname.slice(prefix.length)));
+    if (!f) {
+      res.writeHead(404, { 'content-type': 'application/json', 'x-error-code': 'EntryNotFound' });
+      return res.end(JSON.stringify({ error: 'Entry not found' }));
+    }
+    let [start, end] = [0, f.data.length];
+    const range = /^bytes=(\d+)-(\d*)$/.exec(req.headers.range || '');
+    if (range) [start, end] = [Number(range[1]), range[2] ? Math.min(Number(range[2]) + 1, end) : end];
+    const headers = { 'content-length': end - start, 'accept-ranges': 'bytes', etag: `"${f.oid}"`, 'x-repo-commit': sha };
+    if (range) headers['content-range'] = `bytes ${start}-${end - 1}/${f.data.length}`;
+    res.writeHead(range ? 206 : 200, headers);
+    if (req.method === 'HEAD') return res.end();
+    for (let at = start; at < end && !res.destroyed; at += 64 << 10) {
+      const piece = f.data.subarray(at, Math.min(at + (64 << 10), end));
+      const now = Date.now();
+      nextFree = Math.max(now, nextFree) + (piece.length * 1000) / bytesPerSecond;
+      await new Promise((r) => setTimeout(r, nextFree - now));
+      if (!res.write(piece)) await new Promise((r) => res.once('drain', r));
+    }
+    res.end();
+  });
+  await new Promise((r) => server.listen(0, '127.0.0.1', r));
+  servers.push(server);
+  const total = [...files.values()].reduce((n, f) => n + f.data.length, 0);
+  return { endpoint: `http://127.0.0.1:${server.address().port}`, total };
 }
 
 function start(name, args) {
@@ -101,7 +158,7 @@ before(async () => {
     const m = readFileSync(server.log, 'utf8').match(/http:\/\/(127\.0\.0\.1:\d+)\//);
     return m ? `http://${m[1]}` : null;
   });
-  // Short leases: heartbeats (and the progress they carry) every 0.67 s, several per validation.
+  // Short leases: heartbeats (and the progress they carry) every 0.67 s.
   start('worker', ['worker', '--name', 'browser-worker', '--cpus', '4', '--memory', '8GiB', '--lease-seconds', '2']);
   await until('the worker to register', async () => {
     const r = await fetch(`${base}/api/v1/workers`);
@@ -124,6 +181,7 @@ after(async () => {
   }
   await Promise.all(procs.map((p) => (p.child.exitCode === null ? new Promise((r) => { p.child.once('exit', r); setTimeout(r, 15000); }) : null)));
   for (const p of procs) if (p.child.exitCode === null) p.child.kill('SIGKILL');
+  for (const s of servers) s.close();
   rmSync(tmp, { recursive: true, force: true });
 });
 
@@ -312,14 +370,15 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
 });
 
 test('a running task shows a progress bar with bytes/s and ETA, and its logs follow live', { timeout: 240000 }, async () => {
-  // A synthetic release big enough, sharded for 128 ranks, that validating it (debug build)
-  // spans several heartbeats: validate's time grows with the items it reads.
+  // A release served by a Hub imitation at 2 MiB/s: its download spans several heartbeats
+  // (every 0.67 s with this worker's 2 s lease) however fast the machine is.
   const release = join(tmp, 'synth-qwen3-moe');
-  execFileSync(BIN, ['synth', '--arch', 'qwen3_moe', '--size', '400MB', release], { cwd: tmp, stdio: 'ignore' });
+  execFileSync(BIN, ['synth', '--arch', 'qwen3_moe', '--size', '16MB', release], { cwd: tmp, stdio: 'ignore' });
+  const hub = await slowHub('browser/slow-moe', release, 2 << 20);
   const spec = [
     'apiVersion: shardline/v1', 'kind: Pipeline', 'name: browser-progress', 'steps:',
-    '  - id: download', '    uses: hf.download', `    with: {path: "${release}"}`,
-    '  - id: shard', '    uses: megatron.shard', '    needs: [download]', '    with: {tp: 1, dp: 128}',
+    '  - id: download', '    uses: hf.download', `    with: {repo: browser/slow-moe, endpoint: "${hub.endpoint}"}`,
+    '  - id: shard', '    uses: megatron.shard', '    needs: [download]', '    with: {tp: 1, dp: 2}',
     '  - id: validate', '    uses: checkpoint.validate', '    needs: [shard]', '',
   ].join('\n');
   const file = join(tmp, 'progress.yaml');
@@ -329,18 +388,23 @@ test('a running task shows a progress bar with bytes/s and ETA, and its logs fol
 
   const { context, page, problems } = await newPage();
   await page.goto(`${base}/runs/${id}`);
-  const row = '[data-task][data-name="validate"]';
-  // While validation runs, its row shows a partial bar, the rate and the time left.
-  const shown = await until('a live rate and ETA on the validate task', async () => {
-    const state = await page.getAttribute(row, 'data-state').catch(() => null);
-    if (state === 'succeeded') throw new Error('validation finished before a heartbeat showed its progress');
-    if (state !== 'leased') return null;
-    const text = await page.textContent(`${row} .progress`);
-    const pct = Number(await page.getAttribute(`${row} [role=progressbar]`, 'aria-valuenow').catch(() => 'NaN'));
-    return /\/s/.test(text) && /ETA \d/.test(text) && pct > 0 && pct < 100 ? { text, pct } : null;
-  }, 120000);
-  assert.match(shown.text, /MiB \/ 376\.\d MiB/);
-  assert.match(await page.textContent(`${row} [role=cell]`), /validate/);
+  const row = '[data-task][data-name="download"]';
+  // While the download runs, its row shows a partial bar, the rate and the time left.
+  // One snapshot of the row per poll: waiting on an element that is not there yet (the bar
+  // appears with the first heartbeat) would sleep through the download.
+  const shown = await until('a live rate and ETA on the download task', async () => {
+    const now = await page.evaluate((sel) => {
+      const r = document.querySelector(sel);
+      const bar = r?.querySelector('[role=progressbar]');
+      return r && { state: r.dataset.state, text: r.querySelector('.progress')?.textContent || '', pct: bar ? Number(bar.getAttribute('aria-valuenow')) : NaN };
+    }, row);
+    if (now?.state === 'succeeded') throw new Error('the download finished before a heartbeat showed its progress');
+    if (now?.state !== 'leased') return null;
+    return /\/s/.test(now.text) && /ETA \d/.test(now.text) && now.pct > 0 && now.pct < 100 ? now : null;
+  }, 60000);
+  const totalMiB = hub.total / 2 ** 20;
+  assert.match(shown.text, new RegExp(`MiB / ${Math.floor(totalMiB)}\\.\\d MiB`), `total ${totalMiB.toFixed(2)} MiB`);
+  assert.match(await page.textContent(`${row} [role=cell]`), /download/);
   // Its panel while it runs: the lease holder, then the last lines arriving without a reload.
   await page.click(`${row} a.task-link`);
   await page.waitForSelector('[data-testid=task-panel]:not([hidden])');
@@ -350,6 +414,7 @@ test('a running task shows a progress bar with bytes/s and ETA, and its logs fol
   assert.ok(await page.locator('[data-testid=logs] [data-line]').count() > before, 'no log line arrived while following');
   await page.waitForSelector('.titlebar[data-state="succeeded"]', { timeout: 60000 });
   assert.equal(await page.getAttribute(`${row} [role=progressbar]`, 'aria-valuenow'), '100');
+  assert.equal(await page.getAttribute('[data-task][data-name="validate"] [role=progressbar]', 'aria-valuenow'), '100');
   await context.close();
   assert.deepEqual(problems, [], `console errors or failed requests:\n${problems.join('\n')}`);
 });

@@ -13,7 +13,7 @@ use clap::Args;
 use serde_json::json;
 use shardline_formats::checkpoint::{scan_checkpoint, CheckpointFormat};
 use shardline_formats::execute::Progress;
-use shardline_formats::verify::verify_checkpoint;
+use shardline_formats::verify::{verify_checkpoint, VerifyOptions};
 use shardline_layout::{Mesh, PlanOptions};
 
 use crate::convert::plan_release;
@@ -133,8 +133,14 @@ pub fn run_validate(args: ValidateArgs) -> Result<ExitCode> {
     let report = {
         let p = progress.clone();
         let _bar = Bar::start("validate", total, move || p.bytes_written.load(Ordering::Relaxed));
-        verify_checkpoint(&args.ckpt, &release, &reference, Some(&defaults.optimizer_prefix), &progress)
-            .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?
+        verify_checkpoint(
+            &args.ckpt,
+            &release,
+            &reference,
+            &VerifyOptions { optional_prefix: Some(&defaults.optimizer_prefix), ..VerifyOptions::default() },
+            &progress,
+        )
+        .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?
     };
     let secs = started.elapsed().as_secs_f64();
     if args.json {

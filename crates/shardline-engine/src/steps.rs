@@ -13,7 +13,7 @@ use sha2::{Digest, Sha256};
 use shardline_formats::checkpoint::open_checkpoint;
 use shardline_formats::execute::{self, ExecuteOptions, OutputFormat, Progress};
 use shardline_formats::safetensors::Release;
-use shardline_formats::verify::{verify_checkpoint, VerifyError};
+use shardline_formats::verify::{verify_checkpoint, VerifyError, VerifyOptions};
 use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
 use thiserror::Error;
 
@@ -54,6 +54,8 @@ pub struct StepContext<'a> {
     pub hub: &'a HubSettings,
     /// How object-store sources are reached and where they are cached.
     pub objects: &'a ObjectSourceSettings,
+    /// The CPUs the task leased: how many threads it may keep busy.
+    pub cpus: u32,
 }
 
 impl StepContext<'_> {
@@ -350,8 +352,11 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
             };
             let reference =
                 build_plan(&config, sources, mesh, &options).map_err(|e| StepError::fatal(format!("{e:?}")))?;
-            let report = verify_checkpoint(&dir, &release, &reference, Some(&defaults.optimizer_prefix), ctx.progress)
-                .map_err(|e| match e {
+            // Only the CPUs the task leased: other tasks share this worker.
+            let options =
+                VerifyOptions { optional_prefix: Some(&defaults.optimizer_prefix), threads: ctx.cpus.max(1) as usize };
+            let report =
+                verify_checkpoint(&dir, &release, &reference, &options, ctx.progress).map_err(|e| match e {
                     VerifyError::Execute(_) => StepError::transient(e.to_string()),
                     _ => StepError::fatal(format!("{}: {e}", dir.display())),
                 })?;

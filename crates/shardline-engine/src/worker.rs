@@ -375,6 +375,7 @@ async fn run_step(
         let log_tx = Mutex::new(log_tx.clone());
         let payload = payload.clone();
         let outputs = outputs.clone();
+        let cpus = task.resources.cpus;
         tokio::task::spawn_blocking(move || {
             let log = move |line: String| {
                 if let Ok(tx) = log_tx.lock() {
@@ -388,6 +389,7 @@ async fn run_step(
                 log: &log,
                 hub: &hub_settings,
                 objects: &object_settings,
+                cpus,
             };
             steps::execute(&payload, &ctx)
         })

@@ -233,6 +233,7 @@ async fn download_reports_bytes_done_out_of_the_total() {
                 log: &log,
                 hub: &HubSettings::default(),
                 objects: &settings,
+                cpus: 1,
             };
             let out = shardline_engine::objects::download(&url, &cache, &settings, &ctx).expect("download");
             (

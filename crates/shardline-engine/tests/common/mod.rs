@@ -12,7 +12,7 @@ use shardline_control::{submit, Submission, Submitted};
 use shardline_engine::{reaper, run_worker, HubSettings, WorkerConfig};
 use shardline_formats::execute::Progress;
 use shardline_formats::safetensors::Release;
-use shardline_formats::verify::verify_checkpoint;
+use shardline_formats::verify::{verify_checkpoint, VerifyOptions};
 use shardline_layout::{build_plan, Mesh, ModelConfig, PlanOptions, SourceTensor};
 use shardline_store::{AttemptRow, Lease, RunId, RunRow, Store, TaskRow, WorkerInfo};
 #[allow(unused_imports)] // not every test binary uses both
@@ -236,7 +236,8 @@ pub fn assert_bit_exact(ckpt_dir: &Path, source: &Path) {
         .collect();
     let options = PlanOptions { vocab_divisible_by: 1, split_fused: true, ..PlanOptions::default() };
     let reference = build_plan(&config, sources, Mesh::new(1, 1, 1, 1), &options).expect("reference plan");
-    let report = verify_checkpoint(ckpt_dir, &release, &reference, None, &Progress::default()).expect("verify");
+    let report = verify_checkpoint(ckpt_dir, &release, &reference, &VerifyOptions::default(), &Progress::default())
+        .expect("verify");
     assert!(report.ok(), "{} differs from {}: {:?}", ckpt_dir.display(), source.display(), &report.findings[..1]);
     assert!(report.bytes_checked > 0 && report.tensors > 0);
 }

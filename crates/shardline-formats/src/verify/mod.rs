@@ -73,19 +73,35 @@ const JOB_BATCH: usize = 256;
 /// Findings kept from the metadata pass.
 const MAX_FINDINGS: usize = 1000;
 
+/// How [`verify_checkpoint`] runs.
+#[derive(Clone, Debug)]
+pub struct VerifyOptions<'a> {
+    /// The expected keys under this prefix (optimizer state) may be absent all together, but
+    /// not in part.
+    pub optional_prefix: Option<&'a str>,
+    /// Threads that check items (at least 1): a worker passes the CPUs its task leased.
+    pub threads: usize,
+}
+
+impl Default for VerifyOptions<'_> {
+    /// No optional keys; a thread per core, up to 8 (past that the disk is the limit).
+    fn default() -> Self {
+        Self { optional_prefix: None, threads: std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, 8) }
+    }
+}
+
 /// Validates the checkpoint in `dir` (DCP or DCP-safetensors) against `release`, whose expected
 /// tensors are described by `reference` (a plan of the release without vocab padding; any mesh:
-/// global tensors do not depend on it). The expected keys under `optional_prefix` (optimizer
-/// state) may be absent all together, but not in part.
+/// global tensors do not depend on it).
 pub fn verify_checkpoint(
     dir: &Path,
     release: &Release,
     reference: &Plan,
-    optional_prefix: Option<&str>,
+    options: &VerifyOptions<'_>,
     progress: &Progress,
 ) -> Result<VerifyReport, VerifyError> {
     let sources = SourceMap::new(reference, release)?;
-    let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, 8);
+    let threads = options.threads.max(1);
     let (tx, rx) = sync_channel::<Vec<Job>>(4 * threads);
     let rx = Mutex::new(rx);
     let mut keys = Keys::new(reference);
@@ -140,7 +156,7 @@ pub fn verify_checkpoint(
         }
     }
     fed?;
-    for key in keys.missing(optional_prefix) {
+    for key in keys.missing(options.optional_prefix) {
         report.findings.push(Finding { key, message: "missing from the checkpoint".into() });
     }
     for (info, declared) in keys.infos.iter().zip(&keys.declared) {
