@@ -6,9 +6,11 @@ holding the *global* (TP-, CP-, EP- and FSDP-invariant) tensors a Megatron-FSDP 
 Transformer-Engine layer spec and grouped experts would save.
 
 Layer handling is driven by which HF tensors exist, so one code path covers
-llama / mistral / qwen2 / qwen3 (dense), qwen3_moe / mixtral (MoE) and qwen3_next (GDN + gated
-attention + MoE + shared expert). Every HF tensor must be consumed exactly once; an unknown key
-raises, so the reference never silently drops a weight.
+llama / mistral / qwen2 / qwen3 (dense), qwen3_moe / mixtral (MoE), qwen3_next (GDN + gated
+attention + MoE + shared expert), and from archs-2025.md §3.1/§3.3/§5 deepseek_v3 / kimi_k2 (MLA,
+dense first layers, shared experts, float32 expert bias, MTP layers after the decoder) and glm4_moe.
+Every HF tensor must be consumed exactly once; an unknown key raises, so the reference never
+silently drops a weight.
 """
 
 from __future__ import annotations
@@ -278,8 +280,47 @@ def _map_moe(src: _Source, hf: str, mg: str, out: dict) -> None:
     out[f"{mg}.pre_mlp_layernorm.weight"] = src.take(f"{hf}.post_attention_layernorm.weight")
 
 
+def _map_mla(src: _Source, hf: str, mg: str, out: dict) -> None:
+    """Multi-head latent attention (archs-2025.md §3.1): every projection copied under its
+    Megatron name; the input norm stays a real `input_layernorm`."""
+    a, sa = f"{hf}.self_attn", f"{mg}.self_attention"
+    if src.has(f"{a}.q_a_proj.weight"):
+        out[f"{sa}.linear_q_down_proj.weight"] = src.take(f"{a}.q_a_proj.weight")
+        out[f"{sa}.linear_q_up_proj.layer_norm_weight"] = src.take(f"{a}.q_a_layernorm.weight")
+        out[f"{sa}.linear_q_up_proj.weight"] = src.take(f"{a}.q_b_proj.weight")
+    else:  # no q_lora_rank
+        out[f"{sa}.linear_q_proj.weight"] = src.take(f"{a}.q_proj.weight")
+    out[f"{sa}.linear_kv_down_proj.weight"] = src.take(f"{a}.kv_a_proj_with_mqa.weight")
+    out[f"{sa}.linear_kv_up_proj.layer_norm_weight"] = src.take(f"{a}.kv_a_layernorm.weight")
+    out[f"{sa}.linear_kv_up_proj.weight"] = src.take(f"{a}.kv_b_proj.weight")
+    out[f"{sa}.linear_proj.weight"] = src.take(f"{a}.o_proj.weight")
+    out[f"{mg}.input_layernorm.weight"] = src.take(f"{hf}.input_layernorm.weight")
+
+
+def _map_mtp_after_decoder(src: _Source, cfg, hf: str, k: int, out: dict) -> None:
+    """MTP layer k stored as HF decoder layer N+k (archs-2025.md §3.3, §5.1): its head tensors,
+    its decoder sub-layer under `transformer_layer`, and no embedding or output layer of its own
+    (Megatron's MTP shares the main ones)."""
+    mg = f"mtp.layers.{k}"
+    out[f"{mg}.enorm.weight"] = src.take(f"{hf}.enorm.weight")
+    out[f"{mg}.hnorm.weight"] = src.take(f"{hf}.hnorm.weight")
+    out[f"{mg}.eh_proj.weight"] = src.take(f"{hf}.eh_proj.weight")
+    out[f"{mg}.final_layernorm.weight"] = src.take(f"{hf}.shared_head.norm.weight")
+    for copy in ("embed_tokens.weight", "shared_head.head.weight"):
+        if src.has(f"{hf}.{copy}"):
+            src.skip(f"{hf}.{copy}")
+    _map_layer(src, cfg, hf, f"{mg}.transformer_layer", out)
+
+
+# Families Megatron-Bridge loads into bf16 models: every parameter bf16 on disk, except the
+# router's expert_bias, a float32 buffer (archs-2025.md §2, §5.2).
+BF16_FAMILIES = {"deepseek_v3", "kimi_k2", "glm4_moe"}
+
+
 def _map_layer(src: _Source, cfg, hf: str, mg: str, out: dict) -> None:
-    if src.has(f"{hf}.self_attn.q_proj.weight"):
+    if src.has(f"{hf}.self_attn.kv_a_proj_with_mqa.weight"):
+        _map_mla(src, hf, mg, out)
+    elif src.has(f"{hf}.self_attn.q_proj.weight"):
         _map_attention(src, cfg, hf, mg, out)
     elif src.has(f"{hf}.linear_attn.out_proj.weight"):
         _map_gdn(src, cfg, hf, mg, out)
@@ -300,8 +341,12 @@ def megatron_state_dict(cfg: dict, tensors: dict[str, torch.Tensor], tp: int = 1
     out: dict[str, torch.Tensor] = {}
 
     out["embedding.word_embeddings.weight"] = pad_vocab(src.take(f"{root}.embed_tokens.weight"), tp)
+    n_layers = cfg["num_hidden_layers"]
     for i in _layer_indices(tensors, root):
-        _map_layer(src, cfg, f"{root}.layers.{i}", f"decoder.layers.{i}", out)
+        if i < n_layers:
+            _map_layer(src, cfg, f"{root}.layers.{i}", f"decoder.layers.{i}", out)
+        else:
+            _map_mtp_after_decoder(src, cfg, f"{root}.layers.{i}", i - n_layers, out)
     out["decoder.final_layernorm.weight"] = src.take(f"{root}.norm.weight")
 
     tied = cfg.get("tie_word_embeddings", cfg["_root"].get("tie_word_embeddings", False))
@@ -314,6 +359,8 @@ def megatron_state_dict(cfg: dict, tensors: dict[str, torch.Tensor], tp: int = 1
     left = src.unused()
     if left:
         raise ValueError(f"reference mapping does not cover {len(left)} HF tensors, e.g. {left[:5]}")
+    if cfg.get("model_type") in BF16_FAMILIES:
+        out = {k: t.to(torch.float32 if k.endswith(".router.expert_bias") else torch.bfloat16) for k, t in out.items()}
     return out
 
 

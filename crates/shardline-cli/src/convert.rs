@@ -210,9 +210,9 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
 
 fn report_unconverted(unconverted: &[String]) {
     if !unconverted.is_empty() {
-        eprintln!("note: {} release tensor(s) not converted (vision tower):", unconverted.len());
+        eprintln!("note: {} release tensor(s) not converted, by design:", unconverted.len());
         for n in unconverted.iter().take(20) {
-            eprintln!("  {n}");
+            eprintln!("  {n} ({})", shardline_layout::arch::why_not_converted(n));
         }
         if unconverted.len() > 20 {
             eprintln!("  … and {} more", unconverted.len() - 20);

@@ -6,6 +6,7 @@
 //! Names follow the Transformer-Engine layer spec (fused `layer_norm_weight`s) and grouped experts.
 
 use crate::config::Family;
+use crate::dtype::DType;
 
 /// How a Megatron parameter is split across tensor-parallel ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -41,6 +42,9 @@ pub enum Kind {
     PackedGatedExperts,
     /// Packed experts `down_proj [E, H, F]` → per expert, row-parallel.
     PackedExpertsDown,
+    /// No Megatron tensor: the release tensor is consumed and reported as not converted (an MTP
+    /// layer's copies of the embedding and output layer, which Megatron's MTP shares).
+    NotConverted,
 }
 
 /// One line of a mapping table.
@@ -55,18 +59,25 @@ pub struct Rule {
     pub guard: Option<&'static str>,
     /// Whether the rule is instantiated per expert (`{E}`) and lives on the expert mesh.
     pub expert: bool,
+    /// The dtype Megatron keeps the parameter in, whatever the release holds (the router's
+    /// float32 `expert_bias`); else the family's (see [`output_dtype`]).
+    pub dtype: Option<DType>,
 }
 
 const fn rule(megatron: &'static str, kind: Kind, hf: &'static [&'static str]) -> Rule {
-    Rule { megatron, hf, kind, guard: None, expert: false }
+    Rule { megatron, hf, kind, guard: None, expert: false, dtype: None }
 }
 
 const fn guarded(megatron: &'static str, kind: Kind, hf: &'static [&'static str], guard: &'static str) -> Rule {
-    Rule { megatron, hf, kind, guard: Some(guard), expert: false }
+    Rule { megatron, hf, kind, guard: Some(guard), expert: false, dtype: None }
 }
 
 const fn expert(megatron: &'static str, kind: Kind, hf: &'static [&'static str]) -> Rule {
-    Rule { megatron, hf, kind, guard: None, expert: true }
+    Rule { megatron, hf, kind, guard: None, expert: true, dtype: None }
+}
+
+const fn in_dtype(megatron: &'static str, kind: Kind, hf: &'static [&'static str], dtype: DType) -> Rule {
+    Rule { megatron, hf, kind, guard: None, expert: false, dtype: Some(dtype) }
 }
 
 use Kind::*;
@@ -249,8 +260,94 @@ const GDN_SPLIT: &[Rule] = &[rule(
     ],
 )];
 
+/// Routed experts' score-correction bias: a float32 buffer of Megatron's router.
+const EXPERT_BIAS: &[Rule] = &[in_dtype(
+    "decoder.layers.{L}.mlp.router.expert_bias",
+    Copy(Replicated),
+    &["model.layers.{L}.mlp.gate.e_score_correction_bias"],
+    DType::F32,
+)];
+
+/// Shared experts as DeepSeek and GLM name them (`shared_experts`, no gate).
+const SHARED_EXPERTS: &[Rule] = &[
+    rule(
+        "decoder.layers.{L}.mlp.shared_experts.linear_fc1.weight",
+        GatedMlp,
+        &["model.layers.{L}.mlp.shared_experts.gate_proj.weight", "model.layers.{L}.mlp.shared_experts.up_proj.weight"],
+    ),
+    rule(
+        "decoder.layers.{L}.mlp.shared_experts.linear_fc2.weight",
+        Copy(Row),
+        &["model.layers.{L}.mlp.shared_experts.down_proj.weight"],
+    ),
+];
+
+/// Multi-head latent attention (DeepSeek-V3, Kimi-K2). The down projections are Megatron
+/// `TELinear(parallel_mode="duplicated")`: replicated across TP; the up projections split by
+/// heads (their rows are per head, `[nope; rope]` or `[nope; v]`, kept as they are).
+const MLA: &[Rule] = &[
+    guarded(
+        "decoder.layers.{L}.input_layernorm.weight",
+        Copy(Replicated),
+        &["model.layers.{L}.input_layernorm.weight"],
+        "model.layers.{L}.self_attn.kv_a_proj_with_mqa.weight",
+    ),
+    rule(
+        "decoder.layers.{L}.self_attention.linear_q_down_proj.weight",
+        Copy(Replicated),
+        &["model.layers.{L}.self_attn.q_a_proj.weight"],
+    ),
+    rule(
+        "decoder.layers.{L}.self_attention.linear_q_up_proj.layer_norm_weight",
+        Copy(Replicated),
+        &["model.layers.{L}.self_attn.q_a_layernorm.weight"],
+    ),
+    rule(
+        "decoder.layers.{L}.self_attention.linear_q_up_proj.weight",
+        Copy(Column),
+        &["model.layers.{L}.self_attn.q_b_proj.weight"],
+    ),
+    // Models without `q_lora_rank` project queries directly.
+    rule(
+        "decoder.layers.{L}.self_attention.linear_q_proj.weight",
+        Copy(Column),
+        &["model.layers.{L}.self_attn.q_proj.weight"],
+    ),
+    rule(
+        "decoder.layers.{L}.self_attention.linear_kv_down_proj.weight",
+        Copy(Replicated),
+        &["model.layers.{L}.self_attn.kv_a_proj_with_mqa.weight"],
+    ),
+    rule(
+        "decoder.layers.{L}.self_attention.linear_kv_up_proj.layer_norm_weight",
+        Copy(Replicated),
+        &["model.layers.{L}.self_attn.kv_a_layernorm.weight"],
+    ),
+    rule(
+        "decoder.layers.{L}.self_attention.linear_kv_up_proj.weight",
+        Copy(Column),
+        &["model.layers.{L}.self_attn.kv_b_proj.weight"],
+    ),
+    rule(
+        "decoder.layers.{L}.self_attention.linear_proj.weight",
+        Copy(Row),
+        &["model.layers.{L}.self_attn.o_proj.weight"],
+    ),
+];
+
+/// The MTP layers DeepSeek-V3 and GLM-4.5 store after the decoder (`model.layers.{N+k}`); their
+/// decoder sub-layer reuses the decoder tables (see [`MtpStyle::AfterDecoder`]).
+const MTP_AFTER_DECODER: &[Rule] = &[
+    rule("mtp.layers.{L}.enorm.weight", Copy(Replicated), &["model.layers.{L}.enorm.weight"]),
+    rule("mtp.layers.{L}.hnorm.weight", Copy(Replicated), &["model.layers.{L}.hnorm.weight"]),
+    rule("mtp.layers.{L}.eh_proj.weight", Copy(Column), &["model.layers.{L}.eh_proj.weight"]),
+    rule("mtp.layers.{L}.final_layernorm.weight", Copy(Replicated), &["model.layers.{L}.shared_head.norm.weight"]),
+    rule("mtp.layers.{L}.embed_tokens", NotConverted, &["model.layers.{L}.embed_tokens.weight"]),
+    rule("mtp.layers.{L}.shared_head.head", NotConverted, &["model.layers.{L}.shared_head.head.weight"]),
+];
+
 /// Multi-token-prediction head of Qwen3-Next (`mtp.*`); its transformer layer reuses the decoder
-/// tables with the `mtp.layers.{L}.` prefixes (see [`mtp_prefix`]).
+/// tables with the `mtp.layers.{L}.` prefixes (see [`MtpStyle::Separate`]).
 const MTP_HEAD: &[Rule] = &[
     rule("mtp.layers.0.eh_proj.weight", Copy(Column), &["mtp.fc.weight"]),
     rule("mtp.layers.0.enorm.weight", Copy(Replicated), &["mtp.pre_fc_norm_embedding.weight"]),
@@ -258,23 +355,59 @@ const MTP_HEAD: &[Rule] = &[
     rule("mtp.layers.0.final_layernorm.weight", Copy(Replicated), &["mtp.norm.weight"]),
 ];
 
-/// Prefix pairs `(megatron, hf)` that re-target decoder-layer rules at the MTP layer.
-pub const MTP_PREFIX: (&str, &str) = ("mtp.layers.{L}.transformer_layer.", "mtp.layers.{L}.");
+/// Where a release keeps its multi-token-prediction layers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MtpStyle {
+    /// Under `mtp.layers.{k}.` (Qwen3-Next, Qwen3.5).
+    Separate,
+    /// As decoder layers `model.layers.{N+k}.` after the `N` decoder layers (DeepSeek-V3,
+    /// GLM-4.5; `num_nextn_predict_layers` of them).
+    AfterDecoder,
+}
 
-/// The tables of a family, and whether decoder-layer rules also apply to MTP layers.
-pub fn tables(family: Family) -> (&'static [&'static [Rule]], bool) {
+impl MtpStyle {
+    /// Prefix pair `(megatron, hf)` that re-targets a decoder-layer rule at MTP layer `{L}`.
+    pub fn prefixes(self) -> (&'static str, &'static str) {
+        match self {
+            MtpStyle::Separate => ("mtp.layers.{L}.transformer_layer.", "mtp.layers.{L}."),
+            MtpStyle::AfterDecoder => ("mtp.layers.{L}.transformer_layer.", "model.layers.{L}."),
+        }
+    }
+}
+
+/// The tables of a family, and where its decoder-layer rules also apply to MTP layers.
+pub fn tables(family: Family) -> (&'static [&'static [Rule]], Option<MtpStyle>) {
     match family {
-        Family::Llama => (&[EMBEDDING, ATTENTION, DENSE_MLP], false),
-        Family::Qwen2 => (&[EMBEDDING, ATTENTION, QKV_BIAS, DENSE_MLP], false),
-        Family::Qwen3 => (&[EMBEDDING, ATTENTION, QK_NORM, DENSE_MLP], false),
-        Family::Qwen3Moe => (&[EMBEDDING, ATTENTION, QK_NORM, MOE, DENSE_MLP], false),
-        Family::Mixtral => (&[EMBEDDING, ATTENTION, MIXTRAL_MOE], false),
-        Family::Qwen3Next => {
-            (&[EMBEDDING, ATTENTION, QK_NORM, GDN_COMMON, GDN_QKVZ, MOE, SHARED_EXPERT, DENSE_MLP, MTP_HEAD], true)
-        }
-        Family::Qwen35 => {
-            (&[EMBEDDING, ATTENTION, QK_NORM, GDN_COMMON, GDN_SPLIT, MOE, SHARED_EXPERT, DENSE_MLP, MTP_HEAD], true)
-        }
+        Family::Llama => (&[EMBEDDING, ATTENTION, DENSE_MLP], None),
+        Family::Qwen2 => (&[EMBEDDING, ATTENTION, QKV_BIAS, DENSE_MLP], None),
+        Family::Qwen3 => (&[EMBEDDING, ATTENTION, QK_NORM, DENSE_MLP], None),
+        Family::Qwen3Moe => (&[EMBEDDING, ATTENTION, QK_NORM, MOE, DENSE_MLP], None),
+        Family::Mixtral => (&[EMBEDDING, ATTENTION, MIXTRAL_MOE], None),
+        Family::Qwen3Next => (
+            &[EMBEDDING, ATTENTION, QK_NORM, GDN_COMMON, GDN_QKVZ, MOE, SHARED_EXPERT, DENSE_MLP, MTP_HEAD],
+            Some(MtpStyle::Separate),
+        ),
+        Family::Qwen35 => (
+            &[EMBEDDING, ATTENTION, QK_NORM, GDN_COMMON, GDN_SPLIT, MOE, SHARED_EXPERT, DENSE_MLP, MTP_HEAD],
+            Some(MtpStyle::Separate),
+        ),
+        Family::DeepseekV3 => (
+            &[EMBEDDING, MLA, DENSE_MLP, MOE, EXPERT_BIAS, SHARED_EXPERTS, MTP_AFTER_DECODER],
+            Some(MtpStyle::AfterDecoder),
+        ),
+        Family::Glm4Moe => (
+            &[EMBEDDING, ATTENTION, QKV_BIAS, QK_NORM, DENSE_MLP, MOE, EXPERT_BIAS, SHARED_EXPERTS, MTP_AFTER_DECODER],
+            Some(MtpStyle::AfterDecoder),
+        ),
+    }
+}
+
+/// The dtype every parameter of the family is kept in on disk unless its rule says otherwise
+/// (`None`: the release's). Megatron-Bridge loads DeepSeek-V3 and GLM-4.5 into bf16 models.
+pub fn output_dtype(family: Family) -> Option<DType> {
+    match family {
+        Family::DeepseekV3 | Family::Glm4Moe => Some(DType::BF16),
+        _ => None,
     }
 }
 
@@ -286,3 +419,14 @@ pub fn has_gated_attention(family: Family) -> bool {
 /// Prefixes of release tensors that are knowingly not converted (reported by name, never dropped
 /// silently): the vision tower of multimodal releases.
 pub const UNCONVERTED_PREFIXES: &[&str] = &["model.visual.", "visual."];
+
+/// Why a release tensor the plan lists as unconverted has no Megatron tensor.
+pub fn why_not_converted(name: &str) -> &'static str {
+    if UNCONVERTED_PREFIXES.iter().any(|p| name.starts_with(p) || name.contains(".visual.")) {
+        "vision tower"
+    } else if name.ends_with(".embed_tokens.weight") || name.ends_with(".shared_head.head.weight") {
+        "an MTP layer's copy of the embedding or output layer, which Megatron's MTP shares"
+    } else {
+        "not converted"
+    }
+}

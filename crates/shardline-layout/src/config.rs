@@ -24,6 +24,12 @@ pub enum Family {
     Qwen3Next,
     /// `qwen3_5_text` / `qwen3_5_moe_text`: GDN with split projections + gated attention.
     Qwen35,
+    /// `deepseek_v3`, `kimi_k2`: multi-head latent attention, dense first layers, routed and
+    /// shared experts with a score-correction bias, MTP layers after the decoder.
+    DeepseekV3,
+    /// `glm4_moe` (GLM-4.5/4.6): GQA with biases and optional q/k norms, dense first layers,
+    /// routed and shared experts with a score-correction bias, MTP layers after the decoder.
+    Glm4Moe,
 }
 
 /// Model types accepted in `config.json`, with their family.
@@ -39,7 +45,30 @@ pub const SUPPORTED_MODEL_TYPES: &[(&str, Family)] = &[
     ("qwen3_5_moe_text", Family::Qwen35),
     ("qwen3_5", Family::Qwen35),
     ("qwen3_5_moe", Family::Qwen35),
+    ("deepseek_v3", Family::DeepseekV3),
+    ("kimi_k2", Family::DeepseekV3),
+    ("glm4_moe", Family::Glm4Moe),
 ];
+
+/// Multi-head latent attention dimensions (DeepSeek-V3).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MlaDims {
+    /// Rank of the query compression; `None`: queries are projected directly (`q_proj`).
+    pub q_lora_rank: Option<u64>,
+    pub kv_lora_rank: u64,
+    pub qk_nope_head_dim: u64,
+    pub qk_rope_head_dim: u64,
+    pub v_head_dim: u64,
+}
+
+/// How the release's weights are quantized (`quantization_config.quant_method`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Quantization {
+    /// Block-wise FP8 e4m3 with float32 `weight_scale_inv` per `[rows, cols]` block.
+    Fp8Block { block: [u64; 2] },
+    /// A scheme Shardline does not convert (named as the config names it).
+    Other(String),
+}
 
 /// Gated-DeltaNet (linear attention) dimensions.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -85,6 +114,10 @@ pub struct ModelConfig {
     pub gdn: Option<GdnDims>,
     /// Whether release tensors live under `model.language_model.` (multimodal Qwen3.5 releases).
     pub language_model_prefix: bool,
+    pub mla: Option<MlaDims>,
+    /// MTP layers stored after the decoder (`num_nextn_predict_layers`).
+    pub mtp_layers: u64,
+    pub quantization: Option<Quantization>,
 }
 
 fn get_u64(obj: &Value, key: &str) -> Result<Option<u64>, LayoutError> {
@@ -99,6 +132,38 @@ fn get_u64(obj: &Value, key: &str) -> Result<Option<u64>, LayoutError> {
 
 fn need_u64(obj: &Value, key: &str) -> Result<u64, LayoutError> {
     get_u64(obj, key)?.ok_or_else(|| LayoutError::Config { field: key.to_string(), message: "missing".to_string() })
+}
+
+/// Reads `quantization_config`: its `quant_method`, and for FP8 the block size.
+fn quantization(q: Option<&Value>) -> Result<Option<Quantization>, LayoutError> {
+    let Some(q) = q.filter(|q| !q.is_null()) else { return Ok(None) };
+    let err = |message: String| LayoutError::Config { field: "quantization_config".into(), message };
+    let method =
+        q.get("quant_method").and_then(Value::as_str).ok_or_else(|| err("has no `quant_method` string".into()))?;
+    if method != "fp8" {
+        return Ok(Some(Quantization::Other(method.to_string())));
+    }
+    let block = match q.get("weight_block_size") {
+        Some(Value::Array(v)) if v.len() == 2 => {
+            let dim = |i: usize| v[i].as_u64().filter(|n| *n > 0);
+            match (dim(0), dim(1)) {
+                (Some(a), Some(b)) => [a, b],
+                _ => {
+                    return Err(err(format!(
+                        "`weight_block_size` must be two positive integers, found {}",
+                        q["weight_block_size"]
+                    )))
+                }
+            }
+        }
+        other => {
+            return Err(err(format!(
+                "fp8 without a two-element `weight_block_size` (found {}): only block-wise FP8 is converted",
+                other.map_or("nothing".to_string(), Value::to_string)
+            )))
+        }
+    };
+    Ok(Some(Quantization::Fp8Block { block }))
 }
 
 impl ModelConfig {
@@ -141,7 +206,29 @@ impl ModelConfig {
             Some(d) => d,
             None => hidden_size / num_attention_heads,
         };
-        let num_experts = get_u64(obj, "num_experts")?.or(get_u64(obj, "num_local_experts")?).unwrap_or(0);
+        let num_experts = get_u64(obj, "num_experts")?
+            .or(get_u64(obj, "num_local_experts")?)
+            .or(get_u64(obj, "n_routed_experts")?)
+            .unwrap_or(0);
+        let mla = match family {
+            Family::DeepseekV3 => Some(MlaDims {
+                q_lora_rank: get_u64(obj, "q_lora_rank")?,
+                kv_lora_rank: need_u64(obj, "kv_lora_rank")?,
+                qk_nope_head_dim: need_u64(obj, "qk_nope_head_dim")?,
+                qk_rope_head_dim: need_u64(obj, "qk_rope_head_dim")?,
+                v_head_dim: need_u64(obj, "v_head_dim")?,
+            }),
+            _ => None,
+        };
+        // DeepSeek and GLM size their shared experts as `n_shared_experts` routed ones.
+        let shared_expert_ffn_hidden_size = match get_u64(obj, "shared_expert_intermediate_size")? {
+            Some(f) => Some(f),
+            None => match (get_u64(obj, "n_shared_experts")?, get_u64(obj, "moe_intermediate_size")?) {
+                (Some(n), Some(f)) if n > 0 => Some(n * f),
+                _ => None,
+            },
+        };
+        let quantization = quantization(root.get("quantization_config").or(obj.get("quantization_config")))?;
         let gdn = match family {
             Family::Qwen3Next | Family::Qwen35 => Some(GdnDims {
                 num_key_heads: need_u64(obj, "linear_num_key_heads")?,
@@ -174,10 +261,16 @@ impl ModelConfig {
             } else {
                 get_u64(obj, "moe_intermediate_size")?
             },
-            shared_expert_ffn_hidden_size: get_u64(obj, "shared_expert_intermediate_size")?,
+            shared_expert_ffn_hidden_size,
             num_experts,
             gdn,
             language_model_prefix,
+            mla,
+            mtp_layers: match family {
+                Family::DeepseekV3 | Family::Glm4Moe => get_u64(obj, "num_nextn_predict_layers")?.unwrap_or(0),
+                _ => 0,
+            },
+            quantization,
         })
     }
 

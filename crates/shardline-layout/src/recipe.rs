@@ -16,6 +16,31 @@ pub enum Transform {
     /// `x − 1` computed as torch computes it for the dtype (in f32 for 16-bit floats, rounded to
     /// nearest even): zero-centred RMSNorm weights.
     SubtractOne,
+    /// Elements of the source are of this float dtype and are converted to the output's as
+    /// `tensor.to(dtype)` does: exactly when the output is wider, else one round to nearest even.
+    Cast(DType),
+}
+
+impl Transform {
+    /// Bytes per source element, for an output of `out`.
+    pub fn source_size(self, out: DType) -> usize {
+        match self {
+            Transform::Cast(from) => from.size(),
+            _ => out.size(),
+        }
+    }
+
+    /// Whether source and output bytes correspond one to one (the transform, if any, works in
+    /// place).
+    pub fn same_size(self, out: DType) -> bool {
+        self.source_size(out) == out.size()
+    }
+}
+
+/// Float dtypes a [`Transform::Cast`] converts between.
+pub fn can_cast(from: DType, to: DType) -> bool {
+    let float = |d| matches!(d, DType::F16 | DType::BF16 | DType::F32 | DType::F8E4M3);
+    float(from) && matches!(to, DType::F16 | DType::BF16 | DType::F32)
 }
 
 /// A run of consecutive output rows.
@@ -63,8 +88,16 @@ pub fn slice_recipe(recipe: &[RowBlock], start: u64, rows: u64) -> Vec<RowBlock>
 pub struct Segment {
     /// `(source tensor id, byte offset within that tensor's data)`, or `None` for zeros.
     pub source: Option<(usize, u64)>,
+    /// Output bytes.
     pub len: u64,
     pub transform: Transform,
+}
+
+impl Segment {
+    /// Source bytes the segment reads, for an output of `out` (`len` unless it casts).
+    pub fn source_len(&self, out: DType) -> u64 {
+        self.len / out.size() as u64 * self.transform.source_size(out) as u64
+    }
 }
 
 /// Number of dim-0 rows of a shape (a 0-d tensor is one row of one element).
@@ -87,9 +120,10 @@ pub fn segments(shape: &[u64], dtype: DType, recipe: &[RowBlock], offsets: &[u64
     let inner: u64 = shape.iter().skip(2).product();
     let (col0, ncols) = if shape.len() >= 2 { (offsets[1], sizes[1]) } else { (0, 1) };
     let full_width = shape.len() < 2 || (col0 == 0 && ncols == shape[1]);
-    let stripe_off = col0 * inner * item;
     let stripe_len = if shape.len() >= 2 { ncols * inner * item } else { item };
     let row_bytes = elems_per_row.max(1) * item;
+    // Source offsets count source elements, which a cast makes of another size.
+    let src_item = |t: Transform| t.source_size(dtype) as u64;
 
     let mut out: Vec<Segment> = Vec::new();
     let mut push = |seg: Segment| {
@@ -98,7 +132,7 @@ pub fn segments(shape: &[u64], dtype: DType, recipe: &[RowBlock], offsets: &[u64
         }
         if let Some(last) = out.last_mut() {
             let contiguous = match (last.source, seg.source) {
-                (Some((a, off_a)), Some((b, off_b))) => a == b && off_a + last.len == off_b,
+                (Some((a, off_a)), Some((b, off_b))) => a == b && off_a + last.source_len(dtype) == off_b,
                 (None, None) => true,
                 _ => false,
             };
@@ -120,16 +154,18 @@ pub fn segments(shape: &[u64], dtype: DType, recipe: &[RowBlock], offsets: &[u64
                 None => push(Segment { source: None, len: (hi - lo) * stripe_len, transform: block.transform }),
                 Some((id, first)) => {
                     let src_row = first + (lo - block_start);
+                    let s_item = src_item(block.transform);
+                    let src_row_bytes = elems_per_row.max(1) * s_item;
                     if full_width {
                         push(Segment {
-                            source: Some((id, src_row * row_bytes)),
+                            source: Some((id, src_row * src_row_bytes)),
                             len: (hi - lo) * row_bytes,
                             transform: block.transform,
                         });
                     } else {
                         for k in 0..(hi - lo) {
                             push(Segment {
-                                source: Some((id, (src_row + k) * row_bytes + stripe_off)),
+                                source: Some((id, (src_row + k) * src_row_bytes + col0 * inner * s_item)),
                                 len: stripe_len,
                                 transform: block.transform,
                             });
@@ -143,10 +179,11 @@ pub fn segments(shape: &[u64], dtype: DType, recipe: &[RowBlock], offsets: &[u64
     out
 }
 
-/// Applies `transform` in place to `bytes` holding little-endian elements of `dtype`.
+/// Applies a same-size `transform` in place to `bytes` holding little-endian elements of
+/// `dtype` (a cast, which changes the size, goes through [`cast_into`]).
 pub fn apply_transform(transform: Transform, dtype: DType, bytes: &mut [u8]) {
     match transform {
-        Transform::Identity => {}
+        Transform::Identity | Transform::Cast(_) => {}
         Transform::SubtractOne => match dtype {
             DType::BF16 => {
                 for e in bytes.chunks_exact_mut(2) {
@@ -177,6 +214,56 @@ pub fn apply_transform(transform: Transform, dtype: DType, bytes: &mut [u8]) {
             _ => {}
         },
     }
+}
+
+/// Converts the little-endian `from` elements of `src` into `to` elements in `out` (one element
+/// out per element in), as torch's `Tensor.to` does; `out` sets the count. Pairs outside
+/// [`can_cast`] fill `out` with zeros (the planner never makes them).
+pub fn cast_into(from: DType, to: DType, src: &[u8], out: &mut [u8]) {
+    let n = out.len() / to.size();
+    let wide = |i: usize| -> f32 {
+        let e = &src[i * from.size()..];
+        match from {
+            DType::BF16 => f32::from_bits(u32::from(u16::from_le_bytes([e[0], e[1]])) << 16),
+            DType::F16 => f16_to_f32(u16::from_le_bytes([e[0], e[1]])),
+            DType::F32 => f32::from_le_bytes([e[0], e[1], e[2], e[3]]),
+            DType::F8E4M3 => f8e4m3_to_f32(e[0]),
+            _ => 0.0,
+        }
+    };
+    if !can_cast(from, to) || src.len() < n * from.size() {
+        out.fill(0);
+        return;
+    }
+    match to {
+        DType::BF16 => {
+            for (i, o) in out.chunks_exact_mut(2).enumerate() {
+                o.copy_from_slice(&f32_to_bf16(wide(i)).to_le_bytes());
+            }
+        }
+        DType::F16 => {
+            for (i, o) in out.chunks_exact_mut(2).enumerate() {
+                o.copy_from_slice(&f32_to_f16(wide(i)).to_le_bytes());
+            }
+        }
+        _ => {
+            for (i, o) in out.chunks_exact_mut(4).enumerate() {
+                o.copy_from_slice(&wide(i).to_le_bytes());
+            }
+        }
+    }
+}
+
+/// OCP FP8 E4M3 (`float8_e4m3fn`: bias 7, no infinities, `S.1111.111` is NaN) → f32, exactly.
+pub fn f8e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exp = i32::from((b >> 3) & 0x0F);
+    let man = f32::from(b & 0x07);
+    if exp == 0x0F && b & 0x07 == 0x07 {
+        return f32::NAN;
+    }
+    let magnitude = if exp == 0 { man / 8.0 * 2f32.powi(-6) } else { (1.0 + man / 8.0) * 2f32.powi(exp - 7) };
+    sign * magnitude
 }
 
 /// f32 → bf16 with round-to-nearest-even, NaN kept quiet (what torch does).
@@ -258,6 +345,43 @@ mod tests {
         let got: Vec<f32> =
             b.chunks_exact(2).map(|e| f32::from_bits(u32::from(u16::from_le_bytes([e[0], e[1]])) << 16)).collect();
         assert_eq!(got, vec![0.0, -0.5, 0.0078125, 255.0]);
+    }
+
+    #[test]
+    fn casts_round_once_to_nearest_even() {
+        // bf16 → f32 is exact; f32 → bf16 rounds halfway cases to even.
+        let src: Vec<u8> = [0x3F80u16, 0xC000, 0x0001].iter().flat_map(|h| h.to_le_bytes()).collect();
+        let mut out = vec![0u8; 12];
+        cast_into(DType::BF16, DType::F32, &src, &mut out);
+        let got: Vec<u32> = out.chunks_exact(4).map(|e| u32::from_le_bytes([e[0], e[1], e[2], e[3]])).collect();
+        assert_eq!(got, vec![0x3F80_0000, 0xC000_0000, 0x0001_0000]);
+        let src: Vec<u8> = [0x3F80_8000u32, 0x3F81_8000, 0x3F80_8001].iter().flat_map(|w| w.to_le_bytes()).collect();
+        let mut out = vec![0u8; 6];
+        cast_into(DType::F32, DType::BF16, &src, &mut out);
+        let got: Vec<u16> = out.chunks_exact(2).map(|e| u16::from_le_bytes([e[0], e[1]])).collect();
+        assert_eq!(got, vec![0x3F80, 0x3F82, 0x3F81]);
+    }
+
+    #[test]
+    fn e4m3_decodes_per_the_ocp_spec() {
+        // 0x38 = 2^0 · 1.0; 0x01 = smallest subnormal 2^-9; 0x7E = 448 (largest); 0x7F NaN.
+        assert_eq!(f8e4m3_to_f32(0x38), 1.0);
+        assert_eq!(f8e4m3_to_f32(0xB8), -1.0);
+        assert_eq!(f8e4m3_to_f32(0x01), 2f32.powi(-9));
+        assert_eq!(f8e4m3_to_f32(0x7E), 448.0);
+        assert!(f8e4m3_to_f32(0x7F).is_nan() && f8e4m3_to_f32(0xFF).is_nan());
+        assert_eq!(f8e4m3_to_f32(0x80).to_bits(), (-0.0f32).to_bits());
+    }
+
+    #[test]
+    fn cast_segments_address_source_elements() {
+        // A [2, 4] f32 output cast from a bf16 source: source offsets count 2-byte elements.
+        let recipe = [RowBlock { rows: 2, source: Some((0, 1)), transform: Transform::Cast(DType::BF16) }];
+        let segs = segments(&[2, 4], DType::F32, &recipe, &[0, 0], &[2, 4]);
+        assert_eq!(segs, vec![Segment { source: Some((0, 8)), len: 32, transform: Transform::Cast(DType::BF16) }]);
+        assert_eq!(segs[0].source_len(DType::F32), 16);
+        let segs = segments(&[2, 4], DType::F32, &recipe, &[0, 2], &[2, 2]);
+        assert_eq!(segs[1], Segment { source: Some((0, 16 + 4)), len: 8, transform: Transform::Cast(DType::BF16) });
     }
 
     #[test]

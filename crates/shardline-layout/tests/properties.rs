@@ -24,7 +24,9 @@ fn t(name: String, shape: &[u64]) -> SourceTensor {
 
 prop_compose! {
     fn case()(
-        family in prop::sample::select(vec!["llama", "qwen2", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text"]),
+        family in prop::sample::select(vec![
+            "llama", "qwen2", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "deepseek_v3", "glm4_moe",
+        ]),
         tp in prop::sample::select(vec![1u64, 2, 4]),
         cp in prop::sample::select(vec![1u64, 2]),
         ep in prop::sample::select(vec![1u64, 2]),
@@ -39,8 +41,15 @@ prop_compose! {
         layers in 1u64..3,
         vocab in 8u64..40,
         m in 1u64..3,
+        q_lora in any::<bool>(),
     ) -> Case {
-        let moe = family.contains("moe") || family == "qwen3_next";
+        let moe = family.contains("moe") || family == "qwen3_next" || family == "deepseek_v3";
+        // DeepSeek and GLM: dense first layer, then MoE layers, one MTP layer after the decoder
+        // (whose eh_proj is column-split: hidden divisible by tp).
+        let after_decoder_mtp = family == "deepseek_v3" || family == "glm4_moe";
+        let hidden = if after_decoder_mtp { tp * hidden } else { hidden };
+        // MLA dims: nope, rope, v head dims and the two latent ranks.
+        let (dn, dr, dv_mla, ql, kvl) = (2u64, 2u64, 2u64, 4u64, 4u64);
         let ep = if moe { ep } else { 1 };
         let etp = if etp_is_tp { tp } else { 1 };
         let dp = dp_mult * ep;
@@ -58,8 +67,12 @@ prop_compose! {
             "head_dim":{d},"num_hidden_layers":{layers},"vocab_size":{vocab},"intermediate_size":{ffn},
             "moe_intermediate_size":{ffn},"shared_expert_intermediate_size":{ffn},"num_experts":{experts},
             "linear_num_key_heads":{nk},"linear_num_value_heads":{nv},"linear_key_head_dim":{dk},
-            "linear_value_head_dim":{dv},"linear_conv_kernel_dim":{k}}}"#,
-            experts = if moe { e } else { 0 }
+            "linear_value_head_dim":{dv},"linear_conv_kernel_dim":{k},
+            "n_shared_experts":1,"q_lora_rank":{q_lora_rank},"kv_lora_rank":{kvl},"qk_nope_head_dim":{dn},
+            "qk_rope_head_dim":{dr},"v_head_dim":{dv_mla},"num_nextn_predict_layers":{mtp}}}"#,
+            experts = if moe { e } else { 0 },
+            q_lora_rank = if q_lora { ql.to_string() } else { "null".to_string() },
+            mtp = u64::from(after_decoder_mtp),
         );
         let mut s = vec![
             t("model.embed_tokens.weight".into(), &[vocab, hidden]),
@@ -67,12 +80,34 @@ prop_compose! {
             t("model.norm.weight".into(), &[hidden]),
         ];
         let gdn = family == "qwen3_next" || family == "qwen3_5_moe_text";
-        for l in 0..layers {
+        let total_layers = layers + u64::from(after_decoder_mtp);
+        for l in 0..total_layers {
             let p = format!("model.layers.{l}.");
             s.push(t(format!("{p}input_layernorm.weight"), &[hidden]));
             s.push(t(format!("{p}post_attention_layernorm.weight"), &[hidden]));
+            if l == layers {
+                for name in ["enorm.weight", "hnorm.weight", "shared_head.norm.weight"] {
+                    s.push(t(format!("{p}{name}"), &[hidden]));
+                }
+                s.push(t(format!("{p}eh_proj.weight"), &[hidden, 2 * hidden]));
+                s.push(t(format!("{p}embed_tokens.weight"), &[vocab, hidden]));
+                s.push(t(format!("{p}shared_head.head.weight"), &[vocab, hidden]));
+            }
             let linear = gdn && l % 2 == 0;
-            if linear {
+            if family == "deepseek_v3" {
+                let a = format!("{p}self_attn.");
+                if q_lora {
+                    s.push(t(format!("{a}q_a_proj.weight"), &[ql, hidden]));
+                    s.push(t(format!("{a}q_a_layernorm.weight"), &[ql]));
+                    s.push(t(format!("{a}q_b_proj.weight"), &[nh * (dn + dr), ql]));
+                } else {
+                    s.push(t(format!("{a}q_proj.weight"), &[nh * (dn + dr), hidden]));
+                }
+                s.push(t(format!("{a}kv_a_proj_with_mqa.weight"), &[kvl + dr, hidden]));
+                s.push(t(format!("{a}kv_a_layernorm.weight"), &[kvl]));
+                s.push(t(format!("{a}kv_b_proj.weight"), &[nh * (dn + dv_mla), kvl]));
+                s.push(t(format!("{a}o_proj.weight"), &[hidden, nh * dv_mla]));
+            } else if linear {
                 let (qk, v) = (nk * dk, nv * dv);
                 let a = format!("{p}linear_attn.");
                 if family == "qwen3_next" {
@@ -96,7 +131,7 @@ prop_compose! {
                 s.push(t(format!("{a}k_proj.weight"), &[ng * d, hidden]));
                 s.push(t(format!("{a}v_proj.weight"), &[ng * d, hidden]));
                 s.push(t(format!("{a}o_proj.weight"), &[hidden, nh * d]));
-                if family == "qwen2" {
+                if family == "qwen2" || family == "glm4_moe" {
                     s.push(t(format!("{a}q_proj.bias"), &[nh * d]));
                     s.push(t(format!("{a}k_proj.bias"), &[ng * d]));
                     s.push(t(format!("{a}v_proj.bias"), &[ng * d]));
@@ -106,8 +141,15 @@ prop_compose! {
                     s.push(t(format!("{a}k_norm.weight"), &[d]));
                 }
             }
-            if moe {
+            let dense_first = after_decoder_mtp && l == 0;
+            if moe && !dense_first {
                 s.push(t(format!("{p}mlp.gate.weight"), &[e, hidden]));
+                if after_decoder_mtp {
+                    s.push(t(format!("{p}mlp.gate.e_score_correction_bias"), &[e]));
+                    s.push(t(format!("{p}mlp.shared_experts.gate_proj.weight"), &[ffn, hidden]));
+                    s.push(t(format!("{p}mlp.shared_experts.up_proj.weight"), &[ffn, hidden]));
+                    s.push(t(format!("{p}mlp.shared_experts.down_proj.weight"), &[hidden, ffn]));
+                }
                 if family == "qwen3_5_moe_text" {
                     s.push(t(format!("{p}mlp.experts.gate_up_proj"), &[e, 2 * ffn, hidden]));
                     s.push(t(format!("{p}mlp.experts.down_proj"), &[e, hidden, ffn]));
@@ -190,10 +232,12 @@ proptest! {
             let mut global = vec![u32::MAX; numel as usize];
             for ch in t.chunks(&plan.mesh).filter(|ch| ch.written && ch.numel() > 0) {
                 let mut vals = Vec::new();
-                for seg in segments(&t.shape, DType::F32, &t.recipe, &ch.offsets, &ch.sizes) {
+                // In the tensor's own dtype: a family that casts (bf16 parameters from these f32
+                // sources) reads source elements of another size than it writes.
+                for seg in segments(&t.shape, t.dtype, &t.recipe, &ch.offsets, &ch.sizes) {
                     match seg.source {
-                        Some((id, off)) => vals.extend(source_bytes(id, off, seg.len)),
-                        None => vals.extend(std::iter::repeat_n(0u32, (seg.len / 4) as usize)),
+                        Some((id, off)) => vals.extend(source_bytes(id, off, seg.source_len(t.dtype))),
+                        None => vals.extend(std::iter::repeat_n(0u32, (seg.len / t.dtype.size() as u64) as usize)),
                     }
                 }
                 prop_assert_eq!(vals.len() as u64, ch.numel());
@@ -240,8 +284,16 @@ proptest! {
                 }
             }
         }
-        // Every source element lands exactly once across all parameter keys.
-        let missing: Vec<usize> = (1..next as usize).filter(|i| uses[*i] != 1).take(5).collect();
+        // Every source element lands exactly once across all parameter keys, but for the tensors
+        // knowingly not converted (an MTP layer's copies of the embedding and output layer).
+        let mut want_uses = vec![1u32; next as usize];
+        for (id, src) in plan.sources.iter().enumerate() {
+            if plan.unconverted.contains(&src.name) {
+                let n = src.shape.iter().product::<u64>().max(1) as usize;
+                want_uses[base[id] as usize..base[id] as usize + n].fill(0);
+            }
+        }
+        let missing: Vec<usize> = (1..next as usize).filter(|i| uses[*i] != want_uses[*i]).take(5).collect();
         prop_assert!(missing.is_empty(), "{} {}: elements used ≠ once: {:?}", c.family, c.mesh, missing);
       }
     }

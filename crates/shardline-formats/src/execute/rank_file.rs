@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 
 use rustix::io::Errno;
-use shardline_layout::recipe::{apply_transform, Transform};
+use shardline_layout::recipe::{apply_transform, cast_into, Transform};
 use shardline_layout::DType;
 
 use super::*;
@@ -83,6 +83,8 @@ pub(super) struct RankFile<'a> {
     flushed: u64,
     pending: Vec<PendingRead>,
     pub(super) gaps: Vec<u8>,
+    /// Source bytes of a cast, read here and converted into `buf` (at most twice its size).
+    staging: Vec<u8>,
     /// While a CRC'd data entry is being written: the hasher, and where in `buf` the bytes not
     /// yet hashed start.
     crc: Option<(crc32fast::Hasher, usize)>,
@@ -111,6 +113,7 @@ impl<'a> RankFile<'a> {
             flushed: 0,
             pending: Vec::new(),
             gaps: Vec::new(),
+            staging: Vec::new(),
             crc: None,
         })
     }
@@ -180,8 +183,27 @@ impl<'a> RankFile<'a> {
         transform: Transform,
         dtype: DType,
     ) -> Result<(), ExecuteError> {
-        let (fi, mut src) = self.data.sources.locate(id, offset, len);
+        let out_item = dtype.size();
+        let src_item = transform.source_size(dtype);
+        let (fi, mut src) = self.data.sources.locate(id, offset, len / out_item as u64 * src_item as u64);
         let mut left = len;
+        if let Transform::Cast(from) = transform {
+            // Source elements of another size: read them aside, convert into the buffer.
+            while left > 0 {
+                if self.free() < out_item {
+                    self.flush()?;
+                }
+                let n = (left.min(self.free() as u64) as usize) / out_item * out_item;
+                let m = n / out_item * src_item;
+                self.staging.resize(m, 0);
+                self.data.sources.read_at(fi, src, &mut self.staging[..m])?;
+                cast_into(from, dtype, &self.staging[..m], &mut self.buf[self.fill..self.fill + n]);
+                self.fill += n;
+                src += m as u64;
+                left -= n as u64;
+            }
+            return Ok(());
+        }
         if transform != Transform::Identity {
             // Read into the buffer and transform in place, whole elements at a time.
             let item = dtype.size();

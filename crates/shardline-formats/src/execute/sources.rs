@@ -5,7 +5,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use shardline_layout::recipe::{apply_transform, segments, Segment};
+use shardline_layout::recipe::{apply_transform, cast_into, segments, Segment, Transform};
 use shardline_layout::{Plan, TensorView};
 
 use crate::safetensors::{Release, SourceLocations};
@@ -101,8 +101,25 @@ pub(crate) fn stream_chunk(
     // Keep pieces element-aligned so transforms see whole elements.
     let piece = (buf.len() / item).max(1) * item;
     let segs = segments(t.shape, t.dtype, t.recipe, offsets, sizes);
+    // Source bytes of casts, converted into `buf` piece by piece.
+    let mut staging = Vec::new();
     let mut i = 0;
     while i < segs.len() {
+        if let Segment { source: Some((id, off)), len, transform: Transform::Cast(from) } = segs[i] {
+            let src_item = from.size() as u64;
+            let mut done = 0u64;
+            while done < len {
+                let n = ((len - done) as usize).min(piece);
+                staging.resize(n / item * src_item as usize, 0);
+                sources.read(id, off + done / item as u64 * src_item, &mut staging)?;
+                let b = &mut buf[..n];
+                cast_into(from, t.dtype, &staging, b);
+                sink(b)?;
+                done += n as u64;
+            }
+            i += 1;
+            continue;
+        }
         let run = coalesced_run(&segs[i..], piece as u64);
         if run > 1 {
             // One read covers the run; each segment's bytes are then cut out of it.
@@ -143,12 +160,21 @@ pub(crate) fn stream_chunk(
 /// gaps of at most [`COALESCE_GAP`], the whole span within `max_span` bytes.
 fn coalesced_run(segs: &[Segment], max_span: u64) -> usize {
     let Some((id, start)) = segs.first().and_then(|s| s.source) else { return 1 };
+    // Casts read source bytes of another size: segment by segment.
+    let sized = |s: &Segment| !matches!(s.transform, Transform::Cast(_));
+    if !sized(&segs[0]) {
+        return 1;
+    }
     let mut end = start + segs[0].len;
     let mut n = 1;
     for s in &segs[1..] {
         match s.source {
             Some((sid, off))
-                if sid == id && off >= end && off - end <= COALESCE_GAP && off + s.len - start <= max_span =>
+                if sid == id
+                    && sized(s)
+                    && off >= end
+                    && off - end <= COALESCE_GAP
+                    && off + s.len - start <= max_span =>
             {
                 end = off + s.len;
                 n += 1;

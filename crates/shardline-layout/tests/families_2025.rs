@@ -1,0 +1,233 @@
+//! The 2025 families (archs-2025.md §3.1, §3.3, §5): DeepSeek-V3 / Kimi-K2 MLA, GLM-4.5, the MTP
+//! layers both store after the decoder, the float32 expert bias, and unmapped tensors reported
+//! by pattern. Expected TP placements are the table's, written out here by hand.
+
+use shardline_layout::arch::TpMode;
+use shardline_layout::recipe::Transform;
+use shardline_layout::{build_plan, DType, LayoutError, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
+
+const H: u64 = 16;
+const NH: u64 = 4;
+/// MLA dims: nope, rope and value head dims, query and key-value latent ranks.
+const DN: u64 = 4;
+const DR: u64 = 2;
+const DV: u64 = 4;
+const QL: u64 = 8;
+const KVL: u64 = 8;
+
+fn src(name: &str, dtype: DType, shape: &[u64]) -> SourceTensor {
+    SourceTensor { name: name.to_string(), dtype, shape: shape.to_vec() }
+}
+
+fn deepseek_config(model_type: &str, extra: &str) -> String {
+    format!(
+        r#"{{"model_type":"{model_type}","hidden_size":{H},"num_attention_heads":{NH},"num_key_value_heads":{NH},
+        "num_hidden_layers":2,"vocab_size":32,"intermediate_size":8,"moe_intermediate_size":4,
+        "n_routed_experts":4,"n_shared_experts":1,"first_k_dense_replace":1,"q_lora_rank":{QL},
+        "kv_lora_rank":{KVL},"qk_nope_head_dim":{DN},"qk_rope_head_dim":{DR},"v_head_dim":{DV},
+        "num_nextn_predict_layers":1{extra}}}"#
+    )
+}
+
+/// A DeepSeek-V3 release: layer 0 dense, layer 1 MoE, layer 2 = MTP layer 0 (MoE).
+fn deepseek_sources(bias: DType) -> Vec<SourceTensor> {
+    let b = DType::BF16;
+    let mut s = vec![
+        src("model.embed_tokens.weight", b, &[32, H]),
+        src("lm_head.weight", b, &[32, H]),
+        src("model.norm.weight", b, &[H]),
+    ];
+    for l in 0..3 {
+        let p = format!("model.layers.{l}.");
+        for (n, shape) in [
+            ("input_layernorm.weight", vec![H]),
+            ("post_attention_layernorm.weight", vec![H]),
+            ("self_attn.q_a_proj.weight", vec![QL, H]),
+            ("self_attn.q_a_layernorm.weight", vec![QL]),
+            ("self_attn.q_b_proj.weight", vec![NH * (DN + DR), QL]),
+            ("self_attn.kv_a_proj_with_mqa.weight", vec![KVL + DR, H]),
+            ("self_attn.kv_a_layernorm.weight", vec![KVL]),
+            ("self_attn.kv_b_proj.weight", vec![NH * (DN + DV), KVL]),
+            ("self_attn.o_proj.weight", vec![H, NH * DV]),
+        ] {
+            s.push(src(&format!("{p}{n}"), b, &shape));
+        }
+        if l == 0 {
+            s.push(src(&format!("{p}mlp.gate_proj.weight"), b, &[8, H]));
+            s.push(src(&format!("{p}mlp.up_proj.weight"), b, &[8, H]));
+            s.push(src(&format!("{p}mlp.down_proj.weight"), b, &[H, 8]));
+            continue;
+        }
+        s.push(src(&format!("{p}mlp.gate.weight"), b, &[4, H]));
+        s.push(src(&format!("{p}mlp.gate.e_score_correction_bias"), bias, &[4]));
+        for e in 0..4 {
+            s.push(src(&format!("{p}mlp.experts.{e}.gate_proj.weight"), b, &[4, H]));
+            s.push(src(&format!("{p}mlp.experts.{e}.up_proj.weight"), b, &[4, H]));
+            s.push(src(&format!("{p}mlp.experts.{e}.down_proj.weight"), b, &[H, 4]));
+        }
+        s.push(src(&format!("{p}mlp.shared_experts.gate_proj.weight"), b, &[4, H]));
+        s.push(src(&format!("{p}mlp.shared_experts.up_proj.weight"), b, &[4, H]));
+        s.push(src(&format!("{p}mlp.shared_experts.down_proj.weight"), b, &[H, 4]));
+    }
+    let m = "model.layers.2.";
+    for n in ["enorm.weight", "hnorm.weight", "shared_head.norm.weight"] {
+        s.push(src(&format!("{m}{n}"), b, &[H]));
+    }
+    s.push(src(&format!("{m}eh_proj.weight"), b, &[H, 2 * H]));
+    s.push(src(&format!("{m}embed_tokens.weight"), b, &[32, H]));
+    s.push(src(&format!("{m}shared_head.head.weight"), b, &[32, H]));
+    s
+}
+
+fn plan(config: &str, sources: Vec<SourceTensor>, mesh: Mesh) -> Result<Plan, Vec<LayoutError>> {
+    build_plan(&ModelConfig::from_json(config).expect("config"), sources, mesh, &PlanOptions::default())
+}
+
+fn tensor<'a>(plan: &'a Plan, key: &str) -> &'a shardline_layout::OutputTensor {
+    plan.tensors.iter().find(|t| t.key == format!("model.module.{key}")).unwrap_or_else(|| panic!("no key {key}"))
+}
+
+#[test]
+fn mla_projections_are_placed_as_megatron_declares_them() {
+    let mesh = Mesh { tp: 2, cp: 1, dp: 2, ep: 2, etp: 1 };
+    for model_type in ["deepseek_v3", "kimi_k2"] {
+        let p = plan(&deepseek_config(model_type, ""), deepseek_sources(DType::F32), mesh).expect("plan");
+        let a = "decoder.layers.1.self_attention.";
+        for (key, mode) in [
+            ("linear_q_down_proj.weight", TpMode::Replicated),
+            ("linear_q_up_proj.layer_norm_weight", TpMode::Replicated),
+            ("linear_q_up_proj.weight", TpMode::Column),
+            ("linear_kv_down_proj.weight", TpMode::Replicated),
+            ("linear_kv_up_proj.layer_norm_weight", TpMode::Replicated),
+            ("linear_kv_up_proj.weight", TpMode::Column),
+            ("linear_proj.weight", TpMode::Row),
+        ] {
+            assert_eq!(tensor(&p, &format!("{a}{key}")).tp_mode, mode, "{model_type} {key}");
+        }
+        // MLA keeps a real input norm; dense layer 0 has the fused MLP norm, MoE layer 1 the
+        // pre-MLP norm.
+        assert_eq!(tensor(&p, "decoder.layers.0.input_layernorm.weight").tp_mode, TpMode::Replicated);
+        tensor(&p, "decoder.layers.0.mlp.linear_fc1.layer_norm_weight");
+        tensor(&p, "decoder.layers.1.pre_mlp_layernorm.weight");
+        // The q_b rows (per head `[nope; rope]`) split by heads: TP rank r holds heads [2r, 2r+2).
+        let q_up = tensor(&p, &format!("{a}linear_q_up_proj.weight"));
+        assert_eq!(q_up.local_shape(), vec![NH / 2 * (DN + DR), QL]);
+        assert_eq!(tensor(&p, "decoder.layers.1.mlp.router.expert_bias").dtype, DType::F32);
+    }
+}
+
+#[test]
+fn mtp_layers_after_the_decoder_become_mtp_layers_and_share_the_embedding() {
+    let mesh = Mesh { tp: 1, cp: 1, dp: 2, ep: 1, etp: 1 };
+    let p = plan(&deepseek_config("deepseek_v3", ""), deepseek_sources(DType::F32), mesh).expect("plan");
+    let keys: Vec<&str> = p.tensors.iter().map(|t| t.key.as_str()).collect();
+    assert!(!keys.iter().any(|k| k.contains("decoder.layers.2.")), "an MTP layer became decoder layer 2");
+    for key in [
+        "mtp.layers.0.enorm.weight",
+        "mtp.layers.0.hnorm.weight",
+        "mtp.layers.0.eh_proj.weight",
+        "mtp.layers.0.final_layernorm.weight",
+        "mtp.layers.0.transformer_layer.input_layernorm.weight",
+        "mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj.weight",
+        "mtp.layers.0.transformer_layer.mlp.router.expert_bias",
+        "mtp.layers.0.transformer_layer.mlp.experts.linear_fc1.weight3_w",
+        "mtp.layers.0.transformer_layer.mlp.shared_experts.linear_fc2.weight",
+    ] {
+        tensor(&p, key);
+    }
+    assert_eq!(tensor(&p, "mtp.layers.0.eh_proj.weight").tp_mode, TpMode::Column);
+    assert_eq!(
+        p.unconverted,
+        vec!["model.layers.2.embed_tokens.weight".to_string(), "model.layers.2.shared_head.head.weight".to_string()]
+    );
+    // Without `num_nextn_predict_layers` the layer is not expected: its tensors are unmapped.
+    let no_mtp = deepseek_config("deepseek_v3", "")
+        .replace(r#""num_nextn_predict_layers":1"#, r#""num_nextn_predict_layers":0"#);
+    let err = plan(&no_mtp, deepseek_sources(DType::F32), mesh).expect_err("unmapped MTP layer");
+    let text = err.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n");
+    assert!(text.contains("model.layers.*.mlp.experts.*.gate_proj.weight × 4"), "{text}");
+}
+
+#[test]
+fn a_bf16_expert_bias_is_cast_to_float32_and_f32_norms_to_bf16() {
+    let mesh = Mesh { tp: 1, cp: 1, dp: 1, ep: 1, etp: 1 };
+    let mut sources = deepseek_sources(DType::BF16);
+    sources.iter_mut().filter(|s| s.name == "model.norm.weight").for_each(|s| s.dtype = DType::F32);
+    let p = plan(&deepseek_config("deepseek_v3", ""), sources, mesh).expect("plan");
+    let bias = tensor(&p, "decoder.layers.1.mlp.router.expert_bias");
+    assert_eq!(bias.dtype, DType::F32);
+    assert!(bias.recipe.iter().all(|b| b.transform == Transform::Cast(DType::BF16)));
+    let norm = tensor(&p, "decoder.final_layernorm.weight");
+    assert_eq!(norm.dtype, DType::BF16);
+    assert!(norm.recipe.iter().all(|b| b.transform == Transform::Cast(DType::F32)));
+    // Tensors already in the target dtype are copied as they are.
+    assert!(tensor(&p, "embedding.word_embeddings.weight").recipe.iter().all(|b| b.transform == Transform::Identity));
+}
+
+#[test]
+fn glm45_uses_biased_gqa_with_qk_norms_and_shares_the_mtp_scheme() {
+    let config = r#"{"model_type":"glm4_moe","hidden_size":16,"num_attention_heads":4,"num_key_value_heads":2,
+        "head_dim":4,"num_hidden_layers":1,"vocab_size":32,"intermediate_size":8,"moe_intermediate_size":4,
+        "n_routed_experts":2,"n_shared_experts":1,"first_k_dense_replace":0,"num_nextn_predict_layers":1}"#;
+    let b = DType::BF16;
+    let mut s = vec![
+        src("model.embed_tokens.weight", b, &[32, 16]),
+        src("lm_head.weight", b, &[32, 16]),
+        src("model.norm.weight", b, &[16]),
+    ];
+    for l in 0..2 {
+        let p = format!("model.layers.{l}.");
+        for (n, shape) in [
+            ("input_layernorm.weight", vec![16]),
+            ("post_attention_layernorm.weight", vec![16]),
+            ("self_attn.q_proj.weight", vec![16, 16]),
+            ("self_attn.k_proj.weight", vec![8, 16]),
+            ("self_attn.v_proj.weight", vec![8, 16]),
+            ("self_attn.q_proj.bias", vec![16]),
+            ("self_attn.k_proj.bias", vec![8]),
+            ("self_attn.v_proj.bias", vec![8]),
+            ("self_attn.q_norm.weight", vec![4]),
+            ("self_attn.k_norm.weight", vec![4]),
+            ("self_attn.o_proj.weight", vec![16, 16]),
+            ("mlp.gate.weight", vec![2, 16]),
+            ("mlp.shared_experts.gate_proj.weight", vec![4, 16]),
+            ("mlp.shared_experts.up_proj.weight", vec![4, 16]),
+            ("mlp.shared_experts.down_proj.weight", vec![16, 4]),
+        ] {
+            s.push(src(&format!("{p}{n}"), b, &shape));
+        }
+        s.push(src(&format!("{p}mlp.gate.e_score_correction_bias"), DType::F32, &[2]));
+        for e in 0..2 {
+            s.push(src(&format!("{p}mlp.experts.{e}.gate_proj.weight"), b, &[4, 16]));
+            s.push(src(&format!("{p}mlp.experts.{e}.up_proj.weight"), b, &[4, 16]));
+            s.push(src(&format!("{p}mlp.experts.{e}.down_proj.weight"), b, &[16, 4]));
+        }
+    }
+    for n in ["enorm.weight", "hnorm.weight", "shared_head.norm.weight"] {
+        s.push(src(&format!("model.layers.1.{n}"), b, &[16]));
+    }
+    s.push(src("model.layers.1.eh_proj.weight", b, &[16, 32]));
+    let mesh = Mesh { tp: 2, cp: 1, dp: 1, ep: 1, etp: 2 };
+    let p = plan(config, s, mesh).expect("plan");
+    for prefix in ["decoder.layers.0.", "mtp.layers.0.transformer_layer."] {
+        let qkv = tensor(&p, &format!("{prefix}self_attention.linear_qkv.weight"));
+        assert_eq!((qkv.shape.clone(), qkv.tp_mode), (vec![32, 16], TpMode::Column));
+        assert_eq!(tensor(&p, &format!("{prefix}self_attention.linear_qkv.bias")).shape, vec![32]);
+        assert_eq!(tensor(&p, &format!("{prefix}self_attention.q_layernorm.weight")).tp_mode, TpMode::Replicated);
+        assert_eq!(tensor(&p, &format!("{prefix}mlp.router.expert_bias")).dtype, DType::F32);
+    }
+    assert!(p.unconverted.is_empty());
+}
+
+#[test]
+fn quantization_config_is_read() {
+    use shardline_layout::config::Quantization;
+    let with =
+        |q: &str| ModelConfig::from_json(&deepseek_config("deepseek_v3", &format!(r#","quantization_config":{q}"#)));
+    let fp8 = with(r#"{"quant_method":"fp8","fmt":"e4m3","weight_block_size":[128,128]}"#).expect("fp8");
+    assert_eq!(fp8.quantization, Some(Quantization::Fp8Block { block: [128, 128] }));
+    let awq = with(r#"{"quant_method":"awq","bits":4}"#).expect("awq");
+    assert_eq!(awq.quantization, Some(Quantization::Other("awq".into())));
+    let err = with(r#"{"quant_method":"fp8","weight_block_size":[128]}"#).expect_err("bad block");
+    assert!(err.to_string().contains("weight_block_size"), "{err}");
+}
