@@ -210,3 +210,55 @@ fn validate_of_an_interrupted_write_says_so() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("no `.metadata`"), "{}", stderr(&o));
 }
+
+/// Rewrites `config.json` of a copied fixture with `edit`.
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(&path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+}
+
+#[test]
+fn unknown_quantization_scheme_names_it_and_the_tensors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = copy_fixture("deepseek_v3_fp8", tmp.path());
+    edit_config(&src, |c| c["quantization_config"]["quant_method"] = "awq".into());
+    expect_failure(&src, &tmp.path().join("out"), &[], "quantization `awq` is not supported");
+    let err = stderr(&run(bin().args(["convert", "--from"]).arg(&src).arg("--to").arg(tmp.path().join("o2"))));
+    assert!(err.contains("model.layers.*.mlp.experts.*.gate_proj.weight_scale_inv"), "{err}");
+}
+
+#[test]
+fn fp8_block_size_other_than_the_scales_say_is_an_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = copy_fixture("deepseek_v3_fp8", tmp.path());
+    // The scales were made for blocks of 16: blocks of 32 give other scale shapes.
+    edit_config(&src, |c| c["quantization_config"]["weight_block_size"] = serde_json::json!([32, 32]));
+    expect_failure(&src, &tmp.path().join("out"), &[], "in blocks of [32, 32]");
+}
+
+#[test]
+fn fp8_weight_without_its_scales_is_an_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = copy_fixture("deepseek_v3_fp8", tmp.path());
+    // Rename one scale tensor in its file's header and the index (same length, so the file stays
+    // well formed): its weight loses its scales.
+    let (from, to) = ("layers.0.mlp.down_proj.weight_scale_inv", "layers.0.mlp.down_proj.weight_scale_iXX");
+    for e in std::fs::read_dir(&src).unwrap() {
+        let path = e.unwrap().path();
+        let bytes = std::fs::read(&path).unwrap();
+        let text = bytes.windows(from.len()).position(|w| w == from.as_bytes());
+        if let Some(at) = text {
+            let mut b = bytes.clone();
+            b[at..at + from.len()].copy_from_slice(to.as_bytes());
+            std::fs::write(&path, b).unwrap();
+        }
+    }
+    expect_failure(
+        &src,
+        &tmp.path().join("out"),
+        &[],
+        "F8_E4M3 weight without its `model.layers.0.mlp.down_proj.weight_scale_inv`",
+    );
+}

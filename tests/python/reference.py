@@ -334,8 +334,37 @@ def _map_layer(src: _Source, cfg, hf: str, mg: str, out: dict) -> None:
         out[f"{mg}.mlp.linear_fc1.layer_norm_weight"] = src.take(f"{hf}.post_attention_layernorm.weight")
 
 
+def dequantize_fp8_blocks(cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Block FP8 (archs-2025.md §4.1): every `W` with a float32 `W_scale_inv` becomes
+    `bf16(fp32(W) * scale_inv[r // b0, c // b1])` (one float32 multiply, one rounding to bf16),
+    and the scale is consumed; an FP8 tensor without one becomes `fp32 -> bf16`."""
+    q = cfg.get("quantization_config") or cfg["_root"].get("quantization_config")
+    if not q:
+        return tensors
+    if q.get("quant_method") != "fp8":
+        raise ValueError(f"unsupported quantization {q.get('quant_method')!r}")
+    b0, b1 = q["weight_block_size"]
+    out = {}
+    for k, t in tensors.items():
+        if k.endswith("_scale_inv"):
+            continue
+        scale = tensors.get(k + "_scale_inv")
+        if scale is not None:
+            m, n = t.shape
+            if tuple(scale.shape) != (-(-m // b0), -(-n // b1)) or scale.dtype != torch.float32:
+                raise ValueError(f"{k}_scale_inv has {scale.dtype} {tuple(scale.shape)} for {tuple(t.shape)}")
+            full = scale.repeat_interleave(b0, dim=0)[:m].repeat_interleave(b1, dim=1)[:, :n]
+            out[k] = (t.to(torch.float32) * full).to(torch.bfloat16)
+        elif t.dtype == torch.float8_e4m3fn:
+            out[k] = t.to(torch.float32).to(torch.bfloat16)
+        else:
+            out[k] = t
+    return out
+
+
 def megatron_state_dict(cfg: dict, tensors: dict[str, torch.Tensor], tp: int = 1) -> dict[str, torch.Tensor]:
     """Unprefixed Megatron names -> global tensors."""
+    tensors = dequantize_fp8_blocks(cfg, tensors)
     src = _Source(tensors)
     root = "model.language_model" if src.has("model.language_model.embed_tokens.weight") else "model"
     out: dict[str, torch.Tensor] = {}

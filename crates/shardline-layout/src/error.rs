@@ -33,6 +33,10 @@ pub enum LayoutError {
     #[error("{} release tensor(s) have no mapping for `{model_type}`: {}", names.len(), by_pattern(names))]
     Unmapped { model_type: String, names: Vec<String> },
 
+    /// `quantization_config` names a scheme Shardline does not dequantize.
+    #[error("quantization `{scheme}` is not supported (Shardline dequantizes block-wise FP8 e4m3); quantized tensors: {tensors}")]
+    Quantization { scheme: String, tensors: String },
+
     /// Source tensors of one mapping disagree in dtype.
     #[error("`{target}`: source dtypes differ ({detail})")]
     DtypeMismatch { target: String, detail: String },

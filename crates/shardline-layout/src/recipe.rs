@@ -19,6 +19,10 @@ pub enum Transform {
     /// Elements of the source are of this float dtype and are converted to the output's as
     /// `tensor.to(dtype)` does: exactly when the output is wider, else one round to nearest even.
     Cast(DType),
+    /// Block-scaled FP8 e4m3 → bf16: element `[r, c]` of the source (rows as long as the
+    /// output's) times `scale[r / rows, c / cols]` of the float32 source `scale`, one f32
+    /// multiply, then one round to bf16 (archs-2025.md §4.1).
+    DequantFp8 { scale: u32, rows: u32, cols: u32 },
 }
 
 impl Transform {
@@ -26,15 +30,54 @@ impl Transform {
     pub fn source_size(self, out: DType) -> usize {
         match self {
             Transform::Cast(from) => from.size(),
+            Transform::DequantFp8 { .. } => 1,
             _ => out.size(),
         }
     }
 
-    /// Whether source and output bytes correspond one to one (the transform, if any, works in
-    /// place).
-    pub fn same_size(self, out: DType) -> bool {
-        self.source_size(out) == out.size()
+    /// Whether the output is computed from source bytes read aside (of another size, or with
+    /// other tensors' values), not transformed where they land.
+    pub fn converts(self) -> bool {
+        matches!(self, Transform::Cast(_) | Transform::DequantFp8 { .. })
     }
+}
+
+/// The float32 block scales of one FP8 weight, `[ceil(M / rows), ceil(N / cols)]`, for
+/// [`dequant_fp8_into`].
+#[derive(Clone, Copy, Debug)]
+pub struct Fp8Scales<'a> {
+    pub values: &'a [f32],
+    /// Elements per weight row (`N`).
+    pub row_elems: u64,
+    /// Block size `[rows, cols]`.
+    pub block: [u64; 2],
+}
+
+/// Dequantizes FP8 e4m3 codes `src`, the first being element `first` of the weight (row-major),
+/// into bf16 `out` (two bytes per code), as `(w.float() * scale).to(torch.bfloat16)` does.
+pub fn dequant_fp8_into(src: &[u8], first: u64, scales: &Fp8Scales<'_>, out: &mut [u8]) {
+    let (n, [b0, b1]) = (scales.row_elems.max(1), scales.block);
+    let scale_cols = n.div_ceil(b1.max(1));
+    let lut = e4m3_table();
+    let mut i = 0usize;
+    let count = src.len().min(out.len() / 2);
+    while i < count {
+        let at = first + i as u64;
+        let (r, c) = (at / n, at % n);
+        // A run of one scale: to the end of the column block or of the row.
+        let run = ((b1 - c % b1).min(n - c) as usize).min(count - i);
+        let s = scales.values.get(((r / b0) * scale_cols + c / b1) as usize).copied().unwrap_or(f32::NAN);
+        for (code, o) in src[i..i + run].iter().zip(out[2 * i..2 * (i + run)].chunks_exact_mut(2)) {
+            o.copy_from_slice(&f32_to_bf16(lut[*code as usize] * s).to_le_bytes());
+        }
+        i += run;
+    }
+}
+
+/// Every e4m3 code's value (a 1 KiB table: a lookup beats decoding bits per element).
+fn e4m3_table() -> &'static [f32; 256] {
+    static TABLE: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| std::array::from_fn(|b| f8e4m3_to_f32(b as u8)))
 }
 
 /// Float dtypes a [`Transform::Cast`] converts between.
@@ -183,7 +226,7 @@ pub fn segments(shape: &[u64], dtype: DType, recipe: &[RowBlock], offsets: &[u64
 /// `dtype` (a cast, which changes the size, goes through [`cast_into`]).
 pub fn apply_transform(transform: Transform, dtype: DType, bytes: &mut [u8]) {
     match transform {
-        Transform::Identity | Transform::Cast(_) => {}
+        Transform::Identity | Transform::Cast(_) | Transform::DequantFp8 { .. } => {}
         Transform::SubtractOne => match dtype {
             DType::BF16 => {
                 for e in bytes.chunks_exact_mut(2) {
@@ -260,7 +303,8 @@ pub fn f8e4m3_to_f32(b: u8) -> f32 {
     let exp = i32::from((b >> 3) & 0x0F);
     let man = f32::from(b & 0x07);
     if exp == 0x0F && b & 0x07 == 0x07 {
-        return f32::NAN;
+        // torch widens the NaN with its sign.
+        return f32::from_bits(if b & 0x80 != 0 { 0xFFC0_0000 } else { 0x7FC0_0000 });
     }
     let magnitude = if exp == 0 { man / 8.0 * 2f32.powi(-6) } else { (1.0 + man / 8.0) * 2f32.powi(exp - 7) };
     sign * magnitude
@@ -371,6 +415,30 @@ mod tests {
         assert_eq!(f8e4m3_to_f32(0x7E), 448.0);
         assert!(f8e4m3_to_f32(0x7F).is_nan() && f8e4m3_to_f32(0xFF).is_nan());
         assert_eq!(f8e4m3_to_f32(0x80).to_bits(), (-0.0f32).to_bits());
+    }
+
+    #[test]
+    fn fp8_dequantizes_by_block_with_ragged_edges() {
+        // A [3, 5] weight in blocks of [2, 2]: scales [2, 3]; codes 0x38 (1.0) everywhere but
+        // [2, 4] = 0xB8 (−1.0); scale of block (r/2, c/2) = 1 + 3·(r/2) + c/2.
+        let mut codes = vec![0x38u8; 15];
+        codes[14] = 0xB8;
+        let values: Vec<f32> = (0..6).map(|i| 1.0 + i as f32).collect();
+        let scales = Fp8Scales { values: &values, row_elems: 5, block: [2, 2] };
+        let mut out = vec![0u8; 30];
+        dequant_fp8_into(&codes, 0, &scales, &mut out);
+        let got: Vec<f32> =
+            out.chunks_exact(2).map(|e| f32::from_bits(u32::from(u16::from_le_bytes([e[0], e[1]])) << 16)).collect();
+        assert_eq!(got, vec![1., 1., 2., 2., 3., 1., 1., 2., 2., 3., 4., 4., 5., 5., -6.]);
+        // From the middle: element 7 onwards.
+        let mut part = vec![0u8; 6];
+        dequant_fp8_into(&codes[7..10], 7, &scales, &mut part);
+        assert_eq!(&part[..], &out[14..20]);
+        // One f32 product, then one rounding: 1.125 (e4m3 0x39) × 1.0078125 rounds in bf16.
+        let values = [1.0078125f32];
+        let scales = Fp8Scales { values: &values, row_elems: 1, block: [128, 128] };
+        dequant_fp8_into(&[0x39], 0, &scales, &mut part[..2]);
+        assert_eq!(u16::from_le_bytes([part[0], part[1]]), f32_to_bf16(1.125 * 1.0078125));
     }
 
     #[test]

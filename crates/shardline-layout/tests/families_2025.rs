@@ -231,3 +231,32 @@ fn quantization_config_is_read() {
     let err = with(r#"{"quant_method":"fp8","weight_block_size":[128]}"#).expect_err("bad block");
     assert!(err.to_string().contains("weight_block_size"), "{err}");
 }
+
+#[test]
+fn block_fp8_weights_are_dequantized_to_bf16_and_their_scales_consumed() {
+    let q = r#","quantization_config":{"quant_method":"fp8","weight_block_size":[4,4]}"#;
+    let mut sources = deepseek_sources(DType::F32);
+    let mut scales = Vec::new();
+    for s in sources.iter_mut().filter(|s| s.name.ends_with("_proj.weight") && s.name.contains(".layers.")) {
+        s.dtype = DType::F8E4M3;
+        let shape = [s.shape[0].div_ceil(4), s.shape[1].div_ceil(4)];
+        scales.push(src(&format!("{}_scale_inv", s.name), DType::F32, &shape));
+    }
+    sources.extend(scales);
+    let mesh = Mesh { tp: 2, cp: 1, dp: 2, ep: 1, etp: 2 };
+    let p = plan(&deepseek_config("deepseek_v3", q), sources.clone(), mesh).expect("plan");
+    let q_up = tensor(&p, "decoder.layers.1.self_attention.linear_q_up_proj.weight");
+    assert_eq!(q_up.dtype, DType::BF16);
+    let scale_id = p.sources.iter().position(|s| s.name.ends_with("layers.1.self_attn.q_b_proj.weight_scale_inv"));
+    let want = Transform::DequantFp8 { scale: scale_id.expect("scale source") as u32, rows: 4, cols: 4 };
+    assert!(q_up.recipe.iter().all(|b| b.transform == want), "{:?}", q_up.recipe);
+    assert!(!p.tensors.iter().any(|t| t.key.contains("scale_inv")));
+
+    // A scale of the wrong shape names both tensors and the block.
+    let mut bad = sources.clone();
+    let s = bad.iter_mut().find(|s| s.name.ends_with("layers.0.self_attn.o_proj.weight_scale_inv")).expect("scale");
+    s.shape[1] += 1;
+    let err = plan(&deepseek_config("deepseek_v3", q), bad, mesh).expect_err("bad scale shape");
+    let text = err.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n");
+    assert!(text.contains("o_proj.weight_scale_inv") && text.contains("in blocks of [4, 4]"), "{text}");
+}

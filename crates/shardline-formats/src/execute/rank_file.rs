@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 
 use rustix::io::Errno;
-use shardline_layout::recipe::{apply_transform, cast_into, Transform};
-use shardline_layout::DType;
+use shardline_layout::recipe::{apply_transform, Transform};
+use shardline_layout::TensorView;
 
 use super::*;
 use super::{sources::*, threads::*};
@@ -83,8 +83,8 @@ pub(super) struct RankFile<'a> {
     flushed: u64,
     pending: Vec<PendingRead>,
     pub(super) gaps: Vec<u8>,
-    /// Source bytes of a cast, read here and converted into `buf` (at most twice its size).
-    staging: Vec<u8>,
+    /// Reads and converts the source bytes of casts and dequantizations.
+    converter: Converter,
     /// While a CRC'd data entry is being written: the hasher, and where in `buf` the bytes not
     /// yet hashed start.
     crc: Option<(crc32fast::Hasher, usize)>,
@@ -113,7 +113,7 @@ impl<'a> RankFile<'a> {
             flushed: 0,
             pending: Vec::new(),
             gaps: Vec::new(),
-            staging: Vec::new(),
+            converter: Converter::default(),
             crc: None,
         })
     }
@@ -181,29 +181,29 @@ impl<'a> RankFile<'a> {
         offset: u64,
         len: u64,
         transform: Transform,
-        dtype: DType,
+        t: TensorView<'_>,
     ) -> Result<(), ExecuteError> {
+        let dtype = t.dtype;
         let out_item = dtype.size();
         let src_item = transform.source_size(dtype);
-        let (fi, mut src) = self.data.sources.locate(id, offset, len / out_item as u64 * src_item as u64);
-        let mut left = len;
-        if let Transform::Cast(from) = transform {
-            // Source elements of another size: read them aside, convert into the buffer.
+        if transform.converts() {
+            // Source elements of another size (or scaled): read aside, converted into the buffer.
+            let (mut src, mut left) = (offset, len);
             while left > 0 {
                 if self.free() < out_item {
                     self.flush()?;
                 }
                 let n = (left.min(self.free() as u64) as usize) / out_item * out_item;
-                let m = n / out_item * src_item;
-                self.staging.resize(m, 0);
-                self.data.sources.read_at(fi, src, &mut self.staging[..m])?;
-                cast_into(from, dtype, &self.staging[..m], &mut self.buf[self.fill..self.fill + n]);
+                let out = &mut self.buf[self.fill..self.fill + n];
+                self.converter.convert(self.data.sources, t, id, src, transform, out)?;
                 self.fill += n;
-                src += m as u64;
+                src += (n / out_item * src_item) as u64;
                 left -= n as u64;
             }
             return Ok(());
         }
+        let (fi, mut src) = self.data.sources.locate(id, offset, len);
+        let mut left = len;
         if transform != Transform::Identity {
             // Read into the buffer and transform in place, whole elements at a time.
             let item = dtype.size();

@@ -5,7 +5,9 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use shardline_layout::recipe::{apply_transform, cast_into, segments, Segment, Transform};
+use shardline_layout::recipe::{
+    apply_transform, cast_into, dequant_fp8_into, row_elems, segments, Fp8Scales, Segment, Transform,
+};
 use shardline_layout::{Plan, TensorView};
 
 use crate::safetensors::{Release, SourceLocations};
@@ -77,9 +79,55 @@ impl SourceMap {
         (fi, start + offset)
     }
 
+    /// The whole of source `id`, a little-endian float32 tensor (FP8 block scales).
+    pub(super) fn read_f32s(&self, id: usize) -> Result<Vec<f32>, ExecuteError> {
+        let mut bytes = vec![0u8; self.locs[id].2 as usize];
+        self.read(id, 0, &mut bytes)?;
+        Ok(bytes.chunks_exact(4).map(|e| f32::from_le_bytes([e[0], e[1], e[2], e[3]])).collect())
+    }
+
     pub(super) fn read_at(&self, fi: usize, at: u64, buf: &mut [u8]) -> Result<(), ExecuteError> {
         let (path, file) = &self.files[fi];
         file.read_exact_at(buf, at).map_err(io_err(path, "read release tensor"))
+    }
+}
+
+/// Reads the source bytes of casts and FP8 dequantizations aside and converts them, keeping the
+/// block scales of the last FP8 weight (a few KiB) for the next piece of it.
+#[derive(Default)]
+pub(super) struct Converter {
+    staging: Vec<u8>,
+    scales: Option<(u32, Vec<f32>)>,
+}
+
+impl Converter {
+    /// Fills `out` (whole output elements of `t`) from source `id` at byte `offset`.
+    pub(super) fn convert(
+        &mut self,
+        sources: &SourceMap,
+        t: TensorView<'_>,
+        id: usize,
+        offset: u64,
+        transform: Transform,
+        out: &mut [u8],
+    ) -> Result<(), ExecuteError> {
+        let n = out.len() / t.dtype.size() * transform.source_size(t.dtype);
+        self.staging.resize(n, 0);
+        sources.read(id, offset, &mut self.staging)?;
+        match transform {
+            Transform::Cast(from) => cast_into(from, t.dtype, &self.staging, out),
+            Transform::DequantFp8 { scale, rows, cols } => {
+                let values = match &self.scales {
+                    Some((held, v)) if *held == scale => v,
+                    _ => &self.scales.insert((scale, sources.read_f32s(scale as usize)?)).1,
+                };
+                let scales = Fp8Scales { values, row_elems: row_elems(t.shape), block: [rows.into(), cols.into()] };
+                // FP8 codes are one byte: the byte offset is the element index.
+                dequant_fp8_into(&self.staging, offset, &scales, out);
+            }
+            _ => out.fill(0),
+        }
+        Ok(())
     }
 }
 
@@ -101,24 +149,24 @@ pub(crate) fn stream_chunk(
     // Keep pieces element-aligned so transforms see whole elements.
     let piece = (buf.len() / item).max(1) * item;
     let segs = segments(t.shape, t.dtype, t.recipe, offsets, sizes);
-    // Source bytes of casts, converted into `buf` piece by piece.
-    let mut staging = Vec::new();
+    // Casts and dequantizations: converted into `buf` piece by piece.
+    let mut converter = Converter::default();
     let mut i = 0;
     while i < segs.len() {
-        if let Segment { source: Some((id, off)), len, transform: Transform::Cast(from) } = segs[i] {
-            let src_item = from.size() as u64;
-            let mut done = 0u64;
-            while done < len {
-                let n = ((len - done) as usize).min(piece);
-                staging.resize(n / item * src_item as usize, 0);
-                sources.read(id, off + done / item as u64 * src_item, &mut staging)?;
-                let b = &mut buf[..n];
-                cast_into(from, t.dtype, &staging, b);
-                sink(b)?;
-                done += n as u64;
+        if let Segment { source: Some((id, off)), len, transform } = segs[i] {
+            if transform.converts() {
+                let src_item = transform.source_size(t.dtype) as u64;
+                let mut done = 0u64;
+                while done < len {
+                    let n = ((len - done) as usize).min(piece);
+                    let b = &mut buf[..n];
+                    converter.convert(sources, t, id, off + done / item as u64 * src_item, transform, b)?;
+                    sink(b)?;
+                    done += n as u64;
+                }
+                i += 1;
+                continue;
             }
-            i += 1;
-            continue;
         }
         let run = coalesced_run(&segs[i..], piece as u64);
         if run > 1 {
@@ -160,8 +208,8 @@ pub(crate) fn stream_chunk(
 /// gaps of at most [`COALESCE_GAP`], the whole span within `max_span` bytes.
 fn coalesced_run(segs: &[Segment], max_span: u64) -> usize {
     let Some((id, start)) = segs.first().and_then(|s| s.source) else { return 1 };
-    // Casts read source bytes of another size: segment by segment.
-    let sized = |s: &Segment| !matches!(s.transform, Transform::Cast(_));
+    // Conversions read source bytes of another size: segment by segment.
+    let sized = |s: &Segment| !s.transform.converts();
     if !sized(&segs[0]) {
         return 1;
     }

@@ -186,7 +186,7 @@ pub(super) fn write_item(
     begin_item(layout, item, file)?;
     for Segment { source, len, transform } in segments(t.shape, t.dtype, t.recipe, &c.offsets, &c.sizes) {
         match source {
-            Some((id, off)) => file.copy(id, off, len, transform, t.dtype)?,
+            Some((id, off)) => file.copy(id, off, len, transform, t)?,
             None => file.zeros(len)?,
         }
         progress.bytes_written.fetch_add(len, Ordering::Relaxed);

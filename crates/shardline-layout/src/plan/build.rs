@@ -6,6 +6,7 @@ use std::collections::{BTreeSet, HashMap};
 
 use super::chunk::chunk_draft;
 use super::draft::draft;
+use super::quant::Fp8Scales;
 use super::*;
 use crate::arch::{self, Kind, MtpStyle, Rule};
 use crate::config::ModelConfig;
@@ -44,7 +45,7 @@ impl<'a> Inventory<'a> {
     }
 }
 
-fn normalise(name: &str, language_model_prefix: bool) -> Cow<'_, str> {
+pub(super) fn normalise(name: &str, language_model_prefix: bool) -> Cow<'_, str> {
     if language_model_prefix {
         if let Some(rest) = name.strip_prefix("model.language_model.") {
             return Cow::Owned(format!("model.{rest}"));
@@ -181,6 +182,7 @@ pub fn build_plan(
 
     let experts: Vec<u64> = (0..config.num_experts).collect();
     let mut unconverted = Vec::new();
+    let fp8 = Fp8Scales::find(config, &inv, &mut errors);
     for Placed { rule, mtp, layers } in &rules {
         let megatron_t = retarget(rule.megatron, *mtp);
         let hf_t: Vec<String> = rule.hf.iter().map(|h| retarget(h, *mtp)).collect();
@@ -219,9 +221,21 @@ pub fn build_plan(
                     unconverted.extend(ids.iter().map(|id| sources[*id].name.clone()));
                     continue;
                 }
-                let dtype = rule.dtype.or(arch::output_dtype(config.family));
+                // Dequantized FP8 weights become bf16, as Megatron-Bridge loads them.
+                let scaled = fp8.as_ref().filter(|f| f.any(&ids));
+                if let Some(f) = scaled {
+                    for id in ids.iter().filter_map(|id| f.scale_of.get(id)) {
+                        consumed[*id] = true;
+                    }
+                }
+                let dtype = rule.dtype.or(arch::output_dtype(config.family)).or(scaled.map(|_| DType::BF16));
                 match draft(config, &inv, rule.kind, &target, &ids, *expert, dtype) {
-                    Ok(d) => drafts.push(d),
+                    Ok(mut d) => {
+                        if let Some(f) = scaled {
+                            f.dequantize(&mut d);
+                        }
+                        drafts.push(d)
+                    }
                     Err(e) => errors.push(e),
                 }
             }

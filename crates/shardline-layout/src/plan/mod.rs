@@ -11,6 +11,7 @@
 mod build;
 mod chunk;
 mod draft;
+mod quant;
 
 use std::collections::BTreeMap;
 
