@@ -262,3 +262,26 @@ fn crc32(bytes: &[u8]) -> u32 {
     }
     !c
 }
+
+#[test]
+fn archs_lists_the_families_and_prints_a_mapping_table() {
+    let o = run(bin().arg("archs"));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let list = stdout(&o);
+    for name in ["llama", "qwen3_next", "deepseek_v3", "kimi_k2", "glm4_moe"] {
+        assert!(list.lines().any(|l| l.starts_with(&format!("{name} "))), "{name} missing from:\n{list}");
+    }
+    let o = run(bin().args(["archs", "deepseek_v3"]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let table = stdout(&o);
+    let lines: Vec<&str> = table.lines().collect();
+    let at = lines.iter().position(|l| *l == "model.layers.{L}.self_attn.kv_a_proj_with_mqa.weight").expect(&table);
+    assert_eq!(
+        lines[at + 1].trim(),
+        "→ decoder.layers.{L}.self_attention.linear_kv_down_proj.weight  (copy, TP replicated; as BF16)"
+    );
+    assert!(table.contains("→ decoder.layers.{L}.mlp.router.expert_bias  (copy, TP replicated; as F32)"), "{table}");
+    let o = run(bin().args(["archs", "gpt_bigcode"]));
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("unknown architecture `gpt_bigcode`"), "{}", stderr(&o));
+}

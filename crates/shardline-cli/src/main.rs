@@ -1,6 +1,7 @@
 //! `shardline`: the command-line shell. It parses arguments, wires the crates together and
 //! reports; the logic lives in the library crates.
 
+mod archs;
 mod convert;
 mod gpu;
 mod inspect;
@@ -25,6 +26,8 @@ struct Cli {
 enum Command {
     /// Convert an HF safetensors release into a sharded checkpoint for a target mesh.
     Convert(convert::ConvertArgs),
+    /// List the supported architectures, or print one's mapping table (HF → Megatron).
+    Archs(archs::ArchsArgs),
     /// List the keys, dtypes, global shapes and chunks of a checkpoint.
     Inspect(inspect::InspectArgs),
     /// Check a checkpoint's invariants and reconstruct every tensor bit-exactly against its source.
@@ -68,6 +71,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Convert(a) => convert::run(a),
+        Command::Archs(a) => archs::run_archs(a),
         Command::Inspect(a) => inspect::run_inspect(a),
         Command::Validate(a) => inspect::run_validate(a),
         Command::Synth(a) => convert::run_synth(a),

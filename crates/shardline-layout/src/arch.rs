@@ -430,3 +430,57 @@ pub fn why_not_converted(name: &str) -> &'static str {
         "not converted"
     }
 }
+
+/// One line of a family's mapping table as `shardline archs <model_type>` prints it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TableLine {
+    /// HF tensor patterns (`{L}` layer, `{E}` expert), in the order the kind takes them.
+    pub hf: Vec<&'static str>,
+    pub megatron: &'static str,
+    /// How the sources combine (`copy`, `qkv`, `gated`, …).
+    pub kind: &'static str,
+    /// `column` (dim 0), `row` (dim 1), `replicated`, or `—` for what is not converted.
+    pub tp: &'static str,
+    /// Value transform or dtype, when any (`cast → F32`, `weight − 1`, …).
+    pub transform: String,
+    pub expert: bool,
+}
+
+/// The mapping table of `family`, line by line, in table order.
+pub fn describe(family: Family) -> Vec<TableLine> {
+    let (tables, _) = tables(family);
+    let tp = |m: TpMode| match m {
+        Column => "column",
+        Row => "row",
+        Replicated => "replicated",
+    };
+    tables
+        .iter()
+        .flat_map(|t| t.iter())
+        .map(|r| {
+            let (kind, split, transform) = match r.kind {
+                Copy(m) => ("copy", tp(m), String::new()),
+                ZeroCentered(m) => ("copy", tp(m), "weight − 1 (zero-centred norm)".to_string()),
+                Vocab => ("copy", "column", "vocab rows padded with zeros".to_string()),
+                Qkv => ("qkv", "column", "q/k/v interleaved per query group".to_string()),
+                GatedMlp => ("gated", "column", "gate → _w, up → _v".to_string()),
+                GdnInProjQkvz | GdnInProjSplit => ("gdn", "column", "→ .query .key .value .z .beta .alpha".to_string()),
+                GdnConv1d => ("gdn", "column", "→ .query .key .value".to_string()),
+                PackedGatedExperts => ("packed", "column", "expert rows → _w, _v".to_string()),
+                PackedExpertsDown => ("packed", "row", "expert rows".to_string()),
+                NotConverted => ("none", "—", "not converted (Megatron shares the main one)".to_string()),
+            };
+            let transform = match r.dtype.or(output_dtype(family)) {
+                Some(d) if r.kind != NotConverted => {
+                    if transform.is_empty() {
+                        format!("as {d}")
+                    } else {
+                        format!("{transform}; as {d}")
+                    }
+                }
+                _ => transform,
+            };
+            TableLine { hf: r.hf.to_vec(), megatron: r.megatron, kind, tp: split, transform, expert: r.expert }
+        })
+        .collect()
+}
