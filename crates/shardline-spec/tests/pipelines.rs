@@ -24,6 +24,9 @@ fn every_example_pipeline_is_clean() {
         "qwen3-5-moe.yaml",
         "qwen3-moe.yaml",
         "qwen3-next.yaml",
+        "deepseek-v3-fp8.yaml",
+        "hub-deepseek-v3.yaml",
+        "hub-glm45.yaml",
     ] {
         assert!(names.iter().any(|n| n == expected), "pipelines/{expected} is missing");
     }
