@@ -262,3 +262,28 @@ fn fp8_weight_without_its_scales_is_an_error() {
         "F8_E4M3 weight without its `model.layers.0.mlp.down_proj.weight_scale_inv`",
     );
 }
+
+/// Sets byte `index` of tensor `name`'s data in safetensors file `path`.
+fn patch_tensor_byte(path: &Path, name: &str, index: u64, value: u8) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let start = header[name]["data_offsets"][0].as_u64().expect("tensor in header");
+    bytes[8 + n + (start + index) as usize] = value;
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn mxfp4_scale_out_of_range_is_an_error_and_nothing_is_written() {
+    for bad in [255u8, 253] {
+        let tmp = tempfile::tempdir().unwrap();
+        let src = copy_fixture("gpt_oss", tmp.path());
+        patch_tensor_byte(&src.join("model.safetensors"), "model.layers.1.mlp.experts.down_proj_scales", 7, bad);
+        expect_failure(
+            &src,
+            &tmp.path().join("out"),
+            &[],
+            &format!("`model.module.decoder.layers.1.mlp.experts.linear_fc2.weight0`: MXFP4 scale {bad}"),
+        );
+    }
+}

@@ -18,7 +18,7 @@ import reference as ref
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "hf-tiny"
 FIXTURE_NAMES = ["llama", "qwen3_moe", "qwen3_next", "deepseek_v3", "deepseek_v3_no_q_lora",
-                 "deepseek_v3_fp8", "glm4_moe"]
+                 "deepseek_v3_fp8", "glm4_moe", "gpt_oss"]
 OLD_TORCH_PYTHON = ROOT / ".venv-torch25" / "bin" / "python"
 CONVERT_TIMEOUT_S = 120
 
@@ -103,8 +103,10 @@ def has_experts(model: str) -> bool:
 
 
 @lru_cache(maxsize=None)
-def reference(model: str, tp: int, prefix: str = ref.DEFAULT_PREFIX) -> dict[str, torch.Tensor]:
-    return ref.reference_state_dict(fixture_dir(model), tp=tp, prefix=prefix)
+def reference(model: str, tp: int, prefix: str = ref.DEFAULT_PREFIX, etp: int | None = None) -> dict[str, torch.Tensor]:
+    """The reference at `tp`; `etp` (default tp) matters only where the global layout depends
+    on it (gpt-oss's fused expert fc1)."""
+    return ref.reference_state_dict(fixture_dir(model), tp=tp, prefix=prefix, etp=etp or tp)
 
 
 def shardline_bin() -> Path:

@@ -52,7 +52,7 @@ def _reader(kind: str, path: str):
 def reshard_worker(rank: int, world: int, port: int, jobs: list[tuple[str, str, str, int]]) -> None:
     """Load every job's checkpoint into DTensors on a CPU mesh of `world` ranks; compare local shards.
 
-    jobs: (label, storage kind "dcp" | "dcp-safetensors", checkpoint dir, model fixture, tp).
+    jobs: (label, storage kind "dcp" | "dcp-safetensors", checkpoint dir, model fixture, tp, etp).
     """
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -62,8 +62,8 @@ def reshard_worker(rank: int, world: int, port: int, jobs: list[tuple[str, str, 
     try:
         mesh = init_device_mesh("cpu", (world,))
         problems: list[str] = []
-        for label, kind, path, model, tp in jobs:
-            want = harness.reference(model, tp)
+        for label, kind, path, model, tp, etp in jobs:
+            want = harness.reference(model, tp, etp=etp)
             state: dict[str, torch.Tensor] = {}
             expect: dict[str, torch.Tensor] = {}
             for i, (key, t) in enumerate(sorted(want.items())):

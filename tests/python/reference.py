@@ -314,10 +314,57 @@ def _map_mtp_after_decoder(src: _Source, cfg, hf: str, k: int, out: dict) -> Non
 
 # Families Megatron-Bridge loads into bf16 models: every parameter bf16 on disk, except the
 # router's expert_bias, a float32 buffer (archs-2025.md §2, §5.2).
-BF16_FAMILIES = {"deepseek_v3", "kimi_k2", "glm4_moe"}
+BF16_FAMILIES = {"deepseek_v3", "kimi_k2", "glm4_moe", "gpt_oss"}
+
+
+# Expert-TP size of the layout being built (gpt-oss's fused fc1 depends on it).
+_ETP = 1
+
+# FP4 E2M1 values by code (OCP Microscaling spec): sign, 2 exponent bits, 1 mantissa bit.
+FP4_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """archs-2025.md §4.2: blocks u8 [E, R, C/32, 16], scales u8 [E, R, C/32] -> bf16 [E, R, C].
+    Byte j of a block holds element 2j in its low nibble and 2j+1 in its high nibble; every
+    element is scaled by 2^(scale - 127)."""
+    lo, hi = (blocks & 0x0F).long(), (blocks >> 4).long()
+    codes = torch.stack([lo, hi], dim=-1).reshape(*blocks.shape[:-1], 32)
+    values = FP4_E2M1[codes] * torch.pow(2.0, scales.to(torch.float32) - 127)[..., None]
+    return values.reshape(blocks.shape[0], blocks.shape[1], -1).to(torch.bfloat16)
+
+
+def _gpt_oss_fc1(w: torch.Tensor, etp: int) -> torch.Tensor:
+    """gpt-oss fc1 (archs-2025.md §3.4): gate = rows 0::2, up = rows 1::2, kept whole: ETP rank r
+    holds [gate_r; up_r], so the global tensor is [gate_0; up_0; gate_1; up_1; ...]."""
+    gate, up = w[0::2], w[1::2]
+    parts = []
+    for g, u in zip(torch.chunk(gate, etp, 0), torch.chunk(up, etp, 0)):
+        parts += [g, u]
+    return torch.cat(parts).contiguous()
+
+
+def _map_gpt_oss_moe(src: _Source, hf: str, mg: str, out: dict) -> None:
+    m, x = f"{mg}.mlp", f"{hf}.mlp.experts"
+    out[f"{m}.router.weight"] = src.take(f"{hf}.mlp.router.weight")
+    out[f"{m}.router.bias"] = src.take(f"{hf}.mlp.router.bias")
+    out[f"{mg}.pre_mlp_layernorm.weight"] = src.take(f"{hf}.post_attention_layernorm.weight")
+    # The MXFP4 release: dequantized [E, out, in] is already [out, in]; no transpose.
+    gate_up = dequantize_mxfp4(src.take(f"{x}.gate_up_proj_blocks"), src.take(f"{x}.gate_up_proj_scales"))
+    down = dequantize_mxfp4(src.take(f"{x}.down_proj_blocks"), src.take(f"{x}.down_proj_scales"))
+    gate_up_bias, down_bias = src.take(f"{x}.gate_up_proj_bias"), src.take(f"{x}.down_proj_bias")
+    for g in range(gate_up.shape[0]):
+        out[f"{m}.experts.linear_fc1.weight{g}"] = _gpt_oss_fc1(gate_up[g], _ETP)
+        out[f"{m}.experts.linear_fc1.bias{g}"] = _gpt_oss_fc1(gate_up_bias[g], _ETP)
+        out[f"{m}.experts.linear_fc2.weight{g}"] = down[g].contiguous()
+        out[f"{m}.experts.linear_fc2.bias{g}"] = down_bias[g].contiguous()
 
 
 def _map_layer(src: _Source, cfg, hf: str, mg: str, out: dict) -> None:
+    if src.has(f"{hf}.self_attn.sinks"):  # gpt-oss: biased attention with sinks
+        a = f"{hf}.self_attn"
+        out[f"{mg}.self_attention.linear_proj.bias"] = src.take(f"{a}.o_proj.bias")
+        out[f"{mg}.self_attention.core_attention.softmax_offset"] = src.take(f"{a}.sinks")
     if src.has(f"{hf}.self_attn.kv_a_proj_with_mqa.weight"):
         _map_mla(src, hf, mg, out)
     elif src.has(f"{hf}.self_attn.q_proj.weight"):
@@ -327,7 +374,9 @@ def _map_layer(src: _Source, cfg, hf: str, mg: str, out: dict) -> None:
     else:
         raise ValueError(f"{hf}: neither self_attn nor linear_attn")
 
-    if src.has(f"{hf}.mlp.gate.weight") or src.has(f"{hf}.block_sparse_moe.gate.weight"):
+    if src.has(f"{hf}.mlp.router.weight"):
+        _map_gpt_oss_moe(src, hf, mg, out)
+    elif src.has(f"{hf}.mlp.gate.weight") or src.has(f"{hf}.block_sparse_moe.gate.weight"):
         _map_moe(src, hf, mg, out)
     else:
         _map_swiglu(src, f"{hf}.mlp", f"{mg}.mlp", out)
@@ -341,6 +390,8 @@ def dequantize_fp8_blocks(cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[s
     q = cfg.get("quantization_config") or cfg["_root"].get("quantization_config")
     if not q:
         return tensors
+    if q.get("quant_method") == "mxfp4":
+        return tensors  # gpt-oss experts: dequantized where they are mapped
     if q.get("quant_method") != "fp8":
         raise ValueError(f"unsupported quantization {q.get('quant_method')!r}")
     b0, b1 = q["weight_block_size"]
@@ -362,15 +413,19 @@ def dequantize_fp8_blocks(cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[s
     return out
 
 
-def megatron_state_dict(cfg: dict, tensors: dict[str, torch.Tensor], tp: int = 1) -> dict[str, torch.Tensor]:
+def megatron_state_dict(cfg: dict, tensors: dict[str, torch.Tensor], tp: int = 1, etp: int | None = None
+                        ) -> dict[str, torch.Tensor]:
     """Unprefixed Megatron names -> global tensors."""
+    global _ETP
+    _ETP = etp or tp
     tensors = dequantize_fp8_blocks(cfg, tensors)
     src = _Source(tensors)
     root = "model.language_model" if src.has("model.language_model.embed_tokens.weight") else "model"
     out: dict[str, torch.Tensor] = {}
 
     out["embedding.word_embeddings.weight"] = pad_vocab(src.take(f"{root}.embed_tokens.weight"), tp)
-    n_layers = cfg["num_hidden_layers"]
+    # Layers past num_hidden_layers are MTP layers (all decoder layers when it is not given).
+    n_layers = cfg.get("num_hidden_layers", len(_layer_indices(tensors, root)))
     for i in _layer_indices(tensors, root):
         if i < n_layers:
             _map_layer(src, cfg, f"{root}.layers.{i}", f"decoder.layers.{i}", out)
@@ -393,10 +448,12 @@ def megatron_state_dict(cfg: dict, tensors: dict[str, torch.Tensor], tp: int = 1
     return out
 
 
-def reference_state_dict(hf_dir, tp: int = 1, prefix: str = DEFAULT_PREFIX) -> dict[str, torch.Tensor]:
-    """`{prefix + megatron name: global tensor}` for the HF checkpoint in hf_dir at tensor-parallel size tp."""
+def reference_state_dict(hf_dir, tp: int = 1, prefix: str = DEFAULT_PREFIX, etp: int | None = None
+                         ) -> dict[str, torch.Tensor]:
+    """`{prefix + megatron name: global tensor}` for the HF checkpoint in hf_dir at tensor-parallel
+    size tp (and expert-TP size etp, default tp)."""
     cfg = load_config(hf_dir)
-    mapped = megatron_state_dict(cfg, load_hf_tensors(hf_dir), tp)
+    mapped = megatron_state_dict(cfg, load_hf_tensors(hf_dir), tp, etp or tp)
     return {prefix + k: t for k, t in mapped.items()}
 
 

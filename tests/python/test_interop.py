@@ -108,7 +108,7 @@ def _check_tiling(key: str, size, chunks) -> list[str]:
 def test_full_load_bit_exact(conversions, model, mesh):
     mesh = mesh_for(model, mesh)
     path = conversions.get(model, mesh)
-    want = harness.reference(model, mesh.tp)
+    want = harness.reference(model, mesh.tp, etp=mesh.etp)
     md = _metadata(path)
     _check_key_set(_tensor_keys(md), set(md.state_dict_metadata) - _tensor_keys(md), want, f"{model} {mesh.id}")
     _check_global_shapes(md, want, f"{model} {mesh.id}")
@@ -130,7 +130,7 @@ def test_checkpoint_layout(conversions, model, mesh):
                                 f"missing {sorted(expected - distcp)}, unexpected {sorted(distcp - expected)}")
 
     md = _metadata(path)
-    want = harness.reference(model, mesh.tp)
+    want = harness.reference(model, mesh.tp, etp=mesh.etp)
     problems = []
     for key, t in want.items():
         m = md.state_dict_metadata.get(key)
@@ -198,7 +198,7 @@ def test_optimizer_state_follows_parameters(conversions):
     """--optimizer-state: fp32 exp_avg / exp_avg_sq per parameter, same global shape and chunks, zero-filled."""
     model, mesh = "qwen3_next", RICH
     path = conversions.get(model, mesh, extra=("--optimizer-state",))
-    want = harness.reference(model, mesh.tp)
+    want = harness.reference(model, mesh.tp, etp=mesh.etp)
     md = _metadata(path)
     meta = md.state_dict_metadata
     model_keys = {k for k in _tensor_keys(md) if k.startswith(harness.ref.DEFAULT_PREFIX)}
@@ -262,15 +262,15 @@ def test_reshard_n_to_m(conversions, world):
     jobs = []
     for model in FIXTURE_NAMES:
         mesh = mesh_for(model, RICH)
-        jobs.append((f"{model} {mesh.id} dcp", "dcp", str(conversions.get(model, mesh)), model, mesh.tp))
+        jobs.append((f"{model} {mesh.id} dcp", "dcp", str(conversions.get(model, mesh)), model, mesh.tp, mesh.etp))
     if world == 3:  # also a tp-1 / ep-4 layout, and the safetensors form
         for model in FIXTURE_NAMES:
             mesh = mesh_for(model, Mesh(1, 1, 8, 4))
-            jobs.append((f"{model} {mesh.id} dcp", "dcp", str(conversions.get(model, mesh)), model, mesh.tp))
+            jobs.append((f"{model} {mesh.id} dcp", "dcp", str(conversions.get(model, mesh)), model, mesh.tp, mesh.etp))
         model = "qwen3_next"
         mesh = mesh_for(model, RICH)
         jobs.append((f"{model} {mesh.id} dcp-safetensors", "dcp-safetensors",
-                     str(conversions.get(model, mesh, "dcp-safetensors")), model, mesh.tp))
+                     str(conversions.get(model, mesh, "dcp-safetensors")), model, mesh.tp, mesh.etp))
     _spawn(world, jobs)
 
 
@@ -282,7 +282,7 @@ def test_reshard_n_to_m(conversions, world):
 def test_dcp_safetensors_load(conversions, model):
     mesh = mesh_for(model, RICH)
     path = conversions.get(model, mesh, "dcp-safetensors")
-    want = harness.reference(model, mesh.tp)
+    want = harness.reference(model, mesh.tp, etp=mesh.etp)
     files = sorted(path.glob("*.safetensors"))
     assert files, f"no *.safetensors in {path}"
     for f in files:
@@ -317,7 +317,7 @@ def test_loads_on_torch_2_5(conversions, tmp_path):
     spec, wants = [], {}
     for model in FIXTURE_NAMES:
         mesh = mesh_for(model, RICH)
-        want = harness.reference(model, mesh.tp)
+        want = harness.reference(model, mesh.tp, etp=mesh.etp)
         label = f"{model} {mesh.id}"
         wants[label] = want
         spec.append({"label": label, "ckpt": str(conversions.get(model, mesh)),

@@ -298,3 +298,26 @@ def test_packed_experts_match_unpacked():
 def test_reference_consumes_every_fixture_tensor(name):
     sd = ref.reference_state_dict(FIXTURES / name)
     assert sd and all(t.is_contiguous() for t in sd.values())
+
+
+# ---- gpt-oss (archs-2025.md §3.4, §4.2) -----------------------------------------------------
+
+def test_mxfp4_golden():
+    """Low nibble first; FP4 E2M1 values; every element times 2^(scale - 127)."""
+    blocks = torch.zeros(1, 1, 2, 16, dtype=torch.uint8)
+    blocks[0, 0, 0, 0] = 0x21  # elements 0, 1 = FP4[1] = 0.5, FP4[2] = 1.0
+    blocks[0, 0, 0, 1] = 0xF8  # elements 2, 3 = FP4[8] = -0.0, FP4[15] = -6.0
+    blocks[0, 0, 1, 0] = 0x7F  # elements 32, 33 = FP4[15] = -6.0, FP4[7] = 6.0
+    scales = torch.tensor([[[128, 125]]], dtype=torch.uint8)  # x2 for block 0, x1/4 for block 1
+    out = ref.dequantize_mxfp4(blocks, scales)
+    assert out.shape == (1, 1, 64) and out.dtype == torch.bfloat16
+    assert out[0, 0, :4].tolist() == [1.0, 2.0, -0.0, -12.0]
+    assert torch.signbit(out[0, 0, 2]).item(), "-0.0 keeps its sign"
+    assert out[0, 0, 32:34].tolist() == [-1.5, 1.5]
+
+
+def test_gpt_oss_fc1_layout_depends_on_etp():
+    """Gate = even rows, up = odd rows; ETP rank r holds [gate_r; up_r] (not split into _w/_v)."""
+    w = labelled(8)  # rows 0..7: gate rows 0,2,4,6 and up rows 1,3,5,7
+    assert origin(ref._gpt_oss_fc1(w, 1)) == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert origin(ref._gpt_oss_fc1(w, 2)) == [0, 2, 1, 3, 4, 6, 5, 7]

@@ -111,6 +111,10 @@ pub struct ValidateArgs {
     /// Prefix of model keys in the checkpoint.
     #[arg(long, default_value = "model.module.")]
     pub prefix: String,
+    /// Expert-TP size the checkpoint was written with: only parameters Megatron keeps fused per
+    /// expert-TP rank (gpt-oss's expert fc1) have a global layout that depends on it.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub etp: u64,
     #[arg(long)]
     pub json: bool,
 }
@@ -126,7 +130,9 @@ pub fn run_validate(args: ValidateArgs) -> Result<ExitCode> {
         optimizer_state: true,
         ..defaults.clone()
     };
-    let (release, reference) = plan_release(&args.against, Mesh::new(1, 1, 1, 1), &options)?;
+    // Any mesh gives the same global tensors but for what is fused per expert-TP rank.
+    let mesh = Mesh { tp: 1, cp: 1, dp: args.etp, ep: 1, etp: args.etp };
+    let (release, reference) = plan_release(&args.against, mesh, &options)?;
     let total: u64 = reference.tensors.iter().map(|t| t.shape.iter().product::<u64>() * t.dtype.size() as u64).sum();
     let progress = Arc::new(Progress::default());
     let started = Instant::now();

@@ -346,9 +346,12 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
                 .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
                 .collect();
             // The unsplit form depends on tp: validate against the mesh it was written for.
+            // The split form depends on no mesh but for parameters fused per expert-TP rank
+            // (gpt-oss's expert fc1): the written etp.
             let mesh = match ctx.output(checkpoint_task)?.mesh.as_deref().and_then(parse_mesh) {
                 Some(m) if !split => m,
-                _ => Mesh::new(1, 1, 1, 1),
+                Some(m) => Mesh { tp: 1, cp: 1, dp: m.etp, ep: 1, etp: m.etp },
+                None => Mesh::new(1, 1, 1, 1),
             };
             let reference =
                 build_plan(&config, sources, mesh, &options).map_err(|e| StepError::fatal(format!("{e:?}")))?;

@@ -45,6 +45,19 @@ pub enum Kind {
     /// No Megatron tensor: the release tensor is consumed and reported as not converted (an MTP
     /// layer's copies of the embedding and output layer, which Megatron's MTP shares).
     NotConverted,
+    /// gpt-oss MXFP4 `gate_up_proj_blocks [E, 2F, H/32, 16]` + `_scales [E, 2F, H/32]` → per
+    /// expert fc1 `[2F, H]`: gate = even rows, up = odd rows, kept fused on disk (not SwiGLU, so
+    /// Megatron does not split it), hence `[gate_r; up_r]` per expert-TP rank.
+    Mxfp4GateUp,
+    /// gpt-oss `gate_up_proj_bias [E, 2F]` → per expert fc1 bias, interleaved like the weight.
+    InterleavedGateUpBias,
+    /// gpt-oss MXFP4 `down_proj_blocks [E, H, F/32, 16]` + `_scales` → per expert fc2 `[H, F]`.
+    Mxfp4Down,
+    /// Packed per-expert rows `[E, X]` → expert `E`'s `[X]` (gpt-oss `down_proj_bias`).
+    PackedExpertRow(TpMode),
+    /// gpt-oss's bf16 expert layout `[E, H, 2F]` / `[E, F, H]`, which needs a transpose: an error
+    /// that says so (the MXFP4 release converts).
+    TransposedExperts,
 }
 
 /// One line of a mapping table.
@@ -260,6 +273,63 @@ const GDN_SPLIT: &[Rule] = &[rule(
     ],
 )];
 
+/// gpt-oss attention extras: the output projection's bias (replicated: the bias of a
+/// row-parallel linear) and the attention sinks (Megatron `softmax_offset`, split by heads).
+const GPT_OSS_ATTENTION: &[Rule] = &[
+    rule(
+        "decoder.layers.{L}.self_attention.linear_proj.bias",
+        Copy(Replicated),
+        &["model.layers.{L}.self_attn.o_proj.bias"],
+    ),
+    rule(
+        "decoder.layers.{L}.self_attention.core_attention.softmax_offset",
+        Copy(Column),
+        &["model.layers.{L}.self_attn.sinks"],
+    ),
+];
+
+/// gpt-oss MoE: a biased router and packed experts with biases (archs-2025.md §3.4).
+const GPT_OSS_MOE: &[Rule] = &[
+    rule("decoder.layers.{L}.mlp.router.weight", Copy(Replicated), &["model.layers.{L}.mlp.router.weight"]),
+    rule("decoder.layers.{L}.mlp.router.bias", Copy(Replicated), &["model.layers.{L}.mlp.router.bias"]),
+    guarded(
+        "decoder.layers.{L}.pre_mlp_layernorm.weight",
+        Copy(Replicated),
+        &["model.layers.{L}.post_attention_layernorm.weight"],
+        "model.layers.{L}.mlp.router.weight",
+    ),
+    expert(
+        "decoder.layers.{L}.mlp.experts.linear_fc1.weight{E}",
+        Mxfp4GateUp,
+        &["model.layers.{L}.mlp.experts.gate_up_proj_blocks", "model.layers.{L}.mlp.experts.gate_up_proj_scales"],
+    ),
+    expert(
+        "decoder.layers.{L}.mlp.experts.linear_fc1.bias{E}",
+        InterleavedGateUpBias,
+        &["model.layers.{L}.mlp.experts.gate_up_proj_bias"],
+    ),
+    expert(
+        "decoder.layers.{L}.mlp.experts.linear_fc2.weight{E}",
+        Mxfp4Down,
+        &["model.layers.{L}.mlp.experts.down_proj_blocks", "model.layers.{L}.mlp.experts.down_proj_scales"],
+    ),
+    expert(
+        "decoder.layers.{L}.mlp.experts.linear_fc2.bias{E}",
+        PackedExpertRow(Replicated),
+        &["model.layers.{L}.mlp.experts.down_proj_bias"],
+    ),
+    expert(
+        "decoder.layers.{L}.mlp.experts.linear_fc1.weight{E}",
+        TransposedExperts,
+        &["model.layers.{L}.mlp.experts.gate_up_proj"],
+    ),
+    expert(
+        "decoder.layers.{L}.mlp.experts.linear_fc2.weight{E}",
+        TransposedExperts,
+        &["model.layers.{L}.mlp.experts.down_proj"],
+    ),
+];
+
 /// Routed experts' score-correction bias: a float32 buffer of Megatron's router.
 const EXPERT_BIAS: &[Rule] = &[in_dtype(
     "decoder.layers.{L}.mlp.router.expert_bias",
@@ -399,6 +469,7 @@ pub fn tables(family: Family) -> (&'static [&'static [Rule]], Option<MtpStyle>) 
             &[EMBEDDING, ATTENTION, QKV_BIAS, QK_NORM, DENSE_MLP, MOE, EXPERT_BIAS, SHARED_EXPERTS, MTP_AFTER_DECODER],
             Some(MtpStyle::AfterDecoder),
         ),
+        Family::GptOss => (&[EMBEDDING, ATTENTION, QKV_BIAS, GPT_OSS_ATTENTION, GPT_OSS_MOE], None),
     }
 }
 
@@ -406,7 +477,7 @@ pub fn tables(family: Family) -> (&'static [&'static [Rule]], Option<MtpStyle>) 
 /// (`None`: the release's). Megatron-Bridge loads DeepSeek-V3 and GLM-4.5 into bf16 models.
 pub fn output_dtype(family: Family) -> Option<DType> {
     match family {
-        Family::DeepseekV3 | Family::Glm4Moe => Some(DType::BF16),
+        Family::DeepseekV3 | Family::Glm4Moe | Family::GptOss => Some(DType::BF16),
         _ => None,
     }
 }
@@ -469,6 +540,19 @@ pub fn describe(family: Family) -> Vec<TableLine> {
                 PackedGatedExperts => ("packed", "column", "expert rows → _w, _v".to_string()),
                 PackedExpertsDown => ("packed", "row", "expert rows".to_string()),
                 NotConverted => ("none", "—", "not converted (Megatron shares the main one)".to_string()),
+                Mxfp4GateUp => (
+                    "mxfp4",
+                    "column",
+                    "MXFP4 → bf16; gate = even rows, up = odd rows; fused: [gate_r; up_r] per ETP rank".to_string(),
+                ),
+                InterleavedGateUpBias => (
+                    "packed",
+                    "column",
+                    "gate = even, up = odd elements; fused: [gate_r; up_r] per ETP rank".to_string(),
+                ),
+                Mxfp4Down => ("mxfp4", "row", "MXFP4 → bf16, expert rows".to_string()),
+                PackedExpertRow(m) => ("packed", tp(m), "expert row".to_string()),
+                TransposedExperts => ("none", "—", "bf16 expert layout: not supported (needs a transpose)".to_string()),
             };
             let transform = match r.dtype.or(output_dtype(family)) {
                 Some(d) if r.kind != NotConverted => {

@@ -30,6 +30,9 @@ pub enum Family {
     /// `glm4_moe` (GLM-4.5/4.6): GQA with biases and optional q/k norms, dense first layers,
     /// routed and shared experts with a score-correction bias, MTP layers after the decoder.
     Glm4Moe,
+    /// `gpt_oss`: GQA with biases and attention sinks, a biased router, packed experts with
+    /// biases whose fc1 interleaves gate and up rows and stays fused on disk (MXFP4 in releases).
+    GptOss,
 }
 
 /// Model types accepted in `config.json`, with their family.
@@ -48,6 +51,7 @@ pub const SUPPORTED_MODEL_TYPES: &[(&str, Family)] = &[
     ("deepseek_v3", Family::DeepseekV3),
     ("kimi_k2", Family::DeepseekV3),
     ("glm4_moe", Family::Glm4Moe),
+    ("gpt_oss", Family::GptOss),
 ];
 
 /// Multi-head latent attention dimensions (DeepSeek-V3).
@@ -66,6 +70,8 @@ pub struct MlaDims {
 pub enum Quantization {
     /// Block-wise FP8 e4m3 with float32 `weight_scale_inv` per `[rows, cols]` block.
     Fp8Block { block: [u64; 2] },
+    /// MXFP4 (`*_blocks` + `*_scales`, gpt-oss's experts).
+    Mxfp4,
     /// A scheme Shardline does not convert (named as the config names it).
     Other(String),
 }
@@ -140,6 +146,9 @@ fn quantization(q: Option<&Value>) -> Result<Option<Quantization>, LayoutError> 
     let err = |message: String| LayoutError::Config { field: "quantization_config".into(), message };
     let method =
         q.get("quant_method").and_then(Value::as_str).ok_or_else(|| err("has no `quant_method` string".into()))?;
+    if method == "mxfp4" {
+        return Ok(Some(Quantization::Mxfp4));
+    }
     if method != "fp8" {
         return Ok(Some(Quantization::Other(method.to_string())));
     }
@@ -254,9 +263,13 @@ impl ModelConfig {
             head_dim,
             vocab_size: need_u64(obj, "vocab_size")?,
             tie_word_embeddings: tie,
-            // Mixtral's experts use `intermediate_size`; it has no dense MLP.
-            ffn_hidden_size: if family == Family::Mixtral { None } else { get_u64(obj, "intermediate_size")? },
-            moe_ffn_hidden_size: if family == Family::Mixtral {
+            // Mixtral's and gpt-oss's experts use `intermediate_size`; they have no dense MLP.
+            ffn_hidden_size: if matches!(family, Family::Mixtral | Family::GptOss) {
+                None
+            } else {
+                get_u64(obj, "intermediate_size")?
+            },
+            moe_ffn_hidden_size: if matches!(family, Family::Mixtral | Family::GptOss) {
                 get_u64(obj, "intermediate_size")?
             } else {
                 get_u64(obj, "moe_intermediate_size")?

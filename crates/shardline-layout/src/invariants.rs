@@ -504,9 +504,10 @@ fn check_parameter_states<'s>(
     }
 }
 
-/// Index in `…weight{g}…` of an expert key.
+/// Index in `…weight{g}…` (or `…bias{g}…`, gpt-oss's expert biases) of an expert key.
 fn expert_index(key: &str) -> Option<(String, u64)> {
-    let pos = key.rfind(".weight")? + ".weight".len();
+    let (at, name) = [".weight", ".bias"].iter().filter_map(|n| key.rfind(n).map(|at| (at, n))).max()?;
+    let pos = at + name.len();
     let digits: String = key[pos..].chars().take_while(char::is_ascii_digit).collect();
     let g = digits.parse().ok()?;
     Some((format!("{}{{E}}{}", &key[..pos], &key[pos + digits.len()..]), g))

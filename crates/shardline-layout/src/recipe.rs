@@ -23,22 +23,62 @@ pub enum Transform {
     /// output's) times `scale[r / rows, c / cols]` of the float32 source `scale`, one f32
     /// multiply, then one round to bf16 (archs-2025.md §4.1).
     DequantFp8 { scale: u32, rows: u32, cols: u32 },
+    /// MXFP4 → bf16 (archs-2025.md §4.2): the source holds two FP4 E2M1 codes a byte, low
+    /// nibble first; element `i` (row-major over the output's rows) is `FP4[code] ·
+    /// 2^(scales[i / 32] − 127)`, `scales` a u8 source with one E8M0 exponent per 32 elements.
+    DequantMxfp4 { scales: u32 },
 }
 
+/// Elements of MXFP4 that share one scale.
+pub const MXFP4_BLOCK: u64 = 32;
+
 impl Transform {
-    /// Bytes per source element, for an output of `out`.
-    pub fn source_size(self, out: DType) -> usize {
+    /// Source bytes holding `elems` output elements of dtype `out` (an even count for MXFP4).
+    pub fn source_bytes(self, out: DType, elems: u64) -> u64 {
         match self {
-            Transform::Cast(from) => from.size(),
-            Transform::DequantFp8 { .. } => 1,
-            _ => out.size(),
+            Transform::Cast(from) => elems * from.size() as u64,
+            Transform::DequantFp8 { .. } => elems,
+            Transform::DequantMxfp4 { .. } => elems / 2,
+            _ => elems * out.size() as u64,
+        }
+    }
+
+    /// Output elements per unit a converted piece must be a multiple of (whole source bytes,
+    /// and for MXFP4 whole scale blocks), short of the end of a segment.
+    pub fn piece_elems(self) -> u64 {
+        match self {
+            Transform::DequantMxfp4 { .. } => MXFP4_BLOCK,
+            _ => 1,
         }
     }
 
     /// Whether the output is computed from source bytes read aside (of another size, or with
     /// other tensors' values), not transformed where they land.
     pub fn converts(self) -> bool {
-        matches!(self, Transform::Cast(_) | Transform::DequantFp8 { .. })
+        matches!(self, Transform::Cast(_) | Transform::DequantFp8 { .. } | Transform::DequantMxfp4 { .. })
+    }
+}
+
+/// FP4 E2M1 values by code (OCP MX spec): sign bit 3, then exponent 2 bits, mantissa 1 bit.
+const FP4_E2M1: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+
+/// The largest E8M0 scale for which every FP4 value times it stays finite in bf16
+/// (6 · 2^(252 − 127) = 1.5 · 2^127); 255 is NaN.
+pub const MXFP4_MAX_SCALE: u8 = 252;
+
+/// Dequantizes MXFP4 codes `src` (two elements a byte, low nibble first), the first being element
+/// `first` (a multiple of 2) of the tensor, into bf16 `out`; `scales[k]` is the E8M0 exponent of
+/// elements `[32·(first/32 + k), …)`. Exact: every product is a bf16 value for scales up to
+/// [`MXFP4_MAX_SCALE`] (larger ones give ±inf; the caller rejects them first).
+pub fn dequant_mxfp4_into(src: &[u8], first: u64, scales: &[u8], out: &mut [u8]) {
+    let base_block = first / MXFP4_BLOCK;
+    for (k, o) in out.chunks_exact_mut(2).enumerate() {
+        let i = first + k as u64;
+        let byte = src.get(k / 2).copied().unwrap_or(0);
+        let code = if i.is_multiple_of(2) { byte & 0x0F } else { byte >> 4 };
+        let e = scales.get((i / MXFP4_BLOCK - base_block) as usize).copied().unwrap_or(255);
+        let v = if e == 255 { f32::NAN } else { FP4_E2M1[code as usize] * 2f32.powi(i32::from(e) - 127) };
+        o.copy_from_slice(&f32_to_bf16(v).to_le_bytes());
     }
 }
 
@@ -120,17 +160,25 @@ pub struct RowBlock {
     /// `(source tensor id, first source row)`, or `None` for zero rows.
     pub source: Option<(usize, u64)>,
     pub transform: Transform,
+    /// Source rows between consecutive output rows: 1, or 2 to take every other row of a
+    /// row-interleaved source (gpt-oss's gate/up rows).
+    pub stride: u32,
 }
 
 impl RowBlock {
     /// `rows` rows of source `id` starting at `first_row`.
     pub fn copy(id: usize, first_row: u64, rows: u64) -> RowBlock {
-        RowBlock { rows, source: Some((id, first_row)), transform: Transform::Identity }
+        RowBlock { rows, source: Some((id, first_row)), transform: Transform::Identity, stride: 1 }
+    }
+
+    /// `rows` rows of source `id`: `first_row`, `first_row + stride`, …
+    pub fn strided(id: usize, first_row: u64, rows: u64, stride: u32) -> RowBlock {
+        RowBlock { rows, source: Some((id, first_row)), transform: Transform::Identity, stride: stride.max(1) }
     }
 
     /// `rows` zero rows.
     pub fn zeros(rows: u64) -> RowBlock {
-        RowBlock { rows, source: None, transform: Transform::Identity }
+        RowBlock { rows, source: None, transform: Transform::Identity, stride: 1 }
     }
 }
 
@@ -144,8 +192,9 @@ pub fn slice_recipe(recipe: &[RowBlock], start: u64, rows: u64) -> Vec<RowBlock>
         if lo < hi {
             out.push(RowBlock {
                 rows: hi - lo,
-                source: b.source.map(|(id, first)| (id, first + (lo - block_start))),
+                source: b.source.map(|(id, first)| (id, first + (lo - block_start) * u64::from(b.stride))),
                 transform: b.transform,
+                stride: b.stride,
             });
         }
         block_start += b.rows;
@@ -164,9 +213,9 @@ pub struct Segment {
 }
 
 impl Segment {
-    /// Source bytes the segment reads, for an output of `out` (`len` unless it casts).
+    /// Source bytes the segment reads, for an output of `out` (`len` unless it converts).
     pub fn source_len(&self, out: DType) -> u64 {
-        self.len / out.size() as u64 * self.transform.source_size(out) as u64
+        self.transform.source_bytes(out, self.len / out.size() as u64)
     }
 }
 
@@ -192,8 +241,6 @@ pub fn segments(shape: &[u64], dtype: DType, recipe: &[RowBlock], offsets: &[u64
     let full_width = shape.len() < 2 || (col0 == 0 && ncols == shape[1]);
     let stripe_len = if shape.len() >= 2 { ncols * inner * item } else { item };
     let row_bytes = elems_per_row.max(1) * item;
-    // Source offsets count source elements, which a cast makes of another size.
-    let src_item = |t: Transform| t.source_size(dtype) as u64;
 
     let mut out: Vec<Segment> = Vec::new();
     let mut push = |seg: Segment| {
@@ -223,20 +270,24 @@ pub fn segments(shape: &[u64], dtype: DType, recipe: &[RowBlock], offsets: &[u64
             match block.source {
                 None => push(Segment { source: None, len: (hi - lo) * stripe_len, transform: block.transform }),
                 Some((id, first)) => {
-                    let src_row = first + (lo - block_start);
-                    let s_item = src_item(block.transform);
-                    let src_row_bytes = elems_per_row.max(1) * s_item;
-                    if full_width {
+                    // Source offsets count source bytes, which a conversion makes of another size.
+                    let src_bytes = |elems: u64| block.transform.source_bytes(dtype, elems);
+                    let stride = u64::from(block.stride.max(1));
+                    let src_row = first + (lo - block_start) * stride;
+                    let src_row_bytes = src_bytes(elems_per_row.max(1));
+                    if full_width && stride == 1 {
                         push(Segment {
                             source: Some((id, src_row * src_row_bytes)),
                             len: (hi - lo) * row_bytes,
                             transform: block.transform,
                         });
                     } else {
+                        let (offset, len) =
+                            if full_width { (0, row_bytes) } else { (src_bytes(col0 * inner), stripe_len) };
                         for k in 0..(hi - lo) {
                             push(Segment {
-                                source: Some((id, (src_row + k) * src_row_bytes + col0 * inner * s_item)),
-                                len: stripe_len,
+                                source: Some((id, (src_row + k * stride) * src_row_bytes + offset)),
+                                len,
                                 transform: block.transform,
                             });
                         }
@@ -253,7 +304,7 @@ pub fn segments(shape: &[u64], dtype: DType, recipe: &[RowBlock], offsets: &[u64
 /// `dtype` (a cast, which changes the size, goes through [`cast_into`]).
 pub fn apply_transform(transform: Transform, dtype: DType, bytes: &mut [u8]) {
     match transform {
-        Transform::Identity | Transform::Cast(_) | Transform::DequantFp8 { .. } => {}
+        Transform::Identity | Transform::Cast(_) | Transform::DequantFp8 { .. } | Transform::DequantMxfp4 { .. } => {}
         Transform::SubtractOne => match dtype {
             DType::BF16 => {
                 for e in bytes.chunks_exact_mut(2) {
@@ -487,9 +538,40 @@ mod tests {
     }
 
     #[test]
+    fn mxfp4_decodes_low_nibble_first_with_e8m0_scales() {
+        // Codes 0x21: element 0 = FP4[1] = 0.5, element 1 = FP4[2] = 1.0; 0xF8: −0.0, −6.0.
+        // Block 0 scaled by 2^(128−127) = 2, block 1 (elements 32..64) by 2^(125−127) = 1/4.
+        let mut src = vec![0u8; 32];
+        src[0] = 0x21;
+        src[1] = 0xF8;
+        src[16] = 0x7F; // elements 32, 33: FP4[15] = −6.0, FP4[7] = 6.0
+        let scales = [128u8, 125];
+        let mut out = vec![0u8; 128];
+        dequant_mxfp4_into(&src, 0, &scales, &mut out);
+        let v = |i: usize| u16::from_le_bytes([out[2 * i], out[2 * i + 1]]);
+        let f = |i: usize| f32::from_bits(u32::from(v(i)) << 16);
+        assert_eq!((f(0), f(1), f(3), f(32), f(33)), (1.0, 2.0, -12.0, -1.5, 1.5));
+        assert_eq!(v(2), 0x8000, "−0.0 keeps its sign");
+        // From element 32 on, with only block 1's scale.
+        let mut part = vec![0u8; 4];
+        dequant_mxfp4_into(&src[16..17], 32, &scales[1..], &mut part);
+        assert_eq!(&part[..], &out[64..68]);
+    }
+
+    #[test]
+    fn strided_blocks_take_every_other_source_row() {
+        // Rows 1, 3, 5 of a [6, 2] bf16 source as a [3, 2] output, then a slice of its last two.
+        let recipe = [RowBlock::strided(0, 1, 3, 2)];
+        let segs = segments(&[3, 2], DType::BF16, &recipe, &[0, 0], &[3, 2]);
+        let offs: Vec<_> = segs.iter().map(|s| (s.source, s.len)).collect();
+        assert_eq!(offs, vec![(Some((0, 4)), 4), (Some((0, 12)), 4), (Some((0, 20)), 4)]);
+        assert_eq!(slice_recipe(&recipe, 1, 2), vec![RowBlock::strided(0, 3, 2, 2)]);
+    }
+
+    #[test]
     fn cast_segments_address_source_elements() {
         // A [2, 4] f32 output cast from a bf16 source: source offsets count 2-byte elements.
-        let recipe = [RowBlock { rows: 2, source: Some((0, 1)), transform: Transform::Cast(DType::BF16) }];
+        let recipe = [RowBlock { transform: Transform::Cast(DType::BF16), ..RowBlock::copy(0, 1, 2) }];
         let segs = segments(&[2, 4], DType::F32, &recipe, &[0, 0], &[2, 4]);
         assert_eq!(segs, vec![Segment { source: Some((0, 8)), len: 32, transform: Transform::Cast(DType::BF16) }]);
         assert_eq!(segs[0].source_len(DType::F32), 16);

@@ -260,3 +260,90 @@ fn block_fp8_weights_are_dequantized_to_bf16_and_their_scales_consumed() {
     let text = err.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n");
     assert!(text.contains("o_proj.weight_scale_inv") && text.contains("in blocks of [4, 4]"), "{text}");
 }
+
+fn gpt_oss_config(quant: &str) -> String {
+    format!(
+        r#"{{"model_type":"gpt_oss","hidden_size":64,"num_attention_heads":8,"num_key_value_heads":2,"head_dim":8,
+        "num_hidden_layers":1,"vocab_size":32,"intermediate_size":96,"num_local_experts":2{quant}}}"#
+    )
+}
+
+/// One gpt-oss layer; its experts as MXFP4 blocks and scales, or in the bf16 layout.
+fn gpt_oss_sources(mxfp4: bool) -> Vec<SourceTensor> {
+    let b = DType::BF16;
+    let mut s = vec![
+        src("model.embed_tokens.weight", b, &[32, 64]),
+        src("lm_head.weight", b, &[32, 64]),
+        src("model.norm.weight", b, &[64]),
+    ];
+    let p = "model.layers.0.";
+    for (n, shape) in [
+        ("input_layernorm.weight", vec![64]),
+        ("post_attention_layernorm.weight", vec![64]),
+        ("self_attn.q_proj.weight", vec![64, 64]),
+        ("self_attn.k_proj.weight", vec![16, 64]),
+        ("self_attn.v_proj.weight", vec![16, 64]),
+        ("self_attn.q_proj.bias", vec![64]),
+        ("self_attn.k_proj.bias", vec![16]),
+        ("self_attn.v_proj.bias", vec![16]),
+        ("self_attn.o_proj.weight", vec![64, 64]),
+        ("self_attn.o_proj.bias", vec![64]),
+        ("self_attn.sinks", vec![8]),
+        ("mlp.router.weight", vec![2, 64]),
+        ("mlp.router.bias", vec![2]),
+        ("mlp.experts.gate_up_proj_bias", vec![2, 192]),
+        ("mlp.experts.down_proj_bias", vec![2, 64]),
+    ] {
+        s.push(src(&format!("{p}{n}"), b, &shape));
+    }
+    let x = format!("{p}mlp.experts.");
+    if mxfp4 {
+        s.push(src(&format!("{x}gate_up_proj_blocks"), DType::U8, &[2, 192, 2, 16]));
+        s.push(src(&format!("{x}gate_up_proj_scales"), DType::U8, &[2, 192, 2]));
+        s.push(src(&format!("{x}down_proj_blocks"), DType::U8, &[2, 64, 3, 16]));
+        s.push(src(&format!("{x}down_proj_scales"), DType::U8, &[2, 64, 3]));
+    } else {
+        s.push(src(&format!("{x}gate_up_proj"), b, &[2, 64, 192]));
+        s.push(src(&format!("{x}down_proj"), b, &[2, 96, 64]));
+    }
+    s
+}
+
+#[test]
+fn gpt_oss_keeps_fc1_fused_in_the_expert_tp_layout_and_dequantizes_mxfp4() {
+    let quant = r#","quantization_config":{"quant_method":"mxfp4"}"#;
+    for etp in [1u64, 2] {
+        let mesh = Mesh { tp: 2, cp: 1, dp: 2, ep: 2, etp };
+        let p = plan(&gpt_oss_config(quant), gpt_oss_sources(true), mesh).expect("plan");
+        let fc1 = tensor(&p, "decoder.layers.0.mlp.experts.linear_fc1.weight1");
+        assert_eq!((fc1.shape.clone(), fc1.dtype, fc1.tp_mode), (vec![192, 64], DType::BF16, TpMode::Column));
+        // Global rows: per ETP rank r, its gate rows (even source rows) then its up rows (odd).
+        let mut rows = Vec::new();
+        for b in &fc1.recipe {
+            let (_, first) = b.source.expect("rows of the blocks");
+            rows.extend((0..b.rows).map(|k| first + k * u64::from(b.stride) - 192));
+        }
+        let f = 96 / etp;
+        let want: Vec<u64> = (0..etp)
+            .flat_map(|r| (r * f..(r + 1) * f).map(|j| 2 * j).chain((r * f..(r + 1) * f).map(|j| 2 * j + 1)))
+            .collect();
+        assert_eq!(rows, want, "etp {etp}");
+        assert!(matches!(fc1.recipe[0].transform, Transform::DequantMxfp4 { .. }));
+        assert!(!p.tensors.iter().any(|t| t.key.ends_with("weight1_w") || t.key.ends_with("bias1_v")));
+        let fc2 = tensor(&p, "decoder.layers.0.mlp.experts.linear_fc2.weight1");
+        assert_eq!((fc2.shape.clone(), fc2.tp_mode), (vec![64, 96], TpMode::Row));
+        assert_eq!(tensor(&p, "decoder.layers.0.mlp.experts.linear_fc1.bias1").shape, vec![192]);
+        assert_eq!(tensor(&p, "decoder.layers.0.mlp.experts.linear_fc2.bias1").tp_mode, TpMode::Replicated);
+        assert_eq!(tensor(&p, "decoder.layers.0.self_attention.core_attention.softmax_offset").tp_mode, TpMode::Column);
+        assert_eq!(tensor(&p, "decoder.layers.0.self_attention.linear_proj.bias").tp_mode, TpMode::Replicated);
+    }
+    // An odd expert-TP width cannot split MXFP4 bytes.
+    let odd = gpt_oss_config(quant).replace(r#""intermediate_size":96"#, r#""intermediate_size":98"#);
+    let err = plan(&odd, gpt_oss_sources(true), Mesh { tp: 2, cp: 1, dp: 2, ep: 2, etp: 2 }).expect_err("odd width");
+    assert!(err.iter().any(|e| e.to_string().contains("98 / 2 is odd")), "{err:?}");
+    // The bf16 expert layout needs a transpose: said so, by name.
+    let err = plan(&gpt_oss_config(""), gpt_oss_sources(false), Mesh { tp: 1, cp: 1, dp: 1, ep: 1, etp: 1 })
+        .expect_err("bf16 experts");
+    let text = err.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n");
+    assert!(text.contains("needs a transpose") && text.contains("mlp.experts.gate_up_proj"), "{text}");
+}

@@ -27,6 +27,7 @@ fn every_example_pipeline_is_clean() {
         "deepseek-v3-fp8.yaml",
         "hub-deepseek-v3.yaml",
         "hub-glm45.yaml",
+        "hub-gpt-oss.yaml",
     ] {
         assert!(names.iter().any(|n| n == expected), "pipelines/{expected} is missing");
     }

@@ -122,6 +122,8 @@ pub enum ExecuteError {
     SourceCount { planned: usize, located: usize },
     #[error(transparent)]
     Safetensors(#[from] SafetensorsError),
+    #[error("`{key}`: MXFP4 scale {scale} of its elements from {element} on is out of range (255 is NaN; above {max} some values overflow bf16)")]
+    Mxfp4Scale { key: String, element: u64, scale: u8, max: u8 },
     #[error("cancelled")]
     Cancelled,
 }

@@ -185,19 +185,22 @@ impl<'a> RankFile<'a> {
     ) -> Result<(), ExecuteError> {
         let dtype = t.dtype;
         let out_item = dtype.size();
-        let src_item = transform.source_size(dtype);
         if transform.converts() {
-            // Source elements of another size (or scaled): read aside, converted into the buffer.
+            // Source elements of another size (or scaled): read aside, converted into the buffer,
+            // in pieces of whole source bytes and scale blocks.
+            let unit = transform.piece_elems() as usize * out_item;
             let (mut src, mut left) = (offset, len);
             while left > 0 {
-                if self.free() < out_item {
+                let whole = left as usize <= self.free();
+                if !whole && self.free() < unit {
                     self.flush()?;
+                    continue;
                 }
-                let n = (left.min(self.free() as u64) as usize) / out_item * out_item;
+                let n = if whole { left as usize } else { self.free() / unit * unit };
                 let out = &mut self.buf[self.fill..self.fill + n];
                 self.converter.convert(self.data.sources, t, id, src, transform, out)?;
                 self.fill += n;
-                src += (n / out_item * src_item) as u64;
+                src += transform.source_bytes(dtype, (n / out_item) as u64);
                 left -= n as u64;
             }
             return Ok(());

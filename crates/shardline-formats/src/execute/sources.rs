@@ -6,7 +6,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use shardline_layout::recipe::{
-    apply_transform, cast_into, dequant_fp8_into, row_elems, segments, Fp8Scales, Segment, Transform,
+    apply_transform, cast_into, dequant_fp8_into, dequant_mxfp4_into, row_elems, segments, Fp8Scales, Segment,
+    Transform, MXFP4_BLOCK, MXFP4_MAX_SCALE,
 };
 use shardline_layout::{Plan, TensorView};
 
@@ -98,6 +99,8 @@ impl SourceMap {
 pub(super) struct Converter {
     staging: Vec<u8>,
     scales: Option<(u32, Vec<f32>)>,
+    /// The MXFP4 exponents of the piece at hand.
+    block_scales: Vec<u8>,
 }
 
 impl Converter {
@@ -111,10 +114,26 @@ impl Converter {
         transform: Transform,
         out: &mut [u8],
     ) -> Result<(), ExecuteError> {
-        let n = out.len() / t.dtype.size() * transform.source_size(t.dtype);
-        self.staging.resize(n, 0);
+        let elems = (out.len() / t.dtype.size()) as u64;
+        self.staging.resize(transform.source_bytes(t.dtype, elems) as usize, 0);
         sources.read(id, offset, &mut self.staging)?;
         match transform {
+            Transform::DequantMxfp4 { scales } => {
+                // Two codes a byte: element index = 2 · byte offset; one scale per 32 elements.
+                let first = 2 * offset;
+                let (lo, hi) = (first / MXFP4_BLOCK, (first + elems).div_ceil(MXFP4_BLOCK));
+                self.block_scales.resize((hi - lo) as usize, 0);
+                sources.read(scales as usize, lo, &mut self.block_scales)?;
+                if let Some(k) = self.block_scales.iter().position(|s| *s > MXFP4_MAX_SCALE) {
+                    return Err(ExecuteError::Mxfp4Scale {
+                        key: t.key.to_string(),
+                        element: (lo + k as u64) * MXFP4_BLOCK,
+                        scale: self.block_scales[k],
+                        max: MXFP4_MAX_SCALE,
+                    });
+                }
+                dequant_mxfp4_into(&self.staging, first, &self.block_scales, out);
+            }
             Transform::Cast(from) => cast_into(from, t.dtype, &self.staging, out),
             Transform::DequantFp8 { scale, rows, cols } => {
                 let values = match &self.scales {
@@ -155,14 +174,17 @@ pub(crate) fn stream_chunk(
     while i < segs.len() {
         if let Segment { source: Some((id, off)), len, transform } = segs[i] {
             if transform.converts() {
-                let src_item = transform.source_size(t.dtype) as u64;
-                let mut done = 0u64;
+                // Pieces of whole source bytes and scale blocks.
+                let unit = transform.piece_elems() as usize * item;
+                let piece = (buf.len() / unit).max(1) * unit;
+                let (mut done, mut src) = (0u64, off);
                 while done < len {
                     let n = ((len - done) as usize).min(piece);
                     let b = &mut buf[..n];
-                    converter.convert(sources, t, id, off + done / item as u64 * src_item, transform, b)?;
+                    converter.convert(sources, t, id, src, transform, b)?;
                     sink(b)?;
                     done += n as u64;
+                    src += transform.source_bytes(t.dtype, (n / item) as u64);
                 }
                 i += 1;
                 continue;

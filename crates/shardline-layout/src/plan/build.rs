@@ -98,6 +98,17 @@ pub fn check_mesh_for_model(config: &ModelConfig, mesh: &Mesh) -> Vec<LayoutErro
             }
         }
     }
+    if config.family == crate::config::Family::GptOss {
+        if let Some(f) = config.moe_ffn_hidden_size.filter(|f| f % mesh.etp == 0) {
+            if !(f / mesh.etp).is_multiple_of(2) {
+                // MXFP4 packs two elements a byte: a column stripe must start on a byte.
+                err(format!(
+                    "intermediate_size / etp = {f} / {} is odd: MXFP4 experts split by columns need an even width",
+                    mesh.etp
+                ));
+            }
+        }
+    }
     if config.mla.is_some() && nh % t != 0 {
         // The latent up-projections split by heads.
         err(format!(

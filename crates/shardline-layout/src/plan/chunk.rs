@@ -52,7 +52,7 @@ pub(super) fn chunk_draft(
             shape[0] = padded;
         }
     }
-    if !options.split_fused && sections.len() > 1 && d.tp_mode == TpMode::Column {
+    if (!options.split_fused || d.fused_on_disk) && sections.len() > 1 && d.tp_mode == TpMode::Column {
         // The TP-dependent fused layout: TP rank r's slice of every section, in section order.
         let mut rows = 0;
         let mut recipe = Vec::new();

@@ -2,13 +2,14 @@
 //! their shapes checked against the config (QKV interleave, gated MLP, packed experts, GDN).
 
 use super::build::Inventory;
+use super::gpt_oss;
 use super::*;
 use crate::arch::{self, Kind};
 use crate::config::ModelConfig;
 use crate::error::LayoutError;
 use crate::recipe::{can_cast, Transform};
 
-fn shape_err(inv: &Inventory, id: usize, expected: String, why: &str) -> LayoutError {
+pub(super) fn shape_err(inv: &Inventory, id: usize, expected: String, why: &str) -> LayoutError {
     LayoutError::Shape {
         tensor: inv.sources[id].name.clone(),
         actual: inv.shape(id).to_vec(),
@@ -124,6 +125,24 @@ fn draft_as_released(
             (TpMode::Row, one(vec![s[1], s[2]], vec![RowBlock::copy(ids[0], e * s[1], s[1])]))
         }
         Kind::GdnInProjQkvz | Kind::GdnInProjSplit | Kind::GdnConv1d => (TpMode::Column, gdn(config, inv, kind, ids)?),
+        Kind::Mxfp4GateUp
+        | Kind::Mxfp4Down
+        | Kind::InterleavedGateUpBias
+        | Kind::PackedExpertRow(_)
+        | Kind::TransposedExperts => {
+            let (mode, sections, dtype) = gpt_oss::expert_sections(config, inv, kind, ids, expert.unwrap_or(0))?;
+            return Ok(Draft {
+                name: target.to_string(),
+                first_source: ids[0],
+                dtype,
+                tp_mode: mode,
+                expert,
+                pad_vocab: false,
+                // Not SwiGLU: Megatron keeps fc1 and its bias whole, in the ETP-dependent layout.
+                fused_on_disk: true,
+                sections,
+            });
+        }
         // Consumed by the planner before drafting.
         Kind::NotConverted => {
             return Err(shape_err(inv, ids[0], "a mapped tensor".into(), "not converted by design"));
@@ -136,6 +155,7 @@ fn draft_as_released(
         tp_mode,
         expert,
         pad_vocab: kind == Kind::Vocab,
+        fused_on_disk: false,
         sections,
     })
 }

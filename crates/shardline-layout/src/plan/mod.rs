@@ -11,6 +11,7 @@
 mod build;
 mod chunk;
 mod draft;
+mod gpt_oss;
 mod quant;
 
 use std::collections::BTreeMap;
@@ -442,6 +443,8 @@ pub(crate) struct Draft {
     expert: Option<u64>,
     /// Vocab tensors get zero rows up to a multiple of `vocab_divisible_by · tp`.
     pad_vocab: bool,
+    /// Sections kept fused on disk whatever the options (gpt-oss fc1: `[gate_r; up_r]` per TP rank).
+    fused_on_disk: bool,
     sections: Vec<Section>,
 }
 /// Per-key summary for `--dry-run`: `(key, dtype, global shape, split_from)`.

@@ -26,7 +26,8 @@ impl Fp8Scales {
                 errors.push(unknown_scheme(scheme, inv.sources));
                 return None;
             }
-            None => return None,
+            // Dequantized by the gpt-oss expert kinds.
+            Some(Quantization::Mxfp4) | None => return None,
         };
         let mut scale_of = HashMap::new();
         for (id, s) in inv.sources.iter().enumerate() {
