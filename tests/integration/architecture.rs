@@ -48,8 +48,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("shardline-testdb", &["shardline-store"]),
 ];
 
-#[test]
-fn crate_dependencies_follow_the_architecture() {
+/// The workspace's packages as `cargo metadata` describes them.
+fn workspace_packages() -> Vec<Value> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let out = Command::new(cargo)
@@ -59,11 +59,16 @@ fn crate_dependencies_follow_the_architecture() {
         .expect("run cargo metadata");
     assert!(out.status.success(), "cargo metadata: {}", String::from_utf8_lossy(&out.stderr));
     let meta: Value = serde_json::from_slice(&out.stdout).expect("cargo metadata JSON");
-    let packages = meta["packages"].as_array().expect("packages");
+    meta["packages"].as_array().expect("packages").clone()
+}
+
+#[test]
+fn crate_dependencies_follow_the_architecture() {
+    let packages = workspace_packages();
     let members: BTreeSet<&str> = packages.iter().filter_map(|p| p["name"].as_str()).collect();
     let allowed: BTreeMap<&str, &[&str]> = ALLOWED.iter().copied().collect();
     let mut problems = Vec::new();
-    for p in packages {
+    for p in &packages {
         let name = p["name"].as_str().unwrap_or_default();
         if name == "shardline" {
             continue; // the binary wires everything together
@@ -86,6 +91,19 @@ fn crate_dependencies_follow_the_architecture() {
         }
     }
     assert!(problems.is_empty(), "the crate graph breaks the architecture:\n{}", problems.join("\n"));
+}
+
+/// Every SQL statement of the workspace is the store's (the tests' databases included, through
+/// its `testing` feature): no other package, tests included, depends on the SQL driver.
+#[test]
+fn only_the_store_depends_on_the_sql_driver() {
+    let packages = workspace_packages();
+    let users: Vec<&str> = packages
+        .iter()
+        .filter(|p| p["dependencies"].as_array().into_iter().flatten().any(|d| d["name"] == "sqlx"))
+        .filter_map(|p| p["name"].as_str())
+        .collect();
+    assert_eq!(users, ["shardline-store"], "packages that depend on sqlx");
 }
 
 /// The one file allowed `unsafe` code: glibc malloc tuning in the binary. The workspace lint is

@@ -59,7 +59,8 @@
 //! (YAML 1.2, a span on every event), into a tree of positioned nodes; the typed structs are
 //! built from it by the field tables in `schema.rs`. One parser means no disagreement between
 //! two YAML implementations on what a file says. Serde is used where data leaves the crate:
-//! [`ResolvedPipeline`] and [`Diagnostic`] (de)serialize as JSON.
+//! [`ResolvedPipeline`] and [`Diagnostic`] (de)serialize as JSON, and [`PipelineOutline`] reads a
+//! stored resolved pipeline leniently, whatever version of the types wrote it.
 //!
 //! **Architecture invariant:** this crate does no I/O: it is given text (and, through
 //! [`LintContext`], a way to look up model configs) and returns data. Diagnostics are values,
@@ -69,6 +70,7 @@ mod diagnostic;
 mod graph;
 mod lint;
 mod model;
+mod outline;
 mod resolve;
 mod schema;
 pub use schema::is_object_store_source;
@@ -84,6 +86,7 @@ pub use model::{
     ResolvedStep, Resources, Retry, SpecValue, StepConfig, StepKind, StepSpec, UnknownOutputFormat, UnknownParamType,
     UnknownStepKind, API_VERSION, KIND,
 };
+pub use outline::{PipelineOutline, SourceOutline, StepOutline};
 pub use resolve::{parse_override, OverrideSyntaxError};
 pub use shardline_units::{format_duration, format_size, parse_duration, parse_size, UnitError};
 pub use suggest::did_you_mean;

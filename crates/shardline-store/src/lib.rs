@@ -105,6 +105,8 @@ mod listings;
 mod read;
 mod records;
 mod runs;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod tokens;
 mod triggers;
 mod types;

@@ -2,15 +2,17 @@
 //! parallel. PostgreSQL tests need `SHARDLINE_TEST_DATABASE_URL` (`scripts/setup-postgres`
 //! prints it) and fail, never skip, without it.
 //!
-//! A dev-dependency of every crate whose tests need a job store; not part of the binary.
+//! A dev-dependency of every crate whose tests need a job store; not part of the binary. Its SQL
+//! (creating and dropping databases, a test's own statements) is the store's
+//! (`shardline_store::testing`), as every SQL statement of the workspace is.
 //! **Must not depend on:** any workspace crate but `shardline-store`.
 
 use std::fs::File;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use shardline_store::{Store, StoreOptions};
-use sqlx::{Connection, PgConnection, SqliteConnection};
+use shardline_store::testing::{self, AdminConnection, TEST_DATABASE_PREFIX};
+use shardline_store::{Backend, Store, StoreOptions};
 
 /// The variable naming the PostgreSQL server the tests create their databases on.
 pub const ENV: &str = "SHARDLINE_TEST_DATABASE_URL";
@@ -109,17 +111,15 @@ impl TestDb {
     pub async fn postgres(exclusive: bool) -> TestDb {
         let admin = admin_url();
         let lock = cluster_lock(exclusive);
-        let mut conn = PgConnection::connect(&admin).await.unwrap_or_else(|e| {
+        let mut conn = AdminConnection::connect(&admin).await.unwrap_or_else(|e| {
             panic!("{ENV}: cannot connect to PostgreSQL at {admin}: {e} (run scripts/setup-postgres)")
         });
         let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
         drop_stale(&mut conn, now).await;
-        let name = format!("shardline_t_{now}_{}_{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
-        sqlx::query(&format!("CREATE DATABASE \"{name}\""))
-            .execute(&mut conn)
-            .await
-            .unwrap_or_else(|e| panic!("cannot create test database {name}: {e}"));
-        let _ = conn.close().await;
+        let name =
+            format!("{TEST_DATABASE_PREFIX}{now}_{}_{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+        conn.create_database(&name).await.unwrap_or_else(|e| panic!("cannot create test database {name}: {e}"));
+        conn.close().await;
         TestDb {
             kind: Kind::Postgres,
             url: with_database(&admin, &name),
@@ -141,32 +141,19 @@ impl TestDb {
 
     /// Runs SQL statements on a connection of their own, outside the store (fault injection).
     pub async fn execute(&self, statements: &[&str]) {
-        match self.kind {
-            Kind::Sqlite => {
-                let mut c = SqliteConnection::connect(&self.url).await.expect("sqlite connection");
-                for s in statements {
-                    sqlx::query(s).execute(&mut c).await.unwrap_or_else(|e| panic!("{s}: {e}"));
-                }
-                let _ = c.close().await;
-            }
-            Kind::Postgres => {
-                let mut c = PgConnection::connect(&self.url).await.expect("postgres connection");
-                sqlx::query("SET search_path = shardline").execute(&mut c).await.expect("search_path");
-                for s in statements {
-                    sqlx::query(s).execute(&mut c).await.unwrap_or_else(|e| panic!("{s}: {e}"));
-                }
-                let _ = c.close().await;
-            }
-        }
+        let backend = match self.kind {
+            Kind::Sqlite => Backend::Sqlite,
+            Kind::Postgres => Backend::Postgres,
+        };
+        testing::execute(backend, &self.url, statements).await;
     }
 
     /// Drops the PostgreSQL database (a test that panics leaves it; later runs drop it).
     pub async fn cleanup(&self) {
         if let (Some(admin), Some(name)) = (&self.admin_url, &self.name) {
-            if let Ok(mut conn) = PgConnection::connect(admin).await {
-                let _ =
-                    sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)")).execute(&mut conn).await;
-                let _ = conn.close().await;
+            if let Ok(mut conn) = AdminConnection::connect(admin).await {
+                let _ = conn.drop_database(name).await;
+                conn.close().await;
             }
         }
     }
@@ -225,16 +212,11 @@ macro_rules! on_both_databases {
 }
 
 /// Drops test databases more than an hour old (left by crashed or interrupted runs).
-async fn drop_stale(conn: &mut PgConnection, now: u64) {
-    let names: Vec<(String,)> =
-        sqlx::query_as("SELECT datname FROM pg_database WHERE datname LIKE 'shardline\\_t\\_%'")
-            .fetch_all(&mut *conn)
-            .await
-            .unwrap_or_default();
-    for (name,) in names {
+async fn drop_stale(conn: &mut AdminConnection, now: u64) {
+    for name in conn.test_databases().await {
         let created: u64 = name.split('_').nth(2).and_then(|s| s.parse().ok()).unwrap_or(now);
         if now.saturating_sub(created) > 3600 {
-            let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)")).execute(&mut *conn).await;
+            let _ = conn.drop_database(&name).await;
         }
     }
 }

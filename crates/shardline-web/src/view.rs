@@ -9,6 +9,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use shardline_control::graph::Payload;
 use shardline_control::{TaskOutput, TaskProgress};
+use shardline_spec::PipelineOutline;
 use shardline_store::{Resources, RunRow, TaskDep, TaskRow, TaskState, WorkerRow, WorkerState};
 
 use crate::dto::{ProgressDto, StepDto, TaskCountsDto};
@@ -18,30 +19,14 @@ pub const WORKER_GONE_AFTER_SECS: i64 = 120;
 
 /// The model (Hub repository or local path) and revision the run's `hf.download` step reads.
 pub fn model_of(spec: &Value) -> (Option<String>, Option<String>) {
-    let steps = spec.get("steps").and_then(Value::as_array);
-    for step in steps.into_iter().flatten() {
-        let Some(config) = step.get("config") else { continue };
-        // The resolved step's config carries its kind (`{"kind": "hf.download", …}`).
-        let config = match config.get("hf.download") {
-            Some(inner) => inner,
-            None if step_kind(step).as_deref() == Some("hf.download") => config,
-            None => continue,
-        };
-        let text = |k: &str| config.get(k).and_then(Value::as_str).map(str::to_string);
-        let model = text("repo").or_else(|| text("path"));
+    for step in PipelineOutline::from_value(spec).steps {
+        let Some(source) = step.download_source() else { continue };
+        let model = source.repo.clone().or_else(|| source.path.clone());
         if model.is_some() {
-            return (model, text("revision"));
+            return (model, source.revision.clone());
         }
     }
     (None, None)
-}
-
-/// A resolved step's kind: its own `kind`, its config's, or the config's only key.
-fn step_kind(step: &Value) -> Option<String> {
-    let text = |v: Option<&Value>| v.and_then(Value::as_str).map(str::to_string);
-    text(step.get("kind"))
-        .or_else(|| text(step.get("config").and_then(|c| c.get("kind"))))
-        .or_else(|| step.get("config")?.as_object().filter(|o| o.len() == 1)?.keys().next().cloned())
 }
 
 /// Milliseconds from start to finish, or to `now` while running.
@@ -275,15 +260,10 @@ fn step_state(c: &TaskCountsDto) -> &'static str {
 /// read) come after, with needs taken from the task graph.
 pub fn steps(spec: &Value, tasks: &[TaskRow], deps: &[TaskDep]) -> Vec<StepDto> {
     let mut order: Vec<(String, String, Vec<String>)> = Vec::new();
-    for s in spec.get("steps").and_then(Value::as_array).into_iter().flatten() {
-        let Some(id) = s.get("id").and_then(Value::as_str) else { continue };
-        let kind = step_kind(s).unwrap_or_default();
-        let needs = s
-            .get("needs")
-            .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(Value::as_str).map(str::to_string).collect())
-            .unwrap_or_default();
-        order.push((id.to_string(), kind, needs));
+    for s in PipelineOutline::from_value(spec).steps {
+        let kind = s.kind().unwrap_or_default().to_string();
+        let Some(id) = s.id else { continue };
+        order.push((id, kind, s.needs));
     }
     let step_of: HashMap<i64, &str> = tasks.iter().map(|t| (t.id.0, t.step_id.as_str())).collect();
     for t in tasks {
@@ -399,6 +379,40 @@ mod tests {
             {"id": "d", "config": {"kind": "hf.download", "path": "/data/m"}}]});
         assert_eq!(model_of(&local), (Some("/data/m".into()), None));
         assert_eq!(model_of(&json!({})), (None, None));
+    }
+
+    #[test]
+    fn model_and_steps_from_older_shapes() {
+        // The config keyed by its kind, and no kind on the step.
+        let keyed = json!({"steps": [{"id": "d", "config": {"hf.download": {"repo": "org/m", "revision": "v1"}}},
+            {"id": "s", "config": {"megatron.shard": {"tp": 2}}, "needs": ["d"]}]});
+        assert_eq!(model_of(&keyed), (Some("org/m".into()), Some("v1".into())));
+        let s = steps(&keyed, &[], &[]);
+        let shown: Vec<(&str, &str)> = s.iter().map(|s| (s.id.as_str(), s.kind.as_str())).collect();
+        assert_eq!(shown, [("d", "hf.download"), ("s", "megatron.shard")]);
+        assert_eq!(s[1].needs, ["d"]);
+        // The kind on the step only, the config without it.
+        let untagged = json!({"steps": [{"id": "d", "kind": "hf.download", "config": {"path": "/old"}}]});
+        assert_eq!(model_of(&untagged), (Some("/old".into()), None));
+        assert_eq!(steps(&untagged, &[], &[])[0].kind, "hf.download");
+        // A download step without a source, a step without config: the next step's source counts.
+        let later = json!({"steps": [{"id": "a", "kind": "hf.download", "config": {"kind": "hf.download"}},
+            {"id": "b", "kind": "hf.download"},
+            {"id": "c", "kind": "hf.download", "config": {"kind": "hf.download", "path": "/m", "revision": 3}}]});
+        assert_eq!(model_of(&later), (Some("/m".into()), None));
+        // What cannot be read is left out: a step without an id, needs that are not names.
+        let odd = json!({"steps": [{"kind": "hf.download"}, 7, {"id": "x", "kind": "megatron.shard", "needs": ["d", 1]},
+            {"id": 5}, {"id": "y", "needs": "d"}]});
+        let s = steps(&odd, &[], &[]);
+        let shown: Vec<(&str, &str, Vec<String>)> =
+            s.iter().map(|s| (s.id.as_str(), s.kind.as_str(), s.needs.clone())).collect();
+        assert_eq!(shown, [("x", "megatron.shard", vec!["d".to_string()]), ("y", "", vec![])]);
+        // A spec that is not a pipeline: the steps come from the tasks.
+        for spec in [json!(null), json!([]), json!({"steps": {"id": "d"}})] {
+            assert_eq!(model_of(&spec), (None, None));
+            let s = steps(&spec, &[task(1, "download", "download", TaskState::Ready)], &[]);
+            assert_eq!(s.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["download"]);
+        }
     }
 
     #[test]
