@@ -11,9 +11,9 @@ use serde_json::{json, Value};
 use sha1::Sha1;
 use sha2::Digest;
 
-use super::http::{error, iso8601, json_response, normalize, status};
+use super::http::{iso8601, json_response, normalize, status};
 use super::requests::query_encode;
-use super::state::{authorized, resolve_rev, Shared};
+use super::state::{authorized, readable_commit, Shared};
 
 /// `GET /api/models?author=…&search=…`.
 pub(super) fn list_models(sh: &Arc<Shared>, headers: &HeaderMap, query: &HashMap<String, String>) -> Response {
@@ -60,11 +60,10 @@ pub(super) fn revision(
     query_all: &[(String, String)],
 ) -> Response {
     let st = sh.lock();
-    let Some(r) = st.repos.get(&repo) else { return error(401, "RepoNotFound", "Repository not found") };
-    if !authorized(r, headers) {
-        return error(401, "RepoNotFound", "Invalid credentials in Authorization header");
-    }
-    let Some((sha, c)) = resolve_rev(r, &rev) else { return error(404, "RevisionNotFound", "Invalid rev id") };
+    let (r, sha, c) = match readable_commit(&st, &repo, &rev, headers) {
+        Ok(found) => found,
+        Err(answer) => return *answer,
+    };
     let etag = format!("\"{sha}\"");
     if let Some(inm) = headers.get(header::IF_NONE_MATCH).and_then(|v| v.to_str().ok()) {
         if inm.split(',').any(|t| {
@@ -133,11 +132,10 @@ pub(super) fn tree(
     query: &HashMap<String, String>,
 ) -> Response {
     let st = sh.lock();
-    let Some(r) = st.repos.get(&repo) else { return error(401, "RepoNotFound", "Repository not found") };
-    if !authorized(r, headers) {
-        return error(401, "RepoNotFound", "Invalid credentials in Authorization header");
-    }
-    let Some((sha, c)) = resolve_rev(r, &rev) else { return error(404, "RevisionNotFound", "Invalid rev id") };
+    let (_, sha, c) = match readable_commit(&st, &repo, &rev, headers) {
+        Ok(found) => found,
+        Err(answer) => return *answer,
+    };
     let recursive = query.get("recursive").is_some_and(|v| v == "true" || v == "1");
     let prefix = if path.is_empty() { String::new() } else { format!("{}/", path.trim_end_matches('/')) };
     let mut dirs = BTreeSet::new();

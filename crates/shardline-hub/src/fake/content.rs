@@ -17,7 +17,7 @@ use super::faults::FaultKind;
 use super::files::{Blob, Data};
 use super::http::{error, status};
 use super::requests::query_encode;
-use super::state::{authorized, resolve_rev, InFlight, Shared};
+use super::state::{readable_commit, InFlight, Shared};
 
 /// `GET /{repo}/resolve/{rev}/{path}`.
 #[allow(clippy::too_many_arguments)]
@@ -33,12 +33,9 @@ pub(super) fn resolve(
 ) -> Response {
     let (sha, blob) = {
         let st = sh.lock();
-        let Some(r) = st.repos.get(&repo) else { return error(401, "RepoNotFound", "Repository not found") };
-        if !authorized(r, headers) {
-            return error(401, "RepoNotFound", "Invalid credentials in Authorization header");
-        }
-        let Some((sha, c)) = resolve_rev(r, &rev) else {
-            return error(404, "RevisionNotFound", "Invalid rev id");
+        let (_, sha, c) = match readable_commit(&st, &repo, &rev, headers) {
+            Ok(found) => found,
+            Err(answer) => return *answer,
         };
         match c.files.get(&path) {
             Some(b) => (sha, b.clone()),

@@ -72,6 +72,24 @@ pub(super) fn authorized(repo: &FakeRepo, headers: &HeaderMap) -> bool {
     }
 }
 
+/// The repository `repo` at `rev` for a request with `headers`: its commit sha and files, or the
+/// Hub's answer when the repository is unknown, the credentials do not open it, or the revision
+/// does not exist.
+pub(super) fn readable_commit<'a>(
+    st: &'a HubState,
+    repo: &str,
+    rev: &str,
+    headers: &HeaderMap,
+) -> Result<(&'a FakeRepo, String, &'a Arc<Commit>), Box<axum::response::Response>> {
+    let error = |code, error_code, message| Box::new(super::http::error(code, error_code, message));
+    let Some(r) = st.repos.get(repo) else { return Err(error(401, "RepoNotFound", "Repository not found")) };
+    if !authorized(r, headers) {
+        return Err(error(401, "RepoNotFound", "Invalid credentials in Authorization header"));
+    }
+    let Some((sha, c)) = resolve_rev(r, rev) else { return Err(error(404, "RevisionNotFound", "Invalid rev id")) };
+    Ok((r, sha, c))
+}
+
 pub(super) fn resolve_rev<'a>(repo: &'a FakeRepo, rev: &str) -> Option<(String, &'a Arc<Commit>)> {
     let sha = if repo.commits.contains_key(rev) { rev.to_owned() } else { repo.refs.get(rev)?.clone() };
     let c = repo.commits.get(&sha)?;
