@@ -349,9 +349,14 @@ def _map_gpt_oss_moe(src: _Source, hf: str, mg: str, out: dict) -> None:
     out[f"{m}.router.weight"] = src.take(f"{hf}.mlp.router.weight")
     out[f"{m}.router.bias"] = src.take(f"{hf}.mlp.router.bias")
     out[f"{mg}.pre_mlp_layernorm.weight"] = src.take(f"{hf}.post_attention_layernorm.weight")
-    # The MXFP4 release: dequantized [E, out, in] is already [out, in]; no transpose.
-    gate_up = dequantize_mxfp4(src.take(f"{x}.gate_up_proj_blocks"), src.take(f"{x}.gate_up_proj_scales"))
-    down = dequantize_mxfp4(src.take(f"{x}.down_proj_blocks"), src.take(f"{x}.down_proj_scales"))
+    if src.has(f"{x}.gate_up_proj_blocks"):
+        # The MXFP4 release: dequantized [E, out, in] is already [out, in]; no transpose.
+        gate_up = dequantize_mxfp4(src.take(f"{x}.gate_up_proj_blocks"), src.take(f"{x}.gate_up_proj_scales"))
+        down = dequantize_mxfp4(src.take(f"{x}.down_proj_blocks"), src.take(f"{x}.down_proj_scales"))
+    else:
+        # The bf16 layout [E, in, out] (transformers' own): transposed per expert.
+        gate_up = src.take(f"{x}.gate_up_proj").transpose(1, 2)
+        down = src.take(f"{x}.down_proj").transpose(1, 2)
     gate_up_bias, down_bias = src.take(f"{x}.gate_up_proj_bias"), src.take(f"{x}.down_proj_bias")
     for g in range(gate_up.shape[0]):
         out[f"{m}.experts.linear_fc1.weight{g}"] = _gpt_oss_fc1(gate_up[g], _ETP)

@@ -55,9 +55,11 @@ pub enum Kind {
     Mxfp4Down,
     /// Packed per-expert rows `[E, X]` → expert `E`'s `[X]` (gpt-oss `down_proj_bias`).
     PackedExpertRow(TpMode),
-    /// gpt-oss's bf16 expert layout `[E, H, 2F]` / `[E, F, H]`, which needs a transpose: an error
-    /// that says so (the MXFP4 release converts).
-    TransposedExperts,
+    /// gpt-oss's bf16 experts `gate_up_proj [E, H, 2F]` → per expert fc1 `[2F, H]`, transposed:
+    /// gate = even columns, up = odd columns, fused on disk like [`Kind::Mxfp4GateUp`].
+    TransposedGateUp,
+    /// gpt-oss's bf16 experts `down_proj [E, F, H]` → per expert fc2 `[H, F]`, transposed.
+    TransposedDown,
 }
 
 /// One line of a mapping table.
@@ -320,12 +322,12 @@ const GPT_OSS_MOE: &[Rule] = &[
     ),
     expert(
         "decoder.layers.{L}.mlp.experts.linear_fc1.weight{E}",
-        TransposedExperts,
+        TransposedGateUp,
         &["model.layers.{L}.mlp.experts.gate_up_proj"],
     ),
     expert(
         "decoder.layers.{L}.mlp.experts.linear_fc2.weight{E}",
-        TransposedExperts,
+        TransposedDown,
         &["model.layers.{L}.mlp.experts.down_proj"],
     ),
 ];
@@ -552,7 +554,12 @@ pub fn describe(family: Family) -> Vec<TableLine> {
                 ),
                 Mxfp4Down => ("mxfp4", "row", "MXFP4 → bf16, expert rows".to_string()),
                 PackedExpertRow(m) => ("packed", tp(m), "expert row".to_string()),
-                TransposedExperts => ("none", "—", "bf16 expert layout: not supported (needs a transpose)".to_string()),
+                TransposedGateUp => (
+                    "packed",
+                    "column",
+                    "transposed; gate = even columns, up = odd columns; fused: [gate_r; up_r] per ETP rank".to_string(),
+                ),
+                TransposedDown => ("packed", "row", "transposed expert matrix".to_string()),
             };
             let transform = match r.dtype.or(output_dtype(family)) {
                 Some(d) if r.kind != NotConverted => {

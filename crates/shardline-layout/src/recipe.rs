@@ -27,6 +27,12 @@ pub enum Transform {
     /// nibble first; element `i` (row-major over the output's rows) is `FP4[code] ·
     /// 2^(scales[i / 32] − 127)`, `scales` a u8 source with one E8M0 exponent per 32 elements.
     DequantMxfp4 { scales: u32 },
+    /// The rows are columns of a row-major source matrix of `src_cols` columns (and as many rows
+    /// as an output row has elements): output row `k` of the block is column `c + k·col_stride`,
+    /// where the block's `source` names the element offset of (row 0, column `c`) and its
+    /// `stride` equals `col_stride`. Packed experts stored `[E, in, out]` (gpt-oss and
+    /// Qwen3-VL-MoE in bf16).
+    Transpose { src_cols: u32, col_stride: u32 },
 }
 
 /// Elements of MXFP4 that share one scale.
@@ -39,6 +45,8 @@ impl Transform {
             Transform::Cast(from) => elems * from.size() as u64,
             Transform::DequantFp8 { .. } => elems,
             Transform::DequantMxfp4 { .. } => elems / 2,
+            // The next element of an output row is the next row of the source matrix.
+            Transform::Transpose { src_cols, .. } => elems * u64::from(src_cols) * out.size() as u64,
             _ => elems * out.size() as u64,
         }
     }
@@ -55,7 +63,13 @@ impl Transform {
     /// Whether the output is computed from source bytes read aside (of another size, or with
     /// other tensors' values), not transformed where they land.
     pub fn converts(self) -> bool {
-        matches!(self, Transform::Cast(_) | Transform::DequantFp8 { .. } | Transform::DequantMxfp4 { .. })
+        matches!(
+            self,
+            Transform::Cast(_)
+                | Transform::DequantFp8 { .. }
+                | Transform::DequantMxfp4 { .. }
+                | Transform::Transpose { .. }
+        )
     }
 }
 
@@ -176,6 +190,17 @@ impl RowBlock {
         RowBlock { rows, source: Some((id, first_row)), transform: Transform::Identity, stride: stride.max(1) }
     }
 
+    /// `rows` columns of a row-major matrix of `src_cols` columns in source `id`, from the
+    /// element at `first` (row 0 of the first column), every `col_stride`-th column.
+    pub fn transposed(id: usize, first: u64, rows: u64, src_cols: u32, col_stride: u32) -> RowBlock {
+        RowBlock {
+            rows,
+            source: Some((id, first)),
+            transform: Transform::Transpose { src_cols, col_stride },
+            stride: col_stride.max(1),
+        }
+    }
+
     /// `rows` zero rows.
     pub fn zeros(rows: u64) -> RowBlock {
         RowBlock { rows, source: None, transform: Transform::Identity, stride: 1 }
@@ -253,7 +278,9 @@ pub fn segments(shape: &[u64], dtype: DType, recipe: &[RowBlock], offsets: &[u64
                 (None, None) => true,
                 _ => false,
             };
-            if contiguous && last.transform == seg.transform {
+            // A transposed row's elements are not one run of the source.
+            let merges = !matches!(seg.transform, Transform::Transpose { .. });
+            if contiguous && merges && last.transform == seg.transform {
                 last.len += seg.len;
                 return;
             }
@@ -269,6 +296,16 @@ pub fn segments(shape: &[u64], dtype: DType, recipe: &[RowBlock], offsets: &[u64
         if lo < hi {
             match block.source {
                 None => push(Segment { source: None, len: (hi - lo) * stripe_len, transform: block.transform }),
+                Some((id, first)) if matches!(block.transform, Transform::Transpose { .. }) => {
+                    // `first` is an element offset; output row k is source column first + k·stride,
+                    // its column c0 the source's row c0.
+                    let Transform::Transpose { src_cols, col_stride } = block.transform else { continue };
+                    let (len, c0) = if full_width { (row_bytes, 0) } else { (stripe_len, col0 * inner) };
+                    for k in (lo - block_start)..(hi - block_start) {
+                        let elem = first + k * u64::from(col_stride) + c0 * u64::from(src_cols);
+                        push(Segment { source: Some((id, elem * item)), len, transform: block.transform });
+                    }
+                }
                 Some((id, first)) => {
                     // Source offsets count source bytes, which a conversion makes of another size.
                     let src_bytes = |elems: u64| block.transform.source_bytes(dtype, elems);
@@ -304,7 +341,11 @@ pub fn segments(shape: &[u64], dtype: DType, recipe: &[RowBlock], offsets: &[u64
 /// `dtype` (a cast, which changes the size, goes through [`cast_into`]).
 pub fn apply_transform(transform: Transform, dtype: DType, bytes: &mut [u8]) {
     match transform {
-        Transform::Identity | Transform::Cast(_) | Transform::DequantFp8 { .. } | Transform::DequantMxfp4 { .. } => {}
+        Transform::Identity
+        | Transform::Cast(_)
+        | Transform::DequantFp8 { .. }
+        | Transform::DequantMxfp4 { .. }
+        | Transform::Transpose { .. } => {}
         Transform::SubtractOne => match dtype {
             DType::BF16 => {
                 for e in bytes.chunks_exact_mut(2) {
@@ -566,6 +607,20 @@ mod tests {
         let offs: Vec<_> = segs.iter().map(|s| (s.source, s.len)).collect();
         assert_eq!(offs, vec![(Some((0, 4)), 4), (Some((0, 12)), 4), (Some((0, 20)), 4)]);
         assert_eq!(slice_recipe(&recipe, 1, 2), vec![RowBlock::strided(0, 3, 2, 2)]);
+    }
+
+    #[test]
+    fn transposed_blocks_read_columns() {
+        // Output [3, 2] (f32) = columns 1, 3, 5 of a [2, 6] source matrix at element 12.
+        let recipe = [RowBlock::transposed(0, 12 + 1, 3, 6, 2)];
+        let segs = segments(&[3, 2], DType::F32, &recipe, &[0, 0], &[3, 2]);
+        let offs: Vec<_> = segs.iter().map(|s| (s.source.map(|x| x.1 / 4), s.len)).collect();
+        assert_eq!(offs, vec![(Some(13), 8), (Some(15), 8), (Some(17), 8)]);
+        // Output column 1 only (a stripe): the source's row 1.
+        let segs = segments(&[3, 2], DType::F32, &recipe, &[1, 1], &[2, 1]);
+        let offs: Vec<_> = segs.iter().map(|s| (s.source.map(|x| x.1 / 4), s.len)).collect();
+        assert_eq!(offs, vec![(Some(15 + 6), 4), (Some(17 + 6), 4)]);
+        assert_eq!(slice_recipe(&recipe, 1, 2), vec![RowBlock::transposed(0, 15, 2, 6, 2)]);
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 use shardline_layout::arch::TpMode;
 use shardline_layout::recipe::Transform;
-use shardline_layout::{build_plan, DType, LayoutError, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
+use shardline_layout::{build_plan, DType, LayoutError, Mesh, ModelConfig, Plan, PlanOptions, RowBlock, SourceTensor};
 
 const H: u64 = 16;
 const NH: u64 = 4;
@@ -341,9 +341,20 @@ fn gpt_oss_keeps_fc1_fused_in_the_expert_tp_layout_and_dequantizes_mxfp4() {
     let odd = gpt_oss_config(quant).replace(r#""intermediate_size":96"#, r#""intermediate_size":98"#);
     let err = plan(&odd, gpt_oss_sources(true), Mesh { tp: 2, cp: 1, dp: 2, ep: 2, etp: 2 }).expect_err("odd width");
     assert!(err.iter().any(|e| e.to_string().contains("98 / 2 is odd")), "{err:?}");
-    // The bf16 expert layout needs a transpose: said so, by name.
-    let err = plan(&gpt_oss_config(""), gpt_oss_sources(false), Mesh { tp: 1, cp: 1, dp: 1, ep: 1, etp: 1 })
-        .expect_err("bf16 experts");
-    let text = err.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n");
-    assert!(text.contains("needs a transpose") && text.contains("mlp.experts.gate_up_proj"), "{text}");
+    // The bf16 expert layout [E, in, out]: Megatron's rows are the columns of each expert matrix.
+    let p = plan(&gpt_oss_config(""), gpt_oss_sources(false), Mesh { tp: 1, cp: 1, dp: 1, ep: 1, etp: 1 })
+        .expect("bf16 experts");
+    let fc1 = tensor(&p, "decoder.layers.0.mlp.experts.linear_fc1.weight1");
+    assert_eq!(fc1.shape, vec![192, 64]);
+    let base = 64 * 192;
+    assert_eq!(
+        fc1.recipe,
+        vec![
+            RowBlock::transposed(fc1.recipe[0].source.unwrap().0, base, 96, 192, 2),
+            RowBlock::transposed(fc1.recipe[0].source.unwrap().0, base + 1, 96, 192, 2)
+        ]
+    );
+    let fc2 = tensor(&p, "decoder.layers.0.mlp.experts.linear_fc2.weight1");
+    assert_eq!((fc2.shape.clone(), fc2.tp_mode), (vec![64, 96], TpMode::Row));
+    assert_eq!(fc2.recipe, vec![RowBlock::transposed(fc2.recipe[0].source.unwrap().0, 96 * 64, 64, 64, 1)]);
 }

@@ -101,6 +101,32 @@ pub(super) struct Converter {
     scales: Option<(u32, Vec<f32>)>,
     /// The MXFP4 exponents of the piece at hand.
     block_scales: Vec<u8>,
+    band: Band,
+}
+
+/// Columns of a transposed source matrix read ahead, already transposed: `rows` output rows of
+/// `width` elements, the first being the column at element `first` of source `id`, the next
+/// `stride` elements on. One read per matrix row serves many output rows.
+#[derive(Default)]
+struct Band {
+    id: usize,
+    first: u64,
+    width: usize,
+    stride: u64,
+    rows: u64,
+    bytes: Vec<u8>,
+}
+
+/// Bytes of transposed rows read ahead at once.
+const BAND_BYTES: usize = 4 << 20;
+
+impl Band {
+    /// Output row `k` of the band holding the column at element `elem`, if it holds it.
+    fn row(&self, id: usize, elem: u64, width: usize, stride: u64) -> Option<u64> {
+        let hit = self.rows > 0 && id == self.id && width == self.width && stride == self.stride && elem >= self.first;
+        let k = (elem - self.first.min(elem)) / stride.max(1);
+        (hit && (elem - self.first).is_multiple_of(stride.max(1)) && k < self.rows).then_some(k)
+    }
 }
 
 impl Converter {
@@ -115,6 +141,9 @@ impl Converter {
         out: &mut [u8],
     ) -> Result<(), ExecuteError> {
         let elems = (out.len() / t.dtype.size()) as u64;
+        if let Transform::Transpose { src_cols, col_stride } = transform {
+            return self.transposed(sources, t, id, offset, u64::from(src_cols), u64::from(col_stride), out);
+        }
         self.staging.resize(transform.source_bytes(t.dtype, elems) as usize, 0);
         sources.read(id, offset, &mut self.staging)?;
         match transform {
@@ -146,6 +175,51 @@ impl Converter {
             }
             _ => out.fill(0),
         }
+        Ok(())
+    }
+}
+
+impl Converter {
+    /// Fills `out` with `out.len() / item` elements of the source column at byte `offset`: rows
+    /// of a row-major matrix of `src_cols` columns. Reads a band of the following columns
+    /// (`stride` apart, up to the end of the matrix row) with one read per element of `out`,
+    /// keeps it transposed, and serves the next output rows from it.
+    #[allow(clippy::too_many_arguments)]
+    fn transposed(
+        &mut self,
+        sources: &SourceMap,
+        t: TensorView<'_>,
+        id: usize,
+        offset: u64,
+        src_cols: u64,
+        stride: u64,
+        out: &mut [u8],
+    ) -> Result<(), ExecuteError> {
+        let item = t.dtype.size();
+        let (elem, width) = (offset / item as u64, out.len() / item);
+        let k = match self.band.row(id, elem, width, stride) {
+            Some(k) => k,
+            None => {
+                // Columns left in this matrix row, and what fits the band.
+                let left = (src_cols - elem % src_cols).div_ceil(stride.max(1));
+                let rows = left.min((BAND_BYTES / out.len().max(1)).max(1) as u64);
+                let run = ((rows - 1) * stride + 1) as usize * item;
+                self.staging.resize(run, 0);
+                self.band.bytes.resize(rows as usize * out.len(), 0);
+                for i in 0..width {
+                    sources.read(id, (elem + i as u64 * src_cols) * item as u64, &mut self.staging)?;
+                    for r in 0..rows as usize {
+                        let from = r * stride as usize * item;
+                        let to = (r * width + i) * item;
+                        self.band.bytes[to..to + item].copy_from_slice(&self.staging[from..from + item]);
+                    }
+                }
+                self.band = Band { id, first: elem, width, stride, rows, bytes: std::mem::take(&mut self.band.bytes) };
+                0
+            }
+        };
+        let at = k as usize * out.len();
+        out.copy_from_slice(&self.band.bytes[at..at + out.len()]);
         Ok(())
     }
 }

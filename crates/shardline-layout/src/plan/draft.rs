@@ -129,7 +129,8 @@ fn draft_as_released(
         | Kind::Mxfp4Down
         | Kind::InterleavedGateUpBias
         | Kind::PackedExpertRow(_)
-        | Kind::TransposedExperts => {
+        | Kind::TransposedGateUp
+        | Kind::TransposedDown => {
             let (mode, sections, dtype) = gpt_oss::expert_sections(config, inv, kind, ids, expert.unwrap_or(0))?;
             return Ok(Draft {
                 name: target.to_string(),

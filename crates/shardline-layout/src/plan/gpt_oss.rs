@@ -1,5 +1,6 @@
-//! gpt-oss's packed experts (archs-2025.md §3.4, §4.2): MXFP4 weights dequantized to bf16, fc1's
-//! gate and up rows interleaved in the release and kept fused on disk, biases packed per expert.
+//! gpt-oss's packed experts (archs-2025.md §3.4, §4.2): MXFP4 weights dequantized to bf16 (or the
+//! bf16 layout `[E, in, out]` transposed), fc1's gate and up rows interleaved in the release and
+//! kept fused on disk, biases packed per expert.
 
 use super::build::Inventory;
 use super::draft::shape_err;
@@ -34,7 +35,11 @@ pub(super) fn expert_sections(
             let f = rows / 2;
             let gate = vec![dequant(RowBlock::strided(ids[0], e * rows, f, 2))];
             let up = vec![dequant(RowBlock::strided(ids[0], e * rows + 1, f, 2))];
-            Ok((TpMode::Column, vec![section("_w", vec![f, cols], gate), section("_v", vec![f, cols], up)], DType::BF16))
+            Ok((
+                TpMode::Column,
+                vec![section("_w", vec![f, cols], gate), section("_v", vec![f, cols], up)],
+                DType::BF16,
+            ))
         }
         Kind::InterleavedGateUpBias => {
             let s = inv.shape(ids[0]);
@@ -55,12 +60,32 @@ pub(super) fn expert_sections(
             let recipe = vec![RowBlock::copy(ids[0], e * s[1], s[1])];
             Ok((mode, vec![section("", vec![s[1]], recipe)], inv.sources[ids[0]].dtype))
         }
-        _ => Err(shape_err(
-            inv,
-            ids[0],
-            "MXFP4 `*_blocks` + `*_scales`".into(),
-            "the bf16 gpt-oss expert layout [E, in, out] needs a transpose, which Shardline does not do; convert the MXFP4 release",
-        )),
+        Kind::TransposedGateUp | Kind::TransposedDown => {
+            // Per expert a row-major [in, out] matrix; Megatron's rows are its columns.
+            let s = inv.shape(ids[0]);
+            let dtype = inv.sources[ids[0]].dtype;
+            if s.len() != 3 || s[0] != experts || u32::try_from(s[2]).is_err() {
+                return Err(shape_err(inv, ids[0], format!("[{experts}, in, out]"), "packed bf16 experts"));
+            }
+            let (rows_in, cols) = (s[1], s[2]);
+            let base = e * rows_in * cols;
+            if kind == Kind::TransposedDown {
+                let recipe = vec![RowBlock::transposed(ids[0], base, cols, cols as u32, 1)];
+                return Ok((TpMode::Row, vec![section("", vec![cols, rows_in], recipe)], dtype));
+            }
+            if !cols.is_multiple_of(2) {
+                return Err(shape_err(inv, ids[0], format!("[{experts}, H, 2F]"), "gate and up columns in pairs"));
+            }
+            let f = cols / 2;
+            let gate = vec![RowBlock::transposed(ids[0], base, f, cols as u32, 2)];
+            let up = vec![RowBlock::transposed(ids[0], base + 1, f, cols as u32, 2)];
+            Ok((
+                TpMode::Column,
+                vec![section("_w", vec![f, rows_in], gate), section("_v", vec![f, rows_in], up)],
+                dtype,
+            ))
+        }
+        _ => Err(shape_err(inv, ids[0], "a gpt-oss expert tensor".into(), "not a gpt-oss expert kind")),
     }
 }
 
