@@ -287,3 +287,19 @@ fn mxfp4_scale_out_of_range_is_an_error_and_nothing_is_written() {
         );
     }
 }
+
+#[test]
+fn fp8_synth_and_bench_only_for_deepseek_v3() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    for args in [
+        &["synth", "--arch", "qwen3_moe", "--fp8", "--size", "2MB"][..],
+        &["bench", "--arch", "llama", "--fp8", "--size", "2MB", "--repeat", "1", "--work"][..],
+    ] {
+        let o = run(bin().args(args).arg(&out));
+        assert_eq!(o.status.code(), Some(2), "stderr: {}", stderr(&o));
+        let err = stderr(&o);
+        assert!(err.contains("--fp8 is only for --arch deepseek_v3"), "{err}");
+        assert!(!out.exists(), "a refused {} wrote {}", args[0], out.display());
+    }
+}

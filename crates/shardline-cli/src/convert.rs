@@ -13,6 +13,8 @@ use shardline_formats::execute::{write_checkpoint_from, ExecuteOptions, OutputFo
 use shardline_formats::safetensors::Release;
 use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, Plan, PlanOptions, PlanTable, SourceTensor};
 
+use shardline_synth::{Arch as SynthArch, WeightFormat};
+
 use crate::report::{bytes, peak_rss, Bar};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -261,9 +263,14 @@ pub struct SynthArgs {
     /// Architecture (config `model_type`), e.g. qwen3_moe.
     #[arg(long)]
     pub arch: String,
-    /// Approximate release size, e.g. 4GB, 512MiB.
+    /// Approximate release size in bf16, e.g. 4GB, 512MiB.
     #[arg(long)]
     pub size: String,
+    /// Block-FP8 weights, as DeepSeek-V3 is published (only with --arch deepseek_v3): the model
+    /// --size fits in bf16, its layers' projections e4m3 with 128×128 block scales, in about half
+    /// the bytes.
+    #[arg(long)]
+    pub fp8: bool,
     /// Seed of the deterministic data.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -271,16 +278,34 @@ pub struct SynthArgs {
     pub out: PathBuf,
 }
 
+/// The weight format `--fp8` asks for, refused for architectures not published in FP8.
+fn weight_format(arch: &str, fp8: bool) -> Result<WeightFormat> {
+    if !fp8 {
+        return Ok(WeightFormat::Bf16);
+    }
+    let parsed: SynthArch = arch.parse()?;
+    if !parsed.supports_fp8() {
+        bail!(
+            "--fp8 is only for --arch deepseek_v3 (the architecture published in block FP8); \
+             `{arch}` releases are written in bf16"
+        );
+    }
+    Ok(WeightFormat::FP8)
+}
+
 pub fn run_synth(args: SynthArgs) -> Result<ExitCode> {
+    let format = weight_format(&args.arch, args.fp8)?;
     let target = shardline_units::parse_size_lenient(&args.size)
         .map_err(|e| anyhow::anyhow!("{e} ({})", shardline_units::LENIENT_SIZE_FORMS))
         .with_context(|| format!("--size {}", args.size))?;
     let started = Instant::now();
-    let report = shardline_synth::synth(&args.arch, target, &args.out, args.seed, &Default::default())
-        .with_context(|| format!("writing synthetic {} release to {}", args.arch, args.out.display()))?;
+    let report =
+        shardline_synth::synth_as(&args.arch, format, target, &args.out, args.seed, &Default::default(), &|_| {})
+            .with_context(|| format!("writing synthetic {} release to {}", args.arch, args.out.display()))?;
     println!(
-        "wrote synthetic {} release ({}) to {} in {:.2}s",
+        "wrote synthetic {}{} release ({}) to {} in {:.2}s",
         args.arch,
+        if args.fp8 { " FP8" } else { "" },
         bytes(report.total_bytes),
         args.out.display(),
         started.elapsed().as_secs_f64()
@@ -296,6 +321,10 @@ pub struct BenchArgs {
     /// Release sizes to measure (repeatable), e.g. --size 1GB --size 8GB.
     #[arg(long = "size", default_values_t = vec!["4GB".to_string()])]
     pub sizes: Vec<String>,
+    /// Convert block-FP8 releases (see `synth --fp8`; only with --arch deepseek_v3): the same
+    /// models as without, in about half the bytes, dequantized to the same checkpoints.
+    #[arg(long)]
+    pub fp8: bool,
     #[command(flatten)]
     pub mesh: MeshArgs,
     /// Scratch directory (releases are cached there between runs).
@@ -328,22 +357,30 @@ fn time_command(cmd: &mut Command) -> Result<(f64, String)> {
 }
 
 pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
+    weight_format(&args.arch, args.fp8)?;
     let exe = std::env::current_exe().context("locating the shardline binary")?;
     let mesh = args.mesh.mesh();
     std::fs::create_dir_all(&args.work).with_context(|| format!("creating {}", args.work.display()))?;
+    // The FP8 and bf16 releases of one model are cached side by side.
+    let (label, dir_tag) = if args.fp8 { (format!("{} FP8", args.arch), "-fp8") } else { (args.arch.clone(), "") };
     let mut rows = Vec::new();
     for size in &args.sizes {
-        let src = args.work.join(format!("{}-{size}", args.arch));
+        let src = args.work.join(format!("{}{dir_tag}-{size}", args.arch));
         if !src.join("config.json").exists() {
-            eprintln!("generating {} {size} at {} …", args.arch, src.display());
-            time_command(Command::new(&exe).args(["synth", "--arch", &args.arch, "--size", size]).arg(&src))?;
+            eprintln!("generating {label} {size} at {} …", src.display());
+            time_command(
+                Command::new(&exe)
+                    .args(["synth", "--arch", &args.arch, "--size", size])
+                    .args(args.fp8.then_some("--fp8"))
+                    .arg(&src),
+            )?;
         }
         let release = Release::open(&src)?;
         let input = release.total_bytes();
         let copy = args.work.join("cp-copy");
         let out = args.work.join("converted");
         let (mut best_cp, mut best_cp_sync, mut best_conv) = (f64::MAX, f64::MAX, f64::MAX);
-        let mut rss = 0u64;
+        let (mut rss, mut output) = (0u64, 0u64);
         let mut readers = ReaderTimes::default();
         for _ in 0..args.repeat.max(1) {
             let _ = std::fs::remove_dir_all(&copy);
@@ -371,11 +408,13 @@ pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
             best_conv = best_conv.min(t);
             let v: serde_json::Value = serde_json::from_str(stdout.trim()).context("parsing convert --json")?;
             rss = rss.max(v["peak_rss_bytes"].as_u64().unwrap_or(0));
+            output = v["tensor_bytes"].as_u64().unwrap_or(0);
             readers.measure(&exe, &out, &src, args.torch_python.as_deref())?;
             let _ = std::fs::remove_dir_all(&out);
         }
         rows.push(json!({
-            "arch": args.arch, "size": size, "input_bytes": input, "mesh": mesh.to_string(),
+            "arch": args.arch, "fp8": args.fp8, "size": size, "input_bytes": input, "output_bytes": output,
+            "mesh": mesh.to_string(),
             "cp_seconds": best_cp, "cp_sync_seconds": best_cp_sync, "convert_seconds": best_conv,
             "ratio_to_cp": best_conv / best_cp, "ratio_to_cp_sync": best_conv / best_cp_sync,
             "convert_gb_per_s": input as f64 / best_conv / 1e9, "peak_rss_bytes": rss,
@@ -385,10 +424,10 @@ pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
         }));
         if !args.json {
             println!(
-                "{} {size} ({}) on {mesh}: cp -r {best_cp:.2}s, cp -r + fsync {best_cp_sync:.2}s, convert {best_conv:.2}s \
-                 → {:.2}× cp -r, {:.2}× cp -r + fsync; {:.2} GB/s; peak RSS {}",
-                args.arch,
+                "{label} {size} ({} → {}) on {mesh}: cp -r {best_cp:.2}s, cp -r + fsync {best_cp_sync:.2}s, convert \
+                 {best_conv:.2}s → {:.2}× cp -r, {:.2}× cp -r + fsync; {:.2} GB/s; peak RSS {}",
                 bytes(input),
+                bytes(output),
                 best_conv / best_cp,
                 best_conv / best_cp_sync,
                 input as f64 / best_conv / 1e9,

@@ -26,15 +26,30 @@ pub enum Arch {
     Qwen35Text,
     /// [`Arch::Qwen35Text`] with packed experts and a shared expert.
     Qwen35MoeText,
+    /// Multi-head latent attention; the first `first_k_dense_replace` layers dense, the others
+    /// routed experts with a float32 score-correction bias and a shared expert; optionally
+    /// multi-token-prediction layers after the decoder. The one architecture whose releases can
+    /// also be written with block-FP8 weights (see [`WeightFormat`]).
+    DeepseekV3,
 }
 
 /// Every `model_type` [`synth`] accepts.
-pub const SUPPORTED_ARCHS: &[&str] =
-    &["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"];
+pub const SUPPORTED_ARCHS: &[&str] = &[
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "deepseek_v3",
+];
 
 impl Arch {
     /// Every architecture, in the order of [`SUPPORTED_ARCHS`].
-    pub const ALL: [Arch; 9] = [
+    pub const ALL: [Arch; 10] = [
         Arch::Llama,
         Arch::Mistral,
         Arch::Qwen2,
@@ -44,6 +59,7 @@ impl Arch {
         Arch::Qwen3Next,
         Arch::Qwen35Text,
         Arch::Qwen35MoeText,
+        Arch::DeepseekV3,
     ];
 
     /// The `model_type` of `config.json`.
@@ -58,6 +74,7 @@ impl Arch {
             Arch::Qwen3Next => "qwen3_next",
             Arch::Qwen35Text => "qwen3_5_text",
             Arch::Qwen35MoeText => "qwen3_5_moe_text",
+            Arch::DeepseekV3 => "deepseek_v3",
         }
     }
 
@@ -73,6 +90,7 @@ impl Arch {
             Arch::Qwen3Next => "Qwen3NextForCausalLM",
             Arch::Qwen35Text => "Qwen3_5ForCausalLM",
             Arch::Qwen35MoeText => "Qwen3_5MoeForCausalLM",
+            Arch::DeepseekV3 => "DeepseekV3ForCausalLM",
         }
     }
 
@@ -81,9 +99,16 @@ impl Arch {
         matches!(self, Arch::Qwen3Next | Arch::Qwen35Text | Arch::Qwen35MoeText)
     }
 
-    /// Whether the MLP of every layer is routed experts.
+    /// Whether the model has routed experts (in every layer, but for DeepSeek-V3's first dense
+    /// layers).
     pub fn is_moe(self) -> bool {
-        matches!(self, Arch::Qwen3Moe | Arch::Mixtral | Arch::Qwen3Next | Arch::Qwen35MoeText)
+        matches!(self, Arch::Qwen3Moe | Arch::Mixtral | Arch::Qwen3Next | Arch::Qwen35MoeText | Arch::DeepseekV3)
+    }
+
+    /// Whether releases of this architecture can be written with block-FP8 weights, as
+    /// DeepSeek-V3 is published.
+    pub fn supports_fp8(self) -> bool {
+        self == Arch::DeepseekV3
     }
 
     pub(crate) fn has_shared_expert(self) -> bool {
@@ -108,6 +133,7 @@ impl Arch {
             Arch::Mixtral => 32_000,
             Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen3Next => 151_936,
             Arch::Qwen35Text | Arch::Qwen35MoeText => 248_320,
+            Arch::DeepseekV3 => 129_280,
         }
     }
 
@@ -144,6 +170,18 @@ pub struct LinearAttentionDims {
     pub conv_kernel: u64,
 }
 
+/// Multi-head latent attention dimensions (DeepSeek-V3).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LatentAttentionDims {
+    /// Rank of the query compression (`q_a_proj` rows).
+    pub q_lora_rank: u64,
+    /// Rank of the key/value compression (`kv_a_proj_with_mqa` rows, without the rope part).
+    pub kv_lora_rank: u64,
+    pub qk_nope_head_dim: u64,
+    pub qk_rope_head_dim: u64,
+    pub v_head_dim: u64,
+}
+
 /// The dimensions of a synthetic model, named like `config.json` fields. Fields an architecture
 /// does not use are ignored (and left out of its `config.json`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -162,6 +200,15 @@ pub struct ModelDims {
     pub shared_expert_intermediate_size: u64,
     /// Required by hybrid architectures.
     pub linear: Option<LinearAttentionDims>,
+    /// Required by DeepSeek-V3 (whose `head_dim` is `qk_rope_head_dim` and whose
+    /// `num_key_value_heads` is `num_attention_heads`, as its config has them).
+    pub mla: Option<LatentAttentionDims>,
+    /// DeepSeek-V3: the first layers have a dense MLP (`first_k_dense_replace`).
+    pub first_dense_layers: u64,
+    /// DeepSeek-V3: multi-token-prediction layers stored after the decoder
+    /// (`num_nextn_predict_layers`), each a routed-expert decoder layer with its own norms,
+    /// `eh_proj`, and copies of the embedding and output head.
+    pub mtp_layers: u64,
 }
 
 impl ModelDims {
@@ -178,12 +225,12 @@ impl ModelDims {
 pub(crate) struct Width {
     pub(crate) hidden: u64,
     pub(crate) head_dim: u64,
-    kv_heads: u64,
-    intermediate: u64,
+    pub(crate) kv_heads: u64,
+    pub(crate) intermediate: u64,
     /// `None`: the architecture's real vocabulary.
     pub(crate) vocab: Option<u64>,
     pub(crate) experts: u64,
-    moe_intermediate: u64,
+    pub(crate) moe_intermediate: u64,
     /// `(linear_num_key_heads, linear_num_value_heads, linear_{key,value}_head_dim)`.
     pub(crate) linear: (u64, u64, u64),
 }
@@ -193,7 +240,7 @@ pub(crate) struct Width {
 /// GQA, real vocabularies, 64–128 routed experts of 3/8 of the hidden size (Qwen3-30B-A3B has
 /// 768 at 2048), GDN with 128-dim heads and twice as many value heads as key heads (16/32 at
 /// 2048, as Qwen3-Next and Qwen3.5-35B-A3B). Narrower widths scale everything down, with made-up
-/// vocabularies.
+/// vocabularies. DeepSeek-V3 takes its dimensions from the width as [`Width::dims`] describes.
 pub(crate) const WIDTHS: &[Width] = &[
     Width {
         hidden: 64,
@@ -297,8 +344,27 @@ pub(crate) const WIDTHS: &[Width] = &[
     },
 ];
 
+/// `x` rounded to the nearest multiple of `m`, at least `m`.
+fn round_to(x: u64, m: u64) -> u64 {
+    (x.saturating_add(m / 2) / m).max(1) * m
+}
+
 impl Width {
+    /// The dimensions of an `arch` model of this width with `num_layers` decoder layers.
+    ///
+    /// DeepSeek-V3 (hidden 7168; heads of `qk_nope_head_dim` 128, `qk_rope_head_dim` 64 and
+    /// `v_head_dim` 128; `q_lora_rank` 1536, `kv_lora_rank` 512; experts 2048 wide, one shared;
+    /// a dense MLP nine experts wide; three dense layers) is scaled to the width: `hidden /
+    /// head_dim` heads of the width's head_dim (rope half of it), `q_lora_rank` 3/14 and expert
+    /// width 2/7 of the hidden size, `kv_lora_rank` half of it up to 512, the width's expert
+    /// count, three dense layers from 4096 up and one below, no MTP layer. From 1024 up, ranks and
+    /// widths are multiples of 128 (whole FP8 blocks, as in the real model; at 7168 this gives
+    /// exactly its 1536 and 2048), so every dimension tensor parallelism splits (heads, expert
+    /// and dense MLP widths) is a multiple of 8.
     pub(crate) fn dims(&self, arch: Arch, num_layers: u64) -> ModelDims {
+        if arch == Arch::DeepseekV3 {
+            return self.deepseek_v3_dims(num_layers);
+        }
         let (nk, nv, d) = self.linear;
         ModelDims {
             hidden_size: self.hidden,
@@ -318,6 +384,39 @@ impl Width {
                 value_head_dim: d,
                 conv_kernel: 4,
             }),
+            mla: None,
+            first_dense_layers: 0,
+            mtp_layers: 0,
+        }
+    }
+
+    fn deepseek_v3_dims(&self, num_layers: u64) -> ModelDims {
+        let h = self.hidden;
+        let step = if h >= 1024 { 128 } else { 8 };
+        let heads = h / self.head_dim;
+        let expert = round_to(h * 2 / 7, step);
+        let mla = LatentAttentionDims {
+            q_lora_rank: round_to(h * 3 / 14, step),
+            kv_lora_rank: (h / 2).min(512),
+            qk_nope_head_dim: self.head_dim,
+            qk_rope_head_dim: self.head_dim / 2,
+            v_head_dim: self.head_dim,
+        };
+        ModelDims {
+            hidden_size: h,
+            num_layers,
+            num_attention_heads: heads,
+            num_key_value_heads: heads,
+            head_dim: mla.qk_rope_head_dim,
+            intermediate_size: 9 * expert,
+            vocab_size: self.vocab.unwrap_or_else(|| Arch::DeepseekV3.real_vocab()),
+            num_experts: self.experts,
+            moe_intermediate_size: expert,
+            shared_expert_intermediate_size: expert,
+            linear: None,
+            mla: Some(mla),
+            first_dense_layers: if h >= 4096 { 3 } else { 1 },
+            mtp_layers: 0,
         }
     }
 }

@@ -6,8 +6,11 @@ use crate::arch::*;
 use crate::*;
 
 /// The fields `transformers` 5 writes for the architecture's config class (keys sorted by the
-/// JSON map).
-pub(crate) fn config_value(arch: Arch, d: &ModelDims) -> Value {
+/// JSON map), and the `quantization_config` of an FP8 release.
+pub(crate) fn config_value(arch: Arch, d: &ModelDims, format: WeightFormat) -> Value {
+    if arch == Arch::DeepseekV3 {
+        return deepseek_v3_config(d, format);
+    }
     let mut c = Map::new();
     let mut set = |k: &str, v: Value| {
         c.insert(k.to_string(), v);
@@ -121,6 +124,74 @@ pub(crate) fn config_value(arch: Arch, d: &ModelDims) -> Value {
             .map(|i| if arch.is_full_attention(i) { "full_attention" } else { "linear_attention" })
             .collect();
         set("layer_types", json!(types));
+    }
+    Value::Object(c)
+}
+
+/// DeepSeek-V3's config (`DeepseekV3Config`), with the real model's routing and rope settings
+/// but for the group counts, which follow the expert count (8 groups, top 4, from 32 experts up).
+fn deepseek_v3_config(d: &ModelDims, format: WeightFormat) -> Value {
+    let arch = Arch::DeepseekV3;
+    let e = d.num_experts;
+    let n_group = (1..=(e / 4).clamp(1, 8)).rev().find(|g| e.is_multiple_of(*g)).unwrap_or(1);
+    // Present: checked when the model was made.
+    let mla = d.mla.clone().unwrap_or_default();
+    let mut c = Map::new();
+    let mut set = |k: &str, v: Value| {
+        c.insert(k.to_string(), v);
+    };
+    set("architectures", json!([arch.class_name()]));
+    set("model_type", json!(arch.name()));
+    set("dtype", json!("bfloat16"));
+    set("transformers_version", json!(TRANSFORMERS_VERSION));
+    set("hidden_size", json!(d.hidden_size));
+    set("num_hidden_layers", json!(d.num_layers));
+    set("num_attention_heads", json!(d.num_attention_heads));
+    set("num_key_value_heads", json!(d.num_key_value_heads));
+    set("head_dim", json!(d.head_dim));
+    set("vocab_size", json!(d.vocab_size));
+    set("intermediate_size", json!(d.intermediate_size));
+    set("moe_intermediate_size", json!(d.moe_intermediate_size));
+    set("n_routed_experts", json!(e));
+    set("n_shared_experts", json!(d.shared_expert_intermediate_size / d.moe_intermediate_size.max(1)));
+    set("num_experts_per_tok", json!(d.experts_per_token(arch)));
+    set("n_group", json!(n_group));
+    set("topk_group", json!((n_group / 2).max(1)));
+    set("norm_topk_prob", json!(true));
+    set("routed_scaling_factor", json!(2.5));
+    set("first_k_dense_replace", json!(d.first_dense_layers));
+    set("num_nextn_predict_layers", json!(d.mtp_layers));
+    set("q_lora_rank", json!(mla.q_lora_rank));
+    set("kv_lora_rank", json!(mla.kv_lora_rank));
+    set("qk_nope_head_dim", json!(mla.qk_nope_head_dim));
+    set("qk_rope_head_dim", json!(mla.qk_rope_head_dim));
+    set("qk_head_dim", json!(mla.qk_nope_head_dim + mla.qk_rope_head_dim));
+    set("v_head_dim", json!(mla.v_head_dim));
+    set("hidden_act", json!("silu"));
+    set("attention_bias", json!(false));
+    set("attention_dropout", json!(0.0));
+    set("initializer_range", json!(0.02));
+    set("rms_norm_eps", json!(1e-6));
+    set("rope_interleave", json!(true));
+    set("rope_parameters", json!({"rope_theta": 10_000.0, "rope_type": "default"}));
+    set("max_position_embeddings", json!(163_840));
+    set("bos_token_id", json!(0));
+    set("eos_token_id", json!(1));
+    set("pad_token_id", Value::Null);
+    set("pretraining_tp", json!(1));
+    set("output_router_logits", json!(false));
+    set("tie_word_embeddings", json!(false));
+    set("use_cache", json!(true));
+    if let WeightFormat::Fp8Block { block } = format {
+        set(
+            "quantization_config",
+            json!({
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+                "weight_block_size": block,
+            }),
+        );
     }
     Value::Object(c)
 }

@@ -1,5 +1,5 @@
-//! The data: deterministic pseudo-random bf16 streams, one per tensor, through a table of normal
-//! quantiles.
+//! The data: deterministic pseudo-random streams, one per tensor, through tables of normal
+//! quantiles (bf16 values, their float32 widenings, or e4m3 codes).
 
 use crate::model::*;
 use crate::*;
@@ -28,23 +28,113 @@ impl NormalTable {
             | u64::from(t[(r >> 32) as u16 as usize]) << 32
             | u64::from(t[(r >> 48) as u16 as usize]) << 48
     }
+
+    /// Two float32 values (little-endian) from the low 32 bits of `r`.
+    #[inline(always)]
+    fn two_f32(&self, r: u64) -> u64 {
+        let t = &self.0;
+        u64::from(t[r as u16 as usize]) << 16 | u64::from(t[(r >> 16) as u16 as usize]) << 48
+    }
 }
 
-/// The value tables, one per [`Init`].
+/// e4m3 codes of the 65 536 quantiles `FP8_CODE_STD · Φ⁻¹((i + ½) / 65 536)` (at most 4.5 σ
+/// = 442 from 0, inside the e4m3 range of ±448): never a NaN code (`0x7F`, `0xFF`).
+pub(crate) struct Fp8Table(pub(crate) Box<[u8; TABLE_LEN]>);
+
+impl Fp8Table {
+    pub(crate) fn new(std: f64) -> Fp8Table {
+        let mut table = Box::new([0u8; TABLE_LEN]);
+        let values = e4m3_magnitudes();
+        for (i, slot) in table.iter_mut().enumerate() {
+            let p = (i as f64 + 0.5) / TABLE_LEN as f64;
+            *slot = f32_to_e4m3((std * inverse_normal_cdf(p)) as f32, &values);
+        }
+        Fp8Table(table)
+    }
+
+    #[inline(always)]
+    fn four(&self, r: u64) -> u64 {
+        let t = &self.0;
+        u64::from(t[r as u16 as usize])
+            | u64::from(t[(r >> 16) as u16 as usize]) << 8
+            | u64::from(t[(r >> 32) as u16 as usize]) << 16
+            | u64::from(t[(r >> 48) as u16 as usize]) << 24
+    }
+}
+
+/// The values of the finite non-negative e4m3 codes `0x00..=0x7E`, increasing with the code.
+fn e4m3_magnitudes() -> [f32; 0x7F] {
+    std::array::from_fn(|c| {
+        let (exp, man) = ((c >> 3) as i32, (c & 7) as f32);
+        if exp == 0 {
+            man / 8.0 * 2f32.powi(-6)
+        } else {
+            (1.0 + man / 8.0) * 2f32.powi(exp - 7)
+        }
+    })
+}
+
+/// Rounds to the nearest e4m3 code, ties to even, saturating at ±448 (inputs here are finite).
+pub(crate) fn f32_to_e4m3(x: f32, magnitudes: &[f32; 0x7F]) -> u8 {
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = x.abs();
+    let above = magnitudes.partition_point(|&m| m < a).min(0x7E);
+    let code = match above.checked_sub(1) {
+        None => above,
+        Some(below) => {
+            let (lo, hi) = (magnitudes[below], magnitudes[above]);
+            if a - lo < hi - a || (a - lo == hi - a && below % 2 == 0) {
+                below
+            } else {
+                above
+            }
+        }
+    };
+    sign | code as u8
+}
+
+/// How a tensor's bytes are drawn: each 8 bytes from a fixed number of draws.
+#[derive(Clone, Copy)]
+pub(crate) enum Sampler<'a> {
+    /// Four bf16 values per draw.
+    Bf16(&'a NormalTable),
+    /// Two float32 values per draw: the table's bf16 values, widened exactly.
+    F32(&'a NormalTable),
+    /// Eight e4m3 codes per two draws.
+    Fp8(&'a Fp8Table),
+}
+
+/// The value tables, one per [`Init`], and the FP8 codes.
 pub(crate) struct Tables {
     pub(crate) normal: NormalTable,
     pub(crate) around_one: NormalTable,
+    pub(crate) scale: NormalTable,
+    pub(crate) fp8: Fp8Table,
 }
 
 impl Tables {
     pub(crate) fn new() -> Tables {
-        Tables { normal: NormalTable::new(0.0, WEIGHT_STD), around_one: NormalTable::new(1.0, WEIGHT_STD) }
+        Tables {
+            normal: NormalTable::new(0.0, WEIGHT_STD),
+            around_one: NormalTable::new(1.0, WEIGHT_STD),
+            scale: NormalTable::new(SCALE_MEAN, SCALE_STD),
+            fp8: Fp8Table::new(FP8_CODE_STD),
+        }
     }
 
-    pub(crate) fn get(&self, init: Init) -> &NormalTable {
-        match init {
+    /// The sampler of a tensor of `dtype` (the model makes BF16, F32 and F8_E4M3 ones) drawn as
+    /// `init` says. FP8 codes are drawn from one distribution whatever the init (only weights
+    /// are FP8).
+    pub(crate) fn sampler(&self, dtype: DType, init: Init) -> Sampler<'_> {
+        let table = match init {
             Init::Normal => &self.normal,
             Init::AroundOne => &self.around_one,
+            Init::Scale => &self.scale,
+        };
+        match dtype {
+            DType::F8E4M3 => Sampler::Fp8(&self.fp8),
+            DType::F32 => Sampler::F32(table),
+            _ => Sampler::Bf16(table),
         }
     }
 }
@@ -129,17 +219,29 @@ impl TensorStream {
         (t >> 64) as u64 ^ t as u64
     }
 
-    /// Fills `out` with the next bf16 values. Calls with lengths that are multiples of 8 bytes
+    /// Fills `out` with the next values. Calls with lengths that are multiples of 8 bytes
     /// continue the stream exactly, so the bytes do not depend on how a tensor is cut into pieces.
-    pub(crate) fn fill(&mut self, table: &NormalTable, out: &mut [u8]) {
+    pub(crate) fn fill(&mut self, sampler: Sampler<'_>, out: &mut [u8]) {
+        match sampler {
+            Sampler::Bf16(t) => self.fill_chunks(out, |s| t.four(s.next_u64())),
+            Sampler::F32(t) => self.fill_chunks(out, |s| t.two_f32(s.next_u64())),
+            Sampler::Fp8(t) => self.fill_chunks(out, |s| {
+                let low = t.four(s.next_u64());
+                low | t.four(s.next_u64()) << 32
+            }),
+        }
+    }
+
+    /// Fills `out` with 8-byte chunks (little-endian) made by `chunk`.
+    #[inline(always)]
+    fn fill_chunks(&mut self, out: &mut [u8], mut chunk: impl FnMut(&mut Self) -> u64) {
         let mut chunks = out.chunks_exact_mut(8);
-        for chunk in &mut chunks {
-            let r = self.next_u64();
-            chunk.copy_from_slice(&table.four(r).to_le_bytes());
+        for c in &mut chunks {
+            c.copy_from_slice(&chunk(self).to_le_bytes());
         }
         let rest = chunks.into_remainder();
         if !rest.is_empty() {
-            let bytes = table.four(self.next_u64()).to_le_bytes();
+            let bytes = chunk(self).to_le_bytes();
             rest.copy_from_slice(&bytes[..rest.len()]);
         }
     }

@@ -5,20 +5,31 @@
 //! `model.safetensors` and no index when everything fits in one file, as `save_pretrained` does),
 //! and `model.safetensors.index.json`. Tensor names and shapes are the architecture's real ones
 //! (they match the tiny checkpoints written by `transformers` in `tests/fixtures/hf-tiny`); the
-//! data is deterministic pseudo-random bf16.
+//! data is deterministic pseudo-random bf16 (DeepSeek-V3's score-correction biases float32, as
+//! released).
+//!
+//! [`synth_as`] writes DeepSeek-V3 as it is published, in block FP8 ([`WeightFormat::FP8`]): its
+//! layers' linear projections e4m3, each with float32 `weight_scale_inv` block scales, and a
+//! `quantization_config`. It is the model fitted in bf16, so an FP8 release has about half the
+//! bytes of the bf16 one and converts to the same checkpoint.
 //!
 //! * **Size.** [`SynthModel::for_target`] fits the layer count and the vocabulary (in multiples
 //!   of 64 rows) of every width of a ladder shaped like real models (head_dim 128, GQA and real
 //!   vocabularies from a hidden size of 1024 up, expert counts growing with width), and keeps the
 //!   least odd fit within 2 % of the target: layer count closest to 32, vocabulary closest to the
-//!   width's. The tensor bytes always land within [`SIZE_TOLERANCE`] (5 %) of the target. Small
-//!   targets get narrow models: 1 MB gives `hidden_size` 64 and a handful of layers.
+//!   width's. The tensor bytes always land within [`SIZE_TOLERANCE`] (5 %) of the target, counted
+//!   in each tensor's own dtype. Small targets get narrow models: 1 MB gives `hidden_size` 64 and
+//!   a handful of layers. DeepSeek-V3 scales the real model's shape to the width (see
+//!   `Width::dims`); its fits keep at least one layer with experts after the dense ones.
 //! * **Data.** Every tensor has its own pseudo-random stream (wyrand seeded from the seed and the
 //!   tensor's name), so a tensor's bytes do not depend on the shard size, on the piece size or on
 //!   the thread writing it. Each 64-bit draw gives four bf16 values through a 65 536-entry table of
 //!   normal quantiles: weights are N(0, 0.02²); RMSNorm weights (and GDN `A_log`, `dt_bias`) are
 //!   1 + N(0, 0.02²), except the zero-centred norms of Qwen3-Next and Qwen3.5, which are N(0, 0.02²).
-//!   Values are finite by construction (|x| < 4.4σ around the mean).
+//!   Values are finite by construction (|x| < 4.4σ around the mean). A float32 tensor takes two
+//!   such values (widened exactly) per draw. FP8 weights take four e4m3 codes per draw, N(0, 100²)
+//!   rounded (never a NaN code, within ±448), and their block scales are N(2·10⁻⁴, (2.5·10⁻⁵)²),
+//!   so the weights they make are about N(0, 0.02²).
 //! * **Speed and memory.** Shards are written by parallel threads, each streaming its tensors
 //!   through [`SafetensorsWriter::write_next`] in pieces of [`SynthOptions::piece_bytes`]; memory
 //!   is one piece buffer per thread plus the tensor list.
@@ -47,9 +58,10 @@ mod write;
 #[cfg(test)]
 mod tests;
 
-pub use arch::{Arch, LinearAttentionDims, ModelDims, SUPPORTED_ARCHS};
-pub use model::{Init, SynthModel, TensorSpec};
-pub use write::{synth, synth_with_progress, write_release, SynthOptions, SynthReport};
+pub use arch::{Arch, LatentAttentionDims, LinearAttentionDims, ModelDims, SUPPORTED_ARCHS};
+pub use model::{Init, SynthModel, TensorSpec, WeightFormat};
+pub use shardline_layout::DType;
+pub use write::{synth, synth_as, synth_with_progress, write_release, SynthOptions, SynthReport};
 
 use std::io;
 use std::path::PathBuf;
@@ -79,6 +91,13 @@ const CLOSE_FIT: f64 = 0.02;
 const MIN_VOCAB: u64 = 256;
 /// Standard deviation of generated weights.
 const WEIGHT_STD: f64 = 0.02;
+/// Standard deviation of the values whose e4m3 codes FP8 weights hold (a block quantizer maps a
+/// block's largest magnitude near 448; 4.4 σ is 440).
+const FP8_CODE_STD: f64 = 100.0;
+/// Mean and standard deviation of FP8 block scales: `WEIGHT_STD / FP8_CODE_STD`, σ an eighth of
+/// it (so always positive: the tables reach 4.5 σ).
+const SCALE_MEAN: f64 = WEIGHT_STD / FP8_CODE_STD;
+const SCALE_STD: f64 = SCALE_MEAN / 8.0;
 /// Number of layers of a hybrid model per full-attention layer (`layer_types` period).
 const FULL_ATTENTION_INTERVAL: u64 = 4;
 /// The `transformers` version whose `save_pretrained` output the release mirrors.
@@ -105,6 +124,9 @@ pub enum SynthError {
 
     #[error("invalid dimensions for `{arch}`: {reason}")]
     InvalidDims { arch: &'static str, reason: String },
+
+    #[error("`{arch}` releases are not published with FP8 weights; only deepseek_v3 is synthesized in FP8")]
+    Fp8NotSupported { arch: &'static str },
 
     #[error("invalid option: {0}")]
     InvalidOption(String),

@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde_json::{json, Value};
 use shardline_formats::safetensors::{Release, CONFIG_FILE_NAME, SINGLE_FILE_NAME};
-use shardline_layout::{build_plan, DType, Mesh, ModelConfig, PlanOptions, SourceTensor};
+use shardline_layout::config::Quantization;
+use shardline_layout::recipe::f8e4m3_to_f32;
+use shardline_layout::{build_plan, DType, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor, Transform};
 use shardline_units::parse_size_lenient;
 use tempfile::TempDir;
 
@@ -58,13 +60,31 @@ fn mean_std(values: &[f32]) -> (f64, f64) {
 
 /// Plans the release with the layout crate's mapping tables on a 1-rank mesh.
 fn plan(release: &Release) {
+    plan_on(release, Mesh::new(1, 1, 1, 1));
+}
+
+/// Plans the release on `mesh`: every tensor is consumed (an unmapped one is an error), and only
+/// MTP layers' copies of the embedding and head go unconverted.
+fn plan_on(release: &Release, mesh: Mesh) -> Plan {
     let config = ModelConfig::from_json(release.config_json()).unwrap();
     let sources = release
         .tensors()
         .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
         .collect();
-    if let Err(errors) = build_plan(&config, sources, Mesh::new(1, 1, 1, 1), &PlanOptions::default()) {
-        panic!("{}: {}", config.model_type, errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"));
+    match build_plan(&config, sources, mesh, &PlanOptions::default()) {
+        Ok(plan) => {
+            for name in &plan.unconverted {
+                assert!(
+                    name.ends_with(".embed_tokens.weight") || name.ends_with(".shared_head.head.weight"),
+                    "{}: {name} not converted",
+                    config.model_type
+                );
+            }
+            plan
+        }
+        Err(errors) => {
+            panic!("{}: {}", config.model_type, errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))
+        }
     }
 }
 
@@ -95,7 +115,8 @@ fn sizes_are_within_tolerance_for_every_arch_and_target() {
                 assert!((8..=128).contains(&model.dims().num_layers), "{arch} {target}: {:?}", model.dims());
             }
             if bytes >= 4_000_000_000 {
-                assert_eq!(model.dims().head_dim, 128, "{arch} {target}");
+                let head_dim = model.dims().mla.as_ref().map_or(model.dims().head_dim, |m| m.qk_nope_head_dim);
+                assert_eq!(head_dim, 128, "{arch} {target}");
             }
         }
     }
@@ -161,6 +182,30 @@ fn invalid_dims_are_errors() {
         let err = SynthModel::new(Arch::Qwen3Next, dims).unwrap_err();
         assert!(matches!(err, SynthError::InvalidDims { .. }) && err.to_string().contains(field), "{field}: {err}");
     }
+    let good = WIDTHS[0].dims(Arch::DeepseekV3, 2);
+    assert!(SynthModel::new(Arch::DeepseekV3, good.clone()).is_ok());
+    let mla = good.mla.clone().unwrap();
+    let cases: Vec<(ModelDims, &str)> = vec![
+        (ModelDims { mla: None, ..good.clone() }, "latent-attention"),
+        (
+            ModelDims { mla: Some(LatentAttentionDims { kv_lora_rank: 0, ..mla.clone() }), ..good.clone() },
+            "kv_lora_rank",
+        ),
+        (
+            ModelDims { shared_expert_intermediate_size: good.moe_intermediate_size + 1, ..good.clone() },
+            "shared_expert",
+        ),
+        (ModelDims { intermediate_size: 0, ..good.clone() }, "intermediate_size"),
+        (ModelDims { mtp_layers: MAX_LAYERS, ..good.clone() }, "layers"),
+    ];
+    for (dims, field) in cases {
+        let err = SynthModel::new(Arch::DeepseekV3, dims).unwrap_err();
+        assert!(matches!(err, SynthError::InvalidDims { .. }) && err.to_string().contains(field), "{field}: {err}");
+    }
+    // Without dense layers, no dense width is needed.
+    assert!(
+        SynthModel::new(Arch::DeepseekV3, ModelDims { intermediate_size: 0, first_dense_layers: 0, ..good }).is_ok()
+    );
 }
 
 #[test]
@@ -191,9 +236,10 @@ fn fixture_dims(config: &Value) -> ModelDims {
         head_dim: get("head_dim"),
         intermediate_size: get("intermediate_size"),
         vocab_size: get("vocab_size"),
-        num_experts: get("num_experts").max(get("num_local_experts")),
+        num_experts: get("num_experts").max(get("num_local_experts")).max(get("n_routed_experts")),
         moe_intermediate_size: get("moe_intermediate_size"),
-        shared_expert_intermediate_size: get("shared_expert_intermediate_size"),
+        shared_expert_intermediate_size: get("shared_expert_intermediate_size")
+            .max(get("n_shared_experts") * get("moe_intermediate_size")),
         linear: config.get("linear_num_key_heads").map(|_| LinearAttentionDims {
             num_key_heads: get("linear_num_key_heads"),
             num_value_heads: get("linear_num_value_heads"),
@@ -201,20 +247,43 @@ fn fixture_dims(config: &Value) -> ModelDims {
             value_head_dim: get("linear_value_head_dim"),
             conv_kernel: get("linear_conv_kernel_dim"),
         }),
+        mla: config.get("kv_lora_rank").map(|_| LatentAttentionDims {
+            q_lora_rank: get("q_lora_rank"),
+            kv_lora_rank: get("kv_lora_rank"),
+            qk_nope_head_dim: get("qk_nope_head_dim"),
+            qk_rope_head_dim: get("qk_rope_head_dim"),
+            v_head_dim: get("v_head_dim"),
+        }),
+        first_dense_layers: get("first_k_dense_replace"),
+        mtp_layers: get("num_nextn_predict_layers"),
+    }
+}
+
+/// The fixture's weight format, read from its config.json.
+fn fixture_format(config: &Value) -> WeightFormat {
+    match config["quantization_config"]["weight_block_size"].as_array() {
+        Some(block) => WeightFormat::Fp8Block { block: [block[0].as_u64().unwrap(), block[1].as_u64().unwrap()] },
+        None => WeightFormat::Bf16,
     }
 }
 
 #[test]
 fn names_shapes_and_config_match_the_transformers_fixtures() {
-    for (name, arch) in [("llama", Arch::Llama), ("qwen3_moe", Arch::Qwen3Moe), ("qwen3_next", Arch::Qwen3Next)] {
+    for (name, arch) in [
+        ("llama", Arch::Llama),
+        ("qwen3_moe", Arch::Qwen3Moe),
+        ("qwen3_next", Arch::Qwen3Next),
+        ("deepseek_v3", Arch::DeepseekV3),
+        ("deepseek_v3_fp8", Arch::DeepseekV3),
+    ] {
         let release = Release::open(fixture(name)).unwrap();
         let config: Value = serde_json::from_str(release.config_json()).unwrap();
-        let model = SynthModel::new(arch, fixture_dims(&config)).unwrap();
+        let model = SynthModel::with_format(arch, fixture_dims(&config), fixture_format(&config)).unwrap();
 
-        let theirs: BTreeMap<&str, &[u64]> =
-            release.tensors().map(|t| (t.info.name.as_str(), t.info.shape.as_slice())).collect();
-        let ours: BTreeMap<&str, &[u64]> =
-            model.tensors().iter().map(|t| (t.name.as_str(), t.shape.as_slice())).collect();
+        let theirs: BTreeMap<&str, (DType, &[u64])> =
+            release.tensors().map(|t| (t.info.name.as_str(), (t.info.dtype, t.info.shape.as_slice()))).collect();
+        let ours: BTreeMap<&str, (DType, &[u64])> =
+            model.tensors().iter().map(|t| (t.name.as_str(), (t.dtype, t.shape.as_slice()))).collect();
         assert_eq!(ours, theirs, "{name}");
         assert_eq!(model.total_bytes(), release.total_bytes(), "{name}");
 
@@ -222,7 +291,16 @@ fn names_shapes_and_config_match_the_transformers_fixtures() {
         let our_config: Value = serde_json::from_str(&model.config_json()).unwrap();
         let keys = |v: &Value| -> BTreeSet<String> { v.as_object().unwrap().keys().cloned().collect() };
         assert_eq!(keys(&our_config), keys(&config), "{name}");
-        for key in ["layer_types", "model_type", "architectures", "num_experts_per_tok"] {
+        for key in [
+            "layer_types",
+            "model_type",
+            "architectures",
+            "num_experts_per_tok",
+            "n_group",
+            "topk_group",
+            "qk_head_dim",
+            "quantization_config",
+        ] {
             assert_eq!(our_config.get(key), config.get(key), "{name}: {key}");
         }
         assert_eq!(
@@ -246,7 +324,10 @@ fn every_arch_opens_and_plans() {
             assert_eq!(release.tensors().len(), report.num_tensors, "{arch}");
             assert!(relative_error(report.total_bytes, 2_000_000) <= SIZE_TOLERANCE);
             assert_eq!(report.files.len(), release.files().len());
-            assert!(release.tensors().all(|t| t.info.dtype == DType::BF16));
+            for t in release.tensors() {
+                let want = if t.info.name.ends_with("e_score_correction_bias") { DType::F32 } else { DType::BF16 };
+                assert_eq!(t.info.dtype, want, "{arch}: {}", t.info.name);
+            }
             let sharded = report.files.len() > 1;
             assert_eq!(sharded, options.max_shard_bytes < 2_000_000, "{arch}");
             assert_eq!(report.index.is_some(), sharded);
@@ -254,7 +335,9 @@ fn every_arch_opens_and_plans() {
             if let Some(index) = &report.index {
                 let index: Value = serde_json::from_slice(&fs::read(index).unwrap()).unwrap();
                 assert_eq!(index["metadata"]["total_size"], json!(report.total_bytes));
-                assert_eq!(index["metadata"]["total_parameters"], json!(report.total_bytes / 2));
+                assert_eq!(index["metadata"]["total_parameters"], json!(report.total_parameters));
+                let numel: u64 = release.tensors().map(|t| t.info.shape.iter().product::<u64>()).sum();
+                assert_eq!(report.total_parameters, numel);
                 for file in release.files() {
                     let tensors: u64 = file.tensors().iter().map(|t| t.byte_len).sum();
                     let largest = file.tensors().iter().map(|t| t.byte_len).max().unwrap();
@@ -300,7 +383,7 @@ fn wider_models_plan_too() {
             let sources: Vec<SourceTensor> = model
                 .tensors()
                 .iter()
-                .map(|t| SourceTensor { name: t.name.clone(), dtype: DType::BF16, shape: t.shape.clone() })
+                .map(|t| SourceTensor { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone() })
                 .collect();
             let ep = if arch.is_moe() { 4 } else { 1 };
             for mesh in [Mesh::new(1, 1, 1, 1), Mesh::new(2, 1, 4, ep)] {
@@ -309,6 +392,259 @@ fn wider_models_plan_too() {
             }
         }
     }
+}
+
+// ---- DeepSeek-V3 in bf16 and FP8 ----
+
+fn sources_of(model: &SynthModel) -> Vec<SourceTensor> {
+    model
+        .tensors()
+        .iter()
+        .map(|t| SourceTensor { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone() })
+        .collect()
+}
+
+/// The mesh of the benchmark: TP 2, DP 2, EP 2, ETP 1.
+fn bench_mesh() -> Mesh {
+    Mesh { etp: 1, ..Mesh::new(2, 1, 2, 2) }
+}
+
+const FP8_PROJECTIONS: [&str; 8] =
+    ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+
+#[test]
+fn deepseek_v3_dimensions_split_by_eight_from_1024_up() {
+    for width in WIDTHS.iter().filter(|w| w.hidden >= 1024) {
+        let d = width.dims(Arch::DeepseekV3, 4);
+        let m = d.mla.clone().unwrap();
+        let tp_split = [
+            d.num_attention_heads,
+            d.num_attention_heads * m.v_head_dim,
+            d.intermediate_size,
+            d.moe_intermediate_size,
+            d.shared_expert_intermediate_size,
+        ];
+        assert!(tp_split.iter().all(|n| n % 8 == 0), "{}: {d:?}", width.hidden);
+        assert_eq!((m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim), (128, 64, 128));
+        assert!(m.q_lora_rank % 128 == 0 && d.moe_intermediate_size % 128 == 0, "{d:?}");
+        assert_eq!(m.kv_lora_rank, 512);
+        for format in [WeightFormat::Bf16, WeightFormat::FP8] {
+            let model = SynthModel::with_format(Arch::DeepseekV3, d.clone(), format).unwrap();
+            let config = ModelConfig::from_json(&model.config_json()).unwrap();
+            let mesh = Mesh::new(8, 1, 8, 8);
+            let result = build_plan(&config, sources_of(&model), mesh, &PlanOptions::default());
+            assert!(result.is_ok(), "{} {format:?}: {:?}", width.hidden, result.err());
+        }
+    }
+    // DeepSeek-V3's own width gives its own ranks and expert width.
+    let real = Width { hidden: 7168, ..WIDTHS[WIDTHS.len() - 1] };
+    let d = real.dims(Arch::DeepseekV3, 61);
+    let m = d.mla.unwrap();
+    assert_eq!(
+        (m.q_lora_rank, m.kv_lora_rank, d.moe_intermediate_size, d.intermediate_size),
+        (1536, 512, 2048, 18_432)
+    );
+    assert_eq!(d.first_dense_layers, 3);
+}
+
+#[test]
+fn fp8_is_the_bf16_model_in_about_half_the_bytes() {
+    for target in ["4GB", "64GB"] {
+        let bytes = parse_size_lenient(target).unwrap();
+        let bf16 = SynthModel::for_target(Arch::DeepseekV3, bytes).unwrap();
+        let fp8 = SynthModel::for_target_as(Arch::DeepseekV3, WeightFormat::FP8, bytes).unwrap();
+        assert_eq!(fp8.dims(), bf16.dims());
+        assert_eq!(fp8.format(), WeightFormat::FP8);
+        assert!(relative_error(bf16.total_bytes(), bytes) <= CLOSE_FIT, "{target}");
+        let sum: u64 = fp8.tensors().iter().map(TensorSpec::byte_len).sum();
+        assert_eq!(sum, fp8.total_bytes());
+        let ratio = fp8.total_bytes() as f64 / bf16.total_bytes() as f64;
+        assert!((0.5..0.6).contains(&ratio), "{target}: {ratio}");
+        // Bytes per dtype: 1 per FP8 code, 4 per scale and per bias, 2 for everything else.
+        let by_dtype = |dtype: DType| -> u64 {
+            fp8.tensors().iter().filter(|t| t.dtype == dtype).map(|t| t.numel() * dtype.size() as u64).sum()
+        };
+        assert_eq!(by_dtype(DType::F8E4M3) + by_dtype(DType::F32) + by_dtype(DType::BF16), fp8.total_bytes());
+    }
+}
+
+#[test]
+fn deepseek_v3_releases_in_both_formats_convert_to_the_same_checkpoint() {
+    let target = 3_000_000;
+    let written: Vec<(TempDir, SynthReport)> = [WeightFormat::Bf16, WeightFormat::FP8]
+        .into_iter()
+        .map(|format| {
+            let dir = TempDir::new().unwrap();
+            let report = synth_as("deepseek_v3", format, target, dir.path(), 4, &small_shards(), &|_| {}).unwrap();
+            (dir, report)
+        })
+        .collect();
+    let [(bf16_dir, bf16), (fp8_dir, fp8)] = &written[..] else { unreachable!() };
+    assert_eq!(bf16.dims, fp8.dims);
+    assert!(relative_error(bf16.total_bytes, target) <= SIZE_TOLERANCE);
+    assert!(fp8.total_bytes < bf16.total_bytes * 3 / 4, "{} of {}", fp8.total_bytes, bf16.total_bytes);
+    assert!(bf16.files.len() > 1 && fp8.files.len() > 1);
+    let bf16_release = Release::open(bf16_dir.path()).unwrap();
+    let fp8_release = Release::open(fp8_dir.path()).unwrap();
+    assert_eq!(fp8_release.total_bytes(), fp8.total_bytes);
+
+    // The FP8 release: the bf16 one's tensors, projections in FP8 each with its block scales.
+    let bf16_tensors: BTreeMap<String, (DType, Vec<u64>)> =
+        bf16_release.tensors().map(|t| (t.info.name.clone(), (t.info.dtype, t.info.shape.clone()))).collect();
+    let fp8_tensors: BTreeMap<String, (DType, Vec<u64>)> =
+        fp8_release.tensors().map(|t| (t.info.name.clone(), (t.info.dtype, t.info.shape.clone()))).collect();
+    let mut quantized = 0;
+    for (name, (dtype, shape)) in &bf16_tensors {
+        let is_projection = name.starts_with("model.layers.")
+            && FP8_PROJECTIONS.iter().any(|p| name.ends_with(&format!(".{p}.weight")));
+        let (fp8_dtype, fp8_shape) = &fp8_tensors[name];
+        assert_eq!(fp8_shape, shape, "{name}");
+        let scales = fp8_tensors.get(&format!("{name}_scale_inv"));
+        if is_projection {
+            quantized += 1;
+            assert_eq!(*fp8_dtype, DType::F8E4M3, "{name}");
+            assert_eq!(*dtype, DType::BF16, "{name}");
+            let want = vec![shape[0].div_ceil(128), shape[1].div_ceil(128)];
+            assert_eq!(scales, Some(&(DType::F32, want)), "{name}");
+        } else {
+            assert_eq!(fp8_dtype, dtype, "{name}");
+            assert!(scales.is_none(), "{name}");
+        }
+        let want = if name.ends_with(".mlp.gate.e_score_correction_bias") { DType::F32 } else { DType::BF16 };
+        assert_eq!(*dtype, want, "{name}");
+    }
+    assert!(quantized > 0);
+    assert_eq!(fp8_tensors.len(), bf16_tensors.len() + quantized);
+
+    // The configs differ only in the quantization.
+    let bf16_config = ModelConfig::from_json(bf16_release.config_json()).unwrap();
+    let fp8_config = ModelConfig::from_json(fp8_release.config_json()).unwrap();
+    assert_eq!(bf16_config.quantization, None);
+    assert_eq!(fp8_config.quantization, Some(Quantization::Fp8Block { block: [128, 128] }));
+    assert_eq!(ModelConfig { quantization: None, ..fp8_config.clone() }, bf16_config);
+    assert_eq!(fp8_config.model_type, "deepseek_v3");
+    let first_dense = bf16.dims.first_dense_layers;
+    assert!(first_dense >= 1 && bf16.dims.num_layers > first_dense, "{:?}", bf16.dims);
+
+    // Same checkpoint: the same keys, shapes and dtypes; the FP8 one through dequantization.
+    for mesh in [Mesh::new(1, 1, 1, 1), bench_mesh()] {
+        let a = plan_on(&bf16_release, mesh);
+        let b = plan_on(&fp8_release, mesh);
+        let outline = |p: &Plan| -> Vec<(String, DType, Vec<u64>)> {
+            p.tensors.iter().map(|t| (t.key.clone(), t.dtype, t.shape.clone())).collect()
+        };
+        assert_eq!(outline(&a), outline(&b), "{mesh}");
+        let dequantized = |p: &Plan| {
+            p.tensors
+                .iter()
+                .flat_map(|t| &t.recipe)
+                .filter(|r| matches!(r.transform, Transform::DequantFp8 { rows: 128, cols: 128, .. }))
+                .count()
+        };
+        assert_eq!(dequantized(&a), 0);
+        assert!(dequantized(&b) > 0);
+        assert!(b.tensors.iter().all(|t| t.dtype == DType::BF16 || t.key.ends_with("router.expert_bias")));
+    }
+}
+
+#[test]
+fn fp8_codes_scales_and_biases_are_as_documented() {
+    let dir = TempDir::new().unwrap();
+    synth_as("deepseek_v3", WeightFormat::FP8, 3_000_000, dir.path(), 9, &SynthOptions::default(), &|_| {}).unwrap();
+    let release = Release::open(dir.path()).unwrap();
+    let dtypes: BTreeMap<String, DType> = release.tensors().map(|t| (t.info.name.clone(), t.info.dtype)).collect();
+    let tensors = tensor_bytes(&release);
+    let f32s = |bytes: &[u8]| -> Vec<f32> {
+        bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    };
+    let (mut weights, mut scales, mut biases) = (Vec::new(), Vec::new(), Vec::new());
+    for (name, bytes) in &tensors {
+        match dtypes[name] {
+            DType::F8E4M3 => {
+                assert!(bytes.iter().all(|&b| b & 0x7F != 0x7F), "{name}: NaN code");
+                let values: Vec<f32> = bytes.iter().map(|&b| f8e4m3_to_f32(b)).collect();
+                assert!(values.iter().all(|v| v.abs() <= 448.0));
+                weights.extend(values);
+            }
+            DType::F32 if name.ends_with("_scale_inv") => scales.extend(f32s(bytes)),
+            DType::F32 => biases.extend(f32s(bytes)),
+            _ => assert!(bf16_values(bytes).iter().all(|v| v.is_finite()), "{name}"),
+        }
+    }
+    assert!(scales.iter().all(|&s| s.is_finite() && s > 0.0 && (5e-5..4e-4).contains(&s)), "scales");
+    let (mean, std) = mean_std(&scales);
+    assert!((mean - SCALE_MEAN).abs() < 0.05 * SCALE_MEAN, "scales mean {mean}");
+    assert!((std - SCALE_STD).abs() < 0.2 * SCALE_STD, "scales std {std}");
+    let (mean, std) = mean_std(&weights);
+    assert!(mean.abs() < 1.0, "codes mean {mean}");
+    assert!((std - FP8_CODE_STD).abs() < 0.03 * FP8_CODE_STD, "codes std {std}");
+    assert!(weights.iter().any(|v| v.abs() >= 256.0), "codes reach the top of the range");
+    assert!(!biases.is_empty() && biases.iter().all(|b| b.is_finite() && b.abs() < 0.1), "biases");
+    let (mean, std) = mean_std(&biases);
+    assert!(mean.abs() < 0.01 && std > 0.005 && std < 0.04, "biases {mean} {std}");
+}
+
+#[test]
+fn e4m3_rounding() {
+    let table = Tables::new();
+    let magnitudes: Vec<f32> = (0u8..0x7F).map(f8e4m3_to_f32).collect();
+    let magnitudes: [f32; 0x7F] = magnitudes.try_into().unwrap();
+    for code in 0u8..=0xFE {
+        if code & 0x7F == 0x7F {
+            continue;
+        }
+        let v = f8e4m3_to_f32(code);
+        let back = f32_to_e4m3(v, &magnitudes);
+        assert!(back == code || (v == 0.0 && back & 0x7F == 0), "{code:#x} → {v} → {back:#x}");
+    }
+    // Halfway between 1 (0x38) and 1.125 (0x39): to the even code; saturating at 448.
+    assert_eq!(f32_to_e4m3(1.0625, &magnitudes), 0x38);
+    assert_eq!(f32_to_e4m3(1.1875, &magnitudes), 0x3A);
+    assert_eq!(f32_to_e4m3(1000.0, &magnitudes), 0x7E);
+    assert_eq!(f32_to_e4m3(-1000.0, &magnitudes), 0xFE);
+    assert!(table.fp8.0.iter().all(|&c| c & 0x7F != 0x7F));
+    assert!(table.fp8.0.windows(2).all(|w| f8e4m3_to_f32(w[0]) <= f8e4m3_to_f32(w[1])));
+}
+
+#[test]
+fn mtp_layers_are_written_and_convert() {
+    let mut dims = WIDTHS[0].dims(Arch::DeepseekV3, 3);
+    dims.mtp_layers = 1;
+    for format in [WeightFormat::Bf16, WeightFormat::FP8] {
+        let model = SynthModel::with_format(Arch::DeepseekV3, dims.clone(), format).unwrap();
+        let names: BTreeSet<&str> = model.tensors().iter().map(|t| t.name.as_str()).collect();
+        for name in ["model.layers.3.eh_proj.weight", "model.layers.3.mlp.experts.0.down_proj.weight"] {
+            assert!(names.contains(name), "{name}");
+        }
+        assert!(!names.iter().any(|n| n.starts_with("model.layers.4.")));
+        let dir = TempDir::new().unwrap();
+        write_release(&model, dir.path(), 0, &small_shards(), &|_| {}).unwrap();
+        let release = Release::open(dir.path()).unwrap();
+        assert_eq!(ModelConfig::from_json(release.config_json()).unwrap().mtp_layers, 1);
+        let plan = plan_on(&release, bench_mesh());
+        assert_eq!(plan.unconverted, ["model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight"]);
+        assert!(plan.tensors.iter().any(|t| t.key.contains("mtp.layers.0.transformer_layer.self_attention")));
+    }
+}
+
+#[test]
+fn fp8_only_for_deepseek_v3() {
+    for arch in Arch::ALL.into_iter().filter(|a| !a.supports_fp8()) {
+        let dir = TempDir::new().unwrap();
+        let err = synth_as(arch.name(), WeightFormat::FP8, 2_000_000, dir.path(), 0, &SynthOptions::default(), &|_| {})
+            .unwrap_err();
+        assert!(matches!(err, SynthError::Fp8NotSupported { .. }), "{arch}: {err:?}");
+        assert!(err.to_string().contains(arch.name()) && err.to_string().contains("deepseek_v3"), "{err}");
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+    assert_eq!(Arch::ALL.iter().filter(|a| a.supports_fp8()).collect::<Vec<_>>(), [&Arch::DeepseekV3]);
+    let err = SynthModel::with_format(
+        Arch::DeepseekV3,
+        WIDTHS[0].dims(Arch::DeepseekV3, 2),
+        WeightFormat::Fp8Block { block: [0, 128] },
+    )
+    .unwrap_err();
+    assert!(matches!(err, SynthError::InvalidOption(_)), "{err:?}");
 }
 
 #[test]
@@ -469,16 +805,19 @@ fn bad_options_and_output_paths_are_errors() {
 fn streams_continue_across_pieces() {
     let tables = Tables::new();
     let mut whole = vec![0u8; 1003];
-    TensorStream::new(5, "t").fill(&tables.normal, &mut whole);
-    let mut pieces = vec![0u8; 1003];
-    let mut stream = TensorStream::new(5, "t");
-    for chunk in pieces.chunks_mut(64) {
-        stream.fill(&tables.normal, chunk);
+    for dtype in [DType::BF16, DType::F32, DType::F8E4M3] {
+        let sampler = tables.sampler(dtype, Init::Normal);
+        TensorStream::new(5, "t").fill(sampler, &mut whole);
+        let mut pieces = vec![0u8; 1003];
+        let mut stream = TensorStream::new(5, "t");
+        for chunk in pieces.chunks_mut(64) {
+            stream.fill(sampler, chunk);
+        }
+        assert_eq!(whole, pieces, "{dtype}");
+        let mut other = vec![0u8; 1003];
+        TensorStream::new(5, "u").fill(sampler, &mut other);
+        assert_ne!(whole, other, "{dtype}");
     }
-    assert_eq!(whole, pieces);
-    let mut other = vec![0u8; 1003];
-    TensorStream::new(5, "u").fill(&tables.normal, &mut other);
-    assert_ne!(whole, other);
 }
 
 #[test]
@@ -493,7 +832,7 @@ fn normal_quantiles_and_bf16_rounding() {
     assert_eq!(f32_to_bf16(1.0 + 1.0 / 256.0), 0x3F80);
     assert_eq!(f32_to_bf16(1.0 + 3.0 / 256.0), 0x3F82);
     let tables = Tables::new();
-    for table in [&tables.normal, &tables.around_one] {
+    for table in [&tables.normal, &tables.around_one, &tables.scale] {
         assert!(table.0.iter().all(|&b| b & 0x7F80 != 0x7F80), "finite");
         assert!(table.0.windows(2).all(|w| {
             let v = |b: u16| f32::from_bits(u32::from(b) << 16);

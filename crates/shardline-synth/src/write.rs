@@ -10,7 +10,6 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Map};
-use shardline_layout::DType;
 
 use shardline_formats::safetensors::{
     FileLayout, SafetensorsWriter, CONFIG_FILE_NAME, INDEX_FILE_NAME, SINGLE_FILE_NAME,
@@ -58,6 +57,7 @@ impl Default for SynthOptions {
 pub struct SynthReport {
     pub arch: Arch,
     pub dims: ModelDims,
+    pub format: WeightFormat,
     pub dir: PathBuf,
     /// The safetensors files, in shard order.
     pub files: Vec<PathBuf>,
@@ -80,8 +80,8 @@ impl SynthReport {
     }
 }
 
-/// Writes a synthetic `arch` release of about `target_bytes` bytes of tensors into `out_dir`
-/// (created if needed), with data drawn from `seed`. See the module documentation.
+/// Writes a synthetic bf16 `arch` release of about `target_bytes` bytes of tensors into
+/// `out_dir` (created if needed), with data drawn from `seed`. See the module documentation.
 pub fn synth(
     arch: &str,
     target_bytes: u64,
@@ -102,8 +102,23 @@ pub fn synth_with_progress(
     options: &SynthOptions,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<SynthReport, SynthError> {
+    synth_as(arch, WeightFormat::Bf16, target_bytes, out_dir, seed, options, progress)
+}
+
+/// [`synth_with_progress`] with the weights in `format`: the model is the one fitted to
+/// `target_bytes` in bf16 (see [`SynthModel::for_target_as`]), so an FP8 release has about half
+/// of `target_bytes` and converts to the same checkpoint as the bf16 one.
+pub fn synth_as(
+    arch: &str,
+    format: WeightFormat,
+    target_bytes: u64,
+    out_dir: &Path,
+    seed: u64,
+    options: &SynthOptions,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<SynthReport, SynthError> {
     let arch: Arch = arch.parse()?;
-    let model = SynthModel::for_target(arch, target_bytes)?;
+    let model = SynthModel::for_target_as(arch, format, target_bytes)?;
     write_release(&model, out_dir, seed, options, progress)
 }
 
@@ -228,12 +243,11 @@ impl ShardJob<'_> {
     pub(crate) fn write(&self, shard: &Shard, buf: &mut [u8]) -> Result<Option<(PathBuf, u64)>, SynthError> {
         let specs: Vec<&TensorSpec> = shard.tensors.iter().filter_map(|&i| self.model.tensors.get(i)).collect();
         let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-        let layout =
-            FileLayout::new(specs.iter().map(|t| (t.name.as_str(), DType::BF16, t.shape.as_slice())), &metadata)?;
+        let layout = FileLayout::new(specs.iter().map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice())), &metadata)?;
         let file_len = layout.file_len();
         let mut writer = SafetensorsWriter::create(self.dir.join(&shard.file_name), layout)?;
         for t in specs {
-            let table = self.tables.get(t.init);
+            let sampler = self.tables.sampler(t.dtype, t.init);
             let mut stream = TensorStream::new(self.seed, &t.name);
             let mut remaining = t.byte_len();
             while remaining > 0 {
@@ -242,7 +256,7 @@ impl ShardJob<'_> {
                 }
                 let n = usize::try_from(remaining).map_or(buf.len(), |r| r.min(buf.len()));
                 let piece = buf.get_mut(..n).unwrap_or_default();
-                stream.fill(table, piece);
+                stream.fill(sampler, piece);
                 writer.write_next(piece)?;
                 (self.progress)(n as u64);
                 remaining -= n as u64;
@@ -383,6 +397,7 @@ pub fn write_release(
     Ok(SynthReport {
         arch: model.arch,
         dims: model.dims.clone(),
+        format: model.format,
         dir: out_dir.to_path_buf(),
         file_bytes: finished.iter().map(|(_, _, len)| len).sum(),
         files: finished.into_iter().map(|(_, path, _)| path).collect(),
