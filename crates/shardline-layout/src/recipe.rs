@@ -82,10 +82,9 @@ pub const MXFP4_MAX_SCALE: u8 = 252;
 
 /// Dequantizes MXFP4 codes `src` (two elements a byte, low nibble first), the first being element
 /// `first` (a multiple of 2) of the tensor, into bf16 `out`; `scales[k]` is the E8M0 exponent of
-/// elements `[32·(first/32 + k), …)`. Exact: every product is a bf16 value for scales up to
+/// elements `[32·(base_block + k), …)`. Exact: every product is a bf16 value for scales up to
 /// [`MXFP4_MAX_SCALE`] (larger ones give ±inf; the caller rejects them first).
-pub fn dequant_mxfp4_into(src: &[u8], first: u64, scales: &[u8], out: &mut [u8]) {
-    let base_block = first / MXFP4_BLOCK;
+pub fn dequant_mxfp4_into(src: &[u8], first: u64, scales: &[u8], base_block: u64, out: &mut [u8]) {
     for (k, o) in out.chunks_exact_mut(2).enumerate() {
         let i = first + k as u64;
         let byte = src.get(k / 2).copied().unwrap_or(0);
@@ -143,7 +142,16 @@ pub fn dequant_fp8_into(src: &[u8], first: u64, scales: &Fp8Scales<'_>, out: &mu
                 have[bc] = true;
             }
             let table = &tables[bc];
-            for (code, o) in codes.iter().zip(dst.chunks_exact_mut(2)) {
+            // Eight codes a step: one 16-byte store instead of eight 2-byte ones.
+            let (head, tail) = (codes.chunks_exact(8), codes.len() / 8 * 8);
+            for (c8, o) in head.zip(dst.chunks_exact_mut(16)) {
+                let mut w = [0u8; 16];
+                for (k, code) in c8.iter().enumerate() {
+                    w[2 * k..2 * k + 2].copy_from_slice(&table[*code as usize].to_le_bytes());
+                }
+                o.copy_from_slice(&w);
+            }
+            for (code, o) in codes[tail..].iter().zip(dst[2 * tail..].chunks_exact_mut(2)) {
                 o.copy_from_slice(&table[*code as usize].to_le_bytes());
             }
         } else {
@@ -588,14 +596,14 @@ mod tests {
         src[16] = 0x7F; // elements 32, 33: FP4[15] = −6.0, FP4[7] = 6.0
         let scales = [128u8, 125];
         let mut out = vec![0u8; 128];
-        dequant_mxfp4_into(&src, 0, &scales, &mut out);
+        dequant_mxfp4_into(&src, 0, &scales, 0, &mut out);
         let v = |i: usize| u16::from_le_bytes([out[2 * i], out[2 * i + 1]]);
         let f = |i: usize| f32::from_bits(u32::from(v(i)) << 16);
         assert_eq!((f(0), f(1), f(3), f(32), f(33)), (1.0, 2.0, -12.0, -1.5, 1.5));
         assert_eq!(v(2), 0x8000, "−0.0 keeps its sign");
         // From element 32 on, with only block 1's scale.
         let mut part = vec![0u8; 4];
-        dequant_mxfp4_into(&src[16..17], 32, &scales[1..], &mut part);
+        dequant_mxfp4_into(&src[16..17], 32, &scales[1..], 1, &mut part);
         assert_eq!(&part[..], &out[64..68]);
     }
 

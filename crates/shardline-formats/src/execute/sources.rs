@@ -118,7 +118,7 @@ struct Band {
 }
 
 /// Bytes of transposed rows read ahead at once.
-const BAND_BYTES: usize = 4 << 20;
+const BAND_BYTES: usize = 1 << 20;
 
 impl Band {
     /// Output row `k` of the band holding the column at element `elem`, if it holds it.
@@ -140,17 +140,32 @@ impl Converter {
         transform: Transform,
         out: &mut [u8],
     ) -> Result<(), ExecuteError> {
-        let elems = (out.len() / t.dtype.size()) as u64;
+        let item = t.dtype.size();
+        let elems = out.len() / item;
         if let Transform::Transpose { src_cols, col_stride } = transform {
             return self.transposed(sources, t, id, offset, u64::from(src_cols), u64::from(col_stride), out);
         }
-        self.staging.resize(transform.source_bytes(t.dtype, elems) as usize, 0);
+        let src_len = transform.source_bytes(t.dtype, elems as u64) as usize;
+        self.staging.resize(src_len, 0);
         sources.read(id, offset, &mut self.staging)?;
+        let staging = &self.staging;
         match transform {
+            Transform::Cast(from) => {
+                cast_into(from, t.dtype, staging, out);
+            }
+            Transform::DequantFp8 { scale, rows, cols } => {
+                let values = match &self.scales {
+                    Some((held, v)) if *held == scale => v,
+                    _ => &self.scales.insert((scale, sources.read_f32s(scale as usize)?)).1,
+                };
+                let scales = Fp8Scales { values, row_elems: row_elems(t.shape), block: [rows.into(), cols.into()] };
+                // FP8 codes are one byte: the byte offset is the element index.
+                dequant_fp8_into(staging, offset, &scales, out);
+            }
             Transform::DequantMxfp4 { scales } => {
-                // Two codes a byte: element index = 2 · byte offset; one scale per 32 elements.
+                // Two codes a byte (a unit is a byte: two elements); one scale per 32 elements.
                 let first = 2 * offset;
-                let (lo, hi) = (first / MXFP4_BLOCK, (first + elems).div_ceil(MXFP4_BLOCK));
+                let (lo, hi) = (first / MXFP4_BLOCK, (first + elems as u64).div_ceil(MXFP4_BLOCK));
                 self.block_scales.resize((hi - lo) as usize, 0);
                 sources.read(scales as usize, lo, &mut self.block_scales)?;
                 if let Some(k) = self.block_scales.iter().position(|s| *s > MXFP4_MAX_SCALE) {
@@ -161,17 +176,7 @@ impl Converter {
                         max: MXFP4_MAX_SCALE,
                     });
                 }
-                dequant_mxfp4_into(&self.staging, first, &self.block_scales, out);
-            }
-            Transform::Cast(from) => cast_into(from, t.dtype, &self.staging, out),
-            Transform::DequantFp8 { scale, rows, cols } => {
-                let values = match &self.scales {
-                    Some((held, v)) if *held == scale => v,
-                    _ => &self.scales.insert((scale, sources.read_f32s(scale as usize)?)).1,
-                };
-                let scales = Fp8Scales { values, row_elems: row_elems(t.shape), block: [rows.into(), cols.into()] };
-                // FP8 codes are one byte: the byte offset is the element index.
-                dequant_fp8_into(&self.staging, offset, &scales, out);
+                dequant_mxfp4_into(staging, first, &self.block_scales, lo, out);
             }
             _ => out.fill(0),
         }
