@@ -255,6 +255,9 @@ def _map_moe(src: _Source, hf: str, mg: str, out: dict) -> None:
     if src.has(f"{experts}.gate_up_proj"):  # packed: gate_up [E, 2F, H] (gate = first F rows), down [E, H, F]
         gate_up = src.take(f"{experts}.gate_up_proj")
         down = src.take(f"{experts}.down_proj")
+        if _RELEASE_EXPERT_LAYOUT:
+            # Qwen3-VL-MoE releases store [E, H, 2F] and [E, F, H] (archs-2025.md §3.5): transposed.
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         f_dim = gate_up.shape[1] // 2
         for g in range(gate_up.shape[0]):
             out[f"{m}.experts.linear_fc1.weight{g}_w"] = gate_up[g, :f_dim].contiguous()
@@ -319,6 +322,24 @@ BF16_FAMILIES = {"deepseek_v3", "kimi_k2", "glm4_moe", "gpt_oss"}
 
 # Expert-TP size of the layout being built (gpt-oss's fused fc1 depends on it).
 _ETP = 1
+# Whether packed experts are in the release layout [E, in, out] (Qwen3-VL-MoE).
+_RELEASE_EXPERT_LAYOUT = False
+
+
+def _map_vision_qwen3_vl(src: _Source, out: dict) -> None:
+    """archs-2025.md §3.5: every `model.visual.X` is `vision_model.X`, replicated and unchanged,
+    but `blocks.j.mlp.linear_fc1.{weight,bias}`, split in row halves into `_w` and `_v`."""
+    fc1 = re.compile(r"blocks\.\d+\.mlp\.linear_fc1\.(weight|bias)$")
+    for k in sorted(src.tensors):
+        if not k.startswith("model.visual."):
+            continue
+        rest = k[len("model.visual."):]
+        t = src.take(k)
+        if fc1.fullmatch(rest):
+            half = t.shape[0] // 2
+            out[f"vision_model.{rest}_w"], out[f"vision_model.{rest}_v"] = t[:half].contiguous(), t[half:].contiguous()
+        else:
+            out[f"vision_model.{rest}"] = t
 
 # FP4 E2M1 values by code (OCP Microscaling spec): sign, 2 exponent bits, 1 mantissa bit.
 FP4_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -421,8 +442,10 @@ def dequantize_fp8_blocks(cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[s
 def megatron_state_dict(cfg: dict, tensors: dict[str, torch.Tensor], tp: int = 1, etp: int | None = None
                         ) -> dict[str, torch.Tensor]:
     """Unprefixed Megatron names -> global tensors."""
-    global _ETP
+    global _ETP, _RELEASE_EXPERT_LAYOUT
     _ETP = etp or tp
+    qwen3_vl = cfg["_root"].get("model_type") == "qwen3_vl_moe"
+    _RELEASE_EXPERT_LAYOUT = qwen3_vl
     tensors = dequantize_fp8_blocks(cfg, tensors)
     src = _Source(tensors)
     root = "model.language_model" if src.has("model.language_model.embed_tokens.weight") else "model"
@@ -438,13 +461,18 @@ def megatron_state_dict(cfg: dict, tensors: dict[str, torch.Tensor], tp: int = 1
             _map_mtp_after_decoder(src, cfg, f"{root}.layers.{i}", i - n_layers, out)
     out["decoder.final_layernorm.weight"] = src.take(f"{root}.norm.weight")
 
-    tied = cfg.get("tie_word_embeddings", cfg["_root"].get("tie_word_embeddings", False))
+    # Multimodal releases say it at the top level.
+    tied = cfg["_root"].get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
     if tied:
         if src.has("lm_head.weight"):
             src.skip("lm_head.weight")
     else:
         out["output_layer.weight"] = pad_vocab(src.take("lm_head.weight"), tp)
 
+    if qwen3_vl:
+        # The Megatron model wraps the decoder as `language_model` next to `vision_model`.
+        out = {f"language_model.{k}": t for k, t in out.items()}
+        _map_vision_qwen3_vl(src, out)
     left = src.unused()
     if left:
         raise ValueError(f"reference mapping does not cover {len(left)} HF tensors, e.g. {left[:5]}")

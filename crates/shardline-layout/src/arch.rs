@@ -60,6 +60,12 @@ pub enum Kind {
     TransposedGateUp,
     /// gpt-oss's bf16 experts `down_proj [E, F, H]` → per expert fc2 `[H, F]`, transposed.
     TransposedDown,
+    /// Qwen3-VL-MoE's experts `gate_up_proj [E, H, 2F]` → per expert `_w` = columns `[0, F)`
+    /// transposed, `_v` = columns `[F, 2F)` transposed (contiguous halves, not interleaved).
+    TransposedGatedExperts,
+    /// A vision MLP's `linear_fc1` (weight or bias) split in row halves `_w`, `_v`, replicated:
+    /// the fsdp_dtensor format splits every `.mlp.linear_fc1` by key (archs-2025.md §3.5).
+    SplitHalves,
 }
 
 /// One line of a mapping table.
@@ -332,6 +338,27 @@ const GPT_OSS_MOE: &[Rule] = &[
     ),
 ];
 
+/// Qwen3-VL-MoE: router and packed experts in the release layout `[E, in, out]`.
+const QWEN3_VL_MOE: &[Rule] = &[
+    rule("decoder.layers.{L}.mlp.router.weight", Copy(Replicated), &["model.layers.{L}.mlp.gate.weight"]),
+    guarded(
+        "decoder.layers.{L}.pre_mlp_layernorm.weight",
+        Copy(Replicated),
+        &["model.layers.{L}.post_attention_layernorm.weight"],
+        "model.layers.{L}.mlp.gate.weight",
+    ),
+    expert(
+        "decoder.layers.{L}.mlp.experts.linear_fc1.weight{E}",
+        TransposedGatedExperts,
+        &["model.layers.{L}.mlp.experts.gate_up_proj"],
+    ),
+    expert(
+        "decoder.layers.{L}.mlp.experts.linear_fc2.weight{E}",
+        TransposedDown,
+        &["model.layers.{L}.mlp.experts.down_proj"],
+    ),
+];
+
 /// Routed experts' score-correction bias: a float32 buffer of Megatron's router.
 const EXPERT_BIAS: &[Rule] = &[in_dtype(
     "decoder.layers.{L}.mlp.router.expert_bias",
@@ -472,6 +499,7 @@ pub fn tables(family: Family) -> (&'static [&'static [Rule]], Option<MtpStyle>) 
             Some(MtpStyle::AfterDecoder),
         ),
         Family::GptOss => (&[EMBEDDING, ATTENTION, QKV_BIAS, GPT_OSS_ATTENTION, GPT_OSS_MOE], None),
+        Family::Qwen3VlMoe => (&[EMBEDDING, ATTENTION, QKV_BIAS, QK_NORM, QWEN3_VL_MOE, DENSE_MLP], None),
     }
 }
 
@@ -487,6 +515,31 @@ pub fn output_dtype(family: Family) -> Option<DType> {
 /// Whether attention of this family may carry output-gate heads in `q_proj`.
 pub fn has_gated_attention(family: Family) -> bool {
     matches!(family, Family::Qwen3Next | Family::Qwen35)
+}
+
+/// Where a family's language-model keys live in Megatron, before the table's names (Qwen3-VL's
+/// model wraps its decoder as `language_model`).
+pub fn megatron_prefix(family: Family) -> &'static str {
+    match family {
+        Family::Qwen3VlMoe => "language_model.",
+        _ => "",
+    }
+}
+
+/// A family whose vision tower converts: every release tensor under the first prefix becomes the
+/// Megatron parameter of the same name under the second, replicated (Megatron embeds the HF
+/// vision model as it is), `blocks.{j}.mlp.linear_fc1.{weight,bias}` split in halves.
+pub fn vision_tower(family: Family) -> Option<(&'static str, &'static str)> {
+    match family {
+        Family::Qwen3VlMoe => Some(("model.visual.", "vision_model.")),
+        _ => None,
+    }
+}
+
+/// Whether a vision tensor (name after the vision prefix) is an MLP's fc1, split in halves.
+pub fn is_vision_fc1(rest: &str) -> bool {
+    let parts: Vec<&str> = rest.split('.').collect();
+    matches!(parts.as_slice(), ["blocks", j, "mlp", "linear_fc1", "weight" | "bias"] if j.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// Prefixes of release tensors that are knowingly not converted (reported by name, never dropped
@@ -560,6 +613,10 @@ pub fn describe(family: Family) -> Vec<TableLine> {
                     "transposed; gate = even columns, up = odd columns; fused: [gate_r; up_r] per ETP rank".to_string(),
                 ),
                 TransposedDown => ("packed", "row", "transposed expert matrix".to_string()),
+                TransposedGatedExperts => {
+                    ("packed", "column", "transposed; columns [0, F) → _w, [F, 2F) → _v".to_string())
+                }
+                SplitHalves => ("split", "replicated", "row halves → _w, _v".to_string()),
             };
             let transform = match r.dtype.or(output_dtype(family)) {
                 Some(d) if r.kind != NotConverted => {

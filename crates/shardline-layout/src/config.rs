@@ -30,6 +30,9 @@ pub enum Family {
     /// `glm4_moe` (GLM-4.5/4.6): GQA with biases and optional q/k norms, dense first layers,
     /// routed and shared experts with a score-correction bias, MTP layers after the decoder.
     Glm4Moe,
+    /// `qwen3_vl_moe`: Qwen3 MoE attention and packed experts stored `[E, in, out]`, under
+    /// `language_model.`, and the vision tower under `vision_model.`.
+    Qwen3VlMoe,
     /// `gpt_oss`: GQA with biases and attention sinks, a biased router, packed experts with
     /// biases whose fc1 interleaves gate and up rows and stays fused on disk (MXFP4 in releases).
     GptOss,
@@ -52,6 +55,8 @@ pub const SUPPORTED_MODEL_TYPES: &[(&str, Family)] = &[
     ("kimi_k2", Family::DeepseekV3),
     ("glm4_moe", Family::Glm4Moe),
     ("gpt_oss", Family::GptOss),
+    ("qwen3_vl_moe", Family::Qwen3VlMoe),
+    ("qwen3_vl_moe_text", Family::Qwen3VlMoe),
 ];
 
 /// Multi-head latent attention dimensions (DeepSeek-V3).

@@ -358,3 +358,52 @@ fn gpt_oss_keeps_fc1_fused_in_the_expert_tp_layout_and_dequantizes_mxfp4() {
     assert_eq!((fc2.shape.clone(), fc2.tp_mode), (vec![64, 96], TpMode::Row));
     assert_eq!(fc2.recipe, vec![RowBlock::transposed(fc2.recipe[0].source.unwrap().0, 96 * 64, 64, 64, 1)]);
 }
+
+#[test]
+fn qwen3_vl_moe_converts_its_vision_tower_and_transposes_its_experts() {
+    let config = r#"{"model_type":"qwen3_vl_moe","tie_word_embeddings":false,"text_config":{"model_type":"qwen3_vl_moe_text",
+        "hidden_size":16,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":4,"num_hidden_layers":1,
+        "vocab_size":32,"num_experts":2,"moe_intermediate_size":6}}"#;
+    let b = DType::BF16;
+    let lm = "model.language_model.";
+    let mut s = vec![
+        src(&format!("{lm}embed_tokens.weight"), b, &[32, 16]),
+        src("lm_head.weight", b, &[32, 16]),
+        src(&format!("{lm}norm.weight"), b, &[16]),
+        src("model.visual.patch_embed.proj.weight", b, &[8, 3, 2, 4, 4]),
+        src("model.visual.blocks.0.attn.qkv.weight", b, &[24, 8]),
+        src("model.visual.blocks.0.mlp.linear_fc1.weight", b, &[16, 8]),
+        src("model.visual.blocks.0.mlp.linear_fc1.bias", b, &[16]),
+        src("model.visual.merger.linear_fc1.weight", b, &[32, 32]),
+    ];
+    for (n, shape) in [
+        ("input_layernorm.weight", vec![16]),
+        ("post_attention_layernorm.weight", vec![16]),
+        ("self_attn.q_proj.weight", vec![16, 16]),
+        ("self_attn.k_proj.weight", vec![8, 16]),
+        ("self_attn.v_proj.weight", vec![8, 16]),
+        ("self_attn.o_proj.weight", vec![16, 16]),
+        ("self_attn.q_norm.weight", vec![4]),
+        ("self_attn.k_norm.weight", vec![4]),
+        ("mlp.gate.weight", vec![2, 16]),
+        ("mlp.experts.gate_up_proj", vec![2, 16, 12]),
+        ("mlp.experts.down_proj", vec![2, 6, 16]),
+    ] {
+        s.push(src(&format!("{lm}layers.0.{n}"), b, &shape));
+    }
+    let p = plan(config, s, Mesh { tp: 2, cp: 1, dp: 2, ep: 2, etp: 2 }).expect("plan");
+    assert!(p.unconverted.is_empty(), "{:?}", p.unconverted);
+    // The vision tower: replicated copies, the block MLP's fc1 in halves (the merger's stays whole).
+    assert_eq!(tensor(&p, "vision_model.blocks.0.attn.qkv.weight").tp_mode, TpMode::Replicated);
+    assert_eq!(tensor(&p, "vision_model.blocks.0.mlp.linear_fc1.weight_v").shape, vec![8, 8]);
+    assert_eq!(tensor(&p, "vision_model.blocks.0.mlp.linear_fc1.bias_w").shape, vec![8]);
+    tensor(&p, "vision_model.merger.linear_fc1.weight");
+    tensor(&p, "vision_model.patch_embed.proj.weight");
+    // The language model under `language_model.`; experts' halves are contiguous transposed columns.
+    tensor(&p, "language_model.embedding.word_embeddings.weight");
+    let w = tensor(&p, "language_model.decoder.layers.0.mlp.experts.linear_fc1.weight1_v");
+    assert_eq!(w.shape, vec![6, 16]);
+    let id = w.recipe[0].source.unwrap().0;
+    assert_eq!(w.recipe, vec![RowBlock::transposed(id, 16 * 12 + 6, 6, 12, 1)]);
+    assert_eq!(tensor(&p, "language_model.decoder.layers.0.mlp.experts.linear_fc2.weight0").shape, vec![16, 6]);
+}

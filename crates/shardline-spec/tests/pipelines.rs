@@ -28,6 +28,7 @@ fn every_example_pipeline_is_clean() {
         "hub-deepseek-v3.yaml",
         "hub-glm45.yaml",
         "hub-gpt-oss.yaml",
+        "hub-qwen3-vl-moe.yaml",
     ] {
         assert!(names.iter().any(|n| n == expected), "pipelines/{expected} is missing");
     }

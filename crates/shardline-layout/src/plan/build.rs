@@ -209,7 +209,8 @@ pub fn build_plan(
                 if inv.get(&guard).is_none() {
                     continue;
                 }
-                let target = fill(&megatron_t, megatron_layer, *expert);
+                let target =
+                    format!("{}{}", arch::megatron_prefix(config.family), fill(&megatron_t, megatron_layer, *expert));
                 let mut ids = Vec::new();
                 for h in &hf_t {
                     let name = fill(h, hf_layer, *expert);
@@ -249,6 +250,19 @@ pub fn build_plan(
                     }
                     Err(e) => errors.push(e),
                 }
+            }
+        }
+    }
+
+    // A vision tower that converts: every tensor under its prefix, by name.
+    if let Some((hf_prefix, megatron_prefix)) = arch::vision_tower(config.family) {
+        for (id, src) in sources.iter().enumerate() {
+            let Some(rest) = src.name.strip_prefix(hf_prefix).filter(|_| !consumed[id]) else { continue };
+            consumed[id] = true;
+            let kind = if arch::is_vision_fc1(rest) { Kind::SplitHalves } else { Kind::Copy(TpMode::Replicated) };
+            match draft(config, &inv, kind, &format!("{megatron_prefix}{rest}"), &[id], None, None) {
+                Ok(d) => drafts.push(d),
+                Err(e) => errors.push(e),
             }
         }
     }

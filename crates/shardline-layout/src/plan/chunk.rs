@@ -68,9 +68,10 @@ pub(super) fn chunk_draft(
         sections = vec![(String::new(), shape, recipe)];
     }
     let n_sections = sections.len();
+    // FSDP shards the fused TP-local tensor: all its sections.
     let local_rows: u64 = match d.tp_mode {
         TpMode::Column => sections.iter().map(|(_, s, _)| rows_of(s) / t).sum(),
-        _ => rows_of(&sections[0].1),
+        _ => sections.iter().map(|(_, s, _)| rows_of(s)).sum(),
     };
     let item = d.dtype.size() as u64;
     let mut out = Vec::new();

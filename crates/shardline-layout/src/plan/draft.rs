@@ -124,6 +124,33 @@ fn draft_as_released(
             }
             (TpMode::Row, one(vec![s[1], s[2]], vec![RowBlock::copy(ids[0], e * s[1], s[1])]))
         }
+        Kind::TransposedGatedExperts => {
+            let s = shape(0);
+            let e = expert.unwrap_or(0);
+            if s.len() != 3 || s[0] != config.num_experts || !s[2].is_multiple_of(2) || u32::try_from(s[2]).is_err() {
+                return Err(shape_err(inv, ids[0], format!("[{}, H, 2F]", config.num_experts), "packed gate_up_proj"));
+            }
+            let (h, f) = (s[1], s[2] / 2);
+            let sec = |suffix: &str, first: u64| Section {
+                suffix: suffix.into(),
+                shape: vec![f, h],
+                recipe: vec![RowBlock::transposed(ids[0], first, f, s[2] as u32, 1)],
+            };
+            (TpMode::Column, vec![sec("_w", e * h * s[2]), sec("_v", e * h * s[2] + f)])
+        }
+        Kind::SplitHalves => {
+            let s = shape(0);
+            if !rows_of(&s).is_multiple_of(2) {
+                return Err(shape_err(inv, ids[0], "an even number of rows".into(), "split in halves"));
+            }
+            let half = rows_of(&s) / 2;
+            let sec = |suffix: &str, first: u64| {
+                let mut shape = s.clone();
+                shape[0] = half;
+                Section { suffix: suffix.into(), shape, recipe: vec![RowBlock::copy(ids[0], first, half)] }
+            };
+            (TpMode::Replicated, vec![sec("_w", 0), sec("_v", half)])
+        }
         Kind::GdnInProjQkvz | Kind::GdnInProjSplit | Kind::GdnConv1d => (TpMode::Column, gdn(config, inv, kind, ids)?),
         Kind::Mxfp4GateUp
         | Kind::Mxfp4Down
