@@ -461,8 +461,9 @@ def megatron_state_dict(cfg: dict, tensors: dict[str, torch.Tensor], tp: int = 1
             _map_mtp_after_decoder(src, cfg, f"{root}.layers.{i}", i - n_layers, out)
     out["decoder.final_layernorm.weight"] = src.take(f"{root}.norm.weight")
 
-    # Multimodal releases say it at the top level.
-    tied = cfg["_root"].get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    # Multimodal releases say it at the top level (their text_config may say otherwise).
+    root = cfg["_root"]
+    tied = root.get("tie_word_embeddings", False) if "text_config" in root else cfg.get("tie_word_embeddings", False)
     if tied:
         if src.has("lm_head.weight"):
             src.skip("lm_head.weight")
