@@ -3,7 +3,7 @@
 //! says (HF → chunks → reconstructed globals → HF, bit-exact).
 
 use proptest::prelude::*;
-use shardline_layout::recipe::{rows_of, segments};
+use shardline_layout::recipe::{rows_of, segments, Transform};
 use shardline_layout::{
     build_plan, lower, validate, validate_plan, DType, Mesh, ModelConfig, PlanOptions, PlanTable, Role, SourceTensor,
 };
@@ -25,7 +25,8 @@ fn t(name: String, shape: &[u64]) -> SourceTensor {
 prop_compose! {
     fn case()(
         family in prop::sample::select(vec![
-            "llama", "qwen2", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "deepseek_v3", "glm4_moe",
+            "llama", "qwen2", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "deepseek_v3", "glm4_moe", "gpt_oss",
+            "qwen3_vl_moe",
         ]),
         tp in prop::sample::select(vec![1u64, 2, 4]),
         cp in prop::sample::select(vec![1u64, 2]),
@@ -43,7 +44,7 @@ prop_compose! {
         m in 1u64..3,
         q_lora in any::<bool>(),
     ) -> Case {
-        let moe = family.contains("moe") || family == "qwen3_next" || family == "deepseek_v3";
+        let moe = family.contains("moe") || family == "qwen3_next" || family == "deepseek_v3" || family == "gpt_oss";
         // DeepSeek and GLM: dense first layer, then MoE layers, one MTP layer after the decoder
         // (whose eh_proj is column-split: hidden divisible by tp).
         let after_decoder_mtp = family == "deepseek_v3" || family == "glm4_moe";
@@ -56,7 +57,8 @@ prop_compose! {
         let mesh = Mesh { tp, cp, dp, ep, etp };
         let ng = tp * groups_mult;
         let nh = ng * hpg;
-        let ffn = tp * etp * ffn_mult;
+        // gpt-oss splits its experts' columns by etp: an even width each.
+        let ffn = tp * etp * ffn_mult * if family == "gpt_oss" { 2 } else { 1 };
         let e = ep * experts_mult * 2;
         // GDN: nk/tp and nv/tp sections must divide by cp.
         let nk = tp * cp;
@@ -74,15 +76,40 @@ prop_compose! {
             q_lora_rank = if q_lora { ql.to_string() } else { "null".to_string() },
             mtp = u64::from(after_decoder_mtp),
         );
+        // Qwen3-VL keeps the language model's fields under `text_config`.
+        let config = if family == "qwen3_vl_moe" {
+            format!(r#"{{"model_type":"qwen3_vl_moe","tie_word_embeddings":false,"text_config":{config}}}"#)
+        } else {
+            config
+        };
+        // gpt-oss releases are bf16 (its keys are bf16 and a transpose does not also cast).
+        let t = |name: String, shape: &[u64]| {
+            let mut s = t(name, shape);
+            if family == "gpt_oss" {
+                s.dtype = DType::BF16;
+            }
+            s
+        };
+        let vl = family == "qwen3_vl_moe";
+        let lm = |name: &str| if vl { name.replacen("model.", "model.language_model.", 1) } else { name.to_string() };
         let mut s = vec![
-            t("model.embed_tokens.weight".into(), &[vocab, hidden]),
+            t(lm("model.embed_tokens.weight"), &[vocab, hidden]),
             t("lm_head.weight".into(), &[vocab, hidden]),
-            t("model.norm.weight".into(), &[hidden]),
+            t(lm("model.norm.weight"), &[hidden]),
         ];
+        if vl {
+            // A vision tower: copies, and an MLP fc1 (weight, bias) split in halves.
+            let v = hidden;
+            s.push(t("model.visual.patch_embed.proj.weight".into(), &[v, 3, 2, 2, 2]));
+            s.push(t("model.visual.blocks.0.attn.qkv.weight".into(), &[3 * v, v]));
+            s.push(t("model.visual.blocks.0.mlp.linear_fc1.weight".into(), &[2 * v, v]));
+            s.push(t("model.visual.blocks.0.mlp.linear_fc1.bias".into(), &[2 * v]));
+            s.push(t("model.visual.merger.linear_fc1.weight".into(), &[4 * v, 4 * v]));
+        }
         let gdn = family == "qwen3_next" || family == "qwen3_5_moe_text";
         let total_layers = layers + u64::from(after_decoder_mtp);
         for l in 0..total_layers {
-            let p = format!("model.layers.{l}.");
+            let p = lm(&format!("model.layers.{l}."));
             s.push(t(format!("{p}input_layernorm.weight"), &[hidden]));
             s.push(t(format!("{p}post_attention_layernorm.weight"), &[hidden]));
             if l == layers {
@@ -131,18 +158,29 @@ prop_compose! {
                 s.push(t(format!("{a}k_proj.weight"), &[ng * d, hidden]));
                 s.push(t(format!("{a}v_proj.weight"), &[ng * d, hidden]));
                 s.push(t(format!("{a}o_proj.weight"), &[hidden, nh * d]));
-                if family == "qwen2" || family == "glm4_moe" {
+                if family == "qwen2" || family == "glm4_moe" || family == "gpt_oss" {
                     s.push(t(format!("{a}q_proj.bias"), &[nh * d]));
                     s.push(t(format!("{a}k_proj.bias"), &[ng * d]));
                     s.push(t(format!("{a}v_proj.bias"), &[ng * d]));
                 }
-                if family != "llama" && family != "qwen2" {
+                if family == "gpt_oss" {
+                    s.push(t(format!("{a}o_proj.bias"), &[hidden]));
+                    s.push(t(format!("{a}sinks"), &[nh]));
+                } else if family != "llama" && family != "qwen2" {
                     s.push(t(format!("{a}q_norm.weight"), &[d]));
                     s.push(t(format!("{a}k_norm.weight"), &[d]));
                 }
             }
             let dense_first = after_decoder_mtp && l == 0;
-            if moe && !dense_first {
+            if family == "gpt_oss" {
+                // Router with bias; experts [E, in, out] with biases, gate/up interleaved.
+                s.push(t(format!("{p}mlp.router.weight"), &[e, hidden]));
+                s.push(t(format!("{p}mlp.router.bias"), &[e]));
+                s.push(t(format!("{p}mlp.experts.gate_up_proj"), &[e, hidden, 2 * ffn]));
+                s.push(t(format!("{p}mlp.experts.gate_up_proj_bias"), &[e, 2 * ffn]));
+                s.push(t(format!("{p}mlp.experts.down_proj"), &[e, ffn, hidden]));
+                s.push(t(format!("{p}mlp.experts.down_proj_bias"), &[e, hidden]));
+            } else if moe && !dense_first {
                 s.push(t(format!("{p}mlp.gate.weight"), &[e, hidden]));
                 if after_decoder_mtp {
                     s.push(t(format!("{p}mlp.gate.e_score_correction_bias"), &[e]));
@@ -153,6 +191,10 @@ prop_compose! {
                 if family == "qwen3_5_moe_text" {
                     s.push(t(format!("{p}mlp.experts.gate_up_proj"), &[e, 2 * ffn, hidden]));
                     s.push(t(format!("{p}mlp.experts.down_proj"), &[e, hidden, ffn]));
+                } else if vl {
+                    // The release layout [E, in, out].
+                    s.push(t(format!("{p}mlp.experts.gate_up_proj"), &[e, hidden, 2 * ffn]));
+                    s.push(t(format!("{p}mlp.experts.down_proj"), &[e, ffn, hidden]));
                 } else {
                     for x in 0..e {
                         s.push(t(format!("{p}mlp.experts.{x}.gate_proj.weight"), &[ffn, hidden]));
@@ -222,8 +264,15 @@ proptest! {
             base.push(next);
             next += s.shape.iter().product::<u64>().max(1) as u32;
         }
-        let source_bytes = |id: usize, off: u64, len: u64| -> Vec<u32> {
-            (off / 4..(off + len) / 4).map(|i| base[id] + i as u32).collect()
+        // Element ids of `n` output elements read from byte `off` of source `id`: a run of the
+        // source, or (transposed) one element every `src_cols`.
+        let elements = |id: usize, off: u64, n: u64, transform: Transform| -> Vec<u32> {
+            let first = off / plan.sources[id].dtype.size() as u64;
+            let step = match transform {
+                Transform::Transpose { src_cols, .. } => u64::from(src_cols),
+                _ => 1,
+            };
+            (0..n).map(|i| base[id] + (first + i * step) as u32).collect()
         };
         let mut uses = vec![0u32; next as usize];
         for t in &plan.tensors {
@@ -235,9 +284,10 @@ proptest! {
                 // In the tensor's own dtype: a family that casts (bf16 parameters from these f32
                 // sources) reads source elements of another size than it writes.
                 for seg in segments(&t.shape, t.dtype, &t.recipe, &ch.offsets, &ch.sizes) {
+                    let n = seg.len / t.dtype.size() as u64;
                     match seg.source {
-                        Some((id, off)) => vals.extend(source_bytes(id, off, seg.source_len(t.dtype))),
-                        None => vals.extend(std::iter::repeat_n(0u32, (seg.len / t.dtype.size() as u64) as usize)),
+                        Some((id, off)) => vals.extend(elements(id, off, n, seg.transform)),
+                        None => vals.extend(std::iter::repeat_n(0u32, n as usize)),
                     }
                 }
                 prop_assert_eq!(vals.len() as u64, ch.numel());
@@ -268,7 +318,15 @@ proptest! {
                     let got = &global[(row + r) * row_len..(row + r + 1) * row_len];
                     match b.source {
                         Some((id, first)) => {
-                            let want = source_bytes(id, (first as usize + r) as u64 * row_len as u64 * 4, row_len as u64 * 4);
+                            // Row r of the block: source row first + r·stride, or (transposed) the
+                            // column at element first + r·stride.
+                            let at = first + r as u64 * u64::from(b.stride);
+                            let size = plan.sources[id].dtype.size() as u64;
+                            let off = match b.transform {
+                                Transform::Transpose { .. } => at * size,
+                                _ => at * row_len as u64 * size,
+                            };
+                            let want = elements(id, off, row_len as u64, b.transform);
                             prop_assert_eq!(got, &want[..], "{} row {}", t.key, row + r);
                         }
                         None => prop_assert!(got.iter().all(|v| *v == 0)),
