@@ -285,3 +285,19 @@ fn archs_lists_the_families_and_prints_a_mapping_table() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("unknown architecture `gpt_bigcode`"), "{}", stderr(&o));
 }
+
+#[test]
+fn validate_of_gpt_oss_needs_the_expert_tp_it_was_written_with() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("ckpt");
+    let o = convert(&fixture("gpt_oss"), &out, (2, 1, 2, 2), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // Written with etp = tp = 2: validated as such it is exact; as etp 1, fc1 rows differ and
+    // validate says what to check.
+    let ok = run(bin().arg("validate").arg(&out).arg("--against").arg(fixture("gpt_oss")).args(["--etp", "2"]));
+    assert!(ok.status.success(), "{}{}", stdout(&ok), stderr(&ok));
+    let wrong = run(bin().arg("validate").arg(&out).arg("--against").arg(fixture("gpt_oss")));
+    assert_eq!(wrong.status.code(), Some(1));
+    let text = stdout(&wrong);
+    assert!(text.contains("experts.linear_fc1.weight") && text.contains("--etp"), "{text}");
+}

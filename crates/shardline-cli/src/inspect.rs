@@ -176,6 +176,15 @@ pub fn run_validate(args: ValidateArgs) -> Result<ExitCode> {
         if report.findings_dropped > 0 {
             println!("  … and {} more", report.findings_dropped);
         }
+        // Only parameters kept fused per expert-TP rank depend on the etp they were written with.
+        let fused_per_etp =
+            reference.model_type == "gpt_oss" && report.findings.iter().any(|f| f.key.contains(".experts.linear_fc1."));
+        if fused_per_etp {
+            println!(
+                "hint: gpt-oss keeps each expert's fc1 fused in the expert-TP layout; was the checkpoint written with an etp other than {}? (--etp)",
+                args.etp
+            );
+        }
     }
     Ok(if report.ok() { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
