@@ -16,14 +16,7 @@ pub(crate) fn config_value(arch: Arch, d: &ModelDims, format: WeightFormat) -> V
         c.insert(k.to_string(), v);
     };
     let qwen = !matches!(arch, Arch::Llama | Arch::Mistral | Arch::Mixtral);
-    set("architectures", json!([arch.class_name()]));
-    set("model_type", json!(arch.name()));
-    set("dtype", json!("bfloat16"));
-    set("transformers_version", json!(TRANSFORMERS_VERSION));
-    set("hidden_size", json!(d.hidden_size));
-    set("num_hidden_layers", json!(d.num_layers));
-    set("num_attention_heads", json!(d.num_attention_heads));
-    set("num_key_value_heads", json!(d.num_key_value_heads));
+    common_fields(arch, d, &mut set);
     set("vocab_size", json!(d.vocab_size));
     set("hidden_act", json!("silu"));
     set("attention_dropout", json!(0.0));
@@ -128,6 +121,18 @@ pub(crate) fn config_value(arch: Arch, d: &ModelDims, format: WeightFormat) -> V
     Value::Object(c)
 }
 
+/// The fields every architecture's config has, as `transformers` writes them.
+fn common_fields(arch: Arch, d: &ModelDims, set: &mut impl FnMut(&str, Value)) {
+    set("architectures", json!([arch.class_name()]));
+    set("model_type", json!(arch.name()));
+    set("dtype", json!("bfloat16"));
+    set("transformers_version", json!(TRANSFORMERS_VERSION));
+    set("hidden_size", json!(d.hidden_size));
+    set("num_hidden_layers", json!(d.num_layers));
+    set("num_attention_heads", json!(d.num_attention_heads));
+    set("num_key_value_heads", json!(d.num_key_value_heads));
+}
+
 /// DeepSeek-V3's config (`DeepseekV3Config`), with the real model's routing and rope settings
 /// but for the group counts, which follow the expert count (8 groups, top 4, from 32 experts up).
 fn deepseek_v3_config(d: &ModelDims, format: WeightFormat) -> Value {
@@ -140,14 +145,7 @@ fn deepseek_v3_config(d: &ModelDims, format: WeightFormat) -> Value {
     let mut set = |k: &str, v: Value| {
         c.insert(k.to_string(), v);
     };
-    set("architectures", json!([arch.class_name()]));
-    set("model_type", json!(arch.name()));
-    set("dtype", json!("bfloat16"));
-    set("transformers_version", json!(TRANSFORMERS_VERSION));
-    set("hidden_size", json!(d.hidden_size));
-    set("num_hidden_layers", json!(d.num_layers));
-    set("num_attention_heads", json!(d.num_attention_heads));
-    set("num_key_value_heads", json!(d.num_key_value_heads));
+    common_fields(arch, d, &mut set);
     set("head_dim", json!(d.head_dim));
     set("vocab_size", json!(d.vocab_size));
     set("intermediate_size", json!(d.intermediate_size));
