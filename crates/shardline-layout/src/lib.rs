@@ -15,6 +15,7 @@ pub mod invariants;
 pub mod mesh;
 pub mod plan;
 pub mod recipe;
+pub mod reshard;
 pub mod table;
 
 pub use config::{Family, ModelConfig};

@@ -64,12 +64,9 @@ pub struct StorageInfo {
     pub transform_descriptors: Option<Vec<String>>,
 }
 
-/// One component of a `planner_data` path: a dict key or a list index.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum PathElem {
-    Key(String),
-    Index(u64),
-}
+/// One component of a `planner_data` path (defined by the layout core, which classifies keys
+/// by their paths).
+pub use shardline_layout::reshard::PathElem;
 
 /// The parts of `Metadata` a checkpoint reader and writer need.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -327,7 +327,7 @@ pub fn build_plan(
     let mut tensors = Vec::with_capacity(if options.optimizer_state { 3 * params } else { params });
     let mut rank_bytes = vec![0u64; mesh.world() as usize];
     for d in drafts {
-        tensors.extend(chunk_draft(d, &mesh, config, options, &mut rank_bytes));
+        tensors.extend(chunk_draft(d, &mesh, config.num_experts, options, &mut rank_bytes));
     }
     tensors.sort_unstable_by(|a, b| a.key.cmp(&b.key));
     if options.optimizer_state {

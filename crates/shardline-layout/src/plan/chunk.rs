@@ -2,7 +2,6 @@
 //! and the split of fused sections, as Megatron-FSDP would save them.
 
 use super::*;
-use crate::config::ModelConfig;
 use crate::recipe::slice_recipe;
 
 /// FSDP rows `[lo, hi)` of rank `j` of `d` over `rows` TP-local rows.
@@ -23,17 +22,17 @@ pub fn column_section_rows(local_rows: u64, a_c: u64, n_c: u64, r: u64, d: u64, 
     (r * n_c + row_in_section, rows)
 }
 
-pub(super) fn chunk_draft(
+pub(crate) fn chunk_draft(
     d: Draft,
     mesh: &Mesh,
-    config: &ModelConfig,
+    num_experts: u64,
     options: &PlanOptions,
     rank_bytes: &mut [u64],
 ) -> Vec<OutputTensor> {
     let (t, dsize, group) = match d.expert {
         None => (mesh.tp, mesh.fsdp_size(), Group::Dense),
         Some(e) => {
-            (mesh.etp, mesh.expert_dp_size(), Group::Expert { expert: e, ep_rank: e / (config.num_experts / mesh.ep) })
+            (mesh.etp, mesh.expert_dp_size(), Group::Expert { expert: e, ep_rank: e / (num_experts / mesh.ep).max(1) })
         }
     };
     let rank_of = |r: u64, j: u64| match group {

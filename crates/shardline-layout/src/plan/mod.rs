@@ -22,6 +22,7 @@ use crate::mesh::Mesh;
 use crate::recipe::{rows_of, RowBlock};
 
 pub use build::{build_plan, check_mesh_for_model};
+pub(crate) use chunk::chunk_draft;
 use chunk::with_rest;
 pub use chunk::{column_section_rows, fsdp_rows};
 
@@ -428,24 +429,24 @@ pub(crate) fn rank_chunks<'a>(
 
 /// A fused parameter's section before chunking.
 pub(crate) struct Section {
-    suffix: String,
-    shape: Vec<u64>,
-    recipe: Vec<RowBlock>,
+    pub(crate) suffix: String,
+    pub(crate) shape: Vec<u64>,
+    pub(crate) recipe: Vec<RowBlock>,
 }
 
 /// A Megatron parameter before chunking.
 pub(crate) struct Draft {
-    name: String,
+    pub(crate) name: String,
     /// The first release tensor it is made from (to name it in errors).
-    first_source: usize,
-    dtype: DType,
-    tp_mode: TpMode,
-    expert: Option<u64>,
+    pub(crate) first_source: usize,
+    pub(crate) dtype: DType,
+    pub(crate) tp_mode: TpMode,
+    pub(crate) expert: Option<u64>,
     /// Vocab tensors get zero rows up to a multiple of `vocab_divisible_by · tp`.
-    pad_vocab: bool,
+    pub(crate) pad_vocab: bool,
     /// Sections kept fused on disk whatever the options (gpt-oss fc1: `[gate_r; up_r]` per TP rank).
-    fused_on_disk: bool,
-    sections: Vec<Section>,
+    pub(crate) fused_on_disk: bool,
+    pub(crate) sections: Vec<Section>,
 }
 /// Per-key summary for `--dry-run`: `(key, dtype, global shape, split_from)`.
 pub fn summary(plan: &Plan) -> BTreeMap<String, (DType, Vec<u64>, Option<String>)> {

@@ -1,0 +1,179 @@
+//! A Megatron parameter's name → how Megatron-FSDP lays it out: TP mode, vocab padding, the
+//! fused parameter it is a section of, the expert it belongs to. Read from the mapping tables of
+//! every family — the data `convert` plans from — so resharding knows every parameter `convert`
+//! writes, and nothing is guessed from shapes.
+
+use crate::arch::{self, is_vision_fc1, Kind, TpMode};
+use crate::config::SUPPORTED_MODEL_TYPES;
+
+/// How one parameter key is laid out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamLayout {
+    pub tp_mode: TpMode,
+    /// Embedding or output layer: dim 0 padded to a multiple of `divisible_by · tp`.
+    pub vocab: bool,
+    /// The global expert index, for a routed expert's parameter.
+    pub expert: Option<u64>,
+    /// When the key is a section of a fused parameter: the fused name (the key without the
+    /// suffix), this section's index, and every section's suffix in order.
+    pub section: Option<(String, usize, &'static [&'static str])>,
+    /// Kept fused in a layout that depends on the (expert-)TP size (gpt-oss's expert fc1), so it
+    /// keeps its global layout only at the same size.
+    pub tp_dependent: bool,
+}
+
+const GATED: &[&str] = &["_w", "_v"];
+const GDN_IN_PROJ: &[&str] = &[".query", ".key", ".value", ".z", ".beta", ".alpha"];
+const GDN_CONV: &[&str] = &[".query", ".key", ".value"];
+
+/// `(TP mode, vocab, section suffixes, TP-dependent)` of a table kind; `None` when it makes no
+/// Megatron parameter.
+fn kind_layout(kind: Kind) -> Option<(TpMode, bool, &'static [&'static str], bool)> {
+    use Kind::*;
+    Some(match kind {
+        Copy(m) | ZeroCentered(m) | PackedExpertRow(m) => (m, false, &[], false),
+        Vocab => (TpMode::Column, true, &[], false),
+        Qkv => (TpMode::Column, false, &[], false),
+        GatedMlp | PackedGatedExperts | TransposedGatedExperts => (TpMode::Column, false, GATED, false),
+        SplitHalves => (TpMode::Replicated, false, GATED, false),
+        GdnInProjQkvz | GdnInProjSplit => (TpMode::Column, false, GDN_IN_PROJ, false),
+        GdnConv1d => (TpMode::Column, false, GDN_CONV, false),
+        PackedExpertsDown | Mxfp4Down | TransposedDown => (TpMode::Row, false, &[], false),
+        Mxfp4GateUp | TransposedGateUp | InterleavedGateUpBias => (TpMode::Column, false, &[], true),
+        NotConverted => return None,
+    })
+}
+
+/// Matches `name` against a table pattern (`{L}`, `{E}`: decimal numbers); returns the expert
+/// number when the pattern has one, and the rest of `name` after the pattern.
+fn match_pattern<'n>(pattern: &str, name: &'n str) -> Option<(Option<u64>, &'n str)> {
+    let mut rest = name;
+    let mut expert = None;
+    let mut pat = pattern;
+    while !pat.is_empty() {
+        if let Some(p) = pat.strip_prefix("{L}").or_else(|| pat.strip_prefix("{E}")) {
+            let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+            if digits == 0 {
+                return None;
+            }
+            if pat.starts_with("{E}") {
+                expert = rest[..digits].parse().ok();
+            }
+            rest = &rest[digits..];
+            pat = p;
+        } else {
+            let literal = pat.find('{').unwrap_or(pat.len());
+            rest = rest.strip_prefix(&pat[..literal])?;
+            pat = &pat[literal..];
+        }
+    }
+    Some((expert, rest))
+}
+
+/// The layout of the Megatron parameter `name` (without the checkpoint prefix), or `None` when
+/// no table of any family names it.
+pub fn param_layout(name: &str) -> Option<ParamLayout> {
+    let name = name.strip_prefix("language_model.").unwrap_or(name);
+    if let Some(rest) = name.strip_prefix("vision_model.") {
+        return Some(vision_layout(rest));
+    }
+    // An MTP layer's transformer layer is a decoder layer.
+    let decoder_name;
+    let lookup = match mtp_layer_rest(name) {
+        Some(rest) => {
+            decoder_name = format!("decoder.layers.0.{rest}");
+            decoder_name.as_str()
+        }
+        None => name,
+    };
+    let mut found: Option<ParamLayout> = None;
+    for rule in all_rules() {
+        let Some((tp_mode, vocab, suffixes, tp_dependent)) = kind_layout(rule.kind) else { continue };
+        let Some((expert, rest)) = match_pattern(rule.megatron, lookup) else { continue };
+        let section = if suffixes.is_empty() {
+            if !rest.is_empty() {
+                continue;
+            }
+            None
+        } else {
+            let Some(index) = suffixes.iter().position(|s| *s == rest) else { continue };
+            Some((name[..name.len() - rest.len()].to_string(), index, suffixes))
+        };
+        let layout =
+            ParamLayout { tp_mode, vocab, expert: expert.filter(|_| rule.expert), section, tp_dependent };
+        match &found {
+            None => found = Some(layout),
+            // Families agree on every shared name; the first table's reading stands.
+            Some(_) => {}
+        }
+    }
+    found
+}
+
+/// `rest` of `mtp.layers.{k}.transformer_layer.<rest>`.
+fn mtp_layer_rest(name: &str) -> Option<&str> {
+    let rest = name.strip_prefix("mtp.layers.")?;
+    let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+    (digits > 0).then_some(())?;
+    rest[digits..].strip_prefix(".transformer_layer.")
+}
+
+/// Vision-tower parameters are replicated; an MLP's fc1 is split in halves `_w`, `_v`.
+fn vision_layout(rest: &str) -> ParamLayout {
+    let split = GATED.iter().enumerate().find_map(|(i, s)| {
+        let fused = rest.strip_suffix(s)?;
+        is_vision_fc1(fused).then_some(i)
+    });
+    let full = format!("vision_model.{rest}");
+    ParamLayout {
+        tp_mode: TpMode::Replicated,
+        vocab: false,
+        expert: None,
+        section: split.map(|i| (full[..full.len() - GATED[i].len()].to_string(), i, GATED)),
+        tp_dependent: false,
+    }
+}
+
+/// Every rule of every family's tables.
+fn all_rules() -> impl Iterator<Item = &'static arch::Rule> {
+    SUPPORTED_MODEL_TYPES.iter().flat_map(|(_, family)| arch::tables(*family).0.iter().flat_map(|t| t.iter()))
+}
+
+/// Buffers Megatron saves as plain tensors (registered with `register_buffer`, so not sharded
+/// and without optimizer state): the router's score-correction bias.
+pub fn is_buffer(name: &str) -> bool {
+    name.ends_with(".router.expert_bias")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_from_every_family_resolve() {
+        let l = param_layout("decoder.layers.3.self_attention.linear_proj.weight").unwrap();
+        assert_eq!((l.tp_mode, l.vocab, l.expert, l.section), (TpMode::Row, false, None, None));
+        let l = param_layout("embedding.word_embeddings.weight").unwrap();
+        assert!(l.vocab && l.tp_mode == TpMode::Column);
+        let l = param_layout("decoder.layers.1.mlp.experts.linear_fc1.weight17_v").unwrap();
+        assert_eq!(l.expert, Some(17));
+        assert_eq!(l.section, Some(("decoder.layers.1.mlp.experts.linear_fc1.weight17".into(), 1, GATED)));
+        let l = param_layout("decoder.layers.1.mlp.experts.linear_fc2.weight3").unwrap();
+        assert_eq!((l.tp_mode, l.expert), (TpMode::Row, Some(3)));
+        // gpt-oss: fc1 fused on disk, its layout depends on the expert-TP size.
+        let l = param_layout("decoder.layers.0.mlp.experts.linear_fc1.weight2").unwrap();
+        assert!(l.tp_dependent && l.section.is_none());
+        let l = param_layout("decoder.layers.0.self_attention.linear_kv_down_proj.weight").unwrap();
+        assert_eq!(l.tp_mode, TpMode::Replicated);
+        let l = param_layout("decoder.layers.0.self_attention.in_proj.weight.beta").unwrap();
+        assert_eq!(l.section.map(|s| s.1), Some(4));
+        let l = param_layout("mtp.layers.0.transformer_layer.mlp.linear_fc1.weight_w").unwrap();
+        assert_eq!(l.section.map(|s| s.0), Some("mtp.layers.0.transformer_layer.mlp.linear_fc1.weight".into()));
+        let l = param_layout("language_model.decoder.layers.0.mlp.router.weight").unwrap();
+        assert_eq!(l.tp_mode, TpMode::Replicated);
+        let l = param_layout("vision_model.blocks.2.mlp.linear_fc1.bias_v").unwrap();
+        assert_eq!(l.section.map(|s| (s.0, s.1)), Some(("vision_model.blocks.2.mlp.linear_fc1.bias".into(), 1)));
+        assert!(param_layout("decoder.layers.0.mystery.weight").is_none());
+        assert!(param_layout("decoder.layers.0.mlp.linear_fc1.weight_x").is_none());
+    }
+}
