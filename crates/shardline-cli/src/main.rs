@@ -8,6 +8,7 @@ mod inspect;
 mod malloc;
 mod orchestrate;
 mod report;
+mod reshard;
 mod serve;
 mod triggers;
 
@@ -32,6 +33,8 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Check a checkpoint's invariants and reconstruct every tensor bit-exactly against its source.
     Validate(inspect::ValidateArgs),
+    /// Reshard a Megatron-FSDP training checkpoint (parameters and optimizer state) to another mesh.
+    Reshard(reshard::ReshardArgs),
     /// Write a synthetic HF release with real key names and shapes (deterministic data).
     Synth(convert::SynthArgs),
     /// Measure conversion speed against `cp -r` of the same input, and peak memory.
@@ -74,6 +77,7 @@ fn main() -> ExitCode {
         Command::Archs(a) => archs::run_archs(a),
         Command::Inspect(a) => inspect::run_inspect(a),
         Command::Validate(a) => inspect::run_validate(a),
+        Command::Reshard(a) => reshard::run_reshard(a),
         Command::Synth(a) => convert::run_synth(a),
         Command::Bench(a) => convert::run_bench(a),
         Command::Run(a) => orchestrate::run_run(a),

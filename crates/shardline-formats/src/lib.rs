@@ -19,4 +19,5 @@ pub mod execute;
 pub mod pickle;
 pub mod safetensors;
 pub mod torch_save;
+pub mod training;
 pub mod verify;

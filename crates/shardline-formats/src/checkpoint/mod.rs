@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use shardline_layout::DType;
 use thiserror::Error;
 
-use crate::dcp_metadata::{decode_metadata, DcpMetadataError, EntryMeta};
+use crate::dcp_metadata::{decode_metadata, DcpMetadataError, EntryMeta, PathElem};
 use crate::safetensors::{read_header, SafetensorsError};
 use crate::torch_save::{read_object_archive, read_tensor_archive, TorchSaveError};
 
@@ -41,6 +41,16 @@ pub struct StoredTensor {
     pub chunks: Vec<StoredChunk>,
 }
 
+/// A bytes item (a `torch.save`d Python object) and where its archive is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredObject {
+    pub key: String,
+    /// File name relative to the checkpoint directory.
+    pub file: String,
+    pub offset: u64,
+    pub length: u64,
+}
+
 /// A checkpoint directory, read.
 #[derive(Clone, Debug)]
 pub struct Checkpoint {
@@ -48,8 +58,11 @@ pub struct Checkpoint {
     pub format: CheckpointFormat,
     /// Sorted by key.
     pub tensors: Vec<StoredTensor>,
-    /// Keys of non-tensor (bytes) items.
-    pub bytes_items: Vec<String>,
+    /// Non-tensor (bytes) items, in `.metadata` order.
+    pub objects: Vec<StoredObject>,
+    /// Every key's path in the saved state dict (`planner_data`); empty when the checkpoint
+    /// has none (DCP-safetensors, or a `.metadata` written without it).
+    pub planner_data: BTreeMap<String, Vec<PathElem>>,
 }
 
 /// Why a checkpoint cannot be read.
@@ -138,7 +151,7 @@ fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
     }
     let mut open_files: BTreeMap<String, File> = BTreeMap::new();
     let mut tensors = Vec::new();
-    let mut bytes_items = Vec::new();
+    let mut objects = Vec::new();
     for (key, entry) in &md.state_dict_metadata {
         let EntryMeta::Tensor { dtype, size, chunks } = entry else {
             // A bytes item must load too: its archive and pickle are read strictly.
@@ -156,7 +169,12 @@ fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
                 length: info.length,
                 source,
             })?;
-            bytes_items.push(key.clone());
+            objects.push(StoredObject {
+                key: key.clone(),
+                file: info.relative_path.clone(),
+                offset: info.offset,
+                length: info.length,
+            });
             continue;
         };
         let mut stored = Vec::with_capacity(chunks.len());
@@ -213,7 +231,8 @@ fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
         });
     }
     tensors.sort_by(|a, b| a.key.cmp(&b.key));
-    Ok(Checkpoint { dir: dir.to_path_buf(), format: CheckpointFormat::Dcp, tensors, bytes_items })
+    let planner_data = md.planner_data.into_iter().collect();
+    Ok(Checkpoint { dir: dir.to_path_buf(), format: CheckpointFormat::Dcp, tensors, objects, planner_data })
 }
 
 fn open_dcp_safetensors(dir: &Path, files: &[String]) -> Result<Checkpoint, CheckpointError> {
@@ -286,7 +305,8 @@ fn open_dcp_safetensors(dir: &Path, files: &[String]) -> Result<Checkpoint, Chec
         dir: dir.to_path_buf(),
         format: CheckpointFormat::DcpSafetensors,
         tensors: by_key.into_values().collect(),
-        bytes_items: Vec::new(),
+        objects: Vec::new(),
+        planner_data: BTreeMap::new(),
     })
 }
 

@@ -211,7 +211,7 @@ pub(super) fn stage_metadata(out: &Path, layout: &DcpLayout, plan: &PlanTable) -
 
 /// Renames the synced `.metadata.tmp` into place and syncs the directory: the checkpoint's commit
 /// point, reached only once every rank file is complete and synced.
-pub(super) fn publish_metadata(out: &Path) -> Result<(), ExecuteError> {
+pub(crate) fn publish_metadata(out: &Path) -> Result<(), ExecuteError> {
     let tmp = out.join(".metadata.tmp");
     let fin = out.join(".metadata");
     let dir = File::open(out).map_err(io_err(out, "open output directory"))?;

@@ -42,7 +42,9 @@ mod threads;
 mod tests;
 
 pub use entry::{commit_checkpoint, write_checkpoint, write_checkpoint_from, write_rank_file};
+pub(crate) use dcp::publish_metadata;
 pub(crate) use sources::stream_chunk;
+pub(crate) use threads::for_each_unit;
 pub use sources::SourceMap;
 
 use std::io;

@@ -49,7 +49,7 @@ pub(super) fn run_syncer(jobs: mpsc::Receiver<SyncJob>) -> Result<usize, Execute
 
 /// Runs `work(unit)` for every unit `0..units` (a rank file, or a group of them) on `threads`
 /// threads; the first error wins and stops the rest.
-pub(super) fn for_each_unit<T: Send>(
+pub(crate) fn for_each_unit<T: Send>(
     units: usize,
     threads: usize,
     progress: &Progress,

@@ -12,6 +12,7 @@
 
 mod input;
 mod opcodes;
+mod patch;
 mod read;
 mod scan;
 mod write;
@@ -22,6 +23,7 @@ use thiserror::Error;
 
 pub use read::{loads, loads_with_limits, Reader};
 pub use scan::{scan_memo_references, MemoReferences};
+pub use patch::set_int_fields;
 pub use write::PickleWriter;
 
 /// The highest pickle protocol the reader accepts.

@@ -37,7 +37,7 @@ impl MemoReferences {
 }
 
 /// How an opcode's argument is laid out in the stream.
-enum Arg {
+pub(super) enum Arg {
     None,
     Fixed(u64),
     /// A little-endian length of this many bytes, then that many bytes.
@@ -46,7 +46,7 @@ enum Arg {
     Lines(u8),
 }
 
-fn arg_of(code: u8) -> Option<Arg> {
+pub(super) fn arg_of(code: u8) -> Option<Arg> {
     Some(match code {
         op::MARK
         | op::STOP

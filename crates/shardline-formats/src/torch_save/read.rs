@@ -666,3 +666,35 @@ pub fn read_tensor_archive_with<R: ReadAt + ?Sized>(
         data_crc32: (whole && (entry.crc32 != NO_CRC32 || data_len == 0)).then_some(entry.crc32),
     })
 }
+
+/// The `torch.save` archive at `[offset, offset + length)` of `src`, rebuilt with its `data.pkl`
+/// replaced by `edit(data.pkl)`: every other entry kept, in order (a bytes item edited in place,
+/// such as a resharded job's `args`).
+pub fn edit_object_archive<R: ReadAt + ?Sized>(
+    src: &R,
+    offset: u64,
+    length: u64,
+    edit: impl FnOnce(&[u8]) -> Result<Vec<u8>, TorchSaveError>,
+) -> Result<Vec<u8>, TorchSaveError> {
+    let ar = Archive::open(src, offset, length)?;
+    let pkl_name = format!("{}data.pkl", ar.dir);
+    let mut entries: Vec<&ArchiveEntry> = ar.entries.iter().collect();
+    entries.sort_by_key(|e| e.local_header_offset);
+    let mut edit = Some(edit);
+    let mut out = Vec::new();
+    let mut records = Vec::new();
+    for e in entries {
+        let body = ar.read_small(e, MAX_PICKLE_LEN)?;
+        let body = match (e.name == pkl_name, edit.take()) {
+            (true, Some(f)) => f(&body)?,
+            (_, not_used) => {
+                edit = not_used;
+                body.into_owned()
+            }
+        };
+        super::write::push_entry(&mut out, &mut records, e.name.clone(), &body);
+    }
+    let cd = super::write::central_directory(&records, out.len() as u64);
+    out.extend_from_slice(&cd);
+    Ok(out)
+}

@@ -86,7 +86,6 @@ pub fn param_layout(name: &str) -> Option<ParamLayout> {
         }
         None => name,
     };
-    let mut found: Option<ParamLayout> = None;
     for rule in all_rules() {
         let Some((tp_mode, vocab, suffixes, tp_dependent)) = kind_layout(rule.kind) else { continue };
         let Some((expert, rest)) = match_pattern(rule.megatron, lookup) else { continue };
@@ -99,15 +98,10 @@ pub fn param_layout(name: &str) -> Option<ParamLayout> {
             let Some(index) = suffixes.iter().position(|s| *s == rest) else { continue };
             Some((name[..name.len() - rest.len()].to_string(), index, suffixes))
         };
-        let layout =
-            ParamLayout { tp_mode, vocab, expert: expert.filter(|_| rule.expert), section, tp_dependent };
-        match &found {
-            None => found = Some(layout),
-            // Families agree on every shared name; the first table's reading stands.
-            Some(_) => {}
-        }
+        // Families agree on every name they share: the first table that names it decides.
+        return Some(ParamLayout { tp_mode, vocab, expert: expert.filter(|_| rule.expert), section, tp_dependent });
     }
-    found
+    None
 }
 
 /// `rest` of `mtp.layers.{k}.transformer_layer.<rest>`.

@@ -1,0 +1,185 @@
+//! `reshard`: a training checkpoint saved on one mesh, written for another.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use serde_json::json;
+use shardline_formats::execute::Progress;
+use shardline_formats::training::{write_resharded, TrainingCheckpoint};
+use shardline_layout::reshard::{plan_reshard, ReshardOptions, RngPolicy};
+use shardline_layout::Mesh;
+
+use crate::convert::MeshArgs;
+use crate::report::{bytes, peak_rss, Bar};
+
+/// What happens to the per-(pp, tp) RNG states when the TP grid changes.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Rng {
+    /// Keep the ranks both grids have; a new TP rank gets a copy of rank (0, 0)'s state (its
+    /// dropout then repeats rank 0's); ranks the target lacks are dropped.
+    FromRank0,
+    /// Drop every RNG state; the job must load with `--no-load-rng`.
+    Drop,
+}
+
+#[derive(Args, Debug)]
+pub struct ReshardArgs {
+    /// Training checkpoint directory (DCP, as Megatron-FSDP's `fsdp_dtensor` format saves it).
+    pub ckpt: PathBuf,
+    /// Output checkpoint directory.
+    #[arg(long = "to", value_name = "OUT_DIR", required_unless_present = "dry_run")]
+    pub to: Option<PathBuf>,
+    /// The target mesh.
+    #[command(flatten)]
+    pub mesh: MeshArgs,
+    /// The source mesh, for a checkpoint without `args` (Megatron-Bridge writes none):
+    /// `tp=2,dp=4,ep=2,etp=1` (cp, ep default to 1, etp to tp).
+    #[arg(long, value_name = "tp=N,dp=N,…")]
+    pub from_mesh: Option<String>,
+    /// RNG states for the target's TP grid.
+    #[arg(long, value_enum, default_value = "from-rank0")]
+    pub rng: Rng,
+    /// The tokenizer's vocabulary size, to re-pad the embedding and output layer for the target
+    /// TP (default: `args.vocab_size`).
+    #[arg(long)]
+    pub vocab_size: Option<u64>,
+    /// Megatron's --make-vocab-size-divisible-by (default: `args`, else 128).
+    #[arg(long)]
+    pub vocab_divisible_by: Option<u64>,
+    /// Plan and check, write nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Replace a checkpoint already in OUT_DIR.
+    #[arg(long)]
+    pub overwrite: bool,
+    /// Writer threads (default: number of CPUs, at least 2).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Machine-readable output on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Parses `tp=2,dp=4,…`.
+fn parse_mesh(s: &str) -> Result<Mesh> {
+    let mut m = Mesh { tp: 1, cp: 1, dp: 1, ep: 1, etp: 0 };
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (k, v) = part.split_once('=').with_context(|| format!("--from-mesh: `{part}` is not name=value"))?;
+        let v: u64 = v.trim().parse().with_context(|| format!("--from-mesh: `{part}`: not a number"))?;
+        match k.trim() {
+            "tp" => m.tp = v,
+            "cp" => m.cp = v,
+            "dp" => m.dp = v,
+            "ep" => m.ep = v,
+            "etp" => m.etp = v,
+            other => bail!("--from-mesh: unknown dimension `{other}` (tp, cp, dp, ep, etp)"),
+        }
+    }
+    if m.etp == 0 {
+        m.etp = m.tp;
+    }
+    Ok(m)
+}
+
+pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
+    let started = Instant::now();
+    let source = TrainingCheckpoint::open(&args.ckpt)
+        .with_context(|| format!("reading training checkpoint {}", args.ckpt.display()))?;
+    let saved = source.args.clone().unwrap_or_default();
+    let source_mesh = match (&args.from_mesh, saved.mesh()) {
+        (Some(s), _) => Some(parse_mesh(s)?),
+        (None, m) => m,
+    };
+    let options = ReshardOptions {
+        mesh: args.mesh.mesh(),
+        source_mesh,
+        vocab_size: args.vocab_size.or(saved.vocab_size),
+        vocab_divisible_by: args.vocab_divisible_by.or(saved.make_vocab_size_divisible_by).unwrap_or(128),
+        num_experts: saved.num_experts,
+        num_query_groups: saved.num_query_groups,
+        rng: match args.rng {
+            Rng::FromRank0 => RngPolicy::FromRank0,
+            Rng::Drop => RngPolicy::Drop,
+        },
+    };
+    let plan = plan_reshard(&source.items, &options)
+        .with_context(|| format!("cannot reshard {} to {}", args.ckpt.display(), options.mesh))?;
+    for note in &plan.notes {
+        let note = note.strip_prefix("warning: ").unwrap_or(note);
+        eprintln!("warning: {note}");
+    }
+    let from = source_mesh.map_or("unknown (no args; pass --from-mesh)".to_string(), |m| m.to_string());
+    let moments = plan.tensors.iter().filter(|t| matches!(t.out.role, shardline_layout::Role::OptimizerState { .. })).count();
+    if args.dry_run {
+        if args.json {
+            println!(
+                "{}",
+                json!({"from": from, "to": options.mesh.to_string(), "tensors": plan.tensors.len(),
+                       "optimizer_states": moments, "objects": plan.objects.len(), "notes": plan.notes})
+            );
+        } else {
+            println!(
+                "reshard {} ({from}) → {}: {} tensors ({moments} optimizer states), {} bytes items; nothing written (--dry-run)",
+                args.ckpt.display(),
+                options.mesh,
+                plan.tensors.len(),
+                plan.objects.len()
+            );
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let Some(to) = &args.to else { bail!("--to is required") };
+    let progress = Arc::new(Progress::default());
+    let total: u64 = plan.tensors.iter().map(|t| t.out.nbytes()).sum();
+    let counter = Arc::clone(&progress);
+    let bar = (!args.json).then(|| Bar::start("reshard", total, move || counter.bytes_written.load(Ordering::Relaxed)));
+    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()).max(2));
+    let report = write_resharded(&source, &plan, to, threads, args.overwrite, &progress)
+        .with_context(|| format!("writing {}", to.display()));
+    drop(bar);
+    let report = report?;
+    if !report.args_missing.is_empty() {
+        eprintln!("warning: `args` has no {}; left as they were", report.args_missing.join(", "));
+    }
+    let secs = started.elapsed().as_secs_f64();
+    if args.json {
+        println!(
+            "{}",
+            json!({"from": from, "to": options.mesh.to_string(), "out": to, "files": report.files,
+                   "tensor_bytes": report.tensor_bytes, "file_bytes": report.file_bytes, "chunks": report.chunks,
+                   "optimizer_states": moments, "args_updated": report.args_set, "notes": plan.notes,
+                   "seconds": secs, "peak_rss_bytes": peak_rss(),
+                   "bytes_written": progress.bytes_written.load(Ordering::Relaxed)})
+        );
+    } else {
+        println!(
+            "resharded {} ({from}) → {} ({}): {} rank files, {} tensors ({moments} optimizer states), {} in {:.2}s",
+            args.ckpt.display(),
+            to.display(),
+            options.mesh,
+            report.files,
+            plan.tensors.len(),
+            bytes(report.file_bytes),
+            secs
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn from_mesh_parses_and_defaults() {
+        assert_eq!(parse_mesh("tp=2,dp=4").unwrap(), Mesh { tp: 2, cp: 1, dp: 4, ep: 1, etp: 2 });
+        assert_eq!(parse_mesh("tp=2, dp=4, ep=2, etp=1").unwrap(), Mesh { tp: 2, cp: 1, dp: 4, ep: 2, etp: 1 });
+        assert!(parse_mesh("tp=2,pp=2").unwrap_err().to_string().contains("unknown dimension `pp`"));
+        assert!(parse_mesh("tp").is_err());
+    }
+}

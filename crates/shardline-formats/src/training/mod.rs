@@ -1,0 +1,118 @@
+//! Training checkpoints: a Megatron-FSDP (`fsdp_dtensor`) DCP directory written by PyTorch —
+//! parameters, optimizer moments, plain tensors and bytes items — read as the reshard core's
+//! items (`open`), what its `args` says (`args`), and written again for another mesh (`write`).
+
+mod args;
+mod write;
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use shardline_layout::reshard::{ChunkBox, ReshardError, SourceItem, SourceTensorMeta};
+use thiserror::Error;
+
+pub use args::TrainingArgs;
+pub use write::{write_resharded, ReshardReport};
+
+use crate::checkpoint::{open_checkpoint, Checkpoint, CheckpointError, CheckpointFormat, StoredChunk};
+use crate::execute::ExecuteError;
+use crate::pickle::Value;
+use crate::torch_save::{read_object_archive, TorchSaveError};
+
+/// Why a training checkpoint cannot be read or resharded.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum TrainingError {
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("{0} is a DCP-safetensors checkpoint; training checkpoints are DCP (`.metadata` + `.distcp`)")]
+    NotDcp(PathBuf),
+    #[error("{0}/.metadata has no planner_data: the saved state dict's key paths are unknown")]
+    NoPlannerData(PathBuf),
+    #[error("`{key}` has no planner_data path")]
+    NoPath { key: String },
+    #[error("`{key}`: {source}")]
+    Object { key: String, source: TorchSaveError },
+    #[error("cannot reshard: {0}")]
+    Reshard(#[from] ReshardError),
+    #[error(transparent)]
+    Write(#[from] ExecuteError),
+}
+
+/// Where an item's bytes are in the source checkpoint.
+#[derive(Clone, Debug)]
+pub enum ItemData {
+    /// Index into [`Checkpoint::tensors`].
+    Tensor(usize),
+    /// Index into [`Checkpoint::objects`].
+    Object(usize),
+}
+
+/// A training checkpoint, opened: its items for the reshard core, in the same order as `data`.
+#[derive(Debug)]
+pub struct TrainingCheckpoint {
+    pub checkpoint: Checkpoint,
+    pub items: Vec<SourceItem>,
+    pub data: Vec<ItemData>,
+    /// `args`, when the checkpoint has it (Megatron-LM's trainer writes it; Megatron-Bridge does not).
+    pub args: Option<TrainingArgs>,
+}
+
+impl TrainingCheckpoint {
+    /// Opens `dir`, checking every chunk's and bytes item's archive (see [`open_checkpoint`]).
+    pub fn open(dir: &Path) -> Result<TrainingCheckpoint, TrainingError> {
+        let checkpoint = open_checkpoint(dir)?;
+        if checkpoint.format != CheckpointFormat::Dcp {
+            return Err(TrainingError::NotDcp(dir.to_path_buf()));
+        }
+        if checkpoint.planner_data.is_empty() {
+            return Err(TrainingError::NoPlannerData(dir.to_path_buf()));
+        }
+        let path_of = |key: &str| {
+            checkpoint.planner_data.get(key).cloned().ok_or_else(|| TrainingError::NoPath { key: key.to_string() })
+        };
+        let mut items = Vec::new();
+        let mut data = Vec::new();
+        for (i, t) in checkpoint.tensors.iter().enumerate() {
+            let chunks = t.chunks.iter().map(|c| ChunkBox { offsets: c.offsets.clone(), sizes: c.sizes.clone() }).collect();
+            items.push(SourceItem {
+                key: t.key.clone(),
+                path: path_of(&t.key)?,
+                tensor: Some(SourceTensorMeta { dtype: t.dtype, shape: t.shape.clone(), chunks }),
+            });
+            data.push(ItemData::Tensor(i));
+        }
+        let mut args = None;
+        for (i, o) in checkpoint.objects.iter().enumerate() {
+            let path = path_of(&o.key)?;
+            if path.len() == 1 && o.key == "args" {
+                args = Some(TrainingArgs::from_value(&read_object(&checkpoint, i)?));
+            }
+            items.push(SourceItem { key: o.key.clone(), path, tensor: None });
+            data.push(ItemData::Object(i));
+        }
+        Ok(TrainingCheckpoint { checkpoint, items, data, args })
+    }
+
+    /// The unpickled value of bytes item `object` (an index into `checkpoint.objects`).
+    pub fn object_value(&self, object: usize) -> Result<Value, TrainingError> {
+        read_object(&self.checkpoint, object)
+    }
+
+    /// The stored chunks of the tensor item `item`.
+    pub fn chunks_of(&self, item: usize) -> &[StoredChunk] {
+        match self.data[item] {
+            ItemData::Tensor(t) => &self.checkpoint.tensors[t].chunks,
+            ItemData::Object(_) => &[],
+        }
+    }
+}
+
+fn read_object(checkpoint: &Checkpoint, object: usize) -> Result<Value, TrainingError> {
+    let o = &checkpoint.objects[object];
+    let path = checkpoint.dir.join(&o.file);
+    let f = File::open(&path).map_err(|error| {
+        TrainingError::Checkpoint(CheckpointError::Io { path: path.clone(), action: "open rank file", error })
+    })?;
+    read_object_archive(&f, o.offset, o.length).map_err(|source| TrainingError::Object { key: o.key.clone(), source })
+}

@@ -1,0 +1,368 @@
+//! Writing a resharded training checkpoint: every rank file's items placed before a byte is
+//! written, each rank file filled by copying the runs of the source chunks that meet its chunks
+//! (each source byte read once, through one fixed buffer per writer), then `.metadata` staged,
+//! synced and renamed into place last. Rank files are pre-sized, so rows no source chunk holds
+//! (vocab padding added for a larger TP) read as zeros without being written.
+
+use std::collections::HashMap;
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+
+use shardline_layout::reshard::{runs, ChunkBox, ReshardPlan};
+use shardline_layout::Chunk;
+
+use super::{ItemData, TrainingCheckpoint, TrainingError};
+use crate::dcp_metadata::{EntryRef, MetadataEncoder, StorageRef};
+use crate::execute::{dcp_rank_file, for_each_unit, publish_metadata, ExecuteError, Progress};
+use crate::pickle::set_int_fields;
+use crate::torch_save::{edit_object_archive, TensorArchive, TorchSaveError};
+
+/// Bytes of each writer's copy buffer.
+const BUFFER_BYTES: usize = 8 << 20;
+
+/// What was written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReshardReport {
+    pub files: u64,
+    pub tensor_bytes: u64,
+    pub file_bytes: u64,
+    pub chunks: u64,
+    /// `args` fields set to the target mesh, and those `args` did not have.
+    pub args_set: Vec<String>,
+    pub args_missing: Vec<String>,
+}
+
+/// One item of a target rank file and where it goes.
+enum OutItem {
+    Chunk { tensor: usize, chunk: Chunk, offset: u64, archive: TensorArchive },
+    Object { object: usize, offset: u64, length: u64 },
+}
+
+fn io_err<'p>(path: &'p Path, action: &'static str) -> impl FnOnce(io::Error) -> ExecuteError + 'p {
+    move |error| ExecuteError::Io { path: path.to_path_buf(), action, error }
+}
+
+/// Writes `plan` of `source` into `out` (created; an existing checkpoint there is an error
+/// unless `overwrite`). On any error what was written is removed.
+pub fn write_resharded(
+    source: &TrainingCheckpoint,
+    plan: &ReshardPlan,
+    out: &Path,
+    threads: usize,
+    overwrite: bool,
+    progress: &Progress,
+) -> Result<ReshardReport, TrainingError> {
+    if out.join(".metadata").exists() && !overwrite {
+        return Err(ExecuteError::Exists(out.to_path_buf(), ".metadata").into());
+    }
+    let src_dir = fs::canonicalize(&source.checkpoint.dir).ok();
+    if src_dir.is_some() && fs::canonicalize(out).ok() == src_dir {
+        return Err(ExecuteError::Io {
+            path: out.to_path_buf(),
+            action: "write the resharded checkpoint",
+            error: io::Error::other("the output directory is the source checkpoint"),
+        }
+        .into());
+    }
+    // Everything that can fail on the source's content fails before the output exists.
+    let (edited, args_set, args_missing) = edit_args(source, plan)?;
+    let created = !out.exists();
+    fs::create_dir_all(out).map_err(io_err(out, "create output directory"))?;
+    let result = write_all(source, plan, out, threads, progress, &edited);
+    match result {
+        Ok((files, tensor_bytes, file_bytes, chunks)) => {
+            Ok(ReshardReport { files, tensor_bytes, file_bytes, chunks, args_set, args_missing })
+        }
+        Err(e) => {
+            for rank in 0..plan.mesh.world() {
+                let _ = fs::remove_file(out.join(dcp_rank_file(rank)));
+            }
+            let _ = fs::remove_file(out.join(".metadata.tmp"));
+            if created {
+                let _ = fs::remove_dir(out);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// The `args` items rewritten with the target mesh: `(object index, archive)`, the fields set
+/// and the fields `args` does not have.
+#[allow(clippy::type_complexity)]
+fn edit_args(
+    source: &TrainingCheckpoint,
+    plan: &ReshardPlan,
+) -> Result<(HashMap<usize, Vec<u8>>, Vec<String>, Vec<String>), TrainingError> {
+    let updates = plan.args_updates();
+    let mut edited = HashMap::new();
+    let mut set = Vec::new();
+    for o in plan.objects.iter().filter(|o| o.is_args) {
+        let ItemData::Object(i) = source.data[o.source] else { continue };
+        let stored = &source.checkpoint.objects[i];
+        let path = source.checkpoint.dir.join(&stored.file);
+        let f = File::open(&path).map_err(io_err(&path, "open rank file"))?;
+        let archive = edit_object_archive(&f, stored.offset, stored.length, |pkl| {
+            let (new, found) = set_int_fields(pkl, &updates).map_err(TorchSaveError::from)?;
+            set = found;
+            Ok(new)
+        })
+        .map_err(|source| TrainingError::Object { key: stored.key.clone(), source })?;
+        edited.insert(i, archive);
+    }
+    let missing = if edited.is_empty() {
+        Vec::new()
+    } else {
+        updates.iter().map(|(k, _)| k.to_string()).filter(|k| !set.contains(k)).collect()
+    };
+    Ok((edited, set, missing))
+}
+
+/// Every rank file's items, in file order: its chunks in key order, then (rank 0) the objects.
+fn layout(source: &TrainingCheckpoint, plan: &ReshardPlan, edited: &HashMap<usize, Vec<u8>>) -> Vec<Vec<OutItem>> {
+    let mut files: Vec<Vec<OutItem>> = (0..plan.mesh.world()).map(|_| Vec::new()).collect();
+    let mut ends = vec![0u64; files.len()];
+    for (ti, t) in plan.tensors.iter().enumerate() {
+        for c in plan.written_chunks(ti) {
+            let r = c.rank as usize;
+            let archive = TensorArchive::new(t.out.dtype, &c.sizes);
+            let offset = ends[r];
+            ends[r] += archive.total_len();
+            files[r].push(OutItem::Chunk { tensor: ti, chunk: c, offset, archive });
+        }
+    }
+    for o in &plan.objects {
+        let ItemData::Object(i) = source.data[o.source] else { continue };
+        let length = edited.get(&i).map_or(source.checkpoint.objects[i].length, |b| b.len() as u64);
+        files[0].push(OutItem::Object { object: o.source, offset: ends[0], length });
+        ends[0] += length;
+    }
+    files
+}
+
+fn write_all(
+    source: &TrainingCheckpoint,
+    plan: &ReshardPlan,
+    out: &Path,
+    threads: usize,
+    progress: &Progress,
+    edited: &HashMap<usize, Vec<u8>>,
+) -> Result<(u64, u64, u64, u64), TrainingError> {
+    let files = layout(source, plan, edited);
+    let mut inputs: HashMap<&str, File> = HashMap::new();
+    let chunk_files = source.checkpoint.tensors.iter().flat_map(|t| t.chunks.iter().map(|c| c.file.as_str()));
+    for name in chunk_files.chain(source.checkpoint.objects.iter().map(|o| o.file.as_str())) {
+        if !inputs.contains_key(name) {
+            let p = source.checkpoint.dir.join(name);
+            inputs.insert(name, File::open(&p).map_err(io_err(&p, "open source rank file"))?);
+        }
+    }
+    let lengths = for_each_unit(files.len(), threads, progress, |rank| {
+        let path = out.join(dcp_rank_file(rank as u64));
+        let w = RankWriter { source, plan, inputs: &inputs, edited, progress };
+        w.write(&path, &files[rank])
+    })?;
+    let tmp = out.join(".metadata.tmp");
+    let f = File::create(&tmp).map_err(io_err(&tmp, "create .metadata.tmp"))?;
+    let f = write_metadata(source, plan, &files, f).map_err(io_err(&tmp, "write .metadata.tmp"))?;
+    f.sync_all().map_err(io_err(&tmp, "sync .metadata.tmp"))?;
+    publish_metadata(out)?;
+    let chunks = files.iter().flatten().filter(|i| matches!(i, OutItem::Chunk { .. })).count() as u64;
+    let tensor_bytes = files
+        .iter()
+        .flatten()
+        .map(|i| match i {
+            OutItem::Chunk { archive, .. } => archive.data_len(),
+            OutItem::Object { .. } => 0,
+        })
+        .sum();
+    Ok((files.len() as u64, tensor_bytes, lengths.iter().sum(), chunks))
+}
+
+/// `.metadata`: tensors with their chunks in rank order, bytes items, every key's path, and
+/// every item's place.
+fn write_metadata<W: io::Write>(
+    source: &TrainingCheckpoint,
+    plan: &ReshardPlan,
+    files: &[Vec<OutItem>],
+    sink: W,
+) -> io::Result<W> {
+    let mut e = MetadataEncoder::new(sink);
+    for (ti, t) in plan.tensors.iter().enumerate() {
+        let mut listed: Vec<Chunk> = plan.written_chunks(ti).collect();
+        listed.sort_by_key(|c| c.rank);
+        let chunks = listed.iter().map(|c| (c.offsets.as_slice(), c.sizes.as_slice()));
+        e.entry(&t.out.key, EntryRef::Tensor { dtype: t.out.dtype, size: &t.out.shape, chunks })?;
+    }
+    for o in &plan.objects {
+        e.entry(&o.key, EntryRef::Bytes::<std::iter::Empty<(&[u64], &[u64])>>)?;
+    }
+    e.begin_planner_data();
+    for t in &plan.tensors {
+        e.planner_path(&t.out.key, &t.path)?;
+    }
+    for o in &plan.objects {
+        e.planner_path(&o.key, &o.path)?;
+    }
+    e.begin_storage_data();
+    for (rank, items) in files.iter().enumerate() {
+        let name = dcp_rank_file(rank as u64);
+        for item in items {
+            let (fqn, chunk_offset, offset, length) = match item {
+                OutItem::Chunk { tensor, chunk, offset, archive } => {
+                    (plan.tensors[*tensor].out.key.as_str(), Some(chunk.offsets.as_slice()), *offset, archive.total_len())
+                }
+                OutItem::Object { object, offset, length } => {
+                    let key = plan.objects.iter().find(|o| o.source == *object).map_or("", |o| o.key.as_str());
+                    (key, None, *offset, *length)
+                }
+            };
+            e.storage(&StorageRef { fqn, chunk_offset, relative_path: &name, offset, length, transform_descriptors: None })?;
+        }
+    }
+    let _ = source;
+    e.finish(None)
+}
+
+/// Writes one rank file.
+struct RankWriter<'a> {
+    source: &'a TrainingCheckpoint,
+    plan: &'a ReshardPlan,
+    inputs: &'a HashMap<&'a str, File>,
+    edited: &'a HashMap<usize, Vec<u8>>,
+    progress: &'a Progress,
+}
+
+impl<'a> RankWriter<'a> {
+    fn write(&self, path: &'a Path, items: &[OutItem]) -> Result<u64, ExecuteError> {
+        let file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .map_err(io_err(path, "create rank file"))?;
+        let len = items.last().map_or(0, |i| match i {
+            OutItem::Chunk { offset, archive, .. } => offset + archive.total_len(),
+            OutItem::Object { offset, length, .. } => offset + length,
+        });
+        file.set_len(len).map_err(io_err(path, "size rank file"))?;
+        let mut copier = Copier::new(&file, path);
+        for item in items {
+            if self.progress.cancel.load(Ordering::Relaxed) {
+                return Err(ExecuteError::Cancelled);
+            }
+            match item {
+                OutItem::Chunk { tensor, chunk, offset, archive } => {
+                    copier.flush()?;
+                    file.write_all_at(archive.prefix(), *offset).map_err(io_err(path, "write rank file"))?;
+                    let data_at = offset + archive.data_offset();
+                    self.fill(&mut copier, *tensor, chunk, data_at)?;
+                    copier.flush()?;
+                    file.write_all_at(&archive.suffix(0), data_at + archive.data_len())
+                        .map_err(io_err(path, "write rank file"))?;
+                    self.progress.chunks_written.fetch_add(1, Ordering::Relaxed);
+                    self.progress.bytes_written.fetch_add(archive.data_len(), Ordering::Relaxed);
+                }
+                OutItem::Object { object, offset, .. } => {
+                    let ItemData::Object(i) = self.source.data[*object] else { continue };
+                    let stored = &self.source.checkpoint.objects[i];
+                    match self.edited.get(&i) {
+                        Some(bytes) => file.write_all_at(bytes, *offset).map_err(io_err(path, "write rank file"))?,
+                        None => {
+                            let input = self.input(&stored.file)?;
+                            copier.copy(input, stored.offset, *offset, stored.length)?;
+                        }
+                    }
+                }
+            }
+        }
+        copier.flush()?;
+        file.sync_all().map_err(io_err(path, "sync rank file"))?;
+        self.progress.files_done.fetch_add(1, Ordering::Relaxed);
+        Ok(len)
+    }
+
+    fn input(&self, name: &str) -> Result<&'a File, ExecuteError> {
+        self.inputs.get(name).ok_or_else(|| ExecuteError::Io {
+            path: self.source.checkpoint.dir.join(name),
+            action: "open source rank file",
+            error: io::Error::other("not among the files the checkpoint names"),
+        })
+    }
+
+    /// Copies every run of the source chunks that meet `chunk` into its data at `data_at`.
+    fn fill(&self, copier: &mut Copier<'a>, tensor: usize, chunk: &Chunk, data_at: u64) -> Result<(), ExecuteError> {
+        let t = &self.plan.tensors[tensor];
+        let size = t.out.dtype.size() as u64;
+        let target = ChunkBox { offsets: chunk.offsets.clone(), sizes: chunk.sizes.clone() };
+        for sc in self.source.chunks_of(t.source) {
+            let source = ChunkBox { offsets: sc.offsets.clone(), sizes: sc.sizes.clone() };
+            let input = self.input(&sc.file)?;
+            for run in runs(&target, &source) {
+                copier.copy(input, sc.data_offset + run.source * size, data_at + run.target * size, run.len * size)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Copies byte ranges from source files into one output file through a fixed buffer: reads of
+/// contiguous source bytes and writes of contiguous output bytes are merged.
+struct Copier<'a> {
+    out: &'a File,
+    path: &'a Path,
+    buf: Vec<u8>,
+    fill: usize,
+    /// `(file, source offset, buffer start, length)`.
+    reads: Vec<(&'a File, u64, usize, usize)>,
+    /// `(output offset, buffer start, length)`.
+    writes: Vec<(u64, usize, usize)>,
+}
+
+impl<'a> Copier<'a> {
+    fn new(out: &'a File, path: &'a Path) -> Copier<'a> {
+        Copier { out, path, buf: vec![0u8; BUFFER_BYTES], fill: 0, reads: Vec::new(), writes: Vec::new() }
+    }
+
+    fn copy(&mut self, input: &'a File, mut from: u64, mut to: u64, mut len: u64) -> Result<(), ExecuteError> {
+        while len > 0 {
+            if self.fill == self.buf.len() {
+                self.flush()?;
+            }
+            let n = (len.min((self.buf.len() - self.fill) as u64)) as usize;
+            let at = self.fill;
+            match self.reads.last_mut() {
+                Some((f, off, start, l)) if std::ptr::eq(*f, input) && *off + *l as u64 == from && *start + *l == at => {
+                    *l += n
+                }
+                _ => self.reads.push((input, from, at, n)),
+            }
+            match self.writes.last_mut() {
+                Some((off, start, l)) if *off + *l as u64 == to && *start + *l == at => *l += n,
+                _ => self.writes.push((to, at, n)),
+            }
+            self.fill += n;
+            from += n as u64;
+            to += n as u64;
+            len -= n as u64;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), ExecuteError> {
+        for (f, off, start, len) in self.reads.drain(..) {
+            f.read_exact_at(&mut self.buf[start..start + len], off).map_err(|error| ExecuteError::Io {
+                path: PathBuf::from("source checkpoint"),
+                action: "read source chunk",
+                error,
+            })?;
+        }
+        for (off, start, len) in self.writes.drain(..) {
+            self.out.write_all_at(&self.buf[start..start + len], off).map_err(io_err(self.path, "write rank file"))?;
+        }
+        self.fill = 0;
+        Ok(())
+    }
+}
