@@ -7,6 +7,7 @@ mod convert;
 mod hub_s3;
 mod object_source;
 mod orchestrator;
+mod reshard;
 mod triggers;
 
 use std::path::{Path, PathBuf};

@@ -148,6 +148,15 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
         })
         .collect();
 
+    // Buffers have no optimizer state in Megatron; one that has some was written as a parameter
+    // (`convert --optimizer-state` does so) and is re-tiled like one.
+    let with_states: BTreeSet<&str> = kinds
+        .iter()
+        .filter_map(|k| match k {
+            ItemKind::OptimizerState { name, .. } => Some(name.as_str()),
+            _ => None,
+        })
+        .collect();
     let mut tiled: Vec<Tiled> = Vec::new();
     let mut plain: Vec<usize> = Vec::new();
     let mut unknown_params: BTreeMap<String, usize> = BTreeMap::new();
@@ -172,7 +181,7 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
             continue;
         };
         match kind {
-            ItemKind::Model { name } if is_buffer(name) => plain.push(i),
+            ItemKind::Model { name } if is_buffer(name) && !with_states.contains(name.as_str()) => plain.push(i),
             ItemKind::Model { name } => match param_layout(name) {
                 Some(layout) => tiled.push(Tiled { item: i, name: name.clone(), layout, state: None }),
                 None => *unknown_params.entry(pattern_of(name)).or_default() += 1,

@@ -1,0 +1,173 @@
+//! `reshard`: a checkpoint with optimizer state, written on one mesh, re-tiled for another must be
+//! what `convert` writes for that mesh — same keys, shapes, dtypes and chunk boxes, and the same
+//! bytes (validated against the release) — and a round trip must give back the original files.
+//! Bad input fails before anything is written.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde_json::Value;
+use shardline_formats::dcp_metadata::{decode_metadata, encode_metadata, EntryMeta};
+
+use crate::{bin, convert, fixture, run, stderr, stdout};
+
+type Mesh = (u64, u64, u64, u64, u64);
+
+fn mesh_args(m: Mesh) -> Vec<String> {
+    let (tp, cp, dp, ep, etp) = m;
+    [("--tp", tp), ("--cp", cp), ("--dp", dp), ("--ep", ep), ("--etp", etp)]
+        .iter()
+        .flat_map(|(k, v)| [k.to_string(), v.to_string()])
+        .collect()
+}
+
+fn convert_at(name: &str, out: &Path, m: Mesh) {
+    let (tp, cp, dp, ep, etp) = m;
+    convert(&fixture(name), out, (tp, cp, dp, ep), &["--optimizer-state", "--etp", &etp.to_string()]);
+}
+
+fn reshard(src: &Path, out: &Path, m: Mesh, extra: &[&str]) -> std::process::Output {
+    run(bin().arg("reshard").arg(src).arg("--to").arg(out).args(mesh_args(m)).args(extra))
+}
+
+/// key → (dtype, shape, sorted chunk boxes).
+fn layout_of(dir: &Path) -> BTreeMap<String, (String, Value, Vec<String>)> {
+    let o = run(bin().arg("inspect").arg(dir).arg("--json"));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_str(&stdout(&o)).expect("inspect json");
+    v["tensors"]
+        .as_array()
+        .expect("tensors")
+        .iter()
+        .map(|t| {
+            let mut chunks: Vec<String> = t["chunks"].as_array().expect("chunks").iter().map(|c| c.to_string()).collect();
+            chunks.sort();
+            (t["key"].as_str().unwrap_or_default().to_string(), (t["dtype"].to_string(), t["shape"].clone(), chunks))
+        })
+        .collect()
+}
+
+fn validate(dir: &Path, name: &str, etp: u64) {
+    let o = run(bin().arg("validate").arg(dir).arg("--against").arg(fixture(name)).args(["--etp", &etp.to_string()]));
+    assert!(o.status.success(), "validate {}: {}{}", dir.display(), stdout(&o), stderr(&o));
+}
+
+#[test]
+fn reshard_gives_what_convert_writes_for_the_target_mesh() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let cases: &[(&str, Mesh, Mesh)] = &[
+        ("qwen3_moe", (1, 1, 4, 2, 1), (2, 1, 3, 2, 1)),
+        ("qwen3_moe", (2, 1, 2, 1, 2), (1, 1, 8, 4, 1)),
+        ("llama", (2, 1, 4, 1, 2), (1, 2, 3, 1, 1)),
+        ("deepseek_v3", (1, 1, 2, 2, 1), (2, 1, 3, 1, 2)),
+        ("qwen3_next", (2, 1, 2, 2, 2), (1, 1, 5, 1, 1)),
+        ("qwen3_vl_moe", (1, 1, 3, 1, 1), (2, 1, 2, 2, 1)),
+        ("gpt_oss", (2, 1, 2, 2, 1), (1, 1, 4, 4, 1)),
+    ];
+    for (i, &(name, from, to)) in cases.iter().enumerate() {
+        let a = tmp.path().join(format!("{i}-a"));
+        let b = tmp.path().join(format!("{i}-b"));
+        let want = tmp.path().join(format!("{i}-want"));
+        convert_at(name, &a, from);
+        // A converted checkpoint has no `args`: the source mesh is given.
+        let (tp, cp, dp, ep, etp) = from;
+        let from_mesh = format!("tp={tp},cp={cp},dp={dp},ep={ep},etp={etp}");
+        let o = reshard(&a, &b, to, &["--vocab-size", "256", "--from-mesh", &from_mesh]);
+        assert!(o.status.success(), "{name} {from:?} → {to:?}: {}", stderr(&o));
+        convert_at(name, &want, to);
+        let (got, expected) = (layout_of(&b), layout_of(&want));
+        assert_eq!(got.keys().collect::<Vec<_>>(), expected.keys().collect::<Vec<_>>(), "{name}: keys");
+        for (k, v) in &expected {
+            assert_eq!(&got[k], v, "{name} {from:?} → {to:?}: `{k}`");
+        }
+        validate(&b, name, to.4);
+        // No files torch's format detection would read as another format.
+        assert!(!b.join("metadata.json").exists() && !b.join("common.pt").exists());
+    }
+}
+
+#[test]
+fn a_round_trip_gives_back_the_same_files() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (a, b, c) = (tmp.path().join("a"), tmp.path().join("b"), tmp.path().join("c"));
+    let from = (1, 1, 4, 2, 1);
+    convert_at("qwen3_moe", &a, from);
+    assert!(reshard(&a, &b, (2, 1, 3, 1, 2), &[]).status.success());
+    let o = reshard(&b, &c, from, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for entry in std::fs::read_dir(&a).expect("list") {
+        let name = entry.expect("entry").file_name();
+        let (x, y) = (std::fs::read(a.join(&name)).expect("read"), std::fs::read(c.join(&name)).expect("read"));
+        assert!(x == y, "{name:?} differs after a → b → a");
+    }
+}
+
+/// Rewrites `dir/.metadata` with `edit` applied to its decoded form.
+fn edit_metadata(dir: &Path, edit: impl FnOnce(&mut shardline_formats::dcp_metadata::Metadata)) {
+    let p = dir.join(".metadata");
+    let mut md = decode_metadata(&std::fs::read(&p).expect("read .metadata")).expect("decode");
+    edit(&mut md);
+    std::fs::write(&p, encode_metadata(&md)).expect("write .metadata");
+}
+
+fn fails_cleanly(src: &Path, out: &Path, m: Mesh, needle: &str) {
+    let o = reshard(src, out, m, &[]);
+    assert!(!o.status.success(), "reshard succeeded on bad input ({needle})");
+    let err = stderr(&o);
+    assert!(err.contains(needle), "error should mention {needle:?}: {err}");
+    assert!(!out.exists(), "{} was created: {err}", out.display());
+}
+
+#[test]
+fn bad_input_is_refused_before_anything_is_written() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let from = (1, 1, 4, 2, 1);
+    let to = (2, 1, 2, 2, 1);
+    let fresh = |n: &str| {
+        let d = tmp.path().join(n);
+        convert_at("qwen3_moe", &d, from);
+        d
+    };
+    let key = "model.module.decoder.layers.0.self_attention.linear_proj.weight";
+
+    // A rank file cut short.
+    let d = fresh("truncated");
+    let f = std::fs::OpenOptions::new().write(true).open(d.join("__2_0.distcp")).expect("open");
+    let len = f.metadata().expect("stat").len();
+    f.set_len(len - 100).expect("truncate");
+    fails_cleanly(&d, &tmp.path().join("out-truncated"), to, "__2_0.distcp");
+
+    // A chunk missing from `.metadata`: elements no chunk holds.
+    let d = fresh("missing");
+    edit_metadata(&d, |md| {
+        for (k, e) in md.state_dict_metadata.iter_mut() {
+            if let (true, EntryMeta::Tensor { chunks, .. }) = (k == key, e) {
+                let gone = chunks.remove(1);
+                md.storage_data.retain(|(s, _)| !(s.fqn == key && s.offset.as_ref() == Some(&gone.offsets)));
+            }
+        }
+    });
+    fails_cleanly(&d, &tmp.path().join("out-missing"), to, "a chunk is missing");
+
+    // Two chunks that overlap.
+    let d = fresh("overlap");
+    edit_metadata(&d, |md| {
+        for (k, e) in md.state_dict_metadata.iter_mut() {
+            if let (true, EntryMeta::Tensor { chunks, .. }) = (k == key, e) {
+                let old = chunks[1].offsets.clone();
+                chunks[1].offsets[0] -= 1;
+                for (s, _) in md.storage_data.iter_mut() {
+                    if s.fqn == key && s.offset.as_ref() == Some(&old) {
+                        s.offset = Some(chunks[1].offsets.clone());
+                    }
+                }
+            }
+        }
+    });
+    fails_cleanly(&d, &tmp.path().join("out-overlap"), to, "overlap");
+
+    // Meshes the model cannot take: 4 experts over ep = 3, 32 columns over tp = 3.
+    let d = fresh("mesh");
+    fails_cleanly(&d, &tmp.path().join("out-ep"), (1, 1, 3, 3, 1), "does not divide the model's");
+    fails_cleanly(&d, &tmp.path().join("out-tp"), (3, 1, 1, 1, 3), "do not split over tp = 3");
+}
