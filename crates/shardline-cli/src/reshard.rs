@@ -114,7 +114,8 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
         eprintln!("warning: {note}");
     }
     let from = source_mesh.map_or("unknown (no args; pass --from-mesh)".to_string(), |m| m.to_string());
-    let moments = plan.tensors.iter().filter(|t| matches!(t.out.role, shardline_layout::Role::OptimizerState { .. })).count();
+    let moments =
+        plan.tensors.iter().filter(|t| matches!(t.out.role, shardline_layout::Role::OptimizerState { .. })).count();
     if args.dry_run {
         if args.json {
             println!(

@@ -4,6 +4,9 @@
 
 use proptest::prelude::*;
 use shardline_layout::recipe::{rows_of, segments, Transform};
+use shardline_layout::reshard::{
+    plan_reshard, ChunkBox, PathElem, ReshardOptions, RngPolicy, SourceItem, SourceTensorMeta,
+};
 use shardline_layout::{
     build_plan, lower, validate, validate_plan, DType, Mesh, ModelConfig, PlanOptions, PlanTable, Role, SourceTensor,
 };
@@ -354,5 +357,91 @@ proptest! {
         let missing: Vec<usize> = (1..next as usize).filter(|i| uses[*i] != want_uses[*i]).take(5).collect();
         prop_assert!(missing.is_empty(), "{} {}: elements used ≠ once: {:?}", c.family, c.mesh, missing);
       }
+    }
+}
+
+/// The items of a checkpoint written by `plan`: its keys with their saved-state-dict paths and
+/// written chunk boxes, as a training checkpoint's `.metadata` lists them.
+fn items_of(plan: &shardline_layout::Plan) -> Vec<SourceItem> {
+    plan.tensors
+        .iter()
+        .map(|t| {
+            let path = match t.key.strip_prefix("optimizer.state.").and_then(|r| r.rsplit_once('.')) {
+                Some((param, state)) => ["optimizer", "state", param, state].map(|s| PathElem::Key(s.into())).to_vec(),
+                None => {
+                    let (top, rest) = t.key.split_once('.').unwrap();
+                    vec![PathElem::Key(top.into()), PathElem::Key(rest.into())]
+                }
+            };
+            let chunks = t
+                .chunks(&plan.mesh)
+                .filter(|c| c.written && c.numel() > 0)
+                .map(|c| ChunkBox { offsets: c.offsets, sizes: c.sizes })
+                .collect();
+            SourceItem {
+                key: t.key.clone(),
+                path,
+                tensor: Some(SourceTensorMeta { dtype: t.dtype, shape: t.shape.clone(), chunks }),
+            }
+        })
+        .collect()
+}
+
+/// Sorted written chunk boxes of every key.
+fn boxes_of<'a>(
+    mesh: &'a Mesh,
+    tensors: impl Iterator<Item = &'a shardline_layout::OutputTensor>,
+) -> std::collections::BTreeMap<String, (DType, Vec<u64>, Vec<(Vec<u64>, Vec<u64>)>)> {
+    tensors
+        .map(|t| {
+            let mut b: Vec<_> =
+                t.chunks(mesh).filter(|c| c.written && c.numel() > 0).map(|c| (c.offsets, c.sizes)).collect();
+            b.sort();
+            (t.key.clone(), (t.dtype, t.shape.clone(), b))
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 120, ..ProptestConfig::default() })]
+
+    /// A checkpoint with optimizer state planned on one mesh and resharded to another holds
+    /// exactly the keys, shapes and chunk boxes of the checkpoint planned on the other.
+    #[test]
+    fn resharding_a_plan_gives_the_plan_of_the_target_mesh(
+        c in case(),
+        keep_tp in any::<bool>(),
+        keep_ep in any::<bool>(),
+        dp_mult in 1u64..4,
+    ) {
+        let config = ModelConfig::from_json(&c.config).unwrap();
+        let options = PlanOptions { optimizer_state: true, ..PlanOptions::default() };
+        let source = build_plan(&config, c.sources.clone(), c.mesh, &options).unwrap();
+        let a = c.mesh;
+        let tp = if keep_tp { a.tp } else { 1 };
+        let ep = if keep_ep { a.ep } else { 1 };
+        // gpt-oss keeps its expert fc1 fused in a layout of the expert-TP size: that stays.
+        let etp = if c.family == "gpt_oss" { a.etp } else if keep_tp { a.etp } else { 1 };
+        let b = Mesh { tp, cp: 1, dp: dp_mult * ep * etp, ep, etp };
+        let reshard_options = ReshardOptions {
+            mesh: b,
+            source_mesh: Some(a),
+            vocab_size: Some(config.vocab_size),
+            vocab_divisible_by: options.vocab_divisible_by,
+            num_experts: (c.experts > 0).then_some(c.experts),
+            num_query_groups: Some(config.num_query_groups),
+            rng: RngPolicy::FromRank0,
+        };
+        let resharded = match plan_reshard(&items_of(&source), &reshard_options) {
+            Ok(p) => p,
+            Err(e) => return Err(TestCaseError::fail(format!("{} {a} → {b}: {e}", c.family))),
+        };
+        let target = build_plan(&config, c.sources.clone(), b, &options).unwrap();
+        let got = boxes_of(&b, resharded.tensors.iter().map(|t| &t.out));
+        let want = boxes_of(&b, target.tensors.iter());
+        prop_assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
+        for (k, v) in &want {
+            prop_assert_eq!(&got[k], v, "{} {} → {}: `{}`", c.family, a, b, k);
+        }
     }
 }

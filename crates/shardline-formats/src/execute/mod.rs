@@ -41,11 +41,11 @@ mod threads;
 #[cfg(test)]
 mod tests;
 
-pub use entry::{commit_checkpoint, write_checkpoint, write_checkpoint_from, write_rank_file};
 pub(crate) use dcp::publish_metadata;
+pub use entry::{commit_checkpoint, write_checkpoint, write_checkpoint_from, write_rank_file};
 pub(crate) use sources::stream_chunk;
-pub(crate) use threads::for_each_unit;
 pub use sources::SourceMap;
+pub(crate) use threads::for_each_unit;
 
 use std::io;
 use std::path::{Path, PathBuf};

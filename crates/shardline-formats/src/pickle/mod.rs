@@ -21,9 +21,9 @@ use std::sync::Arc;
 
 use thiserror::Error;
 
+pub use patch::set_int_fields;
 pub use read::{loads, loads_with_limits, Reader};
 pub use scan::{scan_memo_references, MemoReferences};
-pub use patch::set_int_fields;
 pub use write::PickleWriter;
 
 /// The highest pickle protocol the reader accepts.

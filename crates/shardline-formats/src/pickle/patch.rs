@@ -18,12 +18,8 @@ struct Op<'a> {
 fn walk(pkl: &[u8]) -> Result<Vec<Op<'_>>, PickleError> {
     let mut ops = Vec::new();
     let mut at = 0usize;
-    let truncated = |start: usize| PickleError::Truncated {
-        opcode: "argument",
-        offset: start as u64,
-        needed: 1,
-        available: 0,
-    };
+    let truncated =
+        |start: usize| PickleError::Truncated { opcode: "argument", offset: start as u64, needed: 1, available: 0 };
     while at < pkl.len() {
         let (start, code) = (at, pkl[at]);
         at += 1;
@@ -47,7 +43,10 @@ fn walk(pkl: &[u8]) -> Result<Vec<Op<'_>>, PickleError> {
             }
             Arg::Lines(n) => {
                 for _ in 0..n {
-                    let nl = pkl.get(at..).and_then(|r| r.iter().position(|b| *b == b'\n')).ok_or_else(|| truncated(start))?;
+                    let nl = pkl
+                        .get(at..)
+                        .and_then(|r| r.iter().position(|b| *b == b'\n'))
+                        .ok_or_else(|| truncated(start))?;
                     at += nl + 1;
                 }
             }

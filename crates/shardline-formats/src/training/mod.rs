@@ -74,7 +74,8 @@ impl TrainingCheckpoint {
         let mut items = Vec::new();
         let mut data = Vec::new();
         for (i, t) in checkpoint.tensors.iter().enumerate() {
-            let chunks = t.chunks.iter().map(|c| ChunkBox { offsets: c.offsets.clone(), sizes: c.sizes.clone() }).collect();
+            let chunks =
+                t.chunks.iter().map(|c| ChunkBox { offsets: c.offsets.clone(), sizes: c.sizes.clone() }).collect();
             items.push(SourceItem {
                 key: t.key.clone(),
                 path: path_of(&t.key)?,

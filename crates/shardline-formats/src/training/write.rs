@@ -211,15 +211,25 @@ fn write_metadata<W: io::Write>(
         let name = dcp_rank_file(rank as u64);
         for item in items {
             let (fqn, chunk_offset, offset, length) = match item {
-                OutItem::Chunk { tensor, chunk, offset, archive } => {
-                    (plan.tensors[*tensor].out.key.as_str(), Some(chunk.offsets.as_slice()), *offset, archive.total_len())
-                }
+                OutItem::Chunk { tensor, chunk, offset, archive } => (
+                    plan.tensors[*tensor].out.key.as_str(),
+                    Some(chunk.offsets.as_slice()),
+                    *offset,
+                    archive.total_len(),
+                ),
                 OutItem::Object { object, offset, length } => {
                     let key = plan.objects.iter().find(|o| o.source == *object).map_or("", |o| o.key.as_str());
                     (key, None, *offset, *length)
                 }
             };
-            e.storage(&StorageRef { fqn, chunk_offset, relative_path: &name, offset, length, transform_descriptors: None })?;
+            e.storage(&StorageRef {
+                fqn,
+                chunk_offset,
+                relative_path: &name,
+                offset,
+                length,
+                transform_descriptors: None,
+            })?;
         }
     }
     let _ = source;
@@ -334,7 +344,9 @@ impl<'a> Copier<'a> {
             let n = (len.min((self.buf.len() - self.fill) as u64)) as usize;
             let at = self.fill;
             match self.reads.last_mut() {
-                Some((f, off, start, l)) if std::ptr::eq(*f, input) && *off + *l as u64 == from && *start + *l == at => {
+                Some((f, off, start, l))
+                    if std::ptr::eq(*f, input) && *off + *l as u64 == from && *start + *l == at =>
+                {
                     *l += n
                 }
                 _ => self.reads.push((input, from, at, n)),

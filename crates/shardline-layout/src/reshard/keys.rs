@@ -48,7 +48,8 @@ pub enum ItemKind {
 }
 
 /// Top-level items carried unchanged.
-const CARRIED: &[&str] = &["iteration", "checkpoint_version", "opt_param_scheduler", "num_floating_point_operations_so_far"];
+const CARRIED: &[&str] =
+    &["iteration", "checkpoint_version", "opt_param_scheduler", "num_floating_point_operations_so_far"];
 
 fn key(e: &PathElem) -> Option<&str> {
     match e {

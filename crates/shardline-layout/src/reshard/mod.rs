@@ -39,3 +39,6 @@ pub enum ReshardError {
     #[error("{}", .0.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n"))]
     Many(Vec<ReshardError>),
 }
+
+#[cfg(test)]
+mod tests;

@@ -189,12 +189,18 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
             ItemKind::OptimizerState { name, state } if !t.shape.is_empty() => {
                 if let Some(&p) = params.get(name.as_str()) {
                     if let Some(problem) = state_mismatch(items[p].tensor.as_ref(), t) {
-                        errors.push(ReshardError::StateMismatch { key: item.key.clone(), param: items[p].key.clone(), problem });
+                        errors.push(ReshardError::StateMismatch {
+                            key: item.key.clone(),
+                            param: items[p].key.clone(),
+                            problem,
+                        });
                         continue;
                     }
                 }
                 match param_layout(name) {
-                    Some(layout) => tiled.push(Tiled { item: i, name: name.clone(), layout, state: Some(state.clone()) }),
+                    Some(layout) => {
+                        tiled.push(Tiled { item: i, name: name.clone(), layout, state: Some(state.clone()) })
+                    }
                     None => *unknown_params.entry(pattern_of(name)).or_default() += 1,
                 }
             }
@@ -207,9 +213,8 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
         }
     }
     if !unknown_params.is_empty() {
-        errors.push(ReshardError::UnknownParams(
-            unknown_params.into_iter().map(|(p, n)| format!("{p} × {n}")).collect(),
-        ));
+        errors
+            .push(ReshardError::UnknownParams(unknown_params.into_iter().map(|(p, n)| format!("{p} × {n}")).collect()));
     }
 
     let mut tensors = Vec::new();
@@ -306,9 +311,8 @@ fn retile(
     notes: &mut Vec<String>,
 ) -> Option<u64> {
     let mesh = options.mesh;
-    let num_experts = options.num_experts.unwrap_or_else(|| {
-        tiled.iter().filter_map(|t| t.layout.expert).max().map_or(0, |e| e + 1)
-    });
+    let num_experts =
+        options.num_experts.unwrap_or_else(|| tiled.iter().filter_map(|t| t.layout.expert).max().map_or(0, |e| e + 1));
     if num_experts > 0 && !num_experts.is_multiple_of(mesh.ep) {
         errors.push(ReshardError::Mesh(format!("ep = {} does not divide the model's {num_experts} experts", mesh.ep)));
         return None;
@@ -460,10 +464,7 @@ fn rng_items(
     let changed = source != target;
     let list = |v: &[(u64, u64)]| v.iter().map(|(p, t)| rng_rank_part(*p, *t)).collect::<Vec<_>>().join(", ");
     if options.rng == RngPolicy::Drop {
-        notes.push(format!(
-            "warning: RNG states of {} dropped (--rng drop); load with --no-load-rng",
-            list(&source)
-        ));
+        notes.push(format!("warning: RNG states of {} dropped (--rng drop); load with --no-load-rng", list(&source)));
         return;
     }
     let Some(origin) = rng.get(&(0, 0)).or_else(|| rng.values().next()) else { return };
@@ -507,7 +508,8 @@ fn rng_items(
 }
 
 fn check_unique(tensors: &[TargetTensor], objects: &[TargetObject]) -> Result<(), ReshardError> {
-    let mut keys: Vec<&str> = tensors.iter().map(|t| t.out.key.as_str()).chain(objects.iter().map(|o| o.key.as_str())).collect();
+    let mut keys: Vec<&str> =
+        tensors.iter().map(|t| t.out.key.as_str()).chain(objects.iter().map(|o| o.key.as_str())).collect();
     keys.sort_unstable();
     match keys.windows(2).find(|w| w[0] == w[1]) {
         Some(w) => Err(ReshardError::Duplicate(w[0].to_string())),
@@ -520,10 +522,14 @@ fn validate(plan: &ReshardPlan, options: &ReshardOptions) -> Result<(), ReshardE
     let tiled: Vec<OutputTensor> =
         plan.tensors.iter().filter(|t| matches!(t.out.tiling, Tiling::Fsdp(_))).map(|t| t.out.clone()).collect();
     let num_experts = options.num_experts.unwrap_or_else(|| {
-        tiled.iter().filter_map(|t| match t.group {
-            crate::plan::Group::Expert { expert, .. } => Some(expert + 1),
-            _ => None,
-        }).max().unwrap_or(0)
+        tiled
+            .iter()
+            .filter_map(|t| match t.group {
+                crate::plan::Group::Expert { expert, .. } => Some(expert + 1),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0)
     });
     let as_plan = Plan {
         mesh: plan.mesh,
