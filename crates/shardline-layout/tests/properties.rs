@@ -387,11 +387,14 @@ fn items_of(plan: &shardline_layout::Plan) -> Vec<SourceItem> {
         .collect()
 }
 
+/// A key's dtype, global shape and sorted written chunk boxes `(offsets, sizes)`.
+type KeyLayout = (DType, Vec<u64>, Vec<(Vec<u64>, Vec<u64>)>);
+
 /// Sorted written chunk boxes of every key.
 fn boxes_of<'a>(
     mesh: &'a Mesh,
     tensors: impl Iterator<Item = &'a shardline_layout::OutputTensor>,
-) -> std::collections::BTreeMap<String, (DType, Vec<u64>, Vec<(Vec<u64>, Vec<u64>)>)> {
+) -> std::collections::BTreeMap<String, KeyLayout> {
     tensors
         .map(|t| {
             let mut b: Vec<_> =
@@ -421,7 +424,7 @@ proptest! {
         let tp = if keep_tp { a.tp } else { 1 };
         let ep = if keep_ep { a.ep } else { 1 };
         // gpt-oss keeps its expert fc1 fused in a layout of the expert-TP size: that stays.
-        let etp = if c.family == "gpt_oss" { a.etp } else if keep_tp { a.etp } else { 1 };
+        let etp = if c.family == "gpt_oss" || keep_tp { a.etp } else { 1 };
         let b = Mesh { tp, cp: 1, dp: dp_mult * ep * etp, ep, etp };
         let reshard_options = ReshardOptions {
             mesh: b,
