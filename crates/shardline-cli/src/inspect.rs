@@ -13,6 +13,7 @@ use clap::Args;
 use serde_json::json;
 use shardline_formats::checkpoint::{scan_checkpoint, CheckpointFormat};
 use shardline_formats::execute::Progress;
+use shardline_formats::training::{summarize_training, TrainingSummary};
 use shardline_formats::verify::{verify_checkpoint, VerifyOptions};
 use shardline_layout::{Mesh, PlanOptions};
 
@@ -74,10 +75,16 @@ pub fn run_inspect(args: InspectArgs) -> Result<ExitCode> {
     }
     let files: BTreeMap<_, _> =
         summary.files.iter().map(|(f, s)| (f.clone(), json!({"items": s.items, "bytes": s.bytes}))).collect();
+    let training = match summary.format {
+        CheckpointFormat::Dcp => summarize_training(&args.ckpt)
+            .with_context(|| format!("reading the training state of {}", args.ckpt.display()))?,
+        CheckpointFormat::DcpSafetensors => None,
+    };
     if args.json {
         let tail = json!({"format": format_name(summary.format), "tensor_count": summary.tensors,
                           "chunk_count": summary.chunks, "files": files, "bytes_items": summary.bytes_items,
-                          "version": summary.version, "peak_rss_bytes": peak_rss().unwrap_or(0)});
+                          "version": summary.version, "training": training.as_ref().map(training_json),
+                          "peak_rss_bytes": peak_rss().unwrap_or(0)});
         // The tail's fields follow the streamed tensors in the same object.
         let tail = tail.to_string();
         writeln!(out, "],{}", tail.strip_prefix('{').unwrap_or(&tail))?;
@@ -93,12 +100,54 @@ pub fn run_inspect(args: InspectArgs) -> Result<ExitCode> {
         for (f, s) in &summary.files {
             writeln!(out, "  {f:<50} {:>8} items {:>12}", s.items, bytes(s.bytes))?;
         }
-        if !summary.bytes_items.is_empty() {
-            writeln!(out, "bytes items: {}", summary.bytes_items.join(", "))?;
+        match &training {
+            Some(t) => write_training(&mut out, t)?,
+            None if !summary.bytes_items.is_empty() => {
+                writeln!(out, "bytes items: {}", summary.bytes_items.join(", "))?;
+            }
+            None => {}
         }
     }
     out.flush()?;
     Ok(ExitCode::SUCCESS)
+}
+
+fn training_json(t: &TrainingSummary) -> serde_json::Value {
+    let moments: BTreeMap<_, _> = t.moments.iter().map(|(k, (n, b))| (k, json!({"tensors": n, "bytes": b}))).collect();
+    let objects: BTreeMap<_, _> = t.objects.iter().map(|(k, v)| (k, v)).collect();
+    json!({"mesh": t.mesh.map(|m| json!({"tp": m.tp, "cp": m.cp, "dp": m.dp, "ep": m.ep, "etp": m.etp})),
+           "iteration": t.iteration, "checkpoint_version": t.checkpoint_version,
+           "parameters": {"tensors": t.params.0, "bytes": t.params.1}, "optimizer_states": moments,
+           "adam_steps": t.adam_steps, "rng_ranks": t.rng_ranks.iter().map(|(p, r)| [p, r]).collect::<Vec<_>>(),
+           "objects": objects, "unknown": t.unknown})
+}
+
+/// The training section of `inspect`: what a job resuming from this checkpoint gets.
+fn write_training(out: &mut impl Write, t: &TrainingSummary) -> std::io::Result<()> {
+    writeln!(out, "\ntraining checkpoint")?;
+    let mesh = t.mesh.map_or("unknown (no `args`)".to_string(), |m| m.to_string());
+    writeln!(out, "  mesh:               {mesh}")?;
+    writeln!(out, "  iteration:          {}", t.iteration.as_deref().unwrap_or("—"))?;
+    writeln!(out, "  checkpoint_version: {}", t.checkpoint_version.as_deref().unwrap_or("—"))?;
+    writeln!(out, "  parameters:         {} tensors, {}", t.params.0, bytes(t.params.1))?;
+    for (state, (n, b)) in &t.moments {
+        writeln!(out, "  {:<20}{n} tensors, {}", format!("optimizer {state}:"), bytes(*b))?;
+    }
+    if t.moments.is_empty() {
+        writeln!(out, "  optimizer state:    none")?;
+    }
+    let steps: Vec<String> = t.adam_steps.iter().map(|(s, n)| format!("{s} ({n} parameters)")).collect();
+    writeln!(out, "  Adam step:          {}", if steps.is_empty() { "—".to_string() } else { steps.join(", ") })?;
+    let rng: Vec<String> = t.rng_ranks.iter().map(|(p, r)| format!("({p}, {r})")).collect();
+    writeln!(out, "  RNG states:         {}", if rng.is_empty() { "none".to_string() } else { rng.join(", ") })?;
+    if !t.unknown.is_empty() {
+        writeln!(out, "  not understood (carried by reshard): {}", t.unknown.join(", "))?;
+    }
+    writeln!(out, "  bytes items ({}):", t.objects.len())?;
+    for (k, v) in &t.objects {
+        writeln!(out, "    {k} = {v}")?;
+    }
+    Ok(())
 }
 
 #[derive(Args, Debug)]

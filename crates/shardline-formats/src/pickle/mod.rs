@@ -13,6 +13,7 @@
 mod input;
 mod opcodes;
 mod patch;
+mod repr;
 mod read;
 mod scan;
 mod write;

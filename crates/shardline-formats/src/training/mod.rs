@@ -3,6 +3,7 @@
 //! items (`open`), what its `args` says (`args`), and written again for another mesh (`write`).
 
 mod args;
+mod summary;
 mod write;
 
 use std::fs::File;
@@ -12,6 +13,7 @@ use shardline_layout::reshard::{ChunkBox, ReshardError, SourceItem, SourceTensor
 use thiserror::Error;
 
 pub use args::TrainingArgs;
+pub use summary::{summarize_training, TrainingSummary};
 pub use write::{write_resharded, ReshardReport};
 
 use crate::checkpoint::{open_checkpoint, Checkpoint, CheckpointError, CheckpointFormat, StoredChunk};

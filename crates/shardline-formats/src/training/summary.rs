@@ -1,0 +1,104 @@
+//! What `inspect` says about a training checkpoint: the job's mesh and iteration, its
+//! parameters and optimizer moments, Adam's step, the RNG grid, and every bytes item's value.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File};
+use std::path::Path;
+
+use shardline_layout::reshard::{classify, ItemKind};
+use shardline_layout::Mesh;
+
+use super::{TrainingArgs, TrainingError};
+use crate::checkpoint::CheckpointError;
+use crate::dcp_metadata::{decode_metadata, EntryMeta};
+use crate::torch_save::read_object_archive;
+
+/// Characters of a bytes item's rendered value.
+const REPR_CHARS: usize = 160;
+
+/// A training checkpoint, summarised.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TrainingSummary {
+    pub args: Option<TrainingArgs>,
+    pub mesh: Option<Mesh>,
+    /// `iteration`, rendered.
+    pub iteration: Option<String>,
+    pub checkpoint_version: Option<String>,
+    /// Parameter tensors (`model.*`): count and bytes.
+    pub params: (u64, u64),
+    /// Optimizer moments by state name (`exp_avg`, …): count and bytes.
+    pub moments: BTreeMap<String, (u64, u64)>,
+    /// Adam's step as each parameter's group stores it: rendered value → parameters.
+    pub adam_steps: BTreeMap<String, u64>,
+    /// `(pp, tp)` ranks with RNG states.
+    pub rng_ranks: Vec<(u64, u64)>,
+    /// Every bytes item and its rendered value, in `.metadata` order.
+    pub objects: Vec<(String, String)>,
+    /// Items that are neither a Megatron training item nor understood.
+    pub unknown: Vec<String>,
+}
+
+/// Summarises the DCP checkpoint in `dir`; `None` when it holds no training state (no optimizer
+/// moments and no bytes items: a converted checkpoint of weights only).
+pub fn summarize_training(dir: &Path) -> Result<Option<TrainingSummary>, TrainingError> {
+    let md_path = dir.join(".metadata");
+    let bytes = fs::read(&md_path).map_err(|error| CheckpointError::Io { path: md_path.clone(), action: "read", error })?;
+    let md = decode_metadata(&bytes).map_err(|source| CheckpointError::Metadata { path: md_path.clone(), source })?;
+    let paths: BTreeMap<&str, &[_]> = md.planner_data.iter().map(|(k, p)| (k.as_str(), p.as_slice())).collect();
+    let mut s = TrainingSummary::default();
+    let mut training = false;
+    for (key, entry) in &md.state_dict_metadata {
+        let kind = paths.get(key.as_str()).map_or(ItemKind::Unknown, |p| classify(p));
+        match entry {
+            EntryMeta::Tensor { dtype, size, .. } => {
+                let nbytes = size.iter().product::<u64>() * dtype.size() as u64;
+                match kind {
+                    ItemKind::Model { .. } => {
+                        s.params.0 += 1;
+                        s.params.1 += nbytes;
+                    }
+                    ItemKind::OptimizerState { state, .. } => {
+                        training = true;
+                        let m = s.moments.entry(state).or_default();
+                        m.0 += 1;
+                        m.1 += nbytes;
+                    }
+                    ItemKind::Rng { pp, tp } => s.rng_ranks.push((pp, tp)),
+                    ItemKind::Unknown => s.unknown.push(key.clone()),
+                    _ => {}
+                }
+            }
+            EntryMeta::Bytes => {
+                training = true;
+                let info = md.storage(key, None).ok_or_else(|| CheckpointError::MissingStorage {
+                    key: key.clone(),
+                    offsets: Vec::new(),
+                })?;
+                let path = dir.join(&info.relative_path);
+                let f = File::open(&path).map_err(|error| CheckpointError::Io { path, action: "open rank file", error })?;
+                let value = read_object_archive(&f, info.offset, info.length)
+                    .map_err(|source| TrainingError::Object { key: key.clone(), source })?;
+                let shown = value.repr(REPR_CHARS);
+                match &kind {
+                    ItemKind::Args => {
+                        let a = TrainingArgs::from_value(&value);
+                        s.mesh = a.mesh();
+                        s.args = Some(a);
+                    }
+                    ItemKind::Carried if key == "iteration" => s.iteration = Some(shown.clone()),
+                    ItemKind::Carried if key == "checkpoint_version" => s.checkpoint_version = Some(shown.clone()),
+                    ItemKind::GroupMeta if paths.get(key.as_str()).and_then(|p| p.last()).map(|e| e.to_string()).as_deref() == Some("step") => {
+                        *s.adam_steps.entry(shown.clone()).or_default() += 1;
+                    }
+                    ItemKind::Rng { pp, tp } => s.rng_ranks.push((*pp, *tp)),
+                    ItemKind::Unknown => s.unknown.push(key.clone()),
+                    _ => {}
+                }
+                s.objects.push((key.clone(), shown));
+            }
+        }
+    }
+    s.rng_ranks.sort_unstable();
+    s.rng_ranks.dedup();
+    Ok(training.then_some(s))
+}
