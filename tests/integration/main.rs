@@ -4,6 +4,7 @@
 mod architecture;
 mod bad_input;
 mod convert;
+mod export;
 mod hub_s3;
 mod object_source;
 mod orchestrator;

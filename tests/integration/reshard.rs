@@ -40,7 +40,8 @@ fn layout_of(dir: &Path) -> BTreeMap<String, (String, Value, Vec<String>)> {
         .expect("tensors")
         .iter()
         .map(|t| {
-            let mut chunks: Vec<String> = t["chunks"].as_array().expect("chunks").iter().map(|c| c.to_string()).collect();
+            let mut chunks: Vec<String> =
+                t["chunks"].as_array().expect("chunks").iter().map(|c| c.to_string()).collect();
             chunks.sort();
             (t["key"].as_str().unwrap_or_default().to_string(), (t["dtype"].to_string(), t["shape"].clone(), chunks))
         })

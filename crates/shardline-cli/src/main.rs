@@ -3,6 +3,7 @@
 
 mod archs;
 mod convert;
+mod export;
 mod gpu;
 mod inspect;
 mod malloc;
@@ -35,6 +36,8 @@ enum Command {
     Validate(inspect::ValidateArgs),
     /// Reshard a Megatron-FSDP training checkpoint (parameters and optimizer state) to another mesh.
     Reshard(reshard::ReshardArgs),
+    /// Write a checkpoint's model weights back as an HF safetensors release.
+    Export(export::ExportArgs),
     /// Write a synthetic HF release with real key names and shapes (deterministic data).
     Synth(convert::SynthArgs),
     /// Measure conversion speed against `cp -r` of the same input, and peak memory.
@@ -78,6 +81,7 @@ fn main() -> ExitCode {
         Command::Inspect(a) => inspect::run_inspect(a),
         Command::Validate(a) => inspect::run_validate(a),
         Command::Reshard(a) => reshard::run_reshard(a),
+        Command::Export(a) => export::run_export(a),
         Command::Synth(a) => convert::run_synth(a),
         Command::Bench(a) => convert::run_bench(a),
         Command::Run(a) => orchestrate::run_run(a),

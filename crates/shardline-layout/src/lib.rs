@@ -11,6 +11,7 @@ pub mod arch;
 pub mod config;
 pub mod dtype;
 pub mod error;
+pub mod export;
 pub mod invariants;
 pub mod mesh;
 pub mod plan;

@@ -345,6 +345,41 @@ pub fn segments(shape: &[u64], dtype: DType, recipe: &[RowBlock], offsets: &[u64
     out
 }
 
+/// Adds `delta` in place to every little-endian float of `dtype` in `bytes`, as torch does
+/// (16-bit floats computed in f32 and rounded to nearest even). `weight − 1` of zero-centred
+/// norms, and `+ 1` when exporting them back. Other dtypes are left as they are (the planner
+/// attaches value transforms to floats only).
+pub fn add_scalar(dtype: DType, bytes: &mut [u8], delta: f32) {
+    match dtype {
+        DType::BF16 => {
+            for e in bytes.chunks_exact_mut(2) {
+                let x = f32::from_bits(u32::from(u16::from_le_bytes([e[0], e[1]])) << 16);
+                e.copy_from_slice(&f32_to_bf16(x + delta).to_le_bytes());
+            }
+        }
+        DType::F16 => {
+            for e in bytes.chunks_exact_mut(2) {
+                let x = f16_to_f32(u16::from_le_bytes([e[0], e[1]]));
+                e.copy_from_slice(&f32_to_f16(x + delta).to_le_bytes());
+            }
+        }
+        DType::F32 => {
+            for e in bytes.chunks_exact_mut(4) {
+                let x = f32::from_le_bytes([e[0], e[1], e[2], e[3]]);
+                e.copy_from_slice(&(x + delta).to_le_bytes());
+            }
+        }
+        DType::F64 => {
+            for e in bytes.chunks_exact_mut(8) {
+                let mut a = [0u8; 8];
+                a.copy_from_slice(e);
+                e.copy_from_slice(&(f64::from_le_bytes(a) + f64::from(delta)).to_le_bytes());
+            }
+        }
+        _ => {}
+    }
+}
+
 /// Applies a same-size `transform` in place to `bytes` holding little-endian elements of
 /// `dtype` (a cast, which changes the size, goes through [`cast_into`]).
 pub fn apply_transform(transform: Transform, dtype: DType, bytes: &mut [u8]) {
@@ -354,35 +389,7 @@ pub fn apply_transform(transform: Transform, dtype: DType, bytes: &mut [u8]) {
         | Transform::DequantFp8 { .. }
         | Transform::DequantMxfp4 { .. }
         | Transform::Transpose { .. } => {}
-        Transform::SubtractOne => match dtype {
-            DType::BF16 => {
-                for e in bytes.chunks_exact_mut(2) {
-                    let x = f32::from_bits(u32::from(u16::from_le_bytes([e[0], e[1]])) << 16);
-                    e.copy_from_slice(&f32_to_bf16(x - 1.0).to_le_bytes());
-                }
-            }
-            DType::F16 => {
-                for e in bytes.chunks_exact_mut(2) {
-                    let x = f16_to_f32(u16::from_le_bytes([e[0], e[1]]));
-                    e.copy_from_slice(&f32_to_f16(x - 1.0).to_le_bytes());
-                }
-            }
-            DType::F32 => {
-                for e in bytes.chunks_exact_mut(4) {
-                    let x = f32::from_le_bytes([e[0], e[1], e[2], e[3]]);
-                    e.copy_from_slice(&(x - 1.0).to_le_bytes());
-                }
-            }
-            DType::F64 => {
-                for e in bytes.chunks_exact_mut(8) {
-                    let mut a = [0u8; 8];
-                    a.copy_from_slice(e);
-                    e.copy_from_slice(&(f64::from_le_bytes(a) - 1.0).to_le_bytes());
-                }
-            }
-            // The planner only attaches value transforms to 16/32/64-bit floats.
-            _ => {}
-        },
+        Transform::SubtractOne => add_scalar(dtype, bytes, -1.0),
     }
 }
 

@@ -13,8 +13,8 @@
 mod input;
 mod opcodes;
 mod patch;
-mod repr;
 mod read;
+mod repr;
 mod scan;
 mod write;
 

@@ -3,6 +3,7 @@
 //! items (`open`), what its `args` says (`args`), and written again for another mesh (`write`).
 
 mod args;
+mod export;
 mod summary;
 mod write;
 
@@ -13,6 +14,7 @@ use shardline_layout::reshard::{ChunkBox, ReshardError, SourceItem, SourceTensor
 use thiserror::Error;
 
 pub use args::TrainingArgs;
+pub use export::{staging_dir, write_export, ExportOptions, ExportReport};
 pub use summary::{summarize_training, TrainingSummary};
 pub use write::{write_resharded, ReshardReport};
 
@@ -39,6 +41,8 @@ pub enum TrainingError {
     Reshard(#[from] ReshardError),
     #[error(transparent)]
     Write(#[from] ExecuteError),
+    #[error(transparent)]
+    Safetensors(#[from] crate::safetensors::SafetensorsError),
 }
 
 /// Where an item's bytes are in the source checkpoint.

@@ -42,7 +42,8 @@ pub struct TrainingSummary {
 /// moments and no bytes items: a converted checkpoint of weights only).
 pub fn summarize_training(dir: &Path) -> Result<Option<TrainingSummary>, TrainingError> {
     let md_path = dir.join(".metadata");
-    let bytes = fs::read(&md_path).map_err(|error| CheckpointError::Io { path: md_path.clone(), action: "read", error })?;
+    let bytes =
+        fs::read(&md_path).map_err(|error| CheckpointError::Io { path: md_path.clone(), action: "read", error })?;
     let md = decode_metadata(&bytes).map_err(|source| CheckpointError::Metadata { path: md_path.clone(), source })?;
     let paths: BTreeMap<&str, &[_]> = md.planner_data.iter().map(|(k, p)| (k.as_str(), p.as_slice())).collect();
     let mut s = TrainingSummary::default();
@@ -70,12 +71,12 @@ pub fn summarize_training(dir: &Path) -> Result<Option<TrainingSummary>, Trainin
             }
             EntryMeta::Bytes => {
                 training = true;
-                let info = md.storage(key, None).ok_or_else(|| CheckpointError::MissingStorage {
-                    key: key.clone(),
-                    offsets: Vec::new(),
-                })?;
+                let info = md
+                    .storage(key, None)
+                    .ok_or_else(|| CheckpointError::MissingStorage { key: key.clone(), offsets: Vec::new() })?;
                 let path = dir.join(&info.relative_path);
-                let f = File::open(&path).map_err(|error| CheckpointError::Io { path, action: "open rank file", error })?;
+                let f =
+                    File::open(&path).map_err(|error| CheckpointError::Io { path, action: "open rank file", error })?;
                 let value = read_object_archive(&f, info.offset, info.length)
                     .map_err(|source| TrainingError::Object { key: key.clone(), source })?;
                 let shown = value.repr(REPR_CHARS);
@@ -87,7 +88,10 @@ pub fn summarize_training(dir: &Path) -> Result<Option<TrainingSummary>, Trainin
                     }
                     ItemKind::Carried if key == "iteration" => s.iteration = Some(shown.clone()),
                     ItemKind::Carried if key == "checkpoint_version" => s.checkpoint_version = Some(shown.clone()),
-                    ItemKind::GroupMeta if paths.get(key.as_str()).and_then(|p| p.last()).map(|e| e.to_string()).as_deref() == Some("step") => {
+                    ItemKind::GroupMeta
+                        if paths.get(key.as_str()).and_then(|p| p.last()).map(|e| e.to_string()).as_deref()
+                            == Some("step") =>
+                    {
                         *s.adam_steps.entry(shown.clone()).or_default() += 1;
                     }
                     ItemKind::Rng { pp, tp } => s.rng_ranks.push((*pp, *tp)),

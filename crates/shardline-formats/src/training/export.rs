@@ -1,0 +1,292 @@
+//! Writing a checkpoint's model weights back as an HF release: every release tensor assembled
+//! from the checkpoint rows the export plan names (read as runs of the chunks that hold them,
+//! through one buffer per writer), converted to the release's dtype, written into safetensors
+//! files of at most a given size in a staging directory; the index, `config.json` and tokenizer
+//! files of the release next to them; the directory renamed into place last.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, File};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+
+use shardline_layout::export::ExportTensor;
+use shardline_layout::recipe::{add_scalar, can_cast, cast_into, row_elems};
+use shardline_layout::reshard::{check_tiling, runs, ChunkBox};
+
+use super::TrainingError;
+use crate::checkpoint::{Checkpoint, StoredTensor};
+use crate::execute::{for_each_unit, ExecuteError, Progress};
+use crate::safetensors::{FileLayout, SafetensorsWriter};
+
+/// Bytes of checkpoint rows each writer reads at a time.
+const BAND_BYTES: usize = 8 << 20;
+
+/// How the export is cut and written.
+#[derive(Clone, Debug)]
+pub struct ExportOptions {
+    /// Largest safetensors file (HF's `max_shard_size`, 5 GB by default); a larger tensor gets a
+    /// file of its own.
+    pub max_file_bytes: u64,
+    pub threads: usize,
+    /// Replace an existing directory at the output path.
+    pub overwrite: bool,
+}
+
+/// What was written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportReport {
+    pub files: Vec<String>,
+    pub tensors: usize,
+    pub bytes: u64,
+    /// Files of the release copied next to the weights (`config.json`, tokenizer files, …).
+    pub copied: Vec<String>,
+}
+
+fn io_err<'p>(path: &'p Path, action: &'static str) -> impl FnOnce(io::Error) -> TrainingError + 'p {
+    move |error| TrainingError::Write(ExecuteError::Io { path: path.to_path_buf(), action, error })
+}
+
+/// The files of `tensors`, in order, each at most `max` bytes (HF's naming: `model.safetensors`
+/// alone, else `model-00001-of-0000N.safetensors`).
+fn cut_files(tensors: &[ExportTensor], max: u64) -> Vec<(String, std::ops::Range<usize>)> {
+    let mut ranges = Vec::new();
+    let (mut start, mut size) = (0usize, 0u64);
+    for (i, t) in tensors.iter().enumerate() {
+        let n = t.shape.iter().product::<u64>() * t.dtype.size() as u64;
+        if i > start && size + n > max {
+            ranges.push(start..i);
+            (start, size) = (i, 0);
+        }
+        size += n;
+    }
+    if start < tensors.len() {
+        ranges.push(start..tensors.len());
+    }
+    let count = ranges.len();
+    ranges
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let name = if count == 1 {
+                "model.safetensors".to_string()
+            } else {
+                format!("model-{:05}-of-{count:05}.safetensors", i + 1)
+            };
+            (name, r)
+        })
+        .collect()
+}
+
+/// Writes `tensors` of `checkpoint` into the HF directory `out`, with the release `like`'s other
+/// files; nothing is at `out` until everything is written.
+pub fn write_export(
+    checkpoint: &Checkpoint,
+    tensors: &[ExportTensor],
+    like: &Path,
+    out: &Path,
+    options: &ExportOptions,
+    progress: &Progress,
+) -> Result<ExportReport, TrainingError> {
+    if out.exists() && !options.overwrite {
+        return Err(ExecuteError::Exists(out.to_path_buf(), "the directory").into());
+    }
+    let by_key: HashMap<&str, &StoredTensor> = checkpoint.tensors.iter().map(|t| (t.key.as_str(), t)).collect();
+    // Every tensor read from must tile its shape, and convert to the release's dtype.
+    for t in tensors {
+        for b in &t.blocks {
+            let stored = by_key[b.key.as_str()];
+            let boxes: Vec<ChunkBox> =
+                stored.chunks.iter().map(|c| ChunkBox { offsets: c.offsets.clone(), sizes: c.sizes.clone() }).collect();
+            check_tiling(&stored.shape, &boxes).map_err(|problem| {
+                TrainingError::Reshard(shardline_layout::reshard::ReshardError::Tiling {
+                    key: stored.key.clone(),
+                    problem: problem.to_string(),
+                })
+            })?;
+            if stored.dtype != t.dtype && !can_cast(stored.dtype, t.dtype) {
+                return Err(TrainingError::Write(ExecuteError::SourceMismatch {
+                    name: stored.key.clone(),
+                    planned: t.dtype.to_string(),
+                    actual: stored.dtype.to_string(),
+                }));
+            }
+        }
+    }
+    let staging = staging_dir(out);
+    let _ = fs::remove_dir_all(&staging);
+    fs::create_dir_all(&staging).map_err(io_err(&staging, "create staging directory"))?;
+    let result = write_staged(checkpoint, &by_key, tensors, like, &staging, options, progress);
+    let report = match result {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = fs::remove_dir_all(&staging);
+            return Err(e);
+        }
+    };
+    if out.exists() {
+        fs::remove_dir_all(out).map_err(io_err(out, "remove the previous export"))?;
+    }
+    fs::rename(&staging, out).map_err(io_err(out, "rename the export into place"))?;
+    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        File::open(parent).and_then(|d| d.sync_all()).map_err(io_err(parent, "sync the parent directory"))?;
+    }
+    Ok(report)
+}
+
+fn write_staged(
+    checkpoint: &Checkpoint,
+    by_key: &HashMap<&str, &StoredTensor>,
+    tensors: &[ExportTensor],
+    like: &Path,
+    staging: &Path,
+    options: &ExportOptions,
+    progress: &Progress,
+) -> Result<ExportReport, TrainingError> {
+    let mut inputs: HashMap<&str, File> = HashMap::new();
+    for t in &checkpoint.tensors {
+        for c in &t.chunks {
+            if !inputs.contains_key(c.file.as_str()) {
+                let p = checkpoint.dir.join(&c.file);
+                inputs.insert(c.file.as_str(), File::open(&p).map_err(io_err(&p, "open rank file"))?);
+            }
+        }
+    }
+    let files = cut_files(tensors, options.max_file_bytes.max(1));
+    let mut weight_map = BTreeMap::new();
+    let mut total = 0u64;
+    let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+    for (file_name, range) in &files {
+        let part = &tensors[range.clone()];
+        let layout = FileLayout::new(part.iter().map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice())), &metadata)?;
+        let writer = SafetensorsWriter::create(staging.join(file_name), layout)?;
+        let reader = RowReader { checkpoint, by_key, inputs: &inputs };
+        for_each_unit(part.len(), options.threads, progress, |i| reader.write_tensor(&part[i], &writer, progress))?;
+        writer.finish()?;
+        for t in part {
+            weight_map.insert(t.name.clone(), file_name.clone());
+            total += t.shape.iter().product::<u64>() * t.dtype.size() as u64;
+        }
+    }
+    if files.len() > 1 {
+        let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        let p = staging.join("model.safetensors.index.json");
+        fs::write(&p, serde_json::to_vec_pretty(&index).unwrap_or_default()).map_err(io_err(&p, "write index"))?;
+    }
+    let copied = copy_release_files(like, staging)?;
+    Ok(ExportReport {
+        files: files.into_iter().map(|(n, _)| n).collect(),
+        tensors: tensors.len(),
+        bytes: total,
+        copied,
+    })
+}
+
+/// Copies the release's files that are not weights (`config.json`, `generation_config.json`,
+/// tokenizer files, chat template, …).
+fn copy_release_files(like: &Path, staging: &Path) -> Result<Vec<String>, TrainingError> {
+    let mut copied = Vec::new();
+    let entries = fs::read_dir(like).map_err(io_err(like, "list the release"))?;
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let weights = name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json");
+        // Regular files and links to them (an HF cache snapshot links its files).
+        if weights || name.starts_with('.') || !e.path().is_file() {
+            continue;
+        }
+        let to = staging.join(&name);
+        fs::copy(e.path(), &to).map_err(io_err(&to, "copy a release file"))?;
+        copied.push(name);
+    }
+    copied.sort();
+    Ok(copied)
+}
+
+/// Reads checkpoint rows and writes them as release tensors.
+struct RowReader<'a> {
+    checkpoint: &'a Checkpoint,
+    by_key: &'a HashMap<&'a str, &'a StoredTensor>,
+    inputs: &'a HashMap<&'a str, File>,
+}
+
+impl RowReader<'_> {
+    fn write_tensor(
+        &self,
+        t: &ExportTensor,
+        writer: &SafetensorsWriter,
+        progress: &Progress,
+    ) -> Result<(), ExecuteError> {
+        let width = row_elems(&t.shape);
+        let out_row = width * t.dtype.size() as u64;
+        let mut raw = Vec::new();
+        let mut converted = Vec::new();
+        for b in &t.blocks {
+            let stored = self.by_key[b.key.as_str()];
+            let in_row = width * stored.dtype.size() as u64;
+            let band = (BAND_BYTES as u64 / in_row.max(1)).max(1);
+            let mut k = 0;
+            while k < b.rows {
+                if progress.cancel.load(Ordering::Relaxed) {
+                    return Err(ExecuteError::Cancelled);
+                }
+                let n = band.min(b.rows - k);
+                raw.resize((n * in_row) as usize, 0);
+                self.read_rows(stored, b.ckpt_row + k, n, &mut raw)?;
+                if b.add_one {
+                    add_scalar(stored.dtype, &mut raw, 1.0);
+                }
+                let bytes: &[u8] = if stored.dtype == t.dtype {
+                    &raw
+                } else {
+                    converted.resize((n * out_row) as usize, 0);
+                    cast_into(stored.dtype, t.dtype, &raw, &mut converted);
+                    &converted
+                };
+                if b.stride == 1 {
+                    writer.write_tensor_at(&t.name, (b.hf_row + k) * out_row, bytes)?;
+                } else {
+                    for (j, row) in bytes.chunks(out_row as usize).enumerate() {
+                        let hf = b.hf_row + (k + j as u64) * u64::from(b.stride);
+                        writer.write_tensor_at(&t.name, hf * out_row, row)?;
+                    }
+                }
+                progress.bytes_written.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                k += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// Global rows `[row, row + rows)` of `stored`, whole, into `buf`.
+    fn read_rows(&self, stored: &StoredTensor, row: u64, rows: u64, buf: &mut [u8]) -> Result<(), ExecuteError> {
+        let size = stored.dtype.size() as u64;
+        let mut offsets = vec![0u64; stored.shape.len().max(1)];
+        offsets[0] = row;
+        let mut sizes = stored.shape.clone();
+        if sizes.is_empty() {
+            sizes.push(1);
+        }
+        sizes[0] = rows;
+        let offsets = if stored.shape.is_empty() { Vec::new() } else { offsets };
+        let sizes = if stored.shape.is_empty() { Vec::new() } else { sizes };
+        let target = ChunkBox { offsets, sizes };
+        for c in &stored.chunks {
+            let source = ChunkBox { offsets: c.offsets.clone(), sizes: c.sizes.clone() };
+            let file = &self.inputs[c.file.as_str()];
+            for r in runs(&target, &source) {
+                let (at, len) = ((r.target * size) as usize, (r.len * size) as usize);
+                file.read_exact_at(&mut buf[at..at + len], c.data_offset + r.source * size).map_err(|error| {
+                    ExecuteError::Io { path: self.checkpoint.dir.join(&c.file), action: "read chunk", error }
+                })?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The HF directory `out` would be written to when it is given as a path; the staging sibling.
+pub fn staging_dir(out: &Path) -> PathBuf {
+    let name = out.file_name().map_or_else(|| "export".into(), |n| n.to_string_lossy().into_owned());
+    out.with_file_name(format!(".{name}.partial"))
+}

@@ -1,0 +1,119 @@
+//! `export`: a checkpoint written back as the release it came from. HF → convert → reshard →
+//! export gives back the release's tensors byte for byte where the mapping is lossless; what is
+//! not (an MTP layer's own copy of the embedding, which Megatron shares; float32 norms a family
+//! keeps in bf16) is named and held to its tolerance.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use shardline_formats::safetensors::Release;
+use shardline_layout::recipe::cast_into;
+use shardline_layout::DType;
+
+use crate::{bin, convert, fixture, run, stderr};
+
+/// name → (dtype, shape, bytes) of every tensor of a release.
+fn tensors(dir: &Path) -> BTreeMap<String, (DType, Vec<u64>, Vec<u8>)> {
+    let release = Release::open(dir).expect("open release");
+    let files: Vec<std::fs::File> = release.file_paths().map(|p| std::fs::File::open(p).expect("open")).collect();
+    release
+        .tensors()
+        .map(|t| {
+            let mut bytes = vec![0u8; t.info.byte_len as usize];
+            files[t.file_index].read_exact_at(&mut bytes, t.info.file_offset).expect("read");
+            (t.info.name.clone(), (t.info.dtype, t.info.shape.clone(), bytes))
+        })
+        .collect()
+}
+
+fn export(ckpt: &Path, out: &Path, like: &Path, extra: &[&str]) -> std::process::Output {
+    run(bin().arg("export").arg(ckpt).arg("--to").arg(out).arg("--like").arg(like).args(extra))
+}
+
+#[test]
+fn convert_reshard_export_gives_back_the_release() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    for name in ["llama", "qwen3_moe", "qwen3_next", "deepseek_v3", "glm4_moe"] {
+        let (a, b, hf) = (
+            tmp.path().join(format!("{name}-a")),
+            tmp.path().join(format!("{name}-b")),
+            tmp.path().join(format!("{name}-hf")),
+        );
+        let ep = if name == "llama" { 1 } else { 2 };
+        convert(&fixture(name), &a, (2, 1, 2, ep), &["--optimizer-state", "--etp", "1"]);
+        let o = run(bin().arg("reshard").arg(&a).arg("--to").arg(&b).args([
+            "--tp",
+            "1",
+            "--dp",
+            "3",
+            "--vocab-size",
+            "256",
+        ]));
+        assert!(o.status.success(), "{name}: reshard: {}", stderr(&o));
+        let o = export(&b, &hf, &fixture(name), &[]);
+        assert!(o.status.success(), "{name}: export: {}", stderr(&o));
+        assert!(hf.join("config.json").is_file() && hf.join("model.safetensors").is_file());
+        let (want, got) = (tensors(&fixture(name)), tensors(&hf));
+        assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>(), "{name}: names");
+        for (k, (dtype, shape, bytes)) in &want {
+            let (gd, gs, gb) = &got[k];
+            assert_eq!((dtype, shape), (gd, gs), "{name}: `{k}` dtype and shape");
+            if gb == bytes {
+                continue;
+            }
+            // An MTP layer's embedding and output head: Megatron keeps one, the main model's.
+            if k.ends_with(".embed_tokens.weight") && k != "model.embed_tokens.weight"
+                || k.ends_with(".shared_head.head.weight")
+            {
+                let main =
+                    if k.ends_with("embed_tokens.weight") { "model.embed_tokens.weight" } else { "lm_head.weight" };
+                assert_eq!(gb, &got[main].2, "{name}: `{k}` is the main `{main}`");
+                continue;
+            }
+            // A float32 tensor of a family Megatron keeps in bf16: one rounding to bf16.
+            assert_eq!(*dtype, DType::F32, "{name}: `{k}` differs and is not float32");
+            let mut rounded = vec![0u8; bytes.len() / 2];
+            cast_into(DType::F32, DType::BF16, bytes, &mut rounded);
+            let mut back = vec![0u8; bytes.len()];
+            cast_into(DType::BF16, DType::F32, &rounded, &mut back);
+            assert_eq!(gb, &back, "{name}: `{k}` is not the bf16 rounding of the release's");
+        }
+    }
+}
+
+#[test]
+fn files_are_cut_at_the_size_asked_with_an_index() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (a, hf) = (tmp.path().join("a"), tmp.path().join("hf"));
+    convert(&fixture("qwen3_moe"), &a, (1, 1, 2, 1), &[]);
+    let o = export(&a, &hf, &fixture("qwen3_moe"), &["--max-file-size", "100KB"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(hf.join("model.safetensors.index.json")).expect("index")).expect("json");
+    let map = index["weight_map"].as_object().expect("weight_map");
+    let files: std::collections::BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
+    assert!(files.len() > 2, "{files:?}");
+    for f in &files {
+        let len = std::fs::metadata(hf.join(f)).expect("file").len();
+        assert!(len <= 100_000 + 4096, "{f}: {len} bytes");
+    }
+    assert_eq!(map.len(), tensors(&fixture("qwen3_moe")).len());
+    assert_eq!(tensors(&hf), tensors(&fixture("qwen3_moe")));
+}
+
+#[test]
+fn what_cannot_be_exported_is_refused_and_nothing_is_written() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (a, hf) = (tmp.path().join("a"), tmp.path().join("hf"));
+    convert(&fixture("deepseek_v3_fp8"), &a, (1, 1, 1, 1), &[]);
+    let o = export(&a, &hf, &fixture("deepseek_v3_fp8"), &[]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("would have to be re-encoded as block-scaled FP8"), "{}", stderr(&o));
+    assert!(!hf.exists());
+    // A checkpoint of another model.
+    let o = export(&a, &hf, &fixture("llama"), &[]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("the checkpoint has no tensor for"), "{}", stderr(&o));
+    assert!(!hf.exists());
+}
