@@ -34,7 +34,7 @@ fn export(ckpt: &Path, out: &Path, like: &Path, extra: &[&str]) -> std::process:
 #[test]
 fn convert_reshard_export_gives_back_the_release() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    for name in ["llama", "qwen3_moe", "qwen3_next", "deepseek_v3", "glm4_moe"] {
+    for name in ["llama", "qwen3_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "qwen3_vl_moe", "gpt_oss_bf16"] {
         let (a, b, hf) = (
             tmp.path().join(format!("{name}-a")),
             tmp.path().join(format!("{name}-b")),
@@ -42,14 +42,10 @@ fn convert_reshard_export_gives_back_the_release() {
         );
         let ep = if name == "llama" { 1 } else { 2 };
         convert(&fixture(name), &a, (2, 1, 2, ep), &["--optimizer-state", "--etp", "1"]);
-        let o = run(bin().arg("reshard").arg(&a).arg("--to").arg(&b).args([
-            "--tp",
-            "1",
-            "--dp",
-            "3",
-            "--vocab-size",
-            "256",
-        ]));
+        // A converted checkpoint has no `args`: the source mesh is given.
+        let from_mesh = format!("tp=2,dp=2,ep={ep},etp=1");
+        let reshard = ["--tp", "1", "--dp", "3", "--vocab-size", "256", "--from-mesh", &from_mesh];
+        let o = run(bin().arg("reshard").arg(&a).arg("--to").arg(&b).args(reshard));
         assert!(o.status.success(), "{name}: reshard: {}", stderr(&o));
         let o = export(&b, &hf, &fixture(name), &[]);
         assert!(o.status.success(), "{name}: export: {}", stderr(&o));
@@ -83,6 +79,29 @@ fn convert_reshard_export_gives_back_the_release() {
 }
 
 #[test]
+fn the_release_s_other_files_come_along() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let like = tmp.path().join("like");
+    std::fs::create_dir(&like).expect("mkdir");
+    for e in std::fs::read_dir(fixture("llama")).expect("list") {
+        let e = e.expect("entry");
+        std::fs::copy(e.path(), like.join(e.file_name())).expect("copy");
+    }
+    std::fs::write(like.join("tokenizer.json"), b"{\"version\": \"1.0\"}").expect("tokenizer");
+    std::fs::write(like.join("generation_config.json"), b"{}").expect("generation config");
+    let (a, hf) = (tmp.path().join("a"), tmp.path().join("hf"));
+    convert(&fixture("llama"), &a, (1, 1, 2, 1), &[]);
+    let o = export(&a, &hf, &like, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for f in ["config.json", "tokenizer.json", "generation_config.json"] {
+        assert_eq!(std::fs::read(hf.join(f)).expect(f), std::fs::read(like.join(f)).expect(f), "{f}");
+    }
+    assert!(!hf.join("model.safetensors.index.json").exists(), "one file needs no index");
+    let staging = tmp.path().join(".hf.partial");
+    assert!(!staging.exists());
+}
+
+#[test]
 fn files_are_cut_at_the_size_asked_with_an_index() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let (a, hf) = (tmp.path().join("a"), tmp.path().join("hf"));
@@ -110,6 +129,8 @@ fn what_cannot_be_exported_is_refused_and_nothing_is_written() {
     let o = export(&a, &hf, &fixture("deepseek_v3_fp8"), &[]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("would have to be re-encoded as block-scaled FP8"), "{}", stderr(&o));
+    // Named once, however many blocks it has.
+    assert_eq!(stderr(&o).matches("`model.layers.0.mlp.up_proj.weight` would").count(), 1, "{}", stderr(&o));
     assert!(!hf.exists());
     // A checkpoint of another model.
     let o = export(&a, &hf, &fixture("llama"), &[]);

@@ -11,18 +11,41 @@ use crate::dtype::DType;
 use crate::plan::Plan;
 use crate::recipe::{row_elems, rows_of, Transform};
 
-/// Rows of one HF tensor held by one checkpoint tensor: HF rows `hf_row + k·stride` are the
-/// checkpoint tensor's global rows `ckpt_row + k`, `k < rows`.
+/// Rows `ckpt_row + k` (`k < rows`) of one checkpoint tensor, and where they go in an HF tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExportBlock {
     /// The checkpoint tensor's key.
     pub key: String,
     pub ckpt_row: u64,
-    pub hf_row: u64,
     pub rows: u64,
-    pub stride: u32,
+    /// Elements of a checkpoint row. `Rows` places count HF rows in this unit too (gpt-oss's
+    /// packed biases `[E, X]` give each expert's `[X]` as `X` one-element rows).
+    pub width: u64,
+    pub place: Place,
     /// The checkpoint holds `weight − 1` (a zero-centred norm): add one back.
     pub add_one: bool,
+}
+
+/// Where a block's rows go in the HF tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Place {
+    /// HF rows `row + k·stride`.
+    Rows { row: u64, stride: u32 },
+    /// Columns: element `i` of row `k` goes to HF element `first + i·src_cols + k·col_stride`,
+    /// column `k·col_stride` of a row-major matrix of `src_cols` columns whose rows are as long as
+    /// a checkpoint row (experts stored `[E, in, out]`).
+    Columns { first: u64, src_cols: u64, col_stride: u64 },
+}
+
+impl ExportBlock {
+    /// The HF row of the block's first row (`Rows`), or its first element (`Columns`): the order
+    /// blocks are written in.
+    pub fn start(&self) -> u64 {
+        match self.place {
+            Place::Rows { row, .. } => row,
+            Place::Columns { first, .. } => first,
+        }
+    }
 }
 
 /// An HF tensor of the export, in the release's name, dtype and shape, and where its rows are.
@@ -76,19 +99,20 @@ pub fn plan_export(
             row += b.rows;
             let Some((source, first)) = b.source else { continue };
             wanted[source].push(t.key.clone());
+            let mut place = Place::Rows { row: first, stride: b.stride.max(1) };
             let add_one = match b.transform {
                 Transform::Identity | Transform::Cast(_) => false,
                 Transform::SubtractOne => true,
+                Transform::Transpose { src_cols, col_stride } => {
+                    place = Place::Columns { first, src_cols: src_cols.into(), col_stride: col_stride.into() };
+                    false
+                }
                 Transform::DequantFp8 { .. } => {
                     errors.push(irreversible(plan, source, "block-scaled FP8"));
                     continue;
                 }
                 Transform::DequantMxfp4 { .. } => {
                     errors.push(irreversible(plan, source, "MXFP4"));
-                    continue;
-                }
-                Transform::Transpose { .. } => {
-                    errors.push(irreversible(plan, source, "the transposed `[E, in, out]` layout"));
                     continue;
                 }
             };
@@ -101,18 +125,12 @@ pub fn plan_export(
                 });
                 continue;
             }
-            blocks[source].push(ExportBlock {
-                key: t.key.clone(),
-                ckpt_row: at,
-                hf_row: first,
-                rows: b.rows,
-                stride: b.stride.max(1),
-                add_one,
-            });
+            let width = row_elems(&t.shape);
+            blocks[source].push(ExportBlock { key: t.key.clone(), ckpt_row: at, rows: b.rows, width, place, add_one });
         }
     }
     let covered: Vec<Option<Vec<ExportBlock>>> =
-        blocks.into_iter().zip(&plan.sources).map(|(b, s)| covering(b, rows_of(&s.shape))).collect();
+        blocks.into_iter().zip(&plan.sources).map(|(b, s)| covering(b, &s.shape)).collect();
     let by_name: BTreeMap<&str, usize> = plan.sources.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
     let mut out = Vec::new();
     for (i, s) in plan.sources.iter().enumerate() {
@@ -155,20 +173,53 @@ fn irreversible(plan: &Plan, source: usize, how: &'static str) -> ExportError {
     ExportError::Irreversible { name: plan.sources[source].name.clone(), how }
 }
 
-/// The blocks that hold each of `rows` rows exactly once, the first producer winning (a tied
-/// embedding is both the embedding and the output layer); `None` when a row has none.
-fn covering(mut blocks: Vec<ExportBlock>, rows: u64) -> Option<Vec<ExportBlock>> {
-    let mut held = vec![false; usize::try_from(rows).ok()?];
+/// The blocks that hold each element of a tensor of `shape` exactly once, the first producer
+/// winning (a tied embedding is both the embedding and the output layer); `None` when an element
+/// has none. Coverage is counted in rows, or for transposed blocks in matrix columns.
+fn covering(mut blocks: Vec<ExportBlock>, shape: &[u64]) -> Option<Vec<ExportBlock>> {
+    let numel: u64 = shape.iter().product();
+    // Units: HF rows, or the (matrix, column) pairs of transposed blocks.
+    let unit_of = |b: &ExportBlock, k: u64| -> Option<u64> {
+        match b.place {
+            Place::Rows { row, stride } => Some(row + k * u64::from(stride)),
+            Place::Columns { first, src_cols, col_stride } => {
+                // A column of a matrix with as many rows as numel / (units) says.
+                let matrix_rows = numel.checked_div(units_of_columns(shape, src_cols)?)?;
+                let matrix = first / (matrix_rows * src_cols);
+                Some(matrix * src_cols + first % (matrix_rows * src_cols) + k * col_stride)
+            }
+        }
+    };
+    let columns = blocks.first().is_some_and(|b| matches!(b.place, Place::Columns { .. }));
+    if blocks.iter().any(|b| matches!(b.place, Place::Columns { .. }) != columns) {
+        return None;
+    }
+    let units = match blocks.first().map(|b| (b.place, b.width)) {
+        Some((Place::Columns { src_cols, .. }, _)) => units_of_columns(shape, src_cols)?,
+        Some((Place::Rows { .. }, width)) if width > 0 && numel.is_multiple_of(width) => numel / width,
+        _ => rows_of(shape),
+    };
+    if blocks.iter().any(|b| b.width != blocks[0].width) {
+        return None;
+    }
+    let mut held = vec![false; usize::try_from(units).ok()?];
     blocks.retain(|b| {
-        let hf_rows = (0..b.rows).map(|k| (b.hf_row + k * u64::from(b.stride)) as usize);
-        if hf_rows.clone().any(|r| held.get(r).is_none_or(|h| *h)) {
+        let Some(us) = (0..b.rows).map(|k| unit_of(b, k)).collect::<Option<Vec<u64>>>() else { return false };
+        if us.iter().any(|&u| held.get(u as usize).is_none_or(|h| *h)) {
             return false;
         }
-        hf_rows.for_each(|r| held[r] = true);
+        us.iter().for_each(|&u| held[u as usize] = true);
         true
     });
-    blocks.sort_by_key(|b| b.hf_row);
+    blocks.sort_by_key(ExportBlock::start);
     held.iter().all(|h| *h).then_some(blocks)
+}
+
+/// Matrix columns of a tensor `[E, in, out]` of `src_cols` (= out) columns: `E · out`.
+fn units_of_columns(shape: &[u64], src_cols: u64) -> Option<u64> {
+    let numel: u64 = shape.iter().product();
+    let last = *shape.last()?;
+    (last == src_cols && shape.len() >= 2).then(|| numel / shape[shape.len() - 2])
 }
 
 /// The main tensor an MTP layer's copy repeats (`model.layers.{N}.embed_tokens.weight` →
@@ -187,16 +238,32 @@ fn shared_copy_of(name: &str) -> Option<String> {
 mod tests {
     use super::*;
 
-    fn block(hf_row: u64, rows: u64, stride: u32) -> ExportBlock {
-        ExportBlock { key: "k".into(), ckpt_row: 0, hf_row, rows, stride, add_one: false }
+    fn block(row: u64, rows: u64, stride: u32) -> ExportBlock {
+        ExportBlock { key: "k".into(), ckpt_row: 0, rows, width: 1, place: Place::Rows { row, stride }, add_one: false }
+    }
+
+    fn columns(first: u64, rows: u64, col_stride: u64) -> ExportBlock {
+        ExportBlock {
+            key: "k".into(),
+            ckpt_row: 0,
+            rows,
+            width: 3,
+            place: Place::Columns { first, src_cols: 4, col_stride },
+            add_one: false,
+        }
     }
 
     #[test]
     fn rows_are_held_once_and_gaps_are_found() {
-        let b = covering(vec![block(2, 2, 1), block(0, 2, 1), block(0, 4, 1)], 4).unwrap();
-        assert_eq!(b.iter().map(|b| b.hf_row).collect::<Vec<_>>(), vec![0, 2], "the later full copy is dropped");
-        assert!(covering(vec![block(0, 2, 2)], 4).is_none(), "odd rows missing");
-        assert_eq!(covering(vec![block(0, 2, 2), block(1, 2, 2)], 4).map(|b| b.len()), Some(2));
+        let b = covering(vec![block(2, 2, 1), block(0, 2, 1), block(0, 4, 1)], &[4]).unwrap();
+        assert_eq!(b.iter().map(ExportBlock::start).collect::<Vec<_>>(), vec![0, 2], "the later full copy is dropped");
+        assert!(covering(vec![block(0, 2, 2)], &[4]).is_none(), "odd rows missing");
+        assert_eq!(covering(vec![block(0, 2, 2), block(1, 2, 2)], &[4]).map(|b| b.len()), Some(2));
+        // Two experts [2, 3, 4]: gate = even columns, up = odd columns of each [3, 4] matrix.
+        let shape = [2, 3, 4];
+        let all = vec![columns(0, 2, 2), columns(1, 2, 2), columns(12, 2, 2), columns(13, 2, 2)];
+        assert_eq!(covering(all.clone(), &shape).map(|b| b.len()), Some(4));
+        assert!(covering(all[..3].to_vec(), &shape).is_none(), "expert 1's odd columns missing");
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 
-use shardline_layout::export::ExportTensor;
+use shardline_layout::export::{ExportBlock, ExportTensor, Place};
 use shardline_layout::recipe::{add_scalar, can_cast, cast_into, row_elems};
 use shardline_layout::reshard::{check_tiling, runs, ChunkBox};
 
@@ -203,6 +203,13 @@ fn copy_release_files(like: &Path, staging: &Path) -> Result<Vec<String>, Traini
     Ok(copied)
 }
 
+/// A writer's buffers: checkpoint rows as read, and converted to the release's dtype.
+#[derive(Default)]
+struct Band {
+    raw: Vec<u8>,
+    converted: Vec<u8>,
+}
+
 /// Reads checkpoint rows and writes them as release tensors.
 struct RowReader<'a> {
     checkpoint: &'a Checkpoint,
@@ -217,38 +224,24 @@ impl RowReader<'_> {
         writer: &SafetensorsWriter,
         progress: &Progress,
     ) -> Result<(), ExecuteError> {
-        let width = row_elems(&t.shape);
-        let out_row = width * t.dtype.size() as u64;
-        let mut raw = Vec::new();
-        let mut converted = Vec::new();
+        if t.blocks.iter().any(|b| matches!(b.place, Place::Columns { .. })) {
+            return self.write_matrices(t, writer, progress);
+        }
+        let mut band = Band::default();
         for b in &t.blocks {
-            let stored = self.by_key[b.key.as_str()];
-            let in_row = width * stored.dtype.size() as u64;
-            let band = (BAND_BYTES as u64 / in_row.max(1)).max(1);
+            let Place::Rows { row, stride } = b.place else { continue };
+            let out_row = b.width * t.dtype.size() as u64;
             let mut k = 0;
             while k < b.rows {
                 if progress.cancel.load(Ordering::Relaxed) {
                     return Err(ExecuteError::Cancelled);
                 }
-                let n = band.min(b.rows - k);
-                raw.resize((n * in_row) as usize, 0);
-                self.read_rows(stored, b.ckpt_row + k, n, &mut raw)?;
-                if b.add_one {
-                    add_scalar(stored.dtype, &mut raw, 1.0);
-                }
-                let bytes: &[u8] = if stored.dtype == t.dtype {
-                    &raw
+                let (n, bytes) = self.read_band(b, k, t, &mut band)?;
+                if stride == 1 {
+                    writer.write_tensor_at(&t.name, (row + k) * out_row, bytes)?;
                 } else {
-                    converted.resize((n * out_row) as usize, 0);
-                    cast_into(stored.dtype, t.dtype, &raw, &mut converted);
-                    &converted
-                };
-                if b.stride == 1 {
-                    writer.write_tensor_at(&t.name, (b.hf_row + k) * out_row, bytes)?;
-                } else {
-                    for (j, row) in bytes.chunks(out_row as usize).enumerate() {
-                        let hf = b.hf_row + (k + j as u64) * u64::from(b.stride);
-                        writer.write_tensor_at(&t.name, hf * out_row, row)?;
+                    for (j, r) in bytes.chunks(out_row as usize).enumerate() {
+                        writer.write_tensor_at(&t.name, (row + (k + j as u64) * u64::from(stride)) * out_row, r)?;
                     }
                 }
                 progress.bytes_written.fetch_add(bytes.len() as u64, Ordering::Relaxed);
@@ -256,6 +249,76 @@ impl RowReader<'_> {
             }
         }
         Ok(())
+    }
+
+    /// A tensor of row-major matrices (experts `[E, in, out]`) whose columns the checkpoint holds
+    /// as rows: each matrix is assembled in memory from its blocks' rows and written whole, so
+    /// memory holds one matrix, never the tensor.
+    fn write_matrices(
+        &self,
+        t: &ExportTensor,
+        writer: &SafetensorsWriter,
+        progress: &Progress,
+    ) -> Result<(), ExecuteError> {
+        let size = t.dtype.size();
+        let matrix = t.shape.iter().rev().take(2).product::<u64>().max(1);
+        let mut buf = Vec::new();
+        let mut band = Band::default();
+        let mut blocks = t.blocks.iter().peekable();
+        while let Some(first) = blocks.peek() {
+            let m = first.start() / matrix;
+            buf.clear();
+            buf.resize(matrix as usize * size, 0);
+            while let Some(b) = blocks.next_if(|b| b.start() / matrix == m) {
+                let Place::Columns { first, src_cols, col_stride } = b.place else { continue };
+                let column = first - m * matrix;
+                let width = row_elems(&self.by_key[b.key.as_str()].shape) as usize;
+                let mut k = 0;
+                while k < b.rows {
+                    if progress.cancel.load(Ordering::Relaxed) {
+                        return Err(ExecuteError::Cancelled);
+                    }
+                    let (n, bytes) = self.read_band(b, k, t, &mut band)?;
+                    for (j, row) in bytes.chunks(width * size).take(n as usize).enumerate() {
+                        let c = column + (k + j as u64) * col_stride;
+                        for (e, v) in row.chunks(size).enumerate() {
+                            let at = (e as u64 * src_cols + c) as usize * size;
+                            buf[at..at + size].copy_from_slice(v);
+                        }
+                    }
+                    k += n;
+                }
+            }
+            writer.write_tensor_at(&t.name, m * matrix * size as u64, &buf)?;
+            progress.bytes_written.fetch_add(buf.len() as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Rows `k..` of block `b` (as many as fit a band), read, with one added back if the block
+    /// says so, in `t`'s dtype: `(rows, bytes)`.
+    fn read_band<'b>(
+        &self,
+        b: &ExportBlock,
+        k: u64,
+        t: &ExportTensor,
+        band: &'b mut Band,
+    ) -> Result<(u64, &'b [u8]), ExecuteError> {
+        let stored = self.by_key[b.key.as_str()];
+        let width = row_elems(&stored.shape);
+        let in_row = width * stored.dtype.size() as u64;
+        let n = (BAND_BYTES as u64 / in_row.max(1)).max(1).min(b.rows - k);
+        band.raw.resize((n * in_row) as usize, 0);
+        self.read_rows(stored, b.ckpt_row + k, n, &mut band.raw)?;
+        if b.add_one {
+            add_scalar(stored.dtype, &mut band.raw, 1.0);
+        }
+        if stored.dtype == t.dtype {
+            return Ok((n, &band.raw));
+        }
+        band.converted.resize((n * width) as usize * t.dtype.size(), 0);
+        cast_into(stored.dtype, t.dtype, &band.raw, &mut band.converted);
+        Ok((n, &band.converted))
     }
 
     /// Global rows `[row, row + rows)` of `stored`, whole, into `buf`.

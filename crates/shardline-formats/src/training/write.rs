@@ -37,8 +37,19 @@ pub struct ReshardReport {
 
 /// One item of a target rank file and where it goes.
 enum OutItem {
-    Chunk { tensor: usize, chunk: Chunk, offset: u64, archive: TensorArchive },
-    Object { object: usize, offset: u64, length: u64 },
+    Chunk {
+        tensor: usize,
+        chunk: Chunk,
+        offset: u64,
+        archive: TensorArchive,
+    },
+    /// `object` indexes the plan's objects (an RNG state copied for a new TP rank shares its
+    /// source with the original but is an item of its own).
+    Object {
+        object: usize,
+        offset: u64,
+        length: u64,
+    },
 }
 
 fn io_err<'p>(path: &'p Path, action: &'static str) -> impl FnOnce(io::Error) -> ExecuteError + 'p {
@@ -133,10 +144,10 @@ fn layout(source: &TrainingCheckpoint, plan: &ReshardPlan, edited: &HashMap<usiz
             files[r].push(OutItem::Chunk { tensor: ti, chunk: c, offset, archive });
         }
     }
-    for o in &plan.objects {
+    for (oi, o) in plan.objects.iter().enumerate() {
         let ItemData::Object(i) = source.data[o.source] else { continue };
         let length = edited.get(&i).map_or(source.checkpoint.objects[i].length, |b| b.len() as u64);
-        files[0].push(OutItem::Object { object: o.source, offset: ends[0], length });
+        files[0].push(OutItem::Object { object: oi, offset: ends[0], length });
         ends[0] += length;
     }
     files
@@ -218,8 +229,7 @@ fn write_metadata<W: io::Write>(
                     archive.total_len(),
                 ),
                 OutItem::Object { object, offset, length } => {
-                    let key = plan.objects.iter().find(|o| o.source == *object).map_or("", |o| o.key.as_str());
-                    (key, None, *offset, *length)
+                    (plan.objects[*object].key.as_str(), None, *offset, *length)
                 }
             };
             e.storage(&StorageRef {
@@ -276,7 +286,7 @@ impl<'a> RankWriter<'a> {
                     self.progress.bytes_written.fetch_add(archive.data_len(), Ordering::Relaxed);
                 }
                 OutItem::Object { object, offset, .. } => {
-                    let ItemData::Object(i) = self.source.data[*object] else { continue };
+                    let ItemData::Object(i) = self.source.data[self.plan.objects[*object].source] else { continue };
                     let stored = &self.source.checkpoint.objects[i];
                     match self.edited.get(&i) {
                         Some(bytes) => file.write_all_at(bytes, *offset).map_err(io_err(path, "write rank file"))?,
