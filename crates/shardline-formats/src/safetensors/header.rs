@@ -257,7 +257,11 @@ fn check_entry(path: &Path, name: String, raw: RawTensor) -> Result<TensorInfo, 
             end,
         });
     }
-    Ok(TensorInfo { name, dtype, shape: raw.shape, file_offset: begin, byte_len: end - begin })
+    // The shape is kept for as long as the release is planned, and serde reads a list into room
+    // for at least four numbers: copied at its size (shrinking in place would leave malloc's
+    // block as large as it was).
+    let shape = raw.shape.as_slice().to_vec();
+    Ok(TensorInfo { name, dtype, shape, file_offset: begin, byte_len: end - begin })
 }
 
 /// `product(shape) * dtype.size()`, or `None` on overflow.
