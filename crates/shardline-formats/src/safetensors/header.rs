@@ -1,12 +1,12 @@
 //! One file's header: reading it without the tensor data and checking every rule of the format.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::fs::File;
-use std::io::Read;
+use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
 
-use serde::de::{DeserializeSeed, Deserializer, MapAccess, Visitor};
+use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::error::Category;
 use shardline_layout::DType;
@@ -133,130 +133,67 @@ pub fn read_header(path: impl AsRef<Path>) -> Result<FileHeader, SafetensorsErro
     if header_len > file_len - LEN_PREFIX {
         return Err(SafetensorsError::HeaderBeyondFile { path: path.to_path_buf(), header_len, file_len });
     }
-    // Both bounds above make this allocation at most MAX_HEADER_LEN and at most the file length.
-    let header_size = usize::try_from(header_len).map_err(|_| SafetensorsError::HeaderTooLarge {
-        path: path.to_path_buf(),
-        header_len,
-        limit: MAX_HEADER_LEN,
-    })?;
-    let mut header = vec![0u8; header_size];
-    file.read_exact(&mut header).map_err(io_error(path, "read the json header"))?;
-    parse_header(path, &header, file_len)
+    // Parsed as it is read: a large header is never held whole next to the tensors it describes.
+    parse_header(path, BufReader::new(file.take(header_len)), header_len, file_len)
 }
 
-/// Checks a header already read from a file of `file_len` bytes (see [`read_header`]).
-pub(super) fn parse_header(path: &Path, header: &[u8], file_len: u64) -> Result<FileHeader, SafetensorsError> {
-    let header_len = header.len() as u64;
-    let entries = parse_header_json(path, header)?;
-
-    let mut seen = HashSet::with_capacity(entries.len());
-    for (key, _) in &entries {
-        if !seen.insert(key.as_str()) {
-            return Err(SafetensorsError::DuplicateKey { path: path.to_path_buf(), key: key.clone() });
-        }
-    }
-    drop(seen);
-
-    struct Checked {
-        name: String,
-        dtype: DType,
-        shape: Vec<u64>,
-        begin: u64,
-        end: u64,
-    }
-
+/// Checks the `header_len` bytes of JSON header `header` of a file of `file_len` bytes (see
+/// [`read_header`]).
+pub(super) fn parse_header(
+    path: &Path,
+    header: impl Read,
+    header_len: u64,
+    file_len: u64,
+) -> Result<FileHeader, SafetensorsError> {
+    let Entries { metadata: pairs, mut tensors } = parse_header_json(path, header)?;
     let mut metadata = BTreeMap::new();
-    let mut checked = Vec::with_capacity(entries.len());
-    for (key, entry) in entries {
-        match entry {
-            RawEntry::Metadata(pairs) => {
-                for (k, v) in pairs {
-                    if metadata.contains_key(&k) {
-                        return Err(SafetensorsError::InvalidMetadata {
-                            path: path.to_path_buf(),
-                            reason: format!("key {k:?} appears more than once"),
-                        });
-                    }
-                    metadata.insert(k, v);
-                }
-            }
-            RawEntry::Tensor(raw) => {
-                let Some(dtype) = DType::from_safetensors_name(&raw.dtype) else {
-                    return Err(SafetensorsError::UnknownDtype {
-                        path: path.to_path_buf(),
-                        tensor: key,
-                        dtype: raw.dtype,
-                    });
-                };
-                let [begin, end] = raw.data_offsets[..] else {
-                    return Err(SafetensorsError::InvalidEntry {
-                        path: path.to_path_buf(),
-                        reason: format!("data_offsets has {} values, expected 2", raw.data_offsets.len()),
-                        tensor: key,
-                    });
-                };
-                if end < begin {
-                    return Err(SafetensorsError::ReversedOffsets {
-                        path: path.to_path_buf(),
-                        tensor: key,
-                        begin,
-                        end,
-                    });
-                }
-                let Some(expected) = byte_len_of(dtype, &raw.shape) else {
-                    return Err(SafetensorsError::ShapeOverflow {
-                        path: path.to_path_buf(),
-                        tensor: key,
-                        dtype,
-                        shape: raw.shape,
-                    });
-                };
-                if expected != end - begin {
-                    return Err(SafetensorsError::SizeMismatch {
-                        path: path.to_path_buf(),
-                        tensor: key,
-                        dtype,
-                        shape: raw.shape,
-                        expected,
-                        begin,
-                        end,
-                    });
-                }
-                checked.push(Checked { name: key, dtype, shape: raw.shape, begin, end });
-            }
+    for (k, v) in pairs {
+        if metadata.contains_key(&k) {
+            return Err(SafetensorsError::InvalidMetadata {
+                path: path.to_path_buf(),
+                reason: format!("key {k:?} appears more than once"),
+            });
         }
+        metadata.insert(k, v);
     }
 
     // The format does not fix the order of the JSON keys, only that the tensors, taken by offset,
     // tile the data section. Ties (empty tensors) are broken by name for a stable result.
-    checked.sort_by(|a, b| (a.begin, a.end, &a.name).cmp(&(b.begin, b.end, &b.name)));
+    tensors.sort_by(|a, b| (a.file_offset, a.byte_len, &a.name).cmp(&(b.file_offset, b.byte_len, &b.name)));
+    tensors.shrink_to_fit();
+    let by_name = name_order(&tensors);
+    if let Some(pair) = by_name.windows(2).find(|pair| tensors[pair[0]].name == tensors[pair[1]].name) {
+        return Err(SafetensorsError::DuplicateKey { path: path.to_path_buf(), key: tensors[pair[0]].name.clone() });
+    }
+
+    // Offsets are still relative to the data section here.
     let mut covered = 0u64;
-    let mut previous: Option<&Checked> = None;
-    for t in &checked {
-        if t.begin < covered {
-            let other = previous.map_or((String::new(), 0, 0), |p| (p.name.clone(), p.begin, p.end));
+    let mut previous: Option<&TensorInfo> = None;
+    for t in &tensors {
+        if t.file_offset < covered {
+            let other = previous.map_or((String::new(), 0, 0), |p| (p.name.clone(), p.file_offset, p.file_end()));
             return Err(SafetensorsError::Overlap {
                 path: path.to_path_buf(),
                 tensor: t.name.clone(),
-                begin: t.begin,
-                end: t.end,
+                begin: t.file_offset,
+                end: t.file_end(),
                 other: other.0,
                 other_begin: other.1,
                 other_end: other.2,
             });
         }
-        if t.begin > covered {
+        if t.file_offset > covered {
             return Err(SafetensorsError::Hole {
                 path: path.to_path_buf(),
                 previous: previous.map(|p| p.name.clone()),
                 tensor: t.name.clone(),
                 gap_begin: covered,
-                gap_end: t.begin,
+                gap_end: t.file_offset,
             });
         }
-        covered = t.end;
+        covered = t.file_end();
         // Name the tensor that reaches `covered` in messages, not an empty one sitting at its end.
-        if previous.is_none() || t.end > t.begin {
+        if previous.is_none() || t.byte_len > 0 {
             previous = Some(t);
         }
     }
@@ -269,27 +206,62 @@ pub(super) fn parse_header(path: &Path, header: &[u8], file_len: u64) -> Result<
         file_len,
     })?;
     if covered > data_len {
-        let (tensor, end) =
-            checked.iter().find(|t| t.end > data_len).map_or((String::new(), covered), |t| (t.name.clone(), t.end));
+        let (tensor, end) = tensors
+            .iter()
+            .find(|t| t.file_end() > data_len)
+            .map_or((String::new(), covered), |t| (t.name.clone(), t.file_end()));
         return Err(SafetensorsError::Truncated { path: path.to_path_buf(), tensor, end, data_len });
     }
     if covered < data_len {
         return Err(SafetensorsError::TrailingBytes { path: path.to_path_buf(), declared: covered, data_len });
     }
-
-    let tensors: Vec<TensorInfo> = checked
-        .into_iter()
-        .map(|t| TensorInfo {
-            name: t.name,
-            dtype: t.dtype,
-            shape: t.shape,
-            // begin <= end <= data_len, so data_start + begin <= file_len.
-            file_offset: data_start + t.begin,
-            byte_len: t.end - t.begin,
-        })
-        .collect();
-    let by_name = name_order(&tensors);
+    for t in &mut tensors {
+        // Every tensor ends within the data section, so this stays within the file.
+        t.file_offset += data_start;
+    }
     Ok(FileHeader { path: path.to_path_buf(), header_len, file_len, metadata, tensors, by_name })
+}
+
+/// One tensor entry, checked on its own: a known dtype, and two offsets in order whose span is the
+/// byte length of the shape. Its `file_offset` is the entry's begin, relative to the data section.
+fn check_entry(path: &Path, name: String, raw: RawTensor) -> Result<TensorInfo, SafetensorsError> {
+    let Some(dtype) = DType::from_safetensors_name(&raw.dtype) else {
+        return Err(SafetensorsError::UnknownDtype { path: path.to_path_buf(), tensor: name, dtype: raw.dtype });
+    };
+    let [begin, end] = raw.data_offsets[..] else {
+        return Err(SafetensorsError::InvalidEntry {
+            path: path.to_path_buf(),
+            reason: format!("data_offsets has {} values, expected 2", raw.data_offsets.len()),
+            tensor: name,
+        });
+    };
+    if end < begin {
+        return Err(SafetensorsError::ReversedOffsets { path: path.to_path_buf(), tensor: name, begin, end });
+    }
+    let Some(expected) = byte_len_of(dtype, &raw.shape) else {
+        return Err(SafetensorsError::ShapeOverflow {
+            path: path.to_path_buf(),
+            tensor: name,
+            dtype,
+            shape: raw.shape,
+        });
+    };
+    if expected != end - begin {
+        return Err(SafetensorsError::SizeMismatch {
+            path: path.to_path_buf(),
+            tensor: name,
+            dtype,
+            shape: raw.shape,
+            expected,
+            begin,
+            end,
+        });
+    }
+    // The shape is kept for as long as the release is planned, and serde reads a list into room
+    // for at least four numbers: copied at its size (shrinking in place would leave malloc's
+    // block as large as it was).
+    let shape = raw.shape.as_slice().to_vec();
+    Ok(TensorInfo { name, dtype, shape, file_offset: begin, byte_len: end - begin })
 }
 
 /// `product(shape) * dtype.size()`, or `None` on overflow.
@@ -297,11 +269,14 @@ pub(super) fn byte_len_of(dtype: DType, shape: &[u64]) -> Option<u64> {
     shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))?.checked_mul(dtype.size() as u64)
 }
 
-// ---- JSON parsing of the header, keeping every entry in document order ----
+// ---- JSON parsing of the header, each tensor entry checked as it is read ----
 
-enum RawEntry {
-    Metadata(Vec<(String, String)>),
-    Tensor(RawTensor),
+/// The header's entries: the `__metadata__` pairs in document order (duplicates kept), and the
+/// tensors in document order, each checked on its own ([`check_entry`]).
+#[derive(Default)]
+struct Entries {
+    metadata: Vec<(String, String)>,
+    tensors: Vec<TensorInfo>,
 }
 
 /// A tensor entry before any check. Unknown fields are ignored, as the reference implementation
@@ -313,12 +288,20 @@ struct RawTensor {
     data_offsets: Vec<u64>,
 }
 
-fn parse_header_json(path: &Path, header: &[u8]) -> Result<Vec<(String, RawEntry)>, SafetensorsError> {
+fn parse_header_json(path: &Path, header: impl Read) -> Result<Entries, SafetensorsError> {
     let mut current: Option<String> = None;
-    let mut de = serde_json::Deserializer::from_slice(header);
-    let parsed =
-        HeaderSeed { current: &mut current }.deserialize(&mut de).and_then(|entries| de.end().map(|()| entries));
+    let mut refused: Option<SafetensorsError> = None;
+    let mut de = serde_json::Deserializer::from_reader(header);
+    let parsed = HeaderSeed { path, current: &mut current, refused: &mut refused }
+        .deserialize(&mut de)
+        .and_then(|entries| de.end().map(|()| entries));
+    if let Some(e) = refused {
+        return Err(e);
+    }
     parsed.map_err(|e| match (current, e.classify()) {
+        (_, Category::Io) => {
+            SafetensorsError::Io { path: path.to_path_buf(), action: "read the json header", source: e.into() }
+        }
         (Some(key), Category::Data) if key == METADATA_KEY => {
             SafetensorsError::InvalidMetadata { path: path.to_path_buf(), reason: e.to_string() }
         }
@@ -329,14 +312,17 @@ fn parse_header_json(path: &Path, header: &[u8]) -> Result<Vec<(String, RawEntry
     })
 }
 
-/// Deserializes the header object into its entries; while an entry's value is being read, its key
-/// sits in `current`, so that an error can name the tensor.
+/// Deserializes the header object into its entries. While an entry's value is being read, its key
+/// sits in `current`, so that an error can name the tensor; an entry that fails its checks stops
+/// the parse with its error in `refused`.
 struct HeaderSeed<'a> {
+    path: &'a Path,
     current: &'a mut Option<String>,
+    refused: &'a mut Option<SafetensorsError>,
 }
 
 impl<'de> DeserializeSeed<'de> for HeaderSeed<'_> {
-    type Value = Vec<(String, RawEntry)>;
+    type Value = Entries;
 
     fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
         deserializer.deserialize_map(self)
@@ -344,24 +330,35 @@ impl<'de> DeserializeSeed<'de> for HeaderSeed<'_> {
 }
 
 impl<'de> Visitor<'de> for HeaderSeed<'_> {
-    type Value = Vec<(String, RawEntry)>;
+    type Value = Entries;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a json object mapping tensor names to dtype, shape and data_offsets")
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let mut entries = Vec::new();
+        let mut entries = Entries::default();
+        let mut seen_metadata = false;
         while let Some(key) = map.next_key::<String>()? {
             let is_metadata = key == METADATA_KEY;
+            if is_metadata && std::mem::replace(&mut seen_metadata, true) {
+                *self.refused = Some(SafetensorsError::DuplicateKey { path: self.path.to_path_buf(), key });
+                return Err(A::Error::custom("duplicate key"));
+            }
             *self.current = Some(key);
-            let entry = if is_metadata {
-                RawEntry::Metadata(map.next_value_seed(StringPairs)?)
-            } else {
-                RawEntry::Tensor(map.next_value()?)
-            };
-            if let Some(key) = self.current.take() {
-                entries.push((key, entry));
+            if is_metadata {
+                entries.metadata = map.next_value_seed(StringPairs)?;
+                *self.current = None;
+                continue;
+            }
+            let raw: RawTensor = map.next_value()?;
+            let name = self.current.take().unwrap_or_default();
+            match check_entry(self.path, name, raw) {
+                Ok(tensor) => entries.tensors.push(tensor),
+                Err(e) => {
+                    *self.refused = Some(e);
+                    return Err(A::Error::custom("refused entry"));
+                }
             }
         }
         Ok(entries)
@@ -369,7 +366,7 @@ impl<'de> Visitor<'de> for HeaderSeed<'_> {
 }
 
 /// A JSON object of strings, as a list of pairs in document order (duplicates kept).
-pub(super) struct StringPairs;
+struct StringPairs;
 
 impl<'de> DeserializeSeed<'de> for StringPairs {
     type Value = Vec<(String, String)>;

@@ -24,10 +24,11 @@
 //!   for size mismatches, the tensor (`TensorInvalidInfo`), and accepts dtypes we cannot convert
 //!   (`C64`, `F4`, …) that we must reject with our own message anyway.
 //!
-//! So the header is parsed with `serde_json` into a list of entries in document order (keeping
-//! duplicates visible), and every rule of the format is checked here with a precise error. The
-//! tests check that files written here are accepted by the reference crate with identical
-//! tensors, and that files written by the reference crate are read identically here.
+//! So the header is parsed with `serde_json` straight from the file, entry by entry, each entry
+//! checked as it is read and kept once (duplicated names stay visible), and every rule of the
+//! format is checked here with a precise error. The tests check that files written here are
+//! accepted by the reference crate with identical tensors, and that files written by the
+//! reference crate are read identically here.
 //!
 //! The module is cut by job: `error` ([`SafetensorsError`], what can be wrong, with the numbers),
 //! `header` (one file's header), `release` (a release directory), `writer` (writing files).

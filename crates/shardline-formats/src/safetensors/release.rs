@@ -1,17 +1,17 @@
 //! A release directory: `config.json`, the index if any, and every shard's header, cross-checked.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
+use std::fmt;
 use std::fs::{self, File};
 use std::io::{self, Read};
 use std::path::{Component, Path, PathBuf};
 
-use serde::de::{DeserializeSeed, Deserializer};
+use serde::de::{Deserializer, Error as _, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::error::Category;
 use shardline_layout::SourceTensor;
 
 use super::error::io_error;
-use super::header::StringPairs;
 use super::*;
 
 /// A tensor of a release and the file that holds it.
@@ -61,9 +61,9 @@ impl Release {
         let index_path = dir.join(INDEX_FILE_NAME);
         match read_bounded(&index_path, MAX_INDEX_LEN, "read the index")? {
             Some(bytes) => {
-                let weight_map = parse_index(&index_path, &bytes)?;
+                let index = parse_index(&index_path, &bytes)?;
                 drop(bytes);
-                Self::open_sharded(dir, config_json, index_path, weight_map)
+                Self::open_sharded(dir, config_json, index_path, index)
             }
             None => {
                 let path = dir.join(SINGLE_FILE_NAME);
@@ -80,25 +80,15 @@ impl Release {
         dir: &Path,
         config_json: String,
         index_path: PathBuf,
-        weight_map: Vec<(String, String)>,
+        index: Index,
     ) -> Result<Release, SafetensorsError> {
-        let mut mapped: HashMap<&str, &str> = HashMap::with_capacity(weight_map.len());
-        for (tensor, file) in &weight_map {
-            if mapped.insert(tensor, file).is_some() {
-                return Err(SafetensorsError::InvalidIndex {
-                    path: index_path,
-                    reason: format!("tensor {tensor:?} appears more than once in weight_map"),
-                });
-            }
-        }
-
-        let names: BTreeSet<&str> = weight_map.iter().map(|(_, f)| f.as_str()).collect();
+        let mut names: Vec<&str> = index.files.iter().map(String::as_str).collect();
+        names.sort_unstable();
         for name in &names {
             if !stays_inside(name) {
                 return Err(SafetensorsError::ShardPathEscapes { index: index_path, file: (*name).to_string() });
             }
         }
-        let names: Vec<&str> = names.into_iter().collect();
         let mut files = Vec::with_capacity(names.len());
         for name in &names {
             let path = dir.join(name);
@@ -107,51 +97,48 @@ impl Release {
             }
             files.push(read_header(&path)?);
         }
+        let release = Self::assemble(dir, config_json, Some(index_path), files)?;
+        release.check_index(&index, &names)?;
+        Ok(release)
+    }
 
-        // Which file holds each tensor, according to the shards themselves.
-        let mut owner: HashMap<&str, usize> = HashMap::new();
-        for (fi, header) in files.iter().enumerate() {
-            for t in header.tensors() {
-                if let Some(&first) = owner.get(t.name.as_str()) {
-                    return Err(SafetensorsError::DuplicateAcrossFiles {
-                        dir: dir.to_path_buf(),
-                        tensor: t.name.clone(),
-                        first: names.get(first).copied().unwrap_or_default().to_string(),
-                        second: names.get(fi).copied().unwrap_or_default().to_string(),
-                    });
-                }
-                owner.insert(&t.name, fi);
-            }
-        }
+    /// Checks that the shards (`names[i]` holds `files[i]`) hold each tensor once, and each one
+    /// where `index` says and nowhere else.
+    fn check_index(&self, index: &Index, names: &[&str]) -> Result<(), SafetensorsError> {
+        let index_path = || self.index_path.clone().unwrap_or_default();
         let file_name = |fi: usize| names.get(fi).copied().unwrap_or_default().to_string();
-
-        let mut sorted_map: Vec<(&str, &str)> = mapped.iter().map(|(t, f)| (*t, *f)).collect();
-        sorted_map.sort_unstable();
-        for (tensor, file) in sorted_map {
-            let fi = names.binary_search(&file).ok();
-            let holds = fi.and_then(|fi| files.get(fi)).is_some_and(|h| h.tensor(tensor).is_some());
+        // Tensors of one name are adjacent in `by_name`, in file order.
+        let name = |entry: (u32, u32)| self.entry(entry).info.name.as_str();
+        if let Some(pair) = self.by_name.windows(2).find(|pair| name(pair[0]) == name(pair[1])) {
+            return Err(SafetensorsError::DuplicateAcrossFiles {
+                dir: self.dir.clone(),
+                tensor: name(pair[0]).to_string(),
+                first: file_name(pair[0].0 as usize),
+                second: file_name(pair[1].0 as usize),
+            });
+        }
+        for (tensor, file) in &index.tensors {
+            let file = index.files[*file as usize].as_str();
+            let holds = names.binary_search(&file).is_ok_and(|fi| self.files[fi].tensor(tensor).is_some());
             if !holds {
                 return Err(SafetensorsError::NotInFile {
-                    index: index_path,
-                    tensor: tensor.to_string(),
+                    index: index_path(),
+                    tensor: tensor.clone(),
                     file: file.to_string(),
-                    found_in: owner.get(tensor).map(|&o| file_name(o)),
+                    found_in: self.tensor(tensor).map(|t| file_name(t.file_index)),
                 });
             }
         }
-        for (fi, header) in files.iter().enumerate() {
-            if let Some(t) = header.tensors().iter().find(|t| !mapped.contains_key(t.name.as_str())) {
+        for (fi, header) in self.files.iter().enumerate() {
+            if let Some(t) = header.tensors().iter().find(|t| !index.lists(&t.name)) {
                 return Err(SafetensorsError::NotInIndex {
-                    index: index_path,
+                    index: index_path(),
                     tensor: t.name.clone(),
                     file: file_name(fi),
                 });
             }
         }
-        drop(owner);
-        drop(mapped);
-
-        Self::assemble(dir, config_json, Some(index_path), files)
+        Ok(())
     }
 
     fn assemble(
@@ -173,6 +160,7 @@ impl Release {
                 by_name.push((index(file_index)?, index(i)?));
             }
         }
+        // Stable: tensors of one name stay in file order.
         let name = |&(f, i): &(u32, u32)| files[f as usize].tensors[i as usize].name.as_str();
         by_name.sort_by(|a, b| name(a).cmp(name(b)));
         Ok(Release { dir: dir.to_path_buf(), config_json, index_path, files, by_name, total_bytes })
@@ -290,6 +278,20 @@ fn read_bounded(path: &Path, limit: u64, action: &'static str) -> Result<Option<
     Ok(Some(bytes))
 }
 
+/// The index's `weight_map`, each shard file named once: the files in order of first mention, and
+/// the tensors sorted by name with the file that holds them (an index into `files`).
+struct Index {
+    files: Vec<String>,
+    tensors: Vec<(String, u32)>,
+}
+
+impl Index {
+    /// Whether the index lists tensor `name`.
+    fn lists(&self, name: &str) -> bool {
+        self.tensors.binary_search_by(|(t, _)| t.as_str().cmp(name)).is_ok()
+    }
+}
+
 /// The index file: only `weight_map` is used; `metadata` (with its informational `total_size`)
 /// and any other key are ignored.
 #[derive(Deserialize)]
@@ -297,20 +299,58 @@ struct RawIndex {
     weight_map: WeightMap,
 }
 
-struct WeightMap(Vec<(String, String)>);
+/// `weight_map` as it is read: its tensors in document order (duplicates kept).
+struct WeightMap(Index);
 
 impl<'de> Deserialize<'de> for WeightMap {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        StringPairs.deserialize(deserializer).map(WeightMap)
+        deserializer.deserialize_map(WeightMapVisitor)
     }
 }
 
-fn parse_index(path: &Path, bytes: &[u8]) -> Result<Vec<(String, String)>, SafetensorsError> {
-    match serde_json::from_slice::<RawIndex>(bytes) {
-        Ok(index) => Ok(index.weight_map.0),
-        Err(e) if e.classify() == Category::Data => {
-            Err(SafetensorsError::InvalidIndex { path: path.to_path_buf(), reason: e.to_string() })
-        }
-        Err(e) => Err(SafetensorsError::IndexNotJson { path: path.to_path_buf(), reason: e.to_string() }),
+struct WeightMapVisitor;
+
+impl<'de> Visitor<'de> for WeightMapVisitor {
+    type Value = WeightMap;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a json object whose values are strings")
     }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut index = Index { files: Vec::new(), tensors: Vec::new() };
+        let mut file_ids: HashMap<String, u32> = HashMap::new();
+        while let Some((tensor, file)) = map.next_entry::<String, String>()? {
+            let id = match file_ids.get(&file) {
+                Some(&id) => id,
+                None => {
+                    let id = u32::try_from(index.files.len()).map_err(|_| A::Error::custom("too many files"))?;
+                    index.files.push(file.clone());
+                    file_ids.insert(file, id);
+                    id
+                }
+            };
+            index.tensors.push((tensor, id));
+        }
+        Ok(WeightMap(index))
+    }
+}
+
+fn parse_index(path: &Path, bytes: &[u8]) -> Result<Index, SafetensorsError> {
+    let mut index = match serde_json::from_slice::<RawIndex>(bytes) {
+        Ok(raw) => raw.weight_map.0,
+        Err(e) if e.classify() == Category::Data => {
+            return Err(SafetensorsError::InvalidIndex { path: path.to_path_buf(), reason: e.to_string() })
+        }
+        Err(e) => return Err(SafetensorsError::IndexNotJson { path: path.to_path_buf(), reason: e.to_string() }),
+    };
+    index.tensors.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    index.tensors.shrink_to_fit();
+    if let Some(pair) = index.tensors.windows(2).find(|pair| pair[0].0 == pair[1].0) {
+        return Err(SafetensorsError::InvalidIndex {
+            path: path.to_path_buf(),
+            reason: format!("tensor {:?} appears more than once in weight_map", pair[0].0),
+        });
+    }
+    Ok(index)
 }

@@ -267,6 +267,11 @@ pub fn build_plan(
         }
     }
 
+    // The name index and the FP8 pairs serve drafting only: freed before the plan's tensors are
+    // made, when planning holds the most.
+    drop(fp8);
+    drop(inv);
+
     let mut unmapped = Vec::new();
     for (i, s) in sources.iter().enumerate() {
         if consumed[i] {

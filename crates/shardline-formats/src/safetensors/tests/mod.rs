@@ -380,7 +380,7 @@ proptest! {
         json.truncate(cut.index(json.len() + 1));
         let data_len = layout.file_len() - layout.data_start();
         let file_len = 8 + json.len() as u64 + data_len.saturating_sub(shrink);
-        if let Ok(header) = parse_header(Path::new("fuzz.safetensors"), &json, file_len) {
+        if let Ok(header) = parse_header(Path::new("fuzz.safetensors"), json.as_slice(), json.len() as u64, file_len) {
             let total: u64 = header.tensors().iter().map(|t| t.byte_len).sum();
             prop_assert_eq!(total, header.data_len());
         }
