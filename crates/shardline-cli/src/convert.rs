@@ -340,12 +340,16 @@ pub struct BenchArgs {
     /// torch), next to `validate` and `inspect`.
     #[arg(long, value_name = "PYTHON")]
     pub torch_python: Option<PathBuf>,
+    /// Measure `reshard` and `export` instead: the release converted with optimizer state on the
+    /// mesh, resharded to this one (`tp=1,dp=3,…`), and exported back to HF.
+    #[arg(long, value_name = "MESH")]
+    pub training: Option<String>,
     #[arg(long)]
     pub json: bool,
 }
 
 /// Times `cmd` after flushing earlier runs' dirty pages, so no run pays for another's writeback.
-fn time_command(cmd: &mut Command) -> Result<(f64, String)> {
+pub(crate) fn time_command(cmd: &mut Command) -> Result<(f64, String)> {
     let _ = Command::new("sync").status();
     let started = Instant::now();
     let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
@@ -357,6 +361,9 @@ fn time_command(cmd: &mut Command) -> Result<(f64, String)> {
 }
 
 pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
+    if let Some(to) = &args.training {
+        return crate::bench_training::run_training_bench(&args, to);
+    }
     weight_format(&args.arch, args.fp8)?;
     let exe = std::env::current_exe().context("locating the shardline binary")?;
     let mesh = args.mesh.mesh();

@@ -2,6 +2,7 @@
 //! reports; the logic lives in the library crates.
 
 mod archs;
+mod bench_training;
 mod convert;
 mod export;
 mod gpu;

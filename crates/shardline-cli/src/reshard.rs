@@ -66,7 +66,7 @@ pub struct ReshardArgs {
 }
 
 /// Parses `tp=2,dp=4,…`.
-fn parse_mesh(s: &str) -> Result<Mesh> {
+pub(crate) fn parse_mesh(s: &str) -> Result<Mesh> {
     let mut m = Mesh { tp: 1, cp: 1, dp: 1, ep: 1, etp: 0 };
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (k, v) = part.split_once('=').with_context(|| format!("--from-mesh: `{part}` is not name=value"))?;

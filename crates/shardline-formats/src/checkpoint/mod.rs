@@ -11,7 +11,7 @@ use thiserror::Error;
 
 use crate::dcp_metadata::{decode_metadata, DcpMetadataError, EntryMeta, PathElem};
 use crate::safetensors::{read_header, SafetensorsError};
-use crate::torch_save::{read_object_archive, read_tensor_archive, TorchSaveError};
+use crate::torch_save::{read_object_archive, read_tensor_archive_with, SpecCache, TorchSaveError};
 
 /// Which layout a checkpoint directory holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -150,6 +150,15 @@ fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
         }
     }
     let mut open_files: BTreeMap<String, File> = BTreeMap::new();
+    for (file, _, _) in storage.values() {
+        if !open_files.contains_key(file) {
+            safe_name(file)?;
+            let p = dir.join(file);
+            open_files.insert(file.clone(), File::open(&p).map_err(io_err(&p, "open rank file"))?);
+        }
+    }
+    let readers: BTreeMap<&String, BlockReader<'_>> = open_files.iter().map(|(k, f)| (k, BlockReader::new(f))).collect();
+    let mut specs = SpecCache::default();
     let mut tensors = Vec::new();
     let mut objects = Vec::new();
     for (key, entry) in &md.state_dict_metadata {
@@ -182,14 +191,8 @@ fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
             let Some((file, offset, length)) = storage.get(&(key.clone(), c.offsets.clone())) else {
                 return Err(CheckpointError::MissingStorage { key: key.clone(), offsets: c.offsets.clone() });
             };
-            safe_name(file)?;
-            if !open_files.contains_key(file) {
-                let p = dir.join(file);
-                let f = File::open(&p).map_err(io_err(&p, "open rank file"))?;
-                open_files.insert(file.clone(), f);
-            }
-            let f = &open_files[file];
-            let at = read_tensor_archive(f, *offset, *length).map_err(|source| CheckpointError::Item {
+            let f = &readers[file];
+            let at = read_tensor_archive_with(f, *offset, *length, &mut specs).map_err(|source| CheckpointError::Item {
                 key: key.clone(),
                 offsets: c.offsets.clone(),
                 file: file.clone(),
@@ -310,5 +313,7 @@ fn open_dcp_safetensors(dir: &Path, files: &[String]) -> Result<Checkpoint, Chec
     })
 }
 
+mod blocks;
 mod scan;
+pub use blocks::BlockReader;
 pub use scan::{scan_checkpoint, FileSummary, ScanSummary, TensorSummary};

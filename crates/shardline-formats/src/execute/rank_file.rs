@@ -37,7 +37,7 @@ struct PendingRead {
 
 /// Whether `copy_file_range` failed because this pair of files cannot use it (rather than an I/O
 /// error): the read/write path then does the copy.
-fn copy_unsupported(e: Errno) -> bool {
+pub(crate) fn copy_unsupported(e: Errno) -> bool {
     [Errno::XDEV, Errno::NOSYS, Errno::INVAL, Errno::OPNOTSUPP, Errno::PERM, Errno::TXTBSY, Errno::BADF].contains(&e)
 }
 

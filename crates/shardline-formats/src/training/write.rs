@@ -1,27 +1,30 @@
 //! Writing a resharded training checkpoint: every rank file's items placed before a byte is
 //! written, each rank file filled by copying the runs of the source chunks that meet its chunks
 //! (each source byte read once, through one fixed buffer per writer), then `.metadata` staged,
-//! synced and renamed into place last. Rank files are pre-sized, so rows no source chunk holds
-//! (vocab padding added for a larger TP) read as zeros without being written.
+//! synced and renamed into place last. Rows no source chunk holds (vocab padding added for a
+//! larger TP) are skipped: they read as zeros without being written.
 
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use shardline_layout::reshard::{runs, ChunkBox, ReshardPlan};
 use shardline_layout::Chunk;
 
 use super::{ItemData, TrainingCheckpoint, TrainingError};
 use crate::dcp_metadata::{EntryRef, MetadataEncoder, StorageRef};
-use crate::execute::{dcp_rank_file, for_each_unit, publish_metadata, ExecuteError, Progress};
+use crate::execute::{copy_unsupported, dcp_rank_file, for_each_unit, publish_metadata, ExecuteError, Progress};
 use crate::pickle::set_int_fields;
 use crate::torch_save::{edit_object_archive, TensorArchive, TorchSaveError};
 
 /// Bytes of each writer's copy buffer.
 const BUFFER_BYTES: usize = 8 << 20;
+/// Runs of at least this many bytes are copied file to file by the kernel (`copy_file_range`),
+/// as `convert` copies its large segments (see `execute::DEFAULT_COPY_MIN_BYTES`).
+const KERNEL_COPY_MIN: u64 = 64 << 10;
 
 /// What was written.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -170,9 +173,10 @@ fn write_all(
             inputs.insert(name, File::open(&p).map_err(io_err(&p, "open source rank file"))?);
         }
     }
+    let kernel_copy = AtomicBool::new(true);
     let lengths = for_each_unit(files.len(), threads, progress, |rank| {
         let path = out.join(dcp_rank_file(rank as u64));
-        let w = RankWriter { source, plan, inputs: &inputs, edited, progress };
+        let w = RankWriter { kernel_copy: &kernel_copy, source, plan, inputs: &inputs, edited, progress };
         w.write(&path, &files[rank])
     })?;
     let tmp = out.join(".metadata.tmp");
@@ -248,6 +252,8 @@ fn write_metadata<W: io::Write>(
 
 /// Writes one rank file.
 struct RankWriter<'a> {
+    /// Cleared for every writer the first time the kernel refuses `copy_file_range`.
+    kernel_copy: &'a AtomicBool,
     source: &'a TrainingCheckpoint,
     plan: &'a ReshardPlan,
     inputs: &'a HashMap<&'a str, File>,
@@ -267,21 +273,19 @@ impl<'a> RankWriter<'a> {
             OutItem::Chunk { offset, archive, .. } => offset + archive.total_len(),
             OutItem::Object { offset, length, .. } => offset + length,
         });
-        file.set_len(len).map_err(io_err(path, "size rank file"))?;
-        let mut copier = Copier::new(&file, path);
+        let mut copier = Copier::new(&file, path, self.kernel_copy);
         for item in items {
             if self.progress.cancel.load(Ordering::Relaxed) {
                 return Err(ExecuteError::Cancelled);
             }
             match item {
                 OutItem::Chunk { tensor, chunk, offset, archive } => {
-                    copier.flush()?;
-                    file.write_all_at(archive.prefix(), *offset).map_err(io_err(path, "write rank file"))?;
+                    // Framing and data go through the buffer alike: a rank file's bytes are one
+                    // stream, written in a few large writes.
+                    copier.put(archive.prefix(), *offset)?;
                     let data_at = offset + archive.data_offset();
                     self.fill(&mut copier, *tensor, chunk, data_at)?;
-                    copier.flush()?;
-                    file.write_all_at(&archive.suffix(0), data_at + archive.data_len())
-                        .map_err(io_err(path, "write rank file"))?;
+                    copier.put(&archive.suffix(0), data_at + archive.data_len())?;
                     self.progress.chunks_written.fetch_add(1, Ordering::Relaxed);
                     self.progress.bytes_written.fetch_add(archive.data_len(), Ordering::Relaxed);
                 }
@@ -289,7 +293,7 @@ impl<'a> RankWriter<'a> {
                     let ItemData::Object(i) = self.source.data[self.plan.objects[*object].source] else { continue };
                     let stored = &self.source.checkpoint.objects[i];
                     match self.edited.get(&i) {
-                        Some(bytes) => file.write_all_at(bytes, *offset).map_err(io_err(path, "write rank file"))?,
+                        Some(bytes) => copier.put(bytes, *offset)?,
                         None => {
                             let input = self.input(&stored.file)?;
                             copier.copy(input, stored.offset, *offset, stored.length)?;
@@ -299,6 +303,10 @@ impl<'a> RankWriter<'a> {
             }
         }
         copier.flush()?;
+        // Written front to back, the file grew as it was written (appending is cheaper for the
+        // filesystem than filling a sparse file); rows no source holds were skipped and read
+        // as zeros, and this makes the length exact even if they were last.
+        file.set_len(len).map_err(io_err(path, "size rank file"))?;
         file.sync_all().map_err(io_err(path, "sync rank file"))?;
         self.progress.files_done.fetch_add(1, Ordering::Relaxed);
         Ok(len)
@@ -333,6 +341,7 @@ impl<'a> RankWriter<'a> {
 struct Copier<'a> {
     out: &'a File,
     path: &'a Path,
+    kernel_copy: &'a AtomicBool,
     buf: Vec<u8>,
     fill: usize,
     /// `(file, source offset, buffer start, length)`.
@@ -342,11 +351,64 @@ struct Copier<'a> {
 }
 
 impl<'a> Copier<'a> {
-    fn new(out: &'a File, path: &'a Path) -> Copier<'a> {
-        Copier { out, path, buf: vec![0u8; BUFFER_BYTES], fill: 0, reads: Vec::new(), writes: Vec::new() }
+    fn new(out: &'a File, path: &'a Path, kernel_copy: &'a AtomicBool) -> Copier<'a> {
+        Copier { out, path, kernel_copy, buf: vec![0u8; BUFFER_BYTES], fill: 0, reads: Vec::new(), writes: Vec::new() }
+    }
+
+    /// Queues `bytes` to be written at `to`.
+    fn put(&mut self, mut bytes: &[u8], mut to: u64) -> Result<(), ExecuteError> {
+        while !bytes.is_empty() {
+            if self.fill == self.buf.len() {
+                self.flush()?;
+            }
+            let n = bytes.len().min(self.buf.len() - self.fill);
+            let at = self.fill;
+            self.buf[at..at + n].copy_from_slice(&bytes[..n]);
+            self.queue_write(to, at, n);
+            self.fill += n;
+            (bytes, to) = (&bytes[n..], to + n as u64);
+        }
+        Ok(())
+    }
+
+    /// Records that `buf[at..at + n]` goes to `to`, merged with the previous write if adjacent.
+    fn queue_write(&mut self, to: u64, at: usize, n: usize) {
+        match self.writes.last_mut() {
+            Some((off, start, l)) if *off + *l as u64 == to && *start + *l == at => *l += n,
+            _ => self.writes.push((to, at, n)),
+        }
+    }
+
+    /// Copies what it can of a large run inside the kernel; returns the bytes copied.
+    fn kernel_copy(&self, input: &File, from: u64, to: u64, len: u64) -> Result<u64, ExecuteError> {
+        let mut done = 0u64;
+        while done < len && self.kernel_copy.load(Ordering::Relaxed) {
+            let (mut off_in, mut off_out) = (from + done, to + done);
+            let want = (len - done).min(1 << 30) as usize;
+            match rustix::fs::copy_file_range(input, Some(&mut off_in), self.out, Some(&mut off_out), want) {
+                Ok(0) => break,
+                Ok(n) => done += n as u64,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) if copy_unsupported(e) => self.kernel_copy.store(false, Ordering::Relaxed),
+                Err(e) => {
+                    return Err(ExecuteError::Io {
+                        path: self.path.to_path_buf(),
+                        action: "copy_file_range into rank file",
+                        error: e.into(),
+                    })
+                }
+            }
+        }
+        Ok(done)
     }
 
     fn copy(&mut self, input: &'a File, mut from: u64, mut to: u64, mut len: u64) -> Result<(), ExecuteError> {
+        if len >= KERNEL_COPY_MIN && self.kernel_copy.load(Ordering::Relaxed) {
+            // What is buffered before it goes first: the file is written front to back.
+            self.flush()?;
+            let done = self.kernel_copy(input, from, to, len)?;
+            (from, to, len) = (from + done, to + done, len - done);
+        }
         while len > 0 {
             if self.fill == self.buf.len() {
                 self.flush()?;
@@ -361,10 +423,7 @@ impl<'a> Copier<'a> {
                 }
                 _ => self.reads.push((input, from, at, n)),
             }
-            match self.writes.last_mut() {
-                Some((off, start, l)) if *off + *l as u64 == to && *start + *l == at => *l += n,
-                _ => self.writes.push((to, at, n)),
-            }
+            self.queue_write(to, at, n);
             self.fill += n;
             from += n as u64;
             to += n as u64;

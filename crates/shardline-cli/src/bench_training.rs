@@ -1,0 +1,138 @@
+//! `bench --training`: `reshard` and `export` of a training checkpoint (a synthetic release
+//! converted with optimizer state) against `cp -r` of the same bytes, side by side, and their
+//! peak memory.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+use anyhow::{Context, Result};
+use serde_json::json;
+
+use crate::convert::{time_command, BenchArgs};
+use crate::report::bytes;
+use crate::reshard::parse_mesh;
+
+/// Bytes of the regular files under `dir`.
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter_map(|e| e.metadata().ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// Best of `repeat` runs of `cp -r SRC COPY` and of the same made durable: `(cp, cp + fsync)`.
+fn time_copies(src: &Path, copy: &Path, repeat: usize) -> Result<(f64, f64)> {
+    let (mut cp, mut cp_sync) = (f64::MAX, f64::MAX);
+    for _ in 0..repeat {
+        let _ = std::fs::remove_dir_all(copy);
+        cp = cp.min(time_command(Command::new("cp").arg("-r").arg(src).arg(copy))?.0);
+        let _ = std::fs::remove_dir_all(copy);
+        let script = format!("cp -r '{}' '{}' && sync '{}'/*", src.display(), copy.display(), copy.display());
+        cp_sync = cp_sync.min(time_command(Command::new("sh").arg("-c").arg(script))?.0);
+        let _ = std::fs::remove_dir_all(copy);
+    }
+    Ok((cp, cp_sync))
+}
+
+/// Best time and largest peak RSS of `repeat` runs of `cmd(out)`, removing `out` after each.
+fn time_runs(repeat: usize, out: &Path, mut cmd: impl FnMut() -> Command) -> Result<(f64, u64)> {
+    let (mut best, mut rss) = (f64::MAX, 0u64);
+    for _ in 0..repeat {
+        let _ = std::fs::remove_dir_all(out);
+        let (t, stdout) = time_command(&mut cmd())?;
+        let v: serde_json::Value = serde_json::from_str(stdout.trim()).context("parsing --json output")?;
+        best = best.min(t);
+        rss = rss.max(v["peak_rss_bytes"].as_u64().unwrap_or(0));
+        let _ = std::fs::remove_dir_all(out);
+    }
+    Ok((best, rss))
+}
+
+pub fn run_training_bench(args: &BenchArgs, to: &str) -> Result<ExitCode> {
+    let exe = std::env::current_exe().context("locating the shardline binary")?;
+    let from = args.mesh.mesh();
+    let target = parse_mesh(to)?;
+    std::fs::create_dir_all(&args.work).with_context(|| format!("creating {}", args.work.display()))?;
+    let repeat = args.repeat.max(1);
+    let mut rows = Vec::new();
+    for size in &args.sizes {
+        let release = args.work.join(format!("{}-{size}", args.arch));
+        if !release.join("config.json").exists() {
+            eprintln!("generating {} {size} at {} …", args.arch, release.display());
+            time_command(Command::new(&exe).args(["synth", "--arch", &args.arch, "--size", size]).arg(&release))?;
+        }
+        // The training checkpoint: parameters and two float32 moments per parameter.
+        let ckpt: PathBuf = args.work.join(format!("{}-{size}-training-{}", args.arch, from).replace('·', "-"));
+        if !ckpt.join(".metadata").exists() {
+            eprintln!("converting it with optimizer state on {from} …");
+            time_command(
+                Command::new(&exe)
+                    .args(["convert", "--json", "--optimizer-state", "--from"])
+                    .arg(&release)
+                    .arg("--to")
+                    .arg(&ckpt)
+                    .args(["--tp", &from.tp.to_string(), "--cp", &from.cp.to_string(), "--dp", &from.dp.to_string()])
+                    .args(["--ep", &from.ep.to_string(), "--etp", &from.etp.to_string()]),
+            )?;
+        }
+        let (ckpt_bytes, release_bytes) = (dir_bytes(&ckpt), dir_bytes(&release));
+        let copy = args.work.join("cp-copy");
+        let out = args.work.join("resharded");
+        let hf = args.work.join("exported");
+        let (cp, cp_sync) = time_copies(&ckpt, &copy, repeat)?;
+        let from_mesh = format!("tp={},cp={},dp={},ep={},etp={}", from.tp, from.cp, from.dp, from.ep, from.etp);
+        let (reshard, reshard_rss) = time_runs(repeat, &out, || {
+            let mut c = Command::new(&exe);
+            c.args(["reshard", "--json"]).arg(&ckpt).arg("--to").arg(&out);
+            c.args(["--tp", &target.tp.to_string(), "--cp", &target.cp.to_string(), "--dp", &target.dp.to_string()]);
+            c.args(["--ep", &target.ep.to_string(), "--etp", &target.etp.to_string(), "--from-mesh", &from_mesh]);
+            c
+        })?;
+        let (release_cp, release_cp_sync) = time_copies(&release, &copy, repeat)?;
+        let (export, export_rss) = time_runs(repeat, &hf, || {
+            let mut c = Command::new(&exe);
+            c.args(["export", "--json"]).arg(&ckpt).arg("--to").arg(&hf).arg("--like").arg(&release);
+            c.args(["--etp", &from.etp.to_string()]);
+            c
+        })?;
+        rows.push(json!({
+            "arch": args.arch, "size": size, "from": from.to_string(), "to": target.to_string(),
+            "checkpoint_bytes": ckpt_bytes, "release_bytes": release_bytes,
+            "cp_seconds": cp, "cp_sync_seconds": cp_sync, "reshard_seconds": reshard,
+            "reshard_ratio_to_cp": reshard / cp, "reshard_ratio_to_cp_sync": reshard / cp_sync,
+            "reshard_peak_rss_bytes": reshard_rss,
+            "release_cp_seconds": release_cp, "release_cp_sync_seconds": release_cp_sync, "export_seconds": export,
+            "export_ratio_to_cp": export / release_cp, "export_ratio_to_cp_sync": export / release_cp_sync,
+            "export_peak_rss_bytes": export_rss,
+        }));
+        if !args.json {
+            println!(
+                "{} {size}: training checkpoint {} on {from} → {target}: cp -r {cp:.2}s, cp -r + fsync {cp_sync:.2}s, \
+                 reshard {reshard:.2}s → {:.2}× cp -r, {:.2}× cp -r + fsync; peak RSS {}",
+                args.arch,
+                bytes(ckpt_bytes),
+                reshard / cp,
+                reshard / cp_sync,
+                bytes(reshard_rss)
+            );
+            println!(
+                "  export → HF ({}): cp -r of the release {release_cp:.2}s, + fsync {release_cp_sync:.2}s, export \
+                 {export:.2}s → {:.2}× cp -r, {:.2}× cp -r + fsync; peak RSS {}",
+                bytes(release_bytes),
+                export / release_cp,
+                export / release_cp_sync,
+                bytes(export_rss)
+            );
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::Value::Array(rows));
+    }
+    Ok(ExitCode::SUCCESS)
+}
