@@ -172,3 +172,15 @@ fn bad_input_is_refused_before_anything_is_written() {
     fails_cleanly(&d, &tmp.path().join("out-ep"), (1, 1, 3, 3, 1), "does not divide the model's");
     fails_cleanly(&d, &tmp.path().join("out-tp"), (3, 1, 1, 1, 3), "do not split over tp = 3");
 }
+
+#[test]
+fn without_args_the_source_mesh_comes_from_the_chunk_geometry() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    // gpt-oss keeps its expert fc1 fused in a layout of the expert-TP size: resharding needs it.
+    convert_at("gpt_oss_bf16", &a, (2, 1, 2, 2, 1));
+    let o = reshard(&a, &b, (1, 1, 4, 4, 1), &["--vocab-size", "256"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("(tp2·cp1·dp2·ep2·etp1, from chunk geometry"), "{}", stdout(&o));
+    validate(&b, "gpt_oss_bf16", 1);
+}

@@ -10,8 +10,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use serde_json::json;
 use shardline_formats::execute::Progress;
-use shardline_formats::training::{write_resharded, TrainingCheckpoint};
-use shardline_layout::reshard::{plan_reshard, ReshardOptions, RngPolicy};
+use shardline_formats::training::{rank_of_file, write_resharded, TrainingCheckpoint};
+use shardline_layout::reshard::{infer_mesh, plan_reshard, ReshardOptions, RngPolicy};
 use shardline_layout::Mesh;
 
 use crate::convert::MeshArgs;
@@ -91,9 +91,13 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
     let source = TrainingCheckpoint::open(&args.ckpt)
         .with_context(|| format!("reading training checkpoint {}", args.ckpt.display()))?;
     let saved = source.args.clone().unwrap_or_default();
-    let source_mesh = match (&args.from_mesh, saved.mesh()) {
-        (Some(s), _) => Some(parse_mesh(s)?),
-        (None, m) => m,
+    let (source_mesh, from_what) = match (&args.from_mesh, saved.mesh()) {
+        (Some(s), _) => (Some(parse_mesh(s)?), "--from-mesh"),
+        (None, Some(m)) => (Some(m), "args"),
+        (None, None) => {
+            let rank = |i: usize, c: usize| source.chunks_of(i).get(c).and_then(|s| rank_of_file(&s.file));
+            (infer_mesh(&source.items, rank), "chunk geometry; cp folded into dp")
+        }
     };
     let options = ReshardOptions {
         mesh: args.mesh.mesh(),
@@ -113,7 +117,8 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
         let note = note.strip_prefix("warning: ").unwrap_or(note);
         eprintln!("warning: {note}");
     }
-    let from = source_mesh.map_or("unknown (no args; pass --from-mesh)".to_string(), |m| m.to_string());
+    let from =
+        source_mesh.map_or("unknown (no args; pass --from-mesh)".to_string(), |m| format!("{m}, from {from_what}"));
     let moments =
         plan.tensors.iter().filter(|t| matches!(t.out.role, shardline_layout::Role::OptimizerState { .. })).count();
     if args.dry_run {

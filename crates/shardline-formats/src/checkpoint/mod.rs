@@ -157,7 +157,8 @@ fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
             open_files.insert(file.clone(), File::open(&p).map_err(io_err(&p, "open rank file"))?);
         }
     }
-    let readers: BTreeMap<&String, BlockReader<'_>> = open_files.iter().map(|(k, f)| (k, BlockReader::new(f))).collect();
+    let readers: BTreeMap<&String, BlockReader<'_>> =
+        open_files.iter().map(|(k, f)| (k, BlockReader::new(f))).collect();
     let mut specs = SpecCache::default();
     let mut tensors = Vec::new();
     let mut objects = Vec::new();
@@ -192,14 +193,15 @@ fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
                 return Err(CheckpointError::MissingStorage { key: key.clone(), offsets: c.offsets.clone() });
             };
             let f = &readers[file];
-            let at = read_tensor_archive_with(f, *offset, *length, &mut specs).map_err(|source| CheckpointError::Item {
-                key: key.clone(),
-                offsets: c.offsets.clone(),
-                file: file.clone(),
-                offset: *offset,
-                length: *length,
-                source,
-            })?;
+            let at =
+                read_tensor_archive_with(f, *offset, *length, &mut specs).map_err(|source| CheckpointError::Item {
+                    key: key.clone(),
+                    offsets: c.offsets.clone(),
+                    file: file.clone(),
+                    offset: *offset,
+                    length: *length,
+                    source,
+                })?;
             if at.dtype != *dtype || at.shape != c.sizes {
                 return Err(CheckpointError::Inconsistent {
                     key: key.clone(),

@@ -42,8 +42,8 @@ mod threads;
 mod tests;
 
 pub(crate) use dcp::publish_metadata;
-pub(crate) use rank_file::copy_unsupported;
 pub use entry::{commit_checkpoint, write_checkpoint, write_checkpoint_from, write_rank_file};
+pub(crate) use rank_file::copy_unsupported;
 pub(crate) use sources::stream_chunk;
 pub use sources::SourceMap;
 pub(crate) use threads::for_each_unit;

@@ -115,6 +115,11 @@ impl TrainingCheckpoint {
     }
 }
 
+/// The rank that wrote a DCP file, from torch's name for it (`__<rank>_<n>.distcp`).
+pub fn rank_of_file(name: &str) -> Option<u64> {
+    name.strip_prefix("__")?.split('_').next()?.parse().ok()
+}
+
 fn read_object(checkpoint: &Checkpoint, object: usize) -> Result<Value, TrainingError> {
     let o = &checkpoint.objects[object];
     let path = checkpoint.dir.join(&o.file);

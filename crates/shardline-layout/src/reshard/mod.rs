@@ -6,6 +6,7 @@
 //! (`plan`). Pure: the I/O shell (`shardline-formats`) reads and writes what this decides.
 
 mod boxes;
+mod infer;
 mod keys;
 mod params;
 mod plan;
@@ -13,6 +14,7 @@ mod plan;
 use thiserror::Error;
 
 pub use boxes::{check_tiling, runs, ChunkBox, Run, Runs, TilingProblem};
+pub use infer::infer_mesh;
 pub use keys::{classify, flat_key, parse_rng_rank, rng_rank_part, strip_modules, ItemKind, PathElem};
 pub use params::{is_buffer, param_layout, ParamLayout};
 pub use plan::{

@@ -156,3 +156,27 @@ fn what_cannot_be_resharded_is_named() {
     )];
     assert!(err(&items, Mesh::new(4, 1, 1, 1)).contains("6 columns do not split over tp = 4"));
 }
+
+#[test]
+fn the_source_mesh_is_read_from_chunk_geometry() {
+    // tp 2, dp 2, ep 2, etp 1 (world 4): a row-parallel weight split in column halves by TP rank,
+    // and 4 experts whose fc2 is whole (etp 1) on the ranks of their EP rank.
+    let proj = "module.decoder.layers.0.self_attention.linear_proj.weight";
+    let mut items = vec![tensor(
+        &["model", proj],
+        &[4, 8],
+        &[(&[0, 0], &[2, 4]), (&[0, 4], &[2, 4]), (&[2, 0], &[2, 4]), (&[2, 4], &[2, 4])],
+    )];
+    let mut ranks = vec![vec![0, 1, 2, 3]];
+    for e in 0..4u64 {
+        let name = format!("module.decoder.layers.1.mlp.experts.linear_fc2.weight{e}");
+        // Expert-DP 2: rows split over the two ranks of the expert's EP rank.
+        items.push(tensor(&["model", &name], &[4, 2], &[(&[0, 0], &[2, 2]), (&[2, 0], &[2, 2])]));
+        let ep_rank = e / 2;
+        ranks.push(vec![ep_rank, ep_rank + 2]);
+    }
+    let mesh = infer_mesh(&items, |i, c| ranks.get(i).and_then(|r| r.get(c)).copied());
+    assert_eq!(mesh, Some(Mesh { tp: 2, cp: 1, dp: 2, ep: 2, etp: 1 }));
+    // Without a row-parallel weight TP cannot be told.
+    assert_eq!(infer_mesh(&items[1..1], |_, _| Some(0)), None);
+}
