@@ -17,8 +17,8 @@ one:
 - [`Store::heartbeat`] extends the lease (returns `false` once it is lost: stop working);
 - [`Store::complete`] records the outcome (returns `false` for a stale token: discard the work);
 - [`Store::reap_expired`] turns leases nobody extended into retries (with backoff) or failures
-  ("lease expired after 3 attempts (last owner gpu-7)"), so a dead worker never leaves a task or a
-  run "running" for ever.
+  ("worker lost 10 times: lease expired (last owner gpu-7)"), so a dead worker never leaves a
+  task or a run "running" for ever.
 
 Every call is one short transaction; nothing holds a transaction or a row lock while a task
 runs. On PostgreSQL the claim is one statement (`FOR UPDATE SKIP LOCKED`, resource filter in the
@@ -36,7 +36,14 @@ dedicated connection with a jittered poll as fallback. On SQLite writers are ser
   and completion match it, and a completion repeated after a lost reply is recognised from the
   attempt history (`attempts`, keyed by task and token).
 - **Attempts.** `tasks.attempt` counts every lease ever started, so `(task, attempt)` names one
-  attempt for its logs for ever; `retry_run` grants a fresh budget by moving `attempt_base`.
+  attempt for its logs for ever; `retry_run` grants fresh budgets by moving `attempt_base` and
+  zeroing `lost`.
+- **Two retry budgets.** A lease that expired is a lost worker (killed, preempted, cut off from
+  the database), not a fault of the task: it counts against `max_lost` (`tasks.lost`, default
+  [`DEFAULT_MAX_LOST`]); an error the worker reports, or a timeout, counts against
+  `max_attempts`. Each retry waits the backoff of its own budget's count. Every ended attempt
+  records which budget it drew on (`attempts.kind`: [`AttemptKind`]), and a run that fails says
+  which ran out ("failed after 3 attempts: …", "failed: worker lost 10 times: …").
 - **Opening.** Migrations run once, under a lock that works across processes (a lock file next
   to a SQLite database, an advisory lock on PostgreSQL); openers that find it taken wait for it,
   at most [`StoreOptions::migrate_wait`] (see [`Store::connect`]).

@@ -38,6 +38,7 @@ async fn seed(store: &Store) -> (RunId, Vec<TaskId>, WorkerId) {
         resources: Resources { cpus: 1, memory: 1 << 20, gpus: 0, scratch: 0 },
         payload: json!({"name": name, "aws_secret_access_key": "abc123"}),
         max_attempts: 2,
+        max_lost: 10,
         backoff: Duration::ZERO,
         timeout: Duration::ZERO,
         cache_key: None,
