@@ -9,6 +9,7 @@ mod hub_s3;
 mod object_source;
 mod orchestrator;
 mod reshard;
+mod startup;
 mod triggers;
 
 use std::path::{Path, PathBuf};
