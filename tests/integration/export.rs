@@ -138,3 +138,34 @@ fn what_cannot_be_exported_is_refused_and_nothing_is_written() {
     assert!(stderr(&o).contains("the checkpoint has no tensor for"), "{}", stderr(&o));
     assert!(!hf.exists());
 }
+
+/// Tensors large enough that their runs are copied by the kernel (`copy_file_range`), not
+/// through the writers' buffers: a synthetic release, resharded with a TP change and exported.
+#[test]
+fn large_runs_copied_by_the_kernel_give_the_same_bytes() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (release, a, b, c, hf) = (
+        tmp.path().join("release"),
+        tmp.path().join("a"),
+        tmp.path().join("b"),
+        tmp.path().join("c"),
+        tmp.path().join("hf"),
+    );
+    let o = run(bin().args(["synth", "--arch", "llama", "--size", "24MB"]).arg(&release));
+    assert!(o.status.success(), "{}", stderr(&o));
+    convert(&release, &a, (1, 1, 2, 1), &["--optimizer-state"]);
+    let to = |src: &Path, dst: &Path, tp: &str, dp: &str, from: &str| {
+        let args = ["--tp", tp, "--dp", dp, "--from-mesh", from];
+        let o = run(bin().arg("reshard").arg(src).arg("--to").arg(dst).args(args));
+        assert!(o.status.success(), "{}", stderr(&o));
+    };
+    to(&a, &b, "2", "3", "tp=1,dp=2");
+    to(&b, &c, "1", "2", "tp=2,dp=3");
+    for entry in std::fs::read_dir(&a).expect("list") {
+        let name = entry.expect("entry").file_name();
+        assert!(std::fs::read(a.join(&name)).expect("a") == std::fs::read(c.join(&name)).expect("c"), "{name:?}");
+    }
+    let o = export(&b, &hf, &release, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(tensors(&hf), tensors(&release));
+}
