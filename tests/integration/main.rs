@@ -8,6 +8,7 @@ mod export;
 mod hub_s3;
 mod object_source;
 mod orchestrator;
+mod pipeline_steps;
 mod reshard;
 mod triggers;
 
