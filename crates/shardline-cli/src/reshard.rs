@@ -9,10 +9,10 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use serde_json::json;
-use shardline_engine::checkpoints::{reshard_options, ReshardHints};
+use shardline_engine::checkpoints::{inferred_mesh, reshard_options, ReshardHints};
 use shardline_formats::execute::Progress;
-use shardline_formats::training::{rank_of_file, write_resharded, TrainingCheckpoint};
-use shardline_layout::reshard::{infer_mesh, plan_reshard, RngPolicy};
+use shardline_formats::training::{write_resharded, TrainingCheckpoint};
+use shardline_layout::reshard::{plan_reshard, RngPolicy};
 use shardline_layout::Mesh;
 
 use crate::convert::MeshArgs;
@@ -84,10 +84,7 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
     let (inferred, from_what) = match (given.source_mesh, saved_mesh) {
         (Some(_), _) => (None, "--from-mesh"),
         (None, Some(_)) => (None, "args"),
-        (None, None) => {
-            let rank = |i: usize, c: usize| source.chunks_of(i).get(c).and_then(|s| rank_of_file(&s.file));
-            (infer_mesh(&source.items, rank), "chunk geometry; cp folded into dp")
-        }
+        (None, None) => (inferred_mesh(&source), "chunk geometry; cp folded into dp"),
     };
     let rng = match args.rng {
         Rng::FromRank0 => RngPolicy::FromRank0,

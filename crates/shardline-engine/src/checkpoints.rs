@@ -20,9 +20,11 @@ use shardline_control::graph::{ExportJob, ReshardJob, ReshardSource};
 use shardline_control::TaskOutput;
 use shardline_formats::checkpoint::{open_checkpoint, Checkpoint};
 use shardline_formats::safetensors::Release;
-use shardline_formats::training::{write_export, write_resharded, ExportOptions, TrainingCheckpoint, TrainingError};
+use shardline_formats::training::{
+    rank_of_file, write_export, write_resharded, ExportOptions, TrainingCheckpoint, TrainingError,
+};
 use shardline_layout::export::{plan_export, ExportTensor};
-use shardline_layout::reshard::{plan_reshard, ReshardOptions, RngPolicy};
+use shardline_layout::reshard::{infer_mesh, plan_reshard, ReshardOptions, RngPolicy};
 use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, PlanOptions, Role, SourceTensor};
 
 use crate::steps::{parse_mesh, StepContext, StepError};
@@ -59,6 +61,14 @@ pub fn reshard_options(
         num_query_groups: saved.num_query_groups,
         rng,
     }
+}
+
+/// The mesh a checkpoint was saved on, read from its chunk geometry (for a checkpoint without
+/// `args`: TP and expert-TP from how row-parallel weights split, the world from the rank files,
+/// EP from which ranks hold which experts; CP is folded into DP).
+pub fn inferred_mesh(source: &TrainingCheckpoint) -> Option<Mesh> {
+    let rank = |i: usize, c: usize| source.chunks_of(i).get(c).and_then(|s| rank_of_file(&s.file));
+    infer_mesh(&source.items, rank)
 }
 
 /// The expert-TP size a checkpoint was saved with, as its `args` say.
@@ -250,7 +260,8 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
         vocab_divisible_by: None,
     };
     let fallback = ReshardHints {
-        source_mesh: upstream.and_then(|o| o.mesh.as_deref()).and_then(parse_mesh),
+        // The mesh the upstream step wrote, else the chunk geometry's.
+        source_mesh: upstream.and_then(|o| o.mesh.as_deref()).and_then(parse_mesh).or_else(|| inferred_mesh(&source)),
         vocab_size: release_vocab(ctx, job.release_task.as_deref()),
         vocab_divisible_by: job.vocab_divisible_by,
     };
