@@ -3,29 +3,12 @@
 //! not (an MTP layer's own copy of the embedding, which Megatron shares; float32 norms a family
 //! keeps in bf16) is named and held to its tolerance.
 
-use std::collections::BTreeMap;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use shardline_formats::safetensors::Release;
 use shardline_layout::recipe::cast_into;
 use shardline_layout::DType;
 
-use crate::{bin, convert, fixture, run, stderr};
-
-/// name → (dtype, shape, bytes) of every tensor of a release.
-fn tensors(dir: &Path) -> BTreeMap<String, (DType, Vec<u64>, Vec<u8>)> {
-    let release = Release::open(dir).expect("open release");
-    let files: Vec<std::fs::File> = release.file_paths().map(|p| std::fs::File::open(p).expect("open")).collect();
-    release
-        .tensors()
-        .map(|t| {
-            let mut bytes = vec![0u8; t.info.byte_len as usize];
-            files[t.file_index].read_exact_at(&mut bytes, t.info.file_offset).expect("read");
-            (t.info.name.clone(), (t.info.dtype, t.info.shape.clone(), bytes))
-        })
-        .collect()
-}
+use crate::{bin, convert, fixture, release_tensors as tensors, run, stderr};
 
 fn export(ckpt: &Path, out: &Path, like: &Path, extra: &[&str]) -> std::process::Output {
     run(bin().arg("export").arg(ckpt).arg("--to").arg(out).arg("--like").arg(like).args(extra))

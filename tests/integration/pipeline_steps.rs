@@ -3,27 +3,9 @@
 //! passes `shardline validate --against` the release, and the HF release it exports and uploads
 //! holds the release's tensors byte for byte.
 
-use std::collections::BTreeMap;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use shardline_formats::safetensors::Release;
-
-use crate::{bin, fixture, run, stderr, stdout};
-
-/// name → (dtype, shape, bytes) of every tensor of a release.
-fn tensors(dir: &Path) -> BTreeMap<String, (String, Vec<u64>, Vec<u8>)> {
-    let release = Release::open(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    let files: Vec<std::fs::File> = release.file_paths().map(|p| std::fs::File::open(p).expect("open")).collect();
-    release
-        .tensors()
-        .map(|t| {
-            let mut bytes = vec![0u8; t.info.byte_len as usize];
-            files[t.file_index].read_exact_at(&mut bytes, t.info.file_offset).expect("read");
-            (t.info.name.clone(), (t.info.dtype.to_string(), t.info.shape.clone(), bytes))
-        })
-        .collect()
-}
+use crate::{bin, fixture, release_tensors as tensors, run, stderr, stdout};
 
 #[test]
 fn the_reshard_export_example_runs_and_its_outputs_check_out() {

@@ -228,10 +228,15 @@ impl SafetensorsWriter {
 
     /// Writes `bytes` at `offset` within the tensor `name`.
     pub fn write_tensor_at(&self, name: &str, offset: u64, bytes: &[u8]) -> Result<(), SafetensorsError> {
+        let start = self.tensor_place(name, offset, bytes.len() as u64)?;
+        self.write_all_at(start, bytes)
+    }
+
+    /// The file offset of `[offset, offset + len)` within the tensor `name`, checked to lie in it.
+    fn tensor_place(&self, name: &str, offset: u64, len: u64) -> Result<u64, SafetensorsError> {
         let Some(info) = self.layout.tensor(name) else {
             return Err(SafetensorsError::UnknownTensor { path: self.path.clone(), tensor: name.to_string() });
         };
-        let len = bytes.len() as u64;
         if offset.checked_add(len).is_none_or(|e| e > info.byte_len) {
             return Err(SafetensorsError::TensorWriteOutOfBounds {
                 path: self.path.clone(),
@@ -241,7 +246,7 @@ impl SafetensorsWriter {
                 byte_len: info.byte_len,
             });
         }
-        self.write_all_at(info.file_offset + offset, bytes)
+        Ok(info.file_offset + offset)
     }
 
     /// Copies `len` bytes of `source` from `source_offset` to `offset` within the tensor `name`
@@ -255,19 +260,7 @@ impl SafetensorsWriter {
         source_offset: u64,
         len: u64,
     ) -> Result<u64, SafetensorsError> {
-        let Some(info) = self.layout.tensor(name) else {
-            return Err(SafetensorsError::UnknownTensor { path: self.path.clone(), tensor: name.to_string() });
-        };
-        if offset.checked_add(len).is_none_or(|e| e > info.byte_len) {
-            return Err(SafetensorsError::TensorWriteOutOfBounds {
-                path: self.path.clone(),
-                tensor: name.to_string(),
-                offset,
-                len,
-                byte_len: info.byte_len,
-            });
-        }
-        let start = info.file_offset + offset;
+        let start = self.tensor_place(name, offset, len)?;
         let mut done = 0u64;
         while done < len {
             let (mut off_in, mut off_out) = (source_offset + done, start + done);
