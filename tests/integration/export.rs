@@ -17,7 +17,16 @@ fn export(ckpt: &Path, out: &Path, like: &Path, extra: &[&str]) -> std::process:
 #[test]
 fn convert_reshard_export_gives_back_the_release() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    for name in ["llama", "qwen3_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "qwen3_vl_moe", "gpt_oss_bf16"] {
+    for name in [
+        "llama",
+        "qwen3_moe",
+        "qwen3_next",
+        "deepseek_v3",
+        "glm4_moe",
+        "qwen3_vl_moe",
+        "qwen3_5_moe_vl",
+        "gpt_oss_bf16",
+    ] {
         let (a, b, hf) = (
             tmp.path().join(format!("{name}-a")),
             tmp.path().join(format!("{name}-b")),
