@@ -9,8 +9,9 @@ Layer handling is driven by which HF tensors exist, so one code path covers
 llama / mistral / qwen2 / qwen3 (dense), qwen3_moe / mixtral (MoE), qwen3_next (GDN + gated
 attention + MoE + shared expert), and from archs-2025.md §3.1/§3.3/§5 deepseek_v3 / kimi_k2 (MLA,
 dense first layers, shared experts, float32 expert bias, MTP layers after the decoder) and glm4_moe;
-qwen3_vl_moe (archs-2025.md §3.5) and multimodal qwen3_5 / qwen3_5_moe (Megatron-Bridge 067f987d,
-models/qwen_vl/qwen35_vl_bridge.py) with their vision towers.
+qwen3_vl_moe (archs-2025.md §3.5; its vision tower as Megatron-Bridge 067f987d's
+models/qwen_vl/qwen3_vl_bridge.py maps it) and multimodal qwen3_5 / qwen3_5_moe (Megatron-Bridge
+067f987d, models/qwen_vl/qwen35_vl_bridge.py) with their vision towers.
 Every HF tensor must be consumed exactly once; an unknown key raises, so the reference never
 silently drops a weight.
 """
@@ -328,20 +329,22 @@ _ETP = 1
 _RELEASE_EXPERT_LAYOUT = False
 
 
-def _map_vision_qwen3_vl(src: _Source, out: dict) -> None:
-    """archs-2025.md §3.5: every `model.visual.X` is `vision_model.X`, replicated and unchanged,
-    but `blocks.j.mlp.linear_fc1.{weight,bias}`, split in row halves into `_w` and `_v`."""
-    fc1 = re.compile(r"blocks\.\d+\.mlp\.linear_fc1\.(weight|bias)$")
+def _map_vision_qwen3_vl(src: _Source, vision_cfg: dict, out: dict) -> None:
+    """Megatron-Bridge 067f987d qwen3_vl_bridge.py `Qwen3VLMoEBridge.mapping_registry` (L284-399):
+    the same Megatron ViT as Qwen3.5's (modelling_qwen3_vl/model.py L347-370, the vision lines
+    L320-345 and L379-395 those of `_get_vision_mappings`), plus the deepstack mergers (L333-339):
+    `model.visual.deepstack_merger_list.k.{norm,linear_fc1,linear_fc2}` are
+    `vision_model.decoder.deepstack_merger_list.k.{patch_norm,linear_fc1,linear_fc2}`, copied.
+    The ViT is GELU (`gated_linear_unit = False`), so its fc1 is not split into _w / _v (Megatron-
+    Bridge 0.3.1 embedded the HF module instead and split it, archs-2025.md §3.5)."""
+    deepstack = re.compile(r"model\.visual\.deepstack_merger_list\.(\d+)\.(norm|linear_fc1|linear_fc2)\.(weight|bias)$")
     for k in sorted(src.tensors):
-        if not k.startswith("model.visual."):
-            continue
-        rest = k[len("model.visual."):]
-        t = src.take(k)
-        if fc1.fullmatch(rest):
-            half = t.shape[0] // 2
-            out[f"vision_model.{rest}_w"], out[f"vision_model.{rest}_v"] = t[:half].contiguous(), t[half:].contiguous()
-        else:
-            out[f"vision_model.{rest}"] = t
+        m = deepstack.fullmatch(k)
+        if m:
+            j, module, kind = m.groups()
+            name = "patch_norm" if module == "norm" else module
+            out[f"vision_model.decoder.deepstack_merger_list.{j}.{name}.{kind}"] = src.take(k)
+    _map_vision_qwen35(src, vision_cfg, out)
 
 
 def _map_vision_qwen35(src: _Source, vision_cfg: dict, out: dict) -> None:
@@ -518,7 +521,7 @@ def megatron_state_dict(cfg: dict, tensors: dict[str, torch.Tensor], tp: int = 1
         # The Megatron model wraps the decoder as `language_model` next to `vision_model`.
         out = {f"language_model.{k}": t for k, t in out.items()}
         if qwen3_vl:
-            _map_vision_qwen3_vl(src, out)
+            _map_vision_qwen3_vl(src, cfg["_root"]["vision_config"], out)
         else:
             _map_vision_qwen35(src, cfg["_root"]["vision_config"], out)
     left = src.unused()

@@ -33,7 +33,8 @@ pub enum Family {
     /// routed and shared experts with a score-correction bias, MTP layers after the decoder.
     Glm4Moe,
     /// `qwen3_vl_moe`: Qwen3 MoE attention and packed experts stored `[E, in, out]`, under
-    /// `language_model.`, and the vision tower under `vision_model.`.
+    /// `language_model.`, and the vision tower (deepstack mergers included) as a Megatron ViT
+    /// under `vision_model.`.
     Qwen3VlMoe,
     /// `gpt_oss`: GQA with biases and attention sinks, a biased router, packed experts with
     /// biases whose fc1 interleaves gate and up rows and stays fused on disk (MXFP4 in releases).

@@ -363,19 +363,16 @@ fn gpt_oss_keeps_fc1_fused_in_the_expert_tp_layout_and_dequantizes_mxfp4() {
 fn qwen3_vl_moe_converts_its_vision_tower_and_transposes_its_experts() {
     let config = r#"{"model_type":"qwen3_vl_moe","tie_word_embeddings":false,"text_config":{"model_type":"qwen3_vl_moe_text",
         "hidden_size":16,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":4,"num_hidden_layers":1,
-        "vocab_size":32,"num_experts":2,"moe_intermediate_size":6}}"#;
+        "vocab_size":32,"num_experts":2,"moe_intermediate_size":6},
+        "vision_config":{"depth":2,"hidden_size":8,"num_heads":2,"intermediate_size":12,"deepstack_visual_indexes":[0]}}"#;
     let b = DType::BF16;
     let lm = "model.language_model.";
     let mut s = vec![
         src(&format!("{lm}embed_tokens.weight"), b, &[32, 16]),
         src("lm_head.weight", b, &[32, 16]),
         src(&format!("{lm}norm.weight"), b, &[16]),
-        src("model.visual.patch_embed.proj.weight", b, &[8, 3, 2, 4, 4]),
-        src("model.visual.blocks.0.attn.qkv.weight", b, &[24, 8]),
-        src("model.visual.blocks.0.mlp.linear_fc1.weight", b, &[16, 8]),
-        src("model.visual.blocks.0.mlp.linear_fc1.bias", b, &[16]),
-        src("model.visual.merger.linear_fc1.weight", b, &[32, 32]),
     ];
+    s.extend(vit_sources(1));
     for (n, shape) in [
         ("input_layernorm.weight", vec![16]),
         ("post_attention_layernorm.weight", vec![16]),
@@ -393,12 +390,37 @@ fn qwen3_vl_moe_converts_its_vision_tower_and_transposes_its_experts() {
     }
     let p = plan(config, s, Mesh { tp: 2, cp: 1, dp: 2, ep: 2, etp: 2 }).expect("plan");
     assert!(p.unconverted.is_empty(), "{:?}", p.unconverted);
-    // The vision tower: replicated copies, the block MLP's fc1 in halves (the merger's stays whole).
-    assert_eq!(tensor(&p, "vision_model.blocks.0.attn.qkv.weight").tp_mode, TpMode::Replicated);
-    assert_eq!(tensor(&p, "vision_model.blocks.0.mlp.linear_fc1.weight_v").shape, vec![8, 8]);
-    assert_eq!(tensor(&p, "vision_model.blocks.0.mlp.linear_fc1.bias_w").shape, vec![8]);
-    tensor(&p, "vision_model.merger.linear_fc1.weight");
-    tensor(&p, "vision_model.patch_embed.proj.weight");
+    // The vision tower: Megatron's ViT as Megatron-Bridge main maps it (Qwen3.5's), TP-split,
+    // the GELU fc1 whole; the deepstack merger under the ViT's `decoder.`, split as the merger.
+    for (key, mode, shape) in [
+        ("decoder.layers.1.self_attention.linear_qkv.weight", TpMode::Column, vec![24, 8]),
+        ("decoder.layers.0.self_attention.linear_qkv.layer_norm_bias", TpMode::Replicated, vec![8]),
+        ("decoder.layers.0.self_attention.linear_proj.weight", TpMode::Row, vec![8, 8]),
+        ("decoder.layers.1.mlp.linear_fc1.weight", TpMode::Column, vec![12, 8]),
+        ("decoder.layers.1.mlp.linear_fc1.layer_norm_weight", TpMode::Replicated, vec![8]),
+        ("decoder.layers.0.mlp.linear_fc2.bias", TpMode::Replicated, vec![8]),
+        ("merger.patch_norm.weight", TpMode::Replicated, vec![8]),
+        ("merger.linear_fc1.weight", TpMode::Column, vec![32, 32]),
+        ("patch_embed.proj.weight", TpMode::Replicated, vec![8, 3, 2, 2, 2]),
+        ("decoder.deepstack_merger_list.0.patch_norm.weight", TpMode::Replicated, vec![32]),
+        ("decoder.deepstack_merger_list.0.patch_norm.bias", TpMode::Replicated, vec![32]),
+        ("decoder.deepstack_merger_list.0.linear_fc1.weight", TpMode::Column, vec![32, 32]),
+        ("decoder.deepstack_merger_list.0.linear_fc1.bias", TpMode::Column, vec![32]),
+        ("decoder.deepstack_merger_list.0.linear_fc2.weight", TpMode::Row, vec![16, 32]),
+        ("decoder.deepstack_merger_list.0.linear_fc2.bias", TpMode::Replicated, vec![16]),
+    ] {
+        let t = tensor(&p, &format!("vision_model.{key}"));
+        assert_eq!((t.tp_mode, &t.shape), (mode, &shape), "{key}");
+    }
+    assert!(!p
+        .tensors
+        .iter()
+        .any(|t| t.key.contains("vision_model") && (t.key.ends_with("_w") || t.key.ends_with("_v"))));
+    assert!(!p.tensors.iter().any(|t| t.key.contains("vision_model.blocks.")));
+    // qkv: HF [q; k; v] (8 rows each) → per head [q_h; k_h; v_h] (4 rows each).
+    let qkv = tensor(&p, "vision_model.decoder.layers.0.self_attention.linear_qkv.bias");
+    let starts: Vec<u64> = qkv.recipe.iter().map(|b| b.source.unwrap().1).collect();
+    assert_eq!(starts, vec![0, 8, 16, 4, 12, 20]);
     // The language model under `language_model.`; experts' halves are contiguous transposed columns.
     tensor(&p, "language_model.embedding.word_embeddings.weight");
     let w = tensor(&p, "language_model.decoder.layers.0.mlp.experts.linear_fc1.weight1_v");
@@ -406,6 +428,52 @@ fn qwen3_vl_moe_converts_its_vision_tower_and_transposes_its_experts() {
     let id = w.recipe[0].source.unwrap().0;
     assert_eq!(w.recipe, vec![RowBlock::transposed(id, 16 * 12 + 6, 6, 12, 1)]);
     assert_eq!(tensor(&p, "language_model.decoder.layers.0.mlp.experts.linear_fc2.weight0").shape, vec![16, 6]);
+}
+
+/// A Megatron-ViT release tower (`model.visual.*`): two blocks of `HV` = 8 (2 heads of 4 when
+/// `vision_config` says so), a merger to width 16, and `deepstack` deepstack mergers (Qwen3-VL).
+fn vit_sources(deepstack: usize) -> Vec<SourceTensor> {
+    let b = DType::BF16;
+    let mut s = vec![
+        src("model.visual.patch_embed.proj.weight", b, &[8, 3, 2, 2, 2]),
+        src("model.visual.patch_embed.proj.bias", b, &[8]),
+        src("model.visual.pos_embed.weight", b, &[16, 8]),
+    ];
+    for j in 0..2 {
+        let v = format!("model.visual.blocks.{j}.");
+        for (n, shape) in [
+            ("norm1.weight", vec![8]),
+            ("norm1.bias", vec![8]),
+            ("norm2.weight", vec![8]),
+            ("norm2.bias", vec![8]),
+            ("attn.qkv.weight", vec![24, 8]),
+            ("attn.qkv.bias", vec![24]),
+            ("attn.proj.weight", vec![8, 8]),
+            ("attn.proj.bias", vec![8]),
+            ("mlp.linear_fc1.weight", vec![12, 8]),
+            ("mlp.linear_fc1.bias", vec![12]),
+            ("mlp.linear_fc2.weight", vec![8, 12]),
+            ("mlp.linear_fc2.bias", vec![8]),
+        ] {
+            s.push(src(&format!("{v}{n}"), b, &shape));
+        }
+    }
+    for (n, shape) in [
+        ("norm.weight", vec![8]),
+        ("norm.bias", vec![8]),
+        ("linear_fc1.weight", vec![32, 32]),
+        ("linear_fc1.bias", vec![32]),
+        ("linear_fc2.weight", vec![16, 32]),
+        ("linear_fc2.bias", vec![16]),
+    ] {
+        s.push(src(&format!("model.visual.merger.{n}"), b, &shape));
+        // A deepstack merger is built like the final one, its norm over the merged width.
+        let shape = if n.starts_with("norm.") { vec![32] } else { shape };
+        for k in 0..deepstack {
+            s.push(src(&format!("model.visual.deepstack_merger_list.{k}.{n}"), b, &shape));
+        }
+    }
+    s
 }
 
 /// A Qwen3.5 MoE release with one GDN layer (`{lm}` the language model's prefix) and, with
@@ -441,38 +509,7 @@ fn qwen35_sources(lm: &str, vision: bool) -> Vec<SourceTensor> {
         s.push(src(&format!("{lm}layers.0.{n}"), b, &shape));
     }
     if vision {
-        s.push(src("model.visual.patch_embed.proj.weight", b, &[8, 3, 2, 2, 2]));
-        s.push(src("model.visual.patch_embed.proj.bias", b, &[8]));
-        s.push(src("model.visual.pos_embed.weight", b, &[16, 8]));
-        for j in 0..2 {
-            let v = format!("model.visual.blocks.{j}.");
-            for (n, shape) in [
-                ("norm1.weight", vec![8]),
-                ("norm1.bias", vec![8]),
-                ("norm2.weight", vec![8]),
-                ("norm2.bias", vec![8]),
-                ("attn.qkv.weight", vec![24, 8]),
-                ("attn.qkv.bias", vec![24]),
-                ("attn.proj.weight", vec![8, 8]),
-                ("attn.proj.bias", vec![8]),
-                ("mlp.linear_fc1.weight", vec![12, 8]),
-                ("mlp.linear_fc1.bias", vec![12]),
-                ("mlp.linear_fc2.weight", vec![8, 12]),
-                ("mlp.linear_fc2.bias", vec![8]),
-            ] {
-                s.push(src(&format!("{v}{n}"), b, &shape));
-            }
-        }
-        for (n, shape) in [
-            ("norm.weight", vec![8]),
-            ("norm.bias", vec![8]),
-            ("linear_fc1.weight", vec![32, 32]),
-            ("linear_fc1.bias", vec![32]),
-            ("linear_fc2.weight", vec![16, 32]),
-            ("linear_fc2.bias", vec![16]),
-        ] {
-            s.push(src(&format!("model.visual.merger.{n}"), b, &shape));
-        }
+        s.extend(vit_sources(0));
     }
     s
 }

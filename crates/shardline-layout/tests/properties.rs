@@ -79,16 +79,13 @@ prop_compose! {
             q_lora_rank = if q_lora { ql.to_string() } else { "null".to_string() },
             mtp = u64::from(after_decoder_mtp),
         );
-        // Qwen3-VL and Qwen3.5 keep the language model's fields under `text_config`; Qwen3.5's
+        // Qwen3-VL and Qwen3.5 keep the language model's fields under `text_config`; their
         // tower (a Megatron ViT, TP-split) has vision heads that divide by tp.
         let (vh, vd, vi) = (tp * hpg, d, tp * ffn_mult);
         let hv = vh * vd;
         let config = match family {
-            "qwen3_vl_moe" => {
-                format!(r#"{{"model_type":"qwen3_vl_moe","tie_word_embeddings":false,"text_config":{config}}}"#)
-            }
-            "qwen3_5_moe" => format!(
-                r#"{{"model_type":"qwen3_5_moe","tie_word_embeddings":false,"text_config":{config},
+            "qwen3_vl_moe" | "qwen3_5_moe" => format!(
+                r#"{{"model_type":"{family}","tie_word_embeddings":false,"text_config":{config},
                 "vision_config":{{"depth":{layers},"num_heads":{vh},"hidden_size":{hv},"intermediate_size":{vi}}}}}"#
             ),
             _ => config,
@@ -102,9 +99,9 @@ prop_compose! {
             s
         };
         let vl = family == "qwen3_vl_moe";
-        let vit = family == "qwen3_5_moe";
+        let vit = vl || family == "qwen3_5_moe";
         let lm = |name: &str| {
-            if vl || vit {
+            if vit {
                 name.replacen("model.", "model.language_model.", 1)
             } else {
                 name.to_string()
@@ -115,17 +112,8 @@ prop_compose! {
             t("lm_head.weight".into(), &[vocab, hidden]),
             t(lm("model.norm.weight"), &[hidden]),
         ];
-        if vl {
-            // A vision tower: copies, and an MLP fc1 (weight, bias) split in halves.
-            let v = hidden;
-            s.push(t("model.visual.patch_embed.proj.weight".into(), &[v, 3, 2, 2, 2]));
-            s.push(t("model.visual.blocks.0.attn.qkv.weight".into(), &[3 * v, v]));
-            s.push(t("model.visual.blocks.0.mlp.linear_fc1.weight".into(), &[2 * v, v]));
-            s.push(t("model.visual.blocks.0.mlp.linear_fc1.bias".into(), &[2 * v]));
-            s.push(t("model.visual.merger.linear_fc1.weight".into(), &[4 * v, 4 * v]));
-        }
         if vit {
-            // A Megatron ViT: fused qkv interleaved per head, fc1 whole (GELU), merger TP-split.
+            // A Megatron ViT: fused qkv interleaved per head, fc1 whole (GELU), mergers TP-split.
             let rows = |n: &str, shape: &[u64]| t(format!("model.visual.{n}"), shape);
             s.push(rows("patch_embed.proj.weight", &[hv, 3, 2, 2, 2]));
             s.push(rows("patch_embed.proj.bias", &[hv]));
@@ -157,6 +145,11 @@ prop_compose! {
                 ("linear_fc2.bias", vec![hidden]),
             ] {
                 s.push(rows(&format!("merger.{n}"), &shape));
+                // Qwen3-VL's deepstack merger: the final merger's, its norm over the merged width.
+                if vl {
+                    let shape = if n.starts_with("norm.") { vec![4 * hv] } else { shape };
+                    s.push(rows(&format!("deepstack_merger_list.0.{n}"), &shape));
+                }
             }
         }
         let gdn = family == "qwen3_next" || family.starts_with("qwen3_5");

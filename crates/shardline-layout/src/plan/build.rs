@@ -8,7 +8,7 @@ use super::chunk::chunk_draft;
 use super::draft::draft;
 use super::quant::Fp8Scales;
 use super::*;
-use crate::arch::{self, Kind, MtpStyle, Rule, TowerMapping};
+use crate::arch::{self, Kind, MtpStyle, Rule};
 use crate::config::ModelConfig;
 use crate::error::LayoutError;
 
@@ -167,12 +167,9 @@ pub fn build_plan(
     // A vision tower converts when the release holds it; the language model then sits beside it.
     let tower = arch::vision_tower(config.family).filter(|t| sources.iter().any(|s| s.name.starts_with(t.hf_prefix)));
     let lm_prefix = tower.map_or(arch::megatron_prefix(config.family), |t| t.language_prefix);
-    let tower_table = match tower.map(|t| t.mapping) {
-        Some(TowerMapping::Table(rules)) => rules,
-        _ => &[],
-    };
+    let tower_tables = tower.map_or(&[][..], |t| t.tables);
     let vision_layers: Vec<(u64, u64)> = match &config.vision {
-        Some(v) if !tower_table.is_empty() => {
+        Some(v) if tower.is_some() => {
             if v.num_heads == 0 || !v.hidden_size.is_multiple_of(v.num_heads) {
                 errors.push(LayoutError::Config {
                     field: "vision_config.num_heads".into(),
@@ -186,7 +183,7 @@ pub fn build_plan(
             }
             (0..v.depth).map(|l| (l, l)).collect()
         }
-        None if !tower_table.is_empty() => {
+        None if tower.is_some() => {
             errors.push(LayoutError::Config {
                 field: "vision_config".into(),
                 message: "needs `depth`, `num_heads` and `hidden_size`: the release holds a vision tower".into(),
@@ -222,8 +219,14 @@ pub fn build_plan(
             }
         }
     }
-    // The tower's rules name their parameters in full; `{L}` is a vision block.
-    rules.extend(tower_table.iter().map(|r| Placed { rule: *r, mtp: None, layers: &vision_layers, prefix: "" }));
+    // The tower's rules name their parameters in full; `{L}` is a vision block, or a deepstack
+    // merger (fewer: those the release holds).
+    rules.extend(tower_tables.iter().flat_map(|t| t.iter()).map(|r| Placed {
+        rule: *r,
+        mtp: None,
+        layers: &vision_layers,
+        prefix: "",
+    }));
     let retarget = |s: &str, mtp: Option<(&str, &str)>| -> String {
         match mtp {
             None => s.to_string(),
@@ -289,19 +292,6 @@ pub fn build_plan(
                     }
                     Err(e) => errors.push(e),
                 }
-            }
-        }
-    }
-
-    // A vision tower embedded as HF's module: every tensor under its prefix, by name.
-    if let Some(t) = tower.filter(|t| t.mapping == TowerMapping::ByName) {
-        for (id, src) in sources.iter().enumerate() {
-            let Some(rest) = src.name.strip_prefix(t.hf_prefix).filter(|_| !consumed[id]) else { continue };
-            consumed[id] = true;
-            let kind = if arch::is_vision_fc1(rest) { Kind::SplitHalves } else { Kind::Copy(TpMode::Replicated) };
-            match draft(config, &inv, kind, &format!("{}{rest}", t.megatron_prefix), &[id], None, None) {
-                Ok(d) => drafts.push(d),
-                Err(e) => errors.push(e),
             }
         }
     }

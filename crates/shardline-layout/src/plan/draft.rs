@@ -139,19 +139,6 @@ fn draft_as_released(
             };
             (TpMode::Column, vec![sec("_w", e * h * s[2]), sec("_v", e * h * s[2] + f)])
         }
-        Kind::SplitHalves => {
-            let s = shape(0);
-            if !rows_of(&s).is_multiple_of(2) {
-                return Err(shape_err(inv, ids[0], "an even number of rows".into(), "split in halves"));
-            }
-            let half = rows_of(&s) / 2;
-            let sec = |suffix: &str, first: u64| {
-                let mut shape = s.clone();
-                shape[0] = half;
-                Section { suffix: suffix.into(), shape, recipe: vec![RowBlock::copy(ids[0], first, half)] }
-            };
-            (TpMode::Replicated, vec![sec("_w", 0), sec("_v", half)])
-        }
         Kind::GdnInProjQkvz | Kind::GdnInProjSplit | Kind::GdnConv1d => (TpMode::Column, gdn(config, inv, kind, ids)?),
         Kind::Mxfp4GateUp
         | Kind::Mxfp4Down
