@@ -80,6 +80,20 @@ fn qwen3_next_converts_and_validates_at_five_meshes() {
 }
 
 #[test]
+fn qwen3_5_moe_vl_converts_and_validates_at_five_meshes() {
+    // Its vision tower is TP-split: 2 vision heads, 2 key/value heads and 2 GDN key heads over tp 2;
+    // 4 experts over ep 4.
+    check_fixture("qwen3_5_moe_vl", MESHES_MOE);
+}
+
+#[test]
+fn qwen3_vl_moe_converts_and_validates_at_five_meshes() {
+    // Its vision tower is Megatron's ViT, TP-split: 4 vision heads and 2 key/value heads over
+    // tp 2; its deepstack merger split as the final one; 4 experts over ep 4.
+    check_fixture("qwen3_vl_moe", MESHES_MOE);
+}
+
+#[test]
 fn dcp_safetensors_format_validates() {
     let tmp = tempfile::tempdir().unwrap();
     for name in ["llama", "qwen3_next"] {

@@ -3,29 +3,12 @@
 //! not (an MTP layer's own copy of the embedding, which Megatron shares; float32 norms a family
 //! keeps in bf16) is named and held to its tolerance.
 
-use std::collections::BTreeMap;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use shardline_formats::safetensors::Release;
 use shardline_layout::recipe::cast_into;
 use shardline_layout::DType;
 
-use crate::{bin, convert, fixture, run, stderr};
-
-/// name → (dtype, shape, bytes) of every tensor of a release.
-fn tensors(dir: &Path) -> BTreeMap<String, (DType, Vec<u64>, Vec<u8>)> {
-    let release = Release::open(dir).expect("open release");
-    let files: Vec<std::fs::File> = release.file_paths().map(|p| std::fs::File::open(p).expect("open")).collect();
-    release
-        .tensors()
-        .map(|t| {
-            let mut bytes = vec![0u8; t.info.byte_len as usize];
-            files[t.file_index].read_exact_at(&mut bytes, t.info.file_offset).expect("read");
-            (t.info.name.clone(), (t.info.dtype, t.info.shape.clone(), bytes))
-        })
-        .collect()
-}
+use crate::{bin, convert, fixture, release_tensors as tensors, run, stderr};
 
 fn export(ckpt: &Path, out: &Path, like: &Path, extra: &[&str]) -> std::process::Output {
     run(bin().arg("export").arg(ckpt).arg("--to").arg(out).arg("--like").arg(like).args(extra))
@@ -34,7 +17,16 @@ fn export(ckpt: &Path, out: &Path, like: &Path, extra: &[&str]) -> std::process:
 #[test]
 fn convert_reshard_export_gives_back_the_release() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    for name in ["llama", "qwen3_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "qwen3_vl_moe", "gpt_oss_bf16"] {
+    for name in [
+        "llama",
+        "qwen3_moe",
+        "qwen3_next",
+        "deepseek_v3",
+        "glm4_moe",
+        "qwen3_vl_moe",
+        "qwen3_5_moe_vl",
+        "gpt_oss_bf16",
+    ] {
         let (a, b, hf) = (
             tmp.path().join(format!("{name}-a")),
             tmp.path().join(format!("{name}-b")),
@@ -137,4 +129,35 @@ fn what_cannot_be_exported_is_refused_and_nothing_is_written() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("the checkpoint has no tensor for"), "{}", stderr(&o));
     assert!(!hf.exists());
+}
+
+/// Tensors large enough that their runs are copied by the kernel (`copy_file_range`), not
+/// through the writers' buffers: a synthetic release, resharded with a TP change and exported.
+#[test]
+fn large_runs_copied_by_the_kernel_give_the_same_bytes() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (release, a, b, c, hf) = (
+        tmp.path().join("release"),
+        tmp.path().join("a"),
+        tmp.path().join("b"),
+        tmp.path().join("c"),
+        tmp.path().join("hf"),
+    );
+    let o = run(bin().args(["synth", "--arch", "llama", "--size", "24MB"]).arg(&release));
+    assert!(o.status.success(), "{}", stderr(&o));
+    convert(&release, &a, (1, 1, 2, 1), &["--optimizer-state"]);
+    let to = |src: &Path, dst: &Path, tp: &str, dp: &str, from: &str| {
+        let args = ["--tp", tp, "--dp", dp, "--from-mesh", from];
+        let o = run(bin().arg("reshard").arg(src).arg("--to").arg(dst).args(args));
+        assert!(o.status.success(), "{}", stderr(&o));
+    };
+    to(&a, &b, "2", "3", "tp=1,dp=2");
+    to(&b, &c, "1", "2", "tp=2,dp=3");
+    for entry in std::fs::read_dir(&a).expect("list") {
+        let name = entry.expect("entry").file_name();
+        assert!(std::fs::read(a.join(&name)).expect("a") == std::fs::read(c.join(&name)).expect("c"), "{name:?}");
+    }
+    let o = export(&b, &hf, &release, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(tensors(&hf), tensors(&release));
 }

@@ -8,6 +8,7 @@ mod export;
 mod hub_s3;
 mod object_source;
 mod orchestrator;
+mod pipeline_steps;
 mod reshard;
 mod startup;
 mod triggers;
@@ -21,6 +22,22 @@ pub fn bin() -> Command {
 
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny").join(name)
+}
+
+/// name → (dtype, shape, bytes) of every tensor of an HF release directory.
+pub fn release_tensors(dir: &Path) -> std::collections::BTreeMap<String, (shardline_layout::DType, Vec<u64>, Vec<u8>)> {
+    use std::os::unix::fs::FileExt;
+    let release =
+        shardline_formats::safetensors::Release::open(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let files: Vec<std::fs::File> = release.file_paths().map(|p| std::fs::File::open(p).expect("open")).collect();
+    release
+        .tensors()
+        .map(|t| {
+            let mut bytes = vec![0u8; t.info.byte_len as usize];
+            files[t.file_index].read_exact_at(&mut bytes, t.info.file_offset).expect("read");
+            (t.info.name.clone(), (t.info.dtype, t.info.shape.clone(), bytes))
+        })
+        .collect()
 }
 
 pub fn run(cmd: &mut Command) -> Output {

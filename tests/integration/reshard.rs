@@ -63,6 +63,8 @@ fn reshard_gives_what_convert_writes_for_the_target_mesh() {
         ("deepseek_v3", (1, 1, 2, 2, 1), (2, 1, 3, 1, 2)),
         ("qwen3_next", (2, 1, 2, 2, 2), (1, 1, 5, 1, 1)),
         ("qwen3_vl_moe", (1, 1, 3, 1, 1), (2, 1, 2, 2, 1)),
+        // A Megatron ViT: its merger's fc1 is column-split, unlike Qwen3-VL's of the same name.
+        ("qwen3_5_moe_vl", (1, 1, 3, 1, 1), (2, 1, 2, 2, 1)),
         ("gpt_oss", (2, 1, 2, 2, 1), (1, 1, 4, 4, 1)),
     ];
     for (i, &(name, from, to)) in cases.iter().enumerate() {

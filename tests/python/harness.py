@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "hf-tiny"
 FIXTURE_NAMES = ["llama", "qwen3_moe", "qwen3_next", "deepseek_v3", "deepseek_v3_no_q_lora",
                  "deepseek_v3_fp8", "glm4_moe", "gpt_oss",
-                 "gpt_oss_bf16", "qwen3_vl_moe"]
+                 "gpt_oss_bf16", "qwen3_vl_moe", "qwen3_5_moe_vl"]
 OLD_TORCH_PYTHON = ROOT / ".venv-torch25" / "bin" / "python"
 CONVERT_TIMEOUT_S = 120
 

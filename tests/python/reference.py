@@ -8,7 +8,10 @@ Transformer-Engine layer spec and grouped experts would save.
 Layer handling is driven by which HF tensors exist, so one code path covers
 llama / mistral / qwen2 / qwen3 (dense), qwen3_moe / mixtral (MoE), qwen3_next (GDN + gated
 attention + MoE + shared expert), and from archs-2025.md §3.1/§3.3/§5 deepseek_v3 / kimi_k2 (MLA,
-dense first layers, shared experts, float32 expert bias, MTP layers after the decoder) and glm4_moe.
+dense first layers, shared experts, float32 expert bias, MTP layers after the decoder) and glm4_moe;
+qwen3_vl_moe (archs-2025.md §3.5; its vision tower as Megatron-Bridge 067f987d's
+models/qwen_vl/qwen3_vl_bridge.py maps it) and multimodal qwen3_5 / qwen3_5_moe (Megatron-Bridge
+067f987d, models/qwen_vl/qwen35_vl_bridge.py) with their vision towers.
 Every HF tensor must be consumed exactly once; an unknown key raises, so the reference never
 silently drops a weight.
 """
@@ -326,20 +329,61 @@ _ETP = 1
 _RELEASE_EXPERT_LAYOUT = False
 
 
-def _map_vision_qwen3_vl(src: _Source, out: dict) -> None:
-    """archs-2025.md §3.5: every `model.visual.X` is `vision_model.X`, replicated and unchanged,
-    but `blocks.j.mlp.linear_fc1.{weight,bias}`, split in row halves into `_w` and `_v`."""
-    fc1 = re.compile(r"blocks\.\d+\.mlp\.linear_fc1\.(weight|bias)$")
+def _map_vision_qwen3_vl(src: _Source, vision_cfg: dict, out: dict) -> None:
+    """Megatron-Bridge 067f987d qwen3_vl_bridge.py `Qwen3VLMoEBridge.mapping_registry` (L284-399):
+    the same Megatron ViT as Qwen3.5's (modelling_qwen3_vl/model.py L347-370, the vision lines
+    L320-345 and L379-395 those of `_get_vision_mappings`), plus the deepstack mergers (L333-339):
+    `model.visual.deepstack_merger_list.k.{norm,linear_fc1,linear_fc2}` are
+    `vision_model.decoder.deepstack_merger_list.k.{patch_norm,linear_fc1,linear_fc2}`, copied.
+    The ViT is GELU (`gated_linear_unit = False`), so its fc1 is not split into _w / _v (Megatron-
+    Bridge 0.3.1 embedded the HF module instead and split it, archs-2025.md §3.5)."""
+    deepstack = re.compile(r"model\.visual\.deepstack_merger_list\.(\d+)\.(norm|linear_fc1|linear_fc2)\.(weight|bias)$")
+    for k in sorted(src.tensors):
+        m = deepstack.fullmatch(k)
+        if m:
+            j, module, kind = m.groups()
+            name = "patch_norm" if module == "norm" else module
+            out[f"vision_model.decoder.deepstack_merger_list.{j}.{name}.{kind}"] = src.take(k)
+    _map_vision_qwen35(src, vision_cfg, out)
+
+
+def _map_vision_qwen35(src: _Source, vision_cfg: dict, out: dict) -> None:
+    """Megatron-Bridge 067f987d qwen35_vl_bridge.py `_get_vision_mappings` (L71-142): Megatron's
+    own ViT under `vision_model.`; `blocks.j` is `decoder.layers.j`, norm1 / norm2 are the fused
+    layer norms of linear_qkv / linear_fc1, the merger's norm is `patch_norm`, and the fused qkv
+    is re-ordered per head by `ConcatenatedQKVMapping` (split [q; k; v], then `merge_qkv_weights` /
+    `merge_qkv_biases` with num_query_groups = num_heads). Every other tensor is copied. The MLP
+    is GELU, so Megatron-Core does not split its fc1 into _w / _v on disk."""
+    nh, hv = vision_cfg["num_heads"], vision_cfg["hidden_size"]
+    d = hv // nh
+    renames = {
+        "attn.proj": "self_attention.linear_proj",
+        "mlp.linear_fc1": "mlp.linear_fc1",
+        "mlp.linear_fc2": "mlp.linear_fc2",
+    }
+    norms = {"norm1": "self_attention.linear_qkv.layer_norm", "norm2": "mlp.linear_fc1.layer_norm"}
+    block = re.compile(r"model\.visual\.blocks\.(\d+)\.(.+)\.(weight|bias)$")
     for k in sorted(src.tensors):
         if not k.startswith("model.visual."):
             continue
         rest = k[len("model.visual."):]
-        t = src.take(k)
-        if fc1.fullmatch(rest):
-            half = t.shape[0] // 2
-            out[f"vision_model.{rest}_w"], out[f"vision_model.{rest}_v"] = t[:half].contiguous(), t[half:].contiguous()
-        else:
-            out[f"vision_model.{rest}"] = t
+        m = block.fullmatch(k)
+        if m:
+            j, module, kind = m.groups()
+            mg = f"vision_model.decoder.layers.{j}"
+            t = src.take(k)
+            if module == "attn.qkv":
+                q, kk, v = torch.split(t, [hv, hv, hv], dim=0)
+                out[f"{mg}.self_attention.linear_qkv.{kind}"] = interleave_qkv(q, kk, v, nh, nh, d)
+            elif module in norms:
+                out[f"{mg}.{norms[module]}_{kind}"] = t
+            else:
+                out[f"{mg}.{renames[module]}.{kind}"] = t
+        elif rest.startswith("merger.norm."):
+            out["vision_model.merger.patch_norm." + rest[len("merger.norm."):]] = src.take(k)
+        elif rest.split(".")[0] in ("merger", "patch_embed", "pos_embed"):
+            out[f"vision_model.{rest}"] = src.take(k)
+
 
 # FP4 E2M1 values by code (OCP Microscaling spec): sign, 2 exponent bits, 1 mantissa bit.
 FP4_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -445,6 +489,9 @@ def megatron_state_dict(cfg: dict, tensors: dict[str, torch.Tensor], tp: int = 1
     global _ETP, _RELEASE_EXPERT_LAYOUT
     _ETP = etp or tp
     qwen3_vl = cfg["_root"].get("model_type") == "qwen3_vl_moe"
+    # Multimodal Qwen3.5 with its tower (a release without one is a plain GPT model).
+    qwen35_vl = (cfg["_root"].get("model_type") in ("qwen3_5", "qwen3_5_moe")
+                 and any(k.startswith("model.visual.") for k in tensors))
     _RELEASE_EXPERT_LAYOUT = qwen3_vl
     tensors = dequantize_fp8_blocks(cfg, tensors)
     src = _Source(tensors)
@@ -470,10 +517,13 @@ def megatron_state_dict(cfg: dict, tensors: dict[str, torch.Tensor], tp: int = 1
     else:
         out["output_layer.weight"] = pad_vocab(src.take("lm_head.weight"), tp)
 
-    if qwen3_vl:
+    if qwen3_vl or qwen35_vl:
         # The Megatron model wraps the decoder as `language_model` next to `vision_model`.
         out = {f"language_model.{k}": t for k, t in out.items()}
-        _map_vision_qwen3_vl(src, out)
+        if qwen3_vl:
+            _map_vision_qwen3_vl(src, cfg["_root"]["vision_config"], out)
+        else:
+            _map_vision_qwen35(src, cfg["_root"]["vision_config"], out)
     left = src.unused()
     if left:
         raise ValueError(f"reference mapping does not cover {len(left)} HF tensors, e.g. {left[:5]}")

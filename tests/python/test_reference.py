@@ -239,6 +239,60 @@ def test_qwen3_next_keys_and_transforms():
     assert torch.equal(parts[0][16:32], qkvz[96:112])  # key head 1's q rows start at 1·Gs = 96
 
 
+def test_qwen3_5_moe_vl_keys_and_vision_tower():
+    """Megatron-Bridge qwen35_vl_bridge.py: language model under `language_model.`, Megatron's ViT
+    under `vision_model.` (per-head qkv, fused layer norms, fc1 whole, merger `patch_norm`)."""
+    d = FIXTURES / "qwen3_5_moe_vl"
+    hf = ref.load_hf_tensors(d)
+    sd = ref.reference_state_dict(d)
+    names = _names(sd)
+    assert all(n.startswith(("language_model.", "vision_model.")) for n in names)
+    lm = "language_model.decoder.layers."
+    assert {lm + "0.self_attention.in_proj.weight.alpha", lm + "1.self_attention.linear_qkv.weight",
+            lm + "1.mlp.experts.linear_fc1.weight3_v", lm + "0.mlp.shared_experts.gate_weight",
+            "language_model.embedding.word_embeddings.weight", "language_model.output_layer.weight"} <= names
+    v = "vision_model.decoder.layers.1."
+    for n in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+              "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
+              "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+              "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc1.layer_norm_weight",
+              "mlp.linear_fc1.layer_norm_bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"):
+        assert v + n in names, n
+    assert not any(n.endswith(("_w", "_v")) for n in names if n.startswith("vision_model."))
+    assert {"vision_model.merger.patch_norm.weight", "vision_model.merger.linear_fc1.weight",
+            "vision_model.patch_embed.proj.weight", "vision_model.pos_embed.weight"} <= names
+    # qkv: HF [q; k; v] of 16 rows each → per head [q_h; k_h; v_h], head_dim 16 / 2 = 8.
+    qkv, src = sd["model.module." + v + "self_attention.linear_qkv.weight"], hf["model.visual.blocks.1.attn.qkv.weight"]
+    for h in range(2):
+        for part in range(3):
+            assert torch.equal(qkv[24 * h + 8 * part:24 * h + 8 * part + 8], src[16 * part + 8 * h:16 * part + 8 * h + 8])
+    assert torch.equal(sd["model.module." + v + "mlp.linear_fc1.layer_norm_bias"], hf["model.visual.blocks.1.norm2.bias"])
+
+
+def test_qwen3_vl_moe_vision_tower_is_megatrons_vit():
+    """Megatron-Bridge main qwen3_vl_bridge.py: Qwen3-VL's tower is Megatron's ViT as Qwen3.5's
+    (per-head qkv, fc1 whole), its deepstack mergers under the ViT's `decoder.`."""
+    d = FIXTURES / "qwen3_vl_moe"
+    hf = ref.load_hf_tensors(d)
+    sd = ref.reference_state_dict(d)
+    names = _names(sd)
+    assert all(n.startswith(("language_model.", "vision_model.")) for n in names)
+    assert not any(n.startswith("vision_model.blocks.") or (n.startswith("vision_model.") and n.endswith(("_w", "_v")))
+                   for n in names)
+    v = "vision_model.decoder.layers.1."
+    assert {v + "self_attention.linear_qkv.weight", v + "mlp.linear_fc1.weight", v + "mlp.linear_fc1.layer_norm_bias",
+            "vision_model.merger.patch_norm.weight", "vision_model.patch_embed.proj.weight"} <= names
+    ds = "vision_model.decoder.deepstack_merger_list.0."
+    for n, h in (("patch_norm.weight", "norm.weight"), ("patch_norm.bias", "norm.bias"),
+                 ("linear_fc1.weight", "linear_fc1.weight"), ("linear_fc2.bias", "linear_fc2.bias")):
+        assert torch.equal(sd["model.module." + ds + n], hf["model.visual.deepstack_merger_list.0." + h]), n
+    # qkv: HF [q; k; v] of 32 rows each → per head [q_h; k_h; v_h], head_dim 32 / 4 = 8.
+    qkv, src = sd["model.module." + v + "self_attention.linear_qkv.weight"], hf["model.visual.blocks.1.attn.qkv.weight"]
+    for h in range(4):
+        for part in range(3):
+            assert torch.equal(qkv[24 * h + 8 * part:24 * h + 8 * part + 8], src[32 * part + 8 * h:32 * part + 8 * h + 8])
+
+
 def test_unmapped_hf_tensor_raises():
     d = FIXTURES / "llama"
     hf = dict(ref.load_hf_tensors(d))

@@ -19,6 +19,7 @@ a self-test of the harness that needs no shardline.
 from __future__ import annotations
 
 import io
+import json
 import pickle
 import re
 import shutil
@@ -28,8 +29,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
+                                                   TensorStorageMetadata)
 
 import harness
 import training_ckpt as tc
@@ -502,3 +505,32 @@ def test_rejects_mesh_the_model_cannot_take(shardline, sources, tmp_path, mesh, 
     out = tmp_path / "out"
     args = ["reshard", str(sources["S1"]), "--to", str(out), *mesh.cli_args()]
     _assert_rejected(Reshard(args, out, harness.run_cli(args, timeout=RESHARD_TIMEOUT_S)), patterns, mesh.id)
+
+
+@pytest.mark.parametrize("src_name", ["S1", "S2"])
+def test_inspect_reports_the_training_state(shardline, sources, src_name):
+    """`inspect --json` of a torch-written training checkpoint: its mesh (from `args`), iteration,
+    checkpoint version, optimizer moments, Adam's step (in the group settings, or per parameter for
+    torch-AdamW) and every bytes item, with its value."""
+    proc = harness.run_cli(["inspect", "--json", "--summary", str(sources[src_name])], timeout=RESHARD_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+    training = json.loads(proc.stdout)["training"]
+    mesh = SOURCES[src_name].mesh
+    assert training["mesh"] == {"tp": mesh.tp, "cp": mesh.cp, "dp": mesh.dp, "ep": mesh.ep, "etp": tc.etp_of(mesh)}
+    assert training["iteration"] == str(tc.ITERATION)
+    assert training["checkpoint_version"] == "3.0"
+    states = training["optimizer_states"]
+    assert states["exp_avg"]["tensors"] == states["exp_avg_sq"]["tensors"] > 0
+    assert states["exp_avg"]["tensors"] == training["parameters"]["tensors"] - 1, "all but the expert_bias buffer"
+    objects = training["objects"]
+    if SOURCES[src_name].variant == "fused_adam":
+        assert training["adam_steps"] == {str(tc.ADAM_STEP): sum(1 for k in objects if k.endswith(".step"))}
+    else:
+        assert training["adam_steps"] == {}
+        assert states["step"]["tensors"] == states["exp_avg"]["tensors"]
+    md = FileSystemReader(str(sources[src_name])).read_metadata()
+    bytes_keys = {k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    assert set(objects) == bytes_keys
+    assert objects["opt_param_scheduler.lr_decay_style"] == '"cosine"'
+    assert objects["args"].startswith("argparse.Namespace(")
+    assert sorted(tuple(r) for r in training["rng_ranks"]) == [(0, t) for t in range(mesh.tp)]

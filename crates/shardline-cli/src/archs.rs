@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use shardline_layout::arch::{describe, output_dtype, tables, MtpStyle};
+use shardline_layout::arch::{describe, output_dtype, tables, vision_tower, MtpStyle};
 use shardline_layout::config::SUPPORTED_MODEL_TYPES;
 
 #[derive(Args, Debug)]
@@ -39,6 +39,16 @@ pub fn run_archs(args: ArchsArgs) -> Result<ExitCode> {
         println!("{}", line.hf.join(" + "));
         let transform = if line.transform.is_empty() { String::new() } else { format!("; {}", line.transform) };
         println!("    → {}  ({}, TP {}{transform}){expert}", line.megatron, line.kind, line.tp);
+    }
+    if let Some(t) = vision_tower(*family) {
+        let (hf, megatron, lm) = (t.hf_prefix, t.megatron_prefix, t.language_prefix);
+        println!("\nVision tower (a release holding `{hf}…`): the language model's keys go under `{lm}`,");
+        println!("the tower becomes Megatron's ViT under `{megatron}` by the `{megatron}…` rules above, {{L}} a vision block");
+        if t.tables.iter().flat_map(|r| r.iter()).any(|r| r.megatron.contains("deepstack_merger_list.{L}")) {
+            println!("(vision_config.depth), in `deepstack_merger_list.{{L}}` a deepstack merger");
+        } else {
+            println!("(vision_config.depth)");
+        }
     }
     if let Some(style) = tables(*family).1 {
         let (megatron, hf) = style.prefixes();

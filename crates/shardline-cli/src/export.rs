@@ -1,6 +1,5 @@
 //! `export`: a checkpoint's model weights written back as the HF release they came from.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
@@ -10,13 +9,11 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::json;
+use shardline_engine::checkpoints::{export_tensors, saved_etp};
 use shardline_formats::checkpoint::open_checkpoint;
 use shardline_formats::execute::Progress;
-use shardline_formats::training::{write_export, ExportOptions, TrainingCheckpoint};
-use shardline_layout::export::plan_export;
-use shardline_layout::{Mesh, PlanOptions};
+use shardline_formats::training::{write_export, ExportOptions};
 
-use crate::convert::plan_release;
 use crate::report::{bytes, peak_rss, Bar};
 
 #[derive(Args, Debug)]
@@ -75,24 +72,10 @@ pub fn run_export(args: ExportArgs) -> Result<ExitCode> {
     };
     let max_file_bytes = shardline_units::parse_size_lenient(&args.max_file_size)
         .map_err(|e| anyhow::anyhow!("--max-file-size: {e}"))?;
-    let etp = match args.etp {
-        Some(e) => e,
-        None => {
-            TrainingCheckpoint::open(&args.ckpt).ok().and_then(|c| c.args).and_then(|a| a.mesh()).map_or(1, |m| m.etp)
-        }
-    };
+    let etp = args.etp.or_else(|| saved_etp(&args.ckpt)).unwrap_or(1);
     let checkpoint =
         open_checkpoint(&args.ckpt).with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?;
-    // Global tensors do not depend on the mesh but for what is fused per expert-TP rank.
-    let mesh = Mesh { tp: 1, cp: 1, dp: etp, ep: 1, etp };
-    let options = PlanOptions { prefix: args.prefix.clone(), vocab_divisible_by: 1, ..PlanOptions::default() };
-    let (_, forward) = plan_release(&like, mesh, &options)?;
-    let shapes: BTreeMap<String, Vec<u64>> =
-        checkpoint.tensors.iter().map(|t| (t.key.clone(), t.shape.clone())).collect();
-    let tensors = plan_export(&forward, &shapes).map_err(|errors| {
-        let list: Vec<String> = errors.iter().map(|e| format!("  {e}")).collect();
-        anyhow::anyhow!("cannot export {} as {}:\n{}", args.ckpt.display(), like.display(), list.join("\n"))
-    })?;
+    let tensors = export_tensors(&checkpoint, &like, etp, &args.prefix).map_err(|e| anyhow::anyhow!(e))?;
     let progress = Arc::new(Progress::default());
     let total: u64 = tensors.iter().map(|t| t.shape.iter().product::<u64>() * t.dtype.size() as u64).sum();
     let counter = Arc::clone(&progress);

@@ -52,7 +52,11 @@ pub fn run_inspect(args: InspectArgs) -> Result<ExitCode> {
             writeln!(out, "{:<90} {:>6} {:>18} {:>7}", "key", "dtype", "global shape", "chunks")?;
         }
     }
+    // A training checkpoint has optimizer state or bytes items; only then is `.metadata` read a
+    // second time for the training summary.
+    let mut optimizer_state = false;
     let summary = scan_checkpoint(&args.ckpt, |t| {
+        optimizer_state |= t.key.starts_with("optimizer.");
         if args.summary || write_error.is_some() {
             return;
         }
@@ -76,9 +80,11 @@ pub fn run_inspect(args: InspectArgs) -> Result<ExitCode> {
     let files: BTreeMap<_, _> =
         summary.files.iter().map(|(f, s)| (f.clone(), json!({"items": s.items, "bytes": s.bytes}))).collect();
     let training = match summary.format {
-        CheckpointFormat::Dcp => summarize_training(&args.ckpt)
-            .with_context(|| format!("reading the training state of {}", args.ckpt.display()))?,
-        CheckpointFormat::DcpSafetensors => None,
+        CheckpointFormat::Dcp if optimizer_state || !summary.bytes_items.is_empty() => {
+            summarize_training(&args.ckpt)
+                .with_context(|| format!("reading the training state of {}", args.ckpt.display()))?
+        }
+        _ => None,
     };
     if args.json {
         let tail = json!({"format": format_name(summary.format), "tensor_count": summary.tensors,

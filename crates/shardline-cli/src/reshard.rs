@@ -9,9 +9,10 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use serde_json::json;
+use shardline_engine::checkpoints::{inferred_mesh, reshard_options, ReshardHints};
 use shardline_formats::execute::Progress;
-use shardline_formats::training::{rank_of_file, write_resharded, TrainingCheckpoint};
-use shardline_layout::reshard::{infer_mesh, plan_reshard, ReshardOptions, RngPolicy};
+use shardline_formats::training::{write_resharded, TrainingCheckpoint};
+use shardline_layout::reshard::{plan_reshard, RngPolicy};
 use shardline_layout::Mesh;
 
 use crate::convert::MeshArgs;
@@ -65,52 +66,33 @@ pub struct ReshardArgs {
     pub json: bool,
 }
 
-/// Parses `tp=2,dp=4,…`.
+/// Parses `tp=2,dp=4,…` (as a pipeline's `from_mesh` is).
 pub(crate) fn parse_mesh(s: &str) -> Result<Mesh> {
-    let mut m = Mesh { tp: 1, cp: 1, dp: 1, ep: 1, etp: 0 };
-    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (k, v) = part.split_once('=').with_context(|| format!("--from-mesh: `{part}` is not name=value"))?;
-        let v: u64 = v.trim().parse().with_context(|| format!("--from-mesh: `{part}`: not a number"))?;
-        match k.trim() {
-            "tp" => m.tp = v,
-            "cp" => m.cp = v,
-            "dp" => m.dp = v,
-            "ep" => m.ep = v,
-            "etp" => m.etp = v,
-            other => bail!("--from-mesh: unknown dimension `{other}` (tp, cp, dp, ep, etp)"),
-        }
-    }
-    if m.etp == 0 {
-        m.etp = m.tp;
-    }
-    Ok(m)
+    Mesh::parse_assignments(s).map_err(|e| anyhow::anyhow!("--from-mesh: {e}"))
 }
 
 pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
     let started = Instant::now();
     let source = TrainingCheckpoint::open(&args.ckpt)
         .with_context(|| format!("reading training checkpoint {}", args.ckpt.display()))?;
-    let saved = source.args.clone().unwrap_or_default();
-    let (source_mesh, from_what) = match (&args.from_mesh, saved.mesh()) {
-        (Some(s), _) => (Some(parse_mesh(s)?), "--from-mesh"),
-        (None, Some(m)) => (Some(m), "args"),
-        (None, None) => {
-            let rank = |i: usize, c: usize| source.chunks_of(i).get(c).and_then(|s| rank_of_file(&s.file));
-            (infer_mesh(&source.items, rank), "chunk geometry; cp folded into dp")
-        }
+    let given = ReshardHints {
+        source_mesh: args.from_mesh.as_deref().map(parse_mesh).transpose()?,
+        vocab_size: args.vocab_size,
+        vocab_divisible_by: args.vocab_divisible_by,
     };
-    let options = ReshardOptions {
-        mesh: args.mesh.mesh(),
-        source_mesh,
-        vocab_size: args.vocab_size.or(saved.vocab_size),
-        vocab_divisible_by: args.vocab_divisible_by.or(saved.make_vocab_size_divisible_by).unwrap_or(128),
-        num_experts: saved.num_experts,
-        num_query_groups: saved.num_query_groups,
-        rng: match args.rng {
-            Rng::FromRank0 => RngPolicy::FromRank0,
-            Rng::Drop => RngPolicy::Drop,
-        },
+    let saved_mesh = source.args.as_ref().and_then(|a| a.mesh());
+    let (inferred, from_what) = match (given.source_mesh, saved_mesh) {
+        (Some(_), _) => (None, "--from-mesh"),
+        (None, Some(_)) => (None, "args"),
+        (None, None) => (inferred_mesh(&source), "chunk geometry; cp folded into dp"),
     };
+    let rng = match args.rng {
+        Rng::FromRank0 => RngPolicy::FromRank0,
+        Rng::Drop => RngPolicy::Drop,
+    };
+    let fallback = ReshardHints { source_mesh: inferred, ..ReshardHints::default() };
+    let options = reshard_options(&source, args.mesh.mesh(), rng, given, fallback);
+    let source_mesh = options.source_mesh;
     let plan = plan_reshard(&source.items, &options)
         .with_context(|| format!("cannot reshard {} to {}", args.ckpt.display(), options.mesh))?;
     for note in &plan.notes {

@@ -5,6 +5,10 @@
 //! and a commit task that writes `.metadata` last. The rank count is known from the mesh, so the
 //! whole graph exists from submission on; no task ever creates or rewires another.
 //!
+//! A `checkpoint.reshard` of an object-store prefix fans out into a fetch task (the prefix
+//! downloaded as `hf.download` downloads one) and the reshard task; any other reshard, and every
+//! `checkpoint.export`, is one task.
+//!
 //! A `megatron.split_fused` that follows a shard whose intermediate output is not kept exchanges
 //! a plan instead of bytes: the shard writes the split layout directly, and the split task only
 //! records that (the source is read once, the output written once).
@@ -12,7 +16,9 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use shardline_spec::{DownloadSource, OutputFormatName, ResolvedPipeline, ResolvedStep, StepConfig};
+use shardline_spec::{
+    CheckpointSource, DownloadSource, OutputFormatName, ResolvedPipeline, ResolvedStep, StepConfig, StepKind,
+};
 use shardline_store::{NewTask, Resources};
 
 /// Task kinds, as stored.
@@ -23,6 +29,10 @@ pub mod kinds {
     pub const COMMIT: &str = "megatron.shard.commit";
     pub const SPLIT_PASS: &str = "megatron.split_fused";
     pub const VALIDATE: &str = "checkpoint.validate";
+    pub const RESHARD: &str = "checkpoint.reshard";
+    /// A reshard's object-store source, downloaded.
+    pub const RESHARD_FETCH: &str = "checkpoint.reshard.fetch";
+    pub const EXPORT: &str = "checkpoint.export";
     pub const UPLOAD: &str = "store.upload";
 }
 
@@ -60,6 +70,79 @@ impl ShardJob {
     pub fn world(&self) -> u64 {
         self.tp * self.cp * self.dp
     }
+}
+
+/// Where a `checkpoint.reshard` reads its checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "from", rename_all = "snake_case")]
+pub enum ReshardSource {
+    /// The directory an earlier task of the run reports (its output's `dir`, else its `path`):
+    /// the upstream checkpoint, or the step's own fetch of an object-store prefix.
+    Task { task: String },
+    /// A local checkpoint directory, read in place.
+    Local { path: PathBuf },
+}
+
+/// What a `checkpoint.reshard` task reads and writes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReshardJob {
+    pub source: ReshardSource,
+    pub tp: u64,
+    pub cp: u64,
+    pub dp: u64,
+    pub ep: u64,
+    pub etp: u64,
+    /// `from-rank0` or `drop`.
+    pub rng: String,
+    /// The tokenizer's vocabulary size; `None`: the checkpoint's `args`, else the `config.json`
+    /// of `release_task`'s release.
+    #[serde(default)]
+    pub vocab_size: Option<u64>,
+    /// The source mesh (`tp=2,cp=1,…`); `None`: the checkpoint's `args`, else the mesh the
+    /// source task reports.
+    #[serde(default)]
+    pub from_mesh: Option<String>,
+    /// Megatron's vocab divisor when the checkpoint's `args` do not say (the upstream shard's).
+    #[serde(default)]
+    pub vocab_divisible_by: Option<u64>,
+    /// The download the checkpoint was sharded from, when the pipeline has one upstream.
+    #[serde(default)]
+    pub release_task: Option<String>,
+    /// Where the checkpoint is written; it is staged in `<out>.partial` and renamed.
+    pub out: PathBuf,
+    pub step_hash: String,
+    #[serde(default = "yes")]
+    pub cache: bool,
+}
+
+impl ReshardJob {
+    pub fn mesh_text(&self) -> String {
+        format!("tp={},cp={},dp={},ep={},etp={}", self.tp, self.cp, self.dp, self.ep, self.etp)
+    }
+}
+
+/// What a `checkpoint.export` task reads and writes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportJob {
+    /// The task whose output's `dir` is the checkpoint.
+    pub checkpoint_task: String,
+    /// The HF release to reproduce; `None`: the output `path` of `release_task`.
+    #[serde(default)]
+    pub like: Option<PathBuf>,
+    #[serde(default)]
+    pub release_task: Option<String>,
+    /// The expert-TP size the checkpoint was written with; `None`: its `args`, else the mesh its
+    /// task reports, else 1.
+    #[serde(default)]
+    pub etp: Option<u64>,
+    pub max_file_size: u64,
+    /// Prefix of model keys in the checkpoint.
+    pub prefix: String,
+    /// The HF directory written (staged beside it and renamed).
+    pub out: PathBuf,
+    pub step_hash: String,
+    #[serde(default = "yes")]
+    pub cache: bool,
 }
 
 /// The payload of every task: its role and what it needs to know.
@@ -109,6 +192,21 @@ pub enum Payload {
         job: ShardJob,
         plan_task: String,
     },
+    /// A `checkpoint.reshard`'s object-store source downloaded into a local cache directory, as
+    /// [`Payload::ObjectDownload`] downloads a release; its output's `path` is that directory.
+    CheckpointFetch {
+        url: String,
+        cache_dir: PathBuf,
+        step_hash: String,
+        #[serde(default = "yes")]
+        cache: bool,
+    },
+    Reshard {
+        job: ReshardJob,
+    },
+    Export {
+        job: ExportJob,
+    },
     /// The split was applied in the upstream shard plan; this task passes its output on.
     SplitPassThrough {
         checkpoint_task: String,
@@ -119,8 +217,12 @@ pub enum Payload {
         prefix: String,
     },
     Upload {
+        /// The checkpoint or export uploaded.
         checkpoint_task: String,
-        source_task: String,
+        /// The download whose source the manifest records; `None` (a reshard of a `path`): the
+        /// checkpoint task's own `source`.
+        #[serde(default)]
+        source_task: Option<String>,
         to: String,
         step_hash: String,
     },
@@ -181,12 +283,39 @@ fn shard_applies_split(p: &ResolvedPipeline, shard_id: &str) -> bool {
     has_split && !keep
 }
 
-/// The nearest upstream step (or the step itself) whose output is a checkpoint, as a terminal task.
-fn checkpoint_task_of(p: &ResolvedPipeline, id: &str) -> Option<String> {
+/// The nearest upstream step (or the step itself) whose output is a checkpoint (or, with
+/// `exports`, an exported HF directory), as a terminal task.
+fn checkpoint_task_of(p: &ResolvedPipeline, id: &str, exports: bool) -> Option<String> {
     let own = p.step(id).into_iter();
     let mut candidates: Vec<&ResolvedStep> = own.chain(p.upstream(id).into_iter().rev()).collect();
-    candidates.retain(|s| matches!(s.config, StepConfig::MegatronShard { .. } | StepConfig::MegatronSplitFused { .. }));
+    candidates.retain(|s| s.kind.writes_checkpoint() || (exports && s.kind == StepKind::CheckpointExport));
     candidates.first().map(|s| terminal_task(p, &s.id))
+}
+
+/// The nearest upstream checkpoint of a step, not the step itself.
+fn upstream_checkpoint_of(p: &ResolvedPipeline, id: &str) -> Option<String> {
+    p.upstream(id).into_iter().rev().find(|s| s.kind.writes_checkpoint()).map(|s| terminal_task(p, &s.id))
+}
+
+/// The nearest upstream shard step's config value `pick` reads.
+fn upstream_shard<T>(p: &ResolvedPipeline, id: &str, pick: impl Fn(&StepConfig) -> Option<T>) -> Option<T> {
+    p.upstream(id).iter().rev().find_map(|s| pick(&s.config))
+}
+
+fn shard_prefix(p: &ResolvedPipeline, id: &str) -> String {
+    upstream_shard(p, id, |c| match c {
+        StepConfig::MegatronShard { prefix, .. } => Some(prefix.clone()),
+        _ => None,
+    })
+    .unwrap_or_else(|| "model.module.".into())
+}
+
+fn local(path: &Path, base_dir: &Path) -> PathBuf {
+    if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        base_dir.join(path)
+    }
 }
 
 /// The `hf.download` task a step reads its source from.
@@ -208,7 +337,7 @@ pub fn tasks_for(p: &ResolvedPipeline, run_dir: &Path, base_dir: &Path) -> Resul
         let missing = |what: &str| format!("step `{}` has no upstream {what}", step.id);
         match &step.config {
             StepConfig::HfDownload { source: DownloadSource::Local { path } } => {
-                let path = if path.is_absolute() { path.clone() } else { base_dir.join(path) };
+                let path = local(path, base_dir);
                 tasks.push(base(step, step.id.clone(), kinds::DOWNLOAD, needs, Payload::Download { path, step_hash }));
             }
             StepConfig::HfDownload { source: DownloadSource::Hub { repo, revision, allow, ignore, endpoint } } => {
@@ -293,18 +422,74 @@ pub fn tasks_for(p: &ResolvedPipeline, run_dir: &Path, base_dir: &Path) -> Resul
                     ));
                 }
             }
+            StepConfig::CheckpointReshard { source, tp, cp, dp, ep, etp, rng, vocab_size, from_mesh } => {
+                let mut needs = needs;
+                let (source, release_task, vocab_divisible_by) = match source {
+                    Some(CheckpointSource::Local { path }) => {
+                        (ReshardSource::Local { path: local(path, base_dir) }, None, None)
+                    }
+                    Some(CheckpointSource::ObjectStore { url }) => {
+                        let fetch = format!("{}/fetch", step.id);
+                        let payload = Payload::CheckpointFetch {
+                            url: url.clone(),
+                            cache_dir: object_cache_dir(run_dir),
+                            step_hash: step_hash.clone(),
+                            cache: step.cache,
+                        };
+                        tasks.push(base(step, fetch.clone(), kinds::RESHARD_FETCH, needs, payload));
+                        needs = vec![fetch.clone()];
+                        (ReshardSource::Task { task: fetch }, None, None)
+                    }
+                    None => {
+                        let task = upstream_checkpoint_of(p, &step.id).ok_or_else(|| missing("checkpoint"))?;
+                        let divisor = upstream_shard(p, &step.id, |c| match c {
+                            StepConfig::MegatronShard { vocab_divisible_by, .. } => Some(*vocab_divisible_by),
+                            _ => None,
+                        });
+                        (ReshardSource::Task { task }, source_task_of(p, &step.id), divisor)
+                    }
+                };
+                let job = ReshardJob {
+                    source,
+                    tp: *tp,
+                    cp: *cp,
+                    dp: *dp,
+                    ep: *ep,
+                    etp: *etp,
+                    rng: rng.as_str().to_string(),
+                    vocab_size: *vocab_size,
+                    from_mesh: from_mesh.clone(),
+                    vocab_divisible_by,
+                    release_task,
+                    out: run_dir.join(&step.id).join("checkpoint"),
+                    step_hash,
+                    cache: step.cache,
+                };
+                tasks.push(base(step, step.id.clone(), kinds::RESHARD, needs, Payload::Reshard { job }));
+            }
+            StepConfig::CheckpointExport { like, etp, max_file_size } => {
+                let checkpoint_task = upstream_checkpoint_of(p, &step.id).ok_or_else(|| missing("checkpoint"))?;
+                let release_task = source_task_of(p, &step.id);
+                if like.is_none() && release_task.is_none() {
+                    return Err(missing("hf.download (or `with.like`)"));
+                }
+                let job = ExportJob {
+                    checkpoint_task,
+                    like: like.as_deref().map(|l| local(l, base_dir)),
+                    release_task,
+                    etp: *etp,
+                    max_file_size: *max_file_size,
+                    prefix: shard_prefix(p, &step.id),
+                    out: run_dir.join(&step.id).join("hf"),
+                    step_hash,
+                    cache: step.cache,
+                };
+                tasks.push(base(step, step.id.clone(), kinds::EXPORT, needs, Payload::Export { job }));
+            }
             StepConfig::CheckpointValidate {} => {
-                let checkpoint_task = checkpoint_task_of(p, &step.id).ok_or_else(|| missing("checkpoint"))?;
+                let checkpoint_task = checkpoint_task_of(p, &step.id, false).ok_or_else(|| missing("checkpoint"))?;
                 let source_task = source_task_of(p, &step.id).ok_or_else(|| missing("hf.download"))?;
-                let prefix = p
-                    .upstream(&step.id)
-                    .iter()
-                    .rev()
-                    .find_map(|s| match &s.config {
-                        StepConfig::MegatronShard { prefix, .. } => Some(prefix.clone()),
-                        _ => None,
-                    })
-                    .unwrap_or_else(|| "model.module.".into());
+                let prefix = shard_prefix(p, &step.id);
                 tasks.push(base(
                     step,
                     step.id.clone(),
@@ -314,8 +499,8 @@ pub fn tasks_for(p: &ResolvedPipeline, run_dir: &Path, base_dir: &Path) -> Resul
                 ));
             }
             StepConfig::StoreUpload { to } => {
-                let checkpoint_task = checkpoint_task_of(p, &step.id).ok_or_else(|| missing("checkpoint"))?;
-                let source_task = source_task_of(p, &step.id).ok_or_else(|| missing("hf.download"))?;
+                let checkpoint_task = checkpoint_task_of(p, &step.id, true).ok_or_else(|| missing("checkpoint"))?;
+                let source_task = source_task_of(p, &step.id);
                 let to = resolve_destination(to, base_dir);
                 tasks.push(base(
                     step,
@@ -367,4 +552,79 @@ fn fan_out(tasks: &mut Vec<NewTask>, step: &ResolvedStep, name: &str, needs: Vec
         ));
     }
     tasks.push(base(step, format!("{name}/commit"), kinds::COMMIT, ranks, Payload::Commit { job, plan_task: plan }));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn graph(text: &str) -> Vec<NewTask> {
+        let (pipeline, diags) = shardline_spec::lint("p.yaml", text, &shardline_spec::LintContext::new());
+        assert!(diags.is_empty(), "{}", shardline_spec::render_all(&diags, text));
+        let run = pipeline.expect("pipeline").instantiate(&[], "r1").expect("instantiate");
+        tasks_for(&run, Path::new("/w/runs/r1"), Path::new("/base")).expect("tasks")
+    }
+
+    fn payload(tasks: &[NewTask], name: &str) -> (Vec<String>, Payload) {
+        let t = tasks.iter().find(|t| t.name == name).unwrap_or_else(|| panic!("no task `{name}`"));
+        (t.needs.clone(), serde_json::from_value(t.payload.clone()).expect("payload"))
+    }
+
+    #[test]
+    fn reshard_and_export_read_the_nearest_checkpoint_and_the_download() {
+        let tasks = graph(
+            "apiVersion: shardline/v1
+kind: Pipeline
+name: p
+steps:
+  - {id: download, uses: hf.download, with: {path: rel/model}}
+  - {id: shard, uses: megatron.shard, needs: [download], with: {tp: 1, dp: 2, vocab_divisible_by: 64}}
+  - {id: split, uses: megatron.split_fused, needs: [shard]}
+  - {id: reshard, uses: checkpoint.reshard, needs: [split], with: {tp: 2, dp: 1, rng: drop}}
+  - {id: export, uses: checkpoint.export, needs: [reshard], with: {max_file_size: 1GB}}
+  - {id: up, uses: store.upload, needs: [export], with: {to: /out}}
+",
+        );
+        let (needs, Payload::Reshard { job }) = payload(&tasks, "reshard") else { panic!("reshard payload") };
+        assert_eq!(needs, vec!["split".to_string()]);
+        assert_eq!(job.source, ReshardSource::Task { task: "split".into() });
+        assert_eq!((job.mesh_text().as_str(), job.rng.as_str()), ("tp=2,cp=1,dp=1,ep=1,etp=2", "drop"));
+        assert_eq!((job.release_task.as_deref(), job.vocab_divisible_by), (Some("download"), Some(64)));
+        assert_eq!(job.out, PathBuf::from("/w/runs/r1/reshard/checkpoint"));
+        let (_, Payload::Export { job }) = payload(&tasks, "export") else { panic!("export payload") };
+        assert_eq!((job.checkpoint_task.as_str(), job.release_task.as_deref()), ("reshard", Some("download")));
+        assert_eq!((job.like, job.max_file_size, job.prefix.as_str()), (None, 1_000_000_000, "model.module."));
+        let (_, Payload::Upload { checkpoint_task, source_task, .. }) = payload(&tasks, "up") else { panic!() };
+        assert_eq!((checkpoint_task.as_str(), source_task.as_deref()), ("export", Some("download")));
+    }
+
+    #[test]
+    fn a_reshard_of_an_object_store_prefix_fetches_it_first() {
+        let tasks = graph(
+            "apiVersion: shardline/v1
+kind: Pipeline
+name: p
+steps:
+  - {id: reshard, uses: checkpoint.reshard, with: {path: s3://b/ckpt, tp: 1, dp: 4}}
+  - {id: local, uses: checkpoint.reshard, needs: [reshard], with: {path: ckpt, tp: 2, dp: 2}}
+  - {id: up, uses: store.upload, needs: [local], with: {to: /out}}
+",
+        );
+        let names: Vec<&str> = tasks.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["reshard/fetch", "reshard", "local", "up"]);
+        let (_, Payload::CheckpointFetch { url, cache_dir, .. }) = payload(&tasks, "reshard/fetch") else { panic!() };
+        assert_eq!((url.as_str(), cache_dir), ("s3://b/ckpt", PathBuf::from("/w/cache/objects")));
+        let (needs, Payload::Reshard { job }) = payload(&tasks, "reshard") else { panic!() };
+        assert_eq!(
+            (needs, job.source),
+            (vec!["reshard/fetch".to_string()], ReshardSource::Task { task: "reshard/fetch".into() })
+        );
+        let (needs, Payload::Reshard { job }) = payload(&tasks, "local") else { panic!() };
+        assert_eq!(
+            (needs, job.source),
+            (vec!["reshard".to_string()], ReshardSource::Local { path: "/base/ckpt".into() })
+        );
+        let (_, Payload::Upload { checkpoint_task, source_task, .. }) = payload(&tasks, "up") else { panic!() };
+        assert_eq!((checkpoint_task.as_str(), source_task), ("local", None));
+    }
 }

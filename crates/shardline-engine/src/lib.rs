@@ -1,5 +1,6 @@
 //! Runs pipelines: workers lease the tasks of a run's graph (built and submitted by
-//! `shardline-control`) and execute them ([`worker`], [`steps`], [`hub`], [`objects`]); the
+//! `shardline-control`) and execute them ([`worker`], [`steps`], [`hub`], [`objects`],
+//! [`checkpoints`]); the
 //! reaper returns expired leases to the queue.
 //!
 //! **Owns:** what each task does and the worker loop (leases, heartbeats, logs, the step cache).
@@ -11,6 +12,7 @@
 //! the outputs its needs recorded, and sharding tasks rebuild the recorded plan from the run's
 //! inputs (checking its digest).
 
+pub mod checkpoints;
 pub mod hub;
 pub mod objects;
 pub mod steps;

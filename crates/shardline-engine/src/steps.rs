@@ -17,6 +17,7 @@ use shardline_formats::verify::{verify_checkpoint, VerifyError, VerifyOptions};
 use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
 use thiserror::Error;
 
+use crate::checkpoints;
 use crate::hub::{self, HubRequest, HubSettings};
 use crate::objects::{self, ObjectSourceSettings};
 use shardline_control::graph::{Payload, ShardJob};
@@ -244,6 +245,25 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
             let cache_root = ctx.objects.cache_dir.as_deref().unwrap_or(cache_dir);
             checked_release(TaskOutput::from_value(&objects::download(url, cache_root, ctx.objects, ctx)?), ctx)
         }
+        Payload::CheckpointFetch { url, cache_dir, .. } => {
+            let cache_root = ctx.objects.cache_dir.as_deref().unwrap_or(cache_dir);
+            let mut output = TaskOutput::from_value(&objects::download(url, cache_root, ctx.objects, ctx)?);
+            let dir = output.path.clone().unwrap_or_default();
+            let checkpoint = open_checkpoint(&dir).map_err(|e| {
+                StepError::fatal(format!("{url} is not a checkpoint (`.metadata` and rank files): {e}"))
+            })?;
+            (ctx.log)(format!(
+                "checkpoint ok: {} tensors, {} bytes items",
+                checkpoint.tensors.len(),
+                checkpoint.objects.len()
+            ));
+            if let Some(m) = output.source.as_mut().and_then(serde_json::Value::as_object_mut) {
+                m.insert("kind".into(), json!("checkpoint.reshard"));
+            }
+            Ok(output)
+        }
+        Payload::Reshard { job } => checkpoints::reshard(job, ctx),
+        Payload::Export { job } => checkpoints::export(job, ctx),
         Payload::Plan { job } => {
             let release = open_release(&ctx.source_path(&job.source_task)?)?;
             let plan = job_plan(job, &release)?;
@@ -383,8 +403,10 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
         Payload::Upload { checkpoint_task, source_task, to, .. } => {
             let dir = checkpoint_dir(ctx, checkpoint_task)?;
             let dest = to.as_str();
-            // A Hub download names its source (repository, commit); a local one is described by its output.
-            let source = ctx.output(source_task)?;
+            // A Hub download names its source (repository, commit); a local one is described by its
+            // output. Without a download upstream (a reshard of a `path`), the checkpoint's task
+            // names it.
+            let source = ctx.output(source_task.as_deref().unwrap_or(checkpoint_task))?;
             let source = source.source.clone().unwrap_or_else(|| source.to_value());
             let layout = ctx.output(checkpoint_task)?.to_value();
             // Object stores are reached through object_store, configured from the environment.

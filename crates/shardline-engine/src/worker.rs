@@ -19,6 +19,7 @@ use shardline_store::{
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
+use crate::checkpoints;
 use crate::hub::{self, HubRequest, HubSettings};
 use crate::objects::{self, ObjectSourceSettings};
 use crate::steps::{self, StepContext, StepError};
@@ -309,7 +310,9 @@ async fn check_cache(
             }
             CacheCheck::Hit(Box::new(hit))
         }
-        Payload::ObjectDownload { url, cache, .. } if step_cache(*cache).await => {
+        Payload::ObjectDownload { url, cache, .. } | Payload::CheckpointFetch { url, cache, .. }
+            if step_cache(*cache).await =>
+        {
             let listed = match objects::open(url, &config.objects) {
                 Ok(src) => objects::list(&src).await,
                 Err(e) => Err(e),
@@ -331,6 +334,47 @@ async fn check_cache(
             );
             hit.cached = Some(json!(true));
             CacheCheck::Hit(Box::new(hit))
+        }
+        Payload::Reshard { job } => {
+            let digest = checkpoints::reshard_source_dir(job, outputs).and_then(|d| checkpoints::dir_digest(&d));
+            let key = match digest {
+                Ok(d) => checkpoints::reshard_cache_key(job, &d),
+                Err(e) => return not_consulted(log, e),
+            };
+            if step_cache(job.cache).await {
+                if let Some(mut hit) = cached(store, &key, steps::cached_checkpoint_usable).await {
+                    log(
+                        LogStream::System,
+                        format!("cache hit {key}: already resharded in {}", path_text(&hit.dir).unwrap_or_default()),
+                    );
+                    hit.cached = Some(json!(true));
+                    return CacheCheck::Hit(Box::new(hit));
+                }
+            }
+            CacheCheck::Miss { key: Some(key) }
+        }
+        Payload::Export { job } => {
+            let checkpoint = outputs.get(&job.checkpoint_task).and_then(|o| o.dir.clone());
+            let digests = checkpoints::export_like(job, outputs).and_then(|like| {
+                let checkpoint =
+                    checkpoint.ok_or_else(|| StepError::fatal("the checkpoint's task reports no directory"))?;
+                Ok((checkpoints::dir_digest(&checkpoint)?, checkpoints::dir_digest(&like)?))
+            });
+            let key = match digests {
+                Ok((c, l)) => checkpoints::export_cache_key(job, &c, &l),
+                Err(e) => return not_consulted(log, e),
+            };
+            if step_cache(job.cache).await {
+                if let Some(mut hit) = cached(store, &key, checkpoints::cached_export_usable).await {
+                    log(
+                        LogStream::System,
+                        format!("cache hit {key}: already exported in {}", path_text(&hit.dir).unwrap_or_default()),
+                    );
+                    hit.cached = Some(json!(true));
+                    return CacheCheck::Hit(Box::new(hit));
+                }
+            }
+            CacheCheck::Miss { key: Some(key) }
         }
         _ => miss,
     }
@@ -468,9 +512,11 @@ async fn report(store: &Store, lease: &Lease, logs: &mut LogBuffer, outcome: Out
 /// plan task's key.
 async fn remember(store: &Store, payload: &Payload, outputs: &BTreeMap<String, TaskOutput>, output: &TaskOutput) {
     let key = match payload {
-        Payload::HubDownload { cache: true, .. } | Payload::ObjectDownload { cache: true, .. } => {
-            output.cache_key.as_deref()
-        }
+        Payload::HubDownload { cache: true, .. }
+        | Payload::ObjectDownload { cache: true, .. }
+        | Payload::CheckpointFetch { cache: true, .. } => output.cache_key.as_deref(),
+        Payload::Reshard { job } if job.cache => output.cache_key.as_deref(),
+        Payload::Export { job } if job.cache => output.cache_key.as_deref(),
         Payload::Commit { plan_task, job } if job.cache && output.dir.is_some() => {
             outputs.get(plan_task).and_then(|o| o.cache_key.as_deref())
         }

@@ -63,13 +63,14 @@ pub enum Kind {
     /// Qwen3-VL-MoE's experts `gate_up_proj [E, H, 2F]` → per expert `_w` = columns `[0, F)`
     /// transposed, `_v` = columns `[F, 2F)` transposed (contiguous halves, not interleaved).
     TransposedGatedExperts,
-    /// A vision MLP's `linear_fc1` (weight or bias) split in row halves `_w`, `_v`, replicated:
-    /// the fsdp_dtensor format splits every `.mlp.linear_fc1` by key (archs-2025.md §3.5).
-    SplitHalves,
+    /// A vision tower's fused `qkv` (weight `[3·Hv, Hv]` or bias `[3·Hv]`, HF's `[q; k; v]`, one
+    /// key/value head per query head) → per head `[q_h; k_h; v_h]`, column-parallel; heads and
+    /// `Hv` from `vision_config` (Megatron-Bridge `ConcatenatedQKVMapping`).
+    VisionQkv,
 }
 
 /// One line of a mapping table.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rule {
     /// Megatron parameter name (without the checkpoint prefix).
     pub megatron: &'static str,
@@ -454,6 +455,136 @@ const MTP_HEAD: &[Rule] = &[
     rule("mtp.layers.0.final_layernorm.weight", Copy(Replicated), &["mtp.norm.weight"]),
 ];
 
+/// The Megatron ViT Megatron-Bridge builds for Qwen3-VL and Qwen3.5 (NVIDIA-NeMo/Megatron-Bridge
+/// 067f987d): blocks, merger, patch and position embeddings. Qwen3.5: qwen35_vl_bridge.py
+/// `_get_vision_mappings` L71-142, used by both `Qwen35VLMoEBridge` L231-281 and `Qwen35VLBridge`
+/// L350-367, the ViT from qwen35_vl_provider.py `_qwen35_build_vision_encoder_spec` L587-612.
+/// Qwen3-VL: qwen3_vl_bridge.py `Qwen3VLMoEBridge.mapping_registry` L284-399 (the same vision
+/// lines L320-345 and L379-395, which `Qwen3VLBridge` L111-198 repeats), the ViT from
+/// modelling_qwen3_vl/model.py L347-370 (Megatron-Bridge 0.3.1 embedded transformers' HF module
+/// instead, archs-2025.md §3.5; main no longer does). Either way the TE ViT layer spec and a
+/// `TENorm` / `TEColumnParallelLinear` / `TERowParallelLinear` merger, so the tower is TP-split
+/// like a decoder: AutoMapping's module classes (param_mapping.py L1399-1520) make `linear_qkv`
+/// and `linear_fc1` column, `linear_proj` and `linear_fc2` row (their 1-D biases replicated,
+/// `RowParallelMapping` L1111-1269), norms replicated; patch and position embeddings are
+/// `ReplicatedMapping`s. `{L}` is a vision block (`vision_config.depth`). The release tensors are
+/// transformers 5.24's `Qwen3_5MoeVisionModel` (modeling_qwen3_5_moe.py L1051-1262; the dense
+/// `Qwen3_5VisionModel`, modeling_qwen3_5.py L941-1150, has the same) or `Qwen3VLMoeVisionModel`.
+/// The MLP is GELU (`gated_linear_unit = False`, modelling_qwen3_vl/transformer_config.py L114),
+/// and Megatron-Core as Megatron-Bridge pins it (NVIDIA/Megatron-LM 2a75ac12,
+/// transformer/fsdp_dtensor_checkpoint.py `handle_swiglu_in_state_dict` L194-388) splits
+/// `linear_fc1` only in `TransformerLayer`s with `gated_linear_unit`: the vision fc1 stays whole
+/// on disk (Megatron-Core 0.16.1 split it by key alone, hence 0.3.1's `_w`/`_v`, archs-2025.md §3.5).
+const MEGATRON_VIT: &[Rule] = &[
+    rule("vision_model.patch_embed.proj.weight", Copy(Replicated), &["model.visual.patch_embed.proj.weight"]),
+    rule("vision_model.patch_embed.proj.bias", Copy(Replicated), &["model.visual.patch_embed.proj.bias"]),
+    rule("vision_model.pos_embed.weight", Copy(Replicated), &["model.visual.pos_embed.weight"]),
+    rule(
+        "vision_model.decoder.layers.{L}.self_attention.linear_qkv.layer_norm_weight",
+        Copy(Replicated),
+        &["model.visual.blocks.{L}.norm1.weight"],
+    ),
+    rule(
+        "vision_model.decoder.layers.{L}.self_attention.linear_qkv.layer_norm_bias",
+        Copy(Replicated),
+        &["model.visual.blocks.{L}.norm1.bias"],
+    ),
+    rule(
+        "vision_model.decoder.layers.{L}.self_attention.linear_qkv.weight",
+        VisionQkv,
+        &["model.visual.blocks.{L}.attn.qkv.weight"],
+    ),
+    rule(
+        "vision_model.decoder.layers.{L}.self_attention.linear_qkv.bias",
+        VisionQkv,
+        &["model.visual.blocks.{L}.attn.qkv.bias"],
+    ),
+    rule(
+        "vision_model.decoder.layers.{L}.self_attention.linear_proj.weight",
+        Copy(Row),
+        &["model.visual.blocks.{L}.attn.proj.weight"],
+    ),
+    rule(
+        "vision_model.decoder.layers.{L}.self_attention.linear_proj.bias",
+        Copy(Replicated),
+        &["model.visual.blocks.{L}.attn.proj.bias"],
+    ),
+    rule(
+        "vision_model.decoder.layers.{L}.mlp.linear_fc1.layer_norm_weight",
+        Copy(Replicated),
+        &["model.visual.blocks.{L}.norm2.weight"],
+    ),
+    rule(
+        "vision_model.decoder.layers.{L}.mlp.linear_fc1.layer_norm_bias",
+        Copy(Replicated),
+        &["model.visual.blocks.{L}.norm2.bias"],
+    ),
+    rule(
+        "vision_model.decoder.layers.{L}.mlp.linear_fc1.weight",
+        Copy(Column),
+        &["model.visual.blocks.{L}.mlp.linear_fc1.weight"],
+    ),
+    rule(
+        "vision_model.decoder.layers.{L}.mlp.linear_fc1.bias",
+        Copy(Column),
+        &["model.visual.blocks.{L}.mlp.linear_fc1.bias"],
+    ),
+    rule(
+        "vision_model.decoder.layers.{L}.mlp.linear_fc2.weight",
+        Copy(Row),
+        &["model.visual.blocks.{L}.mlp.linear_fc2.weight"],
+    ),
+    rule(
+        "vision_model.decoder.layers.{L}.mlp.linear_fc2.bias",
+        Copy(Replicated),
+        &["model.visual.blocks.{L}.mlp.linear_fc2.bias"],
+    ),
+    rule("vision_model.merger.patch_norm.weight", Copy(Replicated), &["model.visual.merger.norm.weight"]),
+    rule("vision_model.merger.patch_norm.bias", Copy(Replicated), &["model.visual.merger.norm.bias"]),
+    rule("vision_model.merger.linear_fc1.weight", Copy(Column), &["model.visual.merger.linear_fc1.weight"]),
+    rule("vision_model.merger.linear_fc1.bias", Copy(Column), &["model.visual.merger.linear_fc1.bias"]),
+    rule("vision_model.merger.linear_fc2.weight", Copy(Row), &["model.visual.merger.linear_fc2.weight"]),
+    rule("vision_model.merger.linear_fc2.bias", Copy(Replicated), &["model.visual.merger.linear_fc2.bias"]),
+];
+
+/// Qwen3-VL's deepstack mergers (Megatron-Bridge 067f987d, qwen3_vl_bridge.py L333-339): one
+/// per `vision_config.deepstack_visual_indexes` entry, under the ViT's `decoder.`
+/// (modelling_qwen3_vl/transformer_block.py L89-100), built like the final merger
+/// (`Qwen3VLVisionPatchMerger`, modelling_qwen3_vl/utils.py L112-180, its norm over the
+/// spatially merged width) and TP-split as it is. `{L}` is a merger, fewer than the blocks.
+const DEEPSTACK_MERGERS: &[Rule] = &[
+    rule(
+        "vision_model.decoder.deepstack_merger_list.{L}.patch_norm.weight",
+        Copy(Replicated),
+        &["model.visual.deepstack_merger_list.{L}.norm.weight"],
+    ),
+    rule(
+        "vision_model.decoder.deepstack_merger_list.{L}.patch_norm.bias",
+        Copy(Replicated),
+        &["model.visual.deepstack_merger_list.{L}.norm.bias"],
+    ),
+    rule(
+        "vision_model.decoder.deepstack_merger_list.{L}.linear_fc1.weight",
+        Copy(Column),
+        &["model.visual.deepstack_merger_list.{L}.linear_fc1.weight"],
+    ),
+    rule(
+        "vision_model.decoder.deepstack_merger_list.{L}.linear_fc1.bias",
+        Copy(Column),
+        &["model.visual.deepstack_merger_list.{L}.linear_fc1.bias"],
+    ),
+    rule(
+        "vision_model.decoder.deepstack_merger_list.{L}.linear_fc2.weight",
+        Copy(Row),
+        &["model.visual.deepstack_merger_list.{L}.linear_fc2.weight"],
+    ),
+    rule(
+        "vision_model.decoder.deepstack_merger_list.{L}.linear_fc2.bias",
+        Copy(Replicated),
+        &["model.visual.deepstack_merger_list.{L}.linear_fc2.bias"],
+    ),
+];
+
 /// Where a release keeps its multi-token-prediction layers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MtpStyle {
@@ -517,8 +648,9 @@ pub fn has_gated_attention(family: Family) -> bool {
     matches!(family, Family::Qwen3Next | Family::Qwen35)
 }
 
-/// Where a family's language-model keys live in Megatron, before the table's names (Qwen3-VL's
-/// model wraps its decoder as `language_model`).
+/// Where a family's language-model keys live in Megatron, before the table's names, when the
+/// release holds no vision tower (Qwen3-VL's model wraps its decoder as `language_model` always;
+/// with a tower, [`VisionTower::language_prefix`] says).
 pub fn megatron_prefix(family: Family) -> &'static str {
     match family {
         Family::Qwen3VlMoe => "language_model.",
@@ -526,20 +658,34 @@ pub fn megatron_prefix(family: Family) -> &'static str {
     }
 }
 
-/// A family whose vision tower converts: every release tensor under the first prefix becomes the
-/// Megatron parameter of the same name under the second, replicated (Megatron embeds the HF
-/// vision model as it is), `blocks.{j}.mlp.linear_fc1.{weight,bias}` split in halves.
-pub fn vision_tower(family: Family) -> Option<(&'static str, &'static str)> {
-    match family {
-        Family::Qwen3VlMoe => Some(("model.visual.", "vision_model.")),
-        _ => None,
-    }
+/// A family's vision tower: Megatron's own ViT, mapped by the rules of `tables` (full names,
+/// `{L}` a vision block or merger). It converts when the release holds a tensor under
+/// `hf_prefix`; the language model then lives under `language_prefix`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VisionTower {
+    pub hf_prefix: &'static str,
+    pub megatron_prefix: &'static str,
+    pub language_prefix: &'static str,
+    pub tables: &'static [&'static [Rule]],
 }
 
-/// Whether a vision tensor (name after the vision prefix) is an MLP's fc1, split in halves.
-pub fn is_vision_fc1(rest: &str) -> bool {
-    let parts: Vec<&str> = rest.split('.').collect();
-    matches!(parts.as_slice(), ["blocks", j, "mlp", "linear_fc1", "weight" | "bias"] if j.bytes().all(|b| b.is_ascii_digit()))
+/// The vision tower of a family whose releases may hold one.
+pub fn vision_tower(family: Family) -> Option<VisionTower> {
+    let tower = |tables| VisionTower {
+        hf_prefix: "model.visual.",
+        megatron_prefix: "vision_model.",
+        language_prefix: "language_model.",
+        tables,
+    };
+    match family {
+        // Megatron-Bridge 067f987d, qwen3_vl_bridge.py L301-345: the language model under
+        // `language_model.`, the vision tower (with its deepstack mergers) under `vision_model.`.
+        Family::Qwen3VlMoe => Some(tower(&[MEGATRON_VIT, DEEPSTACK_MERGERS])),
+        // Megatron-Bridge 067f987d, qwen35_vl_bridge.py L270-280 and L362-366: the language model
+        // under `language_model.` (MTP layers included), the vision tower under `vision_model.`.
+        Family::Qwen35 => Some(tower(&[MEGATRON_VIT])),
+        _ => None,
+    }
 }
 
 /// Prefixes of release tensors that are knowingly not converted (reported by name, never dropped
@@ -575,6 +721,7 @@ pub struct TableLine {
 /// The mapping table of `family`, line by line, in table order.
 pub fn describe(family: Family) -> Vec<TableLine> {
     let (tables, _) = tables(family);
+    let tower: &[&[Rule]] = vision_tower(family).map_or(&[], |t| t.tables);
     let tp = |m: TpMode| match m {
         Column => "column",
         Row => "row",
@@ -582,6 +729,7 @@ pub fn describe(family: Family) -> Vec<TableLine> {
     };
     tables
         .iter()
+        .chain(tower)
         .flat_map(|t| t.iter())
         .map(|r| {
             let (kind, split, transform) = match r.kind {
@@ -616,7 +764,7 @@ pub fn describe(family: Family) -> Vec<TableLine> {
                 TransposedGatedExperts => {
                     ("packed", "column", "transposed; columns [0, F) → _w, [F, 2F) → _v".to_string())
                 }
-                SplitHalves => ("split", "replicated", "row halves → _w, _v".to_string()),
+                VisionQkv => ("qkv", "column", "fused [q; k; v] → per head [q_h; k_h; v_h]".to_string()),
             };
             let transform = match r.dtype.or(output_dtype(family)) {
                 Some(d) if r.kind != NotConverted => {

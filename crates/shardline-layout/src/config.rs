@@ -22,7 +22,9 @@ pub enum Family {
     Mixtral,
     /// `qwen3_next`: GDN (fused `in_proj_qkvz`/`in_proj_ba`) + gated attention + experts + shared expert.
     Qwen3Next,
-    /// `qwen3_5_text` / `qwen3_5_moe_text`: GDN with split projections + gated attention.
+    /// `qwen3_5_text` / `qwen3_5_moe_text`: GDN with split projections + gated attention;
+    /// `qwen3_5` / `qwen3_5_moe` releases with a vision tower (`model.visual.*`) convert it as a
+    /// Megatron ViT under `vision_model.`, the language model then under `language_model.`.
     Qwen35,
     /// `deepseek_v3`, `kimi_k2`: multi-head latent attention, dense first layers, routed and
     /// shared experts with a score-correction bias, MTP layers after the decoder.
@@ -31,7 +33,8 @@ pub enum Family {
     /// routed and shared experts with a score-correction bias, MTP layers after the decoder.
     Glm4Moe,
     /// `qwen3_vl_moe`: Qwen3 MoE attention and packed experts stored `[E, in, out]`, under
-    /// `language_model.`, and the vision tower under `vision_model.`.
+    /// `language_model.`, and the vision tower (deepstack mergers included) as a Megatron ViT
+    /// under `vision_model.`.
     Qwen3VlMoe,
     /// `gpt_oss`: GQA with biases and attention sinks, a biased router, packed experts with
     /// biases whose fc1 interleaves gate and up rows and stays fused on disk (MXFP4 in releases).
@@ -102,6 +105,15 @@ impl GdnDims {
     }
 }
 
+/// A vision tower's dimensions (`vision_config`), for towers Megatron builds as its own ViT.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VisionDims {
+    /// Transformer blocks (`depth`).
+    pub depth: u64,
+    pub num_heads: u64,
+    pub hidden_size: u64,
+}
+
 /// What the planner reads from `config.json`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelConfig {
@@ -125,6 +137,8 @@ pub struct ModelConfig {
     pub gdn: Option<GdnDims>,
     /// Whether release tensors live under `model.language_model.` (multimodal Qwen3.5 releases).
     pub language_model_prefix: bool,
+    /// `vision_config`'s dimensions, when it gives them all.
+    pub vision: Option<VisionDims>,
     pub mla: Option<MlaDims>,
     /// MTP layers stored after the decoder (`num_nextn_predict_layers`).
     pub mtp_layers: u64,
@@ -143,6 +157,24 @@ fn get_u64(obj: &Value, key: &str) -> Result<Option<u64>, LayoutError> {
 
 fn need_u64(obj: &Value, key: &str) -> Result<u64, LayoutError> {
     get_u64(obj, key)?.ok_or_else(|| LayoutError::Config { field: key.to_string(), message: "missing".to_string() })
+}
+
+/// Reads `vision_config`: `None` without one or when it lacks a dimension; a dimension that is
+/// not a non-negative integer is an error.
+fn vision(v: Option<&Value>) -> Result<Option<VisionDims>, LayoutError> {
+    let Some(v @ Value::Object(_)) = v else { return Ok(None) };
+    let dim = |key: &str| {
+        get_u64(v, key).map_err(|e| match e {
+            LayoutError::Config { field, message } => {
+                LayoutError::Config { field: format!("vision_config.{field}"), message }
+            }
+            other => other,
+        })
+    };
+    Ok(match (dim("depth")?, dim("num_heads")?, dim("hidden_size")?) {
+        (Some(depth), Some(num_heads), Some(hidden_size)) => Some(VisionDims { depth, num_heads, hidden_size }),
+        _ => None,
+    })
 }
 
 /// Reads `quantization_config`: its `quant_method`, and for FP8 the block size.
@@ -283,6 +315,7 @@ impl ModelConfig {
             num_experts,
             gdn,
             language_model_prefix,
+            vision: vision(root.get("vision_config"))?,
             mla,
             mtp_layers: match family {
                 Family::DeepseekV3 | Family::Glm4Moe => get_u64(obj, "num_nextn_predict_layers")?.unwrap_or(0),
@@ -337,6 +370,23 @@ mod tests {
         assert_eq!(c.family, Family::Qwen35);
         assert!(c.language_model_prefix);
         assert_eq!(c.gdn.as_ref().unwrap().qk(), 32);
+        assert_eq!(c.vision, None);
+    }
+
+    #[test]
+    fn reads_the_vision_towers_dims() {
+        let text = r#""text_config":{"hidden_size":64,"num_attention_heads":8,"num_hidden_layers":2,"vocab_size":256,
+            "linear_num_key_heads":2,"linear_num_value_heads":4,"linear_key_head_dim":16,"linear_value_head_dim":16,
+            "linear_conv_kernel_dim":4}"#;
+        let c = ModelConfig::from_json(&format!(
+            r#"{{"model_type":"qwen3_5",{text},"vision_config":{{"depth":3,"num_heads":4,"hidden_size":32}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.vision, Some(VisionDims { depth: 3, num_heads: 4, hidden_size: 32 }));
+        let err =
+            ModelConfig::from_json(&format!(r#"{{"model_type":"qwen3_5",{text},"vision_config":{{"depth":"3"}}}}"#))
+                .unwrap_err();
+        assert!(err.to_string().contains("vision_config.depth"), "{err}");
     }
 
     #[test]

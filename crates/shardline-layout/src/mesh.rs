@@ -71,6 +71,42 @@ impl Mesh {
         }
         errors
     }
+
+    /// Parses a mesh written as assignments, `tp=2,dp=4,ep=2,etp=1` (the form of `reshard
+    /// --from-mesh` and of a pipeline's `from_mesh`): `tp`, `cp`, `dp`, `ep` default to 1, `etp`
+    /// to `tp`. The mesh is not checked ([`Mesh::check`]).
+    pub fn parse_assignments(s: &str) -> Result<Mesh, String> {
+        let mut m = Mesh { tp: 1, cp: 1, dp: 1, ep: 1, etp: 0 };
+        let mut etp = None;
+        let mut seen: Vec<&str> = Vec::new();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (k, v) = part.split_once('=').ok_or_else(|| format!("`{part}` is not name=value"))?;
+            let k = k.trim();
+            let v: u64 = v.trim().parse().map_err(|_| format!("`{part}`: `{}` is not a whole number", v.trim()))?;
+            if seen.contains(&k) {
+                return Err(format!("`{k}` is given twice"));
+            }
+            match k {
+                "tp" => m.tp = v,
+                "cp" => m.cp = v,
+                "dp" => m.dp = v,
+                "ep" => m.ep = v,
+                "etp" => etp = Some(v),
+                other => return Err(format!("unknown dimension `{other}` (tp, cp, dp, ep, etp)")),
+            }
+            seen.push(k);
+        }
+        if seen.is_empty() {
+            return Err("no dimension given (e.g. `tp=2,dp=4`)".to_string());
+        }
+        m.etp = etp.unwrap_or(m.tp);
+        Ok(m)
+    }
+
+    /// The assignments form [`Mesh::parse_assignments`] reads, every dimension written.
+    pub fn assignments(&self) -> String {
+        format!("tp={},cp={},dp={},ep={},etp={}", self.tp, self.cp, self.dp, self.ep, self.etp)
+    }
 }
 
 impl fmt::Display for Mesh {
@@ -82,6 +118,19 @@ impl fmt::Display for Mesh {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parses_assignments_with_defaults() {
+        assert_eq!(Mesh::parse_assignments("tp=2,dp=4"), Ok(Mesh { tp: 2, cp: 1, dp: 4, ep: 1, etp: 2 }));
+        assert_eq!(Mesh::parse_assignments("tp=2, dp=4, ep=2, etp=1"), Ok(Mesh { tp: 2, cp: 1, dp: 4, ep: 2, etp: 1 }));
+        let m = Mesh { tp: 2, cp: 2, dp: 3, ep: 1, etp: 1 };
+        assert_eq!(Mesh::parse_assignments(&m.assignments()), Ok(m));
+        assert!(Mesh::parse_assignments("tp=2,pp=2").unwrap_err().contains("unknown dimension `pp`"));
+        assert!(Mesh::parse_assignments("tp").unwrap_err().contains("name=value"));
+        assert!(Mesh::parse_assignments("tp=x").unwrap_err().contains("whole number"));
+        assert!(Mesh::parse_assignments("tp=1,tp=2").unwrap_err().contains("twice"));
+        assert!(Mesh::parse_assignments("").is_err());
+    }
 
     #[test]
     fn rank_arithmetic() {

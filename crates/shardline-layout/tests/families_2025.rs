@@ -363,19 +363,16 @@ fn gpt_oss_keeps_fc1_fused_in_the_expert_tp_layout_and_dequantizes_mxfp4() {
 fn qwen3_vl_moe_converts_its_vision_tower_and_transposes_its_experts() {
     let config = r#"{"model_type":"qwen3_vl_moe","tie_word_embeddings":false,"text_config":{"model_type":"qwen3_vl_moe_text",
         "hidden_size":16,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":4,"num_hidden_layers":1,
-        "vocab_size":32,"num_experts":2,"moe_intermediate_size":6}}"#;
+        "vocab_size":32,"num_experts":2,"moe_intermediate_size":6},
+        "vision_config":{"depth":2,"hidden_size":8,"num_heads":2,"intermediate_size":12,"deepstack_visual_indexes":[0]}}"#;
     let b = DType::BF16;
     let lm = "model.language_model.";
     let mut s = vec![
         src(&format!("{lm}embed_tokens.weight"), b, &[32, 16]),
         src("lm_head.weight", b, &[32, 16]),
         src(&format!("{lm}norm.weight"), b, &[16]),
-        src("model.visual.patch_embed.proj.weight", b, &[8, 3, 2, 4, 4]),
-        src("model.visual.blocks.0.attn.qkv.weight", b, &[24, 8]),
-        src("model.visual.blocks.0.mlp.linear_fc1.weight", b, &[16, 8]),
-        src("model.visual.blocks.0.mlp.linear_fc1.bias", b, &[16]),
-        src("model.visual.merger.linear_fc1.weight", b, &[32, 32]),
     ];
+    s.extend(vit_sources(1));
     for (n, shape) in [
         ("input_layernorm.weight", vec![16]),
         ("post_attention_layernorm.weight", vec![16]),
@@ -393,12 +390,37 @@ fn qwen3_vl_moe_converts_its_vision_tower_and_transposes_its_experts() {
     }
     let p = plan(config, s, Mesh { tp: 2, cp: 1, dp: 2, ep: 2, etp: 2 }).expect("plan");
     assert!(p.unconverted.is_empty(), "{:?}", p.unconverted);
-    // The vision tower: replicated copies, the block MLP's fc1 in halves (the merger's stays whole).
-    assert_eq!(tensor(&p, "vision_model.blocks.0.attn.qkv.weight").tp_mode, TpMode::Replicated);
-    assert_eq!(tensor(&p, "vision_model.blocks.0.mlp.linear_fc1.weight_v").shape, vec![8, 8]);
-    assert_eq!(tensor(&p, "vision_model.blocks.0.mlp.linear_fc1.bias_w").shape, vec![8]);
-    tensor(&p, "vision_model.merger.linear_fc1.weight");
-    tensor(&p, "vision_model.patch_embed.proj.weight");
+    // The vision tower: Megatron's ViT as Megatron-Bridge main maps it (Qwen3.5's), TP-split,
+    // the GELU fc1 whole; the deepstack merger under the ViT's `decoder.`, split as the merger.
+    for (key, mode, shape) in [
+        ("decoder.layers.1.self_attention.linear_qkv.weight", TpMode::Column, vec![24, 8]),
+        ("decoder.layers.0.self_attention.linear_qkv.layer_norm_bias", TpMode::Replicated, vec![8]),
+        ("decoder.layers.0.self_attention.linear_proj.weight", TpMode::Row, vec![8, 8]),
+        ("decoder.layers.1.mlp.linear_fc1.weight", TpMode::Column, vec![12, 8]),
+        ("decoder.layers.1.mlp.linear_fc1.layer_norm_weight", TpMode::Replicated, vec![8]),
+        ("decoder.layers.0.mlp.linear_fc2.bias", TpMode::Replicated, vec![8]),
+        ("merger.patch_norm.weight", TpMode::Replicated, vec![8]),
+        ("merger.linear_fc1.weight", TpMode::Column, vec![32, 32]),
+        ("patch_embed.proj.weight", TpMode::Replicated, vec![8, 3, 2, 2, 2]),
+        ("decoder.deepstack_merger_list.0.patch_norm.weight", TpMode::Replicated, vec![32]),
+        ("decoder.deepstack_merger_list.0.patch_norm.bias", TpMode::Replicated, vec![32]),
+        ("decoder.deepstack_merger_list.0.linear_fc1.weight", TpMode::Column, vec![32, 32]),
+        ("decoder.deepstack_merger_list.0.linear_fc1.bias", TpMode::Column, vec![32]),
+        ("decoder.deepstack_merger_list.0.linear_fc2.weight", TpMode::Row, vec![16, 32]),
+        ("decoder.deepstack_merger_list.0.linear_fc2.bias", TpMode::Replicated, vec![16]),
+    ] {
+        let t = tensor(&p, &format!("vision_model.{key}"));
+        assert_eq!((t.tp_mode, &t.shape), (mode, &shape), "{key}");
+    }
+    assert!(!p
+        .tensors
+        .iter()
+        .any(|t| t.key.contains("vision_model") && (t.key.ends_with("_w") || t.key.ends_with("_v"))));
+    assert!(!p.tensors.iter().any(|t| t.key.contains("vision_model.blocks.")));
+    // qkv: HF [q; k; v] (8 rows each) → per head [q_h; k_h; v_h] (4 rows each).
+    let qkv = tensor(&p, "vision_model.decoder.layers.0.self_attention.linear_qkv.bias");
+    let starts: Vec<u64> = qkv.recipe.iter().map(|b| b.source.unwrap().1).collect();
+    assert_eq!(starts, vec![0, 8, 16, 4, 12, 20]);
     // The language model under `language_model.`; experts' halves are contiguous transposed columns.
     tensor(&p, "language_model.embedding.word_embeddings.weight");
     let w = tensor(&p, "language_model.decoder.layers.0.mlp.experts.linear_fc1.weight1_v");
@@ -406,4 +428,231 @@ fn qwen3_vl_moe_converts_its_vision_tower_and_transposes_its_experts() {
     let id = w.recipe[0].source.unwrap().0;
     assert_eq!(w.recipe, vec![RowBlock::transposed(id, 16 * 12 + 6, 6, 12, 1)]);
     assert_eq!(tensor(&p, "language_model.decoder.layers.0.mlp.experts.linear_fc2.weight0").shape, vec![16, 6]);
+}
+
+/// A Megatron-ViT release tower (`model.visual.*`): two blocks of `HV` = 8 (2 heads of 4 when
+/// `vision_config` says so), a merger to width 16, and `deepstack` deepstack mergers (Qwen3-VL).
+fn vit_sources(deepstack: usize) -> Vec<SourceTensor> {
+    let b = DType::BF16;
+    let mut s = vec![
+        src("model.visual.patch_embed.proj.weight", b, &[8, 3, 2, 2, 2]),
+        src("model.visual.patch_embed.proj.bias", b, &[8]),
+        src("model.visual.pos_embed.weight", b, &[16, 8]),
+    ];
+    for j in 0..2 {
+        let v = format!("model.visual.blocks.{j}.");
+        for (n, shape) in [
+            ("norm1.weight", vec![8]),
+            ("norm1.bias", vec![8]),
+            ("norm2.weight", vec![8]),
+            ("norm2.bias", vec![8]),
+            ("attn.qkv.weight", vec![24, 8]),
+            ("attn.qkv.bias", vec![24]),
+            ("attn.proj.weight", vec![8, 8]),
+            ("attn.proj.bias", vec![8]),
+            ("mlp.linear_fc1.weight", vec![12, 8]),
+            ("mlp.linear_fc1.bias", vec![12]),
+            ("mlp.linear_fc2.weight", vec![8, 12]),
+            ("mlp.linear_fc2.bias", vec![8]),
+        ] {
+            s.push(src(&format!("{v}{n}"), b, &shape));
+        }
+    }
+    for (n, shape) in [
+        ("norm.weight", vec![8]),
+        ("norm.bias", vec![8]),
+        ("linear_fc1.weight", vec![32, 32]),
+        ("linear_fc1.bias", vec![32]),
+        ("linear_fc2.weight", vec![16, 32]),
+        ("linear_fc2.bias", vec![16]),
+    ] {
+        s.push(src(&format!("model.visual.merger.{n}"), b, &shape));
+        // A deepstack merger is built like the final one, its norm over the merged width.
+        let shape = if n.starts_with("norm.") { vec![32] } else { shape };
+        for k in 0..deepstack {
+            s.push(src(&format!("model.visual.deepstack_merger_list.{k}.{n}"), b, &shape));
+        }
+    }
+    s
+}
+
+/// A Qwen3.5 MoE release with one GDN layer (`{lm}` the language model's prefix) and, with
+/// `vision`, a vision tower of two blocks of `HV` = 8 (2 heads of 4).
+fn qwen35_sources(lm: &str, vision: bool) -> Vec<SourceTensor> {
+    let b = DType::BF16;
+    let mut s = vec![
+        src(&format!("{lm}embed_tokens.weight"), b, &[32, 16]),
+        src("lm_head.weight", b, &[32, 16]),
+        src(&format!("{lm}norm.weight"), b, &[16]),
+    ];
+    let la = format!("{lm}layers.0.linear_attn.");
+    for (n, shape) in [
+        ("in_proj_qkv.weight", vec![32, 16]),
+        ("in_proj_z.weight", vec![16, 16]),
+        ("in_proj_b.weight", vec![4, 16]),
+        ("in_proj_a.weight", vec![4, 16]),
+        ("conv1d.weight", vec![32, 1, 4]),
+        ("A_log", vec![4]),
+        ("dt_bias", vec![4]),
+        ("norm.weight", vec![4]),
+        ("out_proj.weight", vec![16, 16]),
+    ] {
+        s.push(src(&format!("{la}{n}"), b, &shape));
+    }
+    for (n, shape) in [
+        ("input_layernorm.weight", vec![16]),
+        ("post_attention_layernorm.weight", vec![16]),
+        ("mlp.gate.weight", vec![2, 16]),
+        ("mlp.experts.gate_up_proj", vec![2, 12, 16]),
+        ("mlp.experts.down_proj", vec![2, 16, 6]),
+    ] {
+        s.push(src(&format!("{lm}layers.0.{n}"), b, &shape));
+    }
+    if vision {
+        s.extend(vit_sources(0));
+    }
+    s
+}
+
+fn qwen35_config(model_type: &str, vision_heads: u64) -> String {
+    let text = r#""hidden_size":16,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":4,"num_hidden_layers":1,
+        "vocab_size":32,"num_experts":2,"moe_intermediate_size":6,"linear_num_key_heads":2,"linear_num_value_heads":4,
+        "linear_key_head_dim":4,"linear_value_head_dim":4,"linear_conv_kernel_dim":4"#;
+    if model_type.ends_with("_text") {
+        return format!(r#"{{"model_type":"{model_type}",{text}}}"#);
+    }
+    format!(
+        r#"{{"model_type":"{model_type}","tie_word_embeddings":false,"text_config":{{"model_type":"{model_type}_text",{text}}},
+        "vision_config":{{"depth":2,"hidden_size":8,"num_heads":{vision_heads},"intermediate_size":12}}}}"#
+    )
+}
+
+#[test]
+fn qwen35_converts_its_vision_tower_as_a_megatron_vit() {
+    let mesh = Mesh { tp: 2, cp: 1, dp: 2, ep: 2, etp: 1 };
+    let p = plan(&qwen35_config("qwen3_5_moe", 2), qwen35_sources("model.language_model.", true), mesh).expect("plan");
+    assert!(p.unconverted.is_empty(), "{:?}", p.unconverted);
+    // The language model under `language_model.`, its table unchanged.
+    for key in ["embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"] {
+        tensor(&p, &format!("language_model.{key}"));
+    }
+    tensor(&p, "language_model.decoder.layers.0.self_attention.in_proj.weight.alpha");
+    tensor(&p, "language_model.decoder.layers.0.mlp.experts.linear_fc1.weight1_v");
+    // The tower: TP-split as Megatron's ViT layers are; fc1 (GELU) whole.
+    let v = "vision_model.decoder.layers.1.";
+    for (key, mode, shape) in [
+        ("self_attention.linear_qkv.weight", TpMode::Column, vec![24, 8]),
+        ("self_attention.linear_qkv.bias", TpMode::Column, vec![24]),
+        ("self_attention.linear_qkv.layer_norm_weight", TpMode::Replicated, vec![8]),
+        ("self_attention.linear_qkv.layer_norm_bias", TpMode::Replicated, vec![8]),
+        ("self_attention.linear_proj.weight", TpMode::Row, vec![8, 8]),
+        ("self_attention.linear_proj.bias", TpMode::Replicated, vec![8]),
+        ("mlp.linear_fc1.weight", TpMode::Column, vec![12, 8]),
+        ("mlp.linear_fc1.bias", TpMode::Column, vec![12]),
+        ("mlp.linear_fc1.layer_norm_weight", TpMode::Replicated, vec![8]),
+        ("mlp.linear_fc1.layer_norm_bias", TpMode::Replicated, vec![8]),
+        ("mlp.linear_fc2.weight", TpMode::Row, vec![8, 12]),
+        ("mlp.linear_fc2.bias", TpMode::Replicated, vec![8]),
+    ] {
+        let t = tensor(&p, &format!("{v}{key}"));
+        assert_eq!((t.tp_mode, &t.shape), (mode, &shape), "{key}");
+    }
+    assert!(!p.tensors.iter().any(|t| t.key.ends_with("linear_fc1.weight_w") && t.key.contains("vision_model")));
+    for (key, mode) in [
+        ("patch_embed.proj.weight", TpMode::Replicated),
+        ("patch_embed.proj.bias", TpMode::Replicated),
+        ("pos_embed.weight", TpMode::Replicated),
+        ("merger.patch_norm.weight", TpMode::Replicated),
+        ("merger.patch_norm.bias", TpMode::Replicated),
+        ("merger.linear_fc1.weight", TpMode::Column),
+        ("merger.linear_fc1.bias", TpMode::Column),
+        ("merger.linear_fc2.weight", TpMode::Row),
+        ("merger.linear_fc2.bias", TpMode::Replicated),
+    ] {
+        assert_eq!(tensor(&p, &format!("vision_model.{key}")).tp_mode, mode, "{key}");
+    }
+    // qkv: HF [q; k; v] (8 rows each) → per head [q_h; k_h; v_h] (4 rows each).
+    let qkv = tensor(&p, &format!("{v}self_attention.linear_qkv.weight"));
+    let id = qkv.recipe[0].source.unwrap().0;
+    assert_eq!(p.sources[id].name, "model.visual.blocks.1.attn.qkv.weight");
+    let starts: Vec<u64> = qkv.recipe.iter().map(|b| b.source.unwrap().1).collect();
+    assert_eq!(starts, vec![0, 8, 16, 4, 12, 20]);
+    assert!(qkv.recipe.iter().all(|b| b.rows == 4));
+}
+
+#[test]
+fn qwen35_without_a_tower_converts_as_before_and_the_tower_splits_whole_heads() {
+    let mesh = Mesh { tp: 2, cp: 1, dp: 2, ep: 2, etp: 1 };
+    // Text-only releases, and a multimodal config whose release has no `model.visual.*`: the
+    // language model at the top, as Megatron's GPT model keeps it.
+    for (model_type, lm) in
+        [("qwen3_5_moe_text", "model."), ("qwen3_5_moe", "model.language_model."), ("qwen3_5", "model.language_model.")]
+    {
+        let p = plan(&qwen35_config(model_type, 2), qwen35_sources(lm, false), mesh).expect("plan");
+        tensor(&p, "embedding.word_embeddings.weight");
+        tensor(&p, "decoder.layers.0.self_attention.in_proj.weight.alpha");
+        assert!(!p.tensors.iter().any(|t| t.key.contains("language_model") || t.key.contains("vision_model")));
+    }
+    // One vision head does not split over two TP ranks; without vision dims the tower cannot be
+    // planned; a tower tensor the table does not know is unmapped, not skipped.
+    let err = plan(&qwen35_config("qwen3_5_moe", 1), qwen35_sources("model.language_model.", true), mesh)
+        .expect_err("1 head at tp 2");
+    assert!(
+        err.iter().any(|e| e.to_string().contains("vision_config.num_heads (1) is not divisible by tp (2)")),
+        "{err:?}"
+    );
+    let no_dims = qwen35_config("qwen3_5_moe", 2).replace(r#""depth":2,"#, "");
+    let err = plan(&no_dims, qwen35_sources("model.language_model.", true), mesh).expect_err("no depth");
+    assert!(err.iter().any(|e| e.to_string().contains("`vision_config`")), "{err:?}");
+    let mut s = qwen35_sources("model.language_model.", true);
+    s.push(src("model.visual.deepstack_merger_list.0.norm.weight", DType::BF16, &[32]));
+    let err = plan(&qwen35_config("qwen3_5_moe", 2), s, mesh).expect_err("unknown tower tensor");
+    assert!(err.iter().any(|e| e.to_string().contains("model.visual.deepstack_merger_list.*.norm.weight")), "{err:?}");
+}
+
+#[test]
+fn qwen35_dense_and_its_mtp_layer_sit_under_language_model_beside_a_tower() {
+    let b = DType::BF16;
+    let lm = "model.language_model.";
+    let mut s: Vec<SourceTensor> = qwen35_sources(lm, true)
+        .into_iter()
+        .filter(|t| !t.name.contains(".mlp.gate") && !t.name.contains("experts"))
+        .collect();
+    for (n, shape) in [("gate_proj.weight", [6, 16]), ("up_proj.weight", [6, 16]), ("down_proj.weight", [16, 6])] {
+        s.push(src(&format!("{lm}layers.0.mlp.{n}"), b, &shape));
+    }
+    // The MTP head as Qwen3.5 releases store it: top-level `mtp.*`, a gated-attention layer.
+    for (n, shape) in [
+        ("fc.weight", vec![16, 32]),
+        ("pre_fc_norm_embedding.weight", vec![16]),
+        ("pre_fc_norm_hidden.weight", vec![16]),
+        ("norm.weight", vec![16]),
+        ("layers.0.input_layernorm.weight", vec![16]),
+        ("layers.0.post_attention_layernorm.weight", vec![16]),
+        ("layers.0.self_attn.q_proj.weight", vec![32, 16]),
+        ("layers.0.self_attn.k_proj.weight", vec![8, 16]),
+        ("layers.0.self_attn.v_proj.weight", vec![8, 16]),
+        ("layers.0.self_attn.o_proj.weight", vec![16, 16]),
+        ("layers.0.self_attn.q_norm.weight", vec![4]),
+        ("layers.0.self_attn.k_norm.weight", vec![4]),
+        ("layers.0.mlp.gate_proj.weight", vec![6, 16]),
+        ("layers.0.mlp.up_proj.weight", vec![6, 16]),
+        ("layers.0.mlp.down_proj.weight", vec![16, 6]),
+    ] {
+        s.push(src(&format!("mtp.{n}"), b, &shape));
+    }
+    let config =
+        qwen35_config("qwen3_5", 2).replace(r#""num_experts":2,"moe_intermediate_size":6"#, r#""intermediate_size":6"#);
+    let p = plan(&config, s, Mesh { tp: 2, cp: 1, dp: 2, ep: 1, etp: 1 }).expect("plan");
+    assert!(p.unconverted.is_empty(), "{:?}", p.unconverted);
+    tensor(&p, "language_model.decoder.layers.0.mlp.linear_fc1.weight_w");
+    tensor(&p, "language_model.decoder.layers.0.mlp.linear_fc1.layer_norm_weight");
+    tensor(&p, "language_model.mtp.layers.0.eh_proj.weight");
+    tensor(&p, "language_model.mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight");
+    tensor(&p, "language_model.mtp.layers.0.transformer_layer.mlp.linear_fc1.weight_v");
+    tensor(&p, "vision_model.decoder.layers.0.mlp.linear_fc1.weight");
+    assert!(p
+        .tensors
+        .iter()
+        .all(|t| t.key.starts_with("model.module.language_model.") || t.key.starts_with("model.module.vision_model.")));
 }

@@ -29,7 +29,7 @@ prop_compose! {
     fn case()(
         family in prop::sample::select(vec![
             "llama", "qwen2", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "deepseek_v3", "glm4_moe", "gpt_oss",
-            "qwen3_vl_moe",
+            "qwen3_vl_moe", "qwen3_5_moe",
         ]),
         tp in prop::sample::select(vec![1u64, 2, 4]),
         cp in prop::sample::select(vec![1u64, 2]),
@@ -79,11 +79,16 @@ prop_compose! {
             q_lora_rank = if q_lora { ql.to_string() } else { "null".to_string() },
             mtp = u64::from(after_decoder_mtp),
         );
-        // Qwen3-VL keeps the language model's fields under `text_config`.
-        let config = if family == "qwen3_vl_moe" {
-            format!(r#"{{"model_type":"qwen3_vl_moe","tie_word_embeddings":false,"text_config":{config}}}"#)
-        } else {
-            config
+        // Qwen3-VL and Qwen3.5 keep the language model's fields under `text_config`; their
+        // tower (a Megatron ViT, TP-split) has vision heads that divide by tp.
+        let (vh, vd, vi) = (tp * hpg, d, tp * ffn_mult);
+        let hv = vh * vd;
+        let config = match family {
+            "qwen3_vl_moe" | "qwen3_5_moe" => format!(
+                r#"{{"model_type":"{family}","tie_word_embeddings":false,"text_config":{config},
+                "vision_config":{{"depth":{layers},"num_heads":{vh},"hidden_size":{hv},"intermediate_size":{vi}}}}}"#
+            ),
+            _ => config,
         };
         // gpt-oss releases are bf16 (its keys are bf16 and a transpose does not also cast).
         let t = |name: String, shape: &[u64]| {
@@ -94,22 +99,60 @@ prop_compose! {
             s
         };
         let vl = family == "qwen3_vl_moe";
-        let lm = |name: &str| if vl { name.replacen("model.", "model.language_model.", 1) } else { name.to_string() };
+        let vit = vl || family == "qwen3_5_moe";
+        let lm = |name: &str| {
+            if vit {
+                name.replacen("model.", "model.language_model.", 1)
+            } else {
+                name.to_string()
+            }
+        };
         let mut s = vec![
             t(lm("model.embed_tokens.weight"), &[vocab, hidden]),
             t("lm_head.weight".into(), &[vocab, hidden]),
             t(lm("model.norm.weight"), &[hidden]),
         ];
-        if vl {
-            // A vision tower: copies, and an MLP fc1 (weight, bias) split in halves.
-            let v = hidden;
-            s.push(t("model.visual.patch_embed.proj.weight".into(), &[v, 3, 2, 2, 2]));
-            s.push(t("model.visual.blocks.0.attn.qkv.weight".into(), &[3 * v, v]));
-            s.push(t("model.visual.blocks.0.mlp.linear_fc1.weight".into(), &[2 * v, v]));
-            s.push(t("model.visual.blocks.0.mlp.linear_fc1.bias".into(), &[2 * v]));
-            s.push(t("model.visual.merger.linear_fc1.weight".into(), &[4 * v, 4 * v]));
+        if vit {
+            // A Megatron ViT: fused qkv interleaved per head, fc1 whole (GELU), mergers TP-split.
+            let rows = |n: &str, shape: &[u64]| t(format!("model.visual.{n}"), shape);
+            s.push(rows("patch_embed.proj.weight", &[hv, 3, 2, 2, 2]));
+            s.push(rows("patch_embed.proj.bias", &[hv]));
+            s.push(rows("pos_embed.weight", &[4, hv]));
+            for j in 0..layers {
+                for (n, shape) in [
+                    ("norm1.weight", vec![hv]),
+                    ("norm1.bias", vec![hv]),
+                    ("norm2.weight", vec![hv]),
+                    ("norm2.bias", vec![hv]),
+                    ("attn.qkv.weight", vec![3 * hv, hv]),
+                    ("attn.qkv.bias", vec![3 * hv]),
+                    ("attn.proj.weight", vec![hv, hv]),
+                    ("attn.proj.bias", vec![hv]),
+                    ("mlp.linear_fc1.weight", vec![vi, hv]),
+                    ("mlp.linear_fc1.bias", vec![vi]),
+                    ("mlp.linear_fc2.weight", vec![hv, vi]),
+                    ("mlp.linear_fc2.bias", vec![hv]),
+                ] {
+                    s.push(rows(&format!("blocks.{j}.{n}"), &shape));
+                }
+            }
+            for (n, shape) in [
+                ("norm.weight", vec![hv]),
+                ("norm.bias", vec![hv]),
+                ("linear_fc1.weight", vec![4 * hv, 4 * hv]),
+                ("linear_fc1.bias", vec![4 * hv]),
+                ("linear_fc2.weight", vec![hidden, 4 * hv]),
+                ("linear_fc2.bias", vec![hidden]),
+            ] {
+                s.push(rows(&format!("merger.{n}"), &shape));
+                // Qwen3-VL's deepstack merger: the final merger's, its norm over the merged width.
+                if vl {
+                    let shape = if n.starts_with("norm.") { vec![4 * hv] } else { shape };
+                    s.push(rows(&format!("deepstack_merger_list.0.{n}"), &shape));
+                }
+            }
         }
-        let gdn = family == "qwen3_next" || family == "qwen3_5_moe_text";
+        let gdn = family == "qwen3_next" || family.starts_with("qwen3_5");
         let total_layers = layers + u64::from(after_decoder_mtp);
         for l in 0..total_layers {
             let p = lm(&format!("model.layers.{l}."));
@@ -191,7 +234,7 @@ prop_compose! {
                     s.push(t(format!("{p}mlp.shared_experts.up_proj.weight"), &[ffn, hidden]));
                     s.push(t(format!("{p}mlp.shared_experts.down_proj.weight"), &[hidden, ffn]));
                 }
-                if family == "qwen3_5_moe_text" {
+                if family.starts_with("qwen3_5") {
                     s.push(t(format!("{p}mlp.experts.gate_up_proj"), &[e, 2 * ffn, hidden]));
                     s.push(t(format!("{p}mlp.experts.down_proj"), &[e, hidden, ffn]));
                 } else if vl {

@@ -19,7 +19,10 @@ pub(crate) struct Graph<'a> {
 /// What is upstream of a step (transitively; a step in a cycle is upstream of itself).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Upstream {
-    pub has_shard: bool,
+    /// A step whose output is a sharded checkpoint ([`StepKind::writes_checkpoint`]).
+    pub has_checkpoint: bool,
+    /// A `checkpoint.export` step (its output is an HF directory).
+    pub has_export: bool,
     /// Distinct `hf.download` steps, at most [`MAX_DOWNLOADS`] + 1 (more means "several").
     pub downloads: BTreeSet<usize>,
 }
@@ -132,7 +135,8 @@ impl<'a> Graph<'a> {
                     let d = comp_of[w];
                     if d != c {
                         add_node(&mut acc, w, self.kinds[w]);
-                        acc.has_shard |= up[d].has_shard;
+                        acc.has_checkpoint |= up[d].has_checkpoint;
+                        acc.has_export |= up[d].has_export;
                         for &x in &up[d].downloads {
                             add_download(&mut acc, x);
                         }
@@ -146,8 +150,11 @@ impl<'a> Graph<'a> {
 }
 
 fn add_node(acc: &mut Upstream, v: usize, kind: Option<StepKind>) {
+    if kind.is_some_and(StepKind::writes_checkpoint) {
+        acc.has_checkpoint = true;
+    }
     match kind {
-        Some(StepKind::MegatronShard) => acc.has_shard = true,
+        Some(StepKind::CheckpointExport) => acc.has_export = true,
         Some(StepKind::HfDownload) => add_download(acc, v),
         _ => {}
     }
@@ -178,9 +185,9 @@ mod tests {
         let cycles: Vec<&Vec<usize>> = comps.iter().filter(|c| g.is_cycle(c)).collect();
         assert_eq!(cycles, vec![&vec![3, 4]]);
         let up = g.upstream(&comps);
-        assert!(!up[1].has_shard && up[1].downloads == BTreeSet::from([0]));
-        assert!(up[2].has_shard && up[2].downloads == BTreeSet::from([0]));
-        assert!(!up[3].has_shard && up[3].downloads.is_empty());
+        assert!(!up[1].has_checkpoint && up[1].downloads == BTreeSet::from([0]));
+        assert!(up[2].has_checkpoint && up[2].downloads == BTreeSet::from([0]));
+        assert!(!up[3].has_checkpoint && up[3].downloads.is_empty());
     }
 
     #[test]
@@ -201,6 +208,6 @@ mod tests {
         let comps = g.components();
         assert_eq!(comps.len(), 50_000);
         let up = g.upstream(&comps);
-        assert!(up[0].has_shard && !up[49_999].has_shard);
+        assert!(up[0].has_checkpoint && !up[49_999].has_checkpoint);
     }
 }

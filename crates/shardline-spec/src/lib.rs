@@ -40,8 +40,10 @@
 //! | `hf.download` | exactly one of `repo` (a Hub repository, `org/name`) and `path` (a local HF-layout directory, or an object-store prefix: `s3://bucket/prefix`, `gs://…`, `az://…`, `file:///abs/dir`); with `repo`: `revision` = `main` (branch, tag or commit sha), `allow` / `ignore` = [] (`fnmatch` globs), `endpoint` = `HF_ENDPOINT`, else `https://huggingface.co` |
 //! | `megatron.shard` | `tp`, `dp` (required), `cp` = 1, `ep` = 1, `etp` = `tp`, `format` = `dcp` \| `dcp-safetensors`, `prefix` = `model.module.`, `optimizer_state` = false, `vocab_divisible_by` = 128, `keep` = false |
 //! | `megatron.split_fused` | `keep` = false; its only need is a `megatron.shard` step |
+//! | `checkpoint.reshard` | `tp`, `dp` (required), `cp` = 1, `ep` = 1, `etp` = `tp`, `rng` = `from-rank0` \| `drop`, `vocab_size` (the tokenizer's; default: the checkpoint's `args`, else the upstream release's `config.json`), `from_mesh` (`tp=2,dp=4,…`; default: `args`, else the mesh the upstream step wrote, else the chunk geometry's), `path` (a local checkpoint directory or an object-store prefix, fetched as `hf.download` fetches one; without it, the checkpoint of the upstream `megatron.shard`, `megatron.split_fused` or `checkpoint.reshard` step) |
 //! | `checkpoint.validate` | none; validates against the upstream download's source |
-//! | `store.upload` | `to` (required): a `file://`, `s3://`, `gs://` or `az://` URL, or an absolute path |
+//! | `checkpoint.export` | `like` (a local HF release; default: the upstream download's), `etp` (default: the checkpoint's `args`, else its mesh), `max_file_size` = `5GB`; exports the upstream checkpoint as an HF directory |
+//! | `store.upload` | `to` (required): a `file://`, `s3://`, `gs://` or `az://` URL, or an absolute path; uploads the nearest upstream checkpoint or export |
 //!
 //! `resources` = `{cpus: 1, memory: 1GiB, gpus: 0, scratch: 0}`, `retry` =
 //! `{attempts: 3, lost: 10, backoff: 5s}`, `timeout` = `6h`, `cache` = `true`. The retry
@@ -91,9 +93,9 @@ mod yaml;
 pub use diagnostic::{render_all, Diagnostic, Severity, MAX_DIAGNOSTICS};
 pub use lint::{lint, LintContext};
 pub use model::{
-    DownloadSource, Location, OutputFormatName, ParamSpec, ParamType, ParamValue, Pipeline, ResolvedPipeline,
-    ResolvedStep, Resources, Retry, SpecValue, StepConfig, StepKind, StepSpec, UnknownOutputFormat, UnknownParamType,
-    UnknownStepKind, API_VERSION, DEFAULT_LOST, KIND,
+    CheckpointSource, DownloadSource, Location, OutputFormatName, ParamSpec, ParamType, ParamValue, Pipeline,
+    ResolvedPipeline, ResolvedStep, Resources, Retry, RngPolicyName, SpecValue, StepConfig, StepKind, StepSpec,
+    UnknownOutputFormat, UnknownParamType, UnknownStepKind, API_VERSION, DEFAULT_LOST, KIND,
 };
 pub use outline::{PipelineOutline, SourceOutline, StepOutline};
 pub use resolve::{parse_override, OverrideSyntaxError};

@@ -32,9 +32,15 @@ pub enum StepKind {
     /// `megatron.split_fused`: split fused parameters of the shard step's output.
     #[serde(rename = "megatron.split_fused")]
     MegatronSplitFused,
+    /// `checkpoint.reshard`: a checkpoint (with optimizer state) re-tiled for another mesh.
+    #[serde(rename = "checkpoint.reshard")]
+    CheckpointReshard,
     /// `checkpoint.validate`: bit-exact validation against the source release.
     #[serde(rename = "checkpoint.validate")]
     CheckpointValidate,
+    /// `checkpoint.export`: a checkpoint's model weights written back as an HF release.
+    #[serde(rename = "checkpoint.export")]
+    CheckpointExport,
     /// `store.upload`: copy the checkpoint to a store.
     #[serde(rename = "store.upload")]
     StoreUpload,
@@ -42,11 +48,13 @@ pub enum StepKind {
 
 impl StepKind {
     /// Every kind, in pipeline order.
-    pub const ALL: [StepKind; 5] = [
+    pub const ALL: [StepKind; 7] = [
         StepKind::HfDownload,
         StepKind::MegatronShard,
         StepKind::MegatronSplitFused,
+        StepKind::CheckpointReshard,
         StepKind::CheckpointValidate,
+        StepKind::CheckpointExport,
         StepKind::StoreUpload,
     ];
 
@@ -56,9 +64,17 @@ impl StepKind {
             StepKind::HfDownload => "hf.download",
             StepKind::MegatronShard => "megatron.shard",
             StepKind::MegatronSplitFused => "megatron.split_fused",
+            StepKind::CheckpointReshard => "checkpoint.reshard",
             StepKind::CheckpointValidate => "checkpoint.validate",
+            StepKind::CheckpointExport => "checkpoint.export",
             StepKind::StoreUpload => "store.upload",
         }
+    }
+
+    /// Whether the step's output is a sharded checkpoint (what `checkpoint.reshard`,
+    /// `checkpoint.validate` and `checkpoint.export` read).
+    pub fn writes_checkpoint(self) -> bool {
+        matches!(self, StepKind::MegatronShard | StepKind::MegatronSplitFused | StepKind::CheckpointReshard)
     }
 
     pub(crate) fn names() -> Vec<&'static str> {
@@ -129,6 +145,34 @@ impl FromStr for OutputFormatName {
             .into_iter()
             .find(|k| k.as_str() == s)
             .ok_or_else(|| UnknownOutputFormat { name: s.to_string() })
+    }
+}
+
+/// What `checkpoint.reshard` does with the per-TP-rank RNG states (`rng`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum RngPolicyName {
+    /// Keep the ranks both grids have; a new TP rank gets a copy of rank 0's state.
+    #[serde(rename = "from-rank0")]
+    FromRank0,
+    /// Drop every RNG state (the job loads with `--no-load-rng`).
+    #[serde(rename = "drop")]
+    Drop,
+}
+
+impl RngPolicyName {
+    pub(crate) const NAMES: &'static [&'static str] = &["from-rank0", "drop"];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RngPolicyName::FromRank0 => "from-rank0",
+            RngPolicyName::Drop => "drop",
+        }
+    }
+}
+
+impl fmt::Display for RngPolicyName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -446,8 +490,51 @@ pub enum StepConfig {
     /// ([`ResolvedPipeline::source_of`]).
     #[serde(rename = "checkpoint.validate")]
     CheckpointValidate {},
+    /// Reads `source` (`path`), else the checkpoint of the step it needs
+    /// ([`StepKind::writes_checkpoint`]); writes it for the mesh `tp`…`etp`.
+    #[serde(rename = "checkpoint.reshard")]
+    CheckpointReshard {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        source: Option<CheckpointSource>,
+        tp: u64,
+        cp: u64,
+        dp: u64,
+        ep: u64,
+        etp: u64,
+        rng: RngPolicyName,
+        /// The tokenizer's vocabulary size, to re-pad the embedding and output layer; `None`:
+        /// the checkpoint's `args`, else the upstream release's `config.json`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        vocab_size: Option<u64>,
+        /// The source mesh as assignments (`tp=2,cp=1,dp=4,ep=1,etp=2`, every dimension
+        /// written); `None`: the checkpoint's `args`, else the mesh its step wrote.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        from_mesh: Option<String>,
+    },
+    /// Writes the checkpoint of the step it needs as the HF release `like` (else the upstream
+    /// download's).
+    #[serde(rename = "checkpoint.export")]
+    CheckpointExport {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        like: Option<PathBuf>,
+        /// `None`: the checkpoint's `args`, else the mesh its step wrote, else 1.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        etp: Option<u64>,
+        max_file_size: u64,
+    },
     #[serde(rename = "store.upload")]
     StoreUpload { to: String },
+}
+
+/// Where a `checkpoint.reshard` step with a `path` reads its checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum CheckpointSource {
+    /// The objects under an object-store prefix (`s3://…`, `gs://…`, `az://…`, `file:///…`),
+    /// downloaded into a local cache as `hf.download` downloads them.
+    ObjectStore { url: String },
+    /// A local checkpoint directory, read in place.
+    Local { path: PathBuf },
 }
 
 /// Where an `hf.download` step reads its release.
@@ -491,14 +578,17 @@ impl StepConfig {
             StepConfig::MegatronShard { .. } => StepKind::MegatronShard,
             StepConfig::MegatronSplitFused { .. } => StepKind::MegatronSplitFused,
             StepConfig::CheckpointValidate {} => StepKind::CheckpointValidate,
+            StepConfig::CheckpointReshard { .. } => StepKind::CheckpointReshard,
+            StepConfig::CheckpointExport { .. } => StepKind::CheckpointExport,
             StepConfig::StoreUpload { .. } => StepKind::StoreUpload,
         }
     }
 
-    /// The target mesh of a `megatron.shard` step.
+    /// The target mesh of a `megatron.shard` or `checkpoint.reshard` step.
     pub fn mesh(&self) -> Option<shardline_layout::Mesh> {
         match *self {
-            StepConfig::MegatronShard { tp, cp, dp, ep, etp, .. } => {
+            StepConfig::MegatronShard { tp, cp, dp, ep, etp, .. }
+            | StepConfig::CheckpointReshard { tp, cp, dp, ep, etp, .. } => {
                 Some(shardline_layout::Mesh { tp, cp, dp, ep, etp })
             }
             _ => None,

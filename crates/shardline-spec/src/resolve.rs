@@ -14,8 +14,8 @@ use crate::diagnostic::{self, Diagnostic};
 use crate::graph::Graph;
 use crate::lint::{fitting_values, join, mesh_errors, mesh_field, sub_span, LintContext};
 use crate::model::{
-    DownloadSource, Locations, OutputFormatName, ParamType, ParamValue, Pipeline, ResolvedPipeline, ResolvedStep,
-    Resources, Retry, SpecValue, StepConfig, StepKind, StepSpec, API_VERSION,
+    CheckpointSource, DownloadSource, Locations, OutputFormatName, ParamType, ParamValue, Pipeline, ResolvedPipeline,
+    ResolvedStep, Resources, Retry, RngPolicyName, SpecValue, StepConfig, StepKind, StepSpec, API_VERSION,
 };
 use crate::schema::{
     convert_literal, convert_param, convert_text, param_from_text, with_fields, Concrete, Field, FieldDefault, CACHE,
@@ -336,6 +336,29 @@ pub(crate) fn resolve_step(
         },
         StepKind::MegatronSplitFused => StepConfig::MegatronSplitFused { keep: boolean(&w, "keep") },
         StepKind::CheckpointValidate => StepConfig::CheckpointValidate {},
+        StepKind::CheckpointReshard => StepConfig::CheckpointReshard {
+            source: w.get("path").map(|_| {
+                let path = string(&w, "path");
+                if crate::schema::is_object_store_source(&path) {
+                    CheckpointSource::ObjectStore { url: path }
+                } else {
+                    CheckpointSource::Local { path: PathBuf::from(path) }
+                }
+            }),
+            tp: uint(&w, "tp"),
+            cp: uint(&w, "cp"),
+            dp: uint(&w, "dp"),
+            ep: uint(&w, "ep"),
+            etp: uint(&w, "etp"),
+            rng: if string(&w, "rng") == "drop" { RngPolicyName::Drop } else { RngPolicyName::FromRank0 },
+            vocab_size: w.get("vocab_size").map(|_| uint(&w, "vocab_size")),
+            from_mesh: w.get("from_mesh").map(|_| string(&w, "from_mesh")),
+        },
+        StepKind::CheckpointExport => StepConfig::CheckpointExport {
+            like: w.get("like").map(|_| PathBuf::from(string(&w, "like"))),
+            etp: w.get("etp").map(|_| uint(&w, "etp")),
+            max_file_size: uint(&w, "max_file_size"),
+        },
         StepKind::StoreUpload => StepConfig::StoreUpload { to: string(&w, "to") },
     };
     let backoff = match rt.get("backoff") {
@@ -363,8 +386,9 @@ pub(crate) fn resolve_step(
     })
 }
 
-/// Mesh checks of every resolved shard step: `Mesh::check`, and `check_mesh_for_model` when
-/// `ctx` can read the source's model config. Each violation is reported at the `with` field it
+/// Mesh checks of every resolved shard and reshard step: `Mesh::check`, and
+/// `check_mesh_for_model` when `ctx` can read the source's model config (a reshard of a `path`
+/// has none: its source is a checkpoint). Each violation is reported at the `with` field it
 /// is about (or where that field would be written).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn check_meshes(
@@ -384,13 +408,15 @@ pub(crate) fn check_meshes(
     );
     let upstream = graph.upstream(&graph.components());
     for (v, (index, spec)) in steps.iter().enumerate() {
-        if spec.kind != StepKind::MegatronShard || spec.id.is_empty() {
+        if !matches!(spec.kind, StepKind::MegatronShard | StepKind::CheckpointReshard) || spec.id.is_empty() {
             continue;
         }
-        let Some(mesh) = resolved.get(&spec.id).and_then(|r| r.config.mesh()) else { continue };
+        let Some(config) = resolved.get(&spec.id).map(|r| &r.config) else { continue };
+        let Some(mesh) = config.mesh() else { continue };
+        let own_source = matches!(config, StepConfig::CheckpointReshard { source: Some(_), .. });
         let mut model: Option<(ModelConfig, PathBuf)> = None;
         let download = match upstream.get(v).map(|u| &u.downloads) {
-            Some(d) if d.len() == 1 => d.first().map(|&w| (w, graph.ids[w])),
+            Some(d) if d.len() == 1 && !own_source => d.first().map(|&w| (w, graph.ids[w])),
             _ => None,
         };
         if let Some((w, dl_id)) = download {
@@ -401,6 +427,8 @@ pub(crate) fn check_meshes(
                 match ctx.lookup(path) {
                     Ok(Some(cfg)) => model = Some((cfg, path.clone())),
                     Ok(None) => {}
+                    // Reported once, for the shard step that reads the release.
+                    Err(_) if spec.kind != StepKind::MegatronShard => {}
                     Err(msg) => {
                         let p = format!("steps[{}].with.path", steps[w].0);
                         diags.push(

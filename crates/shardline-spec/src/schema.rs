@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::model::{OutputFormatName, ParamType, ParamValue, SpecValue, StepKind};
+use crate::model::{OutputFormatName, ParamType, ParamValue, RngPolicyName, SpecValue, StepKind};
 use crate::suggest::{did_you_mean, list};
 use crate::yaml::{describe_scalar, quote, Kind, Node, Resolved};
 use shardline_units::{format_size, parse_duration, parse_size};
@@ -19,6 +19,12 @@ pub(crate) enum FieldType {
     Bool,
     Str,
     Path,
+    /// `checkpoint.reshard`'s `path`: a local checkpoint directory or an object-store prefix.
+    CheckpointPath,
+    /// A local directory (no URL).
+    LocalPath,
+    /// A mesh as assignments, `tp=2,dp=4,ep=2,etp=1`.
+    Mesh,
     Choice(&'static [&'static str]),
     Size {
         min: u64,
@@ -44,7 +50,8 @@ impl FieldType {
             FieldType::UInt { .. } => "int".to_string(),
             FieldType::Bool => "bool".to_string(),
             FieldType::Str => "string".to_string(),
-            FieldType::Path => "path".to_string(),
+            FieldType::Path | FieldType::CheckpointPath | FieldType::LocalPath => "path".to_string(),
+            FieldType::Mesh => "mesh (`tp=N,dp=N,…`)".to_string(),
             FieldType::Choice(c) => format!("one of {}", list(c)),
             FieldType::Size { .. } => "size".to_string(),
             FieldType::Duration { .. } => "duration".to_string(),
@@ -61,9 +68,13 @@ impl FieldType {
         match self {
             FieldType::UInt { .. } => ty == ParamType::Int,
             FieldType::Bool => ty == ParamType::Bool,
-            FieldType::Str | FieldType::Path | FieldType::Target | FieldType::Choice(_) => {
-                matches!(ty, ParamType::String | ParamType::Path)
-            }
+            FieldType::Str
+            | FieldType::Path
+            | FieldType::CheckpointPath
+            | FieldType::LocalPath
+            | FieldType::Target
+            | FieldType::Choice(_) => matches!(ty, ParamType::String | ParamType::Path),
+            FieldType::Mesh => ty == ParamType::String,
             FieldType::RepoId | FieldType::Revision | FieldType::Url | FieldType::Globs => ty == ParamType::String,
             FieldType::Size { .. } => ty == ParamType::Size,
             FieldType::Duration { .. } => ty == ParamType::Duration,
@@ -76,6 +87,9 @@ impl FieldType {
             self,
             FieldType::Str
                 | FieldType::Path
+                | FieldType::CheckpointPath
+                | FieldType::LocalPath
+                | FieldType::Mesh
                 | FieldType::Target
                 | FieldType::RepoId
                 | FieldType::Revision
@@ -147,6 +161,28 @@ const MEGATRON_SPLIT_FUSED: &[Field] = &[field("keep", FieldType::Bool, FieldDef
 
 const CHECKPOINT_VALIDATE: &[Field] = &[];
 
+/// The source is `path`, else the checkpoint of the step it needs (lint checks one of them).
+const CHECKPOINT_RESHARD: &[Field] = &[
+    field("path", FieldType::CheckpointPath, FieldDefault::Optional),
+    field("tp", POSITIVE, FieldDefault::Required),
+    field("cp", POSITIVE, FieldDefault::UInt(1)),
+    field("dp", POSITIVE, FieldDefault::Required),
+    field("ep", POSITIVE, FieldDefault::UInt(1)),
+    field("etp", POSITIVE, FieldDefault::SameAs("tp")),
+    field("rng", FieldType::Choice(RngPolicyName::NAMES), FieldDefault::Str("from-rank0")),
+    field("vocab_size", FieldType::UInt { min: 1, max: 1 << 40 }, FieldDefault::Optional),
+    field("from_mesh", FieldType::Mesh, FieldDefault::Optional),
+];
+
+/// HF's default `max_shard_size`.
+pub(crate) const DEFAULT_MAX_FILE_SIZE: u64 = 5_000_000_000;
+
+const CHECKPOINT_EXPORT: &[Field] = &[
+    field("like", FieldType::LocalPath, FieldDefault::Optional),
+    field("etp", POSITIVE, FieldDefault::Optional),
+    field("max_file_size", FieldType::Size { min: 1 }, FieldDefault::Size(DEFAULT_MAX_FILE_SIZE)),
+];
+
 const STORE_UPLOAD: &[Field] = &[field("to", FieldType::Target, FieldDefault::Required)];
 
 /// The `with` fields of a step kind.
@@ -156,6 +192,8 @@ pub(crate) fn with_fields(kind: StepKind) -> &'static [Field] {
         StepKind::MegatronShard => MEGATRON_SHARD,
         StepKind::MegatronSplitFused => MEGATRON_SPLIT_FUSED,
         StepKind::CheckpointValidate => CHECKPOINT_VALIDATE,
+        StepKind::CheckpointReshard => CHECKPOINT_RESHARD,
+        StepKind::CheckpointExport => CHECKPOINT_EXPORT,
         StepKind::StoreUpload => STORE_UPLOAD,
     }
 }
@@ -211,6 +249,13 @@ pub(crate) fn unknown_with_hint(kind: StepKind, key: &str) -> String {
                 .to_string()
         }
         (StepKind::CheckpointValidate, _) => "`checkpoint.validate` takes no `with` fields".to_string(),
+        (StepKind::CheckpointReshard, "to" | "out" | "output") => {
+            "a step's output directory is chosen by the run; upload it with a `store.upload` step".to_string()
+        }
+        (StepKind::CheckpointReshard, "source" | "from" | "ckpt" | "checkpoint") => {
+            "did you mean `path`? (without it, the step reads the checkpoint of the step it needs)".to_string()
+        }
+        (StepKind::CheckpointExport, "release" | "hf" | "against" | "reference") => "did you mean `like`?".to_string(),
         _ => format!("`{kind}` takes {}", list(&fields)),
     }
 }
@@ -277,7 +322,16 @@ pub(crate) fn spec_value(ty: FieldType, node: &Node) -> Result<SpecValue, Mismat
             Some("use a whole number and a smaller unit, e.g. `1536MiB` rather than `1.5GiB`".to_string()),
         )),
         Resolved::Float(_)
-            if matches!(ty, FieldType::Str | FieldType::Path | FieldType::Revision | FieldType::Globs) =>
+            if matches!(
+                ty,
+                FieldType::Str
+                    | FieldType::Path
+                    | FieldType::CheckpointPath
+                    | FieldType::LocalPath
+                    | FieldType::Mesh
+                    | FieldType::Revision
+                    | FieldType::Globs
+            ) =>
         {
             Err(expected(ty, &describe_scalar(&s.resolve()))
                 .with_hint(format!("quote it to make it a string: `\"{}\"`", s.text)))
@@ -324,6 +378,9 @@ pub(crate) fn convert_literal(ty: FieldType, v: &SpecValue) -> Result<Concrete, 
         (
             FieldType::Str
             | FieldType::Path
+            | FieldType::CheckpointPath
+            | FieldType::LocalPath
+            | FieldType::Mesh
             | FieldType::Target
             | FieldType::Choice(_)
             | FieldType::RepoId
@@ -387,6 +444,30 @@ pub(crate) fn convert_text(ty: FieldType, s: &str) -> Result<Concrete, Mismatch>
                 Ok(Concrete::Str(s.to_string()))
             }
         }
+        FieldType::CheckpointPath => {
+            if s.trim().is_empty() {
+                Err(invalid("path is empty".to_string(), None))
+            } else if let Some((scheme, rest)) = s.split_once("://") {
+                checkpoint_url(s, scheme, rest).map(|()| Concrete::Str(s.to_string()))
+            } else {
+                Ok(Concrete::Str(s.to_string()))
+            }
+        }
+        FieldType::LocalPath => {
+            if s.trim().is_empty() {
+                Err(invalid("path is empty".to_string(), None))
+            } else if let Some((scheme, _)) = s.split_once("://") {
+                Err(invalid(
+                    format!("expected a local directory, found a `{scheme}://` URL"),
+                    Some(
+                        "give the path of a local HF release directory (config.json, safetensors headers)".to_string(),
+                    ),
+                ))
+            } else {
+                Ok(Concrete::Str(s.to_string()))
+            }
+        }
+        FieldType::Mesh => mesh_text(s).map(Concrete::Str),
         FieldType::RepoId => repo_id(s).map(|()| Concrete::Str(s.to_string())),
         FieldType::Revision => revision(s).map(|()| Concrete::Str(s.to_string())),
         FieldType::Url => url(s).map(|()| Concrete::Str(s.trim_end_matches('/').to_string())),
@@ -497,6 +578,32 @@ fn source_url(s: &str, scheme: &str, rest: &str) -> Result<(), Mismatch> {
         ),
         Some(hint),
     ))
+}
+
+/// A `checkpoint.reshard` `path` URL: an object-store prefix; any other scheme is refused.
+fn checkpoint_url(s: &str, scheme: &str, rest: &str) -> Result<(), Mismatch> {
+    if OBJECT_STORE_SCHEMES.contains(&scheme) || scheme == "file" {
+        return source_url(s, scheme, rest);
+    }
+    Err(invalid(
+        format!("`checkpoint.reshard` reads a local checkpoint directory or an object-store prefix; `{scheme}://` is not supported"),
+        Some("use a local directory or an `s3://`, `gs://`, `az://` or `file:///` URL".to_string()),
+    ))
+}
+
+/// A mesh as assignments, checked on its own ([`shardline_layout::Mesh::check`]); its canonical
+/// spelling (every dimension written).
+fn mesh_text(s: &str) -> Result<String, Mismatch> {
+    let mesh = shardline_layout::Mesh::parse_assignments(s).map_err(|e| {
+        invalid(
+            format!("invalid mesh {}: {e}", quote(s)),
+            Some("write the source mesh as `tp=2,dp=4` (cp, ep default to 1, etp to tp)".to_string()),
+        )
+    })?;
+    if let Some(e) = mesh.check().first() {
+        return Err(invalid(format!("invalid mesh {}: {e}", quote(s)), None));
+    }
+    Ok(mesh.assignments())
 }
 
 /// The Hub's repository id shape: one or two segments of letters, digits, `-`, `_` and `.`, no

@@ -29,6 +29,7 @@ fn every_example_pipeline_is_clean() {
         "hub-glm45.yaml",
         "hub-gpt-oss.yaml",
         "hub-qwen3-vl-moe.yaml",
+        "reshard-export.yaml",
     ] {
         assert!(names.iter().any(|n| n == expected), "pipelines/{expected} is missing");
     }
@@ -41,15 +42,28 @@ fn every_example_pipeline_is_clean() {
         let pipeline = pipeline.expect("a clean lint gives a pipeline");
         let run =
             pipeline.instantiate_with(&[], "run-0001", &ctx).unwrap_or_else(|d| panic!("{}", render_all(&d, &text)));
-        let order: Vec<StepKind> = run.topo_order().iter().map(|s| s.kind).collect();
-        assert_eq!(
-            order,
-            StepKind::ALL.to_vec(),
-            "{file}: every example runs download → shard → split → validate → upload"
-        );
-        let upload = run.steps.iter().find(|s| s.kind == StepKind::StoreUpload).unwrap();
-        let StepConfig::StoreUpload { to } = &upload.config else { unreachable!() };
-        assert!(to.ends_with("/run-0001"), "{file}: uploads under the run id, got {to}");
+        let mut order: Vec<StepKind> = run.topo_order().iter().map(|s| s.kind).collect();
+        order.dedup();
+        use StepKind::*;
+        let expected = if name == "reshard-export.yaml" {
+            vec![
+                HfDownload,
+                MegatronShard,
+                MegatronSplitFused,
+                CheckpointValidate,
+                CheckpointReshard,
+                CheckpointValidate,
+                CheckpointExport,
+                StoreUpload,
+            ]
+        } else {
+            vec![HfDownload, MegatronShard, MegatronSplitFused, CheckpointValidate, StoreUpload]
+        };
+        assert_eq!(order, expected, "{file}: the example's steps run in this order");
+        for upload in run.steps.iter().filter(|s| s.kind == StepKind::StoreUpload) {
+            let StepConfig::StoreUpload { to } = &upload.config else { unreachable!() };
+            assert!(to.contains("/run-0001"), "{file}: uploads under the run id, got {to}");
+        }
     }
 }
 
@@ -64,4 +78,63 @@ fn the_demo_is_tiny_qwen3_next_on_tp2_dp4() {
     assert_eq!(run.source_of("validate").unwrap().to_str(), Some("tests/fixtures/hf-tiny/qwen3_next"));
     let StepConfig::StoreUpload { to } = &run.step("upload").unwrap().config else { unreachable!() };
     assert_eq!(to, "file://.shardline/out/r1");
+}
+
+#[test]
+fn the_reshard_export_example_moves_a_checkpoint_between_meshes() {
+    use shardline_spec::{CheckpointSource, RngPolicyName};
+    let text = std::fs::read_to_string(common::repo_root().join("pipelines/reshard-export.yaml")).unwrap();
+    let (pipeline, diags) = lint("pipelines/reshard-export.yaml", &text, &common::disk_context());
+    assert!(diags.is_empty(), "{}", render_all(&diags, &text));
+    let run = pipeline.unwrap().instantiate(&[("checkpoint_dest".into(), "s3://ckpts".into())], "r1").unwrap();
+    let shard = run.step("shard").unwrap().config.mesh().unwrap();
+    let reshard = run.step("reshard").unwrap();
+    let mesh = reshard.config.mesh().unwrap();
+    assert_ne!(shard, mesh, "the example reshards to another mesh");
+    assert_eq!((mesh.tp, mesh.cp, mesh.dp, mesh.ep, mesh.etp), (2, 1, 2, 2, 1));
+    let StepConfig::CheckpointReshard { source, rng, vocab_size, from_mesh, .. } = &reshard.config else {
+        unreachable!()
+    };
+    assert_eq!((source, rng, vocab_size, from_mesh), (&None, &RngPolicyName::FromRank0, &None, &None));
+    let StepConfig::CheckpointExport { like, etp, max_file_size } = &run.step("export").unwrap().config else {
+        unreachable!()
+    };
+    assert_eq!((like, etp, *max_file_size), (&None, &None, 5_000_000_000));
+    let StepConfig::StoreUpload { to } = &run.step("upload-checkpoint").unwrap().config else { unreachable!() };
+    assert_eq!(to, "s3://ckpts/r1/checkpoint");
+    let _ = CheckpointSource::Local { path: "/x".into() };
+}
+
+#[test]
+fn reshard_fields_resolve_with_their_defaults() {
+    use shardline_spec::{CheckpointSource, RngPolicyName};
+    let text = "apiVersion: shardline/v1
+kind: Pipeline
+name: r
+steps:
+  - {id: a, uses: checkpoint.reshard, with: {path: s3://b/ckpt, tp: 2, dp: 4, rng: drop, from_mesh: \"dp=8, tp=1\"}}
+  - {id: b, uses: checkpoint.reshard, needs: [a], with: {path: ckpt/iter_1, tp: 4, dp: 2, vocab_size: 151936}}
+  - {id: c, uses: checkpoint.export, needs: [b], with: {like: /r, max_file_size: 2GiB}}
+";
+    let (pipeline, diags) = lint("r.yaml", text, &shardline_spec::LintContext::new());
+    assert!(diags.is_empty(), "{}", render_all(&diags, text));
+    let run = pipeline.unwrap().instantiate(&[], "r1").unwrap();
+    let StepConfig::CheckpointReshard { source, tp, etp, cp, ep, rng, from_mesh, .. } = &run.step("a").unwrap().config
+    else {
+        unreachable!()
+    };
+    assert_eq!(source, &Some(CheckpointSource::ObjectStore { url: "s3://b/ckpt".into() }));
+    assert_eq!((*tp, *etp, *cp, *ep, *rng), (2, 2, 1, 1, RngPolicyName::Drop));
+    assert_eq!(from_mesh.as_deref(), Some("tp=1,cp=1,dp=8,ep=1,etp=1"), "canonical spelling");
+    let StepConfig::CheckpointReshard { source, vocab_size, .. } = &run.step("b").unwrap().config else {
+        unreachable!()
+    };
+    assert_eq!(source, &Some(CheckpointSource::Local { path: "ckpt/iter_1".into() }));
+    assert_eq!(*vocab_size, Some(151936));
+    let StepConfig::CheckpointExport { max_file_size, .. } = &run.step("c").unwrap().config else { unreachable!() };
+    assert_eq!(*max_file_size, 2 << 30);
+    // The stored form reads back.
+    let json = serde_json::to_value(&run).unwrap();
+    let back: shardline_spec::ResolvedPipeline = serde_json::from_value(json).unwrap();
+    assert_eq!(back, run);
 }

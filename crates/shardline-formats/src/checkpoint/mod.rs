@@ -1,7 +1,7 @@
 //! Reading a written checkpoint back — DCP (`.metadata` + `.distcp`, ours or torch's) or
 //! DCP-sharded safetensors — into one view: keys, global shapes, and where every chunk's bytes are.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
 use std::io;
 use std::path::{Path, PathBuf};
@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use shardline_layout::DType;
 use thiserror::Error;
 
-use crate::dcp_metadata::{decode_metadata, DcpMetadataError, EntryMeta, PathElem};
+use crate::dcp_metadata::{decode_metadata, DcpMetadataError, EntryMeta, PathElem, StorageInfo};
 use crate::safetensors::{read_header, SafetensorsError};
 use crate::torch_save::{read_object_archive, read_tensor_archive_with, SpecCache, TorchSaveError};
 
@@ -125,7 +125,9 @@ fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
     let md_path = dir.join(".metadata");
     let bytes = fs::read(&md_path).map_err(io_err(&md_path, "read"))?;
     let md = decode_metadata(&bytes).map_err(|source| CheckpointError::Metadata { path: md_path.clone(), source })?;
-    let mut storage: BTreeMap<(String, Vec<u64>), (String, u64, u64)> = BTreeMap::new();
+    drop(bytes);
+    // Borrowed from `md`: one entry per stored item, no copies of its key or file name.
+    let mut storage: HashMap<(&str, Option<&[u64]>), &StorageInfo> = HashMap::with_capacity(md.storage_data.len());
     let keys: std::collections::HashSet<&str> = md.state_dict_metadata.iter().map(|(k, _)| k.as_str()).collect();
     for (k, info) in &md.storage_data {
         if info.transform_descriptors.as_ref().is_some_and(|t| !t.is_empty()) {
@@ -145,12 +147,11 @@ fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
                 message: "storage_data names a key that state_dict_metadata does not have".into(),
             });
         }
-        if let Some(off) = &k.offset {
-            storage.insert((k.fqn.clone(), off.clone()), (info.relative_path.clone(), info.offset, info.length));
-        }
+        storage.insert((k.fqn.as_str(), k.offset.as_deref()), info);
     }
     let mut open_files: BTreeMap<String, File> = BTreeMap::new();
-    for (file, _, _) in storage.values() {
+    for info in storage.values() {
+        let file = &info.relative_path;
         if !open_files.contains_key(file) {
             safe_name(file)?;
             let p = dir.join(file);
@@ -165,13 +166,11 @@ fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
     for (key, entry) in &md.state_dict_metadata {
         let EntryMeta::Tensor { dtype, size, chunks } = entry else {
             // A bytes item must load too: its archive and pickle are read strictly.
-            let info = md
-                .storage(key, None)
+            let info = storage
+                .get(&(key.as_str(), None))
                 .ok_or_else(|| CheckpointError::MissingStorage { key: key.clone(), offsets: Vec::new() })?;
-            safe_name(&info.relative_path)?;
-            let p = dir.join(&info.relative_path);
-            let f = File::open(&p).map_err(io_err(&p, "open rank file"))?;
-            read_object_archive(&f, info.offset, info.length).map_err(|source| CheckpointError::Item {
+            let f = &readers[&info.relative_path];
+            read_object_archive(f, info.offset, info.length).map_err(|source| CheckpointError::Item {
                 key: key.clone(),
                 offsets: Vec::new(),
                 file: info.relative_path.clone(),
@@ -189,9 +188,10 @@ fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
         };
         let mut stored = Vec::with_capacity(chunks.len());
         for c in chunks {
-            let Some((file, offset, length)) = storage.get(&(key.clone(), c.offsets.clone())) else {
+            let Some(info) = storage.get(&(key.as_str(), Some(c.offsets.as_slice()))) else {
                 return Err(CheckpointError::MissingStorage { key: key.clone(), offsets: c.offsets.clone() });
             };
+            let (file, offset, length) = (&info.relative_path, &info.offset, &info.length);
             let f = &readers[file];
             let at =
                 read_tensor_archive_with(f, *offset, *length, &mut specs).map_err(|source| CheckpointError::Item {
@@ -224,11 +224,15 @@ fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
     }
     // Every chunk found its storage item; an item no chunk names is a corruption too.
     let chunks: usize = tensors.iter().map(|t: &StoredTensor| t.chunks.len()).sum();
-    if storage.len() != chunks {
-        let extra = storage.keys().find(|(k, off)| {
-            !tensors.iter().any(|t: &StoredTensor| t.key == *k && t.chunks.iter().any(|c| c.offsets == *off))
+    if storage.len() != chunks + objects.len() {
+        let extra = storage.keys().find(|(k, off)| match off {
+            Some(off) => {
+                !tensors.iter().any(|t: &StoredTensor| t.key == *k && t.chunks.iter().any(|c| c.offsets == *off))
+            }
+            None => !objects.iter().any(|o| o.key == *k),
         });
-        let (key, offsets) = extra.cloned().unwrap_or_default();
+        let (key, offsets) =
+            extra.map(|(k, off)| (k.to_string(), off.unwrap_or_default().to_vec())).unwrap_or_default();
         return Err(CheckpointError::Inconsistent {
             key,
             offsets,

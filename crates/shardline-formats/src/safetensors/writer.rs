@@ -228,10 +228,15 @@ impl SafetensorsWriter {
 
     /// Writes `bytes` at `offset` within the tensor `name`.
     pub fn write_tensor_at(&self, name: &str, offset: u64, bytes: &[u8]) -> Result<(), SafetensorsError> {
+        let start = self.tensor_place(name, offset, bytes.len() as u64)?;
+        self.write_all_at(start, bytes)
+    }
+
+    /// The file offset of `[offset, offset + len)` within the tensor `name`, checked to lie in it.
+    fn tensor_place(&self, name: &str, offset: u64, len: u64) -> Result<u64, SafetensorsError> {
         let Some(info) = self.layout.tensor(name) else {
             return Err(SafetensorsError::UnknownTensor { path: self.path.clone(), tensor: name.to_string() });
         };
-        let len = bytes.len() as u64;
         if offset.checked_add(len).is_none_or(|e| e > info.byte_len) {
             return Err(SafetensorsError::TensorWriteOutOfBounds {
                 path: self.path.clone(),
@@ -241,7 +246,38 @@ impl SafetensorsWriter {
                 byte_len: info.byte_len,
             });
         }
-        self.write_all_at(info.file_offset + offset, bytes)
+        Ok(info.file_offset + offset)
+    }
+
+    /// Copies `len` bytes of `source` from `source_offset` to `offset` within the tensor `name`
+    /// inside the kernel (`copy_file_range`); returns how many were copied — fewer (down to 0)
+    /// when the kernel cannot copy between these files, the caller then writing the rest.
+    pub fn copy_into_tensor(
+        &self,
+        name: &str,
+        offset: u64,
+        source: &File,
+        source_offset: u64,
+        len: u64,
+    ) -> Result<u64, SafetensorsError> {
+        let start = self.tensor_place(name, offset, len)?;
+        let mut done = 0u64;
+        while done < len {
+            let (mut off_in, mut off_out) = (source_offset + done, start + done);
+            let want = (len - done).min(1 << 30) as usize;
+            match rustix::fs::copy_file_range(source, Some(&mut off_in), &self.file, Some(&mut off_out), want) {
+                Ok(0) => break,
+                Ok(n) => done += n as u64,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) if crate::execute::copy_unsupported(e) => break,
+                Err(e) => return Err(io_error(&self.temp_path, "copy tensor data")(e.into())),
+            }
+        }
+        if done > 0 {
+            let mut written = self.written.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            insert_range(&mut written, start, start + done);
+        }
+        Ok(done)
     }
 
     /// Appends `bytes` to the data written so far by `write_next`, starting at the data section's

@@ -22,6 +22,8 @@ use crate::safetensors::{FileLayout, SafetensorsWriter};
 
 /// Bytes of checkpoint rows each writer reads at a time.
 const BAND_BYTES: usize = 8 << 20;
+/// Runs of unchanged bytes of at least this length are copied by the kernel (as `reshard` does).
+const KERNEL_COPY_MIN: u64 = 64 << 10;
 
 /// How the export is cut and written.
 #[derive(Clone, Debug)]
@@ -231,6 +233,12 @@ impl RowReader<'_> {
         for b in &t.blocks {
             let Place::Rows { row, stride } = b.place else { continue };
             let out_row = b.width * t.dtype.size() as u64;
+            let stored = self.by_key[b.key.as_str()];
+            if stride == 1 && !b.add_one && stored.dtype == t.dtype {
+                self.copy_rows(b, row * out_row, stored, t, writer, &mut band.raw)?;
+                progress.bytes_written.fetch_add(b.rows * out_row, Ordering::Relaxed);
+                continue;
+            }
             let mut k = 0;
             while k < b.rows {
                 if progress.cancel.load(Ordering::Relaxed) {
@@ -295,6 +303,40 @@ impl RowReader<'_> {
         Ok(())
     }
 
+    /// The rows of `b`, unchanged bytes, to `at` in `t`: each run of the chunks that hold them
+    /// copied by the kernel when large, through `buf` when small.
+    fn copy_rows(
+        &self,
+        b: &ExportBlock,
+        at: u64,
+        stored: &StoredTensor,
+        t: &ExportTensor,
+        writer: &SafetensorsWriter,
+        buf: &mut Vec<u8>,
+    ) -> Result<(), ExecuteError> {
+        let size = stored.dtype.size() as u64;
+        let target = row_box(stored, b.ckpt_row, b.rows);
+        for c in &stored.chunks {
+            let source = ChunkBox { offsets: c.offsets.clone(), sizes: c.sizes.clone() };
+            let file = &self.inputs[c.file.as_str()];
+            for r in runs(&target, &source) {
+                let (from, to, len) = (c.data_offset + r.source * size, at + r.target * size, r.len * size);
+                let done =
+                    if len >= KERNEL_COPY_MIN { writer.copy_into_tensor(&t.name, to, file, from, len)? } else { 0 };
+                if done < len {
+                    buf.resize((len - done) as usize, 0);
+                    file.read_exact_at(buf, from + done).map_err(|error| ExecuteError::Io {
+                        path: self.checkpoint.dir.join(&c.file),
+                        action: "read chunk",
+                        error,
+                    })?;
+                    writer.write_tensor_at(&t.name, to + done, buf)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Rows `k..` of block `b` (as many as fit a band), read, with one added back if the block
     /// says so, in `t`'s dtype: `(rows, bytes)`.
     fn read_band<'b>(
@@ -324,16 +366,7 @@ impl RowReader<'_> {
     /// Global rows `[row, row + rows)` of `stored`, whole, into `buf`.
     fn read_rows(&self, stored: &StoredTensor, row: u64, rows: u64, buf: &mut [u8]) -> Result<(), ExecuteError> {
         let size = stored.dtype.size() as u64;
-        let mut offsets = vec![0u64; stored.shape.len().max(1)];
-        offsets[0] = row;
-        let mut sizes = stored.shape.clone();
-        if sizes.is_empty() {
-            sizes.push(1);
-        }
-        sizes[0] = rows;
-        let offsets = if stored.shape.is_empty() { Vec::new() } else { offsets };
-        let sizes = if stored.shape.is_empty() { Vec::new() } else { sizes };
-        let target = ChunkBox { offsets, sizes };
+        let target = row_box(stored, row, rows);
         for c in &stored.chunks {
             let source = ChunkBox { offsets: c.offsets.clone(), sizes: c.sizes.clone() };
             let file = &self.inputs[c.file.as_str()];
@@ -346,6 +379,18 @@ impl RowReader<'_> {
         }
         Ok(())
     }
+}
+
+/// Global rows `[row, row + rows)` of `stored`, whole, as a box (a 0-d tensor: its one element).
+fn row_box(stored: &StoredTensor, row: u64, rows: u64) -> ChunkBox {
+    if stored.shape.is_empty() {
+        return ChunkBox { offsets: Vec::new(), sizes: Vec::new() };
+    }
+    let mut offsets = vec![0u64; stored.shape.len()];
+    offsets[0] = row;
+    let mut sizes = stored.shape.clone();
+    sizes[0] = rows;
+    ChunkBox { offsets, sizes }
 }
 
 /// The HF directory `out` would be written to when it is given as a path; the staging sibling.

@@ -1,8 +1,8 @@
 //! What `inspect` says about a training checkpoint: the job's mesh and iteration, its
 //! parameters and optimizer moments, Adam's step, the RNG grid, and every bytes item's value.
 
-use std::collections::BTreeMap;
-use std::fs::{self, File};
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
 use std::path::Path;
 
 use shardline_layout::reshard::{classify, ItemKind};
@@ -10,7 +10,7 @@ use shardline_layout::Mesh;
 
 use super::{TrainingArgs, TrainingError};
 use crate::checkpoint::CheckpointError;
-use crate::dcp_metadata::{decode_metadata, EntryMeta};
+use crate::dcp_metadata::{read_metadata_file, DcpMetadataError, EntryMeta, MetadataItem, PathElem};
 use crate::torch_save::read_object_archive;
 
 /// Characters of a bytes item's rendered value.
@@ -38,48 +38,80 @@ pub struct TrainingSummary {
     pub unknown: Vec<String>,
 }
 
-/// Summarises the DCP checkpoint in `dir`; `None` when it holds no training state (no optimizer
-/// moments and no bytes items: a converted checkpoint of weights only).
+/// A key of `.metadata` as the summary keeps it: one record per key, never one per chunk.
+struct Key {
+    /// Bytes of the tensor; `None` for a bytes item.
+    tensor_bytes: Option<u64>,
+    path: Option<Vec<PathElem>>,
+    /// Where a bytes item is: `(file, offset, length)`.
+    storage: Option<(String, u64, u64)>,
+}
+
+/// Summarises the DCP checkpoint in `dir`, streaming its `.metadata` (memory follows its keys,
+/// not its chunks); `None` when it holds no training state (no optimizer moments and no bytes
+/// items: a converted checkpoint of weights only).
 pub fn summarize_training(dir: &Path) -> Result<Option<TrainingSummary>, TrainingError> {
     let md_path = dir.join(".metadata");
-    let bytes =
-        fs::read(&md_path).map_err(|error| CheckpointError::Io { path: md_path.clone(), action: "read", error })?;
-    let md = decode_metadata(&bytes).map_err(|source| CheckpointError::Metadata { path: md_path.clone(), source })?;
-    let paths: BTreeMap<&str, &[_]> = md.planner_data.iter().map(|(k, p)| (k.as_str(), p.as_slice())).collect();
-    let mut s = TrainingSummary::default();
-    let mut training = false;
-    for (key, entry) in &md.state_dict_metadata {
-        let kind = paths.get(key.as_str()).map_or(ItemKind::Unknown, |p| classify(p));
-        match entry {
-            EntryMeta::Tensor { dtype, size, .. } => {
-                let nbytes = size.iter().product::<u64>() * dtype.size() as u64;
-                match kind {
-                    ItemKind::Model { .. } => {
-                        s.params.0 += 1;
-                        s.params.1 += nbytes;
-                    }
-                    ItemKind::OptimizerState { state, .. } => {
-                        training = true;
-                        let m = s.moments.entry(state).or_default();
-                        m.0 += 1;
-                        m.1 += nbytes;
-                    }
-                    ItemKind::Rng { pp, tp } => s.rng_ranks.push((pp, tp)),
-                    ItemKind::Unknown => s.unknown.push(key.clone()),
-                    _ => {}
+    let mut keys: Vec<(String, Key)> = Vec::new();
+    let mut index: HashMap<String, usize> = HashMap::new();
+    read_metadata_file(&md_path, |item| -> Result<(), DcpMetadataError> {
+        match item {
+            MetadataItem::Entry(key, entry) => {
+                let tensor_bytes = match entry {
+                    EntryMeta::Tensor { dtype, size, .. } => Some(size.iter().product::<u64>() * dtype.size() as u64),
+                    EntryMeta::Bytes => None,
+                };
+                index.insert(key.clone(), keys.len());
+                keys.push((key, Key { tensor_bytes, path: None, storage: None }));
+            }
+            MetadataItem::PlannerPath(key, path) => {
+                if let Some(&i) = index.get(&key) {
+                    keys[i].1.path = Some(path);
                 }
             }
-            EntryMeta::Bytes => {
+            MetadataItem::Storage(k, info) if k.offset.is_none() => {
+                if let Some(&i) = index.get(&k.fqn) {
+                    keys[i].1.storage = Some((info.relative_path, info.offset, info.length));
+                }
+            }
+            MetadataItem::Storage(..) => {}
+        }
+        Ok(())
+    })
+    .map_err(|source| CheckpointError::Metadata { path: md_path.clone(), source })?;
+    let mut s = TrainingSummary::default();
+    let mut training = false;
+    for (key, k) in &keys {
+        let kind = k.path.as_deref().map_or(ItemKind::Unknown, classify);
+        match k.tensor_bytes {
+            Some(nbytes) => match kind {
+                ItemKind::Model { .. } => {
+                    s.params.0 += 1;
+                    s.params.1 += nbytes;
+                }
+                ItemKind::OptimizerState { state, .. } => {
+                    training = true;
+                    let m = s.moments.entry(state).or_default();
+                    m.0 += 1;
+                    m.1 += nbytes;
+                }
+                ItemKind::Rng { pp, tp } => s.rng_ranks.push((pp, tp)),
+                ItemKind::Unknown => s.unknown.push(key.clone()),
+                _ => {}
+            },
+            None => {
                 training = true;
-                let info = md
-                    .storage(key, None)
+                let (file, offset, length) = k
+                    .storage
+                    .clone()
                     .ok_or_else(|| CheckpointError::MissingStorage { key: key.clone(), offsets: Vec::new() })?;
-                let path = dir.join(&info.relative_path);
+                let path = dir.join(&file);
                 let f =
                     File::open(&path).map_err(|error| CheckpointError::Io { path, action: "open rank file", error })?;
-                let value = read_object_archive(&f, info.offset, info.length)
+                let value = read_object_archive(&f, offset, length)
                     .map_err(|source| TrainingError::Object { key: key.clone(), source })?;
                 let shown = value.repr(REPR_CHARS);
+                let last = k.path.as_ref().and_then(|p| p.last()).map(|e| e.to_string());
                 match &kind {
                     ItemKind::Args => {
                         let a = TrainingArgs::from_value(&value);
@@ -88,10 +120,7 @@ pub fn summarize_training(dir: &Path) -> Result<Option<TrainingSummary>, Trainin
                     }
                     ItemKind::Carried if key == "iteration" => s.iteration = Some(shown.clone()),
                     ItemKind::Carried if key == "checkpoint_version" => s.checkpoint_version = Some(shown.clone()),
-                    ItemKind::GroupMeta
-                        if paths.get(key.as_str()).and_then(|p| p.last()).map(|e| e.to_string()).as_deref()
-                            == Some("step") =>
-                    {
+                    ItemKind::GroupMeta if last.as_deref() == Some("step") => {
                         *s.adam_steps.entry(shown.clone()).or_default() += 1;
                     }
                     ItemKind::Rng { pp, tp } => s.rng_ranks.push((*pp, *tp)),

@@ -134,26 +134,54 @@ fn edit_args(
     Ok((edited, set, missing))
 }
 
-/// Every rank file's items, in file order: its chunks in key order, then (rank 0) the objects.
-fn layout(source: &TrainingCheckpoint, plan: &ReshardPlan, edited: &HashMap<usize, Vec<u8>>) -> Vec<Vec<OutItem>> {
-    let mut files: Vec<Vec<OutItem>> = (0..plan.mesh.world()).map(|_| Vec::new()).collect();
-    let mut ends = vec![0u64; files.len()];
-    for (ti, t) in plan.tensors.iter().enumerate() {
-        for c in plan.written_chunks(ti) {
-            let r = c.rank as usize;
-            let archive = TensorArchive::new(t.out.dtype, &c.sizes);
-            let offset = ends[r];
-            ends[r] += archive.total_len();
-            files[r].push(OutItem::Chunk { tensor: ti, chunk: c, offset, archive });
+/// The items of `rank`'s file, in file order: its chunks in key order, then (rank 0) the
+/// objects. Computed from the plan when asked for, by the writer of the file and again for
+/// `.metadata`, so no list of every rank's chunks is ever held.
+fn rank_items<'p>(
+    source: &'p TrainingCheckpoint,
+    plan: &'p ReshardPlan,
+    edited: &'p HashMap<usize, Vec<u8>>,
+    rank: u64,
+) -> impl Iterator<Item = OutItem> + 'p {
+    let mesh = &plan.mesh;
+    let chunks = plan.tensors.iter().enumerate().flat_map(move |(ti, t)| {
+        t.out
+            .chunks_of_rank(mesh, rank)
+            .map(move |ci| t.out.chunk(mesh, ci))
+            .filter(|c| c.written && c.numel() > 0)
+            .map(move |c| (ti, c))
+    });
+    let objects = plan.objects.iter().enumerate().filter(move |_| rank == 0).filter_map(move |(oi, o)| {
+        let ItemData::Object(i) = source.data[o.source] else { return None };
+        Some((oi, edited.get(&i).map_or(source.checkpoint.objects[i].length, |b| b.len() as u64)))
+    });
+    let mut end = 0u64;
+    let chunk_items = chunks.map(move |(ti, c)| {
+        let archive = TensorArchive::new(plan.tensors[ti].out.dtype, &c.sizes);
+        OutItem::Chunk { tensor: ti, chunk: c, offset: 0, archive }
+    });
+    let object_items = objects.map(|(oi, length)| OutItem::Object { object: oi, offset: 0, length });
+    chunk_items.chain(object_items).map(move |mut item| {
+        match &mut item {
+            OutItem::Chunk { offset, archive, .. } => {
+                *offset = end;
+                end += archive.total_len();
+            }
+            OutItem::Object { offset, length, .. } => {
+                *offset = end;
+                end += *length;
+            }
         }
-    }
-    for (oi, o) in plan.objects.iter().enumerate() {
-        let ItemData::Object(i) = source.data[o.source] else { continue };
-        let length = edited.get(&i).map_or(source.checkpoint.objects[i].length, |b| b.len() as u64);
-        files[0].push(OutItem::Object { object: oi, offset: ends[0], length });
-        ends[0] += length;
-    }
-    files
+        item
+    })
+}
+
+/// What one rank file holds: its length, chunks and tensor bytes.
+#[derive(Clone, Copy, Default)]
+struct FileTotals {
+    len: u64,
+    chunks: u64,
+    tensor_bytes: u64,
 }
 
 fn write_all(
@@ -164,7 +192,7 @@ fn write_all(
     progress: &Progress,
     edited: &HashMap<usize, Vec<u8>>,
 ) -> Result<(u64, u64, u64, u64), TrainingError> {
-    let files = layout(source, plan, edited);
+    let world = plan.mesh.world();
     let mut inputs: HashMap<&str, File> = HashMap::new();
     let chunk_files = source.checkpoint.tensors.iter().flat_map(|t| t.chunks.iter().map(|c| c.file.as_str()));
     for name in chunk_files.chain(source.checkpoint.objects.iter().map(|o| o.file.as_str())) {
@@ -174,26 +202,27 @@ fn write_all(
         }
     }
     let kernel_copy = AtomicBool::new(true);
-    let lengths = for_each_unit(files.len(), threads, progress, |rank| {
+    let totals = for_each_unit(world as usize, threads, progress, |rank| {
         let path = out.join(dcp_rank_file(rank as u64));
         let w = RankWriter { kernel_copy: &kernel_copy, source, plan, inputs: &inputs, edited, progress };
-        w.write(&path, &files[rank])
+        let items: Vec<OutItem> = rank_items(source, plan, edited, rank as u64).collect();
+        let len = w.write(&path, &items)?;
+        let (mut chunks, mut tensor_bytes) = (0, 0);
+        for item in &items {
+            if let OutItem::Chunk { archive, .. } = item {
+                chunks += 1;
+                tensor_bytes += archive.data_len();
+            }
+        }
+        Ok(FileTotals { len, chunks, tensor_bytes })
     })?;
     let tmp = out.join(".metadata.tmp");
     let f = File::create(&tmp).map_err(io_err(&tmp, "create .metadata.tmp"))?;
-    let f = write_metadata(source, plan, &files, f).map_err(io_err(&tmp, "write .metadata.tmp"))?;
+    let f = write_metadata(source, plan, edited, f).map_err(io_err(&tmp, "write .metadata.tmp"))?;
     f.sync_all().map_err(io_err(&tmp, "sync .metadata.tmp"))?;
     publish_metadata(out)?;
-    let chunks = files.iter().flatten().filter(|i| matches!(i, OutItem::Chunk { .. })).count() as u64;
-    let tensor_bytes = files
-        .iter()
-        .flatten()
-        .map(|i| match i {
-            OutItem::Chunk { archive, .. } => archive.data_len(),
-            OutItem::Object { .. } => 0,
-        })
-        .sum();
-    Ok((files.len() as u64, tensor_bytes, lengths.iter().sum(), chunks))
+    let sum = |f: fn(&FileTotals) -> u64| totals.iter().map(f).sum::<u64>();
+    Ok((world, sum(|t| t.tensor_bytes), sum(|t| t.len), sum(|t| t.chunks)))
 }
 
 /// `.metadata`: tensors with their chunks in rank order, bytes items, every key's path, and
@@ -201,7 +230,7 @@ fn write_all(
 fn write_metadata<W: io::Write>(
     source: &TrainingCheckpoint,
     plan: &ReshardPlan,
-    files: &[Vec<OutItem>],
+    edited: &HashMap<usize, Vec<u8>>,
     sink: W,
 ) -> io::Result<W> {
     let mut e = MetadataEncoder::new(sink);
@@ -222,10 +251,10 @@ fn write_metadata<W: io::Write>(
         e.planner_path(&o.key, &o.path)?;
     }
     e.begin_storage_data();
-    for (rank, items) in files.iter().enumerate() {
-        let name = dcp_rank_file(rank as u64);
-        for item in items {
-            let (fqn, chunk_offset, offset, length) = match item {
+    for rank in 0..plan.mesh.world() {
+        let name = dcp_rank_file(rank);
+        for item in rank_items(source, plan, edited, rank) {
+            let (fqn, chunk_offset, offset, length) = match &item {
                 OutItem::Chunk { tensor, chunk, offset, archive } => (
                     plan.tensors[*tensor].out.key.as_str(),
                     Some(chunk.offsets.as_slice()),

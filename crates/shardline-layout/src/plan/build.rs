@@ -141,11 +141,12 @@ pub fn check_mesh_for_model(config: &ModelConfig, mesh: &Mesh) -> Vec<LayoutErro
 }
 
 /// A rule with where it applies: re-targeted at MTP layers (`(megatron, hf)` prefixes) or not,
-/// and its `(megatron layer, release layer)` pairs.
+/// its `(megatron layer, release layer)` pairs, and the prefix of its Megatron names.
 struct Placed<'a> {
     rule: Rule,
     mtp: Option<(&'static str, &'static str)>,
     layers: &'a [(u64, u64)],
+    prefix: &'static str,
 }
 
 /// Builds the plan. Returns every error found, not just the first.
@@ -163,6 +164,35 @@ pub fn build_plan(
     let mut consumed = vec![false; sources.len()];
     let mut drafts: Vec<Draft> = Vec::new();
 
+    // A vision tower converts when the release holds it; the language model then sits beside it.
+    let tower = arch::vision_tower(config.family).filter(|t| sources.iter().any(|s| s.name.starts_with(t.hf_prefix)));
+    let lm_prefix = tower.map_or(arch::megatron_prefix(config.family), |t| t.language_prefix);
+    let tower_tables = tower.map_or(&[][..], |t| t.tables);
+    let vision_layers: Vec<(u64, u64)> = match &config.vision {
+        Some(v) if tower.is_some() => {
+            if v.num_heads == 0 || !v.hidden_size.is_multiple_of(v.num_heads) {
+                errors.push(LayoutError::Config {
+                    field: "vision_config.num_heads".into(),
+                    message: format!("hidden_size ({}) is not divisible by num_heads ({})", v.hidden_size, v.num_heads),
+                });
+            } else if !v.num_heads.is_multiple_of(mesh.tp) {
+                errors.push(LayoutError::Mesh(format!(
+                    "vision_config.num_heads ({}) is not divisible by tp ({}); the vision tower splits its heads",
+                    v.num_heads, mesh.tp
+                )));
+            }
+            (0..v.depth).map(|l| (l, l)).collect()
+        }
+        None if tower.is_some() => {
+            errors.push(LayoutError::Config {
+                field: "vision_config".into(),
+                message: "needs `depth`, `num_heads` and `hidden_size`: the release holds a vision tower".into(),
+            });
+            Vec::new()
+        }
+        _ => Vec::new(),
+    };
+
     let (tables, mtp_style) = arch::tables(config.family);
     // Each rule with the layers it applies to: `(megatron layer, release layer)` pairs.
     let decoder_layers: Vec<(u64, u64)> = (0..config.num_layers).map(|l| (l, l)).collect();
@@ -176,14 +206,27 @@ pub fn build_plan(
     for table in tables {
         for r in *table {
             let layers = if r.megatron.starts_with("mtp.layers.{L}.") { &mtp_layers } else { &decoder_layers };
-            rules.push(Placed { rule: *r, mtp: None, layers });
+            rules.push(Placed { rule: *r, mtp: None, layers, prefix: lm_prefix });
             if let Some(style) = mtp_style {
                 if r.megatron.starts_with("decoder.layers.{L}.") {
-                    rules.push(Placed { rule: *r, mtp: Some(style.prefixes()), layers: &mtp_layers });
+                    rules.push(Placed {
+                        rule: *r,
+                        mtp: Some(style.prefixes()),
+                        layers: &mtp_layers,
+                        prefix: lm_prefix,
+                    });
                 }
             }
         }
     }
+    // The tower's rules name their parameters in full; `{L}` is a vision block, or a deepstack
+    // merger (fewer: those the release holds).
+    rules.extend(tower_tables.iter().flat_map(|t| t.iter()).map(|r| Placed {
+        rule: *r,
+        mtp: None,
+        layers: &vision_layers,
+        prefix: "",
+    }));
     let retarget = |s: &str, mtp: Option<(&str, &str)>| -> String {
         match mtp {
             None => s.to_string(),
@@ -194,7 +237,7 @@ pub fn build_plan(
     let experts: Vec<u64> = (0..config.num_experts).collect();
     let mut unconverted = Vec::new();
     let fp8 = Fp8Scales::find(config, &inv, &mut errors);
-    for Placed { rule, mtp, layers } in &rules {
+    for Placed { rule, mtp, layers, prefix } in &rules {
         let megatron_t = retarget(rule.megatron, *mtp);
         let hf_t: Vec<String> = rule.hf.iter().map(|h| retarget(h, *mtp)).collect();
         let guard_t = retarget(rule.guard.unwrap_or(rule.hf[0]), *mtp);
@@ -209,8 +252,7 @@ pub fn build_plan(
                 if inv.get(&guard).is_none() {
                     continue;
                 }
-                let target =
-                    format!("{}{}", arch::megatron_prefix(config.family), fill(&megatron_t, megatron_layer, *expert));
+                let target = format!("{prefix}{}", fill(&megatron_t, megatron_layer, *expert));
                 let mut ids = Vec::new();
                 for h in &hf_t {
                     let name = fill(h, hf_layer, *expert);
@@ -254,19 +296,6 @@ pub fn build_plan(
         }
     }
 
-    // A vision tower that converts: every tensor under its prefix, by name.
-    if let Some((hf_prefix, megatron_prefix)) = arch::vision_tower(config.family) {
-        for (id, src) in sources.iter().enumerate() {
-            let Some(rest) = src.name.strip_prefix(hf_prefix).filter(|_| !consumed[id]) else { continue };
-            consumed[id] = true;
-            let kind = if arch::is_vision_fc1(rest) { Kind::SplitHalves } else { Kind::Copy(TpMode::Replicated) };
-            match draft(config, &inv, kind, &format!("{megatron_prefix}{rest}"), &[id], None, None) {
-                Ok(d) => drafts.push(d),
-                Err(e) => errors.push(e),
-            }
-        }
-    }
-
     // The name index and the FP8 pairs serve drafting only: freed before the plan's tensors are
     // made, when planning holds the most.
     drop(fp8);
@@ -278,7 +307,10 @@ pub fn build_plan(
             continue;
         }
         let norm = normalise(&s.name, config.language_model_prefix);
-        if arch::UNCONVERTED_PREFIXES.iter().any(|p| norm.starts_with(p) || s.name.starts_with(p)) {
+        // A tower that converts leaves nothing of its own unconverted: a tensor its table does
+        // not know is unmapped.
+        let in_tower = tower.is_some_and(|t| s.name.starts_with(t.hf_prefix));
+        if !in_tower && arch::UNCONVERTED_PREFIXES.iter().any(|p| norm.starts_with(p) || s.name.starts_with(p)) {
             unconverted.push(s.name.clone());
         } else {
             unmapped.push(s.name.clone());

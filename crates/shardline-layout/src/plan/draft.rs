@@ -89,6 +89,7 @@ fn draft_as_released(
             (TpMode::Column, one(s, whole(0)))
         }
         Kind::Qkv => (TpMode::Column, one_qkv(config, inv, ids)?),
+        Kind::VisionQkv => (TpMode::Column, vision_qkv(config, inv, ids[0])?),
         Kind::GatedMlp => {
             let (g, u) = (shape(0), shape(1));
             if g != u || g.len() != 2 {
@@ -137,19 +138,6 @@ fn draft_as_released(
                 recipe: vec![RowBlock::transposed(ids[0], first, f, s[2] as u32, 1)],
             };
             (TpMode::Column, vec![sec("_w", e * h * s[2]), sec("_v", e * h * s[2] + f)])
-        }
-        Kind::SplitHalves => {
-            let s = shape(0);
-            if !rows_of(&s).is_multiple_of(2) {
-                return Err(shape_err(inv, ids[0], "an even number of rows".into(), "split in halves"));
-            }
-            let half = rows_of(&s) / 2;
-            let sec = |suffix: &str, first: u64| {
-                let mut shape = s.clone();
-                shape[0] = half;
-                Section { suffix: suffix.into(), shape, recipe: vec![RowBlock::copy(ids[0], first, half)] }
-            };
-            (TpMode::Replicated, vec![sec("_w", 0), sec("_v", half)])
         }
         Kind::GdnInProjQkvz | Kind::GdnInProjSplit | Kind::GdnConv1d => (TpMode::Column, gdn(config, inv, kind, ids)?),
         Kind::Mxfp4GateUp
@@ -233,6 +221,24 @@ fn one_qkv(config: &ModelConfig, inv: &Inventory, ids: &[usize]) -> Result<Vec<S
     let mut shape = vec![rows];
     shape.extend_from_slice(rest);
     Ok(vec![Section { suffix: String::new(), shape, recipe }])
+}
+
+/// A vision tower's fused `[q; k; v]` (`3·Hv` rows, as many key/value heads as query heads) →
+/// per head `[q_h; k_h; v_h]`: `merge_qkv_weights` / `merge_qkv_biases` with one head per group.
+fn vision_qkv(config: &ModelConfig, inv: &Inventory, id: usize) -> Result<Vec<Section>, LayoutError> {
+    let Some(v) = config.vision.as_ref().filter(|v| v.num_heads > 0 && v.hidden_size.is_multiple_of(v.num_heads))
+    else {
+        return Err(shape_err(inv, id, "a tower of `vision_config.num_heads` heads".into(), "vision qkv"));
+    };
+    let (nh, hv) = (v.num_heads, v.hidden_size);
+    let d = hv / nh;
+    let s = inv.shape(id).to_vec();
+    if s.is_empty() || s[0] != 3 * hv || s.len() > 2 || s.get(1).is_some_and(|c| *c != hv) {
+        let expected = if s.len() == 1 { format!("[{}]", 3 * hv) } else { format!("[{}, {hv}]", 3 * hv) };
+        return Err(shape_err(inv, id, expected, "vision qkv: 3 · vision_config.hidden_size rows"));
+    }
+    let recipe = (0..nh).flat_map(|h| [0, hv, 2 * hv].map(|at| RowBlock::copy(id, at + h * d, d))).collect();
+    Ok(vec![Section { suffix: String::new(), shape: s, recipe }])
 }
 
 /// GDN in_proj / conv1d sections in natural head order (layouts.md §2.3–2.4).

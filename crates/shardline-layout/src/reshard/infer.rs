@@ -5,7 +5,7 @@
 //! data parallelism: the result has `cp = 1`.
 
 use super::keys::{classify, ItemKind};
-use super::params::param_layout;
+use super::params::{param_layout, vision_table};
 use super::plan::SourceItem;
 use crate::arch::TpMode;
 use crate::mesh::Mesh;
@@ -17,6 +17,11 @@ pub fn infer_mesh(items: &[SourceItem], rank_of: impl Fn(usize, usize) -> Option
     let (mut tp, mut etp) = (None, None);
     // (expert, rank) of every expert chunk.
     let mut owners: Vec<(u64, u64)> = Vec::new();
+    let kinds: Vec<ItemKind> = items.iter().map(|i| classify(&i.path)).collect();
+    let vision = vision_table(kinds.iter().filter_map(|k| match k {
+        ItemKind::Model { name } => Some(name.as_str()),
+        _ => None,
+    }));
     for (i, item) in items.iter().enumerate() {
         let Some(t) = &item.tensor else { continue };
         for (c, _) in t.chunks.iter().enumerate() {
@@ -24,8 +29,8 @@ pub fn infer_mesh(items: &[SourceItem], rank_of: impl Fn(usize, usize) -> Option
                 world = world.max(r + 1);
             }
         }
-        let ItemKind::Model { name } = classify(&item.path) else { continue };
-        let Some(layout) = param_layout(&name) else { continue };
+        let ItemKind::Model { name } = &kinds[i] else { continue };
+        let Some(layout) = param_layout(name, vision) else { continue };
         if layout.tp_mode == TpMode::Row {
             let split = t.chunks.iter().find(|c| c.numel() > 0).and_then(|c| {
                 let (cols, width) = (t.shape.get(1)?, c.sizes.get(1)?);

@@ -3,7 +3,7 @@
 //! every family — the data `convert` plans from — so resharding knows every parameter `convert`
 //! writes, and nothing is guessed from shapes.
 
-use crate::arch::{self, is_vision_fc1, Kind, TpMode};
+use crate::arch::{self, Kind, TpMode};
 use crate::config::SUPPORTED_MODEL_TYPES;
 
 /// How one parameter key is laid out.
@@ -35,7 +35,7 @@ fn kind_layout(kind: Kind) -> Option<(TpMode, bool, &'static [&'static str], boo
         Vocab => (TpMode::Column, true, &[], false),
         Qkv => (TpMode::Column, false, &[], false),
         GatedMlp | PackedGatedExperts | TransposedGatedExperts => (TpMode::Column, false, GATED, false),
-        SplitHalves => (TpMode::Replicated, false, GATED, false),
+        VisionQkv => (TpMode::Column, false, &[], false),
         GdnInProjQkvz | GdnInProjSplit => (TpMode::Column, false, GDN_IN_PROJ, false),
         GdnConv1d => (TpMode::Column, false, GDN_CONV, false),
         PackedExpertsDown | Mxfp4Down | TransposedDown => (TpMode::Row, false, &[], false),
@@ -70,12 +70,30 @@ fn match_pattern<'n>(pattern: &str, name: &'n str) -> Option<(Option<u64>, &'n s
     Some((expert, rest))
 }
 
+/// The vision-tower tables of the Megatron ViT whose parameters `names` (without the checkpoint
+/// prefix) hold, if any: those of the family that knows every `vision_model.` name (Qwen3-VL's
+/// add deepstack mergers to the ViT Qwen3.5 shares), else of the first that knows a block of
+/// them. A checkpoint without one has no vision parameter a table lays out.
+pub fn vision_table<'a>(names: impl IntoIterator<Item = &'a str>) -> Option<&'static [&'static [arch::Rule]]> {
+    let names: Vec<&str> = names.into_iter().filter(|n| n.starts_with("vision_model.")).collect();
+    let towers: Vec<&'static [&'static [arch::Rule]]> =
+        SUPPORTED_MODEL_TYPES.iter().filter_map(|(_, family)| Some(arch::vision_tower(*family)?.tables)).collect();
+    let rules = |tables: &'static [&'static [arch::Rule]]| tables.iter().flat_map(|t| t.iter());
+    let block = |tables, name: &str| {
+        rules(tables)
+            .any(|r| r.megatron.contains("{L}") && match_pattern(r.megatron, name).is_some_and(|m| m.1.is_empty()))
+    };
+    let known = |tables| names.iter().all(|n| layout_by_rules(rules(tables), n, n).is_some());
+    let with_blocks: Vec<_> = towers.into_iter().filter(|t| names.iter().any(|n| block(t, n))).collect();
+    with_blocks.iter().copied().find(|t| known(t)).or(with_blocks.first().copied())
+}
+
 /// The layout of the Megatron parameter `name` (without the checkpoint prefix), or `None` when
-/// no table of any family names it.
-pub fn param_layout(name: &str) -> Option<ParamLayout> {
+/// no table of any family names it. `vision`: the checkpoint's [`vision_table`].
+pub fn param_layout(name: &str, vision: Option<&'static [&'static [arch::Rule]]>) -> Option<ParamLayout> {
     let name = name.strip_prefix("language_model.").unwrap_or(name);
-    if let Some(rest) = name.strip_prefix("vision_model.") {
-        return Some(vision_layout(rest));
+    if name.starts_with("vision_model.") {
+        return vision.and_then(|tables| layout_by_rules(tables.iter().flat_map(|t| t.iter()), name, name));
     }
     // An MTP layer's transformer layer is a decoder layer.
     let decoder_name;
@@ -86,7 +104,12 @@ pub fn param_layout(name: &str) -> Option<ParamLayout> {
         }
         None => name,
     };
-    for rule in all_rules() {
+    layout_by_rules(all_rules(), name, lookup)
+}
+
+/// The layout the first of `rules` naming `lookup` gives `name`.
+fn layout_by_rules<'r>(rules: impl Iterator<Item = &'r arch::Rule>, name: &str, lookup: &str) -> Option<ParamLayout> {
+    for rule in rules {
         let Some((tp_mode, vocab, suffixes, tp_dependent)) = kind_layout(rule.kind) else { continue };
         let Some((expert, rest)) = match_pattern(rule.megatron, lookup) else { continue };
         let section = if suffixes.is_empty() {
@@ -112,22 +135,6 @@ fn mtp_layer_rest(name: &str) -> Option<&str> {
     rest[digits..].strip_prefix(".transformer_layer.")
 }
 
-/// Vision-tower parameters are replicated; an MLP's fc1 is split in halves `_w`, `_v`.
-fn vision_layout(rest: &str) -> ParamLayout {
-    let split = GATED.iter().enumerate().find_map(|(i, s)| {
-        let fused = rest.strip_suffix(s)?;
-        is_vision_fc1(fused).then_some(i)
-    });
-    let full = format!("vision_model.{rest}");
-    ParamLayout {
-        tp_mode: TpMode::Replicated,
-        vocab: false,
-        expert: None,
-        section: split.map(|i| (full[..full.len() - GATED[i].len()].to_string(), i, GATED)),
-        tp_dependent: false,
-    }
-}
-
 /// Every rule of every family's tables.
 fn all_rules() -> impl Iterator<Item = &'static arch::Rule> {
     SUPPORTED_MODEL_TYPES.iter().flat_map(|(_, family)| arch::tables(*family).0.iter().flat_map(|t| t.iter()))
@@ -145,29 +152,44 @@ mod tests {
 
     #[test]
     fn names_from_every_family_resolve() {
-        let l = param_layout("decoder.layers.3.self_attention.linear_proj.weight").unwrap();
+        let l = param_layout("decoder.layers.3.self_attention.linear_proj.weight", None).unwrap();
         assert_eq!((l.tp_mode, l.vocab, l.expert, l.section), (TpMode::Row, false, None, None));
-        let l = param_layout("embedding.word_embeddings.weight").unwrap();
+        let l = param_layout("embedding.word_embeddings.weight", None).unwrap();
         assert!(l.vocab && l.tp_mode == TpMode::Column);
-        let l = param_layout("decoder.layers.1.mlp.experts.linear_fc1.weight17_v").unwrap();
+        let l = param_layout("decoder.layers.1.mlp.experts.linear_fc1.weight17_v", None).unwrap();
         assert_eq!(l.expert, Some(17));
         assert_eq!(l.section, Some(("decoder.layers.1.mlp.experts.linear_fc1.weight17".into(), 1, GATED)));
-        let l = param_layout("decoder.layers.1.mlp.experts.linear_fc2.weight3").unwrap();
+        let l = param_layout("decoder.layers.1.mlp.experts.linear_fc2.weight3", None).unwrap();
         assert_eq!((l.tp_mode, l.expert), (TpMode::Row, Some(3)));
         // gpt-oss: fc1 fused on disk, its layout depends on the expert-TP size.
-        let l = param_layout("decoder.layers.0.mlp.experts.linear_fc1.weight2").unwrap();
+        let l = param_layout("decoder.layers.0.mlp.experts.linear_fc1.weight2", None).unwrap();
         assert!(l.tp_dependent && l.section.is_none());
-        let l = param_layout("decoder.layers.0.self_attention.linear_kv_down_proj.weight").unwrap();
+        let l = param_layout("decoder.layers.0.self_attention.linear_kv_down_proj.weight", None).unwrap();
         assert_eq!(l.tp_mode, TpMode::Replicated);
-        let l = param_layout("decoder.layers.0.self_attention.in_proj.weight.beta").unwrap();
+        let l = param_layout("decoder.layers.0.self_attention.in_proj.weight.beta", None).unwrap();
         assert_eq!(l.section.map(|s| s.1), Some(4));
-        let l = param_layout("mtp.layers.0.transformer_layer.mlp.linear_fc1.weight_w").unwrap();
+        let l = param_layout("mtp.layers.0.transformer_layer.mlp.linear_fc1.weight_w", None).unwrap();
         assert_eq!(l.section.map(|s| s.0), Some("mtp.layers.0.transformer_layer.mlp.linear_fc1.weight".into()));
-        let l = param_layout("language_model.decoder.layers.0.mlp.router.weight").unwrap();
+        let l = param_layout("language_model.decoder.layers.0.mlp.router.weight", None).unwrap();
         assert_eq!(l.tp_mode, TpMode::Replicated);
-        let l = param_layout("vision_model.blocks.2.mlp.linear_fc1.bias_v").unwrap();
-        assert_eq!(l.section.map(|s| (s.0, s.1)), Some(("vision_model.blocks.2.mlp.linear_fc1.bias".into(), 1)));
-        assert!(param_layout("decoder.layers.0.mystery.weight").is_none());
-        assert!(param_layout("decoder.layers.0.mlp.linear_fc1.weight_x").is_none());
+        assert!(param_layout("decoder.layers.0.mystery.weight", None).is_none());
+        // A vision parameter is laid out by the Megatron ViT the checkpoint's block names show:
+        // TP-split, the GELU fc1 whole. Qwen3-VL's deepstack mergers pick its tables over Qwen3.5's.
+        let fc1 = "vision_model.merger.linear_fc1.weight";
+        assert!(param_layout(fc1, None).is_none());
+        let vit =
+            vision_table(["language_model.output_layer.weight", "vision_model.decoder.layers.4.mlp.linear_fc1.bias"]);
+        assert!(vit.is_some());
+        assert_eq!(param_layout(fc1, vit).unwrap().tp_mode, TpMode::Column);
+        let l = param_layout("vision_model.decoder.layers.0.mlp.linear_fc1.weight", vit).unwrap();
+        assert_eq!((l.tp_mode, l.section), (TpMode::Column, None), "a GELU fc1 stays whole");
+        let l = param_layout("vision_model.decoder.layers.0.self_attention.linear_proj.bias", vit).unwrap();
+        assert_eq!(l.tp_mode, TpMode::Replicated);
+        let deepstack = "vision_model.decoder.deepstack_merger_list.1.linear_fc2.weight";
+        let vl = vision_table(["vision_model.decoder.layers.0.mlp.linear_fc1.bias", deepstack]);
+        assert_eq!(param_layout(deepstack, vl).unwrap().tp_mode, TpMode::Row);
+        assert!(param_layout("vision_model.blocks.0.attn.qkv.weight", vl).is_none());
+        assert_eq!(vision_table(["vision_model.blocks.0.attn.qkv.weight", fc1]), None);
+        assert!(param_layout("decoder.layers.0.mlp.linear_fc1.weight_x", None).is_none());
     }
 }

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::boxes::{check_tiling, ChunkBox};
 use super::keys::{classify, flat_key, rng_rank_part, ItemKind, PathElem};
-use super::params::{is_buffer, param_layout, ParamLayout};
+use super::params::{is_buffer, param_layout, vision_table, ParamLayout};
 use super::ReshardError;
 use crate::arch::TpMode;
 use crate::dtype::DType;
@@ -130,6 +130,10 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
     let mut errors: Vec<ReshardError> = mesh.check().into_iter().map(|e| ReshardError::Mesh(e.to_string())).collect();
     let mut notes = Vec::new();
     let kinds: Vec<ItemKind> = items.iter().map(|i| classify(&i.path)).collect();
+    let vision = vision_table(kinds.iter().filter_map(|k| match k {
+        ItemKind::Model { name } | ItemKind::OptimizerState { name, .. } => Some(name.as_str()),
+        _ => None,
+    }));
 
     // Every tensor must tile its global shape before anything is read from it.
     for item in items {
@@ -182,7 +186,7 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
         };
         match kind {
             ItemKind::Model { name } if is_buffer(name) && !with_states.contains(name.as_str()) => plain.push(i),
-            ItemKind::Model { name } => match param_layout(name) {
+            ItemKind::Model { name } => match param_layout(name, vision) {
                 Some(layout) => tiled.push(Tiled { item: i, name: name.clone(), layout, state: None }),
                 None => *unknown_params.entry(pattern_of(name)).or_default() += 1,
             },
@@ -197,7 +201,7 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
                         continue;
                     }
                 }
-                match param_layout(name) {
+                match param_layout(name, vision) {
                     Some(layout) => {
                         tiled.push(Tiled { item: i, name: name.clone(), layout, state: Some(state.clone()) })
                     }

@@ -102,11 +102,13 @@ impl Linter<'_> {
                         self.push(diag.with_hint(hint));
                     }
                 }
-                StepKind::CheckpointValidate | StepKind::StoreUpload if !up.has_shard => {
-                    let what = if kind == StepKind::CheckpointValidate {
-                        "there is no checkpoint to validate"
-                    } else {
-                        "there is nothing to upload"
+                StepKind::CheckpointValidate | StepKind::CheckpointExport | StepKind::StoreUpload
+                    if !(up.has_checkpoint || (kind == StepKind::StoreUpload && up.has_export)) =>
+                {
+                    let what = match kind {
+                        StepKind::CheckpointValidate => "there is no checkpoint to validate",
+                        StepKind::CheckpointExport => "there is no checkpoint to export",
+                        _ => "there is nothing to upload",
                     };
                     let diag = self.at(
                         needs_span,
@@ -119,6 +121,54 @@ impl Linter<'_> {
                         None => "add a `megatron.shard` step and list it (or the step after it) in `needs`".to_string(),
                     };
                     self.push(diag.with_hint(hint));
+                }
+                StepKind::CheckpointValidate if up.downloads.is_empty() => {
+                    let diag = self.at(
+                        needs_span,
+                        &needs_path,
+                        "missing-upstream",
+                        format!(
+                            "`checkpoint.validate` step `{id}` has no upstream `hf.download` step: there is no release \
+                             to compare the checkpoint with"
+                        ),
+                    );
+                    self.push(diag.with_hint(
+                        "validate a checkpoint sharded from a release the pipeline downloads (a `checkpoint.reshard` \
+                         of a `path` has none)",
+                    ));
+                }
+                StepKind::CheckpointReshard if !up.has_checkpoint && !self.written(&base, "path") => {
+                    let diag = self.at(
+                        needs_span,
+                        &needs_path,
+                        "missing-source",
+                        format!(
+                            "`checkpoint.reshard` step `{id}` has no source: no `with.path`, and no upstream step \
+                             writes a checkpoint"
+                        ),
+                    );
+                    let hint = match first_of(StepKind::MegatronSplitFused).or(first_of(StepKind::MegatronShard)) {
+                        Some(s) => format!("set `needs: [{s}]` to reshard its checkpoint, or `with.path` to a checkpoint directory or object-store prefix"),
+                        None => "set `with.path` to a checkpoint directory or an object-store prefix (`s3://bucket/prefix`), \
+                                 or need a `megatron.shard` step"
+                            .to_string(),
+                    };
+                    self.push(diag.with_hint(hint));
+                }
+                StepKind::CheckpointExport if up.downloads.is_empty() && !self.written(&base, "like") => {
+                    let diag = self.at(
+                        needs_span,
+                        &needs_path,
+                        "missing-source",
+                        format!(
+                            "`checkpoint.export` step `{id}` has no release to write the checkpoint as: no `with.like` \
+                             and no upstream `hf.download` step"
+                        ),
+                    );
+                    self.push(diag.with_hint(
+                        "set `with.like` to the local HF release the checkpoint came from (its config.json, tokenizer \
+                         files and safetensors headers are read)",
+                    ));
                 }
                 StepKind::MegatronShard if up.downloads.is_empty() => {
                     let diag = self.at(
@@ -156,6 +206,11 @@ impl Linter<'_> {
                 _ => {}
             }
         }
+    }
+
+    /// Whether `with.KEY` of the step at `base` is written (even with a refused value).
+    fn written(&self, base: &str, key: &str) -> bool {
+        self.loc.values.contains_key(&join(&join(base, "with"), key))
     }
 
     /// Reports each dependency cycle once, as the chain in execution order, at the `needs`

@@ -7,10 +7,10 @@
 //! 3. params: types, defaults, `enum`s;
 //! 4. steps: keys, ids, kinds, `needs`, typed `with`/`resources`/`retry`/`timeout`/`cache`;
 //! 5. graph: unknown and duplicate `needs`, cycles (printed as the chain), order rules
-//!    (`split_fused` right after `shard`, a shard upstream of `validate` and `upload`, one
-//!    download upstream of `shard`);
+//!    (`split_fused` right after `shard`, a checkpoint upstream of `validate`, `export` and
+//!    `upload`, one download upstream of `shard`, a source for `reshard` and `export`);
 //! 6. values: every field resolved with the params' defaults (interpolations, types, ranges);
-//! 7. mesh: `Mesh::check` and, when the context can read the source's `config.json`,
+//! 7. mesh (of `shard` and `reshard` steps): `Mesh::check` and, when the context can read the source's `config.json`,
 //!    `check_mesh_for_model`, each violation at its `with.tp`/`with.ep`/… position;
 //! 8. warnings: params that nothing uses.
 //!

@@ -1,0 +1,408 @@
+//! `checkpoint.reshard` and `checkpoint.export`: a checkpoint re-tiled for another mesh, and a
+//! checkpoint's model weights written back as the HF release they came from. The planning both
+//! need beyond the layout crate (the reshard options merged from the step, the checkpoint's
+//! `args` and what the pipeline knows; the export plan from the release's config and headers)
+//! lives here once, and `shardline reshard` / `shardline export` call it too.
+//!
+//! A reshard is written into `<out>.partial` (`.metadata` last) and renamed to `<out>` once
+//! complete; an export is staged beside its directory and renamed by the writer. A killed worker
+//! never leaves a partial output under the name later steps read.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use shardline_control::graph::{ExportJob, ReshardJob, ReshardSource};
+use shardline_control::TaskOutput;
+use shardline_formats::checkpoint::{open_checkpoint, Checkpoint};
+use shardline_formats::safetensors::Release;
+use shardline_formats::training::{
+    rank_of_file, write_export, write_resharded, ExportOptions, TrainingCheckpoint, TrainingError,
+};
+use shardline_layout::export::{plan_export, ExportTensor};
+use shardline_layout::reshard::{infer_mesh, plan_reshard, ReshardOptions, RngPolicy};
+use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, PlanOptions, Role, SourceTensor};
+
+use crate::steps::{parse_mesh, StepContext, StepError};
+
+/// What a reshard knows of its source besides the checkpoint: each `None` when unknown.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReshardHints {
+    pub source_mesh: Option<Mesh>,
+    /// The tokenizer's vocabulary size (unpadded).
+    pub vocab_size: Option<u64>,
+    pub vocab_divisible_by: Option<u64>,
+}
+
+/// The options of a reshard of `source` to `mesh`: each value as `given` says, else as the
+/// checkpoint's `args` say, else as `fallback` says (the vocab divisor, at last, 128).
+pub fn reshard_options(
+    source: &TrainingCheckpoint,
+    mesh: Mesh,
+    rng: RngPolicy,
+    given: ReshardHints,
+    fallback: ReshardHints,
+) -> ReshardOptions {
+    let saved = source.args.clone().unwrap_or_default();
+    ReshardOptions {
+        mesh,
+        source_mesh: given.source_mesh.or(saved.mesh()).or(fallback.source_mesh),
+        vocab_size: given.vocab_size.or(saved.vocab_size).or(fallback.vocab_size),
+        vocab_divisible_by: given
+            .vocab_divisible_by
+            .or(saved.make_vocab_size_divisible_by)
+            .or(fallback.vocab_divisible_by)
+            .unwrap_or(128),
+        num_experts: saved.num_experts,
+        num_query_groups: saved.num_query_groups,
+        rng,
+    }
+}
+
+/// The mesh a checkpoint was saved on, read from its chunk geometry (for a checkpoint without
+/// `args`: TP and expert-TP from how row-parallel weights split, the world from the rank files,
+/// EP from which ranks hold which experts; CP is folded into DP).
+pub fn inferred_mesh(source: &TrainingCheckpoint) -> Option<Mesh> {
+    let rank = |i: usize, c: usize| source.chunks_of(i).get(c).and_then(|s| rank_of_file(&s.file));
+    infer_mesh(&source.items, rank)
+}
+
+/// The expert-TP size a checkpoint was saved with, as its `args` say.
+pub fn saved_etp(dir: &Path) -> Option<u64> {
+    TrainingCheckpoint::open(dir).ok().and_then(|c| c.args).and_then(|a| a.mesh()).map(|m| m.etp)
+}
+
+/// The export plan of `checkpoint` as the release `like`: the release's conversion plan for the
+/// mesh `{tp 1, dp etp, etp}` (global tensors depend on no mesh but for what is fused per
+/// expert-TP rank), inverted against the checkpoint's shapes.
+pub fn export_tensors(
+    checkpoint: &Checkpoint,
+    like: &Path,
+    etp: u64,
+    prefix: &str,
+) -> Result<Vec<ExportTensor>, String> {
+    let release = Release::open(like).map_err(|e| format!("reading release {}: {e}", like.display()))?;
+    let config = ModelConfig::from_json(release.config_json())
+        .map_err(|e| format!("reading {}: {e}", like.join("config.json").display()))?;
+    let sources = release
+        .tensors()
+        .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
+        .collect();
+    let mesh = Mesh { tp: 1, cp: 1, dp: etp, ep: 1, etp };
+    let options = PlanOptions { prefix: prefix.to_string(), vocab_divisible_by: 1, ..PlanOptions::default() };
+    let forward = build_plan(&config, sources, mesh, &options).map_err(|errors| {
+        let list: Vec<String> = errors.iter().map(|e| format!("  - {e}")).collect();
+        format!("cannot plan `{}` for mesh {mesh}:\n{}", config.model_type, list.join("\n"))
+    })?;
+    let violations = validate_plan(&forward, config.num_experts, mesh.ep);
+    if !violations.is_empty() {
+        let list: Vec<String> = violations.iter().take(20).map(|v| format!("  - {v}")).collect();
+        return Err(format!("the plan breaks {} invariant(s):\n{}", violations.len(), list.join("\n")));
+    }
+    let shapes: BTreeMap<String, Vec<u64>> =
+        checkpoint.tensors.iter().map(|t| (t.key.clone(), t.shape.clone())).collect();
+    plan_export(&forward, &shapes).map_err(|errors| {
+        let list: Vec<String> = errors.iter().map(|e| format!("  {e}")).collect();
+        format!("cannot export {} as {}:\n{}", checkpoint.dir.display(), like.display(), list.join("\n"))
+    })
+}
+
+/// Digest of a directory's entries (names, sizes, modification times; symlinks followed): what
+/// the step cache keys of reshards and exports read of their inputs. Cheap, and changes whenever
+/// a file is replaced.
+pub fn dir_digest(dir: &Path) -> Result<String, StepError> {
+    let io = |e: std::io::Error| StepError::transient(format!("{}: {e}", dir.display()));
+    let mut entries: Vec<(String, u64, i64, i64)> = Vec::new();
+    for entry in fs::read_dir(dir).map_err(io)? {
+        let entry = entry.map_err(io)?;
+        let meta = fs::metadata(entry.path()).map_err(io)?;
+        if meta.is_file() {
+            entries.push((
+                entry.file_name().to_string_lossy().into_owned(),
+                meta.len(),
+                meta.mtime(),
+                meta.mtime_nsec(),
+            ));
+        }
+    }
+    entries.sort();
+    let mut h = Sha256::new();
+    h.update(b"shardline directory\0");
+    for (name, len, secs, nanos) in entries {
+        h.update(format!("{name}\0{len}\0{secs}.{nanos}\0").as_bytes());
+    }
+    Ok(hex::encode(h.finalize()))
+}
+
+/// The directory a reshard reads: its `path`, or the directory an earlier task reports.
+pub fn reshard_source_dir(job: &ReshardJob, outputs: &BTreeMap<String, TaskOutput>) -> Result<PathBuf, StepError> {
+    match &job.source {
+        ReshardSource::Local { path } => Ok(path.clone()),
+        ReshardSource::Task { task } => {
+            let out = outputs
+                .get(task)
+                .ok_or_else(|| StepError::transient(format!("output of task `{task}` is not available")))?;
+            out.dir
+                .clone()
+                .or_else(|| out.path.clone())
+                .ok_or_else(|| StepError::fatal(format!("task `{task}` did not report a checkpoint directory")))
+        }
+    }
+}
+
+fn version_key(h: &mut Sha256, what: &str, step_hash: &str) {
+    h.update(what.as_bytes());
+    h.update(b"\0");
+    h.update(env!("CARGO_PKG_VERSION").as_bytes());
+    h.update(b"\0");
+    h.update(step_hash.as_bytes());
+}
+
+/// The step-cache key of a reshard: its fields and what its source directory holds.
+pub fn reshard_cache_key(job: &ReshardJob, source_digest: &str) -> String {
+    let mut h = Sha256::new();
+    version_key(&mut h, "shardline checkpoint.reshard", &job.step_hash);
+    let fields = json!([job.mesh_text(), job.rng, job.vocab_size, job.from_mesh, job.vocab_divisible_by]);
+    h.update(fields.to_string().as_bytes());
+    h.update(source_digest.as_bytes());
+    hex::encode(h.finalize())
+}
+
+/// The step-cache key of an export: its fields, the checkpoint's and the release's directories.
+pub fn export_cache_key(job: &ExportJob, checkpoint_digest: &str, like_digest: &str) -> String {
+    let mut h = Sha256::new();
+    version_key(&mut h, "shardline checkpoint.export", &job.step_hash);
+    h.update(json!([job.etp, job.max_file_size, job.prefix]).to_string().as_bytes());
+    h.update(checkpoint_digest.as_bytes());
+    h.update(b"\0");
+    h.update(like_digest.as_bytes());
+    hex::encode(h.finalize())
+}
+
+/// The release an export reproduces: its `like`, else the upstream download's directory.
+pub fn export_like(job: &ExportJob, outputs: &BTreeMap<String, TaskOutput>) -> Result<PathBuf, StepError> {
+    if let Some(like) = &job.like {
+        return Ok(like.clone());
+    }
+    let task = job.release_task.as_deref().ok_or_else(|| StepError::fatal("no `like` and no upstream download"))?;
+    outputs
+        .get(task)
+        .ok_or_else(|| StepError::transient(format!("output of task `{task}` is not available")))?
+        .path
+        .clone()
+        .ok_or_else(|| StepError::fatal(format!("task `{task}` did not report a source path")))
+}
+
+/// Whether a remembered export still describes a complete HF directory.
+pub fn cached_export_usable(output: &TaskOutput) -> bool {
+    output.dir.as_deref().is_some_and(|d| Release::open(d).is_ok())
+}
+
+fn rng_policy(name: &str) -> Result<RngPolicy, StepError> {
+    match name {
+        "from-rank0" => Ok(RngPolicy::FromRank0),
+        "drop" => Ok(RngPolicy::Drop),
+        other => Err(StepError::fatal(format!("unknown RNG policy `{other}` (from-rank0, drop)"))),
+    }
+}
+
+/// The vocabulary size in a release's `config.json`, when the pipeline downloaded one.
+fn release_vocab(ctx: &StepContext, task: Option<&str>) -> Option<u64> {
+    let dir = ctx.outputs.get(task?)?.path.clone()?;
+    let text = fs::read_to_string(dir.join("config.json")).ok()?;
+    ModelConfig::from_json(&text).ok().map(|c| c.vocab_size)
+}
+
+fn write_error(e: TrainingError) -> StepError {
+    match e {
+        TrainingError::Write(_) => StepError::transient(e.to_string()),
+        other => StepError::fatal(other.to_string()),
+    }
+}
+
+fn staging(out: &Path) -> PathBuf {
+    let mut s = out.as_os_str().to_owned();
+    s.push(".partial");
+    PathBuf::from(s)
+}
+
+fn threads(ctx: &StepContext) -> usize {
+    ctx.cpus.max(1) as usize
+}
+
+/// Runs a `checkpoint.reshard` task.
+pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepError> {
+    let dir = reshard_source_dir(job, ctx.outputs)?;
+    let upstream = match &job.source {
+        ReshardSource::Task { task } => ctx.outputs.get(task),
+        ReshardSource::Local { .. } => None,
+    };
+    if upstream.and_then(|o| o.split_fused) == Some(false) {
+        return Err(StepError::fatal(format!(
+            "{} keeps fused projections (no `megatron.split_fused` step follows its shard step); a reshard reads the \
+             split form Megatron-FSDP saves: add a `megatron.split_fused` step and reshard its output",
+            dir.display()
+        )));
+    }
+    let source = TrainingCheckpoint::open(&dir)
+        .map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
+    let mesh = Mesh { tp: job.tp, cp: job.cp, dp: job.dp, ep: job.ep, etp: job.etp };
+    let given = ReshardHints {
+        source_mesh: match &job.from_mesh {
+            Some(m) => Some(Mesh::parse_assignments(m).map_err(|e| StepError::fatal(format!("from_mesh: {e}")))?),
+            None => None,
+        },
+        vocab_size: job.vocab_size,
+        vocab_divisible_by: None,
+    };
+    let fallback = ReshardHints {
+        // The mesh the upstream step wrote, else the chunk geometry's.
+        source_mesh: upstream.and_then(|o| o.mesh.as_deref()).and_then(parse_mesh).or_else(|| inferred_mesh(&source)),
+        vocab_size: release_vocab(ctx, job.release_task.as_deref()),
+        vocab_divisible_by: job.vocab_divisible_by,
+    };
+    let options = reshard_options(&source, mesh, rng_policy(&job.rng)?, given, fallback);
+    let plan = plan_reshard(&source.items, &options)
+        .map_err(|e| StepError::fatal(format!("cannot reshard {} to {mesh}: {e}", dir.display())))?;
+    for note in &plan.notes {
+        (ctx.log)(format!("warning: {}", note.strip_prefix("warning: ").unwrap_or(note)));
+    }
+    let from = options.source_mesh.map_or_else(|| "unknown".to_string(), |m| m.to_string());
+    let total: u64 = plan.tensors.iter().map(|t| t.out.nbytes()).sum();
+    ctx.bytes_total.store(total, Ordering::Relaxed);
+    let moments = plan.tensors.iter().filter(|t| matches!(t.out.role, Role::OptimizerState { .. })).count();
+    (ctx.log)(format!(
+        "resharding {} ({from}) → {mesh}: {} tensors ({moments} optimizer states), {} bytes items, {total} bytes",
+        dir.display(),
+        plan.tensors.len(),
+        plan.objects.len()
+    ));
+    let out = &job.out;
+    let staged = staging(out);
+    let io = |p: &Path, e: std::io::Error| StepError::transient(format!("{}: {e}", p.display()));
+    let mut file_bytes = None;
+    if out.exists() && open_checkpoint(out).is_ok() && !staged.exists() {
+        // A previous attempt renamed its output into place and then lost its lease.
+        (ctx.log)("already written by a previous attempt".into());
+    } else {
+        if staged.exists() {
+            fs::remove_dir_all(&staged).map_err(|e| io(&staged, e))?;
+        }
+        if let Some(parent) = staged.parent() {
+            fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
+        }
+        let report = write_resharded(&source, &plan, &staged, threads(ctx), true, ctx.progress).map_err(write_error)?;
+        if !report.args_missing.is_empty() {
+            (ctx.log)(format!("warning: `args` has no {}; left as they were", report.args_missing.join(", ")));
+        }
+        if out.exists() {
+            fs::remove_dir_all(out).map_err(|e| io(out, e))?;
+        }
+        fs::rename(&staged, out).map_err(|e| io(out, e))?;
+        if let Some(parent) = out.parent() {
+            if let Ok(d) = fs::File::open(parent) {
+                let _ = d.sync_all();
+            }
+        }
+        file_bytes = Some(report.file_bytes);
+    }
+    let bytes = match file_bytes {
+        Some(b) => b,
+        None => dir_bytes(out),
+    };
+    ctx.progress.bytes_written.store(total, Ordering::Relaxed);
+    (ctx.log)(format!("resharded into {} ({} rank files, {bytes} bytes)", out.display(), mesh.world()));
+    // What a publish of this checkpoint records as its source when the pipeline downloaded none.
+    let source_record = match (&job.source, upstream) {
+        (ReshardSource::Local { path }, _) => json!({"kind": "checkpoint.reshard", "path": path}),
+        (ReshardSource::Task { .. }, Some(o)) => match o.source.clone() {
+            Some(mut s) => {
+                if let Some(m) = s.as_object_mut() {
+                    m.insert("kind".into(), json!("checkpoint.reshard"));
+                }
+                s
+            }
+            None => json!({"kind": "checkpoint.reshard", "checkpoint": dir}),
+        },
+        (ReshardSource::Task { .. }, None) => Value::Null,
+    };
+    Ok(TaskOutput {
+        dir: Some(out.clone()),
+        mesh: Some(mesh.to_string()),
+        world: Some(mesh.world()),
+        keys: Some(plan.tensors.len() as u64),
+        bytes: Some(bytes),
+        split_fused: Some(true),
+        source: (!source_record.is_null()).then_some(source_record),
+        ..TaskOutput::default()
+    }
+    .with("format", json!("dcp"))
+    .with("from", json!(from))
+    .with("optimizer_states", json!(moments))
+    .with("notes", json!(plan.notes)))
+}
+
+fn dir_bytes(dir: &Path) -> u64 {
+    fs::read_dir(dir)
+        .map(|rd| rd.filter_map(Result::ok).filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum())
+        .unwrap_or(0)
+}
+
+/// Runs a `checkpoint.export` task.
+pub fn export(job: &ExportJob, ctx: &StepContext) -> Result<TaskOutput, StepError> {
+    let upstream = ctx
+        .outputs
+        .get(&job.checkpoint_task)
+        .ok_or_else(|| StepError::transient(format!("output of task `{}` is not available", job.checkpoint_task)))?;
+    let dir = upstream.dir.clone().ok_or_else(|| {
+        StepError::fatal(format!("task `{}` did not report a checkpoint directory", job.checkpoint_task))
+    })?;
+    let like = export_like(job, ctx.outputs)?;
+    let etp = job
+        .etp
+        .or_else(|| saved_etp(&dir))
+        .or_else(|| upstream.mesh.as_deref().and_then(parse_mesh).map(|m| m.etp))
+        .unwrap_or(1);
+    let checkpoint =
+        open_checkpoint(&dir).map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
+    let tensors = export_tensors(&checkpoint, &like, etp, &job.prefix).map_err(StepError::fatal)?;
+    let total: u64 = tensors.iter().map(|t| t.shape.iter().product::<u64>() * t.dtype.size() as u64).sum();
+    ctx.bytes_total.store(total, Ordering::Relaxed);
+    (ctx.log)(format!(
+        "exporting {} as {} (etp {etp}): {} tensors, {total} bytes, files of at most {} bytes",
+        dir.display(),
+        like.display(),
+        tensors.len(),
+        job.max_file_size
+    ));
+    if let Some(parent) = job.out.parent() {
+        fs::create_dir_all(parent).map_err(|e| StepError::transient(format!("{}: {e}", parent.display())))?;
+    }
+    let options = ExportOptions { max_file_bytes: job.max_file_size, threads: threads(ctx), overwrite: true };
+    let report = write_export(&checkpoint, &tensors, &like, &job.out, &options, ctx.progress).map_err(write_error)?;
+    (ctx.log)(format!(
+        "exported {} tensors, {} bytes in {} file(s) into {}; copied from the release: {}",
+        report.tensors,
+        report.bytes,
+        report.files.len(),
+        job.out.display(),
+        if report.copied.is_empty() { "nothing".to_string() } else { report.copied.join(", ") }
+    ));
+    Ok(TaskOutput {
+        dir: Some(job.out.clone()),
+        bytes: Some(report.bytes),
+        files: Some(report.files.len() as u64),
+        keys: Some(report.tensors as u64),
+        source: upstream.source.clone(),
+        ..TaskOutput::default()
+    }
+    .with("format", json!("hf"))
+    .with("like", json!(like))
+    .with("etp", json!(etp))
+    .with("weights", json!(report.files))
+    .with("copied", json!(report.copied)))
+}
