@@ -10,6 +10,7 @@ mod object_source;
 mod orchestrator;
 mod pipeline_steps;
 mod reshard;
+mod startup;
 mod triggers;
 
 use std::path::{Path, PathBuf};

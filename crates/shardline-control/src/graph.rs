@@ -246,6 +246,7 @@ fn base(step: &ResolvedStep, name: String, kind: &str, needs: Vec<String>, paylo
         resources: resources(step),
         payload: serde_json::to_value(&payload).unwrap_or(serde_json::Value::Null),
         max_attempts: step.retry.attempts.max(1),
+        max_lost: step.retry.lost.max(1),
         backoff: step.retry.backoff,
         timeout: step.timeout,
         cache_key: None,

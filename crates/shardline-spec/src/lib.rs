@@ -46,8 +46,17 @@
 //! | `store.upload` | `to` (required): a `file://`, `s3://`, `gs://` or `az://` URL, or an absolute path; uploads the nearest upstream checkpoint or export |
 //!
 //! `resources` = `{cpus: 1, memory: 1GiB, gpus: 0, scratch: 0}`, `retry` =
-//! `{attempts: 3, backoff: 5s}` (base of an exponential backoff with jitter), `timeout` = `6h`,
-//! `cache` = `true`. Values of `with`, `resources`, `retry`, `timeout` and `cache` may
+//! `{attempts: 3, lost: 10, backoff: 5s}`, `timeout` = `6h`, `cache` = `true`. The retry
+//! settings are two budgets and a delay:
+//!
+//! | `retry` field | default | what it bounds |
+//! |---|---|---|
+//! | `attempts` | 3 | tries that fail — the task's own error or its `timeout` — the first try included; the one that reaches it fails the task ("failed after 3 attempts") |
+//! | `lost` | 10 | lost leases — the worker died, was preempted or lost the store, and its lease expired; the one that reaches it fails the task ("worker lost 10 times"); lost leases never spend `attempts` |
+//! | `backoff` | `5s` | base of the exponential backoff with jitter before a retry; it doubles with each failure of the same budget |
+//!
+//! All three are part of the step's hash; `lost` at its default leaves the hash as it was before
+//! the field existed. Values of `with`, `resources`, `retry`, `timeout` and `cache` may
 //! interpolate `${{ params.NAME }}` and `${{ run.id }}`: as the whole value (the param's type
 //! must fit the field), or inside string, path and URL values.
 //!
@@ -86,7 +95,7 @@ pub use lint::{lint, LintContext};
 pub use model::{
     CheckpointSource, DownloadSource, Location, OutputFormatName, ParamSpec, ParamType, ParamValue, Pipeline,
     ResolvedPipeline, ResolvedStep, Resources, Retry, RngPolicyName, SpecValue, StepConfig, StepKind, StepSpec,
-    UnknownOutputFormat, UnknownParamType, UnknownStepKind, API_VERSION, KIND,
+    UnknownOutputFormat, UnknownParamType, UnknownStepKind, API_VERSION, DEFAULT_LOST, KIND,
 };
 pub use outline::{PipelineOutline, SourceOutline, StepOutline};
 pub use resolve::{parse_override, OverrideSyntaxError};

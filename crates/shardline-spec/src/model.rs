@@ -321,7 +321,7 @@ pub struct StepSpec {
     pub with: BTreeMap<String, SpecValue>,
     /// `resources` fields as written: `cpus`, `memory`, `gpus`, `scratch`.
     pub resources: BTreeMap<String, SpecValue>,
-    /// `retry` fields as written: `attempts`, `backoff`.
+    /// `retry` fields as written: `attempts`, `lost`, `backoff`.
     pub retry: BTreeMap<String, SpecValue>,
     pub timeout: Option<SpecValue>,
     pub cache: Option<SpecValue>,
@@ -430,18 +430,35 @@ impl Default for Resources {
     }
 }
 
-/// Retry policy: at most `attempts` tries (the first included), waiting an exponential backoff
-/// with jitter whose base is `backoff`.
+/// How many lost leases a step's task may have unless its `retry.lost` says otherwise.
+pub const DEFAULT_LOST: u32 = 10;
+
+/// Retry policy, with two budgets: at most `attempts` tries that fail (the task's error or
+/// timeout; the first try included), and at most `lost` leases lost (the worker running it died,
+/// was preempted or lost the store, so its lease expired). Each retry waits an exponential
+/// backoff with jitter whose base is `backoff`, doubling with its own budget's count.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Retry {
     pub attempts: u32,
+    /// Left out of the serialized form at its default, so that specs written before it existed
+    /// keep their hashes (and their step cache keys); read back as the default when absent.
+    #[serde(default = "default_lost", skip_serializing_if = "is_default_lost")]
+    pub lost: u32,
     pub backoff: Duration,
 }
 
+fn default_lost() -> u32 {
+    DEFAULT_LOST
+}
+
+fn is_default_lost(lost: &u32) -> bool {
+    *lost == DEFAULT_LOST
+}
+
 impl Default for Retry {
-    /// `{attempts: 3, backoff: 5s}`
+    /// `{attempts: 3, lost: 10, backoff: 5s}`
     fn default() -> Retry {
-        Retry { attempts: 3, backoff: Duration::from_secs(5) }
+        Retry { attempts: 3, lost: DEFAULT_LOST, backoff: Duration::from_secs(5) }
     }
 }
 

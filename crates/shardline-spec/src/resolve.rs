@@ -376,7 +376,11 @@ pub(crate) fn resolve_step(
             gpus: u32::try_from(uint(&r, "gpus")).unwrap_or(u32::MAX),
             scratch_bytes: uint(&r, "scratch"),
         },
-        retry: Retry { attempts: u32::try_from(uint(&rt, "attempts")).unwrap_or(u32::MAX), backoff },
+        retry: Retry {
+            attempts: u32::try_from(uint(&rt, "attempts")).unwrap_or(u32::MAX),
+            lost: u32::try_from(uint(&rt, "lost")).unwrap_or(u32::MAX),
+            backoff,
+        },
         timeout,
         cache,
     })

@@ -207,6 +207,7 @@ pub(crate) const RESOURCES: &[Field] = &[
 
 pub(crate) const RETRY: &[Field] = &[
     field("attempts", U32_POSITIVE, FieldDefault::UInt(3)),
+    field("lost", U32_POSITIVE, FieldDefault::UInt(crate::model::DEFAULT_LOST as u64)),
     field("backoff", FieldType::Duration { positive: false }, FieldDefault::DurationSecs(5)),
 ];
 

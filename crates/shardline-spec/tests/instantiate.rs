@@ -72,7 +72,7 @@ fn defaults_fill_every_field() {
         }
     );
     assert_eq!(download.resources, Resources { cpus: 1, memory_bytes: 1 << 30, gpus: 0, scratch_bytes: 0 });
-    assert_eq!(download.retry, Retry { attempts: 3, backoff: Duration::from_secs(5) });
+    assert_eq!(download.retry, Retry { attempts: 3, lost: 10, backoff: Duration::from_secs(5) });
     assert_eq!(download.timeout, Duration::from_secs(6 * 3600));
     assert!(download.cache);
     let shard = run.step("shard").unwrap();
@@ -92,7 +92,7 @@ fn defaults_fill_every_field() {
         }
     );
     assert_eq!(shard.resources, Resources { cpus: 2, memory_bytes: 4 << 30, gpus: 0, scratch_bytes: 20 << 30 });
-    assert_eq!(shard.retry, Retry { attempts: 3, backoff: Duration::from_secs(10) });
+    assert_eq!(shard.retry, Retry { attempts: 3, lost: 10, backoff: Duration::from_secs(10) });
     assert_eq!(shard.timeout, Duration::from_secs(7200));
     assert_eq!(run.step("split").unwrap().config, StepConfig::MegatronSplitFused { keep: false });
     assert_eq!(run.step("validate").unwrap().config, StepConfig::CheckpointValidate {});
@@ -495,4 +495,53 @@ fn object_store_sources_resolve_to_urls() {
     let err = pipeline(OBJECT_STORE_SPEC).instantiate(&[("bucket".into(), "".into())], "run-2").unwrap_err();
     let text = format!("{err:?}");
     assert!(text.contains("has no bucket"), "{text}");
+}
+
+/// `retry.lost`: typed, interpolated, in the step's hash — but at its default the hashes are the
+/// ones specs had before the field existed (the pinned spec hash above does not set it).
+#[test]
+fn lost_budget_is_read_hashed_and_defaulted() {
+    let p = pipeline(SPEC);
+    let a = p.instantiate(&[], "run-1").unwrap();
+    let explicit = pipeline(&SPEC.replace(
+        "retry: {attempts: 3, backoff: \"${{ params.backoff }}\"}",
+        "retry: {attempts: 3, lost: 10, backoff: \"${{ params.backoff }}\"}",
+    ))
+    .instantiate(&[], "run-1")
+    .unwrap();
+    assert_eq!(explicit.spec_hash, a.spec_hash, "lost: 10 is the default");
+    assert_eq!(explicit.step_hash("shard"), a.step_hash("shard"));
+
+    let text = SPEC
+        .replace(
+            "  keep: {type: bool, default: false}\n",
+            "  keep: {type: bool, default: false}\n  lost: {type: int, default: 4}\n",
+        )
+        .replace(
+            "retry: {attempts: 3, backoff: \"${{ params.backoff }}\"}",
+            "retry: {attempts: 3, lost: \"${{ params.lost }}\", backoff: \"${{ params.backoff }}\"}",
+        );
+    assert_ne!(text, SPEC);
+    let p4 = pipeline(&text);
+    let b = p4.instantiate(&[], "run-1").unwrap();
+    assert_eq!(b.step("shard").unwrap().retry, Retry { attempts: 3, lost: 4, backoff: Duration::from_secs(10) });
+    assert_eq!(b.step("download").unwrap().retry.lost, 10);
+    assert_ne!(b.spec_hash, a.spec_hash);
+    assert_ne!(b.step_hash("shard"), a.step_hash("shard"), "lost is part of the step's hash");
+    assert_eq!(b.step_hash("download"), a.step_hash("download"));
+    let c = p4.instantiate(&set(&[("lost", "7")]), "run-1").unwrap();
+    assert_eq!(c.step("shard").unwrap().retry.lost, 7);
+    assert_ne!(c.step_hash("shard"), b.step_hash("shard"));
+    let zero = errors(&p4, &[("lost", "0")], "run-1", &text);
+    assert!(zero.contains("`lost`: must be at least 1, found 0"), "{zero}");
+
+    // A resolved pipeline stored before the field existed reads back with the default.
+    let mut stored = serde_json::to_value(&a).unwrap();
+    assert!(stored.to_string().find("\"lost\"").is_none(), "the default is not written: {stored}");
+    stored["steps"][1]["retry"] = serde_json::json!({"attempts": 2, "backoff": {"secs": 1, "nanos": 0}});
+    let old: ResolvedPipeline = serde_json::from_value(stored).unwrap();
+    assert_eq!(old.steps[1].retry, Retry { attempts: 2, lost: 10, backoff: Duration::from_secs(1) });
+    let written = serde_json::to_value(&b).unwrap();
+    let back: ResolvedPipeline = serde_json::from_value(written).unwrap();
+    assert_eq!(back.step("shard").unwrap().retry.lost, 4);
 }

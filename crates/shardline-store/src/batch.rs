@@ -44,6 +44,9 @@ pub(crate) fn prepare(run: RunId, tasks: &[NewTask]) -> Result<Vec<Prepared>> {
         if t.max_attempts == 0 {
             problems.push(format!("task `{name}`: `max_attempts` must be at least 1"));
         }
+        if t.max_lost == 0 {
+            problems.push(format!("task `{name}`: `max_lost` must be at least 1"));
+        }
         let memory = i64::try_from(t.resources.memory);
         let scratch = i64::try_from(t.resources.scratch);
         if memory.is_err() || scratch.is_err() {
@@ -70,6 +73,7 @@ pub(crate) fn prepare(run: RunId, tasks: &[NewTask]) -> Result<Vec<Prepared>> {
                 "scratch": scratch.unwrap_or(0),
                 "payload": t.payload,
                 "max_attempts": t.max_attempts,
+                "max_lost": t.max_lost,
                 "backoff_ms": backoff.unwrap_or(0),
                 "timeout_ms": timeout.unwrap_or(0),
                 "cache_key": t.cache_key,

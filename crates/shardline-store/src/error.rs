@@ -28,6 +28,21 @@ pub enum StoreError {
         #[source]
         source: sqlx::migrate::MigrateError,
     },
+    /// Another process held the store's migration lock (it was creating or migrating the store,
+    /// or hangs doing so) for longer than [`StoreOptions::migrate_wait`](crate::StoreOptions).
+    #[error(
+        "gave up after {} waiting for another process to create or migrate the {backend} job store at `{url}` \
+         (it holds the {holder}); if no other shardline process is starting, find the one that holds it",
+        shardline_units::format_duration_human(*waited)
+    )]
+    MigrationLocked {
+        backend: Backend,
+        /// The URL with any password replaced by `***`.
+        url: String,
+        /// What is held: the lock file or the advisory lock.
+        holder: String,
+        waited: std::time::Duration,
+    },
     /// A query failed; `op` is the store operation that issued it.
     #[error("job store `{op}` failed: {source}")]
     Database {

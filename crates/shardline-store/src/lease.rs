@@ -348,8 +348,10 @@ impl Store {
     }
 
     /// Turns leases that ran out (or whose task ran past its timeout) into retries — ready
-    /// after the backoff — or, with no attempts left, into failures ("lease expired after 3
-    /// attempts (last owner gpu-7)") that fail the run. Also finishes runs whose tasks have all
+    /// after the backoff — or, with the budget spent, into failures that fail the run. A lease
+    /// that ran out is a lost worker and draws on the task's `max_lost` ("worker lost 10 times:
+    /// lease expired (last owner gpu-7)"); a timeout is the task's failure and draws on
+    /// `max_attempts`. Also finishes runs whose tasks have all
     /// succeeded (a completion that crashed before doing so). Returns the number of expired
     /// leases handled (at most [`REAP_BATCH`]). Safe to run from several servers at once: on
     /// PostgreSQL one of them works at a time (advisory lock), each lease is handled once.
@@ -423,27 +425,32 @@ impl Store {
             tx.commit().await?;
             return Ok(Reap::Skipped);
         };
-        let made = info.attempt - info.attempt_base;
         let (outcome, error) = if cand.timed_out != 0 {
             (
                 AttemptOutcome::TimedOut,
                 format!(
-                    "timed out after {} (attempt {made}, owner {})",
+                    "timed out after {} (attempt {}, owner {})",
                     format_duration_human(Duration::from_millis(u64::try_from(info.timeout_ms).unwrap_or(0))),
-                    cand.owner
-                ),
-            )
-        } else if made >= info.max_attempts {
-            (
-                AttemptOutcome::Expired,
-                format!(
-                    "lease expired after {made} attempt{} (last owner {})",
-                    if made == 1 { "" } else { "s" },
+                    info.attempt - info.attempt_base,
                     cand.owner
                 ),
             )
         } else {
-            (AttemptOutcome::Expired, format!("lease expired (attempt {made}, owner {})", cand.owner))
+            let lost = info.lost + 1;
+            if lost >= info.max_lost {
+                let times = if lost == 1 { "once".to_string() } else { format!("{lost} times") };
+                (AttemptOutcome::Expired, format!("worker lost {times}: lease expired (last owner {})", cand.owner))
+            } else {
+                (
+                    AttemptOutcome::Expired,
+                    format!(
+                        "worker lost: lease expired (attempt {}, owner {}; lost {lost} of {})",
+                        info.attempt - info.attempt_base,
+                        cand.owner,
+                        info.max_lost
+                    ),
+                )
+            }
         };
         let handled = fail_attempt(&mut c, &info, info.lease_token, outcome, &error, true, true).await?;
         tx.commit().await?;
@@ -475,16 +482,30 @@ struct LeaseInfo {
     attempt: i64,
     attempt_base: i64,
     max_attempts: i64,
+    max_lost: i64,
+    lost: i64,
     backoff_ms: i64,
     timeout_ms: i64,
     lease_token: i64,
 }
 
+impl LeaseInfo {
+    /// What the current attempt would use of its budget if it ended with `kind`: (the attempts
+    /// or lost leases counted then, the budget's size).
+    fn budget(&self, kind: AttemptKind) -> (i64, i64) {
+        let made = self.attempt - self.attempt_base;
+        match kind {
+            AttemptKind::Error => (made - self.lost, self.max_attempts),
+            AttemptKind::Lost => (self.lost + 1, self.max_lost),
+        }
+    }
+}
+
 async fn lease_info(c: &mut Conn<'_>, task: i64) -> Result<Option<LeaseInfo>> {
     Ok(c.opt(
         sql!(
-            "SELECT id, run_id, name, attempt, attempt_base, max_attempts, backoff_ms, timeout_ms, \
-                 lease_token FROM tasks WHERE id = $1"
+            "SELECT id, run_id, name, attempt, attempt_base, max_attempts, max_lost, lost, backoff_ms, \
+                 timeout_ms, lease_token FROM tasks WHERE id = $1"
         ),
         args![task],
     )
@@ -492,9 +513,10 @@ async fn lease_info(c: &mut Conn<'_>, task: i64) -> Result<Option<LeaseInfo>> {
 }
 
 /// Ends the attempt `token` of a leased task with a failure: ready again after a backoff when
-/// `retryable` and attempts are left, else failed along with its run. `only_expired` guards
-/// against a heartbeat that extended the lease since the reaper looked. `None`: the lease was
-/// not current (nothing changed); `Some(ready_now)` otherwise.
+/// `retryable` and the budget of its kind (`outcome.kind()`: errors and timeouts against
+/// `max_attempts`, lost leases against `max_lost`) has room, else failed along with its run.
+/// `only_expired` guards against a heartbeat that extended the lease since the reaper looked.
+/// `None`: the lease was not current (nothing changed); `Some(ready_now)` otherwise.
 async fn fail_attempt(
     c: &mut Conn<'_>,
     info: &LeaseInfo,
@@ -504,20 +526,22 @@ async fn fail_attempt(
     retryable: bool,
     only_expired: bool,
 ) -> Result<Option<bool>> {
-    let made = info.attempt - info.attempt_base;
+    let kind = outcome.kind().unwrap_or(AttemptKind::Error);
+    let (used, budget) = info.budget(kind);
+    let lost = info.lost + i64::from(kind == AttemptKind::Lost);
     let guard = i64::from(only_expired);
-    let retry = retryable && made < info.max_attempts;
+    let retry = retryable && used < budget;
     if retry {
-        let delay = retry_delay(info.backoff_ms, made);
+        let delay = retry_delay(info.backoff_ms, used);
         let n = c
             .exec(
                 sql!(
-                    "UPDATE tasks SET state = 'ready', ready_at = {now} + {ms:$3}, error = $4, \
+                    "UPDATE tasks SET state = 'ready', ready_at = {now} + {ms:$3}, error = $4, lost = $6, \
                          lease_expires_at = NULL, updated_at = {now} \
                      WHERE id = $1 AND lease_token = $2 AND state = 'leased' \
                        AND ($5 = 0 OR lease_expires_at < {now})"
                 ),
-                args![info.id, token, delay, error, guard],
+                args![info.id, token, delay, error, guard, lost],
             )
             .await?;
         if n == 0 {
@@ -537,12 +561,12 @@ async fn fail_attempt(
         let n = c
             .exec(
                 sql!(
-                    "UPDATE tasks SET state = 'failed', error = $3, finished_at = {now}, \
+                    "UPDATE tasks SET state = 'failed', error = $3, lost = $5, finished_at = {now}, \
                          lease_expires_at = NULL, updated_at = {now} \
                      WHERE id = $1 AND lease_token = $2 AND state = 'leased' \
                        AND ($4 = 0 OR lease_expires_at < {now})"
                 ),
-                args![info.id, token, error, guard],
+                args![info.id, token, error, guard, lost],
             )
             .await?;
         if n == 0 {
@@ -550,10 +574,13 @@ async fn fail_attempt(
         }
         end_attempt(c, info.id, token, outcome, error).await?;
         task_events(c, &json!([info.id]), Some(error)).await?;
-        let reason = if outcome == AttemptOutcome::Failed {
-            format!("task `{}` failed after {made} attempt{}: {error}", info.name, if made == 1 { "" } else { "s" })
-        } else {
-            format!("task `{}` failed: {error}", info.name)
+        // Which budget ran out: the attempts ("failed after 3 attempts: …") or the lost leases
+        // (the error says "worker lost 10 times").
+        let reason = match kind {
+            AttemptKind::Error => {
+                format!("task `{}` failed after {used} attempt{}: {error}", info.name, if used == 1 { "" } else { "s" })
+            }
+            AttemptKind::Lost => format!("task `{}` failed: {error}", info.name),
         };
         fail_run(c, info.run_id, &reason).await?;
         Ok(Some(false))
@@ -561,9 +588,13 @@ async fn fail_attempt(
 }
 
 async fn end_attempt(c: &mut Conn<'_>, task: i64, token: i64, outcome: AttemptOutcome, error: &str) -> Result<()> {
+    let kind = outcome.kind().map(AttemptKind::as_str);
     c.exec(
-        sql!("UPDATE attempts SET ended_at = {now}, outcome = $3, error = $4 WHERE task_id = $1 AND token = $2"),
-        args![task, token, outcome.as_str(), error],
+        sql!(
+            "UPDATE attempts SET ended_at = {now}, outcome = $3, kind = $4, error = $5 \
+             WHERE task_id = $1 AND token = $2"
+        ),
+        args![task, token, outcome.as_str(), kind, error],
     )
     .await?;
     Ok(())

@@ -17,8 +17,8 @@ one:
 - [`Store::heartbeat`] extends the lease (returns `false` once it is lost: stop working);
 - [`Store::complete`] records the outcome (returns `false` for a stale token: discard the work);
 - [`Store::reap_expired`] turns leases nobody extended into retries (with backoff) or failures
-  ("lease expired after 3 attempts (last owner gpu-7)"), so a dead worker never leaves a task or a
-  run "running" for ever.
+  ("worker lost 10 times: lease expired (last owner gpu-7)"), so a dead worker never leaves a
+  task or a run "running" for ever.
 
 Every call is one short transaction; nothing holds a transaction or a row lock while a task
 runs. On PostgreSQL the claim is one statement (`FOR UPDATE SKIP LOCKED`, resource filter in the
@@ -36,7 +36,17 @@ dedicated connection with a jittered poll as fallback. On SQLite writers are ser
   and completion match it, and a completion repeated after a lost reply is recognised from the
   attempt history (`attempts`, keyed by task and token).
 - **Attempts.** `tasks.attempt` counts every lease ever started, so `(task, attempt)` names one
-  attempt for its logs for ever; `retry_run` grants a fresh budget by moving `attempt_base`.
+  attempt for its logs for ever; `retry_run` grants fresh budgets by moving `attempt_base` and
+  zeroing `lost`.
+- **Two retry budgets.** A lease that expired is a lost worker (killed, preempted, cut off from
+  the database), not a fault of the task: it counts against `max_lost` (`tasks.lost`, default
+  [`DEFAULT_MAX_LOST`]); an error the worker reports, or a timeout, counts against
+  `max_attempts`. Each retry waits the backoff of its own budget's count. Every ended attempt
+  records which budget it drew on (`attempts.kind`: [`AttemptKind`]), and a run that fails says
+  which ran out ("failed after 3 attempts: …", "failed: worker lost 10 times: …").
+- **Opening.** Migrations run once, under a lock that works across processes (a lock file next
+  to a SQLite database, an advisory lock on PostgreSQL); openers that find it taken wait for it,
+  at most [`StoreOptions::migrate_wait`] (see [`Store::connect`]).
 - **Readiness and run completion.** A success makes the dependents whose needs have all
   succeeded ready in its own transaction (their rows locked first, their needs read afresh
   after), and counts down the run's `open_tasks`; the run succeeds at zero. A terminal failure
@@ -102,6 +112,7 @@ mod db;
 mod error;
 mod lease;
 mod listings;
+mod open;
 mod read;
 mod records;
 mod runs;
@@ -112,7 +123,6 @@ mod triggers;
 mod types;
 
 use std::future::Future;
-use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -120,14 +130,14 @@ use std::time::Duration;
 use rand::Rng;
 use shardline_backoff::Backoff;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 pub use error::StoreError;
 pub use lease::{MAX_BACKOFF, REAP_BATCH};
 pub use listings::{LeasedTask, PipelineSummary, PipelineVersion};
+pub use open::{sqlite_lock_path, MIGRATE_LOCK, SQLITE_LOCK_SUFFIX};
 pub use read::{MAX_LOG_LINE, MAX_PAGE};
 pub use tokens::TokenRow;
 pub use triggers::{FiringClaim, FiringRecord, NewTrigger, TriggerCheck, TriggerRecord, TriggerState};
@@ -143,8 +153,8 @@ pub const PG_CHANNEL: &str = "shardline_work";
 /// The embedded default: a SQLite file under `./.shardline/`.
 pub const DEFAULT_SQLITE_URL: &str = "sqlite://.shardline/shardline.db";
 
-static PG_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/postgres");
-static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/sqlite");
+pub(crate) static PG_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/postgres");
+pub(crate) static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/sqlite");
 
 /// How [`Store::connect_with`] sizes its pool.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -156,11 +166,19 @@ pub struct StoreOptions {
     /// How long a call waits for a pooled connection before failing with a transient error.
     /// By default 30 s.
     pub acquire_timeout: Duration,
+    /// How long opening waits for another process that is creating or migrating the same store
+    /// (it holds the migration lock) before failing with [`StoreError::MigrationLocked`].
+    /// By default 5 minutes.
+    pub migrate_wait: Duration,
 }
 
 impl Default for StoreOptions {
     fn default() -> StoreOptions {
-        StoreOptions { max_connections: None, acquire_timeout: Duration::from_secs(30) }
+        StoreOptions {
+            max_connections: None,
+            acquire_timeout: Duration::from_secs(30),
+            migrate_wait: Duration::from_secs(300),
+        }
     }
 }
 
@@ -224,6 +242,9 @@ impl Wake {
 impl Store {
     /// Connects to `postgres://…`/`postgresql://…`, `sqlite://PATH` (created with its parent
     /// directory when missing) or `sqlite::memory:`, and applies the embedded migrations.
+    /// Any number of processes may do so at once, on a new store or an old one: one of them
+    /// creates and migrates it under a lock while the others wait for it (see the `open` module:
+    /// `<database>.lock` next to a SQLite file, an advisory lock on PostgreSQL).
     pub async fn connect(url: &str) -> Result<Store, StoreError> {
         Store::connect_with(url, StoreOptions::default()).await
     }
@@ -231,10 +252,10 @@ impl Store {
     /// [`Store::connect`] with pool options.
     pub async fn connect_with(url: &str, options: StoreOptions) -> Result<Store, StoreError> {
         let (pool, listen_options) = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            let (pool, opts) = connect_pg(url, &options).await?;
+            let (pool, opts) = open::connect_pg(url, &options).await?;
             (Pool::Pg(pool), Some(opts))
         } else if url.starts_with("sqlite:") {
-            (Pool::Lite(connect_sqlite(url, &options).await?), None)
+            (Pool::Lite(open::connect_sqlite(url, &options).await?), None)
         } else {
             return Err(StoreError::UnsupportedUrl(redact_url(url)));
         };
@@ -398,87 +419,6 @@ async fn listen(pool: PgPool, wake: Arc<Wake>) {
         failures += 1;
         tokio::time::sleep(backoff.delay(failures, 0.0)).await;
     }
-}
-
-async fn connect_pg(url: &str, options: &StoreOptions) -> Result<(PgPool, PgConnectOptions)> {
-    let connect_err = |source| StoreError::Connect { backend: Backend::Postgres, url: redact_url(url), source };
-    let opts = PgConnectOptions::from_str(url).map_err(connect_err)?.options([
-        ("search_path", PG_SCHEMA),
-        // A leaked transaction would hold back vacuum and event publication: end it.
-        ("idle_in_transaction_session_timeout", "60000"),
-    ]);
-    // One direct attempt first: an unreachable server fails the connect at once, not after
-    // the pool's acquire timeout of retries.
-    let probe = PgConnection::connect_with(&opts).await.map_err(connect_err)?;
-    let _ = probe.close().await;
-    let pool = PgPoolOptions::new()
-        // sqlx pings every connection it takes back; a second ping on every acquire would add
-        // a round trip to each call. A connection that died idle (server restart) fails on first
-        // use instead, and idempotent operations are retried on a fresh one (`retrying`).
-        .test_before_acquire(false)
-        .max_connections(options.max_connections.unwrap_or(10).max(1))
-        .acquire_timeout(options.acquire_timeout)
-        .connect_with(opts.clone())
-        .await
-        .map_err(connect_err)?;
-    let exists: Option<(i64,)> = sqlx::query_as("SELECT 1::bigint FROM pg_namespace WHERE nspname = $1")
-        .bind(PG_SCHEMA)
-        .fetch_optional(&pool)
-        .await
-        .map_err(connect_err)?;
-    if exists.is_none() {
-        // Two processes may race here; the loser's error is harmless if the schema exists now.
-        if let Err(e) = sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS {PG_SCHEMA}")).execute(&pool).await {
-            let now: Option<(i64,)> = sqlx::query_as("SELECT 1::bigint FROM pg_namespace WHERE nspname = $1")
-                .bind(PG_SCHEMA)
-                .fetch_optional(&pool)
-                .await
-                .map_err(connect_err)?;
-            if now.is_none() {
-                return Err(connect_err(e));
-            }
-        }
-    }
-    PG_MIGRATOR.run(&pool).await.map_err(|source| StoreError::Migrate { backend: Backend::Postgres, source })?;
-    Ok((pool, opts))
-}
-
-async fn connect_sqlite(url: &str, options: &StoreOptions) -> Result<sqlx::SqlitePool> {
-    let connect_err = |source| StoreError::Connect { backend: Backend::Sqlite, url: url.to_string(), source };
-    let opts = SqliteConnectOptions::from_str(url)
-        .map_err(connect_err)?
-        .create_if_missing(true)
-        .foreign_keys(true)
-        .busy_timeout(Duration::from_secs(30));
-    let in_memory = url.contains(":memory:") || url.contains("mode=memory");
-    let pool = if in_memory {
-        // The database lives as long as its one connection.
-        SqlitePoolOptions::new()
-            .max_connections(1)
-            .min_connections(1)
-            .idle_timeout(None)
-            .max_lifetime(None)
-            .acquire_timeout(options.acquire_timeout)
-            .connect_with(opts)
-            .await
-            .map_err(connect_err)?
-    } else {
-        let path = opts.get_filename().to_path_buf();
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|e| connect_err(sqlx::Error::Io(e)))?;
-        }
-        // One connection by default: SQLite has one writer at a time anyway, and queueing for
-        // the pool is fair where SQLite's busy handler sleeps and retries (seconds-long
-        // outliers with a few writers).
-        SqlitePoolOptions::new()
-            .max_connections(options.max_connections.unwrap_or(1).max(1))
-            .acquire_timeout(options.acquire_timeout)
-            .connect_with(opts.journal_mode(SqliteJournalMode::Wal).synchronous(SqliteSynchronous::Normal))
-            .await
-            .map_err(connect_err)?
-    };
-    SQLITE_MIGRATOR.run(&pool).await.map_err(|source| StoreError::Migrate { backend: Backend::Sqlite, source })?;
-    Ok(pool)
 }
 
 /// A database URL fit to print: the password of its user info replaced by `***`

@@ -137,7 +137,7 @@ impl Store {
                 .all(
                     sql!(
                         "SELECT task_id, run_id, attempt, token, worker_id, worker_name, started_at, \
-                         ended_at, outcome, error FROM attempts WHERE task_id = $1 ORDER BY token"
+                         ended_at, outcome, kind, error FROM attempts WHERE task_id = $1 ORDER BY token"
                     ),
                     args![task.0],
                 )

@@ -15,8 +15,8 @@ use crate::types::*;
 macro_rules! task_cols {
     () => {
         "id, run_id, name, step_id, kind, state, priority, cpus, memory, gpus, scratch, payload, \
-         output, progress, attempt, attempt_base, max_attempts, backoff_ms, timeout_ms, ready_at, \
-         lease_owner, lease_token, leased_at, lease_expires_at, heartbeat_at, cache_key, error, \
+         output, progress, attempt, attempt_base, max_attempts, max_lost, lost, backoff_ms, timeout_ms, \
+         ready_at, lease_owner, lease_token, leased_at, lease_expires_at, heartbeat_at, cache_key, error, \
          created_at, finished_at"
     };
 }
@@ -41,6 +41,8 @@ pub(crate) struct TaskRecord {
     attempt: i64,
     attempt_base: i64,
     max_attempts: i64,
+    max_lost: i64,
+    lost: i64,
     backoff_ms: i64,
     timeout_ms: i64,
     ready_at: Option<DbTime>,
@@ -95,6 +97,8 @@ impl TaskRecord {
             attempt: int(T, "attempt", self.attempt)?,
             attempt_base: int(T, "attempt_base", self.attempt_base)?,
             max_attempts: int(T, "max_attempts", self.max_attempts)?,
+            max_lost: int(T, "max_lost", self.max_lost)?,
+            lost: int(T, "lost", self.lost)?,
             backoff: millis(T, "backoff_ms", self.backoff_ms)?,
             timeout: millis(T, "timeout_ms", self.timeout_ms)?,
             ready_at: self.ready_at.map(|t| t.0),
@@ -169,6 +173,7 @@ pub(crate) struct AttemptRecord {
     started_at: DbTime,
     ended_at: Option<DbTime>,
     outcome: Option<String>,
+    kind: Option<String>,
     error: Option<String>,
 }
 
@@ -184,6 +189,7 @@ impl AttemptRecord {
             started_at: self.started_at.0,
             ended_at: self.ended_at.map(|t| t.0),
             outcome: self.outcome.as_deref().map(|s| parse("attempts", s)).transpose()?,
+            kind: self.kind.as_deref().map(|s| parse("attempts", s)).transpose()?,
             error: self.error,
         })
     }

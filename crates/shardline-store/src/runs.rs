@@ -273,7 +273,8 @@ impl Store {
 
     /// Puts a finished run back to work: its failed and cancelled tasks — and, with
     /// `from_step`, that step's tasks and everything downstream of them — go back to `ready`
-    /// (needs all succeeded) or `blocked`, with outputs cleared and a fresh attempt budget;
+    /// (needs all succeeded) or `blocked`, with outputs cleared and fresh budgets of attempts and
+    /// lost leases;
     /// the run becomes `running` (`queued` if it has no tasks yet). Attempt numbers keep counting, so logs of earlier attempts
     /// stay apart. Fails for a queued or running run, for an unknown step, and when a live
     /// run has taken the run's dedupe key meanwhile.
@@ -336,7 +337,7 @@ impl Store {
                 let ids = json!(reset.iter().map(|(id,)| *id).collect::<Vec<_>>());
                 c.exec(
                     sql!(
-                        "UPDATE tasks SET state = 'blocked', attempt_base = attempt, output = NULL, \
+                        "UPDATE tasks SET state = 'blocked', attempt_base = attempt, lost = 0, output = NULL, \
                          progress = NULL, error = NULL, ready_at = NULL, lease_owner = NULL, \
                          leased_at = NULL, lease_expires_at = NULL, heartbeat_at = NULL, \
                          finished_at = NULL, updated_at = {now} WHERE id IN {ids:$1}"
@@ -469,20 +470,20 @@ async fn add_tasks_tx(c: &mut Conn<'_>, run: RunId, tasks: &[Prepared]) -> Resul
         .all(
             sql!(
                 pg: "INSERT INTO tasks (run_id, name, step_id, kind, state, cpus, memory, gpus, scratch, \
-                         payload, max_attempts, backoff_ms, timeout_ms, cache_key) \
+                         payload, max_attempts, max_lost, backoff_ms, timeout_ms, cache_key) \
                      SELECT $1, v ->> 'name', v ->> 'step_id', v ->> 'kind', 'blocked', \
                          (v ->> 'cpus')::bigint, (v ->> 'memory')::bigint, (v ->> 'gpus')::bigint, \
                          (v ->> 'scratch')::bigint, COALESCE(v -> 'payload', 'null'::jsonb), \
-                         (v ->> 'max_attempts')::bigint, (v ->> 'backoff_ms')::bigint, \
+                         (v ->> 'max_attempts')::bigint, (v ->> 'max_lost')::bigint, (v ->> 'backoff_ms')::bigint, \
                          (v ->> 'timeout_ms')::bigint, v ->> 'cache_key' \
                      FROM jsonb_array_elements($2) WITH ORDINALITY AS x(v, ord) \
                      ORDER BY x.ord RETURNING id, name",
                 lite: "INSERT INTO tasks (run_id, name, step_id, kind, state, cpus, memory, gpus, scratch, \
-                           payload, max_attempts, backoff_ms, timeout_ms, cache_key) \
+                           payload, max_attempts, max_lost, backoff_ms, timeout_ms, cache_key) \
                        SELECT $1, value ->> '$.name', value ->> '$.step_id', value ->> '$.kind', 'blocked', \
                            value ->> '$.cpus', value ->> '$.memory', value ->> '$.gpus', value ->> '$.scratch', \
-                           value -> '$.payload', value ->> '$.max_attempts', value ->> '$.backoff_ms', \
-                           value ->> '$.timeout_ms', value ->> '$.cache_key' \
+                           value -> '$.payload', value ->> '$.max_attempts', value ->> '$.max_lost', \
+                           value ->> '$.backoff_ms', value ->> '$.timeout_ms', value ->> '$.cache_key' \
                        FROM json_each($2) WHERE true ORDER BY key RETURNING id, name"
             ),
             args![run.0, rows],

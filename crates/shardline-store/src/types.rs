@@ -159,6 +159,34 @@ state_enum!(
 );
 
 state_enum!(
+    /// Which retry budget an ended attempt drew on.
+    AttemptKind {
+        /// The task failed: it reported an error or ran past its timeout. Counted against the
+        /// task's `max_attempts`.
+        Error = "error",
+        /// The lease was lost: it expired without a completion because the worker died, hung or
+        /// lost the database. Counted against the task's `max_lost`.
+        Lost = "lost",
+    }
+);
+
+impl AttemptOutcome {
+    /// The budget an attempt that ended this way draws on; `None` for one that succeeded or was
+    /// cancelled.
+    pub fn kind(self) -> Option<AttemptKind> {
+        match self {
+            AttemptOutcome::Failed | AttemptOutcome::TimedOut => Some(AttemptKind::Error),
+            AttemptOutcome::Expired => Some(AttemptKind::Lost),
+            AttemptOutcome::Succeeded | AttemptOutcome::Cancelled => None,
+        }
+    }
+}
+
+/// How many lost leases a task may have by default: workers killed, preempted or cut off from
+/// the database are the infrastructure's failures, not the task's.
+pub const DEFAULT_MAX_LOST: u32 = 10;
+
+state_enum!(
     /// A registered worker's state.
     WorkerState {
         Active = "active",
@@ -227,9 +255,13 @@ pub struct NewTask {
     pub needs: Vec<String>,
     pub resources: Resources,
     pub payload: Value,
-    /// At least 1.
+    /// Attempts that may fail (an error or a timeout), the first included; at least 1.
     pub max_attempts: u32,
-    /// Base retry delay; attempt n waits `backoff · 2^(n-1)` ± 20 %, capped at six hours.
+    /// Lost leases (the lease expired: the worker died, hung or lost the database) the task may
+    /// have; the one that reaches it fails the task. At least 1; by default [`DEFAULT_MAX_LOST`].
+    pub max_lost: u32,
+    /// Base retry delay; retry n of a budget waits `backoff · 2^(n-1)` ± 20 %, capped at six
+    /// hours (failures and lost leases are counted apart).
     pub backoff: Duration,
     /// How long one attempt may hold its lease in all, heartbeats included; zero for no limit.
     pub timeout: Duration,
@@ -246,6 +278,7 @@ impl Default for NewTask {
             resources: Resources::default(),
             payload: Value::Null,
             max_attempts: 1,
+            max_lost: DEFAULT_MAX_LOST,
             backoff: Duration::from_secs(10),
             timeout: Duration::ZERO,
             cache_key: None,
@@ -308,10 +341,13 @@ pub struct TaskRow {
     /// Attempts started so far (1 during the first lease); never reset, so `(task, attempt)`
     /// names one attempt, its logs included.
     pub attempt: i32,
-    /// Attempts started before the last `retry_run`; `attempt - attempt_base` counts against
-    /// `max_attempts`.
+    /// Attempts started before the last `retry_run`; of the attempts since, the lost ones
+    /// (`lost`) count against `max_lost` and the others against `max_attempts`.
     pub attempt_base: i32,
     pub max_attempts: i32,
+    pub max_lost: i32,
+    /// Lost leases since the last `retry_run`.
+    pub lost: i32,
     pub backoff: Duration,
     pub timeout: Duration,
     pub ready_at: Option<DateTime<Utc>>,
@@ -326,6 +362,14 @@ pub struct TaskRow {
     pub error: Option<String>,
     pub created_at: DateTime<Utc>,
     pub finished_at: Option<DateTime<Utc>>,
+}
+
+impl TaskRow {
+    /// Attempts counted against `max_attempts` since the last `retry_run`: those that failed,
+    /// and the running one.
+    pub fn attempts_used(&self) -> i32 {
+        self.attempt - self.attempt_base - self.lost
+    }
 }
 
 /// A granted lease: the task, and the fencing token every later call must carry.
@@ -436,6 +480,9 @@ pub struct AttemptRow {
     pub ended_at: Option<DateTime<Utc>>,
     /// None while the lease is held.
     pub outcome: Option<AttemptOutcome>,
+    /// The budget it drew on: `error` (failed, timed out) or `lost` (lease expired); None while
+    /// it runs and when it succeeded or was cancelled.
+    pub kind: Option<AttemptKind>,
     pub error: Option<String>,
 }
 

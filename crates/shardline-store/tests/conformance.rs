@@ -170,7 +170,8 @@ async fn fencing_refuses_stale_tokens(db: &TestDb) {
 async fn reaper_retries_then_fails(db: &TestDb) {
     let store = db.store().await;
     let run = run(&store).await;
-    let t = NewTask { max_attempts: 2, backoff: Duration::from_millis(100), ..task("flaky", &[]) };
+    // One attempt may fail, two leases may be lost: the lost leases draw on their own budget.
+    let t = NewTask { max_attempts: 1, max_lost: 2, backoff: Duration::from_millis(100), ..task("flaky", &[]) };
     store.add_tasks(run, vec![t, task("other", &[])]).await.expect("add_tasks");
     let w = store.register_worker(cpu_worker("gpu-7")).await.expect("register");
 
@@ -186,7 +187,8 @@ async fn reaper_retries_then_fails(db: &TestDb) {
     let t = store.task(flaky_id).await.expect("task").expect("exists");
     assert_eq!(t.state, TaskState::Ready);
     assert_eq!(t.attempt, 1);
-    assert_eq!(t.error.as_deref(), Some("lease expired (attempt 1, owner gpu-7)"));
+    assert_eq!(t.error.as_deref(), Some("worker lost: lease expired (attempt 1, owner gpu-7; lost 1 of 2)"));
+    assert_eq!((t.lost, t.attempts_used()), (1, 0));
     let wait = t.ready_at.expect("ready_at") - chrono::Utc::now();
     assert!(wait.num_milliseconds() > 20, "backoff puts the retry in the future ({wait})");
     assert!(store
@@ -203,15 +205,18 @@ async fn reaper_retries_then_fails(db: &TestDb) {
     assert_eq!(store.reap_expired().await.expect("reap"), 1);
     let t = store.task(flaky_id).await.expect("task").expect("exists");
     assert_eq!(t.state, TaskState::Failed);
-    assert_eq!(t.error.as_deref(), Some("lease expired after 2 attempts (last owner gpu-7)"));
+    assert_eq!(t.error.as_deref(), Some("worker lost 2 times: lease expired (last owner gpu-7)"));
+    assert_eq!((t.lost, t.attempts_used()), (2, 0));
     let r = store.get_run(run).await.expect("get_run").expect("run");
     assert_eq!(r.state, RunState::Failed);
-    assert_eq!(r.error.as_deref(), Some("task `flaky` failed: lease expired after 2 attempts (last owner gpu-7)"));
+    assert_eq!(r.error.as_deref(), Some("task `flaky` failed: worker lost 2 times: lease expired (last owner gpu-7)"));
     assert_eq!(state_of(&store, run, "other").await, TaskState::Cancelled);
     assert!(!store.heartbeat(&other, TTL, None).await.expect("hb"));
     let attempts = store.task_attempts(flaky_id).await.expect("attempts");
     assert_eq!(attempts.len(), 2);
-    assert!(attempts.iter().all(|a| a.outcome == Some(AttemptOutcome::Expired) && a.ended_at.is_some()));
+    assert!(attempts.iter().all(|a| a.outcome == Some(AttemptOutcome::Expired)
+        && a.kind == Some(AttemptKind::Lost)
+        && a.ended_at.is_some()));
     let other_attempts = store.task_attempts(other.task.id).await.expect("attempts");
     assert_eq!(other_attempts[0].outcome, Some(AttemptOutcome::Cancelled));
 }

@@ -230,9 +230,16 @@ pub struct TaskDto {
     pub output: Option<Value>,
     #[schema(value_type = Option<Object>)]
     pub progress: Option<Value>,
-    /// Attempts started so far.
+    /// Attempts started so far (every lease, lost ones included).
     pub attempt: i32,
+    /// Attempts counted against `max_attempts` since the last retry of the run: those that
+    /// failed (an error or a timeout) and the running one.
+    pub attempts_used: i32,
     pub max_attempts: i32,
+    /// Lost leases (the worker died or lost the store; the lease expired) since the last retry
+    /// of the run, counted against `max_lost`.
+    pub lost: i32,
+    pub max_lost: i32,
     pub backoff_ms: u64,
     /// Zero for no limit.
     pub timeout_ms: u64,
@@ -278,7 +285,10 @@ impl TaskDto {
             output: if full { redact_opt(&t.output) } else { None },
             progress: redact_opt(&t.progress),
             attempt: t.attempt,
+            attempts_used: t.attempts_used(),
             max_attempts: t.max_attempts,
+            lost: t.lost,
+            max_lost: t.max_lost,
             backoff_ms: u64::try_from(t.backoff.as_millis()).unwrap_or(u64::MAX),
             timeout_ms: u64::try_from(t.timeout.as_millis()).unwrap_or(u64::MAX),
             ready_at: t.ready_at,
@@ -357,6 +367,10 @@ pub struct AttemptDto {
     pub ended_at: Option<DateTime<Utc>>,
     /// Absent while the lease is held; else `succeeded`, `failed`, `expired`, `timed_out`, `cancelled`.
     pub outcome: Option<String>,
+    /// The retry budget it drew on: `error` (it failed or timed out: `max_attempts`) or `lost`
+    /// (its lease expired: the worker died or lost the store; `max_lost`). Absent while it runs
+    /// and when it succeeded or was cancelled.
+    pub kind: Option<String>,
     pub error: Option<String>,
 }
 
@@ -371,6 +385,7 @@ impl From<&AttemptRow> for AttemptDto {
             started_at: a.started_at,
             ended_at: a.ended_at,
             outcome: a.outcome.map(|o| o.as_str().into()),
+            kind: a.kind.map(|k| k.as_str().into()),
             error: a.error.as_deref().map(redact_line),
         }
     }

@@ -337,6 +337,8 @@ mod tests {
             attempt: 0,
             attempt_base: 0,
             max_attempts: 1,
+            max_lost: 10,
+            lost: 0,
             backoff: Duration::ZERO,
             timeout: Duration::ZERO,
             ready_at: None,

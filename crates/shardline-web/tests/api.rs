@@ -16,8 +16,8 @@ use shardline_web::auth::revoke_token;
 use shardline_web::{AuthMode, Scope};
 use tower::ServiceExt;
 
-/// A run with three tasks (`a` succeeded with logs, `b` ready, `c` blocked on `b`), a worker,
-/// and secrets in params and payload.
+/// A run with three tasks (`a` succeeded with logs, `b` ready after a lost lease, `c` blocked
+/// on `b`), a worker, and secrets in params and payload.
 async fn seed(store: &Store) -> (RunId, Vec<TaskId>, WorkerId) {
     let p = store.upsert_pipeline("convert", "steps: []", "sha256:0").await.expect("pipeline");
     let (run, _) = store
@@ -38,6 +38,7 @@ async fn seed(store: &Store) -> (RunId, Vec<TaskId>, WorkerId) {
         resources: Resources { cpus: 1, memory: 1 << 20, gpus: 0, scratch: 0 },
         payload: json!({"name": name, "aws_secret_access_key": "abc123"}),
         max_attempts: 2,
+        max_lost: 10,
         backoff: Duration::ZERO,
         timeout: Duration::ZERO,
         cache_key: None,
@@ -66,6 +67,11 @@ async fn seed(store: &Store) -> (RunId, Vec<TaskId>, WorkerId) {
         .complete(&lease, Outcome::Succeeded { output: json!({"files": 2, "token": "x"}) })
         .await
         .expect("complete"));
+    // `b` is leased by a worker that dies: the lease expires and is reaped.
+    let lost = store.claim(worker, &free, Duration::from_millis(50)).await.expect("claim").expect("b to claim");
+    assert_eq!(lost.task.name, "b");
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    assert_eq!(store.reap_expired().await.expect("reap"), 1);
     (run, tasks, worker)
 }
 
@@ -117,6 +123,16 @@ async fn reads(kind: Kind) {
     assert_eq!(v.as_array().map(Vec::len), Some(1));
     assert_eq!((v[0]["outcome"].as_str(), v[0]["worker_name"].as_str()), (Some("succeeded"), Some("cpu-1")));
     assert_eq!(v[0]["worker"], json!(worker.0));
+    assert_eq!(v[0]["kind"], Value::Null, "a success drew on no retry budget");
+
+    // Which budget each attempt drew on, and the task's budgets.
+    let (s, v) = app.get(&format!("/api/v1/tasks/{}/attempts", tasks[1].0)).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v.as_array().map(Vec::len), Some(1));
+    assert_eq!((v[0]["outcome"].as_str(), v[0]["kind"].as_str()), (Some("expired"), Some("lost")), "{v}");
+    let (_, v) = app.get(&format!("/api/v1/tasks/{}", tasks[1].0)).await;
+    let budgets = ["state", "attempt", "attempts_used", "max_attempts", "lost", "max_lost"].map(|k| v[k].clone());
+    assert_eq!(budgets, [json!("ready"), json!(1), json!(0), json!(2), json!(1), json!(10)], "{v}");
 
     let (s, v) = app.get("/api/v1/workers").await;
     assert_eq!(s, StatusCode::OK, "{v}");

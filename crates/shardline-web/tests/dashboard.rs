@@ -29,6 +29,7 @@ fn task(name: &str, step: &str, needs: &[&str], payload: Value, gpus: u32) -> Ne
         resources: Resources { cpus: 1, memory: 1 << 20, gpus, scratch: 0 },
         payload,
         max_attempts: 2,
+        max_lost: 10,
         backoff: Duration::ZERO,
         timeout: Duration::ZERO,
         cache_key: None,

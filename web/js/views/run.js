@@ -148,7 +148,8 @@ export function render(view, [idText], params) {
       h('div', { role: 'cell' }, h('a', { href: `/runs/${id}?task=${t.id}`, 'data-link': true, class: 'task-link' }, t.name)),
       h('div', { role: 'cell' }, t.step_id),
       h('div', { role: 'cell' }, badge(t.state)),
-      h('div', { role: 'cell' }, `${t.attempt}/${t.max_attempts}`),
+      h('div', { role: 'cell', title: 'attempts used of retry.attempts; lost leases of retry.lost' },
+        `${t.attempts_used}/${t.max_attempts}`, t.lost ? h('span', { class: 'muted small' }, ` · ${t.lost}/${t.max_lost} lost`) : ''),
       h('div', { role: 'cell' }, owner, beat),
       h('div', { role: 'cell', class: 'progress' }, progressCell(t)),
       h('div', { role: 'cell', class: t.error ? 'bad' : 'muted' }, t.error || t.reason || ''));

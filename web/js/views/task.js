@@ -1,12 +1,17 @@
-// A task's panel: state, why it waits, resources, attempts (lease owner, heartbeat age,
-// errors) and its logs — read from the store, so they stay after the worker is gone —
-// followed live and searchable.
+// A task's panel: state, why it waits, resources, retry budgets, attempts (lease owner,
+// heartbeat age, which budget each drew on, errors) and its logs — read from the store, so they
+// stay after the worker is gone — followed live and searchable.
 
 import { get } from '../api.js';
 import { h, replace, badge, errorBox } from '../dom.js';
 import { bytes, ago, time } from '../format.js';
 
 const TERMINAL = new Set(['succeeded', 'failed', 'cancelled']);
+// Which retry budget an ended attempt drew on.
+const KIND_TITLES = {
+  error: 'the task failed or timed out: counted against retry.attempts',
+  lost: 'the worker was lost (its lease expired): counted against retry.lost',
+};
 
 export function taskPanel(panel, runId, task, onClose) {
   let stopped = false;
@@ -27,7 +32,7 @@ export function taskPanel(panel, runId, task, onClose) {
     summary,
     h('h3', {}, 'Attempts'),
     h('table', { class: 'grid', 'data-testid': 'attempts' },
-      h('thead', {}, h('tr', {}, ['#', 'Worker', 'Started', 'Ended', 'Outcome', 'Error'].map((c) => h('th', {}, c)))),
+      h('thead', {}, h('tr', {}, ['#', 'Worker', 'Started', 'Ended', 'Outcome', 'Kind', 'Error'].map((c) => h('th', {}, c)))),
       attemptsBody),
     h('div', { class: 'titlebar' }, h('h3', {}, 'Logs ', count),
       h('div', { class: 'filters' }, search, h('label', {}, follow, ' follow'))),
@@ -41,6 +46,7 @@ export function taskPanel(panel, runId, task, onClose) {
       item('Why', t.reason),
       item('Error', t.error),
       item('Step', `${t.step_id} (${t.kind})`),
+      item('Retries', `${t.attempts_used} of ${t.max_attempts} attempts, ${t.lost} of ${t.max_lost} lost leases`),
       item('Needs', `${r.cpus} CPUs, ${bytes(r.memory)} memory, ${r.gpus} GPUs, ${bytes(r.scratch)} scratch`),
       item('Lease', t.state === 'leased' ? `worker ${t.lease_owner}, since ${time(t.leased_at)}, expires ${time(t.lease_expires_at)}` : ''),
       item('Heartbeat', t.heartbeat_at ? ago(t.heartbeat_at) : ''),
@@ -59,8 +65,9 @@ export function taskPanel(panel, runId, task, onClose) {
         h('td', {}, time(a.started_at)),
         h('td', {}, a.ended_at ? time(a.ended_at) : (t.heartbeat_at ? `running, beat ${ago(t.heartbeat_at)}` : 'running')),
         h('td', {}, a.outcome ? badge(a.outcome) : ''),
+        h('td', { 'data-kind': a.kind || '', title: KIND_TITLES[a.kind] || '' }, a.kind || ''),
         h('td', { class: 'bad' }, a.error || ''))));
-      if (!atts.length) attemptsBody.append(h('tr', {}, h('td', { colspan: 6, class: 'muted' }, 'Not started yet.')));
+      if (!atts.length) attemptsBody.append(h('tr', {}, h('td', { colspan: 7, class: 'muted' }, 'Not started yet.')));
     } catch (e) {
       if (!stopped) replace(summary, errorBox(e));
     }

@@ -247,6 +247,9 @@ impl Linter<'_> {
                     "max_attempts" | "retries" | "limit" => {
                         Some("did you mean `attempts`? (it counts the first try)".to_string())
                     }
+                    "lost_leases" | "max_lost" | "lost_workers" | "preempted" | "preemptions" | "infra" => {
+                        Some("did you mean `lost`? (lost leases: workers that died or were cut off)".to_string())
+                    }
                     "delay" | "wait" => Some("did you mean `backoff`?".to_string()),
                     _ => None,
                 },

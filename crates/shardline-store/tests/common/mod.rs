@@ -34,6 +34,7 @@ pub fn task(name: &str, needs: &[&str]) -> NewTask {
         resources: Resources { cpus: 1, memory: 1 << 20, gpus: 0, scratch: 0 },
         payload: json!({ "name": name }),
         max_attempts: 3,
+        max_lost: DEFAULT_MAX_LOST,
         backoff: Duration::ZERO,
         timeout: Duration::ZERO,
         cache_key: None,
