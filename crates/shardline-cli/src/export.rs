@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::json;
 use shardline_engine::checkpoints::{export_tensors, saved_etp};
-use shardline_formats::checkpoint::open_checkpoint;
+use shardline_formats::checkpoint::open_checkpoint_keys;
 use shardline_formats::execute::Progress;
 use shardline_formats::training::{write_export, ExportOptions};
 
@@ -73,8 +73,9 @@ pub fn run_export(args: ExportArgs) -> Result<ExitCode> {
     let max_file_bytes = shardline_units::parse_size_lenient(&args.max_file_size)
         .map_err(|e| anyhow::anyhow!("--max-file-size: {e}"))?;
     let etp = args.etp.or_else(|| saved_etp(&args.ckpt)).unwrap_or(1);
-    let checkpoint =
-        open_checkpoint(&args.ckpt).with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?;
+    // The model's keys only: the optimizer's moments are not exported.
+    let checkpoint = open_checkpoint_keys(&args.ckpt, |k| k.starts_with(args.prefix.as_str()))
+        .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?;
     let tensors = export_tensors(&checkpoint, &like, etp, &args.prefix).map_err(|e| anyhow::anyhow!(e))?;
     let progress = Arc::new(Progress::default());
     let total: u64 = tensors.iter().map(|t| t.shape.iter().product::<u64>() * t.dtype.size() as u64).sum();

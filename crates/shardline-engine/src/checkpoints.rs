@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use shardline_control::graph::{ExportJob, ReshardJob, ReshardSource};
 use shardline_control::TaskOutput;
-use shardline_formats::checkpoint::{open_checkpoint, Checkpoint};
+use shardline_formats::checkpoint::{open_checkpoint, open_checkpoint_keys, Checkpoint};
 use shardline_formats::safetensors::Release;
 use shardline_formats::training::{
     rank_of_file, write_export, write_resharded, ExportOptions, TrainingCheckpoint, TrainingError,
@@ -367,8 +367,9 @@ pub fn export(job: &ExportJob, ctx: &StepContext) -> Result<TaskOutput, StepErro
         .or_else(|| saved_etp(&dir))
         .or_else(|| upstream.mesh.as_deref().and_then(parse_mesh).map(|m| m.etp))
         .unwrap_or(1);
-    let checkpoint =
-        open_checkpoint(&dir).map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
+    // The model's keys only: the optimizer's moments are not exported.
+    let checkpoint = open_checkpoint_keys(&dir, |k| k.starts_with(job.prefix.as_str()))
+        .map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
     let tensors = export_tensors(&checkpoint, &like, etp, &job.prefix).map_err(StepError::fatal)?;
     let total: u64 = tensors.iter().map(|t| t.shape.iter().product::<u64>() * t.dtype.size() as u64).sum();
     ctx.bytes_total.store(total, Ordering::Relaxed);

@@ -97,8 +97,14 @@ fn io_err<'a>(path: &'a Path, action: &'static str) -> impl FnOnce(io::Error) ->
 
 /// Opens the checkpoint in `dir`, locating every chunk's bytes (the bytes themselves are not read).
 pub fn open_checkpoint(dir: &Path) -> Result<Checkpoint, CheckpointError> {
+    open_checkpoint_keys(dir, |_| true)
+}
+
+/// [`open_checkpoint`] of the keys `keep` accepts only (`export` reads the model, not the
+/// optimizer's moments); the others are neither located nor read.
+pub fn open_checkpoint_keys(dir: &Path, keep: impl Fn(&str) -> bool) -> Result<Checkpoint, CheckpointError> {
     if dir.join(".metadata").is_file() {
-        return open_dcp(dir);
+        return open_dcp(dir, &keep);
     }
     let mut files: Vec<String> = fs::read_dir(dir)
         .map_err(io_err(dir, "list checkpoint directory"))?
@@ -121,7 +127,7 @@ fn safe_name(name: &str) -> Result<(), CheckpointError> {
     Ok(())
 }
 
-fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
+fn open_dcp(dir: &Path, keep: &dyn Fn(&str) -> bool) -> Result<Checkpoint, CheckpointError> {
     let md_path = dir.join(".metadata");
     let bytes = fs::read(&md_path).map_err(io_err(&md_path, "read"))?;
     let md = decode_metadata(&bytes).map_err(|source| CheckpointError::Metadata { path: md_path.clone(), source })?;
@@ -163,7 +169,15 @@ fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
     let mut specs = SpecCache::default();
     let mut tensors = Vec::new();
     let mut objects = Vec::new();
+    let mut skipped = 0usize;
     for (key, entry) in &md.state_dict_metadata {
+        if !keep(key) {
+            skipped += match entry {
+                EntryMeta::Tensor { chunks, .. } => chunks.len(),
+                EntryMeta::Bytes => 1,
+            };
+            continue;
+        }
         let EntryMeta::Tensor { dtype, size, chunks } = entry else {
             // A bytes item must load too: its archive and pickle are read strictly.
             let info = storage
@@ -224,7 +238,7 @@ fn open_dcp(dir: &Path) -> Result<Checkpoint, CheckpointError> {
     }
     // Every chunk found its storage item; an item no chunk names is a corruption too.
     let chunks: usize = tensors.iter().map(|t: &StoredTensor| t.chunks.len()).sum();
-    if storage.len() != chunks + objects.len() {
+    if storage.len() != chunks + objects.len() + skipped {
         let extra = storage.keys().find(|(k, off)| match off {
             Some(off) => {
                 !tensors.iter().any(|t: &StoredTensor| t.key == *k && t.chunks.iter().any(|c| c.offsets == *off))

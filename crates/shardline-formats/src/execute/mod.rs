@@ -46,7 +46,7 @@ pub use entry::{commit_checkpoint, write_checkpoint, write_checkpoint_from, writ
 pub(crate) use rank_file::copy_unsupported;
 pub(crate) use sources::stream_chunk;
 pub use sources::SourceMap;
-pub(crate) use threads::for_each_unit;
+pub(crate) use threads::{for_each_unit, run_syncer, SyncJob};
 
 use std::io;
 use std::path::{Path, PathBuf};

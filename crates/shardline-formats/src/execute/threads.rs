@@ -9,17 +9,17 @@ use std::sync::{mpsc, Arc, Mutex};
 use super::*;
 
 /// A request to the sync thread.
-pub(super) struct SyncJob {
-    pub(super) file: Arc<File>,
-    pub(super) path: PathBuf,
+pub(crate) struct SyncJob {
+    pub(crate) file: Arc<File>,
+    pub(crate) path: PathBuf,
     /// The file is complete: `fsync` it (else `fdatasync`, to start writeback early).
-    pub(super) last: bool,
+    pub(crate) last: bool,
 }
 
 /// The sync thread: makes rank files durable while the writer threads go on copying, so no
 /// writer waits on the device. Jobs queued while one runs are merged (a file's latest request
 /// wins). Returns how many files were completely synced, or the first error.
-pub(super) fn run_syncer(jobs: mpsc::Receiver<SyncJob>) -> Result<usize, ExecuteError> {
+pub(crate) fn run_syncer(jobs: mpsc::Receiver<SyncJob>) -> Result<usize, ExecuteError> {
     let mut synced = 0;
     let mut first_error = None;
     while let Ok(job) = jobs.recv() {

@@ -10,13 +10,16 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 
 use shardline_layout::reshard::{runs, ChunkBox, ReshardPlan};
 use shardline_layout::Chunk;
 
 use super::{ItemData, TrainingCheckpoint, TrainingError};
 use crate::dcp_metadata::{EntryRef, MetadataEncoder, StorageRef};
-use crate::execute::{copy_unsupported, dcp_rank_file, for_each_unit, publish_metadata, ExecuteError, Progress};
+use crate::execute::{
+    copy_unsupported, dcp_rank_file, for_each_unit, publish_metadata, run_syncer, ExecuteError, Progress, SyncJob,
+};
 use crate::pickle::set_int_fields;
 use crate::torch_save::{edit_object_archive, TensorArchive, TorchSaveError};
 
@@ -25,6 +28,13 @@ const BUFFER_BYTES: usize = 8 << 20;
 /// Runs of at least this many bytes are copied file to file by the kernel (`copy_file_range`),
 /// as `convert` copies its large segments (see `execute::DEFAULT_COPY_MIN_BYTES`).
 const KERNEL_COPY_MIN: u64 = 64 << 10;
+/// Source bytes between two reads that are read (into scratch) rather than skipped with another
+/// `pread` (as `convert` gathers its reads).
+const MAX_GATHER_GAP: u64 = 8 << 10;
+/// Longest span one gathered read covers.
+const GATHER_SPAN: u64 = 4 << 20;
+/// Bytes of a rank file between two requests to start their writeback.
+const SYNC_EVERY: u64 = 32 << 20;
 
 /// What was written.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -202,20 +212,42 @@ fn write_all(
         }
     }
     let kernel_copy = AtomicBool::new(true);
-    let totals = for_each_unit(world as usize, threads, progress, |rank| {
-        let path = out.join(dcp_rank_file(rank as u64));
-        let w = RankWriter { kernel_copy: &kernel_copy, source, plan, inputs: &inputs, edited, progress };
-        let items: Vec<OutItem> = rank_items(source, plan, edited, rank as u64).collect();
-        let len = w.write(&path, &items)?;
-        let (mut chunks, mut tensor_bytes) = (0, 0);
-        for item in &items {
-            if let OutItem::Chunk { archive, .. } = item {
-                chunks += 1;
-                tensor_bytes += archive.data_len();
+    // A sync thread makes the files durable while the writers go on (as `convert` does).
+    let (sync_tx, sync_rx) = mpsc::channel();
+    let (totals, synced) = std::thread::scope(|s| {
+        let syncer = s.spawn(move || run_syncer(sync_rx));
+        let tx = sync_tx; // dropped when the writers are done, which ends the sync thread
+        let totals = for_each_unit(world as usize, threads, progress, |rank| {
+            let path = out.join(dcp_rank_file(rank as u64));
+            let w =
+                RankWriter { kernel_copy: &kernel_copy, source, plan, inputs: &inputs, edited, progress, syncer: &tx };
+            let items: Vec<OutItem> = rank_items(source, plan, edited, rank as u64).collect();
+            let len = w.write(&path, &items)?;
+            let (mut chunks, mut tensor_bytes) = (0, 0);
+            for item in &items {
+                if let OutItem::Chunk { archive, .. } = item {
+                    chunks += 1;
+                    tensor_bytes += archive.data_len();
+                }
             }
+            Ok(FileTotals { len, chunks, tensor_bytes })
+        });
+        drop(tx);
+        (totals, syncer.join())
+    });
+    let totals = totals?;
+    match synced {
+        Ok(Ok(n)) if n == world as usize => {}
+        Ok(Err(e)) => return Err(e.into()),
+        _ => {
+            return Err(ExecuteError::Io {
+                path: out.to_path_buf(),
+                action: "sync rank files",
+                error: io::Error::other("the sync thread stopped early"),
+            }
+            .into())
         }
-        Ok(FileTotals { len, chunks, tensor_bytes })
-    })?;
+    }
     let tmp = out.join(".metadata.tmp");
     let f = File::create(&tmp).map_err(io_err(&tmp, "create .metadata.tmp"))?;
     let f = write_metadata(source, plan, edited, f).map_err(io_err(&tmp, "write .metadata.tmp"))?;
@@ -281,6 +313,8 @@ fn write_metadata<W: io::Write>(
 
 /// Writes one rank file.
 struct RankWriter<'a> {
+    /// Where a writer asks for its file's writeback as it grows, and its final sync.
+    syncer: &'a mpsc::Sender<SyncJob>,
     /// Cleared for every writer the first time the kernel refuses `copy_file_range`.
     kernel_copy: &'a AtomicBool,
     source: &'a TrainingCheckpoint,
@@ -292,12 +326,19 @@ struct RankWriter<'a> {
 
 impl<'a> RankWriter<'a> {
     fn write(&self, path: &'a Path, items: &[OutItem]) -> Result<u64, ExecuteError> {
-        let file = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)
-            .map_err(io_err(path, "create rank file"))?;
+        let file = Arc::new(
+            OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(path)
+                .map_err(io_err(path, "create rank file"))?,
+        );
+        let sync = |last: bool| {
+            // A closed channel means the sync thread is gone; the commit then fails on the count.
+            let _ = self.syncer.send(SyncJob { file: Arc::clone(&file), path: path.to_path_buf(), last });
+        };
+        let mut sync_requested = 0u64;
         let len = items.last().map_or(0, |i| match i {
             OutItem::Chunk { offset, archive, .. } => offset + archive.total_len(),
             OutItem::Object { offset, length, .. } => offset + length,
@@ -306,6 +347,13 @@ impl<'a> RankWriter<'a> {
         for item in items {
             if self.progress.cancel.load(Ordering::Relaxed) {
                 return Err(ExecuteError::Cancelled);
+            }
+            let at = match item {
+                OutItem::Chunk { offset, .. } | OutItem::Object { offset, .. } => *offset,
+            };
+            if at - sync_requested >= SYNC_EVERY {
+                sync_requested = at;
+                sync(false);
             }
             match item {
                 OutItem::Chunk { tensor, chunk, offset, archive } => {
@@ -336,7 +384,7 @@ impl<'a> RankWriter<'a> {
         // filesystem than filling a sparse file); rows no source holds were skipped and read
         // as zeros, and this makes the length exact even if they were last.
         file.set_len(len).map_err(io_err(path, "size rank file"))?;
-        file.sync_all().map_err(io_err(path, "sync rank file"))?;
+        sync(true);
         self.progress.files_done.fetch_add(1, Ordering::Relaxed);
         Ok(len)
     }
@@ -377,11 +425,22 @@ struct Copier<'a> {
     reads: Vec<(&'a File, u64, usize, usize)>,
     /// `(output offset, buffer start, length)`.
     writes: Vec<(u64, usize, usize)>,
+    /// Gathered reads' spans.
+    scratch: Vec<u8>,
 }
 
 impl<'a> Copier<'a> {
     fn new(out: &'a File, path: &'a Path, kernel_copy: &'a AtomicBool) -> Copier<'a> {
-        Copier { out, path, kernel_copy, buf: vec![0u8; BUFFER_BYTES], fill: 0, reads: Vec::new(), writes: Vec::new() }
+        Copier {
+            out,
+            path,
+            kernel_copy,
+            buf: vec![0u8; BUFFER_BYTES],
+            fill: 0,
+            reads: Vec::new(),
+            writes: Vec::new(),
+            scratch: Vec::new(),
+        }
     }
 
     /// Queues `bytes` to be written at `to`.
@@ -462,13 +521,43 @@ impl<'a> Copier<'a> {
     }
 
     fn flush(&mut self) -> Result<(), ExecuteError> {
-        for (f, off, start, len) in self.reads.drain(..) {
-            f.read_exact_at(&mut self.buf[start..start + len], off).map_err(|error| ExecuteError::Io {
+        // Reads close together in one file are gathered into one read of their span, the bytes
+        // between them landing in scratch: a row-parallel weight re-split for another TP size
+        // is a run per row, and one `pread` per row would cost more than the copy.
+        let reads = std::mem::take(&mut self.reads);
+        let mut i = 0;
+        while i < reads.len() {
+            let (f, first, ..) = reads[i];
+            let mut j = i + 1;
+            let mut end = first + reads[i].3 as u64;
+            while let Some(&(g, off, _, len)) = reads.get(j) {
+                let near = std::ptr::eq(f, g) && off >= end && off - end <= MAX_GATHER_GAP;
+                if !near || off + len as u64 - first > GATHER_SPAN {
+                    break;
+                }
+                end = off + len as u64;
+                j += 1;
+            }
+            let read_err = |error| ExecuteError::Io {
                 path: PathBuf::from("source checkpoint"),
                 action: "read source chunk",
                 error,
-            })?;
+            };
+            if j == i + 1 {
+                let (_, off, start, len) = reads[i];
+                f.read_exact_at(&mut self.buf[start..start + len], off).map_err(read_err)?;
+            } else {
+                self.scratch.resize((end - first) as usize, 0);
+                f.read_exact_at(&mut self.scratch, first).map_err(read_err)?;
+                for &(_, off, start, len) in &reads[i..j] {
+                    let at = (off - first) as usize;
+                    self.buf[start..start + len].copy_from_slice(&self.scratch[at..at + len]);
+                }
+            }
+            i = j;
         }
+        self.reads = reads;
+        self.reads.clear();
         for (off, start, len) in self.writes.drain(..) {
             self.out.write_all_at(&self.buf[start..start + len], off).map_err(io_err(self.path, "write rank file"))?;
         }
