@@ -65,7 +65,6 @@ Key forms (NVIDIA/Megatron-LM at d98e8a64, read for facts; paths relative to the
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import logging
 import os
@@ -82,13 +81,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from harness import Mesh, free_port
+# Reading a checkpoint in one process, re-exported for the tests.
+from training_read import canon, load_full, read_bytes_items, read_item, read_metadata, tensor_keys  # noqa: F401
 
 # torch's DCP logger logs every load at DEBUG; keep it out of pytest's captured logs.
 logging.getLogger("c10d-NullHandler-dcp_logger").setLevel(logging.WARNING)
@@ -452,66 +452,6 @@ def expected_planner_path(key: str) -> tuple:
         return ("rng_state", grid + ")", int(index), *names)
     return (key,)
 
-
-# --------------------------------------------------------------------------------------------
-# Reading a checkpoint in one process (no planner): bytes items, metadata
-# --------------------------------------------------------------------------------------------
-
-def read_metadata(path):
-    return dcp.FileSystemReader(str(path)).read_metadata()
-
-
-def read_item(path, md, fqn: str, offsets=None):
-    index = MetadataIndex(fqn, None if offsets is None else torch.Size(offsets))
-    info = md.storage_data.get(index)
-    if info is None:
-        raise ValueError(f"{path}: {fqn} (offset {offsets}) has no storage_data entry in .metadata; "
-                         f"dcp.load would fail with KeyError {index}")
-    with open(Path(path) / info.relative_path, "rb") as f:
-        f.seek(info.offset)
-        data = f.read(info.length)
-    if getattr(info, "transform_descriptors", None):
-        raise ValueError(f"{fqn}: transforms {info.transform_descriptors} not handled here")
-    return torch.load(io.BytesIO(data), weights_only=False)
-
-
-def read_bytes_items(path) -> dict:
-    """Every BytesStorageMetadata item, unpickled (the way DefaultLoadPlanner.load_bytes does)."""
-    md = read_metadata(path)
-    return {k: read_item(path, md, k) for k, m in md.state_dict_metadata.items()
-            if isinstance(m, BytesStorageMetadata)}
-
-
-def tensor_keys(md) -> dict[str, TensorStorageMetadata]:
-    return {k: m for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
-
-
-def load_full(path, keys: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> dict[str, torch.Tensor]:
-    """dcp.load in this process into full plain tensors (every tensor of the checkpoint by default)."""
-    if keys is None:
-        keys = {k: (tuple(m.size), m.properties.dtype) for k, m in tensor_keys(read_metadata(path)).items()}
-    state = {k: (torch.full(s, float("nan"), dtype=d) if d.is_floating_point else torch.full(s, 77, dtype=d))
-             for k, (s, d) in keys.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)))
-    return state
-
-
-def canon(obj):
-    """A comparable form of a bytes item (numpy arrays and tensors inside tuples/dicts/Namespaces)."""
-    if isinstance(obj, np.ndarray):
-        return ("ndarray", str(obj.dtype), obj.shape, obj.tobytes())
-    if isinstance(obj, torch.Tensor):
-        return ("tensor", str(obj.dtype), tuple(obj.shape), obj.reshape(-1).view(torch.uint8).numpy().tobytes()
-                if obj.numel() else b"")
-    if isinstance(obj, argparse.Namespace):
-        return ("Namespace", canon(vars(obj)))
-    if isinstance(obj, dict):
-        return {k: canon(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return (type(obj).__name__, tuple(canon(v) for v in obj))
-    return obj
 
 
 # --------------------------------------------------------------------------------------------
