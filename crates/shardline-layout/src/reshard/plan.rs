@@ -115,8 +115,9 @@ impl ReshardPlan {
 }
 
 /// A parameter or moment to re-tile: the source item and how its parameter is laid out.
-struct Tiled {
+struct Tiled<'a> {
     item: usize,
+    meta: &'a SourceTensorMeta,
     /// The parameter's name (without prefix).
     name: String,
     layout: ParamLayout,
@@ -162,7 +163,7 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
         })
         .collect();
     let mut tiled: Vec<Tiled> = Vec::new();
-    let mut plain: Vec<usize> = Vec::new();
+    let mut plain: Vec<(usize, &SourceTensorMeta)> = Vec::new();
     let mut unknown_params: BTreeMap<String, usize> = BTreeMap::new();
     let mut rng: BTreeMap<(u64, u64), Vec<usize>> = BTreeMap::new();
     let mut objects = Vec::new();
@@ -185,9 +186,9 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
             continue;
         };
         match kind {
-            ItemKind::Model { name } if is_buffer(name) && !with_states.contains(name.as_str()) => plain.push(i),
+            ItemKind::Model { name } if is_buffer(name) && !with_states.contains(name.as_str()) => plain.push((i, t)),
             ItemKind::Model { name } => match param_layout(name, vision) {
-                Some(layout) => tiled.push(Tiled { item: i, name: name.clone(), layout, state: None }),
+                Some(layout) => tiled.push(Tiled { item: i, meta: t, name: name.clone(), layout, state: None }),
                 None => *unknown_params.entry(pattern_of(name)).or_default() += 1,
             },
             ItemKind::OptimizerState { name, state } if !t.shape.is_empty() => {
@@ -203,7 +204,7 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
                 }
                 match param_layout(name, vision) {
                     Some(layout) => {
-                        tiled.push(Tiled { item: i, name: name.clone(), layout, state: Some(state.clone()) })
+                        tiled.push(Tiled { item: i, meta: t, name: name.clone(), layout, state: Some(state.clone()) })
                     }
                     None => *unknown_params.entry(pattern_of(name)).or_default() += 1,
                 }
@@ -211,9 +212,9 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
             ItemKind::Rng { pp, tp } => rng.entry((*pp, *tp)).or_default().push(i),
             ItemKind::Unknown => {
                 notes.push(format!("tensor `{}` is not an item Shardline knows; carried unchanged", item.key));
-                plain.push(i);
+                plain.push((i, t));
             }
-            _ => plain.push(i),
+            _ => plain.push((i, t)),
         }
     }
     if !unknown_params.is_empty() {
@@ -223,8 +224,8 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
 
     let mut tensors = Vec::new();
     let padded_vocab = retile(items, &params, &tiled, options, &mut tensors, &mut errors, &mut notes);
-    for i in plain {
-        tensors.push(carried_tensor(items, i, items[i].key.clone(), items[i].path.clone()));
+    for (i, t) in plain {
+        tensors.push(carried_tensor(t, i, items[i].key.clone(), items[i].path.clone()));
     }
     rng_items(items, &rng, options, &mut tensors, &mut objects, &mut notes);
     if !errors.is_empty() {
@@ -270,8 +271,7 @@ fn state_mismatch(param: Option<&SourceTensorMeta>, state: &SourceTensorMeta) ->
 
 /// A tensor written whole, as it is, to rank 0's file (buffers, RNG tensors, per-parameter
 /// `step`, tensors Shardline does not know — these keep their chunks).
-fn carried_tensor(items: &[SourceItem], i: usize, key: String, path: Vec<PathElem>) -> TargetTensor {
-    let t = items[i].tensor.as_ref().expect("carried tensors are tensors");
+fn carried_tensor(t: &SourceTensorMeta, i: usize, key: String, path: Vec<PathElem>) -> TargetTensor {
     let chunks: Vec<Chunk> = t
         .chunks
         .iter()
@@ -353,10 +353,9 @@ fn retile(
             errors.push(e);
             continue;
         }
-        let meta = |m: &Tiled| items[m.item].tensor.as_ref().expect("tiled items are tensors");
         let mut sections = Vec::new();
         for m in &members {
-            let src = meta(m);
+            let src = m.meta;
             let mut shape = src.shape.clone();
             if layout.vocab {
                 let rows = options.vocab_size.unwrap_or(shape[0]);
@@ -375,7 +374,7 @@ fn retile(
         let draft = Draft {
             name: String::new(),
             first_source: first.item,
-            dtype: meta(first).dtype,
+            dtype: first.meta.dtype,
             tp_mode: layout.tp_mode,
             expert: layout.expert,
             pad_vocab: layout.vocab,
@@ -430,7 +429,7 @@ fn check_divisible(
         };
     }
     for m in members {
-        let shape = &items[m.item].tensor.as_ref().expect("tiled items are tensors").shape;
+        let shape = &m.meta.shape;
         match layout.tp_mode {
             TpMode::Column if !layout.vocab && !shape.first().is_some_and(|r| r.is_multiple_of(t)) => {
                 return cannot(format!("{} rows do not split over tp = {t}", shape.first().copied().unwrap_or(0)));
@@ -491,8 +490,8 @@ fn rng_items(
             } else {
                 (item.key.clone(), item.path.clone())
             };
-            if item.tensor.is_some() {
-                tensors.push(carried_tensor(items, i, key, path));
+            if let Some(t) = &item.tensor {
+                tensors.push(carried_tensor(t, i, key, path));
             } else {
                 objects.push(TargetObject { key, path, source: i, is_args: false });
             }
