@@ -393,8 +393,8 @@ fn row_box(stored: &StoredTensor, row: u64, rows: u64) -> ChunkBox {
     ChunkBox { offsets, sizes }
 }
 
-/// The HF directory `out` would be written to when it is given as a path; the staging sibling.
-pub fn staging_dir(out: &Path) -> PathBuf {
+/// The staging sibling of the HF directory `out`: `.<name>.partial`, renamed to `out` when complete.
+fn staging_dir(out: &Path) -> PathBuf {
     let name = out.file_name().map_or_else(|| "export".into(), |n| n.to_string_lossy().into_owned());
     out.with_file_name(format!(".{name}.partial"))
 }

@@ -14,7 +14,7 @@ use shardline_layout::reshard::{ChunkBox, ReshardError, SourceItem, SourceTensor
 use thiserror::Error;
 
 pub use args::TrainingArgs;
-pub use export::{staging_dir, write_export, ExportOptions, ExportReport};
+pub use export::{write_export, ExportOptions, ExportReport};
 pub use summary::{summarize_training, TrainingSummary};
 pub use write::{write_resharded, ReshardReport};
 
@@ -99,11 +99,6 @@ impl TrainingCheckpoint {
             data.push(ItemData::Object(i));
         }
         Ok(TrainingCheckpoint { checkpoint, items, data, args })
-    }
-
-    /// The unpickled value of bytes item `object` (an index into `checkpoint.objects`).
-    pub fn object_value(&self, object: usize) -> Result<Value, TrainingError> {
-        read_object(&self.checkpoint, object)
     }
 
     /// The stored chunks of the tensor item `item`.
