@@ -420,8 +420,11 @@ pub fn run_server(args: ServerArgs) -> Result<ExitCode> {
         let store = args.state.store().await?;
         let (tx, rx) = watch::channel(false);
         tokio::spawn(shutdown_signal(tx));
-        let http = crate::serve::start_http(&args.http, &store, args.state.work_dir(), rx.clone()).await?;
-        let triggers = crate::triggers::start(&args.triggers, &store, args.state.work_dir(), rx.clone()).await?;
+        // One set of metrics: the HTTP server shows what the trigger loop counts.
+        let metrics = shardline_metrics::Metrics::new(store.clone());
+        let http = crate::serve::start_http(&args.http, &store, &metrics, args.state.work_dir(), rx.clone()).await?;
+        let triggers =
+            crate::triggers::start(&args.triggers, &store, &metrics, args.state.work_dir(), rx.clone()).await?;
         eprintln!("server: reaping expired leases on {}", redact_url(&args.state.url()));
         reaper(store, Duration::from_secs(1), rx).await;
         if let Some(h) = http {

@@ -1,12 +1,14 @@
-//! `shardline server --http ADDR`: the HTTP API and the dashboard next to the reaper, and
+//! `shardline server --http ADDR`: the HTTP API, the dashboard and `/metrics` next to the reaper, and
 //! `shardline token create|list|revoke` for the API tokens they accept.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
+use shardline_metrics::Metrics;
 use shardline_store::Store;
 use shardline_web::{AppState, AuthMode, Scope};
 use tokio::sync::watch;
@@ -45,6 +47,7 @@ impl HttpArgs {
 pub async fn start_http(
     args: &HttpArgs,
     store: &Store,
+    metrics: &Arc<Metrics>,
     work_dir: PathBuf,
     stop: watch::Receiver<bool>,
 ) -> Result<Option<JoinHandle<()>>> {
@@ -55,6 +58,7 @@ pub async fn start_http(
     let mut state = AppState::new(store.clone()).with_auth(args.auth());
     state.base_dir = std::env::current_dir().context("reading the current directory")?;
     state.work_dir = work_dir;
+    state.metrics = Some(metrics.clone());
     eprintln!(
         "server: dashboard and API on http://{bound}/ ({})",
         match args.auth() {

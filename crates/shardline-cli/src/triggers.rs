@@ -8,8 +8,9 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::Args;
 use shardline_hub::HubClient;
+use shardline_metrics::Metrics;
 use shardline_store::{Store, TriggerRecord};
-use shardline_triggers::{load_dir, Poller, PollerOptions, SystemClock};
+use shardline_triggers::{load_dir, Poller, PollerOptions, SystemClock, TickReport};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -90,6 +91,7 @@ fn one_line(s: &str) -> String {
 pub async fn start(
     args: &TriggerServeArgs,
     store: &Store,
+    metrics: &Arc<Metrics>,
     work_dir: PathBuf,
     shutdown: watch::Receiver<bool>,
 ) -> Result<Option<JoinHandle<()>>> {
@@ -100,7 +102,11 @@ pub async fn start(
     let pipelines = load_dir(dir, &base).with_context(|| format!("loading pipelines from {}", dir.display()))?;
     let hub = HubClient::from_env().context("configuring the Hub client for watch triggers")?;
     let count: usize = pipelines.iter().map(|p| p.triggers.len()).sum();
-    let poller = Poller::new(store.clone(), hub, Arc::new(SystemClock), pipelines, PollerOptions::new(base, work_dir));
+    let counted = metrics.clone();
+    let poller = Poller::new(store.clone(), hub, Arc::new(SystemClock), pipelines, PollerOptions::new(base, work_dir))
+        .with_observer(Arc::new(move |r: &TickReport| {
+            counted.observe_trigger_checks(r.checked as u64, r.errors.len() as u64, r.fired.len() as u64)
+        }));
     let registered = poller.register().await.context("registering triggers")?;
     eprintln!("server: {count} trigger(s) of {} pipeline(s) from {}", poller.pipelines().len(), dir.display());
     debug_assert_eq!(registered.len(), count);

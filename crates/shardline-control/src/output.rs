@@ -20,9 +20,14 @@ pub struct TaskOutput {
     /// A download: the content digest of the release (the shard step's cache key reads it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub digest: Option<String>,
-    /// Bytes of the release (a download), of a rank file (a rank) or of the checkpoint (a commit).
+    /// Bytes of the release (a download), of a rank file (a rank), of the checkpoint (a commit,
+    /// a reshard), of the release written (an export) or copied (an upload).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bytes: Option<u64>,
+    /// A download from the Hub: bytes fetched over the network (the rest were reused from the
+    /// local cache).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes_downloaded: Option<u64>,
     /// Files of the release (a download) or published (an upload).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub files: Option<u64>,

@@ -426,10 +426,14 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
                 report.skipped.len(),
                 report.bytes_copied
             ));
-            Ok(TaskOutput { files: Some(manifest.files.len() as u64), ..TaskOutput::default() }
-                .with("dest", json!(dest))
-                .with("copied", json!(report.copied.len()))
-                .with("skipped", json!(report.skipped.len())))
+            Ok(TaskOutput {
+                files: Some(manifest.files.len() as u64),
+                bytes: Some(report.bytes_copied),
+                ..TaskOutput::default()
+            }
+            .with("dest", json!(dest))
+            .with("copied", json!(report.copied.len()))
+            .with("skipped", json!(report.skipped.len())))
         }
     }
 }

@@ -145,8 +145,9 @@ impl Store {
                         let (id, run_id, token, attempt) = t.lease_ids();
                         c.exec(
                             sql!(
-                                "INSERT INTO attempts (task_id, token, attempt, run_id, worker_id, worker_name, started_at) \
-                                 VALUES ($1, $2, $3, $4, $5, $6, {now})"
+                                "INSERT INTO attempts (task_id, token, attempt, run_id, worker_id, worker_name, started_at, \
+                                     ready_at) \
+                                 VALUES ($1, $2, $3, $4, $5, $6, {now}, (SELECT ready_at FROM tasks WHERE id = $1))"
                             ),
                             args![id, token, attempt, run_id, w.0, worker_name],
                         )

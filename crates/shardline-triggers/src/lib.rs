@@ -52,7 +52,7 @@ use std::path::PathBuf;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use decide::{backoff, schedule_key, watch_key, CompiledSchedule, NameFilter, ScheduleDecision};
-pub use poller::{load_dir, Fired, PipelineSource, Poller, PollerOptions, TickReport};
+pub use poller::{load_dir, Fired, PipelineSource, Poller, PollerOptions, TickObserver, TickReport};
 
 /// What can go wrong loading pipelines or checking triggers.
 #[derive(Debug, thiserror::Error)]

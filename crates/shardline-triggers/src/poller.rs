@@ -145,7 +145,11 @@ pub struct Poller {
     clock: Arc<dyn Clock>,
     pipelines: Vec<PipelineSource>,
     opts: PollerOptions,
+    observer: Option<TickObserver>,
 }
+
+/// Called with every pass [`Poller::run`] makes (the server counts checks and errors with it).
+pub type TickObserver = Arc<dyn Fn(&TickReport) + Send + Sync>;
 
 impl Poller {
     pub fn new(
@@ -155,7 +159,13 @@ impl Poller {
         pipelines: Vec<PipelineSource>,
         opts: PollerOptions,
     ) -> Poller {
-        Poller { store, hub, clock, pipelines, opts }
+        Poller { store, hub, clock, pipelines, opts, observer: None }
+    }
+
+    /// Calls `observer` with the report of every pass [`Poller::run`] makes.
+    pub fn with_observer(mut self, observer: TickObserver) -> Poller {
+        self.observer = Some(observer);
+        self
     }
 
     /// The pipelines this poller serves.
@@ -248,6 +258,9 @@ impl Poller {
                 };
                 match ticked {
                     Ok(r) => {
+                        if let Some(observe) = &self.observer {
+                            observe(&r);
+                        }
                         for f in &r.fired {
                             tracing::info!(pipeline = %f.pipeline, run = %f.run, key = %f.dedupe_key, "trigger started a run");
                         }

@@ -33,12 +33,14 @@ pub mod api;
 pub mod auth;
 pub mod dto;
 pub mod error;
+pub mod metrics;
 pub mod redact;
 pub mod ui;
 pub mod view;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::routing::{get, post};
@@ -62,6 +64,8 @@ pub struct AppState {
     pub work_dir: PathBuf,
     /// How often the event stream looks for new events.
     pub event_poll: Duration,
+    /// What `/metrics` serves (absent: it answers 404).
+    pub metrics: Option<Arc<shardline_metrics::Metrics>>,
     /// Set by [`serve`]: event streams end when it turns true.
     stop: Option<watch::Receiver<bool>>,
 }
@@ -76,6 +80,7 @@ impl AppState {
             base_dir: PathBuf::from("."),
             work_dir: PathBuf::from(".shardline"),
             event_poll: Duration::from_millis(250),
+            metrics: None,
             stop: None,
         }
     }
@@ -141,7 +146,7 @@ pub fn router(state: AppState) -> Router {
         .route("/lint", post(api::lint))
         .route("/events", get(api::events))
         .route("/openapi.json", get(openapi_json));
-    Router::new().nest("/api/v1", v1).fallback(ui::serve_ui).with_state(state)
+    Router::new().nest("/api/v1", v1).route("/metrics", get(metrics::metrics)).fallback(ui::serve_ui).with_state(state)
 }
 
 /// Serves the API on `addr` until `shutdown` turns true (in-flight requests finish; event
