@@ -39,8 +39,11 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "shardline-store",
         ],
     ),
+    // Metrics are read from the store (typed outputs from the control plane), never from the
+    // processes that do the work.
+    ("shardline-metrics", &["shardline-control", "shardline-store"]),
     // Serve and submit through the control plane, never the engine.
-    ("shardline-web", &["shardline-control", "shardline-spec", "shardline-store"]),
+    ("shardline-web", &["shardline-control", "shardline-spec", "shardline-store", "shardline-metrics"]),
     (
         "shardline-triggers",
         &["shardline-control", "shardline-spec", "shardline-store", "shardline-hub", "shardline-backoff"],

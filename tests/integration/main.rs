@@ -6,6 +6,7 @@ mod bad_input;
 mod convert;
 mod export;
 mod hub_s3;
+mod metrics;
 mod object_source;
 mod orchestrator;
 mod pipeline_steps;
@@ -13,8 +14,11 @@ mod reshard;
 mod startup;
 mod triggers;
 
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::time::Duration;
 
 pub fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_shardline"))
@@ -64,4 +68,15 @@ pub fn convert(fixture_dir: &Path, out: &Path, mesh: (u64, u64, u64, u64), extra
         .args(extra));
     assert!(o.status.success(), "convert {mesh:?} failed: {}", stderr(&o));
     o
+}
+
+/// `GET path` on `addr` over plain HTTP/1.1: (status line, body).
+pub fn http_get(addr: &str, path: &str) -> (String, String) {
+    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    s.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").expect("request");
+    let mut response = String::new();
+    s.read_to_string(&mut response).expect("response");
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    (head.lines().next().unwrap_or("").to_string(), body.to_string())
 }

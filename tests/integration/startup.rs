@@ -6,8 +6,6 @@
 //! exited with `cannot migrate the SQLite job store: … table pipelines already exists`.
 
 use std::fs::File;
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -15,7 +13,7 @@ use std::time::{Duration, Instant};
 use shardline_store::{RunId, RunState, Store};
 use shardline_testdb::TestDb;
 
-use crate::{bin, fixture, run, stderr, stdout};
+use crate::{bin, fixture, http_get, run, stderr, stdout};
 
 const ROUNDS: usize = 10;
 const SERVERS: usize = 3;
@@ -152,17 +150,6 @@ impl Drop for Round {
             }
         }
     }
-}
-
-/// `GET path` on `addr` over plain HTTP/1.1: (status line, body).
-fn http_get(addr: &str, path: &str) -> (String, String) {
-    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
-    s.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").expect("request");
-    let mut response = String::new();
-    s.read_to_string(&mut response).expect("response");
-    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
-    (head.lines().next().unwrap_or("").to_string(), body.to_string())
 }
 
 fn spec(source: &Path) -> String {

@@ -165,6 +165,10 @@ impl Families {
             f.worker_heartbeat_age.clone(),
         );
         r.register("collect_errors", "Scrapes that could not read the job store", f.collect_errors.clone());
+        // Both budgets are shown from the start, so a rate over them never starts from nothing.
+        for budget in ["error", "lost"] {
+            f.retries.get_or_create(&BudgetLabel { budget: budget.to_string() }).inc_by(0);
+        }
         f
     }
 }
