@@ -294,6 +294,13 @@ async fn auth(kind: Kind) {
         StatusCode::UNAUTHORIZED
     );
     assert_eq!(closed.call(Method::GET, "/api/v1/runs", Some(&read), None).await.0, StatusCode::OK);
+    // The metrics are a read like any other: a scraper presents a read token.
+    assert_eq!(closed.raw(Method::GET, "/metrics", None, None).await.0, StatusCode::UNAUTHORIZED);
+    let (s, headers, body) = closed.raw(Method::GET, "/metrics", Some(&read), None).await;
+    let body = String::from_utf8(body).expect("text");
+    assert_eq!(s, StatusCode::OK, "{body}");
+    assert!(headers[header::CONTENT_TYPE].to_str().expect("type").starts_with("application/openmetrics-text"));
+    assert!(body.contains("\nshardline_queue_depth 0\n") && body.ends_with("# EOF\n"), "{body}");
     assert_eq!(closed.call(Method::GET, "/api/v1/runs", Some("garbage"), None).await.0, StatusCode::UNAUTHORIZED);
     let (s, v) = closed.call(Method::POST, "/api/v1/runs", Some(&read), Some(json!({"spec": spec("")}))).await;
     assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::FORBIDDEN, Some("forbidden")), "{v}");

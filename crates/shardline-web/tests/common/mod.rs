@@ -35,6 +35,7 @@ pub async fn app(kind: Kind, auth: AuthMode) -> App {
     state.work_dir = work.path().to_path_buf();
     state.base_dir = work.path().to_path_buf();
     state.event_poll = Duration::from_millis(20);
+    state.metrics = Some(shardline_metrics::Metrics::with_lag(store.clone(), Duration::ZERO));
     App { db, store, router: router(state), _work: work }
 }
 
