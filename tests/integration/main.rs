@@ -11,6 +11,7 @@ mod object_source;
 mod orchestrator;
 mod pipeline_steps;
 mod reshard;
+mod soak;
 mod startup;
 mod triggers;
 

@@ -25,7 +25,7 @@ const WAIT: Duration = Duration::from_secs(90);
 // ---- the deployment under test ------------------------------------------------------------------
 
 /// A synthetic release made with `shardline synth`, kept under the target directory between runs.
-fn synth(arch: &str, size: &str) -> PathBuf {
+pub(crate) fn synth(arch: &str, size: &str) -> PathBuf {
     let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("shardline-synth");
     let dir = cache.join(format!("{arch}-{size}"));
     if dir.join("config.json").is_file() {
@@ -43,7 +43,7 @@ fn synth(arch: &str, size: &str) -> PathBuf {
     dir
 }
 
-struct Proc {
+pub(crate) struct Proc {
     name: String,
     child: Child,
     log: PathBuf,
@@ -53,7 +53,7 @@ static SEQ: AtomicU64 = AtomicU64::new(0);
 
 /// A database of its own, a state directory, the `server`/`worker` processes started on them, and
 /// a store handle for looking at the run. Dropping it kills every process and drops the database.
-struct Deployment {
+pub(crate) struct Deployment {
     url: String,
     db: Option<TestDb>,
     dir: tempfile::TempDir,
@@ -63,7 +63,7 @@ struct Deployment {
 }
 
 impl Deployment {
-    fn new(exclusive: bool) -> Deployment {
+    pub(crate) fn new(exclusive: bool) -> Deployment {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
         let db = rt.block_on(TestDb::postgres(exclusive));
         let url = db.url.clone();
@@ -78,18 +78,18 @@ impl Deployment {
         }
     }
 
-    fn state_dir(&self) -> PathBuf {
+    pub(crate) fn state_dir(&self) -> PathBuf {
         self.dir.path().join("state")
     }
 
-    fn cmd(&self, args: &[&str]) -> Command {
+    pub(crate) fn cmd(&self, args: &[&str]) -> Command {
         let mut c = bin();
         c.args(args).arg("--database-url").arg(&self.url).arg("--state-dir").arg(self.state_dir());
         c.current_dir(self.dir.path());
         c
     }
 
-    fn spawn(&mut self, name: &str, args: &[&str]) {
+    pub(crate) fn spawn(&mut self, name: &str, args: &[&str]) {
         let log = self.dir.path().join(format!("{name}.log"));
         let out = File::create(&log).expect("log file");
         let child = self
@@ -102,38 +102,44 @@ impl Deployment {
         self.procs.push(Proc { name: name.to_string(), child, log });
     }
 
-    fn server(&mut self, name: &str) {
+    pub(crate) fn server(&mut self, name: &str) {
         self.spawn(name, &["server"]);
     }
 
-    fn worker(&mut self, name: &str, extra: &[&str]) {
+    pub(crate) fn worker(&mut self, name: &str, extra: &[&str]) {
         let mut args = vec!["worker", "--name", name];
         args.extend_from_slice(extra);
         self.spawn(name, &args);
     }
 
-    fn proc(&mut self, name: &str) -> &mut Proc {
+    pub(crate) fn proc(&mut self, name: &str) -> &mut Proc {
         self.procs.iter_mut().find(|p| p.name == name).unwrap_or_else(|| panic!("no process `{name}`"))
     }
 
-    fn pid(&mut self, name: &str) -> u32 {
+    pub(crate) fn pid(&mut self, name: &str) -> u32 {
         self.proc(name).child.id()
     }
 
-    fn signal(&mut self, name: &str, signal: &str) {
+    pub(crate) fn signal(&mut self, name: &str, signal: &str) {
         let pid = self.pid(name);
         let s = Command::new("kill").arg(format!("-{signal}")).arg(pid.to_string()).status().expect("kill");
         assert!(s.success(), "kill -{signal} {name} ({pid})");
     }
 
+    /// `kill -9`, reaps the process and forgets it, so `name` can be started again.
+    pub(crate) fn kill9_and_forget(&mut self, name: &str) {
+        self.kill9(name);
+        self.procs.retain(|p| p.name != name);
+    }
+
     /// `kill -9`, and reaps the process.
-    fn kill9(&mut self, name: &str) {
+    pub(crate) fn kill9(&mut self, name: &str) {
         let p = self.proc(name);
         p.child.kill().unwrap_or_else(|e| panic!("kill -9 {name}: {e}"));
         let _ = p.child.wait();
     }
 
-    fn wait_exit(&mut self, name: &str, timeout: Duration) -> ExitStatus {
+    pub(crate) fn wait_exit(&mut self, name: &str, timeout: Duration) -> ExitStatus {
         let deadline = Instant::now() + timeout;
         let p = self.proc(name);
         loop {
@@ -145,16 +151,16 @@ impl Deployment {
         }
     }
 
-    fn alive(&mut self, name: &str) -> bool {
+    pub(crate) fn alive(&mut self, name: &str) -> bool {
         self.proc(name).child.try_wait().expect("try_wait").is_none()
     }
 
-    fn log(&mut self, name: &str) -> String {
+    pub(crate) fn log(&mut self, name: &str) -> String {
         std::fs::read_to_string(&self.proc(name).log).unwrap_or_default()
     }
 
     /// Writes the spec into the test directory and submits it with `shardline submit`.
-    fn submit(&self, spec: &str) -> RunId {
+    pub(crate) fn submit(&self, spec: &str) -> RunId {
         let file = self.dir.path().join(format!("pipeline-{}.yaml", SEQ.fetch_add(1, Ordering::Relaxed)));
         std::fs::write(&file, spec).expect("write spec");
         let o = run(self.cmd(&["submit"]).arg(&file));
@@ -163,7 +169,7 @@ impl Deployment {
     }
 
     /// A store call, retried while the database is unreachable (it may be restarting).
-    fn q<T, F, Fut>(&self, f: F) -> T
+    pub(crate) fn q<T, F, Fut>(&self, f: F) -> T
     where
         F: Fn(Store) -> Fut,
         Fut: Future<Output = Result<T, StoreError>>,
@@ -181,35 +187,35 @@ impl Deployment {
         }
     }
 
-    fn run_row(&self, run: RunId) -> RunRow {
+    pub(crate) fn run_row(&self, run: RunId) -> RunRow {
         self.q(|s| async move { s.get_run(run).await }).expect("run exists")
     }
 
-    fn run_name(&self, run: RunId) -> String {
+    pub(crate) fn run_name(&self, run: RunId) -> String {
         self.run_row(run).options.name.expect("run name")
     }
 
-    fn run_dir(&self, run: RunId) -> PathBuf {
+    pub(crate) fn run_dir(&self, run: RunId) -> PathBuf {
         self.state_dir().join("work/runs").join(self.run_name(run))
     }
 
-    fn task(&self, run: RunId, name: &str) -> TaskRow {
+    pub(crate) fn task(&self, run: RunId, name: &str) -> TaskRow {
         let tasks = self.q(|s| async move { s.run_tasks(run).await });
         tasks.into_iter().find(|t| t.name == name).unwrap_or_else(|| panic!("no task `{name}`"))
     }
 
-    fn attempts(&self, run: RunId, name: &str) -> Vec<AttemptRow> {
+    pub(crate) fn attempts(&self, run: RunId, name: &str) -> Vec<AttemptRow> {
         let id = self.task(run, name).id;
         self.q(|s| async move { s.task_attempts(id).await })
     }
 
-    fn worker_name(&self, id: shardline_store::WorkerId) -> String {
+    pub(crate) fn worker_name(&self, id: shardline_store::WorkerId) -> String {
         let workers = self.q(|s| async move { s.list_workers().await });
         workers.into_iter().find(|w| w.id == id).map(|w| w.name).unwrap_or_else(|| panic!("no worker {id}"))
     }
 
     /// Polls until `cond` holds for task `name`; panics on timeout or if the run ends first.
-    fn wait_task(&self, run: RunId, name: &str, cond: impl Fn(&TaskRow) -> bool) -> TaskRow {
+    pub(crate) fn wait_task(&self, run: RunId, name: &str, cond: impl Fn(&TaskRow) -> bool) -> TaskRow {
         let deadline = Instant::now() + WAIT;
         loop {
             let t = self.task(run, name);
@@ -229,7 +235,7 @@ impl Deployment {
     }
 
     /// Polls until the run ends, calling `each` on every round.
-    fn wait_run_with(&self, run: RunId, mut each: impl FnMut()) -> RunRow {
+    pub(crate) fn wait_run_with(&self, run: RunId, mut each: impl FnMut()) -> RunRow {
         let deadline = Instant::now() + WAIT;
         loop {
             each();
@@ -242,7 +248,7 @@ impl Deployment {
         }
     }
 
-    fn wait_run(&self, run: RunId) -> RunRow {
+    pub(crate) fn wait_run(&self, run: RunId) -> RunRow {
         self.wait_run_with(run, || {})
     }
 }
@@ -272,7 +278,21 @@ impl Drop for Deployment {
     }
 }
 
-fn spec(name: &str, source: &Path, tp: u64, dp: u64, tail: &str) -> String {
+/// Restarts the PostgreSQL cluster the tests use (`SHARDLINE_PG_CLUSTER`, default `15 main`).
+/// Only a test holding the cluster lock exclusively (`Deployment::new(true)`) may call it.
+pub(crate) fn restart_postgres() {
+    let cluster = std::env::var("SHARDLINE_PG_CLUSTER").unwrap_or_else(|_| "15 main".to_string());
+    let restarting = Instant::now();
+    let status = Command::new("pg_ctlcluster")
+        .args(cluster.split_whitespace())
+        .arg("restart")
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run `pg_ctlcluster {cluster} restart`: {e}"));
+    assert!(status.success(), "`pg_ctlcluster {cluster} restart` failed: {status}");
+    eprintln!("pg_ctlcluster restart took {:?}", restarting.elapsed());
+}
+
+pub(crate) fn spec(name: &str, source: &Path, tp: u64, dp: u64, tail: &str) -> String {
     format!(
         r#"apiVersion: shardline/v1
 kind: Pipeline
@@ -441,16 +461,8 @@ fn postgres_restart_mid_run_workers_reconnect() {
     let run = d.submit(&spec("pg-restart", &source, 1, 64, ""));
     d.wait_task(run, "validate", |t| t.state == TaskState::Leased);
 
-    let cluster = std::env::var("SHARDLINE_PG_CLUSTER").unwrap_or_else(|_| "15 main".to_string());
-    let restarting = Instant::now();
-    let status = Command::new("pg_ctlcluster")
-        .args(cluster.split_whitespace())
-        .arg("restart")
-        .status()
-        .unwrap_or_else(|e| panic!("cannot run `pg_ctlcluster {cluster} restart`: {e}"));
-    assert!(status.success(), "`pg_ctlcluster {cluster} restart` failed: {status}");
+    restart_postgres();
     let restarted = SystemTime::now();
-    eprintln!("pg_ctlcluster restart took {:?}", restarting.elapsed());
 
     let r = d.wait_run(run);
     assert_eq!(r.state, RunState::Succeeded, "{:?}", r.error);
