@@ -1,17 +1,18 @@
 //! Reading a written checkpoint back — DCP (`.metadata` + `.distcp`, ours or torch's) or
 //! DCP-sharded safetensors — into one view: keys, global shapes, and where every chunk's bytes are.
 
-use std::collections::{BTreeMap, HashMap};
-use std::fs::{self, File};
+use std::collections::BTreeMap;
+use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use shardline_layout::DType;
 use thiserror::Error;
 
-use crate::dcp_metadata::{decode_metadata, DcpMetadataError, EntryMeta, PathElem, StorageInfo};
+use crate::dcp_metadata::{DcpMetadataError, PathElem};
 use crate::safetensors::{read_header, SafetensorsError};
-use crate::torch_save::{read_object_archive, read_tensor_archive_with, SpecCache, TorchSaveError};
+use crate::torch_save::TorchSaveError;
 
 /// Which layout a checkpoint directory holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,8 +26,8 @@ pub enum CheckpointFormat {
 pub struct StoredChunk {
     pub offsets: Vec<u64>,
     pub sizes: Vec<u64>,
-    /// File name relative to the checkpoint directory.
-    pub file: String,
+    /// File name relative to the checkpoint directory (shared by the chunks of one file).
+    pub file: Arc<str>,
     /// Absolute offset of the chunk's first data byte in `file`.
     pub data_offset: u64,
     pub data_len: u64,
@@ -46,7 +47,7 @@ pub struct StoredTensor {
 pub struct StoredObject {
     pub key: String,
     /// File name relative to the checkpoint directory.
-    pub file: String,
+    pub file: Arc<str>,
     pub offset: u64,
     pub length: u64,
 }
@@ -97,14 +98,18 @@ fn io_err<'a>(path: &'a Path, action: &'static str) -> impl FnOnce(io::Error) ->
 
 /// Opens the checkpoint in `dir`, locating every chunk's bytes (the bytes themselves are not read).
 pub fn open_checkpoint(dir: &Path) -> Result<Checkpoint, CheckpointError> {
-    open_checkpoint_keys(dir, |_| true)
+    open_any(dir, None)
 }
 
 /// [`open_checkpoint`] of the keys `keep` accepts only (`export` reads the model, not the
 /// optimizer's moments); the others are neither located nor read.
 pub fn open_checkpoint_keys(dir: &Path, keep: impl Fn(&str) -> bool) -> Result<Checkpoint, CheckpointError> {
+    open_any(dir, Some(&keep))
+}
+
+fn open_any(dir: &Path, keep: Option<&dyn Fn(&str) -> bool>) -> Result<Checkpoint, CheckpointError> {
     if dir.join(".metadata").is_file() {
-        return open_dcp(dir, &keep);
+        return dcp::open_dcp(dir, keep);
     }
     let mut files: Vec<String> = fs::read_dir(dir)
         .map_err(io_err(dir, "list checkpoint directory"))?
@@ -125,137 +130,6 @@ fn safe_name(name: &str) -> Result<(), CheckpointError> {
         return Err(CheckpointError::PathEscapes(name.to_string()));
     }
     Ok(())
-}
-
-fn open_dcp(dir: &Path, keep: &dyn Fn(&str) -> bool) -> Result<Checkpoint, CheckpointError> {
-    let md_path = dir.join(".metadata");
-    let bytes = fs::read(&md_path).map_err(io_err(&md_path, "read"))?;
-    let md = decode_metadata(&bytes).map_err(|source| CheckpointError::Metadata { path: md_path.clone(), source })?;
-    drop(bytes);
-    // Borrowed from `md`: one entry per stored item, no copies of its key or file name.
-    let mut storage: HashMap<(&str, Option<&[u64]>), &StorageInfo> = HashMap::with_capacity(md.storage_data.len());
-    let keys: std::collections::HashSet<&str> = md.state_dict_metadata.iter().map(|(k, _)| k.as_str()).collect();
-    for (k, info) in &md.storage_data {
-        if info.transform_descriptors.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(CheckpointError::Inconsistent {
-                key: k.fqn.clone(),
-                offsets: k.offset.clone().unwrap_or_default(),
-                message: format!(
-                    "stored with transforms {:?}, which this reader does not undo",
-                    info.transform_descriptors
-                ),
-            });
-        }
-        if !keys.contains(k.fqn.as_str()) {
-            return Err(CheckpointError::Inconsistent {
-                key: k.fqn.clone(),
-                offsets: k.offset.clone().unwrap_or_default(),
-                message: "storage_data names a key that state_dict_metadata does not have".into(),
-            });
-        }
-        storage.insert((k.fqn.as_str(), k.offset.as_deref()), info);
-    }
-    let mut open_files: BTreeMap<String, File> = BTreeMap::new();
-    for info in storage.values() {
-        let file = &info.relative_path;
-        if !open_files.contains_key(file) {
-            safe_name(file)?;
-            let p = dir.join(file);
-            open_files.insert(file.clone(), File::open(&p).map_err(io_err(&p, "open rank file"))?);
-        }
-    }
-    let readers: BTreeMap<&String, BlockReader<'_>> =
-        open_files.iter().map(|(k, f)| (k, BlockReader::new(f))).collect();
-    let mut specs = SpecCache::default();
-    let mut tensors = Vec::new();
-    let mut objects = Vec::new();
-    let mut skipped = 0usize;
-    for (key, entry) in &md.state_dict_metadata {
-        if !keep(key) {
-            skipped += match entry {
-                EntryMeta::Tensor { chunks, .. } => chunks.len(),
-                EntryMeta::Bytes => 1,
-            };
-            continue;
-        }
-        let EntryMeta::Tensor { dtype, size, chunks } = entry else {
-            // A bytes item must load too: its archive and pickle are read strictly.
-            let info = storage
-                .get(&(key.as_str(), None))
-                .ok_or_else(|| CheckpointError::MissingStorage { key: key.clone(), offsets: Vec::new() })?;
-            let f = &readers[&info.relative_path];
-            read_object_archive(f, info.offset, info.length).map_err(|source| CheckpointError::Item {
-                key: key.clone(),
-                offsets: Vec::new(),
-                file: info.relative_path.clone(),
-                offset: info.offset,
-                length: info.length,
-                source,
-            })?;
-            objects.push(StoredObject {
-                key: key.clone(),
-                file: info.relative_path.clone(),
-                offset: info.offset,
-                length: info.length,
-            });
-            continue;
-        };
-        let mut stored = Vec::with_capacity(chunks.len());
-        for c in chunks {
-            let Some(info) = storage.get(&(key.as_str(), Some(c.offsets.as_slice()))) else {
-                return Err(CheckpointError::MissingStorage { key: key.clone(), offsets: c.offsets.clone() });
-            };
-            let (file, offset, length) = (&info.relative_path, &info.offset, &info.length);
-            let f = &readers[file];
-            let at =
-                read_tensor_archive_with(f, *offset, *length, &mut specs).map_err(|source| CheckpointError::Item {
-                    key: key.clone(),
-                    offsets: c.offsets.clone(),
-                    file: file.clone(),
-                    offset: *offset,
-                    length: *length,
-                    source,
-                })?;
-            if at.dtype != *dtype || at.shape != c.sizes {
-                return Err(CheckpointError::Inconsistent {
-                    key: key.clone(),
-                    offsets: c.offsets.clone(),
-                    message: format!(
-                        "item holds {} {:?} but .metadata declares {} {:?}",
-                        at.dtype, at.shape, dtype, c.sizes
-                    ),
-                });
-            }
-            stored.push(StoredChunk {
-                offsets: c.offsets.clone(),
-                sizes: c.sizes.clone(),
-                file: file.clone(),
-                data_offset: offset + at.data_offset_in_item,
-                data_len: at.data_len,
-            });
-        }
-        tensors.push(StoredTensor { key: key.clone(), dtype: *dtype, shape: size.clone(), chunks: stored });
-    }
-    // Every chunk found its storage item; an item no chunk names is a corruption too.
-    let chunks: usize = tensors.iter().map(|t: &StoredTensor| t.chunks.len()).sum();
-    if storage.len() != chunks + objects.len() + skipped {
-        let extra = storage.keys().find(|(k, off)| match off {
-            Some(off) => {
-                !tensors.iter().any(|t: &StoredTensor| t.key == *k && t.chunks.iter().any(|c| c.offsets == *off))
-            }
-            None => !objects.iter().any(|o| o.key == *k),
-        });
-        let (key, offsets) =
-            extra.map(|(k, off)| (k.to_string(), off.unwrap_or_default().to_vec())).unwrap_or_default();
-        return Err(CheckpointError::Inconsistent {
-            key,
-            offsets,
-            message: "storage_data has an item that no chunk of state_dict_metadata names".into(),
-        });
-    }
-    tensors.sort_by(|a, b| a.key.cmp(&b.key));
-    let planner_data = md.planner_data.into_iter().collect();
-    Ok(Checkpoint { dir: dir.to_path_buf(), format: CheckpointFormat::Dcp, tensors, objects, planner_data })
 }
 
 fn open_dcp_safetensors(dir: &Path, files: &[String]) -> Result<Checkpoint, CheckpointError> {
@@ -318,7 +192,7 @@ fn open_dcp_safetensors(dir: &Path, files: &[String]) -> Result<Checkpoint, Chec
             entry.chunks.push(StoredChunk {
                 offsets,
                 sizes: t.shape.clone(),
-                file: name.clone(),
+                file: name.as_str().into(),
                 data_offset: t.file_offset,
                 data_len: t.byte_len,
             });
@@ -334,6 +208,10 @@ fn open_dcp_safetensors(dir: &Path, files: &[String]) -> Result<Checkpoint, Chec
 }
 
 mod blocks;
+mod dcp;
 mod scan;
 pub use blocks::BlockReader;
 pub use scan::{scan_checkpoint, FileSummary, ScanSummary, TensorSummary};
+
+#[cfg(test)]
+mod tests;

@@ -58,7 +58,7 @@ pub fn scan_checkpoint(dir: &Path, mut on_tensor: impl FnMut(TensorSummary)) -> 
             summary.tensors += 1;
             summary.chunks += t.chunks.len() as u64;
             for c in &t.chunks {
-                let f = summary.files.entry(c.file.clone()).or_default();
+                let f = summary.files.entry(c.file.to_string()).or_default();
                 f.items += 1;
                 f.bytes += c.data_len;
             }

@@ -149,9 +149,9 @@ fn write_staged(
     let mut inputs: HashMap<&str, File> = HashMap::new();
     for t in &checkpoint.tensors {
         for c in &t.chunks {
-            if !inputs.contains_key(c.file.as_str()) {
-                let p = checkpoint.dir.join(&c.file);
-                inputs.insert(c.file.as_str(), File::open(&p).map_err(io_err(&p, "open rank file"))?);
+            if !inputs.contains_key(&*c.file) {
+                let p = checkpoint.dir.join(&*c.file);
+                inputs.insert(&*c.file, File::open(&p).map_err(io_err(&p, "open rank file"))?);
             }
         }
     }
@@ -318,7 +318,7 @@ impl RowReader<'_> {
         let target = row_box(stored, b.ckpt_row, b.rows);
         for c in &stored.chunks {
             let source = ChunkBox { offsets: c.offsets.clone(), sizes: c.sizes.clone() };
-            let file = &self.inputs[c.file.as_str()];
+            let file = &self.inputs[&*c.file];
             for r in runs(&target, &source) {
                 let (from, to, len) = (c.data_offset + r.source * size, at + r.target * size, r.len * size);
                 let done =
@@ -326,7 +326,7 @@ impl RowReader<'_> {
                 if done < len {
                     buf.resize((len - done) as usize, 0);
                     file.read_exact_at(buf, from + done).map_err(|error| ExecuteError::Io {
-                        path: self.checkpoint.dir.join(&c.file),
+                        path: self.checkpoint.dir.join(&*c.file),
                         action: "read chunk",
                         error,
                     })?;
@@ -369,11 +369,11 @@ impl RowReader<'_> {
         let target = row_box(stored, row, rows);
         for c in &stored.chunks {
             let source = ChunkBox { offsets: c.offsets.clone(), sizes: c.sizes.clone() };
-            let file = &self.inputs[c.file.as_str()];
+            let file = &self.inputs[&*c.file];
             for r in runs(&target, &source) {
                 let (at, len) = ((r.target * size) as usize, (r.len * size) as usize);
                 file.read_exact_at(&mut buf[at..at + len], c.data_offset + r.source * size).map_err(|error| {
-                    ExecuteError::Io { path: self.checkpoint.dir.join(&c.file), action: "read chunk", error }
+                    ExecuteError::Io { path: self.checkpoint.dir.join(&*c.file), action: "read chunk", error }
                 })?;
             }
         }

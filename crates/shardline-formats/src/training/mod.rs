@@ -117,7 +117,7 @@ pub fn rank_of_file(name: &str) -> Option<u64> {
 
 fn read_object(checkpoint: &Checkpoint, object: usize) -> Result<Value, TrainingError> {
     let o = &checkpoint.objects[object];
-    let path = checkpoint.dir.join(&o.file);
+    let path = checkpoint.dir.join(&*o.file);
     let f = File::open(&path).map_err(|error| {
         TrainingError::Checkpoint(CheckpointError::Io { path: path.clone(), action: "open rank file", error })
     })?;

@@ -126,7 +126,7 @@ fn edit_args(
     for o in plan.objects.iter().filter(|o| o.is_args) {
         let ItemData::Object(i) = source.data[o.source] else { continue };
         let stored = &source.checkpoint.objects[i];
-        let path = source.checkpoint.dir.join(&stored.file);
+        let path = source.checkpoint.dir.join(&*stored.file);
         let f = File::open(&path).map_err(io_err(&path, "open rank file"))?;
         let archive = edit_object_archive(&f, stored.offset, stored.length, |pkl| {
             let (new, found) = set_int_fields(pkl, &updates).map_err(TorchSaveError::from)?;
@@ -204,8 +204,8 @@ fn write_all(
 ) -> Result<(u64, u64, u64, u64), TrainingError> {
     let world = plan.mesh.world();
     let mut inputs: HashMap<&str, File> = HashMap::new();
-    let chunk_files = source.checkpoint.tensors.iter().flat_map(|t| t.chunks.iter().map(|c| c.file.as_str()));
-    for name in chunk_files.chain(source.checkpoint.objects.iter().map(|o| o.file.as_str())) {
+    let chunk_files = source.checkpoint.tensors.iter().flat_map(|t| t.chunks.iter().map(|c| &*c.file));
+    for name in chunk_files.chain(source.checkpoint.objects.iter().map(|o| &*o.file)) {
         if !inputs.contains_key(name) {
             let p = source.checkpoint.dir.join(name);
             inputs.insert(name, File::open(&p).map_err(io_err(&p, "open source rank file"))?);

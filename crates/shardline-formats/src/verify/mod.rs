@@ -213,7 +213,7 @@ fn feed(
                 let job = Job {
                     key: info.clone(),
                     offsets: Some(c.offsets),
-                    file: Arc::from(c.file.as_str()),
+                    file: c.file.clone(),
                     location: Location::Raw { data_offset: c.data_offset, sizes: c.sizes },
                 };
                 if !send(job) {
