@@ -88,7 +88,7 @@ let (run, _created) = store
         dedupe_key: None,
         params: serde_json::json!({}),
         spec: serde_json::json!({}),
-        options: RunOptions::default(),
+        options: RunOptions::default(), notify: Vec::new(),
     })
     .await?;
 store
@@ -112,6 +112,7 @@ mod db;
 mod error;
 mod lease;
 mod listings;
+mod notify;
 mod open;
 mod read;
 mod records;
@@ -137,6 +138,7 @@ use tokio::task::JoinHandle;
 pub use error::StoreError;
 pub use lease::{MAX_BACKOFF, REAP_BATCH};
 pub use listings::{LeasedTask, PipelineSummary, PipelineVersion};
+pub use notify::{DeliveryOutcome, Notification, NotificationLease, NotifyTarget};
 pub use open::{sqlite_lock_path, MIGRATE_LOCK, SQLITE_LOCK_SUFFIX};
 pub use read::{MAX_LOG_LINE, MAX_PAGE};
 pub use tokens::TokenRow;
