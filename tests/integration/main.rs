@@ -6,6 +6,7 @@ mod bad_input;
 mod convert;
 mod export;
 mod hub_s3;
+mod notify;
 mod object_source;
 mod orchestrator;
 mod pipeline_steps;
