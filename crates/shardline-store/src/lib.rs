@@ -69,7 +69,10 @@ dedicated connection with a jittered poll as fallback. On SQLite writers are ser
 columns of their own, never in `params`), `tasks`, `task_deps` (edges), `attempts` (one row
 per lease), `workers`, `events`, `logs` (kept for ever, no reference to workers), `cache`,
 `triggers` and `trigger_firings` (see [`Store::list_triggers`] and [`Store::claim_firing`]),
-and `api_tokens` (hashes of the HTTP API's tokens, see [`Store::insert_token`]). Every SQL
+`api_tokens` (hashes of the HTTP API's tokens, see [`Store::insert_token`]), and the
+notifications' targets (`run_notify_targets`, `pipeline_notify_targets`, `notify_defaults`) and
+outbox (`notifications`, see [`Store::claim_notifications`]), filled by database triggers on
+`runs` and `triggers` in the statement that ends a run. Every SQL
 statement on these tables is in this crate. On PostgreSQL, `claim_task` and
 `complete_succeeded` are plpgsql functions, so a claim and a success are one round trip each.
 
