@@ -48,6 +48,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
         "shardline-triggers",
         &["shardline-control", "shardline-spec", "shardline-store", "shardline-hub", "shardline-backoff"],
     ),
+    // Delivers the store's outbox: reads runs and triggers, never submits or runs them.
+    ("shardline-notify", &["shardline-spec", "shardline-store", "shardline-backoff"]),
     ("shardline-testdb", &["shardline-store"]),
 ];
 

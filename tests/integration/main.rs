@@ -7,6 +7,7 @@ mod convert;
 mod export;
 mod hub_s3;
 mod metrics;
+mod notify;
 mod object_source;
 mod orchestrator;
 mod pipeline_steps;

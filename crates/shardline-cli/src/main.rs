@@ -8,6 +8,7 @@ mod export;
 mod gpu;
 mod inspect;
 mod malloc;
+mod notify;
 mod orchestrate;
 mod report;
 mod reshard;

@@ -412,6 +412,8 @@ pub struct ServerArgs {
     #[command(flatten)]
     pub triggers: crate::triggers::TriggerServeArgs,
     #[command(flatten)]
+    pub notify: crate::notify::NotifyArgs,
+    #[command(flatten)]
     pub state: StateArgs,
 }
 
@@ -422,9 +424,14 @@ pub fn run_server(args: ServerArgs) -> Result<ExitCode> {
         tokio::spawn(shutdown_signal(tx));
         // One set of metrics: the HTTP server shows what the trigger loop counts.
         let metrics = shardline_metrics::Metrics::new(store.clone());
-        let http = crate::serve::start_http(&args.http, &store, &metrics, args.state.work_dir(), rx.clone()).await?;
+        let (http, bound) =
+            match crate::serve::start_http(&args.http, &store, &metrics, args.state.work_dir(), rx.clone()).await? {
+                Some((h, a)) => (Some(h), Some(a)),
+                None => (None, None),
+            };
         let triggers =
             crate::triggers::start(&args.triggers, &store, &metrics, args.state.work_dir(), rx.clone()).await?;
+        let notifier = crate::notify::start(&args.notify, &store, bound, rx.clone()).await?;
         eprintln!("server: reaping expired leases on {}", redact_url(&args.state.url()));
         reaper(store, Duration::from_secs(1), rx).await;
         if let Some(h) = http {
@@ -433,6 +440,7 @@ pub fn run_server(args: ServerArgs) -> Result<ExitCode> {
         if let Some(h) = triggers {
             let _ = h.await;
         }
+        let _ = tokio::time::timeout(crate::notify::DRAIN, notifier).await;
         Ok(ExitCode::SUCCESS)
     })
 }

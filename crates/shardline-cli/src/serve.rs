@@ -43,14 +43,15 @@ impl HttpArgs {
 }
 
 /// Binds `--http` (when given) and serves the API and the dashboard until `stop` turns true.
-/// Binding happens before this returns, so a taken port is an error of the command.
+/// Binding happens before this returns, so a taken port is an error of the command; the bound
+/// address is returned with the server's task.
 pub async fn start_http(
     args: &HttpArgs,
     store: &Store,
     metrics: &Arc<Metrics>,
     work_dir: PathBuf,
     stop: watch::Receiver<bool>,
-) -> Result<Option<JoinHandle<()>>> {
+) -> Result<Option<(JoinHandle<()>, SocketAddr)>> {
     let Some(addr) = args.http else { return Ok(None) };
     let listener =
         tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding the HTTP address {addr}"))?;
@@ -66,11 +67,12 @@ pub async fn start_http(
             AuthMode::ReadRequiresToken => "every request needs a token: shardline token create --scope read",
         }
     );
-    Ok(Some(tokio::spawn(async move {
+    let handle = tokio::spawn(async move {
         if let Err(e) = shardline_web::serve_on(listener, state, stop).await {
             eprintln!("server: the HTTP server stopped: {e}");
         }
-    })))
+    });
+    Ok(Some((handle, bound)))
 }
 
 #[derive(Args, Debug)]

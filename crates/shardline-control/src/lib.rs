@@ -7,6 +7,7 @@
 //!   each heartbeat — written by the engine, read by the engine, the dashboard and the CLI;
 //! - [`submit`]: lint, instantiate and store a run with its whole task graph and its
 //!   [`RunOptions`] (name, no-cache);
+//! - [`notify_targets`]: a spec's `notify:` as the store keeps it;
 //! - [`lint_context`] and [`parse_pipeline`]: spec loading as `submit` does it, for linting
 //!   from anywhere.
 //!
@@ -89,12 +90,39 @@ pub async fn submit(store: &Store, s: Submission<'_>) -> Result<Submitted, Submi
     let params = serde_json::to_value(&resolved.params).unwrap_or(json!({}));
     let spec = serde_json::to_value(&resolved).unwrap_or(json!({}));
     let options = RunOptions { name: Some(name.clone()), no_cache: s.no_cache };
+    let notify = notify_targets(&pipeline.notify);
     let (run, created) =
-        store.create_run(NewRun { pipeline_id, dedupe_key: s.dedupe_key, params, spec, options }).await?;
+        store.create_run(NewRun { pipeline_id, dedupe_key: s.dedupe_key, params, spec, options, notify }).await?;
     if created {
         store.add_tasks(run, tasks).await?;
     }
     Ok(Submitted { run, name, created, resolved })
+}
+
+/// A spec's `notify:` entries as the store keeps them.
+pub fn notify_targets(targets: &[shardline_spec::notify::NotifyTarget]) -> Vec<shardline_store::NotifyTarget> {
+    use shardline_spec::notify::{NotifyEvent as E, NotifyFormat as F};
+    use shardline_store::{NotifyEvent, NotifyFormat};
+    targets
+        .iter()
+        .map(|t| shardline_store::NotifyTarget {
+            url: t.url.clone(),
+            events: t
+                .on
+                .iter()
+                .map(|e| match e {
+                    E::Succeeded => NotifyEvent::Succeeded,
+                    E::Failed => NotifyEvent::Failed,
+                    E::Cancelled => NotifyEvent::Cancelled,
+                    E::TriggerError => NotifyEvent::TriggerError,
+                })
+                .collect(),
+            format: match t.format {
+                F::Json => NotifyFormat::Json,
+                F::Slack => NotifyFormat::Slack,
+            },
+        })
+        .collect()
 }
 
 fn absolute(p: &Path) -> PathBuf {

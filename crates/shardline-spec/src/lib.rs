@@ -62,6 +62,7 @@
 //!
 //! `triggers` (optional) lists what starts runs without a submission: a cron `schedule` in a
 //! named time zone with a missed-run policy, or a `watch` on Hub repositories; see [`triggers`].
+//! `notify` (optional) lists webhooks told when a run finishes or a trigger fails; see [`notify`].
 //!
 //! # Why not a serde YAML deserializer
 //!
@@ -81,6 +82,7 @@ mod diagnostic;
 mod graph;
 mod lint;
 mod model;
+pub mod notify;
 mod outline;
 mod resolve;
 mod schema;

@@ -392,6 +392,8 @@ pub struct Pipeline {
     pub steps: Vec<StepSpec>,
     /// What starts runs without a submission (`triggers:`), in file order.
     pub triggers: Vec<crate::triggers::Trigger>,
+    /// Webhooks told when a run finishes or a trigger fails (`notify:`), in file order.
+    pub notify: Vec<crate::notify::NotifyTarget>,
     /// The file name diagnostics are reported against.
     pub file: String,
     pub(crate) locations: Locations,

@@ -218,7 +218,8 @@ pub(crate) const CACHE: Field = field("cache", FieldType::Bool, FieldDefault::Bo
 /// Keys of a step mapping.
 pub(crate) const STEP_KEYS: &[&str] = &["id", "uses", "needs", "with", "resources", "retry", "timeout", "cache"];
 /// Keys of the top-level mapping.
-pub(crate) const TOP_KEYS: &[&str] = &["apiVersion", "kind", "name", "description", "params", "steps", "triggers"];
+pub(crate) const TOP_KEYS: &[&str] =
+    &["apiVersion", "kind", "name", "description", "params", "steps", "triggers", "notify"];
 /// Keys of a param declaration.
 pub(crate) const PARAM_KEYS: &[&str] = &["type", "default", "enum", "description"];
 

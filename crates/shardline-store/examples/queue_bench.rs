@@ -92,6 +92,7 @@ async fn new_run(store: &Store, label: &str) -> RunId {
             params: json!({ "phase": label }),
             spec: json!({}),
             options: Default::default(),
+            notify: Vec::new(),
         })
         .await
         .expect("create_run")

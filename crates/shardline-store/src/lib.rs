@@ -69,7 +69,10 @@ dedicated connection with a jittered poll as fallback. On SQLite writers are ser
 columns of their own, never in `params`), `tasks`, `task_deps` (edges), `attempts` (one row
 per lease), `workers`, `events`, `logs` (kept for ever, no reference to workers), `cache`,
 `triggers` and `trigger_firings` (see [`Store::list_triggers`] and [`Store::claim_firing`]),
-and `api_tokens` (hashes of the HTTP API's tokens, see [`Store::insert_token`]). Every SQL
+`api_tokens` (hashes of the HTTP API's tokens, see [`Store::insert_token`]), and the
+notifications' targets (`run_notify_targets`, `pipeline_notify_targets`, `notify_defaults`) and
+outbox (`notifications`, see [`Store::claim_notifications`]), filled by database triggers on
+`runs` and `triggers` in the statement that ends a run. Every SQL
 statement on these tables is in this crate. On PostgreSQL, `claim_task` and
 `complete_succeeded` are plpgsql functions, so a claim and a success are one round trip each.
 
@@ -88,7 +91,7 @@ let (run, _created) = store
         dedupe_key: None,
         params: serde_json::json!({}),
         spec: serde_json::json!({}),
-        options: RunOptions::default(),
+        options: RunOptions::default(), notify: Vec::new(),
     })
     .await?;
 store
@@ -113,6 +116,7 @@ mod error;
 mod lease;
 mod listings;
 mod metrics;
+mod notify;
 mod open;
 mod read;
 mod records;
@@ -139,6 +143,7 @@ pub use error::StoreError;
 pub use lease::{MAX_BACKOFF, REAP_BATCH};
 pub use listings::{LeasedTask, PipelineSummary, PipelineVersion};
 pub use metrics::{EndedAttempt, EndedCursor, EndedPage, StateCounts};
+pub use notify::{DeliveryOutcome, Notification, NotificationLease, NotifyTarget};
 pub use open::{sqlite_lock_path, MIGRATE_LOCK, SQLITE_LOCK_SUFFIX};
 pub use read::{MAX_LOG_LINE, MAX_PAGE};
 pub use tokens::TokenRow;

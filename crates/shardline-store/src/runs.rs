@@ -42,6 +42,7 @@ impl Store {
     /// `(id, true)` when created, `(existing, false)` when a run with `new.dedupe_key` is queued,
     /// running or succeeded. A key whose runs all failed or were cancelled is free again.
     pub async fn create_run(&self, new: NewRun) -> Result<(RunId, bool), StoreError> {
+        crate::notify::check_run_targets(&new.notify)?;
         // With a dedupe key a repeat finds the run the first try created; without, it would
         // create a second one.
         if new.dedupe_key.is_some() {
@@ -76,6 +77,7 @@ impl Store {
                 .map_err(|e| fk_or(e, StoreError::PipelineNotFound(new.pipeline_id)))?;
             if let Some((id,)) = inserted {
                 run_event(&mut c, id, RunState::Queued, None).await?;
+                crate::notify::insert_run_targets(&mut c, id, &new.notify).await?;
                 tx.commit().await?;
                 return Ok((RunId(id), true));
             }

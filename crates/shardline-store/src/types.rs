@@ -114,6 +114,42 @@ state_enum!(
     }
 );
 
+state_enum!(
+    /// What a notification tells.
+    NotifyEvent {
+        /// A run succeeded.
+        Succeeded = "succeeded",
+        /// A run failed.
+        Failed = "failed",
+        /// A run was cancelled.
+        Cancelled = "cancelled",
+        /// A trigger's check failed (once per error streak).
+        TriggerError = "trigger-error",
+    }
+);
+
+state_enum!(
+    /// How a notification's body is written.
+    NotifyFormat {
+        /// A JSON object with the run's fields.
+        Json = "json",
+        /// `{"text": …}`, as Slack incoming webhooks read it.
+        Slack = "slack",
+    }
+);
+
+state_enum!(
+    /// Where a notification is in its delivery.
+    DeliveryState {
+        /// Waiting for its (next) attempt.
+        Pending = "pending",
+        /// A receiver accepted it (2xx).
+        Delivered = "delivered",
+        /// Every attempt failed; no more are made.
+        Failed = "failed",
+    }
+);
+
 impl RunState {
     /// Succeeded, failed or cancelled.
     pub fn is_terminal(self) -> bool {
@@ -242,6 +278,9 @@ pub struct NewRun {
     /// The resolved spec this run executes, kept with the run.
     pub spec: Value,
     pub options: RunOptions,
+    /// Webhooks told when the run finishes (the spec's `notify:`), in the run's creating
+    /// transaction; the server-wide ones are added by the store when it finishes.
+    pub notify: Vec<crate::NotifyTarget>,
 }
 
 /// A task to add to a run.

@@ -396,6 +396,7 @@ async fn create_run_is_idempotent_by_dedupe_key(db: &TestDb) {
         params: json!({"repo": "org/model", "sha": "abc"}),
         spec: json!({"steps": 1}),
         options: Default::default(),
+        notify: Vec::new(),
     };
     let (r1, created) = store.create_run(new("org/model@abc")).await.expect("create");
     assert!(created);

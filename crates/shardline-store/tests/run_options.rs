@@ -19,6 +19,7 @@ async fn options_round_trip_apart_from_params(db: &TestDb) {
             params: json!({"repo": "org/model"}),
             spec: json!({}),
             options: options.clone(),
+            notify: Vec::new(),
         })
         .await
         .expect("create_run");

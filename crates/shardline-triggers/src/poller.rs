@@ -25,6 +25,8 @@ pub struct PipelineSource {
     pub file: String,
     pub text: String,
     pub triggers: Vec<Trigger>,
+    /// Where its trigger errors are sent (the spec's `notify:`, as the store keeps it).
+    pub notify: Vec<shardline_store::NotifyTarget>,
 }
 
 impl PipelineSource {
@@ -36,6 +38,7 @@ impl PipelineSource {
             file: file.to_string(),
             text: text.to_string(),
             triggers: p.triggers,
+            notify: shardline_control::notify_targets(&p.notify),
         })
     }
 }
@@ -189,6 +192,7 @@ impl Poller {
                 })
                 .collect();
             out.extend(self.store.register_triggers(&p.name, &new).await?);
+            self.store.set_pipeline_notify_targets(&p.name, &p.notify).await?;
         }
         Ok(out)
     }

@@ -136,7 +136,9 @@ pub async fn get_run(
     Path(id): Path<i64>,
 ) -> ApiResult<Json<RunDetailDto>> {
     read_access(&state, &headers).await?;
-    Ok(Json(RunDetailDto::from(&find_run(&state, id).await?)))
+    let run = find_run(&state, id).await?;
+    let notifications = state.store.run_notifications(RunId(id)).await?;
+    Ok(Json(RunDetailDto::new(&run, &notifications)))
 }
 
 /// A run's tasks as the dashboard shows them: with progress, rate, ETA and why each waits.
@@ -209,7 +211,8 @@ pub async fn run_view(
     let deps = state.store.run_deps(RunId(id)).await?;
     let steps = graph_steps(&run, &tasks, &deps);
     let tasks = annotate(&state, &tasks, &deps, false).await?;
-    Ok(Json(RunViewDto { run: RunDto::from(&run), steps, tasks }))
+    let notifications = state.store.run_notifications(RunId(id)).await?.iter().map(NotificationDto::from).collect();
+    Ok(Json(RunViewDto { run: RunDto::from(&run), steps, tasks, notifications }))
 }
 
 fn graph_steps(

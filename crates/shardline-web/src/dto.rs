@@ -3,7 +3,10 @@
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use shardline_store::{AttemptRow, Change, EventRow, LogRow, Resources, RunRow, TaskCounts, TaskRow, WorkerRow};
+use shardline_store::{
+    AttemptRow, Change, DeliveryState, EventRow, LogRow, Notification, Resources, RunRow, TaskCounts, TaskRow,
+    WorkerRow,
+};
 use utoipa::{IntoParams, ToSchema};
 
 use crate::redact::{redact, redact_line, redact_opt};
@@ -167,11 +170,63 @@ pub struct RunDetailDto {
     pub spec: Value,
     #[schema(value_type = Option<Object>)]
     pub plan: Option<Value>,
+    /// The webhooks told about the run's end, and how delivery went.
+    pub notifications: Vec<NotificationDto>,
 }
 
-impl From<&RunRow> for RunDetailDto {
-    fn from(r: &RunRow) -> RunDetailDto {
-        RunDetailDto { run: r.into(), spec: redact(&r.spec), plan: redact_opt(&r.plan) }
+impl RunDetailDto {
+    pub fn new(r: &RunRow, notifications: &[Notification]) -> RunDetailDto {
+        RunDetailDto {
+            run: r.into(),
+            spec: redact(&r.spec),
+            plan: redact_opt(&r.plan),
+            notifications: notifications.iter().map(NotificationDto::from).collect(),
+        }
+    }
+}
+
+/// A notification of a run's end: its target (redacted: no user info, query values or secret
+/// path segments) and its delivery so far.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct NotificationDto {
+    pub id: i64,
+    /// `succeeded`, `failed`, `cancelled` or `trigger-error`.
+    pub event: String,
+    /// The webhook URL, redacted.
+    pub target: String,
+    /// `json` or `slack`.
+    pub format: String,
+    /// `pending`, `delivered` or `failed` (given up).
+    pub state: String,
+    pub attempts: u32,
+    /// The HTTP status of the last attempt, when it got an answer.
+    pub last_status: Option<u16>,
+    pub last_error: Option<String>,
+    pub last_attempt_at: Option<DateTime<Utc>>,
+    /// When the next attempt is due (pending notifications).
+    pub next_at: Option<DateTime<Utc>>,
+    pub delivered_at: Option<DateTime<Utc>>,
+    pub created_at: DateTime<Utc>,
+}
+
+impl From<&Notification> for NotificationDto {
+    fn from(n: &Notification) -> NotificationDto {
+        let target = shardline_spec::notify::redact_url(&n.url);
+        NotificationDto {
+            id: n.id,
+            event: n.event.as_str().into(),
+            format: n.format.as_str().into(),
+            state: n.state.as_str().into(),
+            attempts: n.attempts,
+            last_status: n.last_status,
+            // The notifier keeps URLs out of its errors; this is in case one slipped through.
+            last_error: n.last_error.as_deref().map(|e| redact_line(&e.replace(&n.url, &target))),
+            last_attempt_at: n.last_attempt_at,
+            next_at: (n.state == DeliveryState::Pending).then_some(n.next_at),
+            delivered_at: n.delivered_at,
+            created_at: n.created_at,
+            target,
+        }
     }
 }
 
@@ -346,6 +401,8 @@ pub struct RunViewDto {
     pub steps: Vec<StepDto>,
     /// In summary form: payloads and outputs are `null`.
     pub tasks: Vec<TaskDto>,
+    /// The webhooks told about the run's end (as in `GET /runs/{id}`).
+    pub notifications: Vec<NotificationDto>,
 }
 
 /// A run's step graph.

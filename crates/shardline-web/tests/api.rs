@@ -27,6 +27,7 @@ async fn seed(store: &Store) -> (RunId, Vec<TaskId>, WorkerId) {
             params: json!({"repo": "org/model", "hf_token": "hf_SECRETSECRETSECRETSECRETSECRET00", "tp": 2}),
             spec: json!({"name": "convert", "params": {"hf_token": "hf_SECRETSECRETSECRETSECRETSECRET00"}}),
             options: Default::default(),
+            notify: Vec::new(),
         })
         .await
         .expect("create_run");

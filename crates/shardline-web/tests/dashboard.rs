@@ -46,7 +46,14 @@ async fn seed(store: &Store) -> (RunId, WorkerId) {
         {"id": "shard", "kind": "megatron.shard", "needs": ["download"], "config": {"kind": "megatron.shard", "tp": 2}},
         {"id": "gpu", "kind": "checkpoint.validate", "needs": [], "config": {"kind": "checkpoint.validate"}}]});
     let (run, _) = store
-        .create_run(NewRun { pipeline_id: p, dedupe_key: None, params: json!({}), spec, options: Default::default() })
+        .create_run(NewRun {
+            pipeline_id: p,
+            dedupe_key: None,
+            params: json!({}),
+            spec,
+            options: Default::default(),
+            notify: Vec::new(),
+        })
         .await
         .expect("create_run");
     let job = ShardJob { tp: 2, source_task: "download".into(), ..ShardJob::default() };
@@ -426,6 +433,7 @@ async fn errors_are_redacted() {
             params: json!({}),
             spec: json!({}),
             options: Default::default(),
+            notify: Vec::new(),
         })
         .await
         .expect("create_run");

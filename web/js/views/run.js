@@ -1,5 +1,6 @@
 // A run: header and actions, the step graph with each step's state and fan-out, the task table
-// with progress bars (bytes/s, ETA) and why each task waits, and a task's attempts and logs.
+// with progress bars (bytes/s, ETA) and why each task waits, a task's attempts and logs, and
+// the webhooks told about the run's end (targets redacted by the server).
 
 import { get, api } from '../api.js';
 import { h, s, replace, link, badge, errorBox } from '../dom.js';
@@ -30,7 +31,13 @@ export function render(view, [idText], params) {
       ['Task', 'Step', 'State', 'Attempt', 'Worker', 'Progress', 'Why / error'].map((c) => h('div', { role: 'columnheader' }, c)))),
     tbody);
   const panel = h('section', { class: 'panel', 'data-testid': 'task-panel', hidden: true });
-  replace(view, header, message, meta, h('h2', {}, 'Steps'), dag,
+  const notifyBody = h('tbody');
+  const notifySection = h('section', { 'data-testid': 'notifications', hidden: true },
+    h('h2', {}, 'Notifications'),
+    h('table', { class: 'grid' },
+      h('thead', {}, h('tr', {}, ['Target', 'Event', 'Format', 'State', 'Attempts', 'Last answer', 'Last attempt'].map((c) => h('th', {}, c)))),
+      notifyBody));
+  replace(view, header, message, meta, notifySection, h('h2', {}, 'Steps'), dag,
     h('div', { class: 'titlebar' }, h('h2', {}, 'Tasks'), h('div', { class: 'filters' }, filterText, filterState)),
     table, panel);
 
@@ -41,6 +48,7 @@ export function render(view, [idText], params) {
   const rows = new Map(); // task id -> { tr, key }
   let firstRender = true;
   let closePanel = null;
+  let notificationsPending = false;
 
   function actions() {
     const out = [];
@@ -76,6 +84,20 @@ export function render(view, [idText], params) {
       item('Created', time(run.created_at)), item('Duration', duration(run.duration_ms)),
       item('Dedupe key', run.dedupe_key),
       run.error ? [h('dt', {}, 'Error'), h('dd', { class: 'bad', 'data-testid': 'run-error' }, run.error)] : []);
+  }
+
+  function renderNotifications(list) {
+    notifySection.hidden = list.length === 0;
+    notificationsPending = list.some((n) => n.state === 'pending');
+    replace(notifyBody, list.map((n) => h('tr', { 'data-notification': n.id, 'data-state': n.state },
+      h('td', { class: 'mono' }, n.target),
+      h('td', {}, n.event),
+      h('td', {}, n.format),
+      h('td', {}, badge(n.state)),
+      h('td', {}, String(n.attempts)),
+      h('td', { class: n.state === 'failed' ? 'bad' : '' },
+        [n.last_status ? `HTTP ${n.last_status}` : '', n.last_error && n.state !== 'delivered' ? n.last_error : ''].filter(Boolean).join(' · ')),
+      h('td', {}, n.last_attempt_at ? ago(n.last_attempt_at) : (n.next_at ? 'due' : '')))));
   }
 
   function renderDag(steps) {
@@ -202,6 +224,7 @@ export function render(view, [idText], params) {
       run = v.run;
       tasks = v.tasks;
       renderHeader();
+      renderNotifications(v.notifications || []);
       renderDag(v.steps);
       renderTasks();
       if (firstRender) {
@@ -243,8 +266,9 @@ export function render(view, [idText], params) {
   const unsub = subscribe((ev) => {
     if (ev.run === id) schedule();
   });
-  // Heartbeats (progress) are not events: poll while the run is live.
-  const poll = setInterval(() => { if (run && !TERMINAL.has(run.state)) schedule(0); }, 2000);
+  // Heartbeats (progress) and deliveries are not events: poll while the run is live or a
+  // notification of its end is still being sent.
+  const poll = setInterval(() => { if (run && (!TERMINAL.has(run.state) || notificationsPending)) schedule(0); }, 2000);
   refresh();
   return () => {
     stopped = true;

@@ -1,5 +1,6 @@
 //! The whole pipeline: its top-level shape (`apiVersion`, `kind`, `name`, `description`), the
-//! passes run in order on the parts that are usable, and the warning for params nothing uses.
+//! passes run in order on the parts that are usable (`triggers` and `notify` linted by their own
+//! modules), and the warning for params nothing uses.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -100,6 +101,10 @@ impl Linter<'_> {
             .map(|e| crate::triggers::lint_triggers(self.file, &e.value, &params, &mut self.diags))
             .unwrap_or_default();
 
+        // notify (webhooks; not part of the spec hash).
+        let notify =
+            get("notify").map(|e| crate::notify::lint_notify(self.file, &e.value, &mut self.diags)).unwrap_or_default();
+
         // steps.
         let drafts = match get("steps") {
             None => {
@@ -168,6 +173,7 @@ impl Linter<'_> {
             params,
             steps,
             triggers,
+            notify,
             file: self.file.to_string(),
             locations: std::mem::take(&mut self.loc),
             step_index,

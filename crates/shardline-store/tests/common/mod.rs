@@ -17,7 +17,14 @@ pub async fn pipeline(store: &Store) -> i64 {
 
 /// A run of pipeline `pipeline_id` with `params`, no dedupe key, an empty spec, default options.
 pub fn new_run(pipeline_id: i64, params: serde_json::Value) -> NewRun {
-    NewRun { pipeline_id, dedupe_key: None, params, spec: json!({}), options: RunOptions::default() }
+    NewRun {
+        pipeline_id,
+        dedupe_key: None,
+        params,
+        spec: json!({}),
+        options: RunOptions::default(),
+        notify: Vec::new(),
+    }
 }
 
 pub async fn run(store: &Store) -> RunId {
