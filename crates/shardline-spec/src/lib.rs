@@ -84,6 +84,7 @@ mod lint;
 mod model;
 pub mod notify;
 mod outline;
+pub mod policy;
 mod resolve;
 mod schema;
 pub use schema::is_object_store_source;
