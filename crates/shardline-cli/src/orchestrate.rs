@@ -167,6 +167,7 @@ pub fn run_run(args: RunArgs) -> Result<ExitCode> {
                 work_dir: &work,
                 dedupe_key: None,
                 no_cache: args.no_cache,
+                policy: None,
             },
         )
         .await
@@ -372,6 +373,7 @@ pub fn run_submit(args: SubmitArgs) -> Result<ExitCode> {
                 work_dir: &work,
                 dedupe_key: args.dedupe_key.clone(),
                 no_cache: args.no_cache,
+                policy: None,
             },
         )
         .await
@@ -414,6 +416,8 @@ pub struct ServerArgs {
     #[command(flatten)]
     pub notify: crate::notify::NotifyArgs,
     #[command(flatten)]
+    pub policy: crate::serve::PolicyArgs,
+    #[command(flatten)]
     pub state: StateArgs,
 }
 
@@ -424,13 +428,22 @@ pub fn run_server(args: ServerArgs) -> Result<ExitCode> {
         tokio::spawn(shutdown_signal(tx));
         // One set of metrics: the HTTP server shows what the trigger loop counts.
         let metrics = shardline_metrics::Metrics::new(store.clone());
-        let (http, bound) =
-            match crate::serve::start_http(&args.http, &store, &metrics, args.state.work_dir(), rx.clone()).await? {
-                Some((h, a)) => (Some(h), Some(a)),
-                None => (None, None),
-            };
+        let policy = args.policy.policy()?;
+        let (http, bound) = match crate::serve::start_http(
+            &args.http,
+            &store,
+            &metrics,
+            policy.clone(),
+            args.state.work_dir(),
+            rx.clone(),
+        )
+        .await?
+        {
+            Some((h, a)) => (Some(h), Some(a)),
+            None => (None, None),
+        };
         let triggers =
-            crate::triggers::start(&args.triggers, &store, &metrics, args.state.work_dir(), rx.clone()).await?;
+            crate::triggers::start(&args.triggers, &store, &metrics, policy, args.state.work_dir(), rx.clone()).await?;
         let notifier = crate::notify::start(&args.notify, &store, bound, rx.clone()).await?;
         eprintln!("server: reaping expired leases on {}", redact_url(&args.state.url()));
         reaper(store, Duration::from_secs(1), rx).await;

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use shardline_metrics::Metrics;
+use shardline_spec::policy::PathPolicy;
 use shardline_store::Store;
 use shardline_web::{AppState, AuthMode, Scope};
 use tokio::sync::watch;
@@ -42,6 +43,35 @@ impl HttpArgs {
     }
 }
 
+/// The path policy of `shardline server`: what specs submitted through the API and fired by
+/// triggers may name.
+#[derive(Args, Clone, Debug, Default)]
+pub struct PolicyArgs {
+    /// A directory or URL prefix specs may read sources from (repeatable; `s3://bucket/releases`,
+    /// `/data/releases`). With any of these flags, a spec naming anything outside them is refused.
+    #[arg(long = "allow-source", value_name = "DIR|URL", env = "SHARDLINE_ALLOW_SOURCE", value_delimiter = ',')]
+    pub sources: Vec<String>,
+    /// A directory or URL prefix specs may write results to (repeatable).
+    #[arg(long = "allow-dest", value_name = "DIR|URL", env = "SHARDLINE_ALLOW_DEST", value_delimiter = ',')]
+    pub dests: Vec<String>,
+    /// Under a policy (any --allow-source or --allow-dest), also let specs run `uses: command`
+    /// steps; without a policy they may anyway.
+    #[arg(long = "allow-commands")]
+    pub commands: bool,
+}
+
+impl PolicyArgs {
+    /// The policy, when a root is given.
+    pub fn policy(&self) -> Result<Option<Arc<PathPolicy>>> {
+        if self.sources.is_empty() && self.dests.is_empty() {
+            return Ok(None);
+        }
+        let policy = shardline_control::policy::policy_from_flags(&self.sources, &self.dests, self.commands)
+            .map_err(|e| anyhow::anyhow!("the path policy: {e}"))?;
+        Ok(Some(Arc::new(policy)))
+    }
+}
+
 /// Binds `--http` (when given) and serves the API and the dashboard until `stop` turns true.
 /// Binding happens before this returns, so a taken port is an error of the command; the bound
 /// address is returned with the server's task.
@@ -49,6 +79,7 @@ pub async fn start_http(
     args: &HttpArgs,
     store: &Store,
     metrics: &Arc<Metrics>,
+    policy: Option<Arc<PathPolicy>>,
     work_dir: PathBuf,
     stop: watch::Receiver<bool>,
 ) -> Result<Option<(JoinHandle<()>, SocketAddr)>> {
@@ -60,6 +91,13 @@ pub async fn start_http(
     state.base_dir = std::env::current_dir().context("reading the current directory")?;
     state.work_dir = work_dir;
     state.metrics = Some(metrics.clone());
+    if policy.is_none() {
+        eprintln!(
+            "server: no path policy: specs submitted through the API may read and write anywhere the workers can \
+             (--allow-source, --allow-dest)"
+        );
+    }
+    state.policy = policy;
     eprintln!(
         "server: dashboard and API on http://{bound}/ ({})",
         match args.auth() {

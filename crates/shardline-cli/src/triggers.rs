@@ -9,6 +9,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use shardline_hub::HubClient;
 use shardline_metrics::Metrics;
+use shardline_spec::policy::PathPolicy;
 use shardline_store::{Store, TriggerRecord};
 use shardline_triggers::{load_dir, Poller, PollerOptions, SystemClock, TickReport};
 use tokio::sync::watch;
@@ -92,6 +93,7 @@ pub async fn start(
     args: &TriggerServeArgs,
     store: &Store,
     metrics: &Arc<Metrics>,
+    policy: Option<Arc<PathPolicy>>,
     work_dir: PathBuf,
     shutdown: watch::Receiver<bool>,
 ) -> Result<Option<JoinHandle<()>>> {
@@ -103,10 +105,12 @@ pub async fn start(
     let hub = HubClient::from_env().context("configuring the Hub client for watch triggers")?;
     let count: usize = pipelines.iter().map(|p| p.triggers.len()).sum();
     let counted = metrics.clone();
-    let poller = Poller::new(store.clone(), hub, Arc::new(SystemClock), pipelines, PollerOptions::new(base, work_dir))
-        .with_observer(Arc::new(move |r: &TickReport| {
+    let options = PollerOptions { policy, ..PollerOptions::new(base, work_dir) };
+    let poller = Poller::new(store.clone(), hub, Arc::new(SystemClock), pipelines, options).with_observer(Arc::new(
+        move |r: &TickReport| {
             counted.observe_trigger_checks(r.checked as u64, r.errors.len() as u64, r.fired.len() as u64)
-        }));
+        },
+    ));
     let registered = poller.register().await.context("registering triggers")?;
     eprintln!("server: {count} trigger(s) of {} pipeline(s) from {}", poller.pipelines().len(), dir.display());
     debug_assert_eq!(registered.len(), count);

@@ -17,6 +17,7 @@
 
 pub mod graph;
 pub mod output;
+pub mod policy;
 
 pub use output::{ListedFile, TaskOutput, TaskProgress};
 
@@ -66,6 +67,9 @@ pub struct Submission<'a> {
     /// Idempotency key: a second submission with it returns the existing run (unless that failed).
     pub dedupe_key: Option<String>,
     pub no_cache: bool,
+    /// Where the spec may read and write (a shared server's API and triggers); `None`: anywhere
+    /// the worker can (the local CLI).
+    pub policy: Option<&'a shardline_spec::policy::PathPolicy>,
 }
 
 /// A submitted run.
@@ -84,6 +88,14 @@ pub async fn submit(store: &Store, s: Submission<'_>) -> Result<Submitted, Submi
     let name = format!("{}-{}", pipeline.name, chrono::Utc::now().format("%Y%m%d-%H%M%S-%6f"));
     let resolved =
         pipeline.instantiate(s.overrides, &name).map_err(|d| SubmitError::Invalid(render_all(&d, s.text)))?;
+    if let Some(policy) = s.policy {
+        let base = absolute(s.base_dir);
+        let resolve = |p: &Path| policy::resolve_local(&base, p);
+        let refused = shardline_spec::policy::check_policy(&pipeline, &resolved, policy, &resolve);
+        if !refused.is_empty() {
+            return Err(SubmitError::Invalid(render_all(&refused, s.text)));
+        }
+    }
     let run_dir = absolute(s.work_dir).join("runs").join(&name);
     let tasks = graph::tasks_for(&resolved, &run_dir, &absolute(s.base_dir)).map_err(SubmitError::Invalid)?;
     let pipeline_id = store.upsert_pipeline(&pipeline.name, s.text, &resolved.spec_hash).await?;

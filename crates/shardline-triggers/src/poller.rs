@@ -90,6 +90,8 @@ pub struct PollerOptions {
     pub stale_claim: Duration,
     /// The longest the loop sleeps between passes.
     pub max_sleep: Duration,
+    /// Where the specs' runs may read and write (the server's path policy); `None`: anywhere.
+    pub policy: Option<Arc<shardline_spec::policy::PathPolicy>>,
 }
 
 impl PollerOptions {
@@ -99,6 +101,7 @@ impl PollerOptions {
             work_dir: work_dir.into(),
             stale_claim: Duration::from_secs(600),
             max_sleep: Duration::from_secs(15),
+            policy: None,
         }
     }
 }
@@ -563,6 +566,7 @@ impl Poller {
                 work_dir: &self.opts.work_dir,
                 dedupe_key: Some(key.to_string()),
                 no_cache: false,
+                policy: self.opts.policy.as_deref(),
             },
         )
         .await;

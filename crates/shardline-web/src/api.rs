@@ -410,6 +410,7 @@ pub async fn submit_run(
             work_dir: &state.work_dir,
             dedupe_key: req.dedupe_key,
             no_cache: req.no_cache,
+            policy: state.policy.as_deref(),
         },
     )
     .await

@@ -64,6 +64,8 @@ pub struct AppState {
     pub work_dir: PathBuf,
     /// How often the event stream looks for new events.
     pub event_poll: Duration,
+    /// Where submitted specs may read and write (the server's path policy); `None`: anywhere.
+    pub policy: Option<Arc<shardline_spec::policy::PathPolicy>>,
     /// What `/metrics` serves (absent: it answers 404).
     pub metrics: Option<Arc<shardline_metrics::Metrics>>,
     /// Set by [`serve`]: event streams end when it turns true.
@@ -81,6 +83,7 @@ impl AppState {
             work_dir: PathBuf::from(".shardline"),
             event_poll: Duration::from_millis(250),
             metrics: None,
+            policy: None,
             stop: None,
         }
     }
