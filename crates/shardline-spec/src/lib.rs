@@ -83,6 +83,7 @@ mod lint;
 mod model;
 mod outline;
 mod resolve;
+mod run_limits;
 mod schema;
 pub use schema::is_object_store_source;
 mod suggest;
@@ -99,6 +100,7 @@ pub use model::{
 };
 pub use outline::{PipelineOutline, SourceOutline, StepOutline};
 pub use resolve::{parse_override, OverrideSyntaxError};
+pub use run_limits::{is_pool_name, ConcurrencyLimit, OverflowPolicy, RunLimits, MAX_CONCURRENCY, PRIORITY_RANGE};
 pub use shardline_units::{format_duration, format_size, parse_duration, parse_size, UnitError};
 pub use suggest::did_you_mean;
 pub use template::{Part, Template};

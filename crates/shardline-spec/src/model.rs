@@ -392,6 +392,8 @@ pub struct Pipeline {
     pub steps: Vec<StepSpec>,
     /// What starts runs without a submission (`triggers:`), in file order.
     pub triggers: Vec<crate::triggers::Trigger>,
+    /// `concurrency:`, `pool:` and `priority:`.
+    pub limits: crate::run_limits::RunLimits,
     /// The file name diagnostics are reported against.
     pub file: String,
     pub(crate) locations: Locations,
@@ -621,6 +623,9 @@ pub struct ResolvedPipeline {
     pub params: BTreeMap<String, serde_json::Value>,
     /// Steps in file order.
     pub steps: Vec<ResolvedStep>,
+    /// `concurrency:`, `pool:` and `priority:` (absent from older stored specs: none).
+    #[serde(default, skip_serializing_if = "crate::run_limits::RunLimits::is_default")]
+    pub limits: crate::run_limits::RunLimits,
 }
 
 impl ResolvedPipeline {

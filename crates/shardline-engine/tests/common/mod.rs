@@ -128,6 +128,7 @@ impl Harness {
                 work_dir: &work,
                 dedupe_key: None,
                 no_cache,
+                priority: None,
             },
         )
         .await

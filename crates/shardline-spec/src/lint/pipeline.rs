@@ -88,6 +88,7 @@ impl Linter<'_> {
             }),
         };
         let description = get("description").and_then(|e| self.string(&e.value, "description", true));
+        let limits = self.run_limits(entries);
 
         // params.
         let (params, types) = match get("params") {
@@ -168,6 +169,7 @@ impl Linter<'_> {
             params,
             steps,
             triggers,
+            limits,
             file: self.file.to_string(),
             locations: std::mem::take(&mut self.loc),
             step_index,
