@@ -45,7 +45,7 @@ impl Linter<'_> {
             self.push(d.with_hint(hint));
             return None;
         };
-        self.check_keys(entries, "concurrency", CONCURRENCY_KEYS, "key of `concurrency`", |_| None);
+        self.check_keys(entries, "concurrency", CONCURRENCY_KEYS, "concurrency key", |_| None);
         let get = |k: &str| entries.iter().find(|e| e.key == k);
         let limit = match get("limit") {
             None => {
