@@ -50,6 +50,7 @@ DECLARE
     v_run     runs;
     v_skip    BIGINT[] := '{}';
     v_ok      BOOLEAN;
+    v_now     TIMESTAMPTZ;
 BEGIN
     SELECT name INTO v_worker FROM workers WHERE id = p_worker;
     IF NOT FOUND THEN
@@ -98,10 +99,14 @@ BEGIN
         END IF;
         EXIT;
     END LOOP;
+    -- The grant's time is read now, not at the statement's start (`now()`): a run started here
+    -- after waiting for a lock, or after seeing another run end, never appears to have started
+    -- before that run ended.
+    v_now := clock_timestamp();
     UPDATE tasks t SET state = 'leased', attempt = t.attempt + 1, lease_owner = p_worker,
-        lease_token = t.lease_token + 1, leased_at = now(), heartbeat_at = now(), progress = NULL,
-        updated_at = now(),
-        lease_expires_at = now() + (CASE WHEN t.timeout_ms > 0 AND t.timeout_ms < p_ttl_ms
+        lease_token = t.lease_token + 1, leased_at = v_now, heartbeat_at = v_now, progress = NULL,
+        updated_at = v_now,
+        lease_expires_at = v_now + (CASE WHEN t.timeout_ms > 0 AND t.timeout_ms < p_ttl_ms
                                          THEN t.timeout_ms ELSE p_ttl_ms END) * interval '1 millisecond'
     WHERE t.id = v_id AND t.state = 'ready'
     RETURNING t.* INTO v_task;
@@ -109,11 +114,11 @@ BEGIN
         RETURN;
     END IF;
     INSERT INTO attempts (task_id, token, attempt, run_id, worker_id, worker_name, started_at)
-    VALUES (v_task.id, v_task.lease_token, v_task.attempt, v_task.run_id, p_worker, v_worker, now());
+    VALUES (v_task.id, v_task.lease_token, v_task.attempt, v_task.run_id, p_worker, v_worker, v_now);
     INSERT INTO events (run_id, task_id, state, attempt)
     VALUES (v_task.run_id, v_task.id, 'leased', v_task.attempt);
     WITH r AS (
-        UPDATE runs SET state = 'running', started_at = now(), updated_at = now()
+        UPDATE runs SET state = 'running', started_at = v_now, updated_at = v_now
         WHERE id = v_task.run_id AND state = 'queued' RETURNING id)
     INSERT INTO events (run_id, state) SELECT id, 'running' FROM r;
     RETURN NEXT v_task;
