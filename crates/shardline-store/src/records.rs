@@ -172,7 +172,7 @@ impl RunRecord {
                             .as_deref()
                             .map(|o| parse("runs", o))
                             .transpose()?
-                            .unwrap_or_default(),
+                            .unwrap_or(Overflow::Queue),
                     }),
                     _ => None,
                 },

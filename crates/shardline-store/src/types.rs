@@ -261,12 +261,6 @@ state_enum!(
     }
 );
 
-impl Default for Overflow {
-    fn default() -> Overflow {
-        Overflow::Queue
-    }
-}
-
 /// What [`Store::admit_run`](crate::Store::admit_run) did with a new run.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub enum Admission {
