@@ -19,6 +19,8 @@ use shardline_testdb::TestDb;
 
 use crate::{bin, fixture, run, stderr, stdout};
 
+mod limits;
+
 /// The longest any single wait of these tests may take.
 const WAIT: Duration = Duration::from_secs(90);
 

@@ -49,6 +49,23 @@ fn parse_set(s: &str) -> Result<(String, String), String> {
         .ok_or_else(|| format!("`{s}` is not key=value"))
 }
 
+/// `--pool NAME=SLOTS`.
+fn parse_pool(s: &str) -> Result<(String, u32), String> {
+    let (name, slots) = s.split_once('=').ok_or_else(|| format!("`{s}` is not NAME=SLOTS (e.g. `gpu-big=2`)"))?;
+    if !shardline_spec::is_pool_name(name) {
+        return Err(format!("invalid pool name `{name}`: use lowercase letters, digits, `-` and `_`"));
+    }
+    let slots = slots.trim().parse::<u32>().map_err(|_| format!("`{slots}` is not a number of slots"))?;
+    Ok((name.to_string(), slots))
+}
+
+/// What `submit` and `run` print when no run was created: the pipeline is at its concurrency
+/// limit and its overflow is `skip`. Exit code 3.
+fn skipped(s: &shardline_store::Skipped) -> ExitCode {
+    eprintln!("{s}");
+    ExitCode::from(3)
+}
+
 pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")
 }
@@ -168,6 +185,7 @@ pub fn run_run(args: RunArgs) -> Result<ExitCode> {
                 dedupe_key: None,
                 no_cache: args.no_cache,
                 policy: None,
+                priority: None,
             },
         )
         .await
@@ -177,6 +195,7 @@ pub fn run_run(args: RunArgs) -> Result<ExitCode> {
                 eprint!("{msg}");
                 return Ok(ExitCode::from(2));
             }
+            Err(shardline_control::SubmitError::Skipped(s)) => return Ok(skipped(&s)),
             Err(e) => return Err(e.into()),
         };
         eprintln!("run {} ({}) submitted", submitted.run.0, submitted.name);
@@ -353,10 +372,16 @@ pub struct SubmitArgs {
     pub dedupe_key: Option<String>,
     #[arg(long)]
     pub no_cache: bool,
+    /// The run's priority: its tasks are claimed before those of runs with a lower one
+    /// (default: the spec's `priority:`, else 0).
+    #[arg(long, allow_hyphen_values = true)]
+    pub priority: Option<i64>,
     #[command(flatten)]
     pub state: StateArgs,
 }
 
+/// Prints the run id. Exit codes: 2 when the spec is invalid, 3 when no run was created because
+/// the pipeline is at its concurrency limit with `overflow: skip`.
 pub fn run_submit(args: SubmitArgs) -> Result<ExitCode> {
     let text = read_spec(&args.file)?;
     let base = std::env::current_dir()?;
@@ -374,6 +399,7 @@ pub fn run_submit(args: SubmitArgs) -> Result<ExitCode> {
                 dedupe_key: args.dedupe_key.clone(),
                 no_cache: args.no_cache,
                 policy: None,
+                priority: args.priority,
             },
         )
         .await
@@ -383,8 +409,12 @@ pub fn run_submit(args: SubmitArgs) -> Result<ExitCode> {
                 if !s.created {
                     eprintln!("an identical submission exists: run {}", s.run.0);
                 }
+                for c in &s.cancelled {
+                    eprintln!("cancelled run {c}: replaced by run {} (concurrency overflow: cancel-previous)", s.run.0);
+                }
                 Ok(ExitCode::SUCCESS)
             }
+            Err(shardline_control::SubmitError::Skipped(s)) => Ok(skipped(&s)),
             Err(shardline_control::SubmitError::Invalid(msg)) => {
                 eprint!("{msg}");
                 Ok(ExitCode::from(2))
@@ -413,6 +443,10 @@ pub struct ServerArgs {
     pub http: crate::serve::HttpArgs,
     #[command(flatten)]
     pub triggers: crate::triggers::TriggerServeArgs,
+    /// A pool of run slots, `NAME=SLOTS` (repeatable): runs of a pipeline with `pool: NAME`
+    /// take one slot each while they run. Stored in the job store for every server and worker.
+    #[arg(long = "pool", value_parser = parse_pool)]
+    pub pools: Vec<(String, u32)>,
     #[command(flatten)]
     pub notify: crate::notify::NotifyArgs,
     #[command(flatten)]
@@ -424,6 +458,12 @@ pub struct ServerArgs {
 pub fn run_server(args: ServerArgs) -> Result<ExitCode> {
     runtime()?.block_on(async move {
         let store = args.state.store().await?;
+        if !args.pools.is_empty() {
+            store.set_pools(&args.pools).await.context("defining the pools")?;
+            for (name, slots) in &args.pools {
+                eprintln!("server: pool {name} has {slots} slot(s)");
+            }
+        }
         let (tx, rx) = watch::channel(false);
         tokio::spawn(shutdown_signal(tx));
         // One set of metrics: the HTTP server shows what the trigger loop counts.

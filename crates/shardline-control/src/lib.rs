@@ -6,7 +6,8 @@
 //! - [`output`]: what tasks report — [`TaskOutput`] when they succeed, [`TaskProgress`] with
 //!   each heartbeat — written by the engine, read by the engine, the dashboard and the CLI;
 //! - [`submit`]: lint, instantiate and store a run with its whole task graph and its
-//!   [`RunOptions`] (name, no-cache);
+//!   [`RunOptions`] (name, no-cache, priority, the pipeline's concurrency limit and pool); a
+//!   pipeline at its limit with `overflow: skip` gets no run ([`SubmitError::Skipped`]);
 //! - [`notify_targets`]: a spec's `notify:` as the store keeps it;
 //! - [`lint_context`] and [`parse_pipeline`]: spec loading as `submit` does it, for linting
 //!   from anywhere.
@@ -24,8 +25,8 @@ pub use output::{ListedFile, TaskOutput, TaskProgress};
 use std::path::{Path, PathBuf};
 
 use serde_json::json;
-use shardline_spec::{lint, render_all, LintContext, Pipeline, ResolvedPipeline};
-use shardline_store::{NewRun, RunId, RunOptions, Store, StoreError};
+use shardline_spec::{lint, render_all, LintContext, OverflowPolicy, Pipeline, ResolvedPipeline, PRIORITY_RANGE};
+use shardline_store::{Admission, Concurrency, NewRun, Overflow, RunId, RunOptions, Skipped, Store, StoreError};
 use thiserror::Error;
 
 /// Why a submission was refused.
@@ -34,8 +35,21 @@ use thiserror::Error;
 pub enum SubmitError {
     #[error("{0}")]
     Invalid(String),
+    /// The pipeline is at its concurrency limit and its overflow is `skip`: no run was created
+    /// ("skipped: pipeline nightly at its limit 1 (live: run 12)").
     #[error(transparent)]
-    Store(#[from] StoreError),
+    Skipped(Skipped),
+    #[error(transparent)]
+    Store(StoreError),
+}
+
+impl From<StoreError> for SubmitError {
+    fn from(e: StoreError) -> SubmitError {
+        match e {
+            StoreError::Skipped(s) => SubmitError::Skipped(s),
+            other => SubmitError::Store(other),
+        }
+    }
 }
 
 /// A lint context that reads model configs from disk, so mesh errors show at lint time.
@@ -70,6 +84,8 @@ pub struct Submission<'a> {
     /// Where the spec may read and write (a shared server's API and triggers); `None`: anywhere
     /// the worker can (the local CLI).
     pub policy: Option<&'a shardline_spec::policy::PathPolicy>,
+    /// The run's priority (higher first); `None` takes the spec's `priority:` (default 0).
+    pub priority: Option<i64>,
 }
 
 /// A submitted run.
@@ -78,6 +94,8 @@ pub struct Submitted {
     pub run: RunId,
     pub name: String,
     pub created: bool,
+    /// Runs of the pipeline that its `overflow: cancel-previous` cancelled for this one.
+    pub cancelled: Vec<RunId>,
     pub resolved: ResolvedPipeline,
 }
 
@@ -101,14 +119,40 @@ pub async fn submit(store: &Store, s: Submission<'_>) -> Result<Submitted, Submi
     let pipeline_id = store.upsert_pipeline(&pipeline.name, s.text, &resolved.spec_hash).await?;
     let params = serde_json::to_value(&resolved.params).unwrap_or(json!({}));
     let spec = serde_json::to_value(&resolved).unwrap_or(json!({}));
-    let options = RunOptions { name: Some(name.clone()), no_cache: s.no_cache };
+    let priority = s.priority.unwrap_or(resolved.limits.priority);
+    if !(-PRIORITY_RANGE..=PRIORITY_RANGE).contains(&priority) {
+        return Err(SubmitError::Invalid(format!(
+            "priority {priority} is out of range ({} to {PRIORITY_RANGE})",
+            -PRIORITY_RANGE
+        )));
+    }
+    let options = run_options(&resolved, name.clone(), s.no_cache, priority);
     let notify = notify_targets(&pipeline.notify);
-    let (run, created) =
-        store.create_run(NewRun { pipeline_id, dedupe_key: s.dedupe_key, params, spec, options, notify }).await?;
+    let new = NewRun { pipeline_id, dedupe_key: s.dedupe_key, params, spec, options, notify };
+    let (run, created, cancelled) = match store.admit_run(new).await? {
+        Admission::Created { run, cancelled } => (run, true, cancelled),
+        Admission::Existing(run) => (run, false, Vec::new()),
+        Admission::Skipped(skipped) => return Err(SubmitError::Skipped(skipped)),
+    };
     if created {
         store.add_tasks(run, tasks).await?;
     }
-    Ok(Submitted { run, name, created, resolved })
+    Ok(Submitted { run, name, created, cancelled, resolved })
+}
+
+/// The store's options of a run of `resolved`: its name, the cache switch, its priority and
+/// its pipeline's concurrency limit (keyed by the pipeline's name) and pool.
+fn run_options(resolved: &ResolvedPipeline, name: String, no_cache: bool, priority: i64) -> RunOptions {
+    let concurrency = resolved.limits.concurrency.map(|c| Concurrency {
+        key: resolved.name.clone(),
+        limit: c.limit,
+        overflow: match c.overflow {
+            OverflowPolicy::Queue => Overflow::Queue,
+            OverflowPolicy::Skip => Overflow::Skip,
+            OverflowPolicy::CancelPrevious => Overflow::CancelPrevious,
+        },
+    });
+    RunOptions { name: Some(name), no_cache, priority, concurrency, pool: resolved.limits.pool.clone() }
 }
 
 /// A spec's `notify:` entries as the store keeps them.

@@ -60,6 +60,13 @@
 //! interpolate `${{ params.NAME }}` and `${{ run.id }}`: as the whole value (the param's type
 //! must fit the field), or inside string, path and URL values.
 //!
+//! `concurrency` (optional: `N`, or `{limit: N, overflow: queue | skip | cancel-previous}`,
+//! overflow `queue` by default) bounds the runs of the pipeline that run at once and says what a
+//! submission beyond it does; `pool` (optional) names a pool of run slots shared across pipelines
+//! (the server defines its size); `priority` (optional, default 0, `-1000000..=1000000`) orders
+//! the claims of its runs' tasks, higher first. None of them is interpolated; each is in the spec
+//! hash only when set.
+//!
 //! `triggers` (optional) lists what starts runs without a submission: a cron `schedule` in a
 //! named time zone with a missed-run policy, or a `watch` on Hub repositories; see [`triggers`].
 //! `notify` (optional) lists webhooks told when a run finishes or a trigger fails; see [`notify`].
@@ -86,6 +93,7 @@ pub mod notify;
 mod outline;
 pub mod policy;
 mod resolve;
+mod run_limits;
 mod schema;
 pub use schema::is_object_store_source;
 mod suggest;
@@ -102,6 +110,7 @@ pub use model::{
 };
 pub use outline::{PipelineOutline, SourceOutline, StepOutline};
 pub use resolve::{parse_override, OverrideSyntaxError};
+pub use run_limits::{is_pool_name, ConcurrencyLimit, OverflowPolicy, RunLimits, MAX_CONCURRENCY, PRIORITY_RANGE};
 pub use shardline_units::{format_duration, format_size, parse_duration, parse_size, UnitError};
 pub use suggest::did_you_mean;
 pub use template::{Part, Template};

@@ -394,6 +394,8 @@ pub struct Pipeline {
     pub triggers: Vec<crate::triggers::Trigger>,
     /// Webhooks told when a run finishes or a trigger fails (`notify:`), in file order.
     pub notify: Vec<crate::notify::NotifyTarget>,
+    /// `concurrency:`, `pool:` and `priority:`.
+    pub limits: crate::run_limits::RunLimits,
     /// The file name diagnostics are reported against.
     pub file: String,
     pub(crate) locations: Locations,
@@ -623,6 +625,9 @@ pub struct ResolvedPipeline {
     pub params: BTreeMap<String, serde_json::Value>,
     /// Steps in file order.
     pub steps: Vec<ResolvedStep>,
+    /// `concurrency:`, `pool:` and `priority:` (absent from older stored specs: none).
+    #[serde(default, skip_serializing_if = "crate::run_limits::RunLimits::is_default")]
+    pub limits: crate::run_limits::RunLimits,
 }
 
 impl ResolvedPipeline {

@@ -17,6 +17,7 @@ use crate::model::{
     CheckpointSource, DownloadSource, Locations, OutputFormatName, ParamType, ParamValue, Pipeline, ResolvedPipeline,
     ResolvedStep, Resources, Retry, RngPolicyName, SpecValue, StepConfig, StepKind, StepSpec, API_VERSION,
 };
+use crate::run_limits::RunLimits;
 use crate::schema::{
     convert_literal, convert_param, convert_text, param_from_text, with_fields, Concrete, Field, FieldDefault, CACHE,
     RESOURCES, RETRY, TIMEOUT,
@@ -533,16 +534,24 @@ struct Canonical<'a> {
     name: &'a str,
     params: &'a BTreeMap<String, serde_json::Value>,
     steps: Vec<ResolvedStep>,
+    /// Left out at its default, so specs written before limits existed keep their hashes.
+    #[serde(skip_serializing_if = "RunLimits::is_default")]
+    limits: &'a RunLimits,
 }
 
-fn spec_hash(name: &str, params: &BTreeMap<String, serde_json::Value>, steps: &[ResolvedStep]) -> String {
+fn spec_hash(
+    name: &str,
+    params: &BTreeMap<String, serde_json::Value>,
+    steps: &[ResolvedStep],
+    limits: &RunLimits,
+) -> String {
     let mut steps: Vec<ResolvedStep> = steps.to_vec();
     for s in &mut steps {
         s.needs.sort();
         s.needs.dedup();
     }
     steps.sort_by(|a, b| a.id.cmp(&b.id));
-    let canonical = Canonical { api_version: API_VERSION, name, params, steps };
+    let canonical = Canonical { api_version: API_VERSION, name, params, steps, limits };
     let bytes = serde_json::to_vec(&canonical).unwrap_or_default();
     hex::encode(Sha256::digest(&bytes))
 }
@@ -669,7 +678,13 @@ impl Pipeline {
             .filter_map(|(i, s)| resolve_step(s, *i, &self.locations, &self.file, None, &env, &mut scratch))
             .collect();
         let hashed = if symbolic.len() == resolved.len() { &symbolic } else { &resolved };
-        let spec_hash = spec_hash(&self.name, &params, hashed);
-        Ok(ResolvedPipeline { name: self.name.clone(), spec_hash, params, steps: resolved })
+        let spec_hash = spec_hash(&self.name, &params, hashed, &self.limits);
+        Ok(ResolvedPipeline {
+            name: self.name.clone(),
+            spec_hash,
+            params,
+            steps: resolved,
+            limits: self.limits.clone(),
+        })
     }
 }

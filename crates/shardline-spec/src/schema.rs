@@ -218,8 +218,21 @@ pub(crate) const CACHE: Field = field("cache", FieldType::Bool, FieldDefault::Bo
 /// Keys of a step mapping.
 pub(crate) const STEP_KEYS: &[&str] = &["id", "uses", "needs", "with", "resources", "retry", "timeout", "cache"];
 /// Keys of the top-level mapping.
-pub(crate) const TOP_KEYS: &[&str] =
-    &["apiVersion", "kind", "name", "description", "params", "steps", "triggers", "notify"];
+pub(crate) const TOP_KEYS: &[&str] = &[
+    "apiVersion",
+    "kind",
+    "name",
+    "description",
+    "params",
+    "steps",
+    "triggers",
+    "notify",
+    "concurrency",
+    "pool",
+    "priority",
+];
+/// Keys of `concurrency:` written as a mapping.
+pub(crate) const CONCURRENCY_KEYS: &[&str] = &["limit", "overflow"];
 /// Keys of a param declaration.
 pub(crate) const PARAM_KEYS: &[&str] = &["type", "default", "enum", "description"];
 

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use shardline_spec::{
-    lint, parse_override, render_all, LintContext, OutputFormatName, Pipeline, ResolvedPipeline, Resources, Retry,
-    StepConfig, StepKind,
+    lint, parse_override, render_all, ConcurrencyLimit, LintContext, OutputFormatName, OverflowPolicy, Pipeline,
+    ResolvedPipeline, Resources, Retry, RunLimits, StepConfig, StepKind,
 };
 
 const SPEC: &str = r#"apiVersion: shardline/v1
@@ -544,4 +544,34 @@ fn lost_budget_is_read_hashed_and_defaulted() {
     let written = serde_json::to_value(&b).unwrap();
     let back: ResolvedPipeline = serde_json::from_value(written).unwrap();
     assert_eq!(back.step("shard").unwrap().retry.lost, 4);
+}
+
+/// `concurrency`, `pool` and `priority`: read into the resolved pipeline, in its hash only when
+/// set (the pinned spec hash above has none of them), absent from older stored pipelines.
+#[test]
+fn run_limits_are_read_and_hashed_only_when_set() {
+    let a = pipeline(SPEC).instantiate(&[], "run-1").unwrap();
+    assert!(a.limits.is_default());
+    assert!(!serde_json::to_string(&a).unwrap().contains("limits"), "the default is not written");
+    let with = |extra: &str| {
+        let text = SPEC.replacen("\nparams:", &format!("\n{extra}\nparams:"), 1);
+        assert_ne!(text, SPEC);
+        pipeline(&text).instantiate(&[], "run-1").unwrap()
+    };
+    let short = with("concurrency: 1");
+    assert_eq!(short.limits.concurrency, Some(ConcurrencyLimit { limit: 1, overflow: OverflowPolicy::Queue }));
+    let long = with("concurrency: {limit: 2, overflow: cancel-previous}\npool: gpu-big\npriority: -5");
+    assert_eq!(
+        long.limits,
+        RunLimits {
+            concurrency: Some(ConcurrencyLimit { limit: 2, overflow: OverflowPolicy::CancelPrevious }),
+            pool: Some("gpu-big".into()),
+            priority: -5,
+        }
+    );
+    assert_ne!(short.spec_hash, a.spec_hash);
+    assert_ne!(long.spec_hash, short.spec_hash);
+    assert_eq!(long.step_hash("shard"), a.step_hash("shard"), "limits do not change what a step computes");
+    let back: ResolvedPipeline = serde_json::from_value(serde_json::to_value(&long).unwrap()).unwrap();
+    assert_eq!(back.limits, long.limits);
 }

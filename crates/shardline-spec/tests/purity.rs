@@ -14,6 +14,7 @@ fn spec_crate_does_no_io() {
         "hex",
         "saphyr-parser",
         "globset",
+        "percent-encoding",
         "croner",
         "chrono-tz",
         "chrono",

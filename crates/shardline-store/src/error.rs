@@ -73,6 +73,10 @@ pub enum StoreError {
     /// Putting a run back to running would give it a dedupe key that a live run already holds.
     #[error("run {run} cannot be retried: run {holder} already holds its dedupe key `{key}` (hint: retry or cancel run {holder} instead)")]
     DedupeConflict { run: RunId, holder: RunId, key: String },
+    /// `create_run` of a run whose pipeline is at its concurrency limit with `overflow: skip`:
+    /// no run was created ([`Store::admit_run`](crate::Store::admit_run) says so without an error).
+    #[error(transparent)]
+    Skipped(#[from] crate::types::Skipped),
     /// An argument is out of the range the store can represent.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

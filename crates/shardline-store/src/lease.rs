@@ -83,7 +83,11 @@ impl Store {
     }
 
     /// Leases the first ready task (by priority, then readiness time, then id) that fits into
-    /// `free`, for `ttl` (or the task's timeout, if shorter). One short transaction; concurrent
+    /// `free`, for `ttl` (or the task's timeout, if shorter). A task of a queued run is leased
+    /// only if the run may start — fewer running runs of its pipeline than its concurrency
+    /// limit, a free slot in its pool — and the run then holds both until it ends; on SQLite
+    /// the check and the start are one serialized transaction, on PostgreSQL `claim_task`
+    /// checks again under advisory locks on the pipeline and the pool. One short transaction; concurrent
     /// claimers skip each other's candidate rows instead of waiting. `None`: nothing fits now
     /// (then [`Store::wait_for_work`]).
     pub async fn claim(&self, w: WorkerId, free: &Resources, ttl: Duration) -> Result<Option<Lease>, StoreError> {
@@ -131,10 +135,17 @@ impl Store {
                                      lease_expires_at = {now} + CASE WHEN timeout_ms > 0 AND timeout_ms < $6 \
                                          THEN timeout_ms ELSE $6 END \
                                  WHERE id = ( \
-                                     SELECT id FROM tasks \
-                                     WHERE state = 'ready' AND ready_at <= {now} \
-                                       AND cpus <= $2 AND memory <= $3 AND gpus <= $4 AND scratch <= $5 \
-                                     ORDER BY priority DESC, ready_at, id LIMIT 1) \
+                                     SELECT t.id FROM tasks t JOIN runs r ON r.id = t.run_id \
+                                     WHERE t.state = 'ready' AND t.ready_at <= {now} \
+                                       AND t.cpus <= $2 AND t.memory <= $3 AND t.gpus <= $4 AND t.scratch <= $5 \
+                                       AND (r.state = 'running' OR ( \
+                                           (r.concurrency_limit IS NULL OR (SELECT count(*) FROM runs x \
+                                               WHERE x.concurrency_key = r.concurrency_key AND x.state = 'running') \
+                                               < r.concurrency_limit) \
+                                           AND (r.pool IS NULL OR (SELECT count(*) FROM runs x \
+                                               WHERE x.pool = r.pool AND x.state = 'running') \
+                                               < COALESCE((SELECT slots FROM pools WHERE name = r.pool), 0)))) \
+                                     ORDER BY t.priority DESC, t.ready_at, t.id LIMIT 1) \
                                  RETURNING ",
                                 task_cols!()
                             )),

@@ -59,8 +59,19 @@ dedicated connection with a jittered poll as fallback. On SQLite writers are ser
   transaction committed late.
 - **Time** is the database's: `now()` on PostgreSQL, `unixepoch('subsec')` in milliseconds on
   SQLite. Workers never compare their clock with a lease's expiry.
-- **Priority.** `tasks.priority` orders claims (higher first, then readiness time, then id); it
-  defaults to 0 and `NewTask` does not set it yet.
+- **Priority.** `tasks.priority` orders claims (higher first, then readiness time, then id); a
+  task takes its run's priority when it is added (`RunOptions::priority`, from the spec's
+  `priority:` or `submit --priority`), so a high-priority run submitted last is claimed first.
+- **Concurrency limits and pools.** A run holds its pipeline's place (`concurrency_key`,
+  `concurrency_limit`) and a slot of its pool (`pools`, defined by the server) while it is
+  `running`, from its first claim until it ends. The claim leases a task of a queued run only
+  when fewer runs of its pipeline than the limit are running and its pool has a free slot (an
+  undefined pool has none: the run waits, [`Store::held_back`] says why); on PostgreSQL
+  `claim_task` checks again under advisory locks on the pipeline and the pool, so two claimers
+  never both start a run past a limit. At admission ([`Store::admit_run`]) the pipeline's
+  overflow decides what a run beyond the limit does: `queue`, `skip` (no run) or
+  `cancel-previous` (the oldest live runs are cancelled). A retried limited run goes back to
+  `queued` and waits for room like a new one.
 
 # Schema
 
@@ -69,6 +80,7 @@ dedicated connection with a jittered poll as fallback. On SQLite writers are ser
 columns of their own, never in `params`), `tasks`, `task_deps` (edges), `attempts` (one row
 per lease), `workers`, `events`, `logs` (kept for ever, no reference to workers), `cache`,
 `triggers` and `trigger_firings` (see [`Store::list_triggers`] and [`Store::claim_firing`]),
+`pools` (run slots shared across pipelines, see [`Store::set_pools`]),
 `api_tokens` (hashes of the HTTP API's tokens, see [`Store::insert_token`]), and the
 notifications' targets (`run_notify_targets`, `pipeline_notify_targets`, `notify_defaults`) and
 outbox (`notifications`, see [`Store::claim_notifications`]), filled by database triggers on
@@ -114,6 +126,7 @@ mod batch;
 mod db;
 mod error;
 mod lease;
+mod limits;
 mod listings;
 mod metrics;
 mod notify;

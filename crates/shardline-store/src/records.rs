@@ -118,7 +118,8 @@ impl TaskRecord {
 macro_rules! run_cols {
     () => {
         "r.id, r.pipeline_id, p.name AS pipeline_name, r.state, r.params, r.spec, r.name, r.no_cache, \
-         r.plan, r.dedupe_key, r.error, r.created_at, r.started_at, r.finished_at"
+         r.plan, r.dedupe_key, r.error, r.created_at, r.started_at, r.finished_at, r.priority, \
+         r.concurrency_key, r.concurrency_limit, r.concurrency_overflow, r.pool"
     };
 }
 pub(crate) use run_cols;
@@ -139,6 +140,11 @@ pub(crate) struct RunRecord {
     created_at: DbTime,
     started_at: Option<DbTime>,
     finished_at: Option<DbTime>,
+    priority: i64,
+    concurrency_key: Option<String>,
+    concurrency_limit: Option<i64>,
+    concurrency_overflow: Option<String>,
+    pool: Option<String>,
 }
 
 impl RunRecord {
@@ -150,7 +156,28 @@ impl RunRecord {
             state: parse("runs", &self.state)?,
             params: self.params.0,
             spec: self.spec.0,
-            options: RunOptions { name: self.name, no_cache: self.no_cache },
+            options: RunOptions {
+                name: self.name,
+                no_cache: self.no_cache,
+                priority: self.priority,
+                concurrency: match (self.concurrency_key, self.concurrency_limit) {
+                    (Some(key), Some(limit)) => Some(Concurrency {
+                        key,
+                        limit: u32::try_from(limit).map_err(|_| StoreError::Corrupt {
+                            table: "runs",
+                            detail: format!("concurrency_limit {limit}"),
+                        })?,
+                        overflow: self
+                            .concurrency_overflow
+                            .as_deref()
+                            .map(|o| parse("runs", o))
+                            .transpose()?
+                            .unwrap_or(Overflow::Queue),
+                    }),
+                    _ => None,
+                },
+                pool: self.pool,
+            },
             plan: self.plan.map(|j| j.0),
             dedupe_key: self.dedupe_key,
             error: self.error,

@@ -38,70 +38,6 @@ impl Store {
         .await
     }
 
-    /// Creates a run in state `queued`, or returns the live run with the same dedupe key:
-    /// `(id, true)` when created, `(existing, false)` when a run with `new.dedupe_key` is queued,
-    /// running or succeeded. A key whose runs all failed or were cancelled is free again.
-    pub async fn create_run(&self, new: NewRun) -> Result<(RunId, bool), StoreError> {
-        crate::notify::check_run_targets(&new.notify)?;
-        // With a dedupe key a repeat finds the run the first try created; without, it would
-        // create a second one.
-        if new.dedupe_key.is_some() {
-            self.retrying("create_run", || self.create_run_once(&new)).await
-        } else {
-            self.retrying_conflicts("create_run", || self.create_run_once(&new)).await
-        }
-    }
-
-    async fn create_run_once(&self, new: &NewRun) -> Result<(RunId, bool)> {
-        for _ in 0..5 {
-            let mut tx = self.pool().begin().await?;
-            let mut c = tx.conn();
-            let inserted: Option<(i64,)> = c
-                .opt(
-                    sql!(
-                        "INSERT INTO runs (pipeline_id, params, spec, dedupe_key, name, no_cache) \
-                         VALUES ($1, $2, $3, $4, $5, $6) \
-                         ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL \
-                         AND state IN ('queued', 'running', 'succeeded') DO NOTHING RETURNING id"
-                    ),
-                    args![
-                        new.pipeline_id,
-                        &new.params,
-                        &new.spec,
-                        new.dedupe_key.clone(),
-                        new.options.name.clone(),
-                        new.options.no_cache
-                    ],
-                )
-                .await
-                .map_err(|e| fk_or(e, StoreError::PipelineNotFound(new.pipeline_id)))?;
-            if let Some((id,)) = inserted {
-                run_event(&mut c, id, RunState::Queued, None).await?;
-                crate::notify::insert_run_targets(&mut c, id, &new.notify).await?;
-                tx.commit().await?;
-                return Ok((RunId(id), true));
-            }
-            let existing: Option<(i64,)> = c
-                .opt(
-                    sql!(
-                        "SELECT id FROM runs WHERE dedupe_key = $1 \
-                         AND state IN ('queued', 'running', 'succeeded')"
-                    ),
-                    args![new.dedupe_key.clone()],
-                )
-                .await?;
-            tx.commit().await?;
-            if let Some((id,)) = existing {
-                return Ok((RunId(id), false));
-            }
-            // The holder failed or was cancelled between the two statements: insert again.
-        }
-        Err(StoreError::InvalidArgument(format!(
-            "dedupe key {:?} is contended: no run could be created or found",
-            new.dedupe_key
-        )))
-    }
-
     /// Stores the run's plan (replacing an earlier one).
     pub async fn set_run_plan(&self, run: RunId, plan: Value) -> Result<(), StoreError> {
         self.retrying("set_run_plan", || async {
@@ -250,24 +186,14 @@ impl Store {
             if parse::<RunState>("runs", &state)?.is_terminal() {
                 return Ok(false);
             }
-            // Task rows first, the run's row last: the lock order of every operation.
-            cancel_unfinished(&mut c, run.0, "run cancelled").await?;
-            let done: Option<(i64,)> = c
-                .opt(
-                    sql!(
-                        "UPDATE runs SET state = 'cancelled', error = 'cancelled', finished_at = {now}, \
-                         updated_at = {now} WHERE id = $1 AND state IN ('queued', 'running') RETURNING id"
-                    ),
-                    args![run.0],
-                )
-                .await?;
-            if done.is_none() {
+            if !cancel_live_run(&mut c, run.0, "cancelled").await? {
                 // It finished meanwhile.
                 tx.rollback().await?;
                 return Ok(false);
             }
-            run_event(&mut c, run.0, RunState::Cancelled, Some("cancelled")).await?;
             tx.commit().await?;
+            // Its pipeline's place and its pool slot are free: a queued run may start.
+            self.wake_local();
             Ok(true)
         })
         .await
@@ -277,7 +203,8 @@ impl Store {
     /// `from_step`, that step's tasks and everything downstream of them — go back to `ready`
     /// (needs all succeeded) or `blocked`, with outputs cleared and fresh budgets of attempts and
     /// lost leases;
-    /// the run becomes `running` (`queued` if it has no tasks yet). Attempt numbers keep counting, so logs of earlier attempts
+    /// the run becomes `running` (`queued` if it has no tasks yet, or has a concurrency limit or
+    /// a pool: it starts again when there is room). Attempt numbers keep counting, so logs of earlier attempts
     /// stay apart. Fails for a queued or running run, for an unknown step, and when a live
     /// run has taken the run's dedupe key meanwhile.
     pub async fn retry_run(&self, run: RunId, from_step: Option<&str>) -> Result<(), StoreError> {
@@ -285,9 +212,17 @@ impl Store {
             .retrying_conflicts("retry_run", || async {
                 let mut tx = self.pool().begin().await?;
                 let mut c = tx.conn();
-                let row: Option<(String, Option<String>)> =
-                    c.opt(sql!("SELECT state, dedupe_key FROM runs WHERE id = $1 {for_update}"), args![run.0]).await?;
-                let Some((state, dedupe_key)) = row else {
+                let row: Option<(String, Option<String>, bool)> = c
+                    .opt(
+                        sql!(
+                            "SELECT state, dedupe_key, \
+                                 (concurrency_limit IS NOT NULL OR pool IS NOT NULL) AS limited \
+                             FROM runs WHERE id = $1 {for_update}"
+                        ),
+                        args![run.0],
+                    )
+                    .await?;
+                let Some((state, dedupe_key, limited)) = row else {
                     return Err(StoreError::RunNotFound(run));
                 };
                 let state: RunState = parse("runs", &state)?;
@@ -349,8 +284,10 @@ impl Store {
                 .await?;
                 let promoted = promote(&mut c, &ids).await?;
                 task_events(&mut c, &ids, Some("retried")).await?;
-                // A run that never got tasks goes back to the queue, to be planned again.
-                let back_to = if tasks > 0 { RunState::Running } else { RunState::Queued };
+                // A run that never got tasks goes back to the queue, to be planned again; so does
+                // a run under a concurrency limit or in a pool, which starts again only when its
+                // claim finds room.
+                let back_to = if tasks > 0 && !limited { RunState::Running } else { RunState::Queued };
                 let back = c
                     .exec(
                         sql!(
@@ -472,20 +409,22 @@ async fn add_tasks_tx(c: &mut Conn<'_>, run: RunId, tasks: &[Prepared]) -> Resul
         .all(
             sql!(
                 pg: "INSERT INTO tasks (run_id, name, step_id, kind, state, cpus, memory, gpus, scratch, \
-                         payload, max_attempts, max_lost, backoff_ms, timeout_ms, cache_key) \
+                         payload, max_attempts, max_lost, backoff_ms, timeout_ms, cache_key, priority) \
                      SELECT $1, v ->> 'name', v ->> 'step_id', v ->> 'kind', 'blocked', \
                          (v ->> 'cpus')::bigint, (v ->> 'memory')::bigint, (v ->> 'gpus')::bigint, \
                          (v ->> 'scratch')::bigint, COALESCE(v -> 'payload', 'null'::jsonb), \
                          (v ->> 'max_attempts')::bigint, (v ->> 'max_lost')::bigint, (v ->> 'backoff_ms')::bigint, \
-                         (v ->> 'timeout_ms')::bigint, v ->> 'cache_key' \
+                         (v ->> 'timeout_ms')::bigint, v ->> 'cache_key', \
+                         (SELECT priority FROM runs WHERE id = $1) \
                      FROM jsonb_array_elements($2) WITH ORDINALITY AS x(v, ord) \
                      ORDER BY x.ord RETURNING id, name",
                 lite: "INSERT INTO tasks (run_id, name, step_id, kind, state, cpus, memory, gpus, scratch, \
-                           payload, max_attempts, max_lost, backoff_ms, timeout_ms, cache_key) \
+                           payload, max_attempts, max_lost, backoff_ms, timeout_ms, cache_key, priority) \
                        SELECT $1, value ->> '$.name', value ->> '$.step_id', value ->> '$.kind', 'blocked', \
                            value ->> '$.cpus', value ->> '$.memory', value ->> '$.gpus', value ->> '$.scratch', \
                            value -> '$.payload', value ->> '$.max_attempts', value ->> '$.max_lost', \
-                           value ->> '$.backoff_ms', value ->> '$.timeout_ms', value ->> '$.cache_key' \
+                           value ->> '$.backoff_ms', value ->> '$.timeout_ms', value ->> '$.cache_key', \
+                           (SELECT priority FROM runs WHERE id = $1) \
                        FROM json_each($2) WHERE true ORDER BY key RETURNING id, name"
             ),
             args![run.0, rows],
@@ -670,6 +609,26 @@ pub(crate) async fn fail_run(c: &mut Conn<'_>, run: i64, message: &str) -> Resul
         run_event(c, run, RunState::Failed, Some(message)).await?;
     }
     Ok(())
+}
+
+/// Cancels a live run with `message` as its error: its unfinished tasks first, then its row
+/// (the lock order of every operation). `false` when it was no longer queued or running.
+pub(crate) async fn cancel_live_run(c: &mut Conn<'_>, run: i64, message: &str) -> Result<bool> {
+    cancel_unfinished(c, run, "run cancelled").await?;
+    let done: Option<(i64,)> = c
+        .opt(
+            sql!(
+                "UPDATE runs SET state = 'cancelled', error = $2, finished_at = {now}, \
+                 updated_at = {now} WHERE id = $1 AND state IN ('queued', 'running') RETURNING id"
+            ),
+            args![run, message],
+        )
+        .await?;
+    if done.is_none() {
+        return Ok(false);
+    }
+    run_event(c, run, RunState::Cancelled, Some(message)).await?;
+    Ok(true)
 }
 
 /// Cancels every unfinished task of a run and closes their open attempts.

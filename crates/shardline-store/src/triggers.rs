@@ -111,6 +111,10 @@ pub struct FiringRecord {
     /// The run it started, once recorded.
     pub run: Option<RunId>,
     pub fired_at: Option<DateTime<Utc>>,
+    /// Why it started no run: its pipeline was at its concurrency limit with `overflow: skip`
+    /// ("skipped: pipeline nightly at its limit 1 (live: run 12)"). Such a firing is done.
+    #[serde(default)]
+    pub skipped: Option<String>,
 }
 
 /// The answer to [`Store::claim_firing`].
@@ -120,6 +124,8 @@ pub enum FiringClaim {
     Claimed,
     /// Someone claimed it already; `run` once it is recorded.
     Taken { run: Option<RunId> },
+    /// It fired already and started no run: its pipeline was at its limit (`overflow: skip`).
+    Skipped,
 }
 
 #[derive(sqlx::FromRow)]
@@ -176,6 +182,7 @@ struct FiringRow {
     claimed_at: DbTime,
     run_id: Option<i64>,
     fired_at: Option<DbTime>,
+    skipped: Option<String>,
 }
 
 impl FiringRow {
@@ -187,6 +194,7 @@ impl FiringRow {
             claimed_at: self.claimed_at.0,
             run: self.run_id.map(RunId),
             fired_at: self.fired_at.map(|t| t.0),
+            skipped: self.skipped,
         }
     }
 }
@@ -348,9 +356,13 @@ impl Store {
                 if taken_over.is_some() {
                     return Ok(FiringClaim::Claimed);
                 }
-                let run: Option<(Option<i64>,)> =
-                    c.opt(sql!("SELECT run_id FROM trigger_firings WHERE dedupe_key = $1"), args![dedupe_key]).await?;
-                Ok(FiringClaim::Taken { run: run.and_then(|(r,)| r).map(RunId) })
+                let row: Option<(Option<i64>, Option<String>)> = c
+                    .opt(sql!("SELECT run_id, skipped FROM trigger_firings WHERE dedupe_key = $1"), args![dedupe_key])
+                    .await?;
+                Ok(match row {
+                    Some((None, Some(_))) => FiringClaim::Skipped,
+                    other => FiringClaim::Taken { run: other.and_then(|(r, _)| r).map(RunId) },
+                })
             }
             .await;
             tx.finish(result).await
@@ -401,6 +413,25 @@ impl Store {
         .await
     }
 
+    /// Records that a claimed firing started no run, and why (its pipeline was at its
+    /// concurrency limit with `overflow: skip`): the firing is done, never taken over.
+    pub async fn skip_firing(&self, dedupe_key: &str, reason: &str, now: DateTime<Utc>) -> Result<(), StoreError> {
+        self.retrying("skip_firing", || async {
+            let mut c = self.pool().acquire().await?;
+            c.conn()
+                .exec(
+                    sql!(
+                        "UPDATE trigger_firings SET skipped = $2, fired_at = $3 \
+                         WHERE dedupe_key = $1 AND run_id IS NULL"
+                    ),
+                    args![dedupe_key, reason, now],
+                )
+                .await?;
+            Ok(())
+        })
+        .await
+    }
+
     /// One firing by dedupe key.
     pub async fn firing(&self, dedupe_key: &str) -> Result<Option<FiringRecord>, StoreError> {
         self.retrying("firing", || async {
@@ -409,7 +440,7 @@ impl Store {
                 .conn()
                 .opt(
                     sql!(
-                        "SELECT dedupe_key, trigger_id, detail, claimed_at, run_id, fired_at \
+                        "SELECT dedupe_key, trigger_id, detail, claimed_at, run_id, fired_at, skipped \
                          FROM trigger_firings WHERE dedupe_key = $1"
                     ),
                     args![dedupe_key],
@@ -428,7 +459,7 @@ impl Store {
                 .conn()
                 .all(
                     sql!(
-                        "SELECT dedupe_key, trigger_id, detail, claimed_at, run_id, fired_at \
+                        "SELECT dedupe_key, trigger_id, detail, claimed_at, run_id, fired_at, skipped \
                          FROM trigger_firings WHERE trigger_id = $1 ORDER BY claimed_at, dedupe_key"
                     ),
                     args![trigger_id],

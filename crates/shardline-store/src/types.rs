@@ -265,6 +265,90 @@ pub struct RunOptions {
     pub name: Option<String>,
     /// Skip the step cache: recompute every step even when an identical output exists.
     pub no_cache: bool,
+    /// Claim order of the run's tasks: higher first (then readiness, then id). 0 by default.
+    pub priority: i64,
+    /// At most this many runs with the same key may run at once (see [`Concurrency`]).
+    pub concurrency: Option<Concurrency>,
+    /// A pool of slots shared across pipelines: the run takes one while it runs. A pool the
+    /// server has not defined has no slots, so the run waits (and says why).
+    pub pool: Option<String>,
+}
+
+/// A concurrency limit: runs with the same `key` (a pipeline's name) that may be `running` at
+/// once, and what a submission beyond it does.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Concurrency {
+    pub key: String,
+    /// At least 1.
+    pub limit: u32,
+    pub overflow: Overflow,
+}
+
+state_enum!(
+    /// What a submission does when its pipeline already has `limit` live (queued or running)
+    /// runs.
+    Overflow {
+        /// Create the run queued: it starts when a running one ends.
+        Queue = "queue",
+        /// Create no run; the caller is told ([`Admission::Skipped`]).
+        Skip = "skip",
+        /// Cancel the live runs of the pipeline, then create the run.
+        CancelPrevious = "cancel-previous",
+    }
+);
+
+/// What [`Store::admit_run`](crate::Store::admit_run) did with a new run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum Admission {
+    /// A new queued run; `cancelled` lists the runs `cancel-previous` cancelled for it.
+    Created { run: RunId, cancelled: Vec<RunId> },
+    /// A live run with the same dedupe key.
+    Existing(RunId),
+    /// `overflow: skip` and the pipeline at its limit: no run was created.
+    Skipped(Skipped),
+}
+
+/// Why a submission created no run: its pipeline had `limit` live runs (`live`, oldest first).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("skipped: pipeline {key} at its limit {limit} (live: {})", live.iter().map(|r| format!("run {r}")).collect::<Vec<_>>().join(", "))]
+pub struct Skipped {
+    pub key: String,
+    pub limit: u32,
+    pub live: Vec<RunId>,
+}
+
+/// Why a queued run's ready tasks are not claimed: what it would need to start.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum HeldBack {
+    /// Its pipeline has `running` runs of `limit`.
+    Concurrency { key: String, running: u32, limit: u32 },
+    /// Its pool has `in_use` of `slots` slots taken; `slots` is `None` when the server defines
+    /// no such pool.
+    Pool { name: String, in_use: u32, slots: Option<u32> },
+}
+
+impl fmt::Display for HeldBack {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HeldBack::Concurrency { key, running, limit } => write!(f, "pipeline {key}: {running} of {limit} running"),
+            HeldBack::Pool { name, in_use, slots: Some(slots) } => {
+                write!(f, "pool {name}: {in_use} of {slots} slots in use")
+            }
+            HeldBack::Pool { name, slots: None, .. } => write!(
+                f,
+                "pool {name} is not defined on the server (start it with `shardline server --pool {name}=SLOTS`)"
+            ),
+        }
+    }
+}
+
+/// A pool of run slots as stored, with the slots running runs hold.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PoolRow {
+    pub name: String,
+    pub slots: u32,
+    pub in_use: u32,
 }
 
 /// A run to create.

@@ -66,8 +66,8 @@ async fn run_options_move_out_of_params(db: &TestDb) {
     assert_eq!(
         seen,
         vec![
-            (json!({"repo": "a"}), RunOptions { name: Some("p-1".into()), no_cache: true }),
-            (json!({"repo": "b"}), RunOptions { name: Some("p-2".into()), no_cache: false }),
+            (json!({"repo": "a"}), RunOptions { name: Some("p-1".into()), no_cache: true, ..RunOptions::default() }),
+            (json!({"repo": "b"}), RunOptions { name: Some("p-2".into()), no_cache: false, ..RunOptions::default() }),
             (json!({"x": 1}), RunOptions::default()),
         ]
     );

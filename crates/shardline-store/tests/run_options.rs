@@ -11,7 +11,8 @@ shardline_testdb::on_both_databases!(options_round_trip_apart_from_params);
 async fn options_round_trip_apart_from_params(db: &TestDb) {
     let store = db.store().await;
     let p = pipeline(&store).await;
-    let options = RunOptions { name: Some("convert-20261124-000000-000001".into()), no_cache: true };
+    let options =
+        RunOptions { name: Some("convert-20261124-000000-000001".into()), no_cache: true, ..RunOptions::default() };
     let (run, _) = store
         .create_run(NewRun {
             pipeline_id: p,

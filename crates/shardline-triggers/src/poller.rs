@@ -8,7 +8,7 @@ use std::time::Duration;
 use chrono::{DateTime, SecondsFormat, SubsecRound, Utc};
 use serde_json::{json, Value};
 use shardline_backoff::random_unit;
-use shardline_control::{parse_pipeline, submit, Submission};
+use shardline_control::{parse_pipeline, submit, Submission, SubmitError};
 use shardline_hub::{HubClient, HubError, ModelListing, RevisionCheck};
 use shardline_spec::{Trigger, TriggerContext, TriggerKind, Watch, WatchTarget};
 use shardline_store::{FiringClaim, NewTrigger, RunId, Store, TriggerCheck, TriggerRecord, TriggerState};
@@ -553,6 +553,7 @@ impl Poller {
         match self.store.claim_firing(row.id, key, detail, now, self.opts.stale_claim).await? {
             FiringClaim::Taken { run: Some(_) } => return Ok(Fire::Done),
             FiringClaim::Taken { run: None } => return Ok(Fire::Pending),
+            FiringClaim::Skipped => return Ok(Fire::Done),
             FiringClaim::Claimed => {}
         }
         let overrides = t.overrides(ctx);
@@ -567,11 +568,20 @@ impl Poller {
                 dedupe_key: Some(key.to_string()),
                 no_cache: false,
                 policy: self.opts.policy.as_deref(),
+                priority: None,
             },
         )
         .await;
         let s = match submitted {
             Ok(s) => s,
+            Err(SubmitError::Skipped(skipped)) => {
+                // Not an error: the pipeline asked for it (a nightly still running when the
+                // next fires). The firing is done and says why.
+                let reason = skipped.to_string();
+                tracing::info!(pipeline = %p.name, key, "{reason}");
+                self.store.skip_firing(key, &reason, now).await?;
+                return Ok(Fire::Done);
+            }
             Err(e) => {
                 if let Err(release) = self.store.release_firing(key).await {
                     tracing::warn!(key, "releasing a failed firing failed (it goes stale instead): {release}");

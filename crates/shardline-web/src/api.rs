@@ -1,6 +1,6 @@
 //! The handlers of `/api/v1`.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::convert::Infallible;
 use std::time::Duration;
 
@@ -167,8 +167,18 @@ async fn annotate(
     } else {
         (Vec::new(), Vec::new())
     };
+    // A queued run whose ready tasks are not claimed may be held back by its pipeline's limit
+    // or its pool: that is the reason to show, not the workers.
+    let mut limits = HashMap::new();
+    let runs: BTreeSet<RunId> =
+        tasks.iter().filter(|t| t.state == shardline_store::TaskState::Ready).map(|t| t.run).collect();
+    for run in runs {
+        if let Some(h) = state.store.held_back(run).await? {
+            limits.insert(run, h);
+        }
+    }
     let now = chrono::Utc::now();
-    let mut reasons = crate::view::reasons(tasks, deps, &workers, &held, now);
+    let mut reasons = crate::view::reasons(tasks, deps, &workers, &held, &limits, now);
     let outputs = crate::view::outputs_by_name(tasks);
     Ok(tasks
         .iter()
@@ -361,6 +371,7 @@ fn diagnostics_of(file: &str, text: &str, state: &AppState) -> (bool, Vec<Diagno
 #[utoipa::path(post, path = "/api/v1/runs", tag = "runs", request_body = SubmitRequest,
     responses((status = 201, body = SubmittedDto, description = "A new run"),
         (status = 200, body = SubmittedDto, description = "The existing run of the dedupe key"),
+        (status = 409, body = ErrorBody, description = "Skipped: the pipeline is at its concurrency limit and its overflow is `skip`"),
         (status = 422, body = ErrorBody), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)),
     security(("bearer" = [])))]
 pub async fn submit_run(
@@ -411,11 +422,17 @@ pub async fn submit_run(
             dedupe_key: req.dedupe_key,
             no_cache: req.no_cache,
             policy: state.policy.as_deref(),
+            priority: req.priority,
         },
     )
     .await
     .map_err(|e| match e {
         shardline_control::SubmitError::Store(s) => ApiError::from(s),
+        shardline_control::SubmitError::Skipped(s) => ApiError::new(
+            StatusCode::CONFLICT,
+            "skipped",
+            format!("No run was created ({s}); the pipeline's `concurrency.overflow` is `skip`."),
+        ),
         other => ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "invalid_submission",
@@ -423,7 +440,11 @@ pub async fn submit_run(
         ),
     })?;
     let status = if submitted.created { StatusCode::CREATED } else { StatusCode::OK };
-    Ok((status, Json(SubmittedDto { run: submitted.run.0, name: submitted.name, created: submitted.created })))
+    let cancelled = submitted.cancelled.iter().map(|r| r.0).collect();
+    Ok((
+        status,
+        Json(SubmittedDto { run: submitted.run.0, name: submitted.name, created: submitted.created, cancelled }),
+    ))
 }
 
 /// Cancels a queued or running run (scope `admin`); 409 when it has finished.

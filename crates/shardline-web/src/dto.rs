@@ -614,6 +614,10 @@ pub struct SubmitRequest {
     /// Ignore the step cache.
     #[serde(default)]
     pub no_cache: bool,
+    /// The run's priority: its tasks are claimed before those of lower-priority runs
+    /// (default: the spec's `priority:`, else 0).
+    #[serde(default)]
+    pub priority: Option<i64>,
 }
 
 /// A submitted (or deduplicated) run.
@@ -624,6 +628,9 @@ pub struct SubmittedDto {
     pub name: String,
     /// False when the dedupe key matched an existing run.
     pub created: bool,
+    /// Runs of the pipeline cancelled for this one (`concurrency.overflow: cancel-previous`).
+    #[serde(default)]
+    pub cancelled: Vec<i64>,
 }
 
 /// A spec to lint.

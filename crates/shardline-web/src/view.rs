@@ -10,7 +10,7 @@ use serde_json::Value;
 use shardline_control::graph::Payload;
 use shardline_control::{TaskOutput, TaskProgress};
 use shardline_spec::PipelineOutline;
-use shardline_store::{Resources, RunRow, TaskDep, TaskRow, TaskState, WorkerRow, WorkerState};
+use shardline_store::{HeldBack, Resources, RunId, RunRow, TaskDep, TaskRow, TaskState, WorkerRow, WorkerState};
 
 use crate::dto::{ProgressDto, StepDto, TaskCountsDto};
 
@@ -147,12 +147,15 @@ pub fn ready_reason(need: &Resources, workers: &[WorkerRow], held: &[Held], now:
 }
 
 /// Why each task is where it is (by task id): what a blocked task waits on, why a ready one is
-/// not claimed, that a succeeded one was served from the step cache.
+/// not claimed — its run held back by a limit (`limits`, by run: "pipeline nightly: 1 of 1
+/// running", "pool gpu-big: 2 of 2 slots in use"), else the workers —, that a succeeded one was
+/// served from the step cache.
 pub fn reasons(
     tasks: &[TaskRow],
     deps: &[TaskDep],
     workers: &[WorkerRow],
     held: &[Held],
+    limits: &HashMap<RunId, HeldBack>,
     now: DateTime<Utc>,
 ) -> HashMap<i64, String> {
     let by_id: HashMap<i64, &TaskRow> = tasks.iter().map(|t| (t.id.0, t)).collect();
@@ -187,6 +190,7 @@ pub fn reasons(
                     "retry backoff: ready in {}s",
                     ((at - now).num_milliseconds() as f64 / 1000.0).ceil() as i64
                 )),
+                _ if limits.contains_key(&t.run) => limits.get(&t.run).map(ToString::to_string),
                 _ => {
                     let r = &t.resources;
                     let key = (r.cpus, r.memory, r.gpus, r.scratch);
@@ -473,7 +477,7 @@ mod tests {
         let tasks = vec![a, b, gpu, cached, backoff];
         let deps = vec![TaskDep { task: TaskId(2), needs: TaskId(1) }];
         let workers = vec![worker(7, 1, 8 << 30, now)];
-        let r = reasons(&tasks, &deps, &workers, &[], now);
+        let r = reasons(&tasks, &deps, &workers, &[], &HashMap::new(), now);
         assert_eq!(r.get(&2).map(String::as_str), Some("waiting on step `download`"));
         assert_eq!(r.get(&3).map(String::as_str), Some("no worker has enough resources: needs 2 GPUs (most: 1)"));
         assert_eq!(r.get(&4).map(String::as_str), Some("served from the step cache"));
@@ -481,12 +485,27 @@ mod tests {
         assert!(!r.contains_key(&1));
         // No live worker at all; then a fitting worker that is full.
         let stale = vec![worker(7, 4, 8 << 30, now - chrono::Duration::seconds(600))];
-        let r = reasons(&tasks, &deps, &stale, &[], now);
+        let r = reasons(&tasks, &deps, &stale, &[], &HashMap::new(), now);
         assert!(r[&3].starts_with("no worker is running"), "{}", r[&3]);
         let big = vec![worker(7, 2, 8 << 30, now)];
         let held = vec![Held { worker: 7, resources: Resources { cpus: 1, memory: 0, gpus: 1, scratch: 0 } }];
-        assert_eq!(reasons(&tasks, &deps, &big, &held, now)[&3], "every worker that fits (1) is busy with other tasks");
-        assert_eq!(reasons(&tasks, &deps, &big, &[], now)[&3], "waiting for a worker to claim it (one has room)");
+        assert_eq!(
+            reasons(&tasks, &deps, &big, &held, &HashMap::new(), now)[&3],
+            "every worker that fits (1) is busy with other tasks"
+        );
+        assert_eq!(
+            reasons(&tasks, &deps, &big, &[], &HashMap::new(), now)[&3],
+            "waiting for a worker to claim it (one has room)"
+        );
+        // The run is held back by its pipeline's limit, or its pool: that is the reason.
+        let run = tasks[2].run;
+        let limit = HeldBack::Concurrency { key: "nightly".into(), running: 1, limit: 1 };
+        let r = reasons(&tasks, &deps, &big, &[], &HashMap::from([(run, limit)]), now);
+        assert_eq!(r[&3], "pipeline nightly: 1 of 1 running");
+        assert!(r[&5].starts_with("retry backoff"), "{}", r[&5]);
+        let pool = HeldBack::Pool { name: "gpu-big".into(), in_use: 2, slots: Some(2) };
+        let r = reasons(&tasks, &deps, &big, &[], &HashMap::from([(run, pool)]), now);
+        assert_eq!(r[&3], "pool gpu-big: 2 of 2 slots in use");
     }
 
     #[test]

@@ -129,6 +129,7 @@ impl Harness {
                 dedupe_key: None,
                 no_cache,
                 policy: None,
+                priority: None,
             },
         )
         .await

@@ -3,7 +3,8 @@
 //! Passes, in order (each reports everything it finds and lets the later ones run on what is
 //! usable):
 //! 1. document: size, YAML syntax, aliases, nesting, one document, duplicate keys;
-//! 2. shape: top-level keys, `apiVersion`, `kind`, `name`;
+//! 2. shape: top-level keys, `apiVersion`, `kind`, `name`, and how runs share the workers
+//!    (`concurrency`, `pool`, `priority`: `limits`);
 //! 3. params: types, defaults, `enum`s;
 //! 4. steps: keys, ids, kinds, `needs`, typed `with`/`resources`/`retry`/`timeout`/`cache`;
 //! 5. graph: unknown and duplicate `needs`, cycles (printed as the chain), order rules
@@ -22,6 +23,7 @@
 mod context;
 mod fields;
 mod graph;
+mod limits;
 mod mesh;
 mod names;
 mod params;

@@ -89,6 +89,7 @@ impl Linter<'_> {
             }),
         };
         let description = get("description").and_then(|e| self.string(&e.value, "description", true));
+        let limits = self.run_limits(entries);
 
         // params.
         let (params, types) = match get("params") {
@@ -174,6 +175,7 @@ impl Linter<'_> {
             steps,
             triggers,
             notify,
+            limits,
             file: self.file.to_string(),
             locations: std::mem::take(&mut self.loc),
             step_index,
