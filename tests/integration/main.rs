@@ -11,6 +11,7 @@ mod notify;
 mod object_source;
 mod orchestrator;
 mod pipeline_steps;
+mod policy;
 mod reshard;
 mod soak;
 mod startup;

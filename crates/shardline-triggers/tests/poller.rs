@@ -22,6 +22,7 @@ shardline_testdb::on_both_databases!(
     missed_nightly_runs_follow_the_policy,
     author_watch_picks_up_new_matching_repos_only,
     hub_errors_back_off_then_recover,
+    a_firing_outside_the_path_policy_is_refused_at_its_line,
 );
 
 fn t0() -> DateTime<Utc> {
@@ -77,6 +78,15 @@ impl Env {
     }
 
     fn poller(&self, store: Store, pipelines: Vec<PipelineSource>) -> Poller {
+        self.poller_with(store, pipelines, None)
+    }
+
+    fn poller_with(
+        &self,
+        store: Store,
+        pipelines: Vec<PipelineSource>,
+        policy: Option<shardline_spec::policy::PathPolicy>,
+    ) -> Poller {
         let client = HubClient::new(self.hub.endpoint(), None).expect("client").with_retry_policy(RetryPolicy {
             max_attempts: 1,
             base_delay: Duration::from_millis(1),
@@ -88,7 +98,7 @@ impl Env {
             client,
             Arc::new(self.clock.clone()),
             pipelines,
-            PollerOptions::new("/", self.work.path().join("work")),
+            PollerOptions { policy: policy.map(Arc::new), ..PollerOptions::new("/", self.work.path().join("work")) },
         )
     }
 
@@ -359,4 +369,25 @@ async fn hub_errors_back_off_then_recover(db: &TestDb) {
     let t = &store.list_triggers().await.expect("list")[0];
     assert_eq!(t.errors, 0);
     assert!(t.last_error.is_some());
+}
+
+/// A server's path policy holds for what its triggers fire: a spec whose resolved source is
+/// outside the roots gets no run, and the check's error names the line; one inside gets its run.
+async fn a_firing_outside_the_path_policy_is_refused_at_its_line(db: &TestDb) {
+    let env = Env::new().await;
+    let store = db.store().await;
+    env.publish("acme/tiny", "{}");
+    let policy = shardline_control::policy::policy_from_flags(&["/models/acme".into()], &[], false).expect("policy");
+    let escaping =
+        spec("escaping", WATCH).replace("/models/${{ params.repo }}", "/models/${{ params.repo }}/../../etc");
+    let escaping = PipelineSource::parse("escaping.yaml", &escaping, std::path::Path::new("/")).expect("lints");
+    let poller = env.poller_with(store.clone(), vec![source("watched", WATCH), escaping], Some(policy));
+    let r = poller.tick().await.expect("tick");
+    assert_eq!(r.fired.iter().map(|f| f.pipeline.as_str()).collect::<Vec<_>>(), ["watched"]);
+    assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+    let (_, error) = &r.errors[0];
+    assert!(error.contains("escaping.yaml:13:18"), "the error names the spec's line: {error}");
+    assert!(error.contains("`..` is not allowed in a path"), "{error}");
+    assert!(runs(&store, "escaping").await.is_empty());
+    assert_eq!(runs(&store, "watched").await.len(), 1);
 }
