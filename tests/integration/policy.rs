@@ -153,7 +153,7 @@ fn api_submissions_outside_the_roots_are_refused_at_their_line_and_an_allowed_on
     let good_dest = format!("file://{o}/published");
     // (source, dest, the line the refusal must name)
     let escapes: Vec<(String, String, usize)> = vec![
-        (format!("{x}"), good_dest.clone(), 7),
+        (x.clone(), good_dest.clone(), 7),
         (format!("{r}/../outside"), good_dest.clone(), 7),
         (format!("{r}/link"), good_dest.clone(), 7),
         (format!("{r}/%2e%2e/outside"), good_dest.clone(), 7),
