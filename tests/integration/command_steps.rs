@@ -203,3 +203,67 @@ fn a_command_whose_lease_is_lost_is_stopped_within_2s() {
     assert!(log.contains("lease lost"), "{log}");
     assert!(d.alive("w1"));
 }
+
+/// `pipelines/load-check.yaml` as written, run by `shardline run` from the repository root:
+/// the published checkpoint is loaded by PyTorch (the `.venv` of `scripts/setup-python`) in a
+/// command step, whose recorded result says what torch found.
+#[test]
+fn the_load_check_example_loads_the_published_checkpoint_with_torch() {
+    let root = shardline_publish::moto::repo_root();
+    let python = shardline_publish::moto::venv_python();
+    assert!(python.is_file(), "{} is missing: run scripts/setup-python", python.display());
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let state = tmp.path().join("state");
+    let out = tmp.path().join("out");
+    let o = crate::run(
+        crate::bin()
+            .args(["run", "pipelines/load-check.yaml", "--state-dir"])
+            .arg(&state)
+            .arg("--set")
+            .arg(format!("python={}", python.display()))
+            .arg("--set")
+            .arg(format!("out={}", out.display()))
+            .current_dir(&root)
+            .env_remove("SHARDLINE_DATABASE_URL"),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}\n{}", stdout(&o), stderr(&o));
+
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let url = format!("sqlite://{}", state.join("state.db").display());
+    let (result, published) = rt.block_on(async {
+        let store = shardline_store::Store::connect(&url).await.expect("store");
+        let page =
+            store.list_runs(&Default::default(), shardline_store::Page { limit: 1, before: None }).await.expect("runs");
+        let run = page.runs.first().expect("a run").id;
+        let tasks = store.run_tasks(run).await.expect("tasks");
+        let output = |name: &str| {
+            let t = tasks.iter().find(|t| t.name == name).unwrap_or_else(|| panic!("no task `{name}`"));
+            shardline_control::TaskOutput::from_value(t.output.as_ref().expect("output"))
+        };
+        let (check, upload) = (output("load-check"), output("upload"));
+        store.close().await;
+        (serde_json::Value::Object(check.result.expect("a recorded result")), upload.dest.expect("upload URL"))
+    });
+    let published = published.strip_prefix("file://").expect("a file:// URL").to_string();
+    assert!(published.starts_with(&out.display().to_string()), "{published}");
+    let manifest: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(Path::new(&published).join("shardline-manifest.json")).expect("manifest"),
+    )
+    .expect("manifest JSON");
+    assert_eq!(result["ok"], true, "{result:#?}");
+    assert_eq!(result["checkpoint"], published.as_str());
+    assert!(result["torch"].as_str().is_some_and(|v| v.starts_with("2.")), "{result:#?}");
+    assert_eq!(result["files_checked"], manifest["files"].as_array().expect("files").len());
+    assert_eq!(result["unfilled"], 0);
+    assert!(result["problems"].as_array().is_some_and(Vec::is_empty));
+    // The checkpoint's own account of itself (what `inspect` reads from `.metadata`).
+    let o = crate::run(crate::bin().args(["inspect", "--json", "--summary"]).arg(&published));
+    assert!(o.status.success(), "inspect: {}", stderr(&o));
+    let summary: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("inspect JSON");
+    eprintln!("load check: {result}\ninspect: {summary}");
+    let tensors = result["tensors"].as_u64().expect("tensors");
+    assert_eq!(Some(tensors), summary["tensor_count"].as_u64(), "torch loaded every tensor `.metadata` declares");
+    assert!(result["parameters"].as_u64() > Some(0) && result["bytes"].as_u64() > Some(0));
+    let dtypes: u64 = result["dtypes"].as_object().expect("dtypes").values().filter_map(|v| v.as_u64()).sum();
+    assert_eq!(dtypes, tensors);
+}
