@@ -3,6 +3,7 @@
 
 mod architecture;
 mod bad_input;
+mod command_steps;
 mod convert;
 mod export;
 mod hub_s3;

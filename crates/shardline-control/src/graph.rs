@@ -9,10 +9,14 @@
 //! downloaded as `hf.download` downloads one) and the reshard task; any other reshard, and every
 //! `checkpoint.export`, is one task.
 //!
+//! A `command` step is one task: its argv, environment and directories, and for each step it
+//! needs the task whose recorded output becomes its `SHARDLINE_STEP_<ID>_*` variables.
+//!
 //! A `megatron.split_fused` that follows a shard whose intermediate output is not kept exchanges
 //! a plan instead of bytes: the shard writes the split layout directly, and the split task only
 //! records that (the source is read once, the output written once).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -34,6 +38,7 @@ pub mod kinds {
     pub const RESHARD_FETCH: &str = "checkpoint.reshard.fetch";
     pub const EXPORT: &str = "checkpoint.export";
     pub const UPLOAD: &str = "store.upload";
+    pub const COMMAND: &str = "command";
 }
 
 /// What a sharding subgraph writes. (`Default` is an empty job, for tests to fill in.)
@@ -145,6 +150,39 @@ pub struct ExportJob {
     pub cache: bool,
 }
 
+/// What a `command` task runs, and where.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommandJob {
+    /// The program and its arguments; with `shell`, one script run by `/bin/sh -c`.
+    pub run: Vec<String>,
+    pub shell: bool,
+    /// Variables the spec sets (added to a minimal environment).
+    pub env: BTreeMap<String, String>,
+    /// The worker's own variables passed through by name.
+    pub inherit: Vec<String>,
+    /// The working directory (the submitting directory unless the step names one).
+    pub workdir: PathBuf,
+    /// `SHARDLINE_OUTPUT_DIR`: made empty before each attempt; the step's recorded `dir`.
+    pub out: PathBuf,
+    /// The steps it needs, each with the task whose output describes it.
+    pub inputs: Vec<CommandInput>,
+}
+
+/// A step a command needs: its outputs become `SHARDLINE_STEP_<ID>_DIR`, `_PATH`, `_URL` and
+/// `_RESULT` ([`step_env_prefix`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommandInput {
+    pub step: String,
+    pub task: String,
+}
+
+/// `SHARDLINE_STEP_<ID>_`: the step id upper-cased, `-` as `_` (`load-check` →
+/// `SHARDLINE_STEP_LOAD_CHECK_`).
+pub fn step_env_prefix(step: &str) -> String {
+    let id: String = step.chars().map(|c| if c == '-' { '_' } else { c.to_ascii_uppercase() }).collect();
+    format!("SHARDLINE_STEP_{id}_")
+}
+
 /// The payload of every task: its role and what it needs to know.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "role", rename_all = "snake_case")]
@@ -225,6 +263,9 @@ pub enum Payload {
         source_task: Option<String>,
         to: String,
         step_hash: String,
+    },
+    Command {
+        job: CommandJob,
     },
 }
 
@@ -510,6 +551,23 @@ pub fn tasks_for(p: &ResolvedPipeline, run_dir: &Path, base_dir: &Path) -> Resul
                     Payload::Upload { checkpoint_task, source_task, to, step_hash },
                 ));
             }
+            StepConfig::Command { run, shell, env, inherit, workdir } => {
+                let job = CommandJob {
+                    run: run.clone(),
+                    shell: *shell,
+                    env: env.clone(),
+                    inherit: inherit.clone(),
+                    workdir: workdir.as_deref().map_or_else(|| base_dir.to_path_buf(), |w| local(w, base_dir)),
+                    out: run_dir.join(&step.id).join("out"),
+                    inputs: step
+                        .needs
+                        .iter()
+                        .zip(&needs)
+                        .map(|(n, task)| CommandInput { step: n.clone(), task: task.clone() })
+                        .collect(),
+                };
+                tasks.push(base(step, step.id.clone(), kinds::COMMAND, needs, Payload::Command { job }));
+            }
         }
     }
     Ok(tasks)
@@ -596,6 +654,27 @@ steps:
         assert_eq!((job.like, job.max_file_size, job.prefix.as_str()), (None, 1_000_000_000, "model.module."));
         let (_, Payload::Upload { checkpoint_task, source_task, .. }) = payload(&tasks, "up") else { panic!() };
         assert_eq!((checkpoint_task.as_str(), source_task.as_deref()), ("export", Some("download")));
+    }
+
+    #[test]
+    fn a_command_reads_the_terminal_tasks_of_its_needs() {
+        let tasks = graph(
+            "apiVersion: shardline/v1
+kind: Pipeline
+name: p
+steps:
+  - {id: download, uses: hf.download, with: {path: rel/model}}
+  - {id: shard, uses: megatron.shard, needs: [download], with: {tp: 1, dp: 2}}
+  - {id: load-check, uses: command, needs: [shard, download], with: {run: [python3, c.py], workdir: tools}}
+",
+        );
+        let (needs, Payload::Command { job }) = payload(&tasks, "load-check") else { panic!("command payload") };
+        assert_eq!(needs, ["shard/commit", "download"]);
+        let inputs: Vec<(&str, &str)> = job.inputs.iter().map(|i| (i.step.as_str(), i.task.as_str())).collect();
+        assert_eq!(inputs, [("shard", "shard/commit"), ("download", "download")]);
+        assert_eq!((job.workdir, job.out), ("/base/tools".into(), "/w/runs/r1/load-check/out".into()));
+        assert_eq!(tasks.iter().find(|t| t.name == "load-check").map(|t| t.kind.as_str()), Some(kinds::COMMAND));
+        assert_eq!(step_env_prefix("load-check"), "SHARDLINE_STEP_LOAD_CHECK_");
     }
 
     #[test]

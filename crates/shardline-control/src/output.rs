@@ -65,6 +65,15 @@ pub struct TaskOutput {
     /// The step-cache key this output is (or will be) remembered under.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_key: Option<String>,
+    /// An upload: where it published (a `file://` or object-store URL).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dest: Option<String>,
+    /// A command: the JSON object it wrote to `result.json` in its output directory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result: Option<Map<String, Value>>,
+    /// A command: its exit code (0: it succeeded).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
     /// Served from the step cache: `true`, or (a plan task) the cached checkpoint's output.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cached: Option<Value>,

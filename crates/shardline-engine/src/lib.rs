@@ -1,6 +1,6 @@
 //! Runs pipelines: workers lease the tasks of a run's graph (built and submitted by
 //! `shardline-control`) and execute them ([`worker`], [`steps`], [`hub`], [`objects`],
-//! [`checkpoints`]); the
+//! [`checkpoints`], [`command`]); the
 //! reaper returns expired leases to the queue.
 //!
 //! **Owns:** what each task does and the worker loop (leases, heartbeats, logs, the step cache).
@@ -13,6 +13,7 @@
 //! inputs (checking its digest).
 
 pub mod checkpoints;
+pub mod command;
 pub mod hub;
 pub mod objects;
 pub mod steps;

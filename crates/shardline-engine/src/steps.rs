@@ -57,6 +57,12 @@ pub struct StepContext<'a> {
     pub objects: &'a ObjectSourceSettings,
     /// The CPUs the task leased: how many threads it may keep busy.
     pub cpus: u32,
+    /// The GPU devices the worker gave the task's lease (`CUDA_VISIBLE_DEVICES` of a command).
+    pub gpus: &'a [u32],
+    /// The step's timeout (zero: none); a command stops itself when it passes.
+    pub timeout: std::time::Duration,
+    /// Where a command's stderr lines go (`log` takes its stdout and every other line).
+    pub stderr: &'a (dyn Fn(String) + Sync),
 }
 
 impl StepContext<'_> {
@@ -263,6 +269,7 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
             Ok(output)
         }
         Payload::Reshard { job } => checkpoints::reshard(job, ctx),
+        Payload::Command { job } => crate::command::run(job, ctx),
         Payload::Export { job } => checkpoints::export(job, ctx),
         Payload::Plan { job } => {
             let release = open_release(&ctx.source_path(&job.source_task)?)?;
@@ -429,9 +436,9 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
             Ok(TaskOutput {
                 files: Some(manifest.files.len() as u64),
                 bytes: Some(report.bytes_copied),
+                dest: Some(dest.to_string()),
                 ..TaskOutput::default()
             }
-            .with("dest", json!(dest))
             .with("copied", json!(report.copied.len()))
             .with("skipped", json!(report.skipped.len())))
         }

@@ -182,7 +182,7 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
         CacheCheck::Miss { key } => key,
     };
     let started = tokio::time::Instant::now();
-    let result = run_step(store, config, &lease, &mut logs, &log_tx, &payload, &outputs).await;
+    let result = run_step(store, config, &lease, &mut logs, &log_tx, &payload, &outputs, &devices).await;
     match conclude(store, task, &payload, cache_key, started, result, &log).await {
         Ok(output) => {
             let accepted = report(store, &lease, &mut logs, Outcome::Succeeded { output: output.to_value() }).await;
@@ -398,7 +398,10 @@ fn path_text(p: &Option<std::path::PathBuf>) -> Option<String> {
 }
 
 /// Executes the task on a blocking thread; meanwhile flushes its logs, heartbeats its lease with
-/// progress, and stops it when the lease is lost or its timeout passed.
+/// progress, and stops it when the lease is lost or its timeout passed. A command's lease is also
+/// read back every [`COMMAND_LEASE_CHECK`], so that its process group is stopped soon after a
+/// cancel or a lost lease, however long the lease.
+#[allow(clippy::too_many_arguments)]
 async fn run_step(
     store: &Store,
     config: &WorkerConfig,
@@ -407,6 +410,7 @@ async fn run_step(
     log_tx: &mpsc::Sender<LogLine>,
     payload: &Payload,
     outputs: &BTreeMap<String, TaskOutput>,
+    gpus: &[u32],
 ) -> Result<TaskOutput, StepError> {
     let task = &lease.task;
     let progress = Arc::new(Progress::default());
@@ -420,12 +424,19 @@ async fn run_step(
         let payload = payload.clone();
         let outputs = outputs.clone();
         let cpus = task.resources.cpus;
+        let gpus = gpus.to_vec();
+        let timeout = task.timeout;
         tokio::task::spawn_blocking(move || {
-            let log = move |line: String| {
-                if let Ok(tx) = log_tx.lock() {
-                    send_log(&tx, LogStream::Stdout, line);
+            let line_to = |stream: LogStream| {
+                let log_tx = &log_tx;
+                move |line: String| {
+                    if let Ok(tx) = log_tx.lock() {
+                        send_log(&tx, stream, line);
+                    }
                 }
             };
+            let log = line_to(LogStream::Stdout);
+            let stderr = line_to(LogStream::Stderr);
             let ctx = StepContext {
                 outputs: &outputs,
                 progress: &progress,
@@ -434,6 +445,9 @@ async fn run_step(
                 hub: &hub_settings,
                 objects: &object_settings,
                 cpus,
+                gpus: &gpus,
+                timeout,
+                stderr: &stderr,
             };
             steps::execute(&payload, &ctx)
         })
@@ -445,8 +459,23 @@ async fn run_step(
     let mut log_tick = tokio::time::interval((config.lease_ttl / 3).min(LOG_FLUSH));
     log_tick.tick().await;
     let started = tokio::time::Instant::now();
+    let is_command = matches!(payload, Payload::Command { .. });
+    let mut lease_check = tokio::time::interval(COMMAND_LEASE_CHECK);
+    let mut lease_lost = false;
     loop {
         tokio::select! {
+            _ = lease_check.tick(), if is_command && !lease_lost => {
+                match store.task(task.id).await {
+                    Ok(Some(row)) if row.state == TaskState::Leased && row.lease_token == lease.token => {}
+                    Ok(_) => {
+                        lease_lost = true;
+                        progress.cancel.store(true, Ordering::Relaxed);
+                        send_log(log_tx, LogStream::System, "lease lost or task cancelled; stopping".into());
+                    }
+                    // The heartbeat finds out too, when the store is back.
+                    Err(e) => tracing::warn!("reading the lease of `{}` failed (will retry): {e}", task.name),
+                }
+            }
             r = &mut exec => {
                 return r.unwrap_or_else(|e| Err(StepError::transient(format!("task panicked: {e}"))));
             }
@@ -542,6 +571,9 @@ async fn run_uses_cache(store: &Store, run: RunId) -> bool {
 fn send_log(tx: &mpsc::Sender<LogLine>, stream: LogStream, line: String) {
     let _ = tx.send(stamped(stream, line));
 }
+
+/// How often a running command's lease is read back (a cancel or a lost lease stops it).
+const COMMAND_LEASE_CHECK: Duration = Duration::from_millis(250);
 
 /// Longest a log line waits before it is sent to the store.
 const LOG_FLUSH: Duration = Duration::from_secs(1);

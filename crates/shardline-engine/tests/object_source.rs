@@ -234,6 +234,9 @@ async fn download_reports_bytes_done_out_of_the_total() {
                 hub: &HubSettings::default(),
                 objects: &settings,
                 cpus: 1,
+                gpus: &[],
+                timeout: std::time::Duration::ZERO,
+                stderr: &log,
             };
             let out = shardline_engine::objects::download(&url, &cache, &settings, &ctx).expect("download");
             (

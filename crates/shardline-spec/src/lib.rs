@@ -85,6 +85,7 @@
 //! [`LintContext`], a way to look up model configs) and returns data. Diagnostics are values,
 //! never panics, on any input.
 
+mod checks;
 mod diagnostic;
 mod graph;
 mod lint;
@@ -95,7 +96,7 @@ pub mod policy;
 mod resolve;
 mod run_limits;
 mod schema;
-pub use schema::is_object_store_source;
+pub use checks::is_object_store_source;
 mod suggest;
 mod template;
 pub mod triggers;

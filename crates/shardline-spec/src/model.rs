@@ -44,11 +44,15 @@ pub enum StepKind {
     /// `store.upload`: copy the checkpoint to a store.
     #[serde(rename = "store.upload")]
     StoreUpload,
+    /// `command`: a program run as an argv (`run`), or a script with `shell: true`, with the
+    /// outputs of the steps it needs in its environment; its exit code decides success.
+    #[serde(rename = "command")]
+    Command,
 }
 
 impl StepKind {
     /// Every kind, in pipeline order.
-    pub const ALL: [StepKind; 7] = [
+    pub const ALL: [StepKind; 8] = [
         StepKind::HfDownload,
         StepKind::MegatronShard,
         StepKind::MegatronSplitFused,
@@ -56,6 +60,7 @@ impl StepKind {
         StepKind::CheckpointValidate,
         StepKind::CheckpointExport,
         StepKind::StoreUpload,
+        StepKind::Command,
     ];
 
     /// The dotted name used in YAML.
@@ -68,6 +73,7 @@ impl StepKind {
             StepKind::CheckpointValidate => "checkpoint.validate",
             StepKind::CheckpointExport => "checkpoint.export",
             StepKind::StoreUpload => "store.upload",
+            StepKind::Command => "command",
         }
     }
 
@@ -297,6 +303,8 @@ pub enum SpecValue {
     Template(Template),
     /// A sequence of the above (`allow: ["*.json", "*.safetensors"]`).
     List(Vec<SpecValue>),
+    /// A mapping of names to the above, in file order (a command's `env`).
+    Map(Vec<(String, SpecValue)>),
 }
 
 impl SpecValue {
@@ -305,6 +313,7 @@ impl SpecValue {
         match self {
             SpecValue::Template(t) => vec![t],
             SpecValue::List(items) => items.iter().flat_map(SpecValue::templates).collect(),
+            SpecValue::Map(entries) => entries.iter().flat_map(|(_, v)| v.templates()).collect(),
             _ => Vec::new(),
         }
     }
@@ -528,6 +537,18 @@ pub enum StepConfig {
     },
     #[serde(rename = "store.upload")]
     StoreUpload { to: String },
+    /// Runs `run` (an argv; with `shell`, one script for `/bin/sh -c`) in `workdir` (relative to
+    /// the submitting directory; `None`: that directory) with `env` and the worker's variables
+    /// named in `inherit` added to a minimal environment.
+    #[serde(rename = "command")]
+    Command {
+        run: Vec<String>,
+        shell: bool,
+        env: BTreeMap<String, String>,
+        inherit: Vec<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        workdir: Option<PathBuf>,
+    },
 }
 
 /// Where a `checkpoint.reshard` step with a `path` reads its checkpoint.
@@ -585,6 +606,7 @@ impl StepConfig {
             StepConfig::CheckpointReshard { .. } => StepKind::CheckpointReshard,
             StepConfig::CheckpointExport { .. } => StepKind::CheckpointExport,
             StepConfig::StoreUpload { .. } => StepKind::StoreUpload,
+            StepConfig::Command { .. } => StepKind::Command,
         }
     }
 

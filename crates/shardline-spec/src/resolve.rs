@@ -78,6 +78,20 @@ impl Cx<'_> {
             }
             return ok.then_some(Concrete::List(out));
         }
+        if let SpecValue::Map(entries) = v {
+            let value = Field { name: f.name, ty: crate::schema::FieldType::Text, default: FieldDefault::Optional };
+            let mut out = BTreeMap::new();
+            let mut ok = true;
+            for (name, item) in entries {
+                match self.field(&value, item, &join(path, name)) {
+                    Some(Concrete::Str(s)) => {
+                        out.insert(name.clone(), s);
+                    }
+                    _ => ok = false,
+                }
+            }
+            return ok.then_some(Concrete::Map(out));
+        }
         let SpecValue::Template(t) = v else {
             return match convert_literal(f.ty, v) {
                 Ok(c) => Some(c),
@@ -315,7 +329,7 @@ pub(crate) fn resolve_step(
                 },
                 _ => {
                     let path = string(&w, "path");
-                    if crate::schema::is_object_store_source(&path) {
+                    if crate::checks::is_object_store_source(&path) {
                         DownloadSource::ObjectStore { url: path }
                     } else {
                         DownloadSource::Local { path: PathBuf::from(path) }
@@ -340,7 +354,7 @@ pub(crate) fn resolve_step(
         StepKind::CheckpointReshard => StepConfig::CheckpointReshard {
             source: w.get("path").map(|_| {
                 let path = string(&w, "path");
-                if crate::schema::is_object_store_source(&path) {
+                if crate::checks::is_object_store_source(&path) {
                     CheckpointSource::ObjectStore { url: path }
                 } else {
                     CheckpointSource::Local { path: PathBuf::from(path) }
@@ -361,6 +375,7 @@ pub(crate) fn resolve_step(
             max_file_size: uint(&w, "max_file_size"),
         },
         StepKind::StoreUpload => StepConfig::StoreUpload { to: string(&w, "to") },
+        StepKind::Command => command(&mut cx, step, &base, &w)?,
     };
     let backoff = match rt.get("backoff") {
         Some(Concrete::Duration(d)) => *d,
@@ -385,6 +400,47 @@ pub(crate) fn resolve_step(
         timeout,
         cache,
     })
+}
+
+/// A command step's config; `run` is checked against `shell` once both are concrete.
+fn command(cx: &mut Cx<'_>, step: &StepSpec, base: &str, w: &BTreeMap<&str, Concrete>) -> Option<StepConfig> {
+    let run = globs(w, "run");
+    let shell = boolean(w, "shell");
+    let path = join(&join(base, "with"), "run");
+    let problem = if run.is_empty() {
+        Some((
+            "empty-command",
+            "`run` is empty: there is no program to run".to_string(),
+            "e.g. `run: [python3, scripts/check.py]`, or `run: \"make check\"` with `shell: true`",
+        ))
+    } else if shell && run.len() > 1 {
+        Some((
+            "shell-script",
+            format!("with `shell: true`, `run` is one script for `/bin/sh -c`, but it has {} items", run.len()),
+            "write the script as one string, or set `shell: false` to run the list as an argv",
+        ))
+    } else if run[0].trim().is_empty() {
+        Some(("empty-command", "the program to run (`run`'s first item) is empty".to_string(), "name a program"))
+    } else if !shell && !matches!(step.with.get("run"), Some(SpecValue::List(_))) && run[0].contains(' ') {
+        Some((
+            "shell-script",
+            format!("`run` is one string, {}, run as a program name (no shell unless asked)", quote(&run[0])),
+            "split it into a list of arguments, e.g. `run: [python3, check.py]`, or set `shell: true`",
+        ))
+    } else {
+        None
+    };
+    if let Some((code, message, hint)) = problem {
+        let d = cx.diag(&path, code, message).with_hint(hint);
+        cx.diags.push(d);
+        return None;
+    }
+    let env = match w.get("env") {
+        Some(Concrete::Map(m)) => m.clone(),
+        _ => BTreeMap::new(),
+    };
+    let workdir = w.get("workdir").map(|_| PathBuf::from(string(w, "workdir")));
+    Some(StepConfig::Command { run, shell, env, inherit: globs(w, "inherit"), workdir })
 }
 
 /// Mesh checks of every resolved shard and reshard step: `Mesh::check`, and

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::checks::{checkpoint_url, env_name, glob, mesh_text, repo_id, revision, source_url, target, url};
 use crate::model::{OutputFormatName, ParamType, ParamValue, RngPolicyName, SpecValue, StepKind};
 use crate::suggest::{did_you_mean, list};
 use crate::yaml::{describe_scalar, quote, Kind, Node, Resolved};
@@ -42,6 +43,14 @@ pub(crate) enum FieldType {
     Url,
     /// A list of `fnmatch` globs (one string counts as a list of one).
     Globs,
+    /// A command's `run`: a list of arguments (one string counts as a list of one).
+    Argv,
+    /// A command's `env`: a mapping of environment variable names to strings.
+    EnvMap,
+    /// Environment variable names (one string counts as a list of one).
+    EnvNames,
+    /// A string that any param may fill (a value of a command's `env`).
+    Text,
 }
 
 impl FieldType {
@@ -60,6 +69,10 @@ impl FieldType {
             FieldType::Revision => "revision".to_string(),
             FieldType::Url => "URL".to_string(),
             FieldType::Globs => "glob pattern (or a list of them)".to_string(),
+            FieldType::Argv => "argument string (or a list of them)".to_string(),
+            FieldType::EnvMap => "mapping of environment variables".to_string(),
+            FieldType::EnvNames => "environment variable name (or a list of them)".to_string(),
+            FieldType::Text => "string".to_string(),
         }
     }
 
@@ -75,7 +88,12 @@ impl FieldType {
             | FieldType::Target
             | FieldType::Choice(_) => matches!(ty, ParamType::String | ParamType::Path),
             FieldType::Mesh => ty == ParamType::String,
-            FieldType::RepoId | FieldType::Revision | FieldType::Url | FieldType::Globs => ty == ParamType::String,
+            FieldType::RepoId | FieldType::Revision | FieldType::Url | FieldType::Globs | FieldType::EnvNames => {
+                ty == ParamType::String
+            }
+            // Any param reads as text in an argument or a variable (`--tp ${{ params.tp }}`).
+            FieldType::Argv | FieldType::Text => true,
+            FieldType::EnvMap => false,
             FieldType::Size { .. } => ty == ParamType::Size,
             FieldType::Duration { .. } => ty == ParamType::Duration,
         }
@@ -95,6 +113,9 @@ impl FieldType {
                 | FieldType::Revision
                 | FieldType::Url
                 | FieldType::Globs
+                | FieldType::Argv
+                | FieldType::EnvNames
+                | FieldType::Text
         )
     }
 }
@@ -185,6 +206,16 @@ const CHECKPOINT_EXPORT: &[Field] = &[
 
 const STORE_UPLOAD: &[Field] = &[field("to", FieldType::Target, FieldDefault::Required)];
 
+/// `run` is an argv unless `shell` (then one script); `env` adds to a minimal environment, as
+/// `inherit` does with the worker's own variables; `workdir` defaults to the submitting directory.
+const COMMAND: &[Field] = &[
+    field("run", FieldType::Argv, FieldDefault::Required),
+    field("shell", FieldType::Bool, FieldDefault::Bool(false)),
+    field("env", FieldType::EnvMap, FieldDefault::Optional),
+    field("inherit", FieldType::EnvNames, FieldDefault::EmptyList),
+    field("workdir", FieldType::LocalPath, FieldDefault::Optional),
+];
+
 /// The `with` fields of a step kind.
 pub(crate) fn with_fields(kind: StepKind) -> &'static [Field] {
     match kind {
@@ -195,6 +226,7 @@ pub(crate) fn with_fields(kind: StepKind) -> &'static [Field] {
         StepKind::CheckpointReshard => CHECKPOINT_RESHARD,
         StepKind::CheckpointExport => CHECKPOINT_EXPORT,
         StepKind::StoreUpload => STORE_UPLOAD,
+        StepKind::Command => COMMAND,
     }
 }
 
@@ -270,6 +302,16 @@ pub(crate) fn unknown_with_hint(kind: StepKind, key: &str) -> String {
             "did you mean `path`? (without it, the step reads the checkpoint of the step it needs)".to_string()
         }
         (StepKind::CheckpointExport, "release" | "hf" | "against" | "reference") => "did you mean `like`?".to_string(),
+        (StepKind::Command, "cmd" | "command" | "args" | "argv" | "script" | "exec") => {
+            "did you mean `run`? (a list of arguments, or one script with `shell: true`)".to_string()
+        }
+        (StepKind::Command, "environment" | "vars" | "variables") => "did you mean `env`?".to_string(),
+        (StepKind::Command, "cwd" | "dir" | "directory" | "working_directory") => "did you mean `workdir`?".to_string(),
+        (StepKind::Command, "outputs" | "output" | "out" | "result") => {
+            "a command writes its outputs into `$SHARDLINE_OUTPUT_DIR`; a `result.json` there (a JSON object of at \
+             most 64 KiB) is recorded as its result"
+                .to_string()
+        }
         _ => format!("`{kind}` takes {}", list(&fields)),
     }
 }
@@ -281,6 +323,8 @@ pub(crate) enum Concrete {
     Bool(bool),
     Str(String),
     List(Vec<String>),
+    /// A command's `env`.
+    Map(std::collections::BTreeMap<String, String>),
     Size(u64),
     Duration(Duration),
 }
@@ -311,7 +355,7 @@ fn mismatch(message: String, hint: Option<String>) -> Mismatch {
     Mismatch { code: "wrong-type", message, hint }
 }
 
-fn invalid(message: String, hint: Option<String>) -> Mismatch {
+pub(crate) fn invalid(message: String, hint: Option<String>) -> Mismatch {
     Mismatch { code: "invalid-value", message, hint }
 }
 
@@ -345,6 +389,8 @@ pub(crate) fn spec_value(ty: FieldType, node: &Node) -> Result<SpecValue, Mismat
                     | FieldType::Mesh
                     | FieldType::Revision
                     | FieldType::Globs
+                    | FieldType::Argv
+                    | FieldType::Text
             ) =>
         {
             Err(expected(ty, &describe_scalar(&s.resolve()))
@@ -400,7 +446,11 @@ pub(crate) fn convert_literal(ty: FieldType, v: &SpecValue) -> Result<Concrete, 
             | FieldType::RepoId
             | FieldType::Revision
             | FieldType::Url
-            | FieldType::Globs,
+            | FieldType::Globs
+            | FieldType::Argv
+            | FieldType::EnvMap
+            | FieldType::EnvNames
+            | FieldType::Text,
             SpecValue::Int(_) | SpecValue::Bool(_),
         ) => {
             let (found, text) = match v {
@@ -414,6 +464,7 @@ pub(crate) fn convert_literal(ty: FieldType, v: &SpecValue) -> Result<Concrete, 
         }
         (_, SpecValue::String(s)) => convert_text(ty, s),
         (_, SpecValue::List(_)) => Err(expected(ty, "a sequence")),
+        (_, SpecValue::Map(_)) => Err(expected(ty, "a mapping")),
         (_, SpecValue::Int(i)) => Err(expected(ty, &format!("int {i}"))),
         (_, SpecValue::Bool(b)) => Err(expected(ty, &format!("bool {b}"))),
     }
@@ -507,193 +558,18 @@ pub(crate) fn convert_text(ty: FieldType, s: &str) -> Result<Concrete, Mismatch>
             Err(e) => Err(invalid(format!("invalid duration {}: {e}", quote(s)), Some(e.hint(false)))),
         },
         FieldType::Target => target(s).map(|()| Concrete::Str(s.to_string())),
+        FieldType::Argv => Ok(Concrete::List(vec![s.to_string()])),
+        FieldType::Text => Ok(Concrete::Str(s.to_string())),
+        FieldType::EnvNames => env_name(s).map(|()| Concrete::List(vec![s.to_string()])),
+        FieldType::EnvMap => Err(expected(ty, &format!("string {}", quote(s)))),
     }
-}
-
-fn target(s: &str) -> Result<(), Mismatch> {
-    if let Some(rest) = s.strip_prefix("file://") {
-        return if rest.is_empty() { Err(invalid("`file://` URL has no path".to_string(), None)) } else { Ok(()) };
-    }
-    if s.starts_with('/') {
-        return Ok(());
-    }
-    if let Some((scheme, rest)) = s.split_once("://") {
-        if OBJECT_STORE_SCHEMES.contains(&scheme) {
-            return if rest.is_empty() || rest.starts_with('/') {
-                Err(invalid(format!("`{scheme}://` URL has no bucket"), None))
-            } else {
-                Ok(())
-            };
-        }
-        return Err(invalid(
-            format!("unsupported upload target scheme `{scheme}`"),
-            Some("use `file://`, `s3://`, `gs://` or `az://` URLs, or an absolute path".to_string()),
-        ));
-    }
-    Err(invalid(
-        format!("expected a `file://` URL or an absolute path, found {}", quote(s)),
-        Some(format!("write `file://{s}` for a directory relative to the working directory")),
-    ))
-}
-
-/// The object-store schemes a source `path` and an upload target may use (as the publish crate
-/// opens them: object_store configured from the environment).
-pub(crate) const OBJECT_STORE_SCHEMES: &[&str] = &["s3", "gs", "az"];
-
-/// Whether a source `path` names an object-store prefix (`s3://`, `gs://`, `az://`, `file://`)
-/// rather than a local directory read in place.
-pub fn is_object_store_source(path: &str) -> bool {
-    path.split_once("://").is_some_and(|(scheme, _)| scheme == "file" || OBJECT_STORE_SCHEMES.contains(&scheme))
-}
-
-/// A URL as an `hf.download` `path`: an object-store prefix (`s3://bucket/prefix`, `gs://…`,
-/// `az://…`, `file:///abs/dir`) is a source; anything else (`https://huggingface.co/org/name`,
-/// `ftp://…`) is reported with the way to write it.
-fn source_url(s: &str, scheme: &str, rest: &str) -> Result<(), Mismatch> {
-    if OBJECT_STORE_SCHEMES.contains(&scheme) {
-        let bucket = rest.split('/').next().unwrap_or_default();
-        return if bucket.is_empty() {
-            Err(invalid(
-                format!("`{scheme}://` URL has no bucket"),
-                Some(format!("write `{scheme}://BUCKET/PREFIX`, the prefix the release's objects are under")),
-            ))
-        } else if rest.contains(char::is_whitespace) {
-            Err(invalid(format!("object-store URL {} contains whitespace", quote(s)), None))
-        } else {
-            Ok(())
-        };
-    }
-    if scheme == "file" {
-        return if rest.starts_with('/') && rest.len() > 1 {
-            Ok(())
-        } else {
-            Err(invalid(
-                format!("`file://` source URL {} has no absolute path", quote(s)),
-                Some(format!(
-                    "write `file:///absolute/dir`, or `path: {}` to read a local directory in place",
-                    if rest.is_empty() { "DIR" } else { rest }
-                )),
-            ))
-        };
-    }
-    let hub = ["huggingface.co/", "hf.co/"].iter().find_map(|h| rest.strip_prefix(h));
-    let hint = match hub.map(|r| r.split('/').take(2).collect::<Vec<_>>()) {
-        Some(parts) if parts.len() == 2 && !parts[1].is_empty() => {
-            format!("to download from the Hub, write `repo: {}/{}` instead of `path`", parts[0], parts[1])
-        }
-        _ => "use a local directory, an `s3://`, `gs://`, `az://` or `file:///` URL, or download from the Hub \
-              with `repo: org/name`"
-            .to_string(),
-    };
-    Err(invalid(
-        format!(
-            "`hf.download` reads a local directory or an object-store prefix (`path`), or a Hub repository \
-             (`repo`); `{scheme}://` sources are not supported"
-        ),
-        Some(hint),
-    ))
-}
-
-/// A `checkpoint.reshard` `path` URL: an object-store prefix; any other scheme is refused.
-fn checkpoint_url(s: &str, scheme: &str, rest: &str) -> Result<(), Mismatch> {
-    if OBJECT_STORE_SCHEMES.contains(&scheme) || scheme == "file" {
-        return source_url(s, scheme, rest);
-    }
-    Err(invalid(
-        format!("`checkpoint.reshard` reads a local checkpoint directory or an object-store prefix; `{scheme}://` is not supported"),
-        Some("use a local directory or an `s3://`, `gs://`, `az://` or `file:///` URL".to_string()),
-    ))
-}
-
-/// A mesh as assignments, checked on its own ([`shardline_layout::Mesh::check`]); its canonical
-/// spelling (every dimension written).
-fn mesh_text(s: &str) -> Result<String, Mismatch> {
-    let mesh = shardline_layout::Mesh::parse_assignments(s).map_err(|e| {
-        invalid(
-            format!("invalid mesh {}: {e}", quote(s)),
-            Some("write the source mesh as `tp=2,dp=4` (cp, ep default to 1, etp to tp)".to_string()),
-        )
-    })?;
-    if let Some(e) = mesh.check().first() {
-        return Err(invalid(format!("invalid mesh {}: {e}", quote(s)), None));
-    }
-    Ok(mesh.assignments())
-}
-
-/// The Hub's repository id shape: one or two segments of letters, digits, `-`, `_` and `.`, no
-/// `--` at either end of a segment, no `..` (as `shardline-hub` checks it).
-fn repo_id(s: &str) -> Result<(), Mismatch> {
-    let segs: Vec<&str> = s.split('/').collect();
-    let ok_seg = |seg: &str| {
-        !seg.is_empty()
-            && seg.len() <= 96
-            && seg.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-            && !seg.starts_with("--")
-            && !seg.ends_with("--")
-            && !seg.contains("..")
-            && seg != "."
-    };
-    if (segs.len() == 1 || segs.len() == 2) && segs.iter().all(|s| ok_seg(s)) {
-        return Ok(());
-    }
-    let hint = match s.split_once("huggingface.co/").or_else(|| s.split_once("hf.co/")) {
-        Some((_, rest)) => {
-            let id: Vec<&str> = rest.split('/').take(2).collect();
-            format!("write the repository id only: `repo: {}`", id.join("/"))
-        }
-        None if segs.len() > 2 => "a repository id has at most one `/`: `org/name`".to_string(),
-        None => "a repository id is `name` or `org/name` of letters, digits, `-`, `_` and `.`".to_string(),
-    };
-    Err(invalid(format!("invalid Hub repository id {}", quote(s)), Some(hint)))
-}
-
-/// A branch, tag, `refs/pr/N` or commit sha, usable as a `refs/` path of the HF cache.
-fn revision(s: &str) -> Result<(), Mismatch> {
-    let bad = s.is_empty()
-        || s.starts_with('/')
-        || s.ends_with('/')
-        || s.split('/').any(|c| c.is_empty() || c == "." || c == "..")
-        || s.chars().any(|c| c.is_control() || c.is_whitespace() || c == '\\');
-    if bad {
-        Err(invalid(
-            format!("invalid revision {}", quote(s)),
-            Some("a revision is a branch (`main`), a tag (`v1.0`) or a 40-hex commit sha".to_string()),
-        ))
-    } else {
-        Ok(())
-    }
-}
-
-fn url(s: &str) -> Result<(), Mismatch> {
-    let rest = s.strip_prefix("https://").or_else(|| s.strip_prefix("http://"));
-    match rest {
-        Some(r) if !r.is_empty() && !r.starts_with('/') && !r.contains(char::is_whitespace) => Ok(()),
-        Some(_) => Err(invalid(format!("URL {} has no host", quote(s)), None)),
-        None => Err(invalid(
-            format!("expected an `http://` or `https://` URL, found {}", quote(s)),
-            Some("e.g. `endpoint: https://huggingface.co` (the default is `HF_ENDPOINT`, else that)".to_string()),
-        )),
-    }
-}
-
-/// A pattern as the Hub client matches it (`fnmatch`: `*` crosses `/`; a trailing `/` means the
-/// whole folder).
-fn glob(s: &str) -> Result<(), Mismatch> {
-    if s.is_empty() {
-        return Err(invalid("empty pattern".to_string(), Some("e.g. `*.safetensors`".to_string())));
-    }
-    let pat = if s.ends_with('/') { format!("{s}*") } else { s.to_string() };
-    globset::GlobBuilder::new(&pat).literal_separator(false).backslash_escape(true).build().map(|_| ()).map_err(|e| {
-        invalid(
-            format!("invalid pattern {}: {}", quote(s), e.kind()),
-            Some("patterns are `fnmatch` globs: `*`, `?`, `[abc]`, e.g. `*.safetensors`".to_string()),
-        )
-    })
 }
 
 /// Converts a param's value (a whole-value interpolation) into the field's type.
 pub(crate) fn convert_param(ty: FieldType, v: &ParamValue) -> Result<Concrete, Mismatch> {
     match (ty, v) {
+        (FieldType::Argv, _) => Ok(Concrete::List(vec![v.to_string()])),
+        (FieldType::Text, _) => Ok(Concrete::Str(v.to_string())),
         (FieldType::UInt { min, max }, ParamValue::Int(i)) => uint(*i, min, max),
         (FieldType::Bool, ParamValue::Bool(b)) => Ok(Concrete::Bool(*b)),
         (FieldType::Size { .. }, ParamValue::Size(n)) => size(*n, ty),

@@ -575,3 +575,28 @@ fn run_limits_are_read_and_hashed_only_when_set() {
     let back: ResolvedPipeline = serde_json::from_value(serde_json::to_value(&long).unwrap()).unwrap();
     assert_eq!(back.limits, long.limits);
 }
+
+#[test]
+fn command_steps_resolve_their_argv_env_and_workdir() {
+    let text =
+        std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/valid/command.yaml"))
+            .unwrap();
+    let run = pipeline(&text).instantiate(&set(&[("threads", "8")]), "run-9").unwrap();
+    let check = run.step("check").unwrap();
+    assert_eq!(check.kind, StepKind::Command);
+    let StepConfig::Command { run: argv, shell, env, inherit, workdir } = &check.config else { unreachable!() };
+    assert_eq!(argv, &["python3", "scripts/check.py", "--threads", "8", "--run=run-9"]);
+    assert!(!shell);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    assert_eq!(env, [("MODE", "strict"), ("OMP_NUM_THREADS", "8")]);
+    assert_eq!((inherit.as_slice(), workdir.as_deref()), (&["HF_TOKEN".to_string()][..], Some("tools".as_ref())));
+    assert_eq!((check.resources.gpus, check.timeout), (1, Duration::from_secs(600)));
+    let StepConfig::Command { run: script, shell: true, env, workdir: None, .. } = &run.step("report").unwrap().config
+    else {
+        unreachable!()
+    };
+    assert_eq!((script.len(), env.len()), (1, 0));
+    // The resolved form round-trips through the JSON stored with a run.
+    let back: ResolvedPipeline = serde_json::from_value(serde_json::to_value(&run).unwrap()).unwrap();
+    assert_eq!(back, run);
+}

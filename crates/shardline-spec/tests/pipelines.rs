@@ -30,6 +30,7 @@ fn every_example_pipeline_is_clean() {
         "hub-gpt-oss.yaml",
         "hub-qwen3-vl-moe.yaml",
         "reshard-export.yaml",
+        "load-check.yaml",
     ] {
         assert!(names.iter().any(|n| n == expected), "pipelines/{expected} is missing");
     }
@@ -56,6 +57,8 @@ fn every_example_pipeline_is_clean() {
                 CheckpointExport,
                 StoreUpload,
             ]
+        } else if name == "load-check.yaml" {
+            vec![HfDownload, MegatronShard, MegatronSplitFused, CheckpointValidate, StoreUpload, Command]
         } else {
             vec![HfDownload, MegatronShard, MegatronSplitFused, CheckpointValidate, StoreUpload]
         };

@@ -3,8 +3,9 @@
 
 use std::collections::BTreeMap;
 
+use crate::checks::env_name;
 use crate::model::SpecValue;
-use crate::schema::{spec_value, Field, FieldType};
+use crate::schema::{spec_value, Field, FieldDefault, FieldType};
 use crate::suggest::list;
 use crate::template::{self, TemplateError};
 use crate::yaml::{quote, Kind, Node};
@@ -64,7 +65,10 @@ impl Linter<'_> {
     /// Reads one field's value: a typed literal or a well-formed interpolation; for a list field,
     /// a sequence of them (or a single one).
     pub(super) fn field_value(&mut self, node: &Node, path: &str, f: &Field) -> Option<SpecValue> {
-        if let (FieldType::Globs, Kind::Seq(items)) = (f.ty, &node.kind) {
+        if f.ty == FieldType::EnvMap {
+            return self.env_map(node, path, f);
+        }
+        if let (FieldType::Globs | FieldType::Argv | FieldType::EnvNames, Kind::Seq(items)) = (f.ty, &node.kind) {
             let mut out = Vec::new();
             let mut ok = true;
             for (i, item) in items.iter().enumerate() {
@@ -76,6 +80,40 @@ impl Linter<'_> {
             return ok.then_some(SpecValue::List(out));
         }
         self.scalar_value(node, path, f)
+    }
+
+    /// A command's `env`: each name checked at its key, each value a string or an interpolation.
+    fn env_map(&mut self, node: &Node, path: &str, f: &Field) -> Option<SpecValue> {
+        if node.is_null() {
+            return Some(SpecValue::Map(Vec::new()));
+        }
+        let Some(entries) = node.as_map() else {
+            let d = self.at(
+                node.span,
+                path,
+                "wrong-type",
+                format!("`{}`: expected a mapping of environment variables, found {}", f.name, node.describe()),
+            );
+            self.push(d.with_hint("e.g. `env: {OMP_NUM_THREADS: \"4\", MODEL: \"${{ params.model }}\"}`"));
+            return None;
+        };
+        let value = Field { name: f.name, ty: FieldType::Text, default: FieldDefault::Optional };
+        let mut out = Vec::new();
+        let mut ok = true;
+        for e in entries {
+            let p = join(path, &e.key);
+            if let Err(m) = env_name(&e.key) {
+                let d = self.at(e.key_span, &p, m.code, format!("`{}`: {}", f.name, m.message));
+                self.push(d.with_opt_hint(m.hint));
+                // The other entries are still resolved, so that their problems show too.
+                continue;
+            }
+            match self.scalar_value(&e.value, &p, &value) {
+                Some(v) => out.push((e.key.clone(), v)),
+                None => ok = false,
+            }
+        }
+        ok.then_some(SpecValue::Map(out))
     }
 
     fn scalar_value(&mut self, node: &Node, path: &str, f: &Field) -> Option<SpecValue> {

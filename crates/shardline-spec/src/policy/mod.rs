@@ -190,6 +190,23 @@ pub fn check_policy(
                 named.push(("like", like.display().to_string(), false))
             }
             StepConfig::StoreUpload { to } => named.push(("to", to.clone(), true)),
+            // A command can read and write whatever its worker can: only a server that says so
+            // runs them.
+            StepConfig::Command { .. } if !policy.commands => {
+                let path = format!("steps[{index}].uses");
+                let message = "this server does not run command steps".to_string();
+                diags.push(
+                    Diagnostic::at(
+                        &pipeline.file,
+                        pipeline.locations.span(&path),
+                        &path,
+                        "command-not-allowed",
+                        message,
+                    )
+                    .with_hint("the server's operator can allow them with --allow-commands"),
+                );
+            }
+            StepConfig::Command { .. } => {}
             StepConfig::CheckpointReshard { source: None, .. }
             | StepConfig::CheckpointExport { like: None, .. }
             | StepConfig::MegatronShard { .. }

@@ -138,3 +138,20 @@ fn a_hub_endpoint_is_a_source_too() {
         }
     }
 }
+
+#[test]
+fn command_steps_need_the_server_to_allow_them() {
+    let text = "apiVersion: shardline/v1\nkind: Pipeline\nname: p\nsteps:\n  - id: check\n    uses: command\n\
+                \x20   with: {run: [\"true\"]}\n";
+    let (pipeline, diags) = lint("p.yaml", text, &LintContext::new());
+    let pipeline = pipeline.unwrap_or_else(|| panic!("{}", crate::render_all(&diags, text)));
+    let resolved = pipeline.instantiate(&[], "run-1").unwrap();
+    let refused = check_policy(&pipeline, &resolved, &policy(), &resolve);
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(
+        (refused[0].line, refused[0].path.as_str(), refused[0].code.as_str()),
+        (6, "steps[0].uses", "command-not-allowed")
+    );
+    let allowing = PathPolicy { commands: true, ..policy() };
+    assert!(check_policy(&pipeline, &resolved, &allowing, &resolve).is_empty());
+}
