@@ -176,6 +176,15 @@ fn api_submissions_outside_the_roots_are_refused_at_their_line_and_an_allowed_on
             "{source} → {dest}: not at line {line}: {message}"
         );
     }
+    // A command step needs --allow-commands, which this server was not given.
+    let command = format!(
+        "{}  - id: check\n    uses: command\n    needs: [upload]\n    with: {{run: [touch, {x}/pwned]}}\n",
+        spec(&good_source, &good_dest)
+    );
+    let (status, body) = post(&addr, "/api/v1/runs", &token, &serde_json::json!({"spec": command}));
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert_eq!(status, 422, "a command step was accepted: {body}");
+    assert!(message.contains("pipeline.yaml:17:") && message.contains("does not run command steps"), "{message}");
     // Nothing was written outside the roots, and no run was created.
     assert_eq!(files_under(&outside), vec![outside.join("secret.txt")]);
     let (status, body) =
