@@ -13,6 +13,7 @@ mod object_source;
 mod orchestrator;
 mod pipeline_steps;
 mod policy;
+mod procs;
 mod reshard;
 mod soak;
 mod startup;

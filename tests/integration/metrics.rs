@@ -2,68 +2,15 @@
 //! follow the run, and the bytes converted are the rank files' sizes on disk.
 
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use shardline_control::TaskOutput;
 use shardline_store::{RunId, Store};
 
-use crate::{bin, fixture, http_get, run, stderr, stdout};
+use crate::procs::{cmd, spawn};
+use crate::{fixture, http_get, run, stderr, stdout};
 
 const WAIT: Duration = Duration::from_secs(90);
-
-/// A server or worker on the test's embedded store, killed when dropped.
-struct Process {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("---- {} ----\n{}", self.log.display(), std::fs::read_to_string(&self.log).unwrap_or_default());
-        }
-    }
-}
-
-fn cmd(dir: &std::path::Path, args: &[&str]) -> Command {
-    let mut c = bin();
-    c.args(args).arg("--state-dir").arg(dir.join("state")).current_dir(dir).env_remove("SHARDLINE_DATABASE_URL");
-    c
-}
-
-fn spawn(dir: &std::path::Path, name: &str, args: &[&str]) -> Process {
-    let log = dir.join(format!("{name}.log"));
-    let out = File::create(&log).expect("log file");
-    let child = cmd(dir, args)
-        .stdin(Stdio::null())
-        .stdout(out.try_clone().expect("log file"))
-        .stderr(out)
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
-    Process { child, log }
-}
-
-/// The address the server printed once it listens.
-fn wait_for_address(server: &Process) -> String {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let log = std::fs::read_to_string(&server.log).unwrap_or_default();
-        if let Some(addr) = log
-            .lines()
-            .find_map(|l| l.strip_prefix("server: dashboard and API on http://"))
-            .and_then(|rest| rest.split('/').next())
-        {
-            return addr.to_string();
-        }
-        assert!(Instant::now() < deadline, "the server did not start:\n{log}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 /// The raw exposition.
 fn exposition(addr: &str) -> String {
@@ -93,7 +40,7 @@ fn value(m: &BTreeMap<String, f64>, series: &str) -> f64 {
 fn metrics_follow_a_run_from_queued_to_succeeded() {
     let dir = tempfile::tempdir().expect("temp dir");
     let server = spawn(dir.path(), "server", &["server", "--http", "127.0.0.1:0", "--public-reads"]);
-    let addr = wait_for_address(&server);
+    let addr = server.wait_for_address();
 
     let spec = format!(
         "apiVersion: shardline/v1\nkind: Pipeline\nname: scraped\nsteps:\n\

@@ -2,49 +2,15 @@
 //! attempt submitted through the API is refused with an error at its line and nothing is written
 //! outside the roots; an allowed submission runs and publishes under its root.
 
-use std::fs::File;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::{bin, fixture, run, stderr, stdout};
+use crate::procs::{cmd, spawn};
+use crate::{fixture, run, stderr, stdout};
 
 const WAIT: Duration = Duration::from_secs(90);
-
-struct Process {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("---- {} ----\n{}", self.log.display(), std::fs::read_to_string(&self.log).unwrap_or_default());
-        }
-    }
-}
-
-fn cmd(dir: &Path, args: &[&str]) -> Command {
-    let mut c = bin();
-    c.args(args).arg("--state-dir").arg(dir.join("state")).current_dir(dir).env_remove("SHARDLINE_DATABASE_URL");
-    c
-}
-
-fn spawn(dir: &Path, name: &str, args: &[&str]) -> Process {
-    let log = dir.join(format!("{name}.log"));
-    let out = File::create(&log).expect("log file");
-    let child = cmd(dir, args)
-        .stdin(Stdio::null())
-        .stdout(out.try_clone().expect("log file"))
-        .stderr(out)
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
-    Process { child, log }
-}
 
 /// `POST path` with a JSON body and a bearer token: (status code, body).
 fn post(addr: &str, path: &str, token: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
@@ -136,15 +102,7 @@ fn api_submissions_outside_the_roots_are_refused_at_their_line_and_an_allowed_on
             &format!("file://{}", out.display()),
         ],
     );
-    let deadline = Instant::now() + WAIT;
-    let addr = loop {
-        let log = std::fs::read_to_string(&server.log).unwrap_or_default();
-        if let Some(a) = log.lines().find_map(|l| l.strip_prefix("server: dashboard and API on http://")) {
-            break a.split('/').next().expect("address").to_string();
-        }
-        assert!(Instant::now() < deadline, "the server did not start:\n{log}");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let addr = server.wait_for_address();
 
     let r = releases.display().to_string();
     let o = out.display().to_string();
