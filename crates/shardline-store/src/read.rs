@@ -39,7 +39,8 @@ impl Store {
                 Some(rec) => {
                     let mut counts = counts(&mut c, &[run.0]).await?;
                     let tasks = counts.remove(&run.0).unwrap_or_default();
-                    Ok(Some(rec.into_row(tasks)?))
+                    let actions = crate::audit::actions(&mut c, &[run.0]).await?.remove(&run.0).unwrap_or_default();
+                    Ok(Some(rec.into_row(tasks, actions)?))
                 }
                 None => Ok(None),
             }
@@ -74,10 +75,12 @@ impl Store {
             let more = recs.len() as i64 > limit;
             let ids: Vec<i64> = recs.iter().take(limit as usize).map(|r| r.id).collect();
             let mut counts = counts(&mut c, &ids).await?;
+            let mut actions = crate::audit::actions(&mut c, &ids).await?;
             let mut runs = Vec::with_capacity(ids.len());
             for rec in recs.into_iter().take(limit as usize) {
                 let tasks = counts.remove(&rec.id).unwrap_or_default();
-                runs.push(rec.into_row(tasks)?);
+                let acts = actions.remove(&rec.id).unwrap_or_default();
+                runs.push(rec.into_row(tasks, acts)?);
             }
             let next = if more { runs.last().map(|r| r.id) } else { None };
             Ok(RunPage { runs, next })

@@ -44,6 +44,11 @@ async fn read_access(state: &AppState, headers: &HeaderMap) -> ApiResult<()> {
     authorize(&state.store, state.auth, headers, Scope::Read).await.map(|_| ())
 }
 
+/// Who a mutation is recorded as: the token that authorized it (mutations always need one).
+fn actor_of(token: Option<crate::auth::TokenInfo>) -> String {
+    token.map_or_else(|| "anonymous".to_string(), |t| shardline_control::actor::token(&t.name))
+}
+
 async fn find_run(state: &AppState, id: i64) -> ApiResult<shardline_store::RunRow> {
     state
         .store
@@ -379,7 +384,7 @@ pub async fn submit_run(
     headers: HeaderMap,
     Json(req): Json<SubmitRequest>,
 ) -> ApiResult<(StatusCode, Json<SubmittedDto>)> {
-    authorize(&state.store, state.auth, &headers, Scope::Submit).await?;
+    let actor = actor_of(authorize(&state.store, state.auth, &headers, Scope::Submit).await?);
     let file = req.file.clone().unwrap_or_else(|| "pipeline.yaml".into());
     let (valid, diagnostics) = diagnostics_of(&file, &req.spec, &state);
     if !valid {
@@ -423,6 +428,7 @@ pub async fn submit_run(
             no_cache: req.no_cache,
             policy: state.policy.as_deref(),
             priority: req.priority,
+            submitted_by: Some(actor),
         },
     )
     .await
@@ -457,8 +463,8 @@ pub async fn cancel_run(
     headers: HeaderMap,
     Path(id): Path<i64>,
 ) -> ApiResult<Json<ActionDto>> {
-    authorize(&state.store, state.auth, &headers, Scope::Admin).await?;
-    if !state.store.cancel_run(RunId(id)).await? {
+    let actor = actor_of(authorize(&state.store, state.auth, &headers, Scope::Admin).await?);
+    if !state.store.cancel_run(RunId(id), &actor).await? {
         let run = find_run(&state, id).await?;
         return Err(ApiError::new(
             StatusCode::CONFLICT,
@@ -482,7 +488,7 @@ pub async fn retry_run(
     Path(id): Path<i64>,
     body: axum::body::Bytes,
 ) -> ApiResult<Json<ActionDto>> {
-    authorize(&state.store, state.auth, &headers, Scope::Admin).await?;
+    let actor = actor_of(authorize(&state.store, state.auth, &headers, Scope::Admin).await?);
     let req: RetryRequest = if body.iter().all(u8::is_ascii_whitespace) {
         RetryRequest::default()
     } else {
@@ -490,7 +496,7 @@ pub async fn retry_run(
             ApiError::bad_request(format!("The request body must be `{{\"from_step\": \"…\"}}` or empty: {e}."))
         })?
     };
-    state.store.retry_run(RunId(id), req.from_step.as_deref()).await?;
+    state.store.retry_run(RunId(id), req.from_step.as_deref(), &actor).await?;
     let run = find_run(&state, id).await?;
     Ok(Json(ActionDto { run: id, state: run.state.as_str().into() }))
 }

@@ -134,6 +134,21 @@ pub struct RunDto {
     pub revision: Option<String>,
     /// From start to finish (to now while running), in milliseconds; absent before the start.
     pub duration_ms: Option<i64>,
+    /// Who submitted it: `token:<name>` (the API), `user:<login>@<host>` (the CLI),
+    /// `trigger:<pipeline>#<n>`; absent for runs from before this was recorded.
+    pub submitted_by: Option<String>,
+    /// Who cancelled or retried it and when, oldest first.
+    pub actions: Vec<RunActionDto>,
+}
+
+/// A cancel or retry of a run.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct RunActionDto {
+    /// `cancel` or `retry`.
+    pub action: String,
+    /// Who did it, spelled as `submitted_by` is.
+    pub actor: String,
+    pub at: DateTime<Utc>,
 }
 
 impl From<&RunRow> for RunDto {
@@ -157,6 +172,12 @@ impl From<&RunRow> for RunDto {
             model,
             revision,
             duration_ms: crate::view::duration_ms(r, Utc::now()),
+            submitted_by: r.submitted_by.as_deref().map(redact_line),
+            actions: r
+                .actions
+                .iter()
+                .map(|a| RunActionDto { action: a.action.as_str().into(), actor: redact_line(&a.actor), at: a.at })
+                .collect(),
         }
     }
 }
