@@ -13,3 +13,6 @@ CREATE TABLE run_actions (
     at      INTEGER NOT NULL DEFAULT (CAST(unixepoch('subsec') * 1000 AS INTEGER))
 ) STRICT;
 CREATE INDEX run_actions_run ON run_actions (run_id, id);
+
+-- A run's attempts for its page (timeline, attempts table), without scanning every attempt.
+CREATE INDEX attempts_run ON attempts (run_id, task_id, token);

@@ -62,6 +62,16 @@ pub struct TaskOutput {
     /// A plan or checkpoint: whether fused projections were split.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub split_fused: Option<bool>,
+    /// An upload: where it published (the step's `to:`, resolved).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dest: Option<String>,
+    /// An upload: where its manifest is (under `dest`, written last).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub manifest: Option<String>,
+    /// An upload: bytes the manifest lists (copied now or already there), where `bytes` counts
+    /// only those copied.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub published_bytes: Option<u64>,
     /// The step-cache key this output is (or will be) remembered under.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_key: Option<String>,

@@ -429,9 +429,11 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
             Ok(TaskOutput {
                 files: Some(manifest.files.len() as u64),
                 bytes: Some(report.bytes_copied),
+                dest: Some(dest.to_string()),
+                manifest: Some(format!("{}/{}", dest.trim_end_matches('/'), shardline_publish::MANIFEST)),
+                published_bytes: Some(manifest.files.iter().map(|f| f.size).sum()),
                 ..TaskOutput::default()
             }
-            .with("dest", json!(dest))
             .with("copied", json!(report.copied.len()))
             .with("skipped", json!(report.skipped.len())))
         }

@@ -150,6 +150,25 @@ impl Store {
         .await
     }
 
+    /// Every lease of every task of a run, by task and then oldest first.
+    pub async fn run_attempts(&self, run: RunId) -> Result<Vec<AttemptRow>, StoreError> {
+        self.retrying("run_attempts", || async {
+            let mut pc = self.pool().acquire().await?;
+            let recs: Vec<AttemptRecord> = pc
+                .conn()
+                .all(
+                    sql!(
+                        "SELECT task_id, run_id, attempt, token, worker_id, worker_name, started_at, \
+                         ended_at, outcome, kind, error FROM attempts WHERE run_id = $1 ORDER BY task_id, token"
+                    ),
+                    args![run.0],
+                )
+                .await?;
+            recs.into_iter().map(AttemptRecord::into_row).collect()
+        })
+        .await
+    }
+
     /// Registered workers, by id.
     pub async fn list_workers(&self) -> Result<Vec<WorkerRow>, StoreError> {
         self.retrying("list_workers", || async {

@@ -212,7 +212,8 @@ pub async fn run_tasks(
 }
 
 /// Everything a run's page shows, from one read of its tasks: the run, its step graph and its
-/// tasks in summary form (as `GET /runs/{id}/graph` and `GET /runs/{id}/tasks?summary=true`).
+/// tasks in summary form (as `GET /runs/{id}/graph` and `GET /runs/{id}/tasks?summary=true`),
+/// where its result went, a timeline of its steps and tasks, and every attempt.
 #[utoipa::path(get, path = "/api/v1/runs/{id}/view", tag = "runs", params(("id" = i64, Path, description = "Run id")),
     responses((status = 200, body = RunViewDto), (status = 404, body = ErrorBody)))]
 pub async fn run_view(
@@ -224,10 +225,16 @@ pub async fn run_view(
     let run = find_run(&state, id).await?;
     let tasks = state.store.run_tasks(RunId(id)).await?;
     let deps = state.store.run_deps(RunId(id)).await?;
+    let attempts = state.store.run_attempts(RunId(id)).await?;
     let steps = graph_steps(&run, &tasks, &deps);
+    let result = crate::outcome::result_of(&tasks);
+    let spans = crate::outcome::timeline(&tasks, &attempts);
+    let (start, end) = crate::outcome::bounds(&spans, chrono::Utc::now()).unzip();
+    let timeline = TimelineDto { start, end, steps: spans };
     let tasks = annotate(&state, &tasks, &deps, false).await?;
     let notifications = state.store.run_notifications(RunId(id)).await?.iter().map(NotificationDto::from).collect();
-    Ok(Json(RunViewDto { run: RunDto::from(&run), steps, tasks, notifications }))
+    let attempts = attempts.iter().map(AttemptDto::from).collect();
+    Ok(Json(RunViewDto { run: RunDto::from(&run), steps, tasks, notifications, result, timeline, attempts }))
 }
 
 fn graph_steps(
