@@ -284,7 +284,7 @@ fn every_finished_run_is_notified_once_through_a_failing_receiver() {
     d.wait_state(ok, RunState::Succeeded);
     d.wait_state(failed, RunState::Failed);
     for run in [quiet, asked] {
-        assert!(d.rt.block_on(d.store.cancel_run(run)).expect("cancel"));
+        assert!(d.rt.block_on(d.store.cancel_run(run, "user:test")).expect("cancel"));
     }
 
     // What must arrive: (path, run id or none, event).

@@ -186,6 +186,7 @@ pub fn run_run(args: RunArgs) -> Result<ExitCode> {
                 no_cache: args.no_cache,
                 policy: None,
                 priority: None,
+                submitted_by: Some(shardline_control::actor::local_user()),
             },
         )
         .await
@@ -400,6 +401,7 @@ pub fn run_submit(args: SubmitArgs) -> Result<ExitCode> {
                 no_cache: args.no_cache,
                 policy: None,
                 priority: args.priority,
+                submitted_by: Some(shardline_control::actor::local_user()),
             },
         )
         .await
@@ -548,16 +550,22 @@ pub fn run_runs(args: RunsArgs) -> Result<ExitCode> {
         if args.json {
             println!("{}", serde_json::to_string(&page.runs)?);
         } else {
-            println!("{:>6}  {:<24} {:<10} {:>9}  created", "run", "pipeline", "state", "tasks");
+            println!(
+                "{:>6}  {:<24} {:<10} {:>9}  {:<19}  submitted by",
+                "run", "pipeline", "state", "tasks", "created"
+            );
             for r in page.runs {
+                // The latest cancel or retry says who last touched the run.
+                let last = r.actions.last().map(|a| format!("  ({} by {})", a.action, a.actor)).unwrap_or_default();
                 println!(
-                    "{:>6}  {:<24} {:<10} {:>4}/{:<4}  {}",
+                    "{:>6}  {:<24} {:<10} {:>4}/{:<4}  {}  {}{last}",
                     r.id.0,
                     r.pipeline_name,
                     r.state.as_str(),
                     r.tasks.succeeded,
                     r.tasks.total(),
-                    r.created_at.format("%Y-%m-%d %H:%M:%S")
+                    r.created_at.format("%Y-%m-%d %H:%M:%S"),
+                    r.submitted_by.as_deref().unwrap_or("-")
                 );
             }
         }
@@ -633,7 +641,7 @@ pub struct CancelArgs {
 pub fn run_cancel(args: CancelArgs) -> Result<ExitCode> {
     runtime()?.block_on(async move {
         let store = args.state.store().await?;
-        if store.cancel_run(RunId(args.run)).await? {
+        if store.cancel_run(RunId(args.run), &shardline_control::actor::local_user()).await? {
             println!("run {} cancelled", args.run);
             Ok(ExitCode::SUCCESS)
         } else {
@@ -656,7 +664,7 @@ pub struct RetryArgs {
 pub fn run_retry(args: RetryArgs) -> Result<ExitCode> {
     runtime()?.block_on(async move {
         let store = args.state.store().await?;
-        store.retry_run(RunId(args.run), args.from.as_deref()).await?;
+        store.retry_run(RunId(args.run), args.from.as_deref(), &shardline_control::actor::local_user()).await?;
         println!("run {} re-queued{}", args.run, args.from.map(|s| format!(" from step `{s}`")).unwrap_or_default());
         Ok(ExitCode::SUCCESS)
     })

@@ -8,6 +8,7 @@
 //! - [`submit`]: lint, instantiate and store a run with its whole task graph and its
 //!   [`RunOptions`] (name, no-cache, priority, the pipeline's concurrency limit and pool); a
 //!   pipeline at its limit with `overflow: skip` gets no run ([`SubmitError::Skipped`]);
+//! - [`actor`]: how the submitter of a run and whoever cancels or retries it are named;
 //! - [`notify_targets`]: a spec's `notify:` as the store keeps it;
 //! - [`lint_context`] and [`parse_pipeline`]: spec loading as `submit` does it, for linting
 //!   from anywhere.
@@ -16,6 +17,7 @@
 //! **Must not depend on:** the engine, the data plane's I/O (`shardline-formats`), the Hub
 //! client, publishing or object stores — submitting a run never moves a byte of a model.
 
+pub mod actor;
 pub mod graph;
 pub mod output;
 pub mod policy;
@@ -86,6 +88,8 @@ pub struct Submission<'a> {
     pub policy: Option<&'a shardline_spec::policy::PathPolicy>,
     /// The run's priority (higher first); `None` takes the spec's `priority:` (default 0).
     pub priority: Option<i64>,
+    /// Who submits it, as [`actor`] spells it; recorded with the run.
+    pub submitted_by: Option<String>,
 }
 
 /// A submitted run.
@@ -128,7 +132,8 @@ pub async fn submit(store: &Store, s: Submission<'_>) -> Result<Submitted, Submi
     }
     let options = run_options(&resolved, name.clone(), s.no_cache, priority);
     let notify = notify_targets(&pipeline.notify);
-    let new = NewRun { pipeline_id, dedupe_key: s.dedupe_key, params, spec, options, notify };
+    let new =
+        NewRun { pipeline_id, dedupe_key: s.dedupe_key, params, spec, options, notify, submitted_by: s.submitted_by };
     let (run, created, cancelled) = match store.admit_run(new).await? {
         Admission::Created { run, cancelled } => (run, true, cancelled),
         Admission::Existing(run) => (run, false, Vec::new()),

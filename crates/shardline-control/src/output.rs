@@ -62,12 +62,20 @@ pub struct TaskOutput {
     /// A plan or checkpoint: whether fused projections were split.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub split_fused: Option<bool>,
+    /// An upload: where it published (the step's `to:`, resolved).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dest: Option<String>,
+    /// An upload: where its manifest is (under `dest`, written last). Not `manifest`: an
+    /// object-store download records whether its prefix had one under that name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub manifest_url: Option<String>,
+    /// An upload: bytes the manifest lists (copied now or already there), where `bytes` counts
+    /// only those copied.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub published_bytes: Option<u64>,
     /// The step-cache key this output is (or will be) remembered under.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_key: Option<String>,
-    /// An upload: where it published (a `file://` or object-store URL).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub dest: Option<String>,
     /// A command: the JSON object it wrote to `result.json` in its output directory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub result: Option<Map<String, Value>>,

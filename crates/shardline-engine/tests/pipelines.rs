@@ -190,7 +190,7 @@ steps:
     );
     let s = h.submit(&text, &[], false).await;
     let leased = h.wait_task(s.run, "validate", RUN_TIMEOUT, |t| t.state == TaskState::Leased).await;
-    assert!(h.store.cancel_run(s.run).await.expect("cancel_run"), "the run was already finished");
+    assert!(h.store.cancel_run(s.run, "user:test").await.expect("cancel_run"), "the run was already finished");
 
     let r = h.run(s.run).await;
     assert_eq!(r.state, RunState::Cancelled);
@@ -292,7 +292,7 @@ steps:
     let before: BTreeMap<String, i32> = h.tasks(s.run).await.into_iter().map(|t| (t.name, t.attempt)).collect();
 
     std::fs::remove_file(&blocked).expect("unblock");
-    h.store.retry_run(s.run, Some("upload")).await.expect("retry_run");
+    h.store.retry_run(s.run, Some("upload"), "user:test").await.expect("retry_run");
     let r = h.wait_finished(s.run, RUN_TIMEOUT).await;
     assert_eq!(r.state, RunState::Succeeded, "{:?}", r.error);
     for t in h.tasks(s.run).await {

@@ -93,6 +93,7 @@ async fn new_run(store: &Store, label: &str) -> RunId {
             spec: json!({}),
             options: Default::default(),
             notify: Vec::new(),
+            submitted_by: None,
         })
         .await
         .expect("create_run")
@@ -240,7 +241,7 @@ async fn pickup(stores: &[Store], per_batch: usize, every: Duration, secs: u64, 
     for h in handles {
         h.await.expect("worker");
     }
-    store.cancel_run(run).await.expect("cancel_run");
+    store.cancel_run(run, "user:test").await.expect("cancel_run");
     let rate = produced as f64 / start.elapsed().as_secs_f64();
     println!(
         "{label}: {produced} tasks made ready at {rate:.0}/s ({per_batch} every {every:?}), {WORKERS} idle workers"

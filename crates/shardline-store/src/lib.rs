@@ -103,7 +103,7 @@ let (run, _created) = store
         dedupe_key: None,
         params: serde_json::json!({}),
         spec: serde_json::json!({}),
-        options: RunOptions::default(), notify: Vec::new(),
+        options: RunOptions::default(), notify: Vec::new(), submitted_by: None,
     })
     .await?;
 store
@@ -122,6 +122,7 @@ if let Some(lease) = store.claim(worker, &free, Duration::from_secs(60)).await? 
 ```
 */
 
+mod audit;
 mod batch;
 mod db;
 mod error;

@@ -99,6 +99,9 @@ impl Store {
                         let why =
                             format!("cancelled: a newer run of pipeline {} replaces it (cancel-previous)", limit.key);
                         if cancel_live_run(&mut c, id, &why).await? {
+                            // The submitter of the replacing run is who cancelled it.
+                            let actor = new.submitted_by.as_deref().unwrap_or("cancel-previous");
+                            crate::audit::record_action(&mut c, id, RunActionKind::Cancel, actor).await?;
                             cancelled.push(RunId(id));
                         }
                     }
@@ -112,8 +115,8 @@ impl Store {
                 .opt(
                     sql!(
                         "INSERT INTO runs (pipeline_id, params, spec, dedupe_key, name, no_cache, priority, \
-                             concurrency_key, concurrency_limit, concurrency_overflow, pool) \
-                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) \
+                             concurrency_key, concurrency_limit, concurrency_overflow, pool, submitted_by) \
+                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
                          ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL \
                          AND state IN ('queued', 'running', 'succeeded') DO NOTHING RETURNING id"
                     ),
@@ -128,7 +131,8 @@ impl Store {
                         key,
                         limit,
                         overflow,
-                        new.options.pool.clone()
+                        new.options.pool.clone(),
+                        new.submitted_by.clone()
                     ],
                 )
                 .await

@@ -39,7 +39,8 @@ impl Store {
                 Some(rec) => {
                     let mut counts = counts(&mut c, &[run.0]).await?;
                     let tasks = counts.remove(&run.0).unwrap_or_default();
-                    Ok(Some(rec.into_row(tasks)?))
+                    let actions = crate::audit::actions(&mut c, &[run.0]).await?.remove(&run.0).unwrap_or_default();
+                    Ok(Some(rec.into_row(tasks, actions)?))
                 }
                 None => Ok(None),
             }
@@ -74,10 +75,12 @@ impl Store {
             let more = recs.len() as i64 > limit;
             let ids: Vec<i64> = recs.iter().take(limit as usize).map(|r| r.id).collect();
             let mut counts = counts(&mut c, &ids).await?;
+            let mut actions = crate::audit::actions(&mut c, &ids).await?;
             let mut runs = Vec::with_capacity(ids.len());
             for rec in recs.into_iter().take(limit as usize) {
                 let tasks = counts.remove(&rec.id).unwrap_or_default();
-                runs.push(rec.into_row(tasks)?);
+                let acts = actions.remove(&rec.id).unwrap_or_default();
+                runs.push(rec.into_row(tasks, acts)?);
             }
             let next = if more { runs.last().map(|r| r.id) } else { None };
             Ok(RunPage { runs, next })
@@ -140,6 +143,25 @@ impl Store {
                          ended_at, outcome, kind, error FROM attempts WHERE task_id = $1 ORDER BY token"
                     ),
                     args![task.0],
+                )
+                .await?;
+            recs.into_iter().map(AttemptRecord::into_row).collect()
+        })
+        .await
+    }
+
+    /// Every lease of every task of a run, by task and then oldest first.
+    pub async fn run_attempts(&self, run: RunId) -> Result<Vec<AttemptRow>, StoreError> {
+        self.retrying("run_attempts", || async {
+            let mut pc = self.pool().acquire().await?;
+            let recs: Vec<AttemptRecord> = pc
+                .conn()
+                .all(
+                    sql!(
+                        "SELECT task_id, run_id, attempt, token, worker_id, worker_name, started_at, \
+                         ended_at, outcome, kind, error FROM attempts WHERE run_id = $1 ORDER BY task_id, token"
+                    ),
+                    args![run.0],
                 )
                 .await?;
             recs.into_iter().map(AttemptRecord::into_row).collect()

@@ -119,7 +119,7 @@ macro_rules! run_cols {
     () => {
         "r.id, r.pipeline_id, p.name AS pipeline_name, r.state, r.params, r.spec, r.name, r.no_cache, \
          r.plan, r.dedupe_key, r.error, r.created_at, r.started_at, r.finished_at, r.priority, \
-         r.concurrency_key, r.concurrency_limit, r.concurrency_overflow, r.pool"
+         r.concurrency_key, r.concurrency_limit, r.concurrency_overflow, r.pool, r.submitted_by"
     };
 }
 pub(crate) use run_cols;
@@ -145,10 +145,11 @@ pub(crate) struct RunRecord {
     concurrency_limit: Option<i64>,
     concurrency_overflow: Option<String>,
     pool: Option<String>,
+    submitted_by: Option<String>,
 }
 
 impl RunRecord {
-    pub(crate) fn into_row(self, tasks: TaskCounts) -> Result<RunRow> {
+    pub(crate) fn into_row(self, tasks: TaskCounts, actions: Vec<RunAction>) -> Result<RunRow> {
         Ok(RunRow {
             id: RunId(self.id),
             pipeline_id: self.pipeline_id,
@@ -185,7 +186,24 @@ impl RunRecord {
             started_at: self.started_at.map(|t| t.0),
             finished_at: self.finished_at.map(|t| t.0),
             tasks,
+            submitted_by: self.submitted_by,
+            actions,
         })
+    }
+}
+
+/// A row of `run_actions`.
+#[derive(sqlx::FromRow)]
+pub(crate) struct RunActionRecord {
+    pub(crate) run_id: i64,
+    action: String,
+    actor: String,
+    at: DbTime,
+}
+
+impl RunActionRecord {
+    pub(crate) fn into_action(self) -> Result<RunAction> {
+        Ok(RunAction { action: parse("run_actions", &self.action)?, actor: self.actor, at: self.at.0 })
     }
 }
 

@@ -173,9 +173,9 @@ impl Store {
     }
 
     /// Cancels a queued or running run: every unfinished task becomes `cancelled` (a leased
-    /// task's later heartbeat returns false and its completion is refused). Returns false when
-    /// the run had already finished.
-    pub async fn cancel_run(&self, run: RunId) -> Result<bool, StoreError> {
+    /// task's later heartbeat returns false and its completion is refused), and `actor` is
+    /// recorded as who cancelled it. Returns false when the run had already finished.
+    pub async fn cancel_run(&self, run: RunId, actor: &str) -> Result<bool, StoreError> {
         self.retrying("cancel_run", || async {
             let mut tx = self.pool().begin().await?;
             let mut c = tx.conn();
@@ -191,6 +191,7 @@ impl Store {
                 tx.rollback().await?;
                 return Ok(false);
             }
+            crate::audit::record_action(&mut c, run.0, RunActionKind::Cancel, actor).await?;
             tx.commit().await?;
             // Its pipeline's place and its pool slot are free: a queued run may start.
             self.wake_local();
@@ -205,9 +206,9 @@ impl Store {
     /// lost leases;
     /// the run becomes `running` (`queued` if it has no tasks yet, or has a concurrency limit or
     /// a pool: it starts again when there is room). Attempt numbers keep counting, so logs of earlier attempts
-    /// stay apart. Fails for a queued or running run, for an unknown step, and when a live
-    /// run has taken the run's dedupe key meanwhile.
-    pub async fn retry_run(&self, run: RunId, from_step: Option<&str>) -> Result<(), StoreError> {
+    /// stay apart. `actor` is recorded as who retried it. Fails for a queued or running run,
+    /// for an unknown step, and when a live run has taken the run's dedupe key meanwhile.
+    pub async fn retry_run(&self, run: RunId, from_step: Option<&str>, actor: &str) -> Result<(), StoreError> {
         let ready = self
             .retrying_conflicts("retry_run", || async {
                 let mut tx = self.pool().begin().await?;
@@ -323,6 +324,7 @@ impl Store {
                     Err(e) => return Err(e.into()),
                 }
                 run_event(&mut c, run.0, back_to, Some("retried")).await?;
+                crate::audit::record_action(&mut c, run.0, RunActionKind::Retry, actor).await?;
                 if promoted > 0 {
                     notify(&mut c).await?;
                 }

@@ -365,6 +365,8 @@ pub struct NewRun {
     /// Webhooks told when the run finishes (the spec's `notify:`), in the run's creating
     /// transaction; the server-wide ones are added by the store when it finishes.
     pub notify: Vec<crate::NotifyTarget>,
+    /// Who submits it (see [`RunRow::submitted_by`]).
+    pub submitted_by: Option<String>,
 }
 
 /// A task to add to a run.
@@ -552,6 +554,27 @@ pub struct RunRow {
     pub started_at: Option<DateTime<Utc>>,
     pub finished_at: Option<DateTime<Utc>>,
     pub tasks: TaskCounts,
+    /// Who submitted it (`token:<name>`, `user:<login>@<host>`, `trigger:<pipeline>#<n>`);
+    /// absent for runs made before submitters were recorded, or directly through the store.
+    pub submitted_by: Option<String>,
+    /// Who cancelled or retried it and when, oldest first.
+    pub actions: Vec<RunAction>,
+}
+
+state_enum!(
+    /// What was done to a run by someone other than its workers.
+    RunActionKind {
+        Cancel = "cancel",
+        Retry = "retry",
+    }
+);
+
+/// A cancel or retry of a run: what, by whom, when.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunAction {
+    pub action: RunActionKind,
+    pub actor: String,
+    pub at: DateTime<Utc>,
 }
 
 /// Which runs `list_runs` returns.

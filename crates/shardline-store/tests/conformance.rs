@@ -304,8 +304,8 @@ async fn cancel_refuses_late_completion(db: &TestDb) {
     store.add_tasks(run, vec![task("a", &[]), task("b", &["a"])]).await.expect("add_tasks");
     let w = store.register_worker(cpu_worker("w")).await.expect("register");
     let a = claim_named(&store, w, "a").await;
-    assert!(store.cancel_run(run).await.expect("cancel"));
-    assert!(!store.cancel_run(run).await.expect("cancel twice"), "already finished");
+    assert!(store.cancel_run(run, "user:test").await.expect("cancel"));
+    assert!(!store.cancel_run(run, "user:test").await.expect("cancel twice"), "already finished");
     assert!(!store.heartbeat(&a, TTL, None).await.expect("hb"), "a cancelled lease is lost");
     assert!(
         !store.complete(&a, Outcome::Succeeded { output: json!(1) }).await.expect("complete"),
@@ -319,7 +319,7 @@ async fn cancel_refuses_late_completion(db: &TestDb) {
     assert!(store.claim(w, &big(), TTL).await.expect("claim").is_none());
     let err = store.add_tasks(run, vec![task("c", &[])]).await.expect_err("finished run");
     assert!(matches!(err, StoreError::RunState { state: RunState::Cancelled, .. }), "{err}");
-    let err = store.cancel_run(RunId(987654)).await.expect_err("unknown run");
+    let err = store.cancel_run(RunId(987654), "user:test").await.expect_err("unknown run");
     assert!(matches!(err, StoreError::RunNotFound(_)), "{err}");
 }
 
@@ -337,19 +337,19 @@ async fn retry_from_step_resets_downstream(db: &TestDb) {
     }
     assert_eq!(run_state(&store, run).await, RunState::Succeeded);
 
-    let err = store.retry_run(run, None).await.expect_err("nothing failed");
+    let err = store.retry_run(run, None, "user:test").await.expect_err("nothing failed");
     assert!(matches!(err, StoreError::RunState { .. }), "{err}");
-    let err = store.retry_run(run, Some("nope")).await.expect_err("unknown step");
+    let err = store.retry_run(run, Some("nope"), "user:test").await.expect_err("unknown step");
     assert!(err.to_string().contains("known steps: fetch, publish, shard"), "{err}");
 
-    store.retry_run(run, Some("shard")).await.expect("retry_run");
+    store.retry_run(run, Some("shard"), "user:test").await.expect("retry_run");
     assert_eq!(run_state(&store, run).await, RunState::Running);
     assert_eq!(state_of(&store, run, "fetch").await, TaskState::Succeeded, "upstream kept");
     assert_eq!(state_of(&store, run, "shard").await, TaskState::Ready);
     assert_eq!(state_of(&store, run, "publish").await, TaskState::Blocked);
     let tasks = store.run_tasks(run).await.expect("tasks");
     assert!(tasks.iter().filter(|t| t.name != "fetch").all(|t| t.output.is_none()));
-    let err = store.retry_run(run, None).await.expect_err("running");
+    let err = store.retry_run(run, None, "user:test").await.expect_err("running");
     assert!(matches!(err, StoreError::RunState { state: RunState::Running, .. }), "{err}");
 
     let l = claim_named(&store, w, "shard").await;
@@ -373,7 +373,7 @@ async fn retry_of_failed_run_gets_a_fresh_budget(db: &TestDb) {
     succeed(&store, &other).await;
     assert!(store.complete(&c, Outcome::Failed { error: "boom".into(), retryable: true }).await.expect("complete"));
     assert_eq!(run_state(&store, run).await, RunState::Failed);
-    store.retry_run(run, None).await.expect("retry_run");
+    store.retry_run(run, None, "user:test").await.expect("retry_run");
     assert_eq!(state_of(&store, run, "a").await, TaskState::Ready);
     assert_eq!(state_of(&store, run, "b").await, TaskState::Blocked);
     assert_eq!(state_of(&store, run, "c").await, TaskState::Succeeded);
@@ -397,6 +397,7 @@ async fn create_run_is_idempotent_by_dedupe_key(db: &TestDb) {
         spec: json!({"steps": 1}),
         options: Default::default(),
         notify: Vec::new(),
+        submitted_by: None,
     };
     let (r1, created) = store.create_run(new("org/model@abc")).await.expect("create");
     assert!(created);
@@ -417,10 +418,10 @@ async fn create_run_is_idempotent_by_dedupe_key(db: &TestDb) {
     assert_eq!(store.create_run(new("org/model@abc")).await.expect("create"), (r1, false), "succeeded");
 
     // Cancelled: a new run may take the key; the old one then cannot be retried.
-    assert!(store.cancel_run(other).await.expect("cancel"));
+    assert!(store.cancel_run(other, "user:test").await.expect("cancel"));
     let (fresh, created) = store.create_run(new("org/model@def")).await.expect("create");
     assert!(created && fresh != other);
-    let err = store.retry_run(other, None).await.expect_err("key taken");
+    let err = store.retry_run(other, None, "user:test").await.expect_err("key taken");
     match err {
         StoreError::DedupeConflict { run, holder, key } => {
             assert_eq!((run, holder, key.as_str()), (other, fresh, "org/model@def"));
@@ -429,8 +430,8 @@ async fn create_run_is_idempotent_by_dedupe_key(db: &TestDb) {
     }
     assert_eq!(run_state(&store, other).await, RunState::Cancelled, "unchanged");
     // Once the new holder is cancelled too, the old run can be retried.
-    assert!(store.cancel_run(fresh).await.expect("cancel"));
-    store.retry_run(other, None).await.expect("retry");
+    assert!(store.cancel_run(fresh, "user:test").await.expect("cancel"));
+    store.retry_run(other, None, "user:test").await.expect("retry");
     assert_eq!(run_state(&store, other).await, RunState::Queued, "a run without tasks goes back to queued");
     let r = store.get_run(other).await.expect("get").expect("run");
     assert_eq!(r.params, json!({"repo": "org/model", "sha": "abc"}));
@@ -641,7 +642,7 @@ async fn reads_list_and_count(db: &TestDb) {
     store.add_tasks(runs[4], vec![task("a", &[]), task("b", &["a"])]).await.expect("add_tasks");
     store.set_run_plan(runs[4], json!({"ranks": 8})).await.expect("plan");
     assert!(matches!(store.set_run_plan(RunId(55_555), json!(1)).await, Err(StoreError::RunNotFound(_))));
-    store.cancel_run(runs[0]).await.expect("cancel");
+    store.cancel_run(runs[0], "user:test").await.expect("cancel");
 
     let page = store.list_runs(&RunFilter::default(), Page { limit: 2, before: None }).await.expect("list");
     assert_eq!(page.runs.iter().map(|r| r.id).collect::<Vec<_>>(), vec![runs[4], runs[3]]);

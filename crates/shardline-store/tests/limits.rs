@@ -38,6 +38,7 @@ async fn run_with(store: &Store, pipeline: i64, options: RunOptions, names: &[&s
             spec: json!({}),
             options,
             notify: Vec::new(),
+            submitted_by: None,
         })
         .await
         .expect("create_run");
@@ -152,6 +153,7 @@ async fn skip_creates_no_run_and_cancel_previous_cancels(db: &TestDb) {
         spec: json!({}),
         options,
         notify: Vec::new(),
+        submitted_by: None,
     };
     // skip: one live run is the limit; a second submission creates nothing and says why.
     let skip = limited("nightly", 1, Overflow::Skip);
@@ -254,7 +256,7 @@ async fn a_retried_limited_run_waits_for_room(db: &TestDb) {
     assert_eq!(state(&store, first).await, RunState::Failed);
     let second = run_with(&store, p, opts, &["b"]).await;
     let b = claim_named(&store, w, "b").await;
-    store.retry_run(first, None).await.expect("retry_run");
+    store.retry_run(first, None, "user:test").await.expect("retry_run");
     assert_eq!(state(&store, first).await, RunState::Queued, "a retried limited run queues again");
     assert!(store.claim(w, &big(), TTL).await.expect("claim").is_none());
     succeed(&store, &b).await;

@@ -69,7 +69,7 @@ async fn finishing_enqueues_once_per_target_and_event(db: &TestDb) {
     let n = store.run_notifications(run).await.expect("list");
     let urls: Vec<(&str, NotifyEvent)> = n.iter().map(|n| (n.url.as_str(), n.event)).collect();
     assert_eq!(urls, [("http://h/a", NotifyEvent::Failed), ("http://h/f", NotifyEvent::Failed)]);
-    store.retry_run(run, None).await.expect("retry");
+    store.retry_run(run, None, "user:test").await.expect("retry");
     let x = claim_named(&store, w, "x").await;
     store.complete(&x, Outcome::Failed { error: "boom".into(), retryable: false }).await.expect("fail");
     assert_eq!(store.run_notifications(run).await.expect("list").len(), 2);
@@ -78,11 +78,11 @@ async fn finishing_enqueues_once_per_target_and_event(db: &TestDb) {
 async fn cancel_is_sent_only_when_asked(db: &TestDb) {
     let store = db.store().await;
     let quiet = run_with(&store, vec![target("http://h/q", DEFAULT_EVENTS)], &["a"]).await;
-    assert!(store.cancel_run(quiet).await.expect("cancel"));
+    assert!(store.cancel_run(quiet, "user:test").await.expect("cancel"));
     assert!(store.run_notifications(quiet).await.expect("list").is_empty());
     let asked = run_with(&store, vec![target("http://h/c", &[NotifyEvent::Cancelled])], &["a"]).await;
-    assert!(store.cancel_run(asked).await.expect("cancel"));
-    assert!(!store.cancel_run(asked).await.expect("cancel again"));
+    assert!(store.cancel_run(asked, "user:test").await.expect("cancel"));
+    assert!(!store.cancel_run(asked, "user:test").await.expect("cancel again"));
     let n = store.run_notifications(asked).await.expect("list");
     assert_eq!(n.len(), 1);
     assert_eq!(n[0].event, NotifyEvent::Cancelled);
@@ -106,7 +106,7 @@ async fn server_defaults_apply_and_share_urls_with_specs(db: &TestDb) {
         .await
         .expect("defaults");
     let run = run_with(&store, vec![target("http://h/shared", &[NotifyEvent::Cancelled])], &["a"]).await;
-    store.cancel_run(run).await.expect("cancel");
+    store.cancel_run(run, "user:test").await.expect("cancel");
     let n = store.run_notifications(run).await.expect("list");
     let got: Vec<(&str, NotifyFormat)> = n.iter().map(|n| (n.url.as_str(), n.format)).collect();
     // One per URL: the spec's and the server's `http://h/shared` are one notification.
@@ -121,7 +121,7 @@ async fn claims_lease_and_fence_deliveries(db: &TestDb) {
         &["a"],
     )
     .await;
-    store.cancel_run(run).await.expect("cancel");
+    store.cancel_run(run, "user:test").await.expect("cancel");
     let other = db.store().await;
     // Two claimers at once: every row goes to exactly one of them.
     let (a, b) = tokio::join!(
@@ -178,7 +178,7 @@ async fn claims_lease_and_fence_deliveries(db: &TestDb) {
 
     // An expired lease is claimed again (its server died mid-request).
     let run = run_with(&store, vec![target("http://h/3", &[NotifyEvent::Cancelled])], &["a"]).await;
-    store.cancel_run(run).await.expect("cancel");
+    store.cancel_run(run, "user:test").await.expect("cancel");
     let short = store.claim_notifications(10, Duration::from_millis(50)).await.expect("claim");
     assert_eq!(short.len(), 1);
     tokio::time::sleep(Duration::from_millis(150)).await;

@@ -120,7 +120,7 @@ async fn the_lost_budget_runs_out_and_retry_renews_both(db: &TestDb) {
     assert_eq!(r.error.as_deref(), Some("task `x` failed: worker lost 3 times: lease expired (last owner gpu-7)"));
     assert_eq!(kinds(&store, t.id).await, vec![ERROR, LOST, LOST, LOST]);
 
-    store.retry_run(run, None).await.expect("retry_run");
+    store.retry_run(run, None, "user:test").await.expect("retry_run");
     let t = task_row(&store, run, "x").await;
     assert_eq!((t.state, t.attempt_base, t.lost, t.attempts_used()), (TaskState::Ready, 4, 0, 0));
     // Two more losses and two more errors fit the renewed budgets (3 each).

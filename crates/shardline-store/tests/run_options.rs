@@ -21,6 +21,7 @@ async fn options_round_trip_apart_from_params(db: &TestDb) {
             spec: json!({}),
             options: options.clone(),
             notify: Vec::new(),
+            submitted_by: None,
         })
         .await
         .expect("create_run");

@@ -569,6 +569,7 @@ impl Poller {
                 no_cache: false,
                 policy: self.opts.policy.as_deref(),
                 priority: None,
+                submitted_by: Some(shardline_control::actor::trigger(&p.name, row.position)),
             },
         )
         .await;

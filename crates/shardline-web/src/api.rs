@@ -44,6 +44,11 @@ async fn read_access(state: &AppState, headers: &HeaderMap) -> ApiResult<()> {
     authorize(&state.store, state.auth, headers, Scope::Read).await.map(|_| ())
 }
 
+/// Who a mutation is recorded as: the token that authorized it (mutations always need one).
+fn actor_of(token: Option<crate::auth::TokenInfo>) -> String {
+    token.map_or_else(|| "anonymous".to_string(), |t| shardline_control::actor::token(&t.name))
+}
+
 async fn find_run(state: &AppState, id: i64) -> ApiResult<shardline_store::RunRow> {
     state
         .store
@@ -207,7 +212,8 @@ pub async fn run_tasks(
 }
 
 /// Everything a run's page shows, from one read of its tasks: the run, its step graph and its
-/// tasks in summary form (as `GET /runs/{id}/graph` and `GET /runs/{id}/tasks?summary=true`).
+/// tasks in summary form (as `GET /runs/{id}/graph` and `GET /runs/{id}/tasks?summary=true`),
+/// where its result went, a timeline of its steps and tasks, and every attempt.
 #[utoipa::path(get, path = "/api/v1/runs/{id}/view", tag = "runs", params(("id" = i64, Path, description = "Run id")),
     responses((status = 200, body = RunViewDto), (status = 404, body = ErrorBody)))]
 pub async fn run_view(
@@ -219,10 +225,16 @@ pub async fn run_view(
     let run = find_run(&state, id).await?;
     let tasks = state.store.run_tasks(RunId(id)).await?;
     let deps = state.store.run_deps(RunId(id)).await?;
+    let attempts = state.store.run_attempts(RunId(id)).await?;
     let steps = graph_steps(&run, &tasks, &deps);
+    let result = crate::outcome::result_of(&tasks);
+    let spans = crate::outcome::timeline(&tasks, &attempts);
+    let (start, end) = crate::outcome::bounds(&spans, chrono::Utc::now()).unzip();
+    let timeline = TimelineDto { start, end, steps: spans };
     let tasks = annotate(&state, &tasks, &deps, false).await?;
     let notifications = state.store.run_notifications(RunId(id)).await?.iter().map(NotificationDto::from).collect();
-    Ok(Json(RunViewDto { run: RunDto::from(&run), steps, tasks, notifications }))
+    let attempts = attempts.iter().map(AttemptDto::from).collect();
+    Ok(Json(RunViewDto { run: RunDto::from(&run), steps, tasks, notifications, result, timeline, attempts }))
 }
 
 fn graph_steps(
@@ -379,7 +391,7 @@ pub async fn submit_run(
     headers: HeaderMap,
     Json(req): Json<SubmitRequest>,
 ) -> ApiResult<(StatusCode, Json<SubmittedDto>)> {
-    authorize(&state.store, state.auth, &headers, Scope::Submit).await?;
+    let actor = actor_of(authorize(&state.store, state.auth, &headers, Scope::Submit).await?);
     let file = req.file.clone().unwrap_or_else(|| "pipeline.yaml".into());
     let (valid, diagnostics) = diagnostics_of(&file, &req.spec, &state);
     if !valid {
@@ -423,6 +435,7 @@ pub async fn submit_run(
             no_cache: req.no_cache,
             policy: state.policy.as_deref(),
             priority: req.priority,
+            submitted_by: Some(actor),
         },
     )
     .await
@@ -457,8 +470,8 @@ pub async fn cancel_run(
     headers: HeaderMap,
     Path(id): Path<i64>,
 ) -> ApiResult<Json<ActionDto>> {
-    authorize(&state.store, state.auth, &headers, Scope::Admin).await?;
-    if !state.store.cancel_run(RunId(id)).await? {
+    let actor = actor_of(authorize(&state.store, state.auth, &headers, Scope::Admin).await?);
+    if !state.store.cancel_run(RunId(id), &actor).await? {
         let run = find_run(&state, id).await?;
         return Err(ApiError::new(
             StatusCode::CONFLICT,
@@ -482,7 +495,7 @@ pub async fn retry_run(
     Path(id): Path<i64>,
     body: axum::body::Bytes,
 ) -> ApiResult<Json<ActionDto>> {
-    authorize(&state.store, state.auth, &headers, Scope::Admin).await?;
+    let actor = actor_of(authorize(&state.store, state.auth, &headers, Scope::Admin).await?);
     let req: RetryRequest = if body.iter().all(u8::is_ascii_whitespace) {
         RetryRequest::default()
     } else {
@@ -490,7 +503,7 @@ pub async fn retry_run(
             ApiError::bad_request(format!("The request body must be `{{\"from_step\": \"…\"}}` or empty: {e}."))
         })?
     };
-    state.store.retry_run(RunId(id), req.from_step.as_deref()).await?;
+    state.store.retry_run(RunId(id), req.from_step.as_deref(), &actor).await?;
     let run = find_run(&state, id).await?;
     Ok(Json(ActionDto { run: id, state: run.state.as_str().into() }))
 }

@@ -134,6 +134,21 @@ pub struct RunDto {
     pub revision: Option<String>,
     /// From start to finish (to now while running), in milliseconds; absent before the start.
     pub duration_ms: Option<i64>,
+    /// Who submitted it: `token:<name>` (the API), `user:<login>@<host>` (the CLI),
+    /// `trigger:<pipeline>#<n>`; absent for runs from before this was recorded.
+    pub submitted_by: Option<String>,
+    /// Who cancelled or retried it and when, oldest first.
+    pub actions: Vec<RunActionDto>,
+}
+
+/// A cancel or retry of a run.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct RunActionDto {
+    /// `cancel` or `retry`.
+    pub action: String,
+    /// Who did it, spelled as `submitted_by` is.
+    pub actor: String,
+    pub at: DateTime<Utc>,
 }
 
 impl From<&RunRow> for RunDto {
@@ -157,6 +172,12 @@ impl From<&RunRow> for RunDto {
             model,
             revision,
             duration_ms: crate::view::duration_ms(r, Utc::now()),
+            submitted_by: r.submitted_by.as_deref().map(redact_line),
+            actions: r
+                .actions
+                .iter()
+                .map(|a| RunActionDto { action: a.action.as_str().into(), actor: redact_line(&a.actor), at: a.at })
+                .collect(),
         }
     }
 }
@@ -403,6 +424,64 @@ pub struct RunViewDto {
     pub tasks: Vec<TaskDto>,
     /// The webhooks told about the run's end (as in `GET /runs/{id}`).
     pub notifications: Vec<NotificationDto>,
+    /// Where the result went; absent until something is published or written.
+    pub result: Option<ResultDto>,
+    /// Each step's and task's span, from their attempts.
+    pub timeline: TimelineDto,
+    /// Every attempt of every task, by task and then oldest first.
+    pub attempts: Vec<AttemptDto>,
+}
+
+/// Where a run's result went.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ResultDto {
+    /// The step that published (an upload) or wrote it (a checkpoint, without an upload).
+    pub step: String,
+    /// The destination URL or path (an upload's `to:`), or the checkpoint's directory.
+    pub dest: Option<String>,
+    /// The published manifest (uploads).
+    pub manifest: Option<String>,
+    /// The checkpoint's mesh, e.g. `tp2·cp1·dp4·ep1·etp2`.
+    pub mesh: Option<String>,
+    /// Bytes published (listed in the manifest), or of the checkpoint.
+    pub bytes: Option<u64>,
+    /// Files published.
+    pub files: Option<u64>,
+    /// Whether it was uploaded (false: the checkpoint in the run's work directory).
+    pub published: bool,
+}
+
+/// A run's course: its steps and tasks as spans of time.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TimelineDto {
+    /// The first attempt's start; absent before any.
+    pub start: Option<DateTime<Utc>>,
+    /// The last attempt's end, or now while one runs.
+    pub end: Option<DateTime<Utc>>,
+    pub steps: Vec<TimelineStepDto>,
+}
+
+/// A step's span and its tasks'.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TimelineStepDto {
+    pub step: String,
+    pub start: Option<DateTime<Utc>>,
+    /// Absent while one of its tasks runs (or before any started).
+    pub end: Option<DateTime<Utc>>,
+    pub tasks: Vec<TimelineTaskDto>,
+}
+
+/// A task's span: from its first attempt's start to its last attempt's end.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TimelineTaskDto {
+    pub task: i64,
+    pub name: String,
+    pub state: String,
+    pub attempts: u32,
+    /// Absent for a task never leased.
+    pub start: Option<DateTime<Utc>>,
+    /// Absent while an attempt runs.
+    pub end: Option<DateTime<Utc>>,
 }
 
 /// A run's step graph.

@@ -34,6 +34,7 @@ pub mod auth;
 pub mod dto;
 pub mod error;
 pub mod metrics;
+pub mod outcome;
 pub mod redact;
 pub mod ui;
 pub mod view;

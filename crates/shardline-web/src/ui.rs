@@ -43,6 +43,7 @@ pub static ASSETS: &[Asset] = assets! {
     "js/format.js" => JS,
     "js/views/runs.js" => JS,
     "js/views/run.js" => JS,
+    "js/views/run-outcome.js" => JS,
     "js/views/task.js" => JS,
     "js/views/workers.js" => JS,
     "js/views/pipelines.js" => JS,

@@ -28,6 +28,7 @@ async fn seed(store: &Store) -> (RunId, Vec<TaskId>, WorkerId) {
             spec: json!({"name": "convert", "params": {"hf_token": "hf_SECRETSECRETSECRETSECRETSECRET00"}}),
             options: Default::default(),
             notify: Vec::new(),
+            submitted_by: None,
         })
         .await
         .expect("create_run");
@@ -264,6 +265,25 @@ async fn mutations(kind: Kind) {
     let (s, v) = app.call(Method::POST, &retry, Some(&admin), None).await;
     assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("conflict")), "{v}");
 
+    // Audit: the submitting token, then each cancel and retry with the token that did it, in
+    // the run's detail and in the listing; a refused action leaves no trace.
+    let (_, v) = app.get(&format!("/api/v1/runs/{run}")).await;
+    assert_eq!(v["run"]["submitted_by"], "token:test-submit", "{v}");
+    let actions: Vec<(&str, &str)> = v["run"]["actions"]
+        .as_array()
+        .expect("actions")
+        .iter()
+        .map(|a| (a["action"].as_str().unwrap_or(""), a["actor"].as_str().unwrap_or("")))
+        .collect();
+    assert_eq!(actions, [("cancel", "token:test-admin"), ("retry", "token:test-admin")], "{v}");
+    assert!(v["run"]["actions"][0]["at"].is_string(), "{v}");
+    let (_, page) = app.get("/api/v1/runs").await;
+    let listed = page["runs"].as_array().expect("runs").iter().find(|r| r["id"] == run).cloned().expect("listed");
+    assert_eq!(
+        (listed["submitted_by"].clone(), listed["actions"].clone()),
+        (v["run"]["submitted_by"].clone(), v["run"]["actions"].clone())
+    );
+
     // Read scope cannot submit.
     let (s, _) = app.call(Method::POST, "/api/v1/runs", Some(&read), Some(json!({"spec": spec("")}))).await;
     assert_eq!(s, StatusCode::FORBIDDEN);
@@ -426,7 +446,7 @@ async fn events(kind: Kind) {
     assert_eq!(resp.headers()[header::CONTENT_TYPE], "text/event-stream");
     let mut body = resp.into_body();
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert!(app.store.cancel_run(run).await.expect("cancel"));
+    assert!(app.store.cancel_run(run, "user:test").await.expect("cancel"));
     let text = read_until(&mut body, "\"kind\":\"run\"", Duration::from_secs(10)).await;
     let run_event =
         text.split("\n\n").find(|e| e.contains("event: run")).unwrap_or_else(|| panic!("no run event in {text}"));

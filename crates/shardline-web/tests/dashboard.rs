@@ -53,6 +53,7 @@ async fn seed(store: &Store) -> (RunId, WorkerId) {
             spec,
             options: Default::default(),
             notify: Vec::new(),
+            submitted_by: None,
         })
         .await
         .expect("create_run");
@@ -434,6 +435,7 @@ async fn errors_are_redacted() {
             spec: json!({}),
             options: Default::default(),
             notify: Vec::new(),
+            submitted_by: None,
         })
         .await
         .expect("create_run");

@@ -1,6 +1,8 @@
-// A run: header and actions, the step graph with each step's state and fan-out, the task table
+// A run: header and actions, who submitted, cancelled and retried it, where its result went,
+// the step graph with each step's state and fan-out, the task table
 // with progress bars (bytes/s, ETA) and why each task waits, a task's attempts and logs, and
-// the webhooks told about the run's end (targets redacted by the server).
+// the webhooks told about the run's end (targets redacted by the server), a timeline of steps
+// and tasks, and every attempt with its kind.
 
 import { get, api } from '../api.js';
 import { h, s, replace, link, badge, errorBox } from '../dom.js';
@@ -8,6 +10,7 @@ import { bytes, rate, eta, duration, ago, time } from '../format.js';
 import { subscribe } from '../live.js';
 import { navigate } from '../app.js';
 import { taskPanel } from './task.js';
+import { auditItems, renderResult, renderTimeline, renderAttempts } from './run-outcome.js';
 
 const TERMINAL = new Set(['succeeded', 'failed', 'cancelled']);
 
@@ -37,9 +40,19 @@ export function render(view, [idText], params) {
     h('table', { class: 'grid' },
       h('thead', {}, h('tr', {}, ['Target', 'Event', 'Format', 'State', 'Attempts', 'Last answer', 'Last attempt'].map((c) => h('th', {}, c)))),
       notifyBody));
-  replace(view, header, message, meta, notifySection, h('h2', {}, 'Steps'), dag,
+  const resultBody = h('div');
+  const resultSection = h('section', { 'data-testid': 'result', hidden: true }, h('h2', {}, 'Result'), resultBody);
+  const timelineBody = h('div', { class: 'timeline' });
+  const timelineSection = h('section', { 'data-testid': 'timeline', hidden: true }, h('h2', {}, 'Timeline'), timelineBody);
+  const attemptsBody = h('tbody');
+  const attemptsSection = h('section', { 'data-testid': 'run-attempts', hidden: true },
+    h('h2', {}, 'Attempts'),
+    h('table', { class: 'grid' },
+      h('thead', {}, h('tr', {}, ['Task', '#', 'Worker', 'Started', 'Ended', 'Outcome', 'Kind', 'Error'].map((c) => h('th', {}, c)))),
+      attemptsBody));
+  replace(view, header, message, meta, resultSection, notifySection, h('h2', {}, 'Steps'), dag,
     h('div', { class: 'titlebar' }, h('h2', {}, 'Tasks'), h('div', { class: 'filters' }, filterText, filterState)),
-    table, panel);
+    table, panel, timelineSection, attemptsSection);
 
   let stopped = false;
   let run = null;
@@ -83,6 +96,7 @@ export function render(view, [idText], params) {
       item('Tasks', `${run.tasks.succeeded}/${run.tasks.total} succeeded` + (run.tasks.failed ? `, ${run.tasks.failed} failed` : '')),
       item('Created', time(run.created_at)), item('Duration', duration(run.duration_ms)),
       item('Dedupe key', run.dedupe_key),
+      auditItems(run),
       run.error ? [h('dt', {}, 'Error'), h('dd', { class: 'bad', 'data-testid': 'run-error' }, run.error)] : []);
   }
 
@@ -227,6 +241,9 @@ export function render(view, [idText], params) {
       renderNotifications(v.notifications || []);
       renderDag(v.steps);
       renderTasks();
+      renderResult(resultSection, resultBody, v.result);
+      renderTimeline(timelineSection, timelineBody, v.timeline || { steps: [] });
+      renderAttempts(attemptsSection, attemptsBody, v.attempts || [], new Map(tasks.map((t) => [t.id, t.name])));
       if (firstRender) {
         firstRender = false;
         // Measured after the frame that shows the table has been laid out.

@@ -130,6 +130,7 @@ impl Harness {
                 no_cache,
                 policy: None,
                 priority: None,
+                submitted_by: Some("user:test".into()),
             },
         )
         .await

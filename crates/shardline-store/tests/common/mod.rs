@@ -24,6 +24,7 @@ pub fn new_run(pipeline_id: i64, params: serde_json::Value) -> NewRun {
         spec: json!({}),
         options: RunOptions::default(),
         notify: Vec::new(),
+        submitted_by: None,
     }
 }
 
