@@ -65,9 +65,10 @@ pub struct TaskOutput {
     /// An upload: where it published (the step's `to:`, resolved).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dest: Option<String>,
-    /// An upload: where its manifest is (under `dest`, written last).
+    /// An upload: where its manifest is (under `dest`, written last). Not `manifest`: an
+    /// object-store download records whether its prefix had one under that name.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub manifest: Option<String>,
+    pub manifest_url: Option<String>,
     /// An upload: bytes the manifest lists (copied now or already there), where `bytes` counts
     /// only those copied.
     #[serde(skip_serializing_if = "Option::is_none")]

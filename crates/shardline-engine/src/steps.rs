@@ -430,7 +430,7 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
                 files: Some(manifest.files.len() as u64),
                 bytes: Some(report.bytes_copied),
                 dest: Some(dest.to_string()),
-                manifest: Some(format!("{}/{}", dest.trim_end_matches('/'), shardline_publish::MANIFEST)),
+                manifest_url: Some(format!("{}/{}", dest.trim_end_matches('/'), shardline_publish::MANIFEST)),
                 published_bytes: Some(manifest.files.iter().map(|f| f.size).sum()),
                 ..TaskOutput::default()
             }

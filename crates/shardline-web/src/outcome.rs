@@ -30,7 +30,7 @@ pub fn result_of(tasks: &[TaskRow]) -> Option<ResultDto> {
         return Some(ResultDto {
             step: task.step_id.clone(),
             dest: out.dest.as_deref().map(redact_line),
-            manifest: out.manifest.as_deref().map(redact_line),
+            manifest: out.manifest_url.as_deref().map(redact_line),
             mesh: checkpoint.and_then(|c| c.mesh.clone()),
             bytes: out.published_bytes.or(checkpoint.and_then(|c| c.bytes)).or(out.bytes),
             files: out.files,
@@ -163,7 +163,7 @@ mod tests {
             TaskState::Succeeded,
             json!({"role": "upload", "checkpoint_task": "convert.commit", "to": "file:///out", "step_hash": "x"}),
             Some(
-                json!({"dest": "file:///out", "manifest": "file:///out/shardline-manifest.json", "published_bytes": 120, "files": 3}),
+                json!({"dest": "file:///out", "manifest_url": "file:///out/shardline-manifest.json", "published_bytes": 120, "files": 3}),
             ),
         );
         let r = result_of(&[commit.clone(), upload]).expect("result");
