@@ -50,9 +50,10 @@ function cleanEnv() {
  * A Hub imitation serving the files of `dir` as repository `repo` at one commit, over the Hub's
  * HTTP API (revision, recursive tree, resolve with `Range`), its bodies throttled to
  * `bytesPerSecond` over all connections: a download that lasts long enough to be watched
- * whatever the speed of the machine. Files are plain git blobs (ETag = git blob sha1).
+ * whatever the speed of the machine. Files are plain git blobs (ETag = git blob sha1). With
+ * `failFiles`, every file download answers 500: a download that fails (and is retried).
  */
-async function slowHub(repo, dir, bytesPerSecond) {
+async function slowHub(repo, dir, bytesPerSecond, { failFiles = false } = {}) {
   const sha = createHash('sha1').update(`${repo}@${dir}`).digest('hex');
   const files = new Map(readdirSync(dir).sort().map((name) => {
     const data = readFileSync(join(dir, name));
@@ -68,6 +69,10 @@ async function slowHub(repo, dir, bytesPerSecond) {
     }
     if (url.pathname === `/api/models/${repo}/tree/${sha}` || url.pathname === `/api/models/${repo}/tree/main`) {
       return json([...files].map(([path, f]) => ({ type: 'file', oid: f.oid, size: f.data.length, path })));
+    }
+    if (failFiles) {
+      res.writeHead(500, { 'content-type': 'application/json' });
+      return res.end(JSON.stringify({ error: 'Internal error' }));
     }
     const prefix = `/${repo}/resolve/${sha}/`;
     const f = url.pathname.startsWith(prefix) && files.get(decodeURIComponent(url.pathname.slice(prefix.length)));
@@ -287,6 +292,26 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   await page.screenshot({ path: SCREENSHOT, fullPage: true });
   assert.ok(readFileSync(SCREENSHOT).length > 10000, 'the screenshot is empty');
 
+  // Who submitted it (the token's name), where the result went, a bar per task, every attempt.
+  assert.equal(await page.textContent('[data-testid=submitted-by]'), 'token:browser-submit');
+  const view = await (await fetch(`${base}/api/v1/runs/${runId}/view`)).json();
+  const dest = await page.textContent('[data-testid=result-dest]');
+  assert.ok(dest.startsWith(`file://${tmp}/out/browser-demo-`), `result destination ${dest}`);
+  assert.equal(await page.$eval('[data-testid=result-dest]', (e) => e.tagName), 'SPAN', 'a file URL is text, not a link');
+  assert.equal(await page.textContent('[data-testid=result-manifest]'), `${dest}/shardline-manifest.json`);
+  const manifest = JSON.parse(readFileSync(join(new URL(dest).pathname, 'shardline-manifest.json'), 'utf8'));
+  const published = manifest.files.reduce((n, f) => n + f.size, 0);
+  assert.equal(await page.getAttribute('[data-testid=result-bytes]', 'data-bytes'), String(published));
+  assert.match(await page.textContent('[data-testid=result-bytes]'), new RegExp(`\\(${published} bytes\\) in ${manifest.files.length} files`));
+  assert.equal(await page.textContent('[data-testid=result-mesh]'), view.result.mesh);
+  assert.match(view.result.mesh, /^tp2.*dp4/);
+  assert.equal(await page.locator('[data-testid=timeline-task]').count(), 14, 'one bar per task');
+  assert.deepEqual(await page.$$eval('[data-testid=timeline-step]', (rs) => rs.map((r) => r.dataset.step)), steps);
+  const widths = await page.$$eval('[data-testid=timeline-task] .tl-bar', (bs) => bs.map((b) => b.getBoundingClientRect().width));
+  assert.ok(widths.every((w) => w > 0), `bars without width: ${widths}`);
+  assert.ok((await page.textContent('[data-testid=run-attempts] thead')).includes('Kind'));
+  assert.equal(await page.locator('[data-testid=run-attempt]').count(), 14);
+
   // A task's logs, from the store: its own lines, searchable.
   await page.click('[data-task][data-name="shard/rank-0"] a.task-link');
   await page.waitForSelector('[data-testid=task-panel]:not([hidden])');
@@ -329,6 +354,11 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   await page.click('[data-testid=cancel-run]');
   await page.waitForSelector('.titlebar[data-state="cancelled"]');
   assert.equal(await page.locator('[data-testid=retry-run]').count(), 1);
+  // Each cancel and retry names the admin token that did it, in order.
+  await page.waitForFunction(() => document.querySelectorAll('[data-testid=run-action]').length === 3);
+  assert.deepEqual(await page.$$eval('[data-testid=run-action]', (ds) => ds.map((d) => `${d.dataset.action} ${d.querySelector('.actor').textContent}`)),
+    ['cancel token:browser-admin', 'retry token:browser-admin', 'cancel token:browser-admin']);
+  assert.equal(await page.textContent('[data-testid=submitted-by]'), 'token:browser-submit');
 
   // The runs page lists both with model and state, and filters by state.
   await page.click('nav a[data-nav="runs"]');
@@ -365,6 +395,91 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   assert.equal(await page.locator('details[data-pipeline="browser-demo"] script').count(), 0);
   assert.equal(await page.evaluate(() => window.__xss), undefined);
 
+  await context.close();
+  assert.deepEqual(problems, [], `console errors or failed requests:\n${problems.join('\n')}`);
+});
+
+test('a failing step shows its error attempts, its webhook delivery, and a registered pipeline starts from its params form', { timeout: 180000 }, async () => {
+  // A webhook receiver that accepts every notification.
+  const hooks = [];
+  const receiver = createServer((req, res) => {
+    let body = '';
+    req.on('data', (c) => { body += c; });
+    req.on('end', () => { hooks.push({ url: req.url, body }); res.writeHead(200); res.end('ok'); });
+  });
+  await new Promise((r) => receiver.listen(0, '127.0.0.1', r));
+  servers.push(receiver);
+  const hook = `http://127.0.0.1:${receiver.address().port}/hook`;
+  // A download from a Hub whose files all fail, tried twice (each attempt fails on the error
+  // budget); params of each type for the form.
+  const hub = await slowHub('browser/slow-a', FIXTURE, 256 << 10, { failFiles: true });
+  const spec = [
+    'apiVersion: shardline/v1', 'kind: Pipeline', 'name: browser-failing',
+    'params:', '  repo: {type: string, default: browser/slow-a}', `  scratch: {type: path, default: ${tmp}/scratch-a}`,
+    '  flavor: {type: string, default: plain, enum: [plain, fancy]}', '  copies: {type: int, default: 1}',
+    `notify: [{url: "${hook}"}]`, 'steps:',
+    '  - id: download', '    uses: hf.download', `    with: {repo: "\${{ params.repo }}", endpoint: "${hub.endpoint}"}`,
+    '    retry: {attempts: 2, backoff: 1s}', '',
+  ].join('\n');
+  const submitted = await fetch(`${base}/api/v1/runs`, {
+    method: 'POST', headers: { Authorization: `Bearer ${submitToken}`, 'Content-Type': 'application/json' },
+    body: JSON.stringify({ spec, file: 'failing.yaml' }),
+  });
+  const answer = await submitted.text();
+  assert.equal(submitted.status, 201, answer);
+  const { run: id } = JSON.parse(answer);
+
+  const { context, page, problems } = await newPage();
+  await page.goto(`${base}/`);
+  await setToken(page, submitToken);
+  await page.goto(`${base}/runs/${id}`);
+  await page.waitForSelector('.titlebar[data-state="failed"]', { timeout: 90000 });
+  // Both attempts failed on the error budget, shown with their kind.
+  await page.waitForFunction(() => document.querySelectorAll('[data-testid=run-attempt][data-kind="error"]').length === 2);
+  assert.deepEqual(await page.$$eval('[data-testid=run-attempt] [data-testid=attempt-kind]', (ds) => ds.map((d) => d.textContent)), ['error', 'error']);
+  assert.ok((await page.textContent('[data-testid=run-attempts] thead')).includes('Kind'));
+  assert.equal(await page.locator('[data-testid=timeline-task]').count(), 1);
+  assert.equal(await page.locator('[data-testid=result]:not([hidden])').count(), 0, 'a failed run has no result');
+  // The webhook was told, and the page shows the delivery.
+  await page.waitForSelector('[data-testid=notifications] tr[data-state="delivered"]', { timeout: 60000 });
+  const row = await page.textContent('[data-testid=notifications] tr[data-state="delivered"]');
+  assert.ok(row.includes(`127.0.0.1:${receiver.address().port}/hook`) && row.includes('failed') && row.includes('HTTP 200'), row);
+  assert.ok(hooks.some((h) => h.url === '/hook' && h.body.includes(String(id))), JSON.stringify(hooks));
+
+
+  // The params form: the registered pipeline's params, typed and prefilled with their defaults;
+  // started with two of them changed. The worker is paused meanwhile and the run cancelled
+  // before it resumes: the run is only looked at, never worked on.
+  await page.click('nav a[data-nav="submit"]');
+  await page.waitForSelector('[data-testid=pipeline-select] option[value="browser-failing"]', { state: 'attached' });
+  await page.selectOption('[data-testid=pipeline-select]', 'browser-failing');
+  await page.waitForSelector('[data-testid=param-scratch]');
+  assert.equal(await page.inputValue('[data-testid=param-scratch]'), `${tmp}/scratch-a`);
+  assert.equal(await page.inputValue('[data-testid=param-repo]'), 'browser/slow-a');
+  assert.equal(await page.$eval('[data-testid=param-flavor]', (e) => e.tagName), 'SELECT');
+  assert.equal(await page.inputValue('[data-testid=param-flavor]'), 'plain');
+  assert.equal(await page.getAttribute('[data-testid=param-copies]', 'type'), 'number');
+  await page.fill('[data-testid=param-scratch]', `${tmp}/scratch-b`);
+  await page.selectOption('[data-testid=param-flavor]', 'fancy');
+  const worker = procs.find((p) => p.name === 'worker').child;
+  worker.kill('SIGSTOP');
+  try {
+    await page.click('[data-testid=start-pipeline]');
+    await page.waitForURL((u) => /\/runs\/\d+$/.test(u.pathname) && Number(u.pathname.split('/').pop()) !== id);
+    const run = Number(new URL(page.url()).pathname.split('/').pop());
+    const cancelled = await fetch(`${base}/api/v1/runs/${run}/cancel`, { method: 'POST', headers: { Authorization: `Bearer ${adminToken}` } });
+    assert.equal(cancelled.status, 200);
+  } finally {
+    worker.kill('SIGCONT');
+  }
+  await page.waitForURL((u) => /\/runs\/\d+$/.test(u.pathname) && Number(u.pathname.split('/').pop()) !== id);
+  const started = Number(new URL(page.url()).pathname.split('/').pop());
+  const detail = await (await fetch(`${base}/api/v1/runs/${started}`)).json();
+  assert.equal(detail.run.pipeline, 'browser-failing');
+  assert.deepEqual(detail.run.params, { repo: 'browser/slow-a', scratch: `${tmp}/scratch-b`, flavor: 'fancy', copies: 1 });
+  assert.equal(detail.run.submitted_by, 'token:browser-submit');
+  await page.waitForSelector('[data-testid=submitted-by]');
+  await page.waitForFunction(() => /token:browser-admin/.test(document.querySelector('[data-testid=run-action]')?.textContent || ''));
   await context.close();
   assert.deepEqual(problems, [], `console errors or failed requests:\n${problems.join('\n')}`);
 });

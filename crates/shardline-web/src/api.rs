@@ -88,13 +88,23 @@ pub async fn get_pipeline(
     let p = state.store.latest_pipeline(&name).await?.ok_or_else(|| {
         ApiError::not_found(format!("There is no pipeline named `{name}`; list them with GET /api/v1/pipelines."))
     })?;
+    let params = declared_params(&name, &p.spec_text, &state);
     Ok(Json(PipelineDetailDto {
         name,
         versions: p.versions,
         latest_id: p.id,
         latest_spec_hash: p.spec_hash,
+        params,
         spec_text: crate::redact::redact_text(&p.spec_text),
     }))
+}
+
+/// The params a stored spec declares; none when it does not lint any more (a model config
+/// that moved, say): the form then falls back to the text.
+fn declared_params(name: &str, text: &str, state: &AppState) -> Vec<ParamDto> {
+    let file = format!("{name}.yaml");
+    let (pipeline, _) = shardline_spec::lint(&file, text, &shardline_control::lint_context(&state.base_dir));
+    pipeline.map(|p| p.params.iter().map(ParamDto::from).collect()).unwrap_or_default()
 }
 
 /// Every pipeline's triggers with their last and next firing, by pipeline and position.
@@ -392,6 +402,14 @@ pub async fn submit_run(
     Json(req): Json<SubmitRequest>,
 ) -> ApiResult<(StatusCode, Json<SubmittedDto>)> {
     let actor = actor_of(authorize(&state.store, state.auth, &headers, Scope::Submit).await?);
+    let mut req = req;
+    if let Some(name) = req.pipeline.clone().filter(|_| req.spec.trim().is_empty()) {
+        let stored = state.store.latest_pipeline(&name).await?.ok_or_else(|| {
+            ApiError::not_found(format!("There is no pipeline named `{name}`; list them with GET /api/v1/pipelines."))
+        })?;
+        req.spec = stored.spec_text;
+        req.file = req.file.or(Some(format!("{name}.yaml")));
+    }
     let file = req.file.clone().unwrap_or_else(|| "pipeline.yaml".into());
     let (valid, diagnostics) = diagnostics_of(&file, &req.spec, &state);
     if !valid {

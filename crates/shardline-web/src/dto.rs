@@ -11,6 +11,8 @@ use utoipa::{IntoParams, ToSchema};
 
 use crate::redact::{redact, redact_line, redact_opt};
 
+pub use crate::dto_page::{ParamDto, ResultDto, TimelineDto, TimelineStepDto, TimelineTaskDto};
+
 /// A pipeline name with its stored spec versions.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct PipelineDto {
@@ -31,6 +33,8 @@ pub struct PipelineDetailDto {
     pub latest_spec_hash: String,
     /// The YAML text of the newest version.
     pub spec_text: String,
+    /// The params it declares, in spec order (empty when the stored text no longer lints).
+    pub params: Vec<ParamDto>,
 }
 
 /// A pipeline's trigger with its last and next firing.
@@ -432,58 +436,6 @@ pub struct RunViewDto {
     pub attempts: Vec<AttemptDto>,
 }
 
-/// Where a run's result went.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct ResultDto {
-    /// The step that published (an upload) or wrote it (a checkpoint, without an upload).
-    pub step: String,
-    /// The destination URL or path (an upload's `to:`), or the checkpoint's directory.
-    pub dest: Option<String>,
-    /// The published manifest (uploads).
-    pub manifest: Option<String>,
-    /// The checkpoint's mesh, e.g. `tp2·cp1·dp4·ep1·etp2`.
-    pub mesh: Option<String>,
-    /// Bytes published (listed in the manifest), or of the checkpoint.
-    pub bytes: Option<u64>,
-    /// Files published.
-    pub files: Option<u64>,
-    /// Whether it was uploaded (false: the checkpoint in the run's work directory).
-    pub published: bool,
-}
-
-/// A run's course: its steps and tasks as spans of time.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct TimelineDto {
-    /// The first attempt's start; absent before any.
-    pub start: Option<DateTime<Utc>>,
-    /// The last attempt's end, or now while one runs.
-    pub end: Option<DateTime<Utc>>,
-    pub steps: Vec<TimelineStepDto>,
-}
-
-/// A step's span and its tasks'.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct TimelineStepDto {
-    pub step: String,
-    pub start: Option<DateTime<Utc>>,
-    /// Absent while one of its tasks runs (or before any started).
-    pub end: Option<DateTime<Utc>>,
-    pub tasks: Vec<TimelineTaskDto>,
-}
-
-/// A task's span: from its first attempt's start to its last attempt's end.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct TimelineTaskDto {
-    pub task: i64,
-    pub name: String,
-    pub state: String,
-    pub attempts: u32,
-    /// Absent for a task never leased.
-    pub start: Option<DateTime<Utc>>,
-    /// Absent while an attempt runs.
-    pub end: Option<DateTime<Utc>>,
-}
-
 /// A run's step graph.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct GraphDto {
@@ -680,8 +632,12 @@ pub struct EventsQuery {
 /// A spec to submit.
 #[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
 pub struct SubmitRequest {
-    /// The pipeline spec, YAML text.
+    /// The pipeline spec, YAML text; empty (or absent) with `pipeline`.
+    #[serde(default)]
     pub spec: String,
+    /// Instead of `spec`: the newest stored spec of this pipeline, as submitted before (the
+    /// dashboard's params form; the text it shows has its secrets redacted, this one has not).
+    pub pipeline: Option<String>,
     /// File name shown in diagnostics (default `pipeline.yaml`).
     pub file: Option<String>,
     /// Parameter overrides, `name: value` (like `--set name=value`).

@@ -32,6 +32,7 @@ shardline_web::serve("127.0.0.1:8080".parse()?, state, rx).await?;
 pub mod api;
 pub mod auth;
 pub mod dto;
+pub mod dto_page;
 pub mod error;
 pub mod metrics;
 pub mod outcome;

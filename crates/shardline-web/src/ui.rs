@@ -48,6 +48,7 @@ pub static ASSETS: &[Asset] = assets! {
     "js/views/workers.js" => JS,
     "js/views/pipelines.js" => JS,
     "js/views/submit.js" => JS,
+    "js/views/params-form.js" => JS,
     "js/views/token.js" => JS,
 };
 

@@ -1,9 +1,11 @@
-// Submit a pipeline: paste or upload YAML; it is linted as you type and every problem is shown
-// at its line before anything is submitted.
+// Submit a pipeline: start a registered one from a form of its params, or paste or upload YAML;
+// YAML is linted as you type and every problem is shown at its line before anything is
+// submitted.
 
 import { api } from '../api.js';
 import { h, replace, link, errorBox } from '../dom.js';
 import { navigate } from '../app.js';
+import { paramsForm } from './params-form.js';
 
 const DRAFT = 'shardline.draft';
 
@@ -20,8 +22,13 @@ export function render(view) {
   const result = h('div');
   try { text.value = sessionStorage.getItem(DRAFT) || ''; } catch { /* private mode */ }
 
+  const registered = h('section', { class: 'panel', 'data-testid': 'params-form' });
+  const closeForm = paramsForm(registered);
+
   replace(view,
     h('h1', {}, 'Submit a pipeline'),
+    registered,
+    h('h2', {}, 'Or paste a spec'),
     h('div', { class: 'filters' }, h('label', {}, 'File ', file), h('label', {}, 'Name ', name)),
     h('div', { class: 'editor' }, gutter, text),
     h('div', { class: 'filters' }, h('label', {}, 'Params ', sets), h('label', {}, noCache, ' ignore the step cache'), submit),
@@ -130,5 +137,5 @@ export function render(view) {
 
   renderGutter();
   lint();
-  return () => { clearTimeout(timer); };
+  return () => { clearTimeout(timer); closeForm(); };
 }
