@@ -21,6 +21,7 @@ use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
 use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
 use object_store::local::LocalFileSystem;
+use object_store::multipart::MultipartStore;
 use object_store::path::Path as ObjPath;
 use object_store::{ClientConfigKey, ObjectStore};
 
@@ -50,6 +51,9 @@ pub enum Backend {
 #[derive(Clone)]
 pub struct Destination {
     pub(crate) store: Arc<dyn ObjectStore>,
+    /// The same store's multipart API (S3, GCS, Azure): uploads created by one process and
+    /// completed or aborted by another, by id.
+    pub(crate) multipart: Option<Arc<dyn MultipartStore>>,
     pub(crate) prefix: ObjPath,
     pub(crate) backend: Backend,
     pub(crate) display: String,
@@ -94,7 +98,7 @@ impl Destination {
         let _ = base.set_username("");
         let display = base.to_string();
         let store_err = |e: object_store::Error| PublishError::Config(redactor.redact(&e.to_string()));
-        let (store, backend): (Arc<dyn ObjectStore>, Backend) = match url.scheme() {
+        let (store, multipart, backend): (Arc<dyn ObjectStore>, Arc<dyn MultipartStore>, Backend) = match url.scheme() {
             "s3" | "s3a" => {
                 install_crypto_provider();
                 let mut b = AmazonS3Builder::from_env().with_url(display.clone());
@@ -105,7 +109,8 @@ impl Destination {
                     let key: AmazonS3ConfigKey = k.parse().map_err(|_| unknown_key(k))?;
                     b = b.with_config(key, v.clone());
                 }
-                (Arc::new(b.build().map_err(store_err)?), Backend::S3)
+                let built = Arc::new(b.build().map_err(store_err)?);
+                (built.clone(), built, Backend::S3)
             }
             "gs" => {
                 install_crypto_provider();
@@ -117,7 +122,8 @@ impl Destination {
                     let key: GoogleConfigKey = k.parse().map_err(|_| unknown_key(k))?;
                     b = b.with_config(key, v.clone());
                 }
-                (Arc::new(b.build().map_err(store_err)?), Backend::Gcs)
+                let built = Arc::new(b.build().map_err(store_err)?);
+                (built.clone(), built, Backend::Gcs)
             }
             "az" | "adl" | "azure" | "abfs" | "abfss" => {
                 install_crypto_provider();
@@ -129,11 +135,12 @@ impl Destination {
                     let key: AzureConfigKey = k.parse().map_err(|_| unknown_key(k))?;
                     b = b.with_config(key, v.clone());
                 }
-                (Arc::new(b.build().map_err(store_err)?), Backend::Azure)
+                let built = Arc::new(b.build().map_err(store_err)?);
+                (built.clone(), built, Backend::Azure)
             }
             _ => return Err(unsupported()),
         };
-        Ok(Destination { store, prefix, backend, display, redactor })
+        Ok(Destination { store, multipart: Some(multipart), prefix, backend, display, redactor })
     }
 
     /// The local directory `dir` (absolute) through object_store's `LocalFileSystem`.
@@ -145,6 +152,7 @@ impl Destination {
             .map_err(|_| PublishError::UnsupportedDestination(dir.display().to_string()))?;
         Ok(Destination {
             store: Arc::new(LocalFileSystem::new()),
+            multipart: None,
             prefix,
             backend: Backend::Local(dir.to_path_buf()),
             display: format!("file://{}", dir.display()),
@@ -160,6 +168,7 @@ impl Destination {
         let display = format!("{store}/{prefix}");
         Destination {
             store,
+            multipart: None,
             prefix,
             backend: Backend::Custom { object_metadata },
             display,
@@ -170,6 +179,30 @@ impl Destination {
     /// The store (for reading what was published).
     pub fn store(&self) -> &Arc<dyn ObjectStore> {
         &self.store
+    }
+
+    /// The prefix `rel` (`/`-separated) under this one, in the same store.
+    pub fn child(&self, rel: &str) -> Destination {
+        let prefix = self.object(rel);
+        let display = format!("{}/{}", self.display.trim_end_matches('/'), rel.trim_matches('/'));
+        let backend = match &self.backend {
+            Backend::Local(dir) => Backend::Local(dir.join(rel)),
+            other => other.clone(),
+        };
+        Destination {
+            store: self.store.clone(),
+            multipart: self.multipart.clone(),
+            prefix,
+            backend,
+            display,
+            redactor: self.redactor.clone(),
+        }
+    }
+
+    /// The store's multipart API, when it has one usable across processes (S3, GCS, Azure; not
+    /// the local filesystem).
+    pub fn multipart(&self) -> Option<&Arc<dyn MultipartStore>> {
+        self.multipart.as_ref()
     }
 
     /// The prefix of the checkpoint's objects in the store.

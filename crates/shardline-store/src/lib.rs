@@ -140,6 +140,7 @@ pub mod testing;
 mod tokens;
 mod triggers;
 mod types;
+mod uploads;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -163,6 +164,7 @@ pub use read::{MAX_LOG_LINE, MAX_PAGE};
 pub use tokens::TokenRow;
 pub use triggers::{FiringClaim, FiringRecord, NewTrigger, TriggerCheck, TriggerRecord, TriggerState};
 pub use types::*;
+pub use uploads::{OpenUpload, UploadEnd};
 
 use db::Pool;
 use error::Result;

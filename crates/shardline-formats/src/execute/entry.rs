@@ -169,3 +169,28 @@ pub fn commit_checkpoint(plan: &Plan, dir: &Path, options: &ExecuteOptions) -> R
         }
     }
 }
+
+/// The rank files of the checkpoint of `plan`, by rank: each file's name and, for DCP, the length
+/// the plan implies (a DCP-safetensors file's length is its writer's to decide).
+pub fn rank_files(plan: &Plan, format: OutputFormat) -> Vec<(String, Option<u64>)> {
+    let plan = &PlanTable::new(plan);
+    let world = plan.world();
+    match format {
+        OutputFormat::Dcp => {
+            let layout = DcpLayout::new(plan);
+            (0..world).map(|r| (dcp_rank_file(r), Some(layout.file_len(r as usize)))).collect()
+        }
+        OutputFormat::DcpSafetensors => (0..world).map(|r| (dcp_safetensors_rank_file(r, world), None)).collect(),
+    }
+}
+
+/// Writes the `.metadata` of the DCP checkpoint of `plan` into `dir` (through `.metadata.tmp`,
+/// synced and renamed), without its rank files: for a checkpoint whose rank files are elsewhere
+/// (uploaded to an object store). Returns its path.
+pub fn write_metadata_alone(plan: &Plan, dir: &Path) -> Result<PathBuf, ExecuteError> {
+    let plan = &PlanTable::new(plan);
+    fs::create_dir_all(dir).map_err(io_err(dir, "create output directory"))?;
+    stage_metadata(dir, &DcpLayout::new(plan), plan)?;
+    publish_metadata(dir)?;
+    Ok(dir.join(".metadata"))
+}

@@ -33,6 +33,7 @@
 mod dcp;
 mod dcp_safetensors;
 mod entry;
+mod ranges;
 mod rank_file;
 mod sources;
 mod stripes;
@@ -42,7 +43,10 @@ mod threads;
 mod tests;
 
 pub(crate) use dcp::publish_metadata;
-pub use entry::{commit_checkpoint, write_checkpoint, write_checkpoint_from, write_rank_file};
+pub use entry::{
+    commit_checkpoint, rank_files, write_checkpoint, write_checkpoint_from, write_metadata_alone, write_rank_file,
+};
+pub use ranges::{ByteRange, MERGE_GAP};
 pub(crate) use rank_file::copy_unsupported;
 pub(crate) use sources::stream_chunk;
 pub use sources::SourceMap;

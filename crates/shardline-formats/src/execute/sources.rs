@@ -33,7 +33,7 @@ fn open_release_files<'a>(paths: impl Iterator<Item = &'a Path>) -> Result<Vec<(
 /// caller can let the release's header descriptions go before the bytes are copied.
 pub struct SourceMap {
     pub(super) files: Vec<(PathBuf, File)>,
-    locs: Vec<(usize, u64, u64)>,
+    pub(super) locs: Vec<(usize, u64, u64)>,
 }
 
 impl SourceMap {

@@ -1,0 +1,129 @@
+//! Multipart uploads of local files, opened by one process and completed or aborted by id by
+//! another: a rank task uploads its file's parts and leaves the upload open; the commit task
+//! completes every rank's upload and then writes `.metadata`; an upload whose attempt failed is
+//! aborted (by its worker, or by the server's reaper from the job store's record of it).
+
+use std::fs::File;
+use std::future::Future;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use futures_util::stream::{self, StreamExt, TryStreamExt};
+use serde::{Deserialize, Serialize};
+use shardline_publish::object_store::multipart::{MultipartStore, PartId};
+use shardline_publish::object_store::PutPayload;
+
+use crate::{ArtifactError, Artifacts, Result};
+
+/// Bytes of each part but the last.
+pub const PART_BYTES: u64 = 16 << 20;
+/// The smallest part object stores accept (but for the last).
+pub const MIN_PART_BYTES: u64 = 5 << 20;
+/// Parts uploaded at once (memory: this many parts' bytes).
+const PARTS_IN_FLIGHT: usize = 4;
+
+/// An uploaded file whose multipart upload is still open: what its completion needs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Upload {
+    /// The object's name under the artifact prefix.
+    pub name: String,
+    pub upload_id: String,
+    /// The parts' ids, in order.
+    pub parts: Vec<String>,
+    pub size: u64,
+}
+
+impl Artifacts {
+    fn multipart(&self) -> Result<&Arc<dyn MultipartStore>> {
+        self.dest
+            .multipart()
+            .ok_or_else(|| ArtifactError::Config(self.url.clone(), "the store has no multipart uploads".into()))
+    }
+
+    /// Uploads the local file `path` as `name` in parts and leaves the upload open.
+    /// `register(upload_id)` runs right after the store creates the upload and before any part
+    /// is sent; `false` (the lease is gone) aborts it.
+    pub async fn upload_file<F, Fut>(&self, name: &str, path: &Path, register: F) -> Result<Upload>
+    where
+        F: FnOnce(String) -> Fut,
+        Fut: Future<Output = bool>,
+    {
+        let io = |action| move |error| ArtifactError::Io { path: path.display().to_string(), action, error };
+        let file = Arc::new(File::open(path).map_err(io("open"))?);
+        let size = file.metadata().map_err(io("stat"))?.len();
+        let mp = self.multipart()?;
+        let location = self.object(name);
+        let id = mp.create_multipart(&location).await.map_err(|e| self.store_err(name, "create upload", e))?;
+        if !register(id.clone()).await {
+            let _ = mp.abort_multipart(&location, &id).await;
+            return Err(ArtifactError::Fenced(name.to_string()));
+        }
+        let parts = size.div_ceil(PART_BYTES).max(1);
+        let sent: Result<Vec<(usize, PartId)>> = stream::iter(0..parts)
+            .map(|k| {
+                let (file, location, id) = (file.clone(), location.clone(), id.clone());
+                async move {
+                    let start = k * PART_BYTES;
+                    let len = (size - start).min(PART_BYTES) as usize;
+                    let bytes = tokio::task::spawn_blocking(move || {
+                        let mut buf = vec![0u8; len];
+                        file.read_exact_at(&mut buf, start).map(|()| buf)
+                    })
+                    .await
+                    .map_err(|e| ArtifactError::Io {
+                        path: path.display().to_string(),
+                        action: "read part",
+                        error: std::io::Error::other(e.to_string()),
+                    })?
+                    .map_err(io("read part"))?;
+                    let part = mp
+                        .put_part(&location, &id, k as usize, PutPayload::from(bytes))
+                        .await
+                        .map_err(|e| self.store_err(name, "upload part", e))?;
+                    Ok((k as usize, part))
+                }
+            })
+            .buffer_unordered(PARTS_IN_FLIGHT)
+            .try_collect()
+            .await;
+        let mut sent = match sent {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = mp.abort_multipart(&location, &id).await;
+                return Err(e);
+            }
+        };
+        sent.sort_by_key(|(k, _)| *k);
+        Ok(Upload {
+            name: name.to_string(),
+            upload_id: id,
+            parts: sent.into_iter().map(|(_, p)| p.content_id).collect(),
+            size,
+        })
+    }
+
+    /// Completes an upload [`upload_file`](Self::upload_file) left open. Completing one that an
+    /// earlier attempt already completed succeeds when the object is there with its size.
+    pub async fn complete(&self, upload: &Upload) -> Result<()> {
+        let mp = self.multipart()?;
+        let location = self.object(&upload.name);
+        let parts: Vec<PartId> = upload.parts.iter().map(|p| PartId { content_id: p.clone() }).collect();
+        match mp.complete_multipart(&location, &upload.upload_id, parts).await {
+            Ok(_) => Ok(()),
+            Err(e) => match self.head(&upload.name).await? {
+                Some(size) if size == upload.size => Ok(()),
+                _ => Err(self.store_err(&upload.name, "complete upload", e)),
+            },
+        }
+    }
+
+    /// Aborts the upload `upload_id` of `name`; one the store no longer knows counts as aborted.
+    pub async fn abort(&self, name: &str, upload_id: &str) -> Result<()> {
+        let mp = self.multipart()?;
+        match mp.abort_multipart(&self.object(name), &upload_id.to_string()).await {
+            Ok(()) | Err(shardline_publish::object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(self.store_err(name, "abort upload", e)),
+        }
+    }
+}
