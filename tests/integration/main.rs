@@ -8,6 +8,7 @@ mod convert;
 mod export;
 mod hub_s3;
 mod metrics;
+mod multihost;
 mod notify;
 mod object_source;
 mod orchestrator;

@@ -28,6 +28,11 @@ pub struct StateArgs {
     /// Directory of the embedded state (SQLite database and run work directories).
     #[arg(long, default_value = ".shardline")]
     pub state_dir: PathBuf,
+    /// Where runs keep their step outputs: a directory every worker shares (a path or
+    /// `file:///…`, used as the work directory), or an object store (`s3://bucket/prefix`,
+    /// `gs://…`, `az://…`) for workers that share no disk. Default: `<state-dir>/work`.
+    #[arg(long, env = "SHARDLINE_ARTIFACTS")]
+    pub artifacts: Option<String>,
 }
 
 impl StateArgs {
@@ -35,7 +40,18 @@ impl StateArgs {
         self.database_url.clone().unwrap_or_else(|| format!("sqlite://{}", self.state_dir.join("state.db").display()))
     }
     pub(crate) fn work_dir(&self) -> PathBuf {
-        self.state_dir.join("work")
+        match self.artifacts.as_deref().map(|a| a.strip_prefix("file://").unwrap_or(a)) {
+            Some(dir) if dir.starts_with('/') => PathBuf::from(dir),
+            _ => self.state_dir.join("work"),
+        }
+    }
+    /// The object-store artifact store runs submitted from here use, if any.
+    pub(crate) fn artifact_store(&self) -> Option<&str> {
+        self.artifacts.as_deref().filter(|a| a.contains("://") && !a.starts_with("file://"))
+    }
+    /// Where a worker keeps what it stages for one task (deleted when the task ends).
+    pub(crate) fn scratch_dir(&self) -> PathBuf {
+        self.state_dir.join("scratch")
     }
     pub(crate) async fn store(&self) -> Result<Store> {
         let url = self.url();
@@ -187,6 +203,7 @@ pub fn run_run(args: RunArgs) -> Result<ExitCode> {
                 policy: None,
                 priority: None,
                 submitted_by: Some(shardline_control::actor::local_user()),
+                artifacts: args.state.artifact_store(),
             },
         )
         .await
@@ -296,7 +313,7 @@ pub fn run_plan(args: PlanArgs) -> Result<ExitCode> {
     let resolved =
         pipeline.instantiate(&args.set, "plan-preview").map_err(|d| anyhow::anyhow!(render_all(&d, &text)))?;
     let work = args.state.work_dir();
-    let tasks = shardline_control::graph::tasks_for(&resolved, &work.join("runs").join("plan-preview"), &base)
+    let tasks = shardline_control::graph::tasks_for(&resolved, &work.join("runs").join("plan-preview"), &base, None)
         .map_err(|e| anyhow::anyhow!(e))?;
     // One runtime for every store call: a pool must not outlive the runtime it was made on.
     let rt = runtime()?;
@@ -402,6 +419,7 @@ pub fn run_submit(args: SubmitArgs) -> Result<ExitCode> {
                 policy: None,
                 priority: args.priority,
                 submitted_by: Some(shardline_control::actor::local_user()),
+                artifacts: args.state.artifact_store(),
             },
         )
         .await
@@ -471,12 +489,19 @@ pub fn run_server(args: ServerArgs) -> Result<ExitCode> {
         // One set of metrics: the HTTP server shows what the trigger loop counts.
         let metrics = shardline_metrics::Metrics::new(store.clone());
         let policy = args.policy.policy()?;
+        let artifacts = args.state.artifact_store().map(str::to_string);
+        if let Some(url) = &artifacts {
+            // Refuse a store that cannot be opened now rather than fail every run later.
+            shardline_artifacts::Artifacts::open(url, &[]).context("the artifact store (--artifacts)")?;
+            eprintln!("server: runs keep their step outputs in {url}; workers need no shared disk");
+        }
         let (http, bound) = match crate::serve::start_http(
             &args.http,
             &store,
             &metrics,
             policy.clone(),
             args.state.work_dir(),
+            artifacts.clone(),
             rx.clone(),
         )
         .await?
@@ -484,8 +509,16 @@ pub fn run_server(args: ServerArgs) -> Result<ExitCode> {
             Some((h, a)) => (Some(h), Some(a)),
             None => (None, None),
         };
-        let triggers =
-            crate::triggers::start(&args.triggers, &store, &metrics, policy, args.state.work_dir(), rx.clone()).await?;
+        let triggers = crate::triggers::start(
+            &args.triggers,
+            &store,
+            &metrics,
+            policy,
+            args.state.work_dir(),
+            artifacts,
+            rx.clone(),
+        )
+        .await?;
         let notifier = crate::notify::start(&args.notify, &store, bound, rx.clone()).await?;
         eprintln!("server: reaping expired leases on {}", redact_url(&args.state.url()));
         reaper(store, Duration::from_secs(1), rx).await;
@@ -520,6 +553,7 @@ pub fn run_worker_cmd(args: WorkerArgs) -> Result<ExitCode> {
         eprintln!("worker `{}`: {} cpus, {} memory, gpus {:?}", info.name, info.cpus, bytes(info.memory), info.gpus);
         let mut config = WorkerConfig::new(info);
         config.lease_ttl = Duration::from_secs(args.lease_seconds.max(1));
+        config.scratch_dir = args.state.scratch_dir();
         run_worker(store, config, rx).await.context("worker")?;
         Ok(ExitCode::SUCCESS)
     })

@@ -81,6 +81,7 @@ pub async fn start_http(
     metrics: &Arc<Metrics>,
     policy: Option<Arc<PathPolicy>>,
     work_dir: PathBuf,
+    artifacts: Option<String>,
     stop: watch::Receiver<bool>,
 ) -> Result<Option<(JoinHandle<()>, SocketAddr)>> {
     let Some(addr) = args.http else { return Ok(None) };
@@ -90,6 +91,7 @@ pub async fn start_http(
     let mut state = AppState::new(store.clone()).with_auth(args.auth());
     state.base_dir = std::env::current_dir().context("reading the current directory")?;
     state.work_dir = work_dir;
+    state.artifacts = artifacts;
     state.metrics = Some(metrics.clone());
     if policy.is_none() {
         eprintln!(

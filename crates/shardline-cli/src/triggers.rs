@@ -95,6 +95,7 @@ pub async fn start(
     metrics: &Arc<Metrics>,
     policy: Option<Arc<PathPolicy>>,
     work_dir: PathBuf,
+    artifacts: Option<String>,
     shutdown: watch::Receiver<bool>,
 ) -> Result<Option<JoinHandle<()>>> {
     let Some(dir) = &args.pipelines else {
@@ -105,7 +106,7 @@ pub async fn start(
     let hub = HubClient::from_env().context("configuring the Hub client for watch triggers")?;
     let count: usize = pipelines.iter().map(|p| p.triggers.len()).sum();
     let counted = metrics.clone();
-    let options = PollerOptions { policy, ..PollerOptions::new(base, work_dir) };
+    let options = PollerOptions { policy, artifacts, ..PollerOptions::new(base, work_dir) };
     let poller = Poller::new(store.clone(), hub, Arc::new(SystemClock), pipelines, options).with_observer(Arc::new(
         move |r: &TickReport| {
             counted.observe_trigger_checks(r.checked as u64, r.errors.len() as u64, r.fired.len() as u64)

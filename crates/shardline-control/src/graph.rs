@@ -59,6 +59,11 @@ pub struct ShardJob {
     pub source_task: String,
     /// Where the checkpoint is committed; rank files are staged in `<out>.partial`.
     pub out: PathBuf,
+    /// With an object-store artifact store: the checkpoint's prefix there (`s3://…/runs/<run>/
+    /// <step>/checkpoint`), `out` unused. Rank tasks upload their files to it in parts and leave
+    /// the uploads open; the commit completes them and writes `.metadata` last.
+    #[serde(default)]
+    pub remote: Option<String>,
     /// The step's cache key material (spec hash of the step and its upstream).
     pub step_hash: String,
     /// The step's `cache`: serve the checkpoint from the step cache when an identical one exists,
@@ -190,6 +195,10 @@ pub enum Payload {
     Download {
         path: PathBuf,
         step_hash: String,
+        /// An object-store artifact store's root: the release is copied there for workers on
+        /// other hosts (see [`Payload::HubDownload`]).
+        #[serde(default)]
+        artifacts: Option<String>,
     },
     /// `hf.download` of a Hub repository into the HF cache; its output's `path` is the snapshot.
     HubDownload {
@@ -204,6 +213,11 @@ pub enum Payload {
         /// downloaded with these patterns before.
         #[serde(default = "yes")]
         cache: bool,
+        /// An object-store artifact store's root: the snapshot is also copied to
+        /// `<root>/releases/hub/<repo>/<commit>` (once per commit and patterns, whichever run
+        /// does it first) and later tasks read it from there.
+        #[serde(default)]
+        artifacts: Option<String>,
     },
     /// `hf.download` of an object-store prefix into a local cache directory; its output's `path`
     /// is that directory.
@@ -217,6 +231,10 @@ pub enum Payload {
         /// same objects (names, sizes, ETags) as before.
         #[serde(default = "yes")]
         cache: bool,
+        /// With an object-store artifact store: nothing is downloaded; later tasks read the
+        /// prefix in place, each object pinned to the ETag this task listed.
+        #[serde(default)]
+        artifacts: Option<String>,
     },
     Plan {
         job: ShardJob,
@@ -368,9 +386,29 @@ fn source_task_of(p: &ResolvedPipeline, id: &str) -> Option<String> {
 }
 
 /// Builds the task graph of a run whose work directory is `run_dir`; `base_dir` resolves relative
-/// paths of the spec (the directory the pipeline was submitted from).
-pub fn tasks_for(p: &ResolvedPipeline, run_dir: &Path, base_dir: &Path) -> Result<Vec<NewTask>, String> {
+/// paths of the spec (the directory the pipeline was submitted from). With `artifacts` (an
+/// object-store URL), step outputs live under `<artifacts>/runs/<run name>/<step>` instead, for
+/// workers that share no disk; the steps that cannot yet run that way are refused.
+pub fn tasks_for(
+    p: &ResolvedPipeline,
+    run_dir: &Path,
+    base_dir: &Path,
+    artifacts: Option<&str>,
+) -> Result<Vec<NewTask>, String> {
     let hashes = p.step_hashes();
+    let artifacts = artifacts.map(|a| a.trim_end_matches('/'));
+    let run_name = run_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let remote_out = |step: &str| artifacts.map(|a| format!("{a}/runs/{run_name}/{step}/checkpoint"));
+    if artifacts.is_some() {
+        if let Some(s) = p.steps.iter().find(|s| !runs_on_artifacts(&s.config)) {
+            return Err(format!(
+                "step `{}` ({}) cannot run on an object-store artifact store yet: it reads and writes \
+                 whole directories; run it on a server whose work directory workers share",
+                s.id,
+                s.kind.as_str()
+            ));
+        }
+    }
     let mut tasks = Vec::new();
     for step in p.topo_order() {
         let needs: Vec<String> = step.needs.iter().map(|n| terminal_task(p, n)).collect();
@@ -379,7 +417,8 @@ pub fn tasks_for(p: &ResolvedPipeline, run_dir: &Path, base_dir: &Path) -> Resul
         match &step.config {
             StepConfig::HfDownload { source: DownloadSource::Local { path } } => {
                 let path = local(path, base_dir);
-                tasks.push(base(step, step.id.clone(), kinds::DOWNLOAD, needs, Payload::Download { path, step_hash }));
+                let payload = Payload::Download { path, step_hash, artifacts: artifacts.map(str::to_string) };
+                tasks.push(base(step, step.id.clone(), kinds::DOWNLOAD, needs, payload));
             }
             StepConfig::HfDownload { source: DownloadSource::Hub { repo, revision, allow, ignore, endpoint } } => {
                 let payload = Payload::HubDownload {
@@ -390,6 +429,7 @@ pub fn tasks_for(p: &ResolvedPipeline, run_dir: &Path, base_dir: &Path) -> Resul
                     endpoint: endpoint.clone(),
                     step_hash,
                     cache: step.cache,
+                    artifacts: artifacts.map(str::to_string),
                 };
                 tasks.push(base(step, step.id.clone(), kinds::DOWNLOAD, needs, payload));
             }
@@ -399,6 +439,7 @@ pub fn tasks_for(p: &ResolvedPipeline, run_dir: &Path, base_dir: &Path) -> Resul
                     cache_dir: object_cache_dir(run_dir),
                     step_hash,
                     cache: step.cache,
+                    artifacts: artifacts.map(str::to_string),
                 };
                 tasks.push(base(step, step.id.clone(), kinds::DOWNLOAD, needs, payload));
             }
@@ -430,6 +471,7 @@ pub fn tasks_for(p: &ResolvedPipeline, run_dir: &Path, base_dir: &Path) -> Resul
                     split_fused: shard_applies_split(p, &step.id),
                     source_task: source_task_of(p, &step.id).ok_or_else(|| missing("hf.download"))?,
                     out: run_dir.join(&step.id).join("checkpoint"),
+                    remote: remote_out(&step.id),
                     step_hash,
                     cache: step.cache,
                 };
@@ -449,6 +491,7 @@ pub fn tasks_for(p: &ResolvedPipeline, run_dir: &Path, base_dir: &Path) -> Resul
                         .ok_or_else(|| missing("megatron.shard plan"))?;
                     job.split_fused = true;
                     job.out = run_dir.join(&step.id).join("checkpoint");
+                    job.remote = remote_out(&step.id);
                     job.step_hash = step_hash;
                     job.cache = step.cache;
                     fan_out(&mut tasks, step, &step.id, needs, job);
@@ -573,6 +616,20 @@ pub fn tasks_for(p: &ResolvedPipeline, run_dir: &Path, base_dir: &Path) -> Resul
     Ok(tasks)
 }
 
+/// Whether a step runs with its outputs in an object-store artifact store: downloads, sharding
+/// (rank files uploaded in parts, `.metadata` last), the split, validation and upload (which read
+/// the checkpoint back from the store).
+fn runs_on_artifacts(config: &StepConfig) -> bool {
+    matches!(
+        config,
+        StepConfig::HfDownload { .. }
+            | StepConfig::MegatronShard { .. }
+            | StepConfig::MegatronSplitFused { .. }
+            | StepConfig::CheckpointValidate {}
+            | StepConfig::StoreUpload { .. }
+    )
+}
+
 /// The download cache of object-store sources: `<work>/cache/objects`, next to `<work>/runs`
 /// (a run's directory is `<work>/runs/<run name>`).
 fn object_cache_dir(run_dir: &Path) -> PathBuf {
@@ -620,7 +677,7 @@ mod tests {
         let (pipeline, diags) = shardline_spec::lint("p.yaml", text, &shardline_spec::LintContext::new());
         assert!(diags.is_empty(), "{}", shardline_spec::render_all(&diags, text));
         let run = pipeline.expect("pipeline").instantiate(&[], "r1").expect("instantiate");
-        tasks_for(&run, Path::new("/w/runs/r1"), Path::new("/base")).expect("tasks")
+        tasks_for(&run, Path::new("/w/runs/r1"), Path::new("/base"), None).expect("tasks")
     }
 
     fn payload(tasks: &[NewTask], name: &str) -> (Vec<String>, Payload) {

@@ -22,7 +22,7 @@ pub mod graph;
 pub mod output;
 pub mod policy;
 
-pub use output::{ListedFile, TaskOutput, TaskProgress};
+pub use output::{ListedFile, PartUpload, TaskOutput, TaskProgress};
 
 use std::path::{Path, PathBuf};
 
@@ -90,6 +90,9 @@ pub struct Submission<'a> {
     pub priority: Option<i64>,
     /// Who submits it, as [`actor`] spells it; recorded with the run.
     pub submitted_by: Option<String>,
+    /// An object-store artifact store (`s3://bucket/prefix`): the run's step outputs live there,
+    /// so its tasks can run on workers that share no disk. `None`: under `work_dir`.
+    pub artifacts: Option<&'a str>,
 }
 
 /// A submitted run.
@@ -119,7 +122,8 @@ pub async fn submit(store: &Store, s: Submission<'_>) -> Result<Submitted, Submi
         }
     }
     let run_dir = absolute(s.work_dir).join("runs").join(&name);
-    let tasks = graph::tasks_for(&resolved, &run_dir, &absolute(s.base_dir)).map_err(SubmitError::Invalid)?;
+    let tasks =
+        graph::tasks_for(&resolved, &run_dir, &absolute(s.base_dir), s.artifacts).map_err(SubmitError::Invalid)?;
     let pipeline_id = store.upsert_pipeline(&pipeline.name, s.text, &resolved.spec_hash).await?;
     let params = serde_json::to_value(&resolved.params).unwrap_or(json!({}));
     let spec = serde_json::to_value(&resolved).unwrap_or(json!({}));

@@ -82,12 +82,31 @@ pub struct TaskOutput {
     /// A command: its exit code (0: it succeeded).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub exit_code: Option<i32>,
+    /// With an object-store artifact store: the output's prefix there (a release, a checkpoint),
+    /// where tasks on any host read it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub artifact: Option<String>,
+    /// A rank task writing to an artifact store: its rank file's multipart upload, left open for
+    /// the commit to complete.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upload: Option<PartUpload>,
     /// Served from the step cache: `true`, or (a plan task) the cached checkpoint's output.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cached: Option<Value>,
     /// Every other field, as written.
     #[serde(flatten)]
     pub rest: Map<String, Value>,
+}
+
+/// An object uploaded in parts whose multipart upload is still open.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartUpload {
+    /// The object's name under the output's `artifact` prefix.
+    pub name: String,
+    pub upload_id: String,
+    /// The parts' ids, in order.
+    pub parts: Vec<String>,
+    pub size: u64,
 }
 
 /// A file of a downloaded source, as its download lists it.

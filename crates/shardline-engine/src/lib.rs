@@ -16,6 +16,7 @@ pub mod checkpoints;
 pub mod command;
 pub mod hub;
 pub mod objects;
+pub mod remote;
 pub mod steps;
 pub mod worker;
 
@@ -28,8 +29,10 @@ pub use hub::HubSettings;
 pub use objects::ObjectSourceSettings;
 pub use worker::{run_worker, WorkerConfig};
 
-/// Returns expired leases to the queue every `every`, until `shutdown`. Safe to run in several
-/// servers at once (the store's reaper is idempotent).
+/// Returns expired leases to the queue every `every`, until `shutdown`, and aborts the
+/// multipart uploads nobody will complete (their attempt ended without success, or their run
+/// ended). Safe to run in several servers at once (the store's reaper is idempotent, and aborting
+/// an upload twice is harmless).
 pub async fn reaper(store: Store, every: Duration, mut shutdown: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(every);
     loop {
@@ -38,9 +41,29 @@ pub async fn reaper(store: Store, every: Duration, mut shutdown: watch::Receiver
                 if let Err(e) = store.reap_expired().await {
                     tracing::warn!("reaping expired leases failed (will retry): {e}");
                 }
+                abort_abandoned_uploads(&store).await;
             }
             _ = shutdown.changed() => {
                 if *shutdown.borrow() { return; }
+            }
+        }
+    }
+}
+
+/// Aborts a batch of abandoned multipart uploads (see [`reaper`]).
+async fn abort_abandoned_uploads(store: &Store) {
+    let abandoned = match store.abandoned_uploads(shardline_store::REAP_BATCH as i64).await {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::warn!("listing abandoned uploads failed (will retry): {e}");
+            return;
+        }
+    };
+    for u in abandoned {
+        match remote::abort(store, &u.store_url, &u.object_key, &u.upload_id).await {
+            Ok(()) => tracing::info!("aborted the abandoned upload of `{}` in {}", u.object_key, u.store_url),
+            Err(e) => {
+                tracing::warn!("aborting the upload of `{}` in {} failed (will retry): {e}", u.object_key, u.store_url)
             }
         }
     }

@@ -63,6 +63,14 @@ pub struct StepContext<'a> {
     pub timeout: std::time::Duration,
     /// Where a command's stderr lines go (`log` takes its stdout and every other line).
     pub stderr: &'a (dyn Fn(String) + Sync),
+    /// The worker's runtime: what reads and writes the artifact store and the job store.
+    pub runtime: &'a tokio::runtime::Handle,
+    /// Records the multipart uploads the task opens (`None`: outside a worker's lease).
+    pub ledger: Option<&'a crate::remote::UploadLedger>,
+    /// The task's own staging directory (removed when it ends).
+    pub scratch: &'a Path,
+    /// The worker's scratch root (its object cache lives under it).
+    pub scratch_root: &'a Path,
 }
 
 impl StepContext<'_> {
@@ -70,11 +78,17 @@ impl StepContext<'_> {
         self.outputs.get(task).ok_or_else(|| StepError::transient(format!("output of task `{task}` is not available")))
     }
 
+    /// The release a download task recorded, as a local directory: its `path` when this host
+    /// has it, else its artifact prefix read into the worker's object cache.
     fn source_path(&self, task: &str) -> Result<PathBuf, StepError> {
-        self.output(task)?
-            .path
-            .clone()
-            .ok_or_else(|| StepError::fatal(format!("task `{task}` did not report a source path")))
+        let output = self.output(task)?;
+        match (&output.path, &output.artifact) {
+            (Some(p), _) if p.exists() => Ok(p.clone()),
+            (_, Some(_)) => crate::remote::materialize(output, self)?
+                .ok_or_else(|| StepError::fatal(format!("task `{task}` did not report a source path"))),
+            (Some(p), None) => Ok(p.clone()),
+            (None, None) => Err(StepError::fatal(format!("task `{task}` did not report a source path"))),
+        }
     }
 }
 
@@ -194,7 +208,7 @@ fn staging_dir(job: &ShardJob) -> PathBuf {
     PathBuf::from(s)
 }
 
-fn exec_options(job: &ShardJob) -> ExecuteOptions {
+pub(crate) fn exec_options(job: &ShardJob) -> ExecuteOptions {
     ExecuteOptions {
         format: if job.format == "dcp-safetensors" { OutputFormat::DcpSafetensors } else { OutputFormat::Dcp },
         threads: 1,
@@ -225,7 +239,7 @@ fn is_cached(ctx: &StepContext, plan_task: &str) -> Result<Option<TaskOutput>, S
 /// Runs one task. Returns its output.
 pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepError> {
     match payload {
-        Payload::Download { path, .. } => {
+        Payload::Download { path, artifacts, .. } => {
             let release = open_release(path)?;
             let digest = release_digest(&release)?;
             (ctx.log)(format!(
@@ -235,18 +249,27 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
                 release.tensors().len(),
                 release.total_bytes()
             ));
-            Ok(TaskOutput {
+            let output = TaskOutput {
                 path: Some(path.clone()),
                 digest: Some(digest),
                 bytes: Some(release.total_bytes()),
                 files: Some(release.files().len() as u64),
                 ..TaskOutput::default()
-            })
+            };
+            match artifacts {
+                Some(root) => crate::remote::publish_release(output, root, ctx),
+                None => Ok(output),
+            }
         }
-        Payload::HubDownload { repo, revision, allow, ignore, endpoint, .. } => {
+        Payload::HubDownload { repo, revision, allow, ignore, endpoint, artifacts, .. } => {
             let req = HubRequest { repo, revision, allow, ignore, endpoint: endpoint.as_deref() };
-            checked_release(TaskOutput::from_value(&hub::download(&req, ctx.hub, ctx)?), ctx)
+            let output = checked_release(TaskOutput::from_value(&hub::download(&req, ctx.hub, ctx)?), ctx)?;
+            match artifacts {
+                Some(root) => crate::remote::publish_release(output, root, ctx),
+                None => Ok(output),
+            }
         }
+        Payload::ObjectDownload { url, artifacts: Some(_), .. } => crate::remote::list_source(url, ctx),
         Payload::ObjectDownload { url, cache_dir, .. } => {
             let cache_root = ctx.objects.cache_dir.as_deref().unwrap_or(cache_dir);
             checked_release(TaskOutput::from_value(&objects::download(url, cache_root, ctx.objects, ctx)?), ctx)
@@ -272,15 +295,22 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
         Payload::Command { job } => crate::command::run(job, ctx),
         Payload::Export { job } => checkpoints::export(job, ctx),
         Payload::Plan { job } => {
-            let release = open_release(&ctx.source_path(&job.source_task)?)?;
-            let plan = job_plan(job, &release)?;
+            let plan = match job.remote {
+                Some(_) => crate::remote::plan(job, ctx)?,
+                None => job_plan(job, &open_release(&ctx.source_path(&job.source_task)?)?)?,
+            };
             let staging = staging_dir(job);
             // A previous attempt's partial output is discarded; rank files are rewritten whole.
-            if staging.exists() {
+            if job.remote.is_some() {
+                // Nothing is staged: rank files go to the artifact store.
+            } else if staging.exists() {
                 fs::remove_dir_all(&staging)
                     .map_err(|e| StepError::transient(format!("{}: {e}", staging.display())))?;
             }
-            fs::create_dir_all(&staging).map_err(|e| StepError::transient(format!("{}: {e}", staging.display())))?;
+            if job.remote.is_none() {
+                fs::create_dir_all(&staging)
+                    .map_err(|e| StepError::transient(format!("{}: {e}", staging.display())))?;
+            }
             let per_rank = plan.bytes_per_rank();
             (ctx.log)(format!(
                 "planned {} keys on {} ({} ranks, {} bytes); unconverted: {}",
@@ -306,6 +336,9 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
                 (ctx.log)("served from cache".into());
                 return Ok(TaskOutput { cached: Some(json!(true)), ..TaskOutput::default() });
             }
+            if job.remote.is_some() {
+                return crate::remote::rank(job, plan_task, *rank, ctx);
+            }
             let (release, plan) = checked_plan(ctx, job, plan_task)?;
             let staging = staging_dir(job);
             let bytes = execute::write_rank_file(&plan, &release, &staging, *rank, &exec_options(job), ctx.progress)
@@ -317,6 +350,9 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
             if let Some(cached) = is_cached(ctx, plan_task)? {
                 (ctx.log)("served from cache".into());
                 return Ok(cached);
+            }
+            if job.remote.is_some() {
+                return crate::remote::commit(job, plan_task, ctx);
             }
             let (_release, plan) = checked_plan(ctx, job, plan_task)?;
             let staging = staging_dir(job);
@@ -447,10 +483,14 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
     }
 }
 
+/// The checkpoint (or exported release) a task recorded, as a local directory: its `dir`, else
+/// its artifact prefix read into the worker's object cache.
 fn checkpoint_dir(ctx: &StepContext, task: &str) -> Result<PathBuf, StepError> {
-    ctx.output(task)?
-        .dir
-        .clone()
+    let output = ctx.output(task)?;
+    if let Some(dir) = &output.dir {
+        return Ok(dir.clone());
+    }
+    crate::remote::materialize(output, ctx)?
         .ok_or_else(|| StepError::fatal(format!("task `{task}` did not report a checkpoint directory")))
 }
 

@@ -39,6 +39,9 @@ pub struct WorkerConfig {
     /// How `hf.download` tasks reach object stores and where they cache what they download
     /// (default: the environment, `<work>/cache/objects`).
     pub objects: ObjectSourceSettings,
+    /// Where tasks stage what they read from an artifact store (a directory per task, removed
+    /// when it ends) and the object cache of artifacts read back whole (`objects/`).
+    pub scratch_dir: std::path::PathBuf,
 }
 
 impl WorkerConfig {
@@ -50,6 +53,7 @@ impl WorkerConfig {
             use_cache: true,
             hub: HubSettings::default(),
             objects: ObjectSourceSettings::default(),
+            scratch_dir: std::env::temp_dir().join("shardline-scratch"),
         }
     }
 }
@@ -426,6 +430,10 @@ async fn run_step(
         let cpus = task.resources.cpus;
         let gpus = gpus.to_vec();
         let timeout = task.timeout;
+        let runtime = tokio::runtime::Handle::current();
+        let ledger = crate::remote::UploadLedger { store: store.clone(), lease: lease.clone() };
+        let scratch_root = config.scratch_dir.clone();
+        let scratch = scratch_root.join(format!("task-{}-{}", task.id, lease.token));
         tokio::task::spawn_blocking(move || {
             let line_to = |stream: LogStream| {
                 let log_tx = &log_tx;
@@ -448,8 +456,14 @@ async fn run_step(
                 gpus: &gpus,
                 timeout,
                 stderr: &stderr,
+                runtime: &runtime,
+                ledger: Some(&ledger),
+                scratch: &scratch,
+                scratch_root: &scratch_root,
             };
-            steps::execute(&payload, &ctx)
+            let result = steps::execute(&payload, &ctx);
+            crate::remote::clean(&scratch);
+            result
         })
     };
     tokio::pin!(exec);

@@ -55,6 +55,8 @@ fn execute_with(
     let log = |l: String| stdout.lock().unwrap().push(l);
     let err = |l: String| stderr.lock().unwrap().push(l);
     let (hub, objects) = (HubSettings::default(), ObjectSourceSettings::default());
+    let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let scratch = std::env::temp_dir();
     let ctx = StepContext {
         outputs,
         progress: &progress,
@@ -66,6 +68,10 @@ fn execute_with(
         gpus,
         timeout,
         stderr: &err,
+        runtime: runtime.handle(),
+        ledger: None,
+        scratch: &scratch,
+        scratch_root: &scratch,
     };
     let result = std::thread::scope(|s| {
         if let Some(after) = cancel_after {

@@ -226,6 +226,8 @@ async fn download_reports_bytes_done_out_of_the_total() {
             let progress = Arc::new(Progress::default());
             let total = Arc::new(AtomicU64::new(0));
             let log = |_: String| {};
+            let runtime = tokio::runtime::Handle::current();
+            let scratch = cache.join("scratch");
             let ctx = StepContext {
                 outputs: &BTreeMap::new(),
                 progress: &progress,
@@ -237,6 +239,10 @@ async fn download_reports_bytes_done_out_of_the_total() {
                 gpus: &[],
                 timeout: std::time::Duration::ZERO,
                 stderr: &log,
+                runtime: &runtime,
+                ledger: None,
+                scratch: &scratch,
+                scratch_root: &scratch,
             };
             let out = shardline_engine::objects::download(&url, &cache, &settings, &ctx).expect("download");
             (

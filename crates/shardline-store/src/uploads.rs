@@ -15,6 +15,7 @@ pub struct OpenUpload {
     /// The store's row id.
     pub id: i64,
     pub run_id: i64,
+    pub task_id: i64,
     /// The store's URL (`s3://bucket/prefix`) the key is relative to.
     pub store_url: String,
     pub object_key: String,
@@ -87,7 +88,7 @@ impl Store {
                 .conn()
                 .all(
                     sql!(
-                        "SELECT u.id, u.run_id, u.store_url, u.object_key, u.upload_id FROM uploads u \
+                        "SELECT u.id, u.run_id, u.task_id, u.store_url, u.object_key, u.upload_id FROM uploads u \
                          JOIN runs r ON r.id = u.run_id \
                          JOIN tasks t ON t.id = u.task_id \
                          LEFT JOIN attempts a ON a.task_id = u.task_id AND a.token = u.token \
@@ -114,7 +115,7 @@ impl Store {
                 .conn()
                 .all(
                     sql!(
-                        "SELECT id, run_id, store_url, object_key, upload_id FROM uploads \
+                        "SELECT id, run_id, task_id, store_url, object_key, upload_id FROM uploads \
                          WHERE run_id = $1 AND state = 'open' ORDER BY id"
                     ),
                     args![run.0],

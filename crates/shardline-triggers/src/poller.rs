@@ -92,6 +92,8 @@ pub struct PollerOptions {
     pub max_sleep: Duration,
     /// Where the specs' runs may read and write (the server's path policy); `None`: anywhere.
     pub policy: Option<Arc<shardline_spec::policy::PathPolicy>>,
+    /// The object-store artifact store fired runs use (`None`: `work_dir`).
+    pub artifacts: Option<String>,
 }
 
 impl PollerOptions {
@@ -101,6 +103,7 @@ impl PollerOptions {
             work_dir: work_dir.into(),
             stale_claim: Duration::from_secs(600),
             max_sleep: Duration::from_secs(15),
+            artifacts: None,
             policy: None,
         }
     }
@@ -570,6 +573,7 @@ impl Poller {
                 policy: self.opts.policy.as_deref(),
                 priority: None,
                 submitted_by: Some(shardline_control::actor::trigger(&p.name, row.position)),
+                artifacts: self.opts.artifacts.as_deref(),
             },
         )
         .await;

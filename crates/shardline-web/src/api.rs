@@ -454,6 +454,7 @@ pub async fn submit_run(
             policy: state.policy.as_deref(),
             priority: req.priority,
             submitted_by: Some(actor),
+            artifacts: state.artifacts.as_deref(),
         },
     )
     .await

@@ -68,6 +68,8 @@ pub struct AppState {
     pub event_poll: Duration,
     /// Where submitted specs may read and write (the server's path policy); `None`: anywhere.
     pub policy: Option<Arc<shardline_spec::policy::PathPolicy>>,
+    /// The object-store artifact store runs are submitted with (`None`: `work_dir`).
+    pub artifacts: Option<String>,
     /// What `/metrics` serves (absent: it answers 404).
     pub metrics: Option<Arc<shardline_metrics::Metrics>>,
     /// Set by [`serve`]: event streams end when it turns true.
@@ -85,6 +87,7 @@ impl AppState {
             work_dir: PathBuf::from(".shardline"),
             event_poll: Duration::from_millis(250),
             metrics: None,
+            artifacts: None,
             policy: None,
             stop: None,
         }

@@ -67,6 +67,8 @@ pub struct Harness {
     stop: watch::Sender<bool>,
     handles: Vec<JoinHandle<()>>,
     workers: usize,
+    /// The object-store artifact store runs are submitted with (`None`: the work directory).
+    pub artifacts: Option<String>,
 }
 
 impl Harness {
@@ -75,7 +77,7 @@ impl Harness {
         let store = db.store().await;
         let (stop, rx) = watch::channel(false);
         let handles = vec![tokio::spawn(reaper(store.clone(), Duration::from_millis(200), rx))];
-        Harness { db, store, base: tempfile::tempdir().expect("temp dir"), stop, handles, workers: 0 }
+        Harness { db, store, base: tempfile::tempdir().expect("temp dir"), stop, handles, workers: 0, artifacts: None }
     }
 
     pub fn work_dir(&self) -> PathBuf {
@@ -131,6 +133,7 @@ impl Harness {
                 policy: None,
                 priority: None,
                 submitted_by: Some("user:test".into()),
+                artifacts: self.artifacts.as_deref(),
             },
         )
         .await

@@ -1,0 +1,408 @@
+//! Tasks of a run whose outputs live in an object-store artifact store (`--artifacts s3://…`), so
+//! that workers on hosts sharing no disk can run any of them.
+//!
+//! - A download puts the release in the store once (`<root>/releases/<key>`, a marker object
+//!   written last names every file), or, for a source that is already an object-store prefix,
+//!   only lists it: later tasks read it in place.
+//! - A plan, rank or commit task stages the release locally as *sparse* files: the safetensors
+//!   headers and small files (config, index) always, and for a rank task only the byte ranges its
+//!   rank file is written from (`SourceMap::rank_ranges`), read with parallel ranged requests
+//!   pinned to the ETags the download recorded. It then runs the same writer as a local run.
+//! - A rank task uploads its file in parts and leaves the upload open, registered in the job
+//!   store under its lease; the commit checks every rank's upload against the plan, completes
+//!   them and writes `.metadata` last. Until then no object of the checkpoint exists; an upload
+//!   whose attempt failed is aborted (by the worker here, or by the server's reaper).
+//! - Validation and upload read the checkpoint and the release back into the worker's object
+//!   cache (`objects::download`) and run as they do on local directories.
+//!
+//! Every task's staging directory is removed when it ends.
+
+use std::collections::BTreeMap;
+use std::fs::{self, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use shardline_artifacts::{Artifacts, ListedObject, Upload};
+use shardline_control::graph::ShardJob;
+use shardline_control::{ListedFile, PartUpload, TaskOutput};
+use shardline_formats::execute::{self, SourceMap};
+use shardline_formats::safetensors::Release;
+use shardline_layout::{Plan, PlanTable};
+use shardline_store::{Lease, Store, UploadEnd};
+
+use crate::steps::{job_plan, plan_digest, StepContext, StepError};
+
+/// The marker a release's prefix gets last: every file with its size.
+pub const RELEASE_MARKER: &str = "shardline-release.json";
+/// Files other than safetensors staged whole only up to this size (configs, indexes, tokenizers).
+const MAX_SMALL_FILE: u64 = 64 << 20;
+/// The largest safetensors header read (the format's own limit is 100 MB).
+const MAX_HEADER: u64 = 100_000_000;
+
+/// Records, under a task's lease, the multipart uploads it opens and how they end.
+#[derive(Clone)]
+pub struct UploadLedger {
+    pub store: Store,
+    pub lease: Lease,
+}
+
+impl UploadLedger {
+    async fn opened(&self, artifacts: &Artifacts, name: &str, upload_id: &str) -> bool {
+        self.store.register_upload(&self.lease, artifacts.url(), name, upload_id).await.unwrap_or(false)
+    }
+
+    async fn ended(&self, artifacts: &Artifacts, name: &str, upload_id: &str, end: UploadEnd) {
+        if let Err(e) = self.store.end_upload(artifacts.url(), name, upload_id, end).await {
+            // The reaper finds the upload by its attempt's end and settles it.
+            tracing::warn!("recording the end of upload {upload_id} of `{name}` failed: {e}");
+        }
+    }
+}
+
+fn ledger<'a>(ctx: &StepContext<'a>) -> Result<&'a UploadLedger, StepError> {
+    ctx.ledger.ok_or_else(|| StepError::fatal("uploads to the artifact store need a lease to record them under"))
+}
+
+fn open_artifacts(url: &str, ctx: &StepContext) -> Result<Artifacts, StepError> {
+    Artifacts::open(url, &ctx.objects.store_options).map_err(|e| StepError::fatal(e.to_string()))
+}
+
+fn transient(e: impl std::fmt::Display) -> StepError {
+    StepError::transient(e.to_string())
+}
+
+/// Uploads `path` as `name` and completes it at once (files that are whole outputs by themselves).
+async fn put_file(artifacts: &Artifacts, name: &str, path: &Path, ctx: &StepContext<'_>) -> Result<u64, StepError> {
+    let ledger = ledger(ctx)?;
+    let upload = artifacts
+        .upload_file(name, path, |id: String| async move { ledger.opened(artifacts, name, &id).await })
+        .await
+        .map_err(transient)?;
+    artifacts.complete(&upload).await.map_err(transient)?;
+    ledger.ended(artifacts, name, &upload.upload_id, UploadEnd::Completed).await;
+    Ok(upload.size)
+}
+
+/// A downloaded release's output, with its files put in the artifact store under `root` (once:
+/// a complete copy with the same files is reused).
+pub fn publish_release(mut output: TaskOutput, root: &str, ctx: &StepContext) -> Result<TaskOutput, StepError> {
+    let dir = output.path.clone().ok_or_else(|| StepError::fatal("the download reported no directory"))?;
+    let files = release_files(&dir)?;
+    let mut key = Sha256::new();
+    key.update(output.source.as_ref().map(Value::to_string).unwrap_or_else(|| dir.display().to_string()));
+    for (name, size) in &files {
+        key.update(format!("{name}\0{size}\0").as_bytes());
+    }
+    let key = hex::encode(key.finalize());
+    let artifacts = open_artifacts(&format!("{}/releases/{}", root.trim_end_matches('/'), &key[..24]), ctx)?;
+    let marker = serde_json::to_vec(
+        &json!({ "files": files.iter().map(|(n, s)| json!({"name": n, "size": s})).collect::<Vec<_>>() }),
+    )
+    .map_err(transient)?;
+    let listing = ctx.runtime.block_on(async {
+        let present = artifacts.read_small(RELEASE_MARKER, 16 << 20).await.map_err(transient)?;
+        if present.as_deref() == Some(&marker[..]) {
+            (ctx.log)(format!("release already in the artifact store at {}", artifacts.url()));
+        } else {
+            for (name, _) in &files {
+                put_file(&artifacts, name, &dir.join(name), ctx).await?;
+            }
+            artifacts.put_small(RELEASE_MARKER, marker.clone()).await.map_err(transient)?;
+            (ctx.log)(format!("release put in the artifact store at {} ({} files)", artifacts.url(), files.len()));
+        }
+        artifacts.list().await.map_err(transient)
+    })?;
+    output.artifact = Some(artifacts.url().to_string());
+    output.file_list = Some(listed_files(&listing));
+    Ok(output)
+}
+
+/// The release's files, relative names and sizes, sorted (symlinks of a Hub snapshot followed).
+fn release_files(dir: &Path) -> Result<Vec<(String, u64)>, StepError> {
+    let mut out = Vec::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let entries = fs::read_dir(dir.join(&rel)).map_err(|e| transient(format!("{}: {e}", dir.display())))?;
+        for e in entries.flatten() {
+            let name = rel.join(e.file_name());
+            let meta = fs::metadata(dir.join(&name)).map_err(|e| transient(format!("{}: {e}", name.display())))?;
+            let text = name.to_string_lossy().into_owned();
+            if text.starts_with('.') {
+                continue;
+            }
+            if meta.is_dir() {
+                stack.push(name);
+            } else {
+                out.push((text, meta.len()));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+fn listed_files(listing: &[ListedObject]) -> Vec<ListedFile> {
+    listing
+        .iter()
+        .filter(|o| o.name != RELEASE_MARKER)
+        .map(|o| {
+            let mut f = ListedFile { path: o.name.clone(), size: o.size, ..ListedFile::default() };
+            if let Some(tag) = &o.e_tag {
+                f.rest.insert("e_tag".into(), json!(tag));
+            }
+            f
+        })
+        .collect()
+}
+
+/// An object-store source read in place: listed (pinning every object's ETag), never downloaded.
+pub fn list_source(url: &str, ctx: &StepContext) -> Result<TaskOutput, StepError> {
+    let artifacts = open_artifacts(url, ctx)?;
+    let listing = ctx.runtime.block_on(artifacts.list()).map_err(transient)?;
+    if !listing.iter().any(|o| o.name == "config.json") {
+        return Err(StepError::fatal(format!("{url} has no config.json: not a release")));
+    }
+    let mut digest = Sha256::new();
+    for o in &listing {
+        digest.update(format!("{}\0{}\0{}\0", o.name, o.size, o.e_tag.as_deref().unwrap_or("")).as_bytes());
+    }
+    (ctx.log)(format!("{url}: {} objects, read in place by later tasks", listing.len()));
+    Ok(TaskOutput {
+        artifact: Some(artifacts.url().to_string()),
+        digest: Some(hex::encode(digest.finalize())),
+        bytes: Some(listing.iter().map(|o| o.size).sum()),
+        files: Some(listing.len() as u64),
+        file_list: Some(listed_files(&listing)),
+        source: Some(json!({ "url": url })),
+        ..TaskOutput::default()
+    })
+}
+
+/// A release staged as sparse local files: what a plan, rank or commit task reads.
+struct Staged {
+    release: Release,
+    artifacts: Artifacts,
+    /// Every staged file with its ETag, by relative name.
+    tags: BTreeMap<String, Option<String>>,
+}
+
+/// Stages the release a download task recorded (`artifact` and `file_list`) under `dir`: every
+/// file created at its size, safetensors headers and small files filled in.
+fn stage_release(source: &TaskOutput, dir: &Path, ctx: &StepContext) -> Result<Staged, StepError> {
+    let url = source.artifact.as_deref().ok_or_else(|| StepError::fatal("the download recorded no artifact prefix"))?;
+    let files = source.file_list.clone().unwrap_or_default();
+    let artifacts = open_artifacts(url, ctx)?;
+    let tags: BTreeMap<String, Option<String>> = files
+        .iter()
+        .map(|f| (f.path.clone(), f.rest.get("e_tag").and_then(Value::as_str).map(str::to_string)))
+        .collect();
+    ctx.runtime.block_on(async {
+        for f in &files {
+            let path = dir.join(&f.path);
+            if let Some(parent) = path.parent() {
+                fs::create_dir_all(parent).map_err(|e| transient(format!("{}: {e}", parent.display())))?;
+            }
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&path)
+                .map_err(|e| transient(format!("{}: {e}", path.display())))?;
+            file.set_len(f.size).map_err(|e| transient(format!("{}: {e}", path.display())))?;
+            let file = Arc::new(file);
+            let tag = tags.get(&f.path).cloned().flatten();
+            if f.path.ends_with(".safetensors") {
+                if f.size < 8 {
+                    continue; // the reader reports it
+                }
+                artifacts.fetch_ranges(&f.path, tag.as_deref(), &[(0, 8)], file.clone()).await.map_err(transient)?;
+                let mut len = [0u8; 8];
+                std::os::unix::fs::FileExt::read_exact_at(&*file, &mut len, 0).map_err(transient)?;
+                let header = u64::from_le_bytes(len).min(MAX_HEADER).min(f.size - 8);
+                artifacts.fetch_ranges(&f.path, tag.as_deref(), &[(8, 8 + header)], file).await.map_err(transient)?;
+            } else if f.size <= MAX_SMALL_FILE {
+                artifacts.fetch_ranges(&f.path, tag.as_deref(), &[(0, f.size)], file).await.map_err(transient)?;
+            }
+        }
+        Ok::<(), StepError>(())
+    })?;
+    let release = Release::open(dir).map_err(|e| StepError::fatal(format!("release at {url}: {e}")))?;
+    Ok(Staged { release, artifacts, tags })
+}
+
+/// The plan of `job`, from a staged release, checked against the plan task's digest (`None`:
+/// the plan task itself).
+fn staged_plan(
+    ctx: &StepContext,
+    job: &ShardJob,
+    plan_task: Option<&str>,
+    dir: &Path,
+) -> Result<(Staged, Plan), StepError> {
+    let source =
+        ctx.outputs.get(&job.source_task).ok_or_else(|| StepError::transient("the download's output is missing"))?;
+    let staged = stage_release(source, &dir.join("release"), ctx)?;
+    let plan = job_plan(job, &staged.release)?;
+    if let Some(task) = plan_task {
+        let recorded = ctx.outputs.get(task).and_then(|o| o.plan_digest.clone()).unwrap_or_default();
+        let digest = plan_digest(&plan);
+        if digest != recorded {
+            return Err(StepError::fatal(format!(
+                "the plan rebuilt from the release in the artifact store ({digest}) differs from the one `{task}` recorded ({recorded})"
+            )));
+        }
+    }
+    Ok((staged, plan))
+}
+
+/// A plan task: the plan of the staged release (no output directory is prepared: rank files go
+/// to the store).
+pub fn plan(job: &ShardJob, ctx: &StepContext) -> Result<Plan, StepError> {
+    Ok(staged_plan(ctx, job, None, ctx.scratch)?.1)
+}
+
+/// A rank task: fetches the byte ranges its file reads, writes it locally and uploads it in
+/// parts, leaving the upload open for the commit.
+pub fn rank(job: &ShardJob, plan_task: &str, rank: u64, ctx: &StepContext) -> Result<TaskOutput, StepError> {
+    let remote = job.remote.as_deref().ok_or_else(|| StepError::fatal("no artifact prefix for the checkpoint"))?;
+    let (staged, plan) = staged_plan(ctx, job, Some(plan_task), ctx.scratch)?;
+    let sources = SourceMap::new(&plan, &staged.release).map_err(|e| StepError::fatal(e.to_string()))?;
+    let ranges = sources.rank_ranges(&PlanTable::new(&plan), rank);
+    let names: Vec<String> = sources
+        .file_paths()
+        .map(|p| p.strip_prefix(ctx.scratch.join("release")).unwrap_or(p).to_string_lossy().into_owned())
+        .collect();
+    drop(sources);
+    let fetched = ctx.runtime.block_on(async {
+        let mut total = 0;
+        for (fi, name) in names.iter().enumerate() {
+            let mine: Vec<(u64, u64)> = ranges.iter().filter(|r| r.file == fi).map(|r| (r.start, r.end)).collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let path = ctx.scratch.join("release").join(name);
+            let file = OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .map_err(|e| transient(format!("{}: {e}", path.display())))?;
+            let tag = staged.tags.get(name).cloned().flatten();
+            total +=
+                staged.artifacts.fetch_ranges(name, tag.as_deref(), &mine, Arc::new(file)).await.map_err(transient)?;
+        }
+        Ok::<u64, StepError>(total)
+    })?;
+    (ctx.log)(format!("fetched {fetched} release bytes in {} ranges for rank {rank}", ranges.len()));
+    let out = ctx.scratch.join("out");
+    let options = crate::steps::exec_options(job);
+    let bytes = execute::write_rank_file(&plan, &staged.release, &out, rank, &options, ctx.progress)
+        .map_err(|e| StepError::transient(e.to_string()))?;
+    let (name, _) = execute::rank_files(&plan, options.format)
+        .into_iter()
+        .nth(rank as usize)
+        .ok_or_else(|| StepError::fatal(format!("rank {rank} is outside the plan")))?;
+    let artifacts = open_artifacts(remote, ctx)?;
+    let path = out.join(&name);
+    let ledger = ledger(ctx)?;
+    let upload = ctx
+        .runtime
+        .block_on(artifacts.upload_file(&name, &path, |id: String| {
+            let (artifacts, name) = (&artifacts, &name);
+            async move { ledger.opened(artifacts, name, &id).await }
+        }))
+        .map_err(transient)?;
+    (ctx.log)(format!(
+        "rank {rank}: {bytes} tensor bytes, {} file bytes uploaded in {} parts (open)",
+        upload.size,
+        upload.parts.len()
+    ));
+    let Upload { name, upload_id, parts, size } = upload;
+    Ok(TaskOutput {
+        bytes: Some(bytes),
+        artifact: Some(remote.to_string()),
+        upload: Some(PartUpload { name, upload_id, parts, size }),
+        ..TaskOutput::default()
+    }
+    .with("rank", json!(rank)))
+}
+
+/// A commit task: every rank's upload checked against the plan and completed, then `.metadata`.
+pub fn commit(job: &ShardJob, plan_task: &str, ctx: &StepContext) -> Result<TaskOutput, StepError> {
+    let remote = job.remote.as_deref().ok_or_else(|| StepError::fatal("no artifact prefix for the checkpoint"))?;
+    let (_staged, plan) = staged_plan(ctx, job, Some(plan_task), ctx.scratch)?;
+    let options = crate::steps::exec_options(job);
+    let artifacts = open_artifacts(remote, ctx)?;
+    let mut uploads = Vec::new();
+    for (rank, (name, len)) in execute::rank_files(&plan, options.format).into_iter().enumerate() {
+        let task = format!("{plan_task}/rank-{rank}");
+        let u = ctx
+            .outputs
+            .get(&task)
+            .and_then(|o| o.upload.clone())
+            .ok_or_else(|| StepError::fatal(format!("`{task}` recorded no upload")))?;
+        if u.name != name || len.is_some_and(|l| l != u.size) {
+            return Err(StepError::fatal(format!(
+                "`{task}` uploaded `{}` of {} bytes; the plan implies `{name}` of {} bytes",
+                u.name,
+                u.size,
+                len.map_or("any".into(), |l| l.to_string())
+            )));
+        }
+        uploads.push(Upload { name: u.name, upload_id: u.upload_id, parts: u.parts, size: u.size });
+    }
+    let metadata = match options.format {
+        execute::OutputFormat::Dcp => Some(
+            execute::write_metadata_alone(&plan, &ctx.scratch.join("meta"))
+                .map_err(|e| StepError::transient(e.to_string()))?,
+        ),
+        execute::OutputFormat::DcpSafetensors => None,
+    };
+    ctx.runtime.block_on(async {
+        for u in &uploads {
+            artifacts.complete(u).await.map_err(transient)?;
+            ledger(ctx)?.ended(&artifacts, &u.name, &u.upload_id, UploadEnd::Completed).await;
+        }
+        if let Some(path) = &metadata {
+            put_file(&artifacts, ".metadata", path, ctx).await?;
+        }
+        Ok::<(), StepError>(())
+    })?;
+    (ctx.log)(format!("committed {remote}: {} rank files completed, then .metadata", uploads.len()));
+    let world = plan.world();
+    Ok(TaskOutput {
+        artifact: Some(remote.to_string()),
+        mesh: Some(plan.mesh.to_string()),
+        world: Some(world),
+        keys: Some(plan.tensors.len() as u64),
+        bytes: Some(plan.bytes_per_rank().iter().sum::<u64>()),
+        split_fused: Some(job.split_fused),
+        ..TaskOutput::default()
+    }
+    .with("format", json!(job.format)))
+}
+
+/// A local copy of what `output` names: its directory when it has one on this host, else its
+/// artifact prefix downloaded into the worker's object cache.
+pub fn materialize(output: &TaskOutput, ctx: &StepContext) -> Result<Option<PathBuf>, StepError> {
+    let Some(url) = output.artifact.as_deref() else { return Ok(None) };
+    let cache = ctx.objects.cache_dir.clone().unwrap_or_else(|| ctx.scratch_root.join("objects"));
+    let got = TaskOutput::from_value(&crate::objects::download(url, &cache, ctx.objects, ctx)?);
+    Ok(got.path)
+}
+
+/// Aborts an upload a failed attempt left open and records it.
+pub async fn abort(store: &Store, store_url: &str, name: &str, upload_id: &str) -> Result<(), String> {
+    let artifacts = Artifacts::open(store_url, &[]).map_err(|e| e.to_string())?;
+    artifacts.abort(name, upload_id).await.map_err(|e| e.to_string())?;
+    store.end_upload(store_url, name, upload_id, UploadEnd::Aborted).await.map_err(|e| e.to_string())
+}
+
+/// Removes a task's staging directory (best effort: it is under the worker's scratch root).
+pub fn clean(dir: &Path) {
+    if dir.exists() {
+        if let Err(e) = fs::remove_dir_all(dir) {
+            tracing::warn!("removing {}: {e}", dir.display());
+        }
+    }
+}

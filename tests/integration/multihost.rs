@@ -1,0 +1,340 @@
+//! Workers that share no disk: a server and three workers, each with a `--state-dir` of its own,
+//! on one PostgreSQL database, with a real S3-compatible server (moto) as the only medium the
+//! data passes through (`--artifacts s3://…`). The release comes from a local Hub server.
+//!
+//! Also: a worker killed with `kill -9` while its rank file's multipart upload is open. The run
+//! completes on the others, the reaper aborts the dead upload, and no object of the checkpoint
+//! is ever listed but complete rank files (the uploads stay open until the commit completes them).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use shardline_hub::fake::FakeHub;
+use shardline_publish::moto::{repo_root, venv_python, Moto};
+use shardline_store::{RunId, RunRow, RunState, Store, TaskState};
+use shardline_testdb::TestDb;
+
+use crate::orchestrator::synth;
+use crate::{bin, fixture, run, stderr, stdout};
+
+const WAIT: Duration = Duration::from_secs(180);
+const ARTIFACTS: &str = "artifacts";
+const CHECKPOINTS: &str = "checkpoints";
+const REPO: &str = "acme/tiny-qwen3-next";
+
+/// Processes on separate state directories, killed when dropped (their logs shown on failure).
+struct Hosts {
+    dir: tempfile::TempDir,
+    url: String,
+    env: Vec<(&'static str, String)>,
+    procs: BTreeMap<String, (Child, PathBuf)>,
+    rt: tokio::runtime::Runtime,
+    store: Store,
+    _db: TestDb,
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for (name, (child, log)) in &mut self.procs {
+            let _ = child.kill();
+            let _ = child.wait();
+            if std::thread::panicking() {
+                eprintln!("---- {name} ----\n{}", std::fs::read_to_string(log).unwrap_or_default());
+            }
+        }
+    }
+}
+
+impl Hosts {
+    fn new(moto: &Moto, hub: Option<&FakeHub>) -> Hosts {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+        let db = rt.block_on(TestDb::postgres(false));
+        let store = rt.block_on(db.store());
+        let mut env = moto.env();
+        if let Some(hub) = hub {
+            env.push(("HF_ENDPOINT", hub.endpoint()));
+        }
+        Hosts {
+            dir: tempfile::tempdir().expect("temp dir"),
+            url: db.url.clone(),
+            env,
+            procs: BTreeMap::new(),
+            rt,
+            store,
+            _db: db,
+        }
+    }
+
+    /// `shardline ARGS` as host `host` runs it: its own state directory and HF cache.
+    fn cmd(&self, host: &str, args: &[&str]) -> Command {
+        let home = self.dir.path().join(host);
+        std::fs::create_dir_all(&home).expect("host dir");
+        let mut c = bin();
+        c.args(args)
+            .arg("--database-url")
+            .arg(&self.url)
+            .arg("--state-dir")
+            .arg(home.join("state"))
+            .arg("--artifacts")
+            .arg(format!("s3://{ARTIFACTS}/shardline"))
+            .current_dir(&home)
+            .env("HF_HOME", home.join("hf"))
+            .env_remove("HF_HUB_CACHE")
+            .env_remove("HF_TOKEN")
+            .env_remove("SHARDLINE_DATABASE_URL")
+            .envs(self.env.iter().map(|(k, v)| (*k, v.as_str())));
+        c
+    }
+
+    fn spawn(&mut self, host: &str, args: &[&str]) {
+        let log = self.dir.path().join(format!("{host}.log"));
+        let out = File::create(&log).expect("log");
+        let child = self
+            .cmd(host, args)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("log"))
+            .stderr(out)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {host}: {e}"));
+        self.procs.insert(host.to_string(), (child, log));
+    }
+
+    fn worker(&mut self, host: &str) {
+        self.spawn(host, &["worker", "--name", host, "--cpus", "2", "--lease-seconds", "3"]);
+    }
+
+    fn kill9(&mut self, host: &str) {
+        let (child, _) = self.procs.get_mut(host).unwrap_or_else(|| panic!("no host {host}"));
+        child.kill().expect("kill -9");
+        let _ = child.wait();
+    }
+
+    fn submit(&self, spec: &Path, set: &[String]) -> RunId {
+        let mut c = self.cmd("client", &["submit"]);
+        c.arg(spec);
+        for s in set {
+            c.args(["--set", s]);
+        }
+        let o = run(&mut c);
+        assert!(o.status.success(), "submit: {}\n{}", stdout(&o), stderr(&o));
+        RunId(stdout(&o).trim().parse().unwrap_or_else(|e| panic!("run id `{}`: {e}", stdout(&o))))
+    }
+
+    fn run_row(&self, run: RunId) -> RunRow {
+        self.rt.block_on(self.store.get_run(run)).expect("store").expect("run")
+    }
+
+    fn wait_run(&self, run: RunId) -> RunRow {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let r = self.run_row(run);
+            if matches!(r.state, RunState::Succeeded | RunState::Failed | RunState::Cancelled) {
+                return r;
+            }
+            assert!(Instant::now() < deadline, "run {run} did not end within {WAIT:?}: {r:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The workers that ran each task (succeeded attempts), by task name.
+    fn ran_by(&self, run: RunId) -> BTreeMap<String, String> {
+        let tasks = self.rt.block_on(self.store.run_tasks(run)).expect("tasks");
+        let mut out = BTreeMap::new();
+        for t in tasks {
+            let attempts = self.rt.block_on(self.store.task_attempts(t.id)).expect("attempts");
+            if let Some(a) = attempts.iter().find(|a| a.outcome == Some(shardline_store::AttemptOutcome::Succeeded)) {
+                out.insert(t.name.clone(), a.worker_name.clone());
+            }
+        }
+        out
+    }
+}
+
+#[test]
+fn three_workers_without_a_shared_disk_convert_validate_and_publish() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let hub = runtime.block_on(FakeHub::start()).expect("start the local Hub");
+    let sha = hub.publish_dir(REPO, &fixture("qwen3_next")).expect("publish the fixture");
+    let moto = Moto::start(tmp.path());
+    moto.create_bucket(ARTIFACTS);
+    moto.create_bucket(CHECKPOINTS);
+    let mut hosts = Hosts::new(&moto, Some(&hub));
+    hosts.spawn("server", &["server"]);
+    for w in ["host-a", "host-b", "host-c"] {
+        hosts.worker(w);
+    }
+    let pipeline = repo_root().join("pipelines/hub-qwen3.yaml");
+    let run = hosts.submit(
+        &pipeline,
+        &[format!("repo={REPO}"), "tp=2".into(), "dp=4".into(), format!("dest=s3://{CHECKPOINTS}/published")],
+    );
+    let row = hosts.wait_run(run);
+    assert_eq!(row.state, RunState::Succeeded, "{:?}", row.error);
+    let name = row.options.name.clone().expect("run name");
+
+    // Every worker ran rank tasks; all eight ranks ran somewhere.
+    let ran = hosts.ran_by(run);
+    let rank_hosts: BTreeSet<&String> = ran.iter().filter(|(t, _)| t.contains("/rank-")).map(|(_, w)| w).collect();
+    assert_eq!(ran.keys().filter(|t| t.contains("/rank-")).count(), 8, "{ran:?}");
+    assert_eq!(rank_hosts.len(), 3, "every worker ran some rank tasks: {ran:?}");
+
+    // The data went through the artifact store: the release once, the checkpoint under the run.
+    let art = moto.list_keys(ARTIFACTS, "shardline/");
+    let ckpt: Vec<&String> = art.iter().filter(|k| k.contains(&format!("runs/{name}/shard/checkpoint/"))).collect();
+    assert_eq!(ckpt.len(), 9, "8 rank files and .metadata: {art:?}");
+    assert!(art.iter().any(|k| k.contains("/releases/") && k.ends_with("/shardline-release.json")), "{art:?}");
+    assert_eq!(moto.open_multipart_uploads(ARTIFACTS), 0, "no upload may stay open");
+    assert_eq!(moto.open_multipart_uploads(CHECKPOINTS), 0);
+    let open = hosts.rt.block_on(hosts.store.open_uploads(run)).expect("uploads");
+    assert!(open.is_empty(), "{open:?}");
+    let validate = hosts.rt.block_on(hosts.store.run_tasks(run)).expect("tasks");
+    let validate = validate.iter().find(|t| t.name == "validate").expect("validate task");
+    assert_eq!(validate.state, TaskState::Succeeded);
+    assert_eq!(validate.output.as_ref().expect("output")["ok"], true);
+
+    // The published checkpoint, read back from S3, loads in torch and equals the reference.
+    let prefix = format!("published/{name}");
+    let out = Command::new(venv_python())
+        .arg(repo_root().join("tests/python/load_published.py"))
+        .args(["--endpoint", &moto.endpoint(), "--bucket", CHECKPOINTS, "--prefix", &prefix, "--tp", "2"])
+        .arg("--source")
+        .arg(fixture("qwen3_next"))
+        .arg("--out")
+        .arg(tmp.path().join("downloaded"))
+        .output()
+        .expect("run .venv python");
+    let summary = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "loading the published checkpoint failed:\n{summary}\n{}", {
+        String::from_utf8_lossy(&out.stderr)
+    });
+    let summary: Value = serde_json::from_str(summary.trim()).unwrap_or_else(|e| panic!("{e}: {summary}"));
+    assert_eq!(summary["objects"], 10, "{summary}");
+    assert_eq!(summary["problems"], serde_json::json!([]), "{summary}");
+    assert_eq!(summary["source"]["sha"], sha.as_str(), "{summary}");
+    drop(hosts);
+    drop(runtime);
+}
+
+#[test]
+fn a_worker_killed_during_its_multipart_upload_leaves_nothing_partial() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let source = synth("qwen3", "200MB");
+    let moto = Moto::start(tmp.path());
+    moto.create_bucket(ARTIFACTS);
+    let mut hosts = Hosts::new(&moto, None);
+    hosts.spawn("server", &["server"]);
+    for w in ["host-a", "host-b"] {
+        hosts.worker(w);
+    }
+    let spec = tmp.path().join("killed.yaml");
+    std::fs::write(
+        &spec,
+        format!(
+            "apiVersion: shardline/v1\nkind: Pipeline\nname: killed\nsteps:\n\
+             \x20 - {{id: download, uses: hf.download, with: {{path: \"{}\"}}}}\n\
+             \x20 - {{id: shard, uses: megatron.shard, needs: [download], with: {{tp: 1, dp: 2}}, retry: {{lost: 3}}}}\n",
+            source.display()
+        ),
+    )
+    .expect("spec");
+    let run = hosts.submit(&spec, &[]);
+    let name = hosts.run_row(run).options.name.expect("run name");
+    let ckpt_prefix = format!("shardline/runs/{name}/shard/checkpoint/");
+
+    // Kill the first worker seen with an open upload whose task it still holds; meanwhile record
+    // every object listed under the checkpoint with its size.
+    let mut killed: Option<String> = None;
+    let mut listed: BTreeMap<String, BTreeSet<u64>> = BTreeMap::new();
+    let deadline = Instant::now() + WAIT;
+    let row = loop {
+        let r = hosts.run_row(run);
+        if matches!(r.state, RunState::Succeeded | RunState::Failed | RunState::Cancelled) {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "run {run} did not end within {WAIT:?}: {r:?}");
+        for (key, size) in list_sizes(&moto, &ckpt_prefix) {
+            listed.entry(key).or_default().insert(size);
+        }
+        if killed.is_none() {
+            if let Some((victim, what)) = uploading_worker(&hosts, run) {
+                eprintln!("killing {victim} while it uploads {what}");
+                hosts.kill9(&victim);
+                killed = Some(victim);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let victim = killed.expect("no worker was caught with an open upload: the test tested nothing");
+    assert_eq!(row.state, RunState::Succeeded, "{:?}", row.error);
+    // The killed attempt was lost and its task done again by the other worker.
+    let ran = hosts.ran_by(run);
+    let tasks = hosts.rt.block_on(hosts.store.run_tasks(run)).expect("tasks");
+    let lost: Vec<String> = tasks
+        .iter()
+        .filter(|t| {
+            let attempts = hosts.rt.block_on(hosts.store.task_attempts(t.id)).expect("attempts");
+            attempts
+                .iter()
+                .any(|a| a.worker_name == victim && a.outcome == Some(shardline_store::AttemptOutcome::Expired))
+        })
+        .map(|t| t.name.clone())
+        .collect();
+    assert!(!lost.is_empty(), "{victim}'s attempt was not recorded as lost");
+    for t in &lost {
+        assert_ne!(ran.get(t), Some(&victim), "`{t}` succeeded on the killed worker");
+    }
+
+    // The dead upload is aborted by the reaper: none stays open.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while moto.open_multipart_uploads(ARTIFACTS) > 0 {
+        assert!(Instant::now() < deadline, "an aborted worker's upload is still open on the server");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(hosts.rt.block_on(hosts.store.open_uploads(run)).expect("uploads").is_empty());
+
+    // Every object ever listed under the checkpoint had one size: its complete one.
+    let finals = list_sizes(&moto, &ckpt_prefix);
+    assert_eq!(finals.len(), 3, "2 rank files and .metadata: {finals:?}");
+    for (key, sizes) in &listed {
+        assert_eq!(sizes.len(), 1, "`{key}` was listed with sizes {sizes:?}");
+        assert_eq!(finals.get(key), sizes.iter().next(), "`{key}` was listed at another size than its final one");
+    }
+}
+
+/// A worker holding a task whose multipart upload is open, and what it uploads.
+fn uploading_worker(hosts: &Hosts, run: RunId) -> Option<(String, String)> {
+    let open = hosts.rt.block_on(hosts.store.open_uploads(run)).expect("uploads");
+    for u in open {
+        let task = hosts.rt.block_on(hosts.store.task(shardline_store::TaskId(u.task_id))).expect("task");
+        let Some(task) = task.filter(|t| t.state == TaskState::Leased) else { continue };
+        let attempts = hosts.rt.block_on(hosts.store.task_attempts(task.id)).expect("attempts");
+        if let Some(a) = attempts.iter().rev().find(|a| a.outcome.is_none()) {
+            return Some((a.worker_name.clone(), format!("`{}` ({})", u.object_key, task.name)));
+        }
+    }
+    None
+}
+
+/// Keys and sizes under `prefix` of the artifact bucket.
+fn list_sizes(moto: &Moto, prefix: &str) -> BTreeMap<String, u64> {
+    let (status, body) = moto.http("GET", &format!("/{ARTIFACTS}?list-type=2&prefix={prefix}")).expect("moto");
+    assert_eq!(status, 200, "{body}");
+    let mut out = BTreeMap::new();
+    for item in body.split("<Contents>").skip(1) {
+        let field = |tag: &str| {
+            item.split(&format!("<{tag}>"))
+                .nth(1)
+                .and_then(|r| r.split(&format!("</{tag}>")).next())
+                .map(str::to_string)
+        };
+        if let (Some(k), Some(s)) = (field("Key"), field("Size")) {
+            out.insert(k, s.parse().unwrap_or(0));
+        }
+    }
+    out
+}
