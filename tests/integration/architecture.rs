@@ -23,6 +23,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("shardline-store", &["shardline-units", "shardline-backoff"]),
     ("shardline-hub", &["shardline-backoff"]),
     ("shardline-publish", &[]),
+    // The artifact store: object-store listings, ranged reads, multipart uploads by id.
+    ("shardline-artifacts", &["shardline-publish"]),
     // Specs are pure: the layout's config parser (for mesh checks) and the units.
     ("shardline-spec", &["shardline-layout", "shardline-units"]),
     // Contracts and submission: never the engine, the data plane's I/O, the Hub or object stores.
@@ -34,6 +36,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "shardline-layout",
             "shardline-formats",
             "shardline-publish",
+            "shardline-artifacts",
             "shardline-hub",
             "shardline-control",
             "shardline-store",

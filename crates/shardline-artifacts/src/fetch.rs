@@ -146,3 +146,14 @@ fn write_at(file: &File, bytes: &[u8], at: u64, name: &str) -> Result<()> {
         error,
     })
 }
+
+impl Artifacts {
+    /// Deletes every object under the prefix; returns how many.
+    pub async fn delete_all(&self) -> Result<usize> {
+        let listed = self.list().await?;
+        for o in &listed {
+            self.dest.store().delete(&self.object(&o.name)).await.map_err(|e| self.store_err(&o.name, "delete", e))?;
+        }
+        Ok(listed.len())
+    }
+}

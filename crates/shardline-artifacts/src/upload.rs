@@ -127,3 +127,51 @@ impl Artifacts {
         }
     }
 }
+
+impl Artifacts {
+    /// Copies the object `name` to `to`'s `dest_name` through this client, part by part (a
+    /// ranged read, then that part's upload; [`PARTS_IN_FLIGHT`] at a time): a plain parallel
+    /// copy of the bytes, the yardstick `shardline bench --s3` measures conversions against.
+    pub async fn copy_through(&self, name: &str, size: u64, to: &Artifacts, dest_name: &str) -> Result<u64> {
+        let mp = to.multipart()?;
+        let location = to.object(dest_name);
+        let id = mp.create_multipart(&location).await.map_err(|e| to.store_err(dest_name, "create upload", e))?;
+        let parts = size.div_ceil(PART_BYTES).max(1);
+        let source = self.object(name);
+        let sent: Result<Vec<(usize, PartId)>> = stream::iter(0..parts)
+            .map(|k| {
+                let (source, location, id) = (source.clone(), location.clone(), id.clone());
+                async move {
+                    let range = k * PART_BYTES..((k + 1) * PART_BYTES).min(size);
+                    let bytes = shardline_publish::object_store::ObjectStoreExt::get_range(
+                        self.dest.store().as_ref(),
+                        &source,
+                        range,
+                    )
+                    .await
+                    .map_err(|e| self.store_err(name, "read", e))?;
+                    let part = mp
+                        .put_part(&location, &id, k as usize, PutPayload::from(bytes))
+                        .await
+                        .map_err(|e| to.store_err(dest_name, "upload part", e))?;
+                    Ok((k as usize, part))
+                }
+            })
+            .buffer_unordered(PARTS_IN_FLIGHT)
+            .try_collect()
+            .await;
+        let mut sent = match sent {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = mp.abort_multipart(&location, &id).await;
+                return Err(e);
+            }
+        };
+        sent.sort_by_key(|(k, _)| *k);
+        let parts = sent.into_iter().map(|(_, p)| p).collect();
+        mp.complete_multipart(&location, &id, parts)
+            .await
+            .map_err(|e| to.store_err(dest_name, "complete upload", e))?;
+        Ok(size)
+    }
+}

@@ -344,6 +344,11 @@ pub struct BenchArgs {
     /// mesh, resharded to this one (`tp=1,dp=3,…`), and exported back to HF.
     #[arg(long, value_name = "MESH")]
     pub training: Option<String>,
+    /// Measure S3 → S3 instead: the release put under this prefix (`s3://bucket/prefix`, the
+    /// store configured from the environment), converted there with `--artifacts`, against a
+    /// parallel copy of its objects through the same server.
+    #[arg(long, value_name = "URL")]
+    pub s3: Option<String>,
     #[arg(long)]
     pub json: bool,
 }
@@ -360,28 +365,38 @@ pub(crate) fn time_command(cmd: &mut Command) -> Result<(f64, String)> {
     Ok((secs, String::from_utf8_lossy(&out.stdout).into_owned()))
 }
 
+/// The benchmark's synthetic release of `size`, generated under `--work` the first time (the
+/// FP8 and bf16 releases of one model are cached side by side).
+pub(crate) fn bench_release(exe: &Path, args: &BenchArgs, size: &str) -> Result<PathBuf> {
+    let dir_tag = if args.fp8 { "-fp8" } else { "" };
+    let src = args.work.join(format!("{}{dir_tag}-{size}", args.arch));
+    if !src.join("config.json").exists() {
+        eprintln!("generating {} {size} at {} …", args.arch, src.display());
+        time_command(
+            Command::new(exe)
+                .args(["synth", "--arch", &args.arch, "--size", size])
+                .args(args.fp8.then_some("--fp8"))
+                .arg(&src),
+        )?;
+    }
+    Ok(src)
+}
+
 pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
     if let Some(to) = &args.training {
         return crate::bench_training::run_training_bench(&args, to);
+    }
+    if let Some(url) = &args.s3 {
+        return crate::bench_s3::run_s3_bench(&args, url);
     }
     weight_format(&args.arch, args.fp8)?;
     let exe = std::env::current_exe().context("locating the shardline binary")?;
     let mesh = args.mesh.mesh();
     std::fs::create_dir_all(&args.work).with_context(|| format!("creating {}", args.work.display()))?;
-    // The FP8 and bf16 releases of one model are cached side by side.
-    let (label, dir_tag) = if args.fp8 { (format!("{} FP8", args.arch), "-fp8") } else { (args.arch.clone(), "") };
+    let label = if args.fp8 { format!("{} FP8", args.arch) } else { args.arch.clone() };
     let mut rows = Vec::new();
     for size in &args.sizes {
-        let src = args.work.join(format!("{}{dir_tag}-{size}", args.arch));
-        if !src.join("config.json").exists() {
-            eprintln!("generating {label} {size} at {} …", src.display());
-            time_command(
-                Command::new(&exe)
-                    .args(["synth", "--arch", &args.arch, "--size", size])
-                    .args(args.fp8.then_some("--fp8"))
-                    .arg(&src),
-            )?;
-        }
+        let src = bench_release(&exe, &args, size)?;
         let release = Release::open(&src)?;
         let input = release.total_bytes();
         let copy = args.work.join("cp-copy");

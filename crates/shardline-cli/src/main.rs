@@ -2,6 +2,7 @@
 //! reports; the logic lives in the library crates.
 
 mod archs;
+mod bench_s3;
 mod bench_training;
 mod convert;
 mod export;
