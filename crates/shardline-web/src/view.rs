@@ -373,6 +373,7 @@ mod tests {
             state: WorkerState::Active,
             registered_at: beat,
             last_heartbeat: beat,
+            disk: None,
         }
     }
 
