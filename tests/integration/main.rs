@@ -5,6 +5,7 @@ mod architecture;
 mod bad_input;
 mod command_steps;
 mod convert;
+mod disk;
 mod export;
 mod hub_s3;
 mod metrics;

@@ -11,7 +11,7 @@ use clap::Args;
 use serde_json::json;
 use shardline_control::graph::{kinds, Payload};
 use shardline_control::{submit, Submission, TaskOutput, TaskProgress};
-use shardline_engine::{reaper, run_worker, steps, WorkerConfig};
+use shardline_engine::{reaper, run_worker, steps, DiskSettings, WorkerConfig, DEFAULT_SCRATCH_RESERVE};
 use shardline_spec::{lint, parse_size, render_all, Severity};
 use shardline_store::{redact_url, LogFilter, Page, RunFilter, RunId, RunState, Store, TaskState, WorkerInfo};
 use tokio::sync::watch;
@@ -142,9 +142,14 @@ pub struct WorkerResources {
     /// GPU device indices, e.g. 0,1 (default: discovered with the `cuda` feature, else none).
     #[arg(long, value_delimiter = ',')]
     pub gpus: Option<Vec<u32>>,
-    /// Local scratch disk, e.g. 500GiB (default: free space of the work directory).
+    /// Scratch disk it may offer at most, e.g. 500GiB (default: no cap: the free space of the
+    /// work directory's file system, measured before each claim, less --scratch-reserve).
     #[arg(long)]
     pub scratch: Option<String>,
+    /// Disk space never offered as scratch, e.g. 10GiB: what tasks leave free on the work
+    /// directory's file system (default: 1GiB).
+    #[arg(long)]
+    pub scratch_reserve: Option<String>,
     /// Worker name (default: host name and process id).
     #[arg(long)]
     pub name: Option<String>,
@@ -184,6 +189,15 @@ fn worker_info(r: &WorkerResources, suffix: &str) -> Result<WorkerInfo> {
     })
 }
 
+/// Where a worker measures its disk (the work directory's file system) and what it keeps free.
+fn disk_settings(r: &WorkerResources, state: &StateArgs) -> Result<DiskSettings> {
+    let reserve = match &r.scratch_reserve {
+        Some(s) => parse_size(s).map_err(|e| anyhow::anyhow!("--scratch-reserve {s}: {e}"))?,
+        None => DEFAULT_SCRATCH_RESERVE,
+    };
+    Ok(DiskSettings { dir: state.work_dir(), reserve })
+}
+
 pub fn run_run(args: RunArgs) -> Result<ExitCode> {
     let text = read_spec(&args.file)?;
     let base = std::env::current_dir()?;
@@ -221,12 +235,18 @@ pub fn run_run(args: RunArgs) -> Result<ExitCode> {
         let mut handles = Vec::new();
         handles.push(tokio::spawn(reaper(store.clone(), Duration::from_secs(1), stop_rx.clone())));
         for i in 0..args.workers.max(1) {
-            let info = worker_info(
-                &WorkerResources { cpus: None, memory: None, gpus: None, scratch: None, name: None },
-                &format!("-w{i}"),
-            )?;
+            let resources = WorkerResources {
+                cpus: None,
+                memory: None,
+                gpus: None,
+                scratch: None,
+                scratch_reserve: None,
+                name: None,
+            };
+            let info = worker_info(&resources, &format!("-w{i}"))?;
             let mut config = WorkerConfig::new(info);
             config.lease_ttl = Duration::from_secs(10);
+            config.disk = Some(disk_settings(&resources, &args.state)?);
             let store = store.clone();
             let rx = stop_rx.clone();
             handles.push(tokio::spawn(async move {
@@ -546,14 +566,29 @@ pub struct WorkerArgs {
 
 pub fn run_worker_cmd(args: WorkerArgs) -> Result<ExitCode> {
     let info = worker_info(&args.resources, "")?;
+    let disk = disk_settings(&args.resources, &args.state)?;
     runtime()?.block_on(async move {
         let store = args.state.store().await?;
         let (tx, rx) = watch::channel(false);
         tokio::spawn(shutdown_signal(tx));
         eprintln!("worker `{}`: {} cpus, {} memory, gpus {:?}", info.name, info.cpus, bytes(info.memory), info.gpus);
+        match shardline_engine::disk::measure(&disk.dir) {
+            Ok(space) => eprintln!(
+                "worker `{}`: {} free of {} on the file system of {}, {} kept free",
+                info.name,
+                bytes(space.free),
+                bytes(space.total),
+                disk.dir.display(),
+                bytes(disk.reserve)
+            ),
+            Err(e) => {
+                eprintln!("worker `{}`: cannot measure {}: {e}; no scratch offered", info.name, disk.dir.display())
+            }
+        }
         let mut config = WorkerConfig::new(info);
         config.lease_ttl = Duration::from_secs(args.lease_seconds.max(1));
         config.scratch_dir = args.state.scratch_dir();
+        config.disk = Some(disk);
         run_worker(store, config, rx).await.context("worker")?;
         Ok(ExitCode::SUCCESS)
     })

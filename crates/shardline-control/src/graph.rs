@@ -651,12 +651,17 @@ fn resolve_destination(to: &str, base_dir: &Path) -> String {
     }
 }
 
+/// The name of the task that writes rank file `rank` of the shard whose plan task is `plan_task`.
+pub fn rank_task(plan_task: &str, rank: u64) -> String {
+    format!("{plan_task}/rank-{rank}")
+}
+
 fn fan_out(tasks: &mut Vec<NewTask>, step: &ResolvedStep, name: &str, needs: Vec<String>, job: ShardJob) {
     let plan = name.to_string();
     tasks.push(base(step, plan.clone(), kinds::PLAN, needs, Payload::Plan { job: job.clone() }));
     let mut ranks = Vec::new();
     for rank in 0..job.world() {
-        let n = format!("{name}/rank-{rank}");
+        let n = rank_task(&plan, rank);
         ranks.push(n.clone());
         tasks.push(base(
             step,

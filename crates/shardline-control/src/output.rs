@@ -8,6 +8,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
+use shardline_store::ScratchNeed;
 
 /// A task's output. Serializes to the JSON object stored with the task (absent fields are left
 /// out).
@@ -142,6 +143,30 @@ impl TaskOutput {
     pub fn is_cached(&self) -> bool {
         self.cached.is_some()
     }
+
+    /// A plan's output read as the scratch its rank tasks need: each about its rank file's
+    /// bytes — the tensor bytes the plan counts, plus [`rank_file_headroom`] for the file's
+    /// framing. Empty when the plan records no sizes (served from the step cache: its rank
+    /// tasks write nothing). The commit task gets none: it writes only `.metadata`, small next
+    /// to the rank files, which are on the disk by then and in every measurement of it.
+    pub fn rank_scratch_needs(&self, plan_task: &str) -> Vec<ScratchNeed> {
+        let Some(per_rank) = &self.bytes_per_rank else { return Vec::new() };
+        per_rank
+            .iter()
+            .zip(0u64..)
+            .map(|(&bytes, rank)| ScratchNeed {
+                task: crate::graph::rank_task(plan_task, rank),
+                bytes: bytes.saturating_add(rank_file_headroom(bytes)),
+            })
+            .collect()
+    }
+}
+
+/// Bytes a rank file holds beyond its tensor data: each item's zip and pickle framing and
+/// alignment. Estimated as 1/64 of the data plus 1 MiB, which covers many small tensors (a few
+/// hundred bytes each) as well as few large ones.
+pub fn rank_file_headroom(tensor_bytes: u64) -> u64 {
+    tensor_bytes / 64 + (1 << 20)
 }
 
 /// What a running task reports with each heartbeat.
@@ -192,5 +217,25 @@ mod tests {
         let plan = json!({"cached": {"dir": "/x", "bytes": 5}, "cache_key": "k", "plan_digest": ""});
         assert_eq!(TaskOutput::from_value(&plan).to_value(), plan);
         assert_eq!(TaskOutput::from_value(&json!(null)), TaskOutput::default());
+    }
+
+    #[test]
+    fn a_plan_gives_its_rank_tasks_their_file_sizes_as_scratch() {
+        let plan = TaskOutput::from_value(&json!({"plan_digest": "d", "bytes_per_rank": [0, 6400, 1u64 << 40]}));
+        let needs = plan.rank_scratch_needs("shard");
+        let got: Vec<(&str, u64)> = needs.iter().map(|n| (n.task.as_str(), n.bytes)).collect();
+        assert_eq!(
+            got,
+            [
+                ("shard/rank-0", 1 << 20),
+                ("shard/rank-1", 6400 + 100 + (1 << 20)),
+                ("shard/rank-2", (1 << 40) + (1 << 34) + (1 << 20))
+            ]
+        );
+        // The names are the graph's own.
+        assert_eq!(crate::graph::rank_task("shard", 1), "shard/rank-1");
+        // A cached plan (no sizes) sets nothing.
+        let cached = TaskOutput::from_value(&json!({"cached": {"dir": "/x"}, "plan_digest": ""}));
+        assert!(cached.rank_scratch_needs("shard").is_empty());
     }
 }

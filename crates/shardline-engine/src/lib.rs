@@ -1,6 +1,6 @@
 //! Runs pipelines: workers lease the tasks of a run's graph (built and submitted by
 //! `shardline-control`) and execute them ([`worker`], [`steps`], [`hub`], [`objects`],
-//! [`checkpoints`], [`command`]); the
+//! [`checkpoints`], [`command`]), offering the scratch their disk has free ([`disk`]); the
 //! reaper returns expired leases to the queue.
 //!
 //! **Owns:** what each task does and the worker loop (leases, heartbeats, logs, the step cache).
@@ -14,6 +14,7 @@
 
 pub mod checkpoints;
 pub mod command;
+pub mod disk;
 pub mod hub;
 pub mod objects;
 pub mod remote;
@@ -25,6 +26,7 @@ use std::time::Duration;
 use shardline_store::Store;
 use tokio::sync::watch;
 
+pub use disk::{DiskSettings, DEFAULT_SCRATCH_RESERVE};
 pub use hub::HubSettings;
 pub use objects::ObjectSourceSettings;
 pub use worker::{run_worker, WorkerConfig};

@@ -14,12 +14,13 @@ use shardline_control::graph::Payload;
 use shardline_control::{TaskOutput, TaskProgress};
 use shardline_formats::execute::Progress;
 use shardline_store::{
-    Lease, LogLine, LogStream, Outcome, Resources, RunId, Store, TaskRow, TaskState, WorkerId, WorkerInfo,
+    Lease, LogLine, LogStream, Outcome, Resources, RunId, ScratchNeed, Store, TaskRow, TaskState, WorkerId, WorkerInfo,
 };
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::checkpoints;
+use crate::disk::{self, DiskSettings};
 use crate::hub::{self, HubRequest, HubSettings};
 use crate::objects::{self, ObjectSourceSettings};
 use crate::steps::{self, StepContext, StepError};
@@ -42,6 +43,10 @@ pub struct WorkerConfig {
     /// Where tasks stage what they read from an artifact store (a directory per task, removed
     /// when it ends) and the object cache of artifacts read back whole (`objects/`).
     pub scratch_dir: std::path::PathBuf,
+    /// Where the worker measures its free disk before each claim, and what it keeps free; it
+    /// then offers the smaller of its configured scratch and that (see [`crate::disk`]).
+    /// `None` (the default): it offers its configured scratch, unmeasured.
+    pub disk: Option<DiskSettings>,
 }
 
 impl WorkerConfig {
@@ -54,6 +59,7 @@ impl WorkerConfig {
             hub: HubSettings::default(),
             objects: ObjectSourceSettings::default(),
             scratch_dir: std::env::temp_dir().join("shardline-scratch"),
+            disk: None,
         }
     }
 }
@@ -75,13 +81,18 @@ pub async fn run_worker(
         Arc::new(Mutex::new(Pool { free: config.info.resources(), gpus: config.info.gpus.iter().copied().collect() }));
     let mut running: JoinSet<()> = JoinSet::new();
     let mut beat = tokio::time::interval(config.lease_ttl / 3);
+    let cap = config.info.scratch;
+    let free_now = |pool: &Mutex<Pool>| pool.lock().map(|p| p.free).unwrap_or_default();
+    // The disk is known to the store from the start, not from the first idle beat.
+    disk::beat(&store, id, free_now(&pool), cap, config.disk.as_ref()).await;
     loop {
         if *shutdown.borrow() {
             break;
         }
         // Reap finished handlers.
         while running.try_join_next().is_some() {}
-        let free = pool.lock().map(|p| p.free).unwrap_or_default();
+        // Measured before every claim: the disk fills and empties between them.
+        let (free, _) = disk::offer(free_now(&pool), cap, config.disk.as_ref());
         let claimed = if free.cpus > 0 || free.gpus > 0 {
             match store.claim(id, &free, config.lease_ttl).await {
                 Ok(c) => c,
@@ -110,10 +121,7 @@ pub async fn run_worker(
                     _ = store.wait_for_work(config.poll) => {}
                     _ = shutdown.changed() => {}
                     _ = beat.tick() => {
-                        if let Err(e) = store.worker_heartbeat(id).await {
-                            // Only the dashboard reads it; the next beat tries again.
-                            tracing::warn!("worker heartbeat failed (will retry): {e}");
-                        }
+                        disk::beat(&store, id, free_now(&pool), cap, config.disk.as_ref()).await;
                     }
                     Some(_) = running.join_next(), if !running.is_empty() => {}
                 }
@@ -174,13 +182,13 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
             if let Outcome::Failed { error, .. } = &failure {
                 log(LogStream::Stderr, format!("error: {error}"));
             }
-            report(store, &lease, &mut logs, failure).await;
+            report(store, &lease, &mut logs, failure, &[]).await;
             return;
         }
     };
     let cache_key = match check_cache(store, config, task.run, &payload, &outputs, &log).await {
         CacheCheck::Hit(output) => {
-            report(store, &lease, &mut logs, Outcome::Succeeded { output: output.to_value() }).await;
+            report(store, &lease, &mut logs, Outcome::Succeeded { output: output.to_value() }, &[]).await;
             return;
         }
         CacheCheck::Miss { key } => key,
@@ -189,13 +197,26 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
     let result = run_step(store, config, &lease, &mut logs, &log_tx, &payload, &outputs, &devices).await;
     match conclude(store, task, &payload, cache_key, started, result, &log).await {
         Ok(output) => {
-            let accepted = report(store, &lease, &mut logs, Outcome::Succeeded { output: output.to_value() }).await;
+            // A plan knows how large each rank file will be: its rank tasks need that much scratch.
+            let needs = match &payload {
+                Payload::Plan { job } => {
+                    let mut needs = output.rank_scratch_needs(&task.name);
+                    if job.remote.is_some() {
+                        // Staged from an artifact store: the rank's source bytes too, as large.
+                        needs.iter_mut().for_each(|n| n.bytes = n.bytes.saturating_mul(2));
+                    }
+                    needs
+                }
+                _ => Vec::new(),
+            };
+            let success = Outcome::Succeeded { output: output.to_value() };
+            let accepted = report(store, &lease, &mut logs, success, &needs).await;
             if accepted {
                 remember(store, &payload, &outputs, &output).await;
             }
         }
         Err(failure) => {
-            report(store, &lease, &mut logs, failure).await;
+            report(store, &lease, &mut logs, failure, &[]).await;
         }
     }
 }
@@ -524,12 +545,13 @@ async fn run_step(
 
 /// Reports the outcome with the lease's token (a few tries while the store is unreachable), then
 /// gives the log lines the store refused meanwhile a few more chances. Returns whether the store
-/// accepted the outcome (false: the lease was lost, or the store stayed unreachable).
-async fn report(store: &Store, lease: &Lease, logs: &mut LogBuffer, outcome: Outcome) -> bool {
+/// accepted the outcome (false: the lease was lost, or the store stayed unreachable). A success
+/// carries the scratch `needs` it learned for other tasks of the run.
+async fn report(store: &Store, lease: &Lease, logs: &mut LogBuffer, outcome: Outcome, needs: &[ScratchNeed]) -> bool {
     logs.flush(store, lease).await;
     let mut accepted = false;
     for _ in 0..5 {
-        match store.complete(lease, outcome.clone()).await {
+        match store.complete_with(lease, outcome.clone(), needs).await {
             Ok(a) => {
                 accepted = a;
                 break;

@@ -83,6 +83,9 @@ pub(crate) struct Families {
     pub worker_resources: Family<WorkerResourceLabels, Gauge>,
     pub worker_used: Family<WorkerResourceLabels, Gauge>,
     pub worker_heartbeat_age: Family<WorkerLabel, F64Gauge>,
+    pub worker_disk_free: Family<WorkerLabel, Gauge>,
+    pub worker_disk_total: Family<WorkerLabel, Gauge>,
+    pub worker_scratch_free: Family<WorkerLabel, Gauge>,
     pub collect_errors: Counter,
 }
 
@@ -108,6 +111,9 @@ impl Families {
             worker_resources: Family::default(),
             worker_used: Family::default(),
             worker_heartbeat_age: Family::default(),
+            worker_disk_free: Family::default(),
+            worker_disk_total: Family::default(),
+            worker_scratch_free: Family::default(),
             collect_errors: Counter::default(),
         };
         let r = registry;
@@ -163,6 +169,24 @@ impl Families {
             "Time since each active worker's last heartbeat",
             Unit::Seconds,
             f.worker_heartbeat_age.clone(),
+        );
+        r.register_with_unit(
+            "worker_disk_free",
+            "Free space each active worker measured on its work directory's file system",
+            Unit::Bytes,
+            f.worker_disk_free.clone(),
+        );
+        r.register_with_unit(
+            "worker_disk_total",
+            "Size of each active worker's work directory's file system",
+            Unit::Bytes,
+            f.worker_disk_total.clone(),
+        );
+        r.register_with_unit(
+            "worker_scratch_free",
+            "Scratch each active worker offers to claims: its disk's free space less its reserve and its leases",
+            Unit::Bytes,
+            f.worker_scratch_free.clone(),
         );
         r.register("collect_errors", "Scrapes that could not read the job store", f.collect_errors.clone());
         // Both budgets are shown from the start, so a rate over them never starts from nothing.

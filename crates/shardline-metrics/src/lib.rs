@@ -11,7 +11,7 @@ checks in through [`Metrics::observe_trigger_checks`]).
 Workers write to the store, not to a server, so every number is read from the store:
 
 - **Gauges** (runs and tasks by state, the claimable queue and the age of its oldest task,
-  workers and their resources) are a snapshot taken at each scrape.
+  workers, their resources and the disks they measured) are a snapshot taken at each scrape.
 - **Counters and histograms** (attempts by outcome, lease expiries, retries, pickup latency,
   durations, bytes converted, downloaded and uploaded) grow from the attempts that *ended* since
   the previous scrape, read in order of their end time. The window stops [`Metrics::lag`]
@@ -150,6 +150,9 @@ impl Metrics {
         f.worker_resources.clear();
         f.worker_used.clear();
         f.worker_heartbeat_age.clear();
+        f.worker_disk_free.clear();
+        f.worker_disk_total.clear();
+        f.worker_scratch_free.clear();
         for w in &workers {
             f.workers.get_or_create(&StateLabel { state: w.state.to_string() }).inc();
             if w.state != WorkerState::Active {
@@ -173,9 +176,15 @@ impl Metrics {
                     family.get_or_create(&labels).set(i64::try_from(value).unwrap_or(i64::MAX));
                 }
             }
-            f.worker_heartbeat_age
-                .get_or_create(&WorkerLabel { worker: w.name.clone() })
-                .set(seconds(counts.now - w.last_heartbeat).max(0.0));
+            let worker = WorkerLabel { worker: w.name.clone() };
+            f.worker_heartbeat_age.get_or_create(&worker).set(seconds(counts.now - w.last_heartbeat).max(0.0));
+            // Only workers that measure their disk report one.
+            if let Some(d) = w.disk {
+                let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+                f.worker_disk_free.get_or_create(&worker).set(gauge(d.free));
+                f.worker_disk_total.get_or_create(&worker).set(gauge(d.total));
+                f.worker_scratch_free.get_or_create(&worker).set(gauge(d.scratch_free));
+            }
         }
         Ok(())
     }

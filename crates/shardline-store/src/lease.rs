@@ -8,6 +8,7 @@ use shardline_backoff::Backoff;
 use shardline_units::format_duration_human;
 
 use crate::db::{args, sql, Conn, PoolConn};
+use crate::disk::{set_scratch_needs, ScratchNeed};
 use crate::error::{Result, StoreError};
 use crate::records::{task_cols, TaskRecord};
 use crate::runs::{fail_run, notify, run_event, task_events};
@@ -242,17 +243,37 @@ impl Store {
     /// work. Calling again with the same lease and outcome after a lost connection is safe: it
     /// returns `true` if the first call committed.
     pub async fn complete(&self, lease: &Lease, outcome: Outcome) -> Result<bool, StoreError> {
-        let (accepted, ready) = self.retrying("complete", || self.complete_once(lease, &outcome)).await?;
+        self.complete_with(lease, outcome, &[]).await
+    }
+
+    /// [`Store::complete`]; a success also raises the scratch `needs` it learned for other tasks
+    /// of its run that have not started (a shard plan sets its rank tasks' rank file sizes), in
+    /// the same fenced transaction, so they are ready with their needs or not at all. A need is
+    /// never lowered (the spec's `resources: scratch:` is a floor). Ignored with a failure.
+    pub async fn complete_with(
+        &self,
+        lease: &Lease,
+        outcome: Outcome,
+        needs: &[ScratchNeed],
+    ) -> Result<bool, StoreError> {
+        let (accepted, ready) = self.retrying("complete", || self.complete_once(lease, &outcome, needs)).await?;
         if ready {
             self.wake_local();
         }
         Ok(accepted)
     }
 
-    async fn complete_once(&self, lease: &Lease, outcome: &Outcome) -> Result<(bool, bool)> {
+    async fn complete_once(&self, lease: &Lease, outcome: &Outcome, needs: &[ScratchNeed]) -> Result<(bool, bool)> {
         let task = lease.task.id.0;
         let token = lease.token;
         match outcome {
+            Outcome::Succeeded { output } if self.backend() == Backend::Postgres && !needs.is_empty() => {
+                let done = self.pg_succeeded_with_needs(task, token, output, needs).await?;
+                match done {
+                    Some(promoted) => Ok((true, promoted > 0)),
+                    None => Ok((self.already_completed(lease, AttemptOutcome::Succeeded).await?, false)),
+                }
+            }
             Outcome::Succeeded { output } if self.backend() == Backend::Postgres => {
                 // One statement: migrations/postgres defines `complete_succeeded`.
                 let mut pc = self.pool().acquire().await?;
@@ -290,6 +311,7 @@ impl Store {
                     drop(pc);
                     return Ok((self.already_completed(lease, AttemptOutcome::Succeeded).await?, false));
                 };
+                set_scratch_needs(&mut c, run_id, needs).await?;
                 c.exec(
                     sql!(
                         "UPDATE attempts SET ended_at = {now}, outcome = 'succeeded' WHERE task_id = $1 AND token = $2"

@@ -59,6 +59,10 @@ dedicated connection with a jittered poll as fallback. On SQLite writers are ser
   transaction committed late.
 - **Time** is the database's: `now()` on PostgreSQL, `unixepoch('subsec')` in milliseconds on
   SQLite. Workers never compare their clock with a lease's expiry.
+- **Scratch.** A claim leases a task only if its `scratch` fits the scratch the worker offers,
+  which the worker measures on its disk. Where a need is known only once a task ran (a shard's
+  rank files, sized by its plan), that task's success raises it ([`Store::complete_with`]) in the
+  transaction that makes the dependents ready: a rank task is never claimable with a stale need.
 - **Priority.** `tasks.priority` orders claims (higher first, then readiness time, then id); a
   task takes its run's priority when it is added (`RunOptions::priority`, from the spec's
   `priority:` or `submit --priority`), so a high-priority run submitted last is claimed first.
@@ -78,8 +82,9 @@ dedicated connection with a jittered poll as fallback. On SQLite writers are ser
 `migrations/postgres` (everything in schema `shardline`) and `migrations/sqlite`, applied by
 [`Store::connect`]: `pipelines` (one row per spec version), `runs` (their [`RunOptions`] in
 columns of their own, never in `params`), `tasks`, `task_deps` (edges), `attempts` (one row
-per lease), `workers`, `events`, `logs` (kept for ever, no reference to workers), `cache`,
-`triggers` and `trigger_firings` (see [`Store::list_triggers`] and [`Store::claim_firing`]),
+per lease), `workers` (with the disk each last measured, see
+[`Store::worker_heartbeat_with_disk`]), `events`, `logs` (kept for ever, no reference to
+workers), `cache`, `triggers` and `trigger_firings` (see [`Store::list_triggers`] and [`Store::claim_firing`]),
 `pools` (run slots shared across pipelines, see [`Store::set_pools`]),
 `api_tokens` (hashes of the HTTP API's tokens, see [`Store::insert_token`]), and the
 notifications' targets (`run_notify_targets`, `pipeline_notify_targets`, `notify_defaults`) and
@@ -125,6 +130,7 @@ if let Some(lease) = store.claim(worker, &free, Duration::from_secs(60)).await? 
 mod audit;
 mod batch;
 mod db;
+mod disk;
 mod error;
 mod lease;
 mod limits;
@@ -154,6 +160,7 @@ use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
+pub use disk::{ScratchNeed, WorkerDisk};
 pub use error::StoreError;
 pub use lease::{MAX_BACKOFF, REAP_BATCH};
 pub use listings::{LeasedTask, PipelineSummary, PipelineVersion};

@@ -177,7 +177,8 @@ impl Store {
                 .conn()
                 .all(
                     sql!(
-                        "SELECT id, name, resources, gpus, state, registered_at, last_heartbeat \
+                        "SELECT id, name, resources, gpus, state, registered_at, last_heartbeat, disk_free, \
+                             disk_total, scratch_free \
                          FROM workers ORDER BY id"
                     ),
                     args![],

@@ -249,6 +249,9 @@ pub(crate) struct WorkerRecord {
     state: String,
     registered_at: DbTime,
     last_heartbeat: DbTime,
+    disk_free: Option<i64>,
+    disk_total: Option<i64>,
+    scratch_free: Option<i64>,
 }
 
 impl WorkerRecord {
@@ -266,6 +269,7 @@ impl WorkerRecord {
             state: parse("workers", &self.state)?,
             registered_at: self.registered_at.0,
             last_heartbeat: self.last_heartbeat.0,
+            disk: crate::WorkerDisk::from_columns(self.disk_free, self.disk_total, self.scratch_free),
         })
     }
 }

@@ -642,6 +642,8 @@ pub struct WorkerRow {
     pub state: WorkerState,
     pub registered_at: DateTime<Utc>,
     pub last_heartbeat: DateTime<Utc>,
+    /// What it last measured of its disk; `None` until it reports (or for an older worker).
+    pub disk: Option<crate::WorkerDisk>,
 }
 
 /// A line of task output to store.

@@ -496,6 +496,18 @@ pub struct WorkerDto {
     pub leases: Vec<LeaseDto>,
     /// What those leases hold of its resources.
     pub used: ResourcesDto,
+    /// What it last measured of its disk; absent until it reports one.
+    pub disk: Option<WorkerDiskDto>,
+}
+
+/// A worker's disk (the file system of its work directory), in bytes.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct WorkerDiskDto {
+    /// Available to the worker.
+    pub free: u64,
+    pub total: u64,
+    /// What it offers to claims: `free` less its reserve and its leases' scratch.
+    pub scratch_free: u64,
 }
 
 /// A task a worker holds.
@@ -520,6 +532,7 @@ impl From<&WorkerRow> for WorkerDto {
             heartbeat_age_s: (Utc::now() - w.last_heartbeat).num_milliseconds().max(0) as f64 / 1000.0,
             leases: Vec::new(),
             used: ResourcesDto { cpus: 0, memory: 0, gpus: 0, scratch: 0 },
+            disk: w.disk.map(|d| WorkerDiskDto { free: d.free, total: d.total, scratch_free: d.scratch_free }),
         }
     }
 }

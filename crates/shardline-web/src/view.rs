@@ -102,6 +102,18 @@ fn gib(b: u64) -> String {
     }
 }
 
+/// The scratch a worker has free: what it last reported of its disk (already less its reserve
+/// and its leases), else its configured scratch less what its leases hold.
+fn free_scratch(w: &WorkerRow, held: &[Held]) -> u64 {
+    match w.disk {
+        Some(d) => d.scratch_free,
+        None => held
+            .iter()
+            .filter(|h| h.worker == w.id.0)
+            .fold(w.resources.scratch, |free, h| free.saturating_sub(h.resources.scratch)),
+    }
+}
+
 /// Why a ready task has not been claimed, from the workers and what their leases hold.
 pub fn ready_reason(need: &Resources, workers: &[WorkerRow], held: &[Held], now: DateTime<Utc>) -> String {
     let live: Vec<&WorkerRow> = workers
@@ -129,14 +141,25 @@ pub fn ready_reason(need: &Resources, workers: &[WorkerRow], held: &[Held], now:
         }
         return format!("no worker has enough resources: needs {}", short.join(", "));
     }
+    // Scratch is what the workers' disks have free now, not what they were configured with.
+    if need.scratch > 0 {
+        let best = fitting.iter().map(|w| (free_scratch(w, held), w.name.as_str())).max_by_key(|(free, _)| *free);
+        if let Some((most, name)) = best.filter(|(most, _)| need.scratch > *most) {
+            return format!(
+                "needs {} scratch; the most any live worker has free is {} (worker {name})",
+                gib(need.scratch),
+                gib(most)
+            );
+        }
+    }
     let free_fits = fitting.iter().any(|w| {
         let mut free = w.resources;
         for h in held.iter().filter(|h| h.worker == w.id.0) {
             free.cpus = free.cpus.saturating_sub(h.resources.cpus);
             free.memory = free.memory.saturating_sub(h.resources.memory);
             free.gpus = free.gpus.saturating_sub(h.resources.gpus);
-            free.scratch = free.scratch.saturating_sub(h.resources.scratch);
         }
+        free.scratch = free_scratch(w, held);
         free.fits(need)
     });
     if free_fits {
@@ -322,7 +345,7 @@ mod tests {
     use super::*;
     use serde_json::json;
     use shardline_control::graph::ShardJob;
-    use shardline_store::{RunId, TaskId, WorkerId};
+    use shardline_store::{RunId, TaskId, WorkerDisk, WorkerId};
     use std::time::Duration;
 
     fn task(id: i64, name: &str, step: &str, state: TaskState) -> TaskRow {
@@ -373,6 +396,7 @@ mod tests {
             state: WorkerState::Active,
             registered_at: beat,
             last_heartbeat: beat,
+            disk: None,
         }
     }
 
@@ -506,6 +530,44 @@ mod tests {
         let pool = HeldBack::Pool { name: "gpu-big".into(), in_use: 2, slots: Some(2) };
         let r = reasons(&tasks, &deps, &big, &[], &HashMap::from([(run, pool)]), now);
         assert_eq!(r[&3], "pool gpu-big: 2 of 2 slots in use");
+    }
+
+    #[test]
+    fn why_waiting_names_a_scratch_shortfall() {
+        let now = Utc::now();
+        let mut rank = task(1, "shard/rank-0", "shard", TaskState::Ready);
+        rank.resources.scratch = 12 << 30;
+        let tasks = vec![rank];
+        let mut small = worker(2, 0, 8 << 30, now);
+        small.name = "cpu-1".into();
+        small.disk = Some(WorkerDisk { free: 2 << 30, total: 100 << 30, scratch_free: 1 << 30 });
+        let mut larger = worker(3, 0, 8 << 30, now);
+        larger.name = "cpu-2".into();
+        larger.disk = Some(WorkerDisk { free: 4 << 30, total: 100 << 30, scratch_free: 3_328_599_654 });
+        // A worker with more free but gone silent does not count.
+        let mut gone = worker(4, 0, 8 << 30, now - chrono::Duration::seconds(600));
+        gone.disk = Some(WorkerDisk { free: 1 << 40, total: 2 << 40, scratch_free: 1 << 40 });
+        let workers = vec![small, larger, gone];
+        let why = |workers: &[WorkerRow], held: &[Held]| {
+            reasons(&tasks, &[], workers, held, &HashMap::new(), now)[&1].clone()
+        };
+        assert_eq!(
+            why(&workers, &[]),
+            "needs 12.0 GiB scratch; the most any live worker has free is 3.1 GiB (worker cpu-2)"
+        );
+        // Once a disk has room, the task waits for a claim like any other.
+        let mut roomy = workers.clone();
+        roomy[0].disk = Some(WorkerDisk { free: 20 << 30, total: 100 << 30, scratch_free: 13 << 30 });
+        assert_eq!(why(&roomy, &[]), "waiting for a worker to claim it (one has room)");
+        // A worker that reports no disk: its configured scratch less its leases'.
+        let mut unmeasured = worker(5, 0, 8 << 30, now);
+        unmeasured.resources.scratch = 16 << 30;
+        let held = vec![Held { worker: 5, resources: Resources { cpus: 1, memory: 0, gpus: 0, scratch: 10 << 30 } }];
+        assert_eq!(
+            why(&[unmeasured.clone()], &held),
+            "needs 12.0 GiB scratch; the most any live worker has free is 6.0 GiB (worker w5)"
+        );
+        assert_eq!(why(&[unmeasured], &[]), "waiting for a worker to claim it (one has room)");
     }
 
     #[test]

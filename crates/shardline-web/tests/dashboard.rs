@@ -175,6 +175,12 @@ async fn views(kind: Kind) {
     assert_eq!(w[0]["leases"], json!([{"task": r0["id"], "run": run.0, "name": "shard/rank-0", "step_id": "shard"}]));
     assert_eq!((w[0]["used"]["cpus"].as_u64(), w[0]["used"]["memory"].as_u64()), (Some(1), Some(1 << 20)));
     assert!(w[0]["heartbeat_age_s"].as_f64().is_some_and(|a| (0.0..60.0).contains(&a)), "{w}");
+    // Its disk once it reports one.
+    assert_eq!(w[0]["disk"], Value::Null);
+    let disk = shardline_store::WorkerDisk { free: 5 << 30, total: 50 << 30, scratch_free: 4 << 30 };
+    app.store.worker_heartbeat_with_disk(worker, &disk).await.expect("heartbeat");
+    let (_, w) = app.get("/api/v1/workers").await;
+    assert_eq!(w[0]["disk"], json!({"free": 5u64 << 30, "total": 50u64 << 30, "scratch_free": 4u64 << 30}));
 
     // A pipeline's spec, secrets redacted.
     let (s, p) = app.get("/api/v1/pipelines/convert").await;

@@ -1,4 +1,4 @@
-// Workers: resources, GPUs, what their current leases use, and how long since each last beat.
+// Workers: resources, GPUs, what their current leases use, their disks, and how long since each last beat.
 
 import { get } from '../api.js';
 import { h, replace, link, badge, errorBox } from '../dom.js';
@@ -27,7 +27,7 @@ export function render(view) {
           h('td', {}, `${u.cpus} / ${r.cpus}`),
           h('td', {}, `${bytes(u.memory)} / ${bytes(r.memory)}`),
           h('td', {}, w.gpus.length ? `${u.gpus} / ${r.gpus} (devices ${w.gpus.join(', ')})` : 'none'),
-          h('td', {}, r.scratch > 2 ** 60 ? 'unlimited' : `${bytes(u.scratch)} / ${bytes(r.scratch)}`),
+          h('td', {}, scratch(w)),
           h('td', {}, w.leases.length ? w.leases.map((l) => h('div', {}, link(`/runs/${l.run}?task=${l.task}`, `#${l.run} ${l.name}`))) : h('span', { class: 'muted' }, 'idle')),
           h('td', { title: w.last_heartbeat }, ago(w.last_heartbeat)));
       }));
@@ -40,4 +40,13 @@ export function render(view) {
   const tick = setInterval(load, 2000);
   load();
   return () => { stopped = true; clearInterval(tick); unsub(); };
+}
+
+// Scratch: what its leases hold, and, once it has measured its disk, what it offers to claims
+// (the disk's free space less its reserve and its leases) and the disk itself.
+function scratch(w) {
+  const r = w.resources, u = w.used, d = w.disk;
+  const cap = r.scratch > 2 ** 60 ? 'unlimited' : bytes(r.scratch);
+  if (!d) return `${bytes(u.scratch)} / ${cap}`;
+  return `${bytes(u.scratch)} used, ${bytes(d.scratch_free)} free (disk ${bytes(d.free)} free of ${bytes(d.total)})`;
 }
