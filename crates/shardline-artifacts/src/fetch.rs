@@ -157,3 +157,32 @@ impl Artifacts {
         Ok(listed.len())
     }
 }
+
+impl Artifacts {
+    /// Reads the whole of `name` (pinned to `e_tag`) into a new file at `path`, in one streamed
+    /// request: a store then reads the object once, however it keeps it. Returns its size.
+    pub async fn fetch_whole(&self, name: &str, e_tag: Option<&str>, path: &std::path::Path) -> Result<u64> {
+        let options = GetOptions { if_match: e_tag.map(str::to_string), ..GetOptions::default() };
+        let got = self
+            .dest
+            .store()
+            .get_opts(&self.object(name), options)
+            .await
+            .map_err(|e| self.store_err(name, "read", e))?;
+        let expected = got.meta.size;
+        let io = |action| move |error| ArtifactError::Io { path: path.display().to_string(), action, error };
+        let mut file = tokio::fs::File::create(path).await.map_err(io("create"))?;
+        let mut body = got.into_stream();
+        let mut written = 0u64;
+        while let Some(chunk) = body.next().await {
+            let chunk: Bytes = chunk.map_err(|e| self.store_err(name, "read", e))?;
+            tokio::io::AsyncWriteExt::write_all(&mut file, &chunk).await.map_err(io("write"))?;
+            written += chunk.len() as u64;
+        }
+        tokio::io::AsyncWriteExt::flush(&mut file).await.map_err(io("flush"))?;
+        if written != expected {
+            return Err(self.size_err(name, expected, written));
+        }
+        Ok(written)
+    }
+}

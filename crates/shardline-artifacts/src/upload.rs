@@ -12,7 +12,7 @@ use std::sync::Arc;
 use futures_util::stream::{self, StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use shardline_publish::object_store::multipart::{MultipartStore, PartId};
-use shardline_publish::object_store::PutPayload;
+use shardline_publish::object_store::{ObjectStoreExt, PutPayload};
 
 use crate::{ArtifactError, Artifacts, Result};
 
@@ -129,49 +129,66 @@ impl Artifacts {
 }
 
 impl Artifacts {
-    /// Copies the object `name` to `to`'s `dest_name` through this client, part by part (a
-    /// ranged read, then that part's upload; [`PARTS_IN_FLIGHT`] at a time): a plain parallel
-    /// copy of the bytes, the yardstick `shardline bench --s3` measures conversions against.
-    pub async fn copy_through(&self, name: &str, size: u64, to: &Artifacts, dest_name: &str) -> Result<u64> {
+    /// Copies the object `name` to `to`'s `dest_name` through this client: one streamed read of
+    /// the object, cut into parts uploaded as they fill ([`PARTS_IN_FLIGHT`] at a time). A plain
+    /// parallel copy of the bytes, the yardstick `shardline bench --s3` measures conversions
+    /// against.
+    pub async fn copy_through(&self, name: &str, to: &Artifacts, dest_name: &str) -> Result<u64> {
         let mp = to.multipart()?;
         let location = to.object(dest_name);
+        let got = self.dest.store().get(&self.object(name)).await.map_err(|e| self.store_err(name, "read", e))?;
         let id = mp.create_multipart(&location).await.map_err(|e| to.store_err(dest_name, "create upload", e))?;
-        let parts = size.div_ceil(PART_BYTES).max(1);
-        let source = self.object(name);
-        let sent: Result<Vec<(usize, PartId)>> = stream::iter(0..parts)
-            .map(|k| {
-                let (source, location, id) = (source.clone(), location.clone(), id.clone());
-                async move {
-                    let range = k * PART_BYTES..((k + 1) * PART_BYTES).min(size);
-                    let bytes = shardline_publish::object_store::ObjectStoreExt::get_range(
-                        self.dest.store().as_ref(),
-                        &source,
-                        range,
-                    )
-                    .await
-                    .map_err(|e| self.store_err(name, "read", e))?;
-                    let part = mp
-                        .put_part(&location, &id, k as usize, PutPayload::from(bytes))
-                        .await
-                        .map_err(|e| to.store_err(dest_name, "upload part", e))?;
-                    Ok((k as usize, part))
+        let mut body = got.into_stream();
+        let mut uploads = futures_util::stream::FuturesOrdered::new();
+        let mut parts: Vec<PartId> = Vec::new();
+        let mut buf: Vec<u8> = Vec::with_capacity(PART_BYTES as usize);
+        let mut total = 0u64;
+        let mut k = 0usize;
+        let result: Result<()> = async {
+            loop {
+                let chunk = body.next().await.transpose().map_err(|e| self.store_err(name, "read", e))?;
+                let end = chunk.is_none();
+                if let Some(c) = chunk {
+                    total += c.len() as u64;
+                    buf.extend_from_slice(&c);
                 }
-            })
-            .buffer_unordered(PARTS_IN_FLIGHT)
-            .try_collect()
-            .await;
-        let mut sent = match sent {
-            Ok(s) => s,
-            Err(e) => {
-                let _ = mp.abort_multipart(&location, &id).await;
-                return Err(e);
+                while buf.len() as u64 >= PART_BYTES || (end && (!buf.is_empty() || k == 0)) {
+                    let take = buf.len().min(PART_BYTES as usize);
+                    let part: Vec<u8> = buf.drain(..take).collect();
+                    let (location, id) = (location.clone(), id.clone());
+                    let idx = k;
+                    uploads.push_back(async move {
+                        mp.put_part(&location, &id, idx, PutPayload::from(part))
+                            .await
+                            .map_err(|e| to.store_err(dest_name, "upload part", e))
+                    });
+                    k += 1;
+                    if uploads.len() >= PARTS_IN_FLIGHT {
+                        if let Some(done) = uploads.next().await {
+                            parts.push(done?);
+                        }
+                    }
+                    if end && buf.is_empty() {
+                        break;
+                    }
+                }
+                if end {
+                    break;
+                }
             }
-        };
-        sent.sort_by_key(|(k, _)| *k);
-        let parts = sent.into_iter().map(|(_, p)| p).collect();
+            while let Some(done) = uploads.next().await {
+                parts.push(done?);
+            }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = result {
+            let _ = mp.abort_multipart(&location, &id).await;
+            return Err(e);
+        }
         mp.complete_multipart(&location, &id, parts)
             .await
             .map_err(|e| to.store_err(dest_name, "complete upload", e))?;
-        Ok(size)
+        Ok(total)
     }
 }

@@ -3,8 +3,8 @@
 //! memory. The store is configured from the environment as everywhere (`AWS_ENDPOINT_URL`, …).
 //!
 //! Per size: the synthetic release is put under `URL/bench/<arch>-<size>/src` once; the copy
-//! baseline reads every object in 16 MiB ranged parts and uploads them as multipart parts
-//! (`Artifacts::copy_through`, 4 files and 4 parts in flight each); the conversion is `shardline
+//! baseline reads every object in one streamed request and uploads it in 16 MiB multipart parts
+//! as they fill (`Artifacts::copy_through`, 4 files and 4 parts in flight each); the conversion is `shardline
 //! run` of `hf.download` (the prefix, read in place) → `megatron.shard` with `--artifacts
 //! URL/bench/<…>/art` and two in-process workers, timed from start to exit, its peak RSS read from
 //! `/proc/<pid>/status` (VmHWM) while it runs. Copies and checkpoints are deleted after each
@@ -141,7 +141,7 @@ async fn put_release(src: &Artifacts, dir: &Path) -> Result<()> {
 async fn copy_all(src: &Artifacts, dest: &Artifacts) -> Result<u64> {
     let listed = src.list().await?;
     let sizes: Vec<u64> = stream::iter(listed)
-        .map(|o| async move { src.copy_through(&o.name, o.size, dest, &o.name).await })
+        .map(|o| async move { src.copy_through(&o.name, dest, &o.name).await })
         .buffer_unordered(FILES_IN_FLIGHT)
         .try_collect()
         .await?;

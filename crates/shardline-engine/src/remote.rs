@@ -40,6 +40,12 @@ pub const RELEASE_MARKER: &str = "shardline-release.json";
 const MAX_SMALL_FILE: u64 = 64 << 20;
 /// The largest safetensors header read (the format's own limit is 100 MB).
 const MAX_HEADER: u64 = 100_000_000;
+/// A rank that reads at least this share of a release file reads it whole instead (once per
+/// worker, kept in its file cache for the next tasks): one streamed request instead of many
+/// ranged ones, which a store may serve at the cost of the whole object each (moto does).
+const WHOLE_FILE_SHARE: f64 = 0.25;
+/// Free bytes a whole-file read must leave on the worker's disk.
+const WHOLE_FILE_RESERVE: u64 = 1 << 30;
 
 /// Records, under a task's lease, the multipart uploads it opens and how they end.
 #[derive(Clone)]
@@ -188,8 +194,23 @@ struct Staged {
     tags: BTreeMap<String, Option<String>>,
 }
 
+/// Where a worker keeps a release file it read whole: under its scratch root, keyed by the
+/// object's URL and ETag (an object replaced under the same name gets another entry).
+fn whole_file_path(ctx: &StepContext, url: &str, name: &str, tag: Option<&str>) -> PathBuf {
+    let mut h = Sha256::new();
+    h.update(format!("{url}\0{name}\0{}", tag.unwrap_or("")).as_bytes());
+    ctx.scratch_root.join("files").join(hex::encode(h.finalize()))
+}
+
+/// `path` replaced by a hard link to `whole` (both under the worker's scratch root).
+fn link_whole(whole: &Path, path: &Path) -> Result<(), StepError> {
+    let _ = fs::remove_file(path);
+    fs::hard_link(whole, path).map_err(|e| transient(format!("{} → {}: {e}", whole.display(), path.display())))
+}
+
 /// Stages the release a download task recorded (`artifact` and `file_list`) under `dir`: every
-/// file created at its size, safetensors headers and small files filled in.
+/// file created at its size, safetensors headers and small files filled in; a file this worker
+/// has already read whole is linked from its file cache instead.
 fn stage_release(source: &TaskOutput, dir: &Path, ctx: &StepContext) -> Result<Staged, StepError> {
     let url = source.artifact.as_deref().ok_or_else(|| StepError::fatal("the download recorded no artifact prefix"))?;
     let files = source.file_list.clone().unwrap_or_default();
@@ -203,6 +224,11 @@ fn stage_release(source: &TaskOutput, dir: &Path, ctx: &StepContext) -> Result<S
             let path = dir.join(&f.path);
             if let Some(parent) = path.parent() {
                 fs::create_dir_all(parent).map_err(|e| transient(format!("{}: {e}", parent.display())))?;
+            }
+            let whole = whole_file_path(ctx, artifacts.url(), &f.path, tags.get(&f.path).cloned().flatten().as_deref());
+            if fs::metadata(&whole).is_ok_and(|m| m.len() == f.size) {
+                link_whole(&whole, &path)?;
+                continue;
             }
             let file = OpenOptions::new()
                 .read(true)
@@ -283,17 +309,27 @@ pub fn rank(job: &ShardJob, plan_task: &str, rank: u64, ctx: &StepContext) -> Re
                 continue;
             }
             let path = ctx.scratch.join("release").join(name);
+            let tag = staged.tags.get(name).cloned().flatten();
+            let whole = whole_file_path(ctx, staged.artifacts.url(), name, tag.as_deref());
+            let size = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+            if fs::metadata(&whole).is_ok_and(|m| m.len() == size) {
+                continue; // linked from the worker's file cache by stage_release
+            }
+            if reads_whole(&mine, size, &whole) {
+                total += read_whole(&staged.artifacts, name, tag.as_deref(), &whole).await?;
+                link_whole(&whole, &path)?;
+                continue;
+            }
             let file = OpenOptions::new()
                 .write(true)
                 .open(&path)
                 .map_err(|e| transient(format!("{}: {e}", path.display())))?;
-            let tag = staged.tags.get(name).cloned().flatten();
             total +=
                 staged.artifacts.fetch_ranges(name, tag.as_deref(), &mine, Arc::new(file)).await.map_err(transient)?;
         }
         Ok::<u64, StepError>(total)
     })?;
-    (ctx.log)(format!("fetched {fetched} release bytes in {} ranges for rank {rank}", ranges.len()));
+    (ctx.log)(format!("fetched {fetched} release bytes ({} ranges needed) for rank {rank}", ranges.len()));
     let out = ctx.scratch.join("out");
     let options = crate::steps::exec_options(job);
     let bytes = execute::write_rank_file(&plan, &staged.release, &out, rank, &options, ctx.progress)
@@ -325,6 +361,43 @@ pub fn rank(job: &ShardJob, plan_task: &str, rank: u64, ctx: &StepContext) -> Re
         ..TaskOutput::default()
     }
     .with("rank", json!(rank)))
+}
+
+/// Whether a rank reading `ranges` of a file of `size` bytes reads it whole into `whole`: when it
+/// needs at least [`WHOLE_FILE_SHARE`] of it and the disk has room to keep it.
+fn reads_whole(ranges: &[(u64, u64)], size: u64, whole: &Path) -> bool {
+    let needed: u64 = ranges.iter().map(|(s, e)| e - s).sum();
+    let share = needed as f64 / size.max(1) as f64;
+    let room = crate::disk::measure(whole).is_ok_and(|d| d.free >= size.saturating_add(WHOLE_FILE_RESERVE));
+    share >= WHOLE_FILE_SHARE && room
+}
+
+/// Reads `name` whole into the worker's file cache at `whole` (through a temporary name, so a
+/// concurrent or interrupted read never leaves a short file there).
+async fn read_whole(artifacts: &Artifacts, name: &str, tag: Option<&str>, whole: &Path) -> Result<u64, StepError> {
+    let dir = whole.parent().unwrap_or(Path::new("."));
+    fs::create_dir_all(dir).map_err(|e| transient(format!("{}: {e}", dir.display())))?;
+    let tmp = tempfile_path(whole);
+    let read = artifacts.fetch_whole(name, tag, &tmp).await;
+    match read {
+        Ok(n) => {
+            fs::rename(&tmp, whole).map_err(|e| transient(format!("{}: {e}", whole.display())))?;
+            Ok(n)
+        }
+        Err(e) => {
+            let _ = fs::remove_file(&tmp);
+            Err(transient(e))
+        }
+    }
+}
+
+/// A name next to `path` no other task uses.
+fn tempfile_path(path: &Path) -> PathBuf {
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut s = path.as_os_str().to_owned();
+    s.push(format!(".partial-{}-{n}", std::process::id()));
+    PathBuf::from(s)
 }
 
 /// A commit task: every rank's upload checked against the plan and completed, then `.metadata`.
