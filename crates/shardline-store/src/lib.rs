@@ -134,6 +134,7 @@ mod notify;
 mod open;
 mod read;
 mod records;
+mod retention;
 mod runs;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -160,6 +161,9 @@ pub use metrics::{EndedAttempt, EndedCursor, EndedPage, StateCounts};
 pub use notify::{DeliveryOutcome, Notification, NotificationLease, NotifyTarget};
 pub use open::{sqlite_lock_path, MIGRATE_LOCK, SQLITE_LOCK_SUFFIX};
 pub use read::{MAX_LOG_LINE, MAX_PAGE};
+pub use retention::{
+    CacheEntry, DiskEntry, DiskKind, DiskReporter, DiskUsageRow, LiveRun, RetentionPolicy, RunRetention,
+};
 pub use tokens::TokenRow;
 pub use triggers::{FiringClaim, FiringRecord, NewTrigger, TriggerCheck, TriggerRecord, TriggerState};
 pub use types::*;
