@@ -324,7 +324,7 @@ pub fn run_plan(args: PlanArgs) -> Result<ExitCode> {
                         cached = match &store {
                             _ if !job.cache => Some(false),
                             Some(s) => rt
-                                .block_on(s.cache_get(&key))
+                                .block_on(s.cache_peek(&key))
                                 .ok()
                                 .map(|hit| hit.is_some_and(|v| usable(&TaskOutput::from_value(&v)))),
                             None => Some(false),

@@ -39,6 +39,9 @@ pub struct WorkerConfig {
     /// How `hf.download` tasks reach object stores and where they cache what they download
     /// (default: the environment, `<work>/cache/objects`).
     pub objects: ObjectSourceSettings,
+    /// The work directory this worker's gc keeps within the store's retention policy, and how
+    /// often (`None`: no gc).
+    pub gc: Option<(std::path::PathBuf, Duration)>,
 }
 
 impl WorkerConfig {
@@ -50,6 +53,7 @@ impl WorkerConfig {
             use_cache: true,
             hub: HubSettings::default(),
             objects: ObjectSourceSettings::default(),
+            gc: None,
         }
     }
 }
@@ -70,6 +74,10 @@ pub async fn run_worker(
     let pool =
         Arc::new(Mutex::new(Pool { free: config.info.resources(), gpus: config.info.gpus.iter().copied().collect() }));
     let mut running: JoinSet<()> = JoinSet::new();
+    let gc = config
+        .gc
+        .clone()
+        .map(|(work, every)| tokio::spawn(crate::gc::gc_loop(store.clone(), work, every, shutdown.clone())));
     let mut beat = tokio::time::interval(config.lease_ttl / 3);
     loop {
         if *shutdown.borrow() {
@@ -117,6 +125,10 @@ pub async fn run_worker(
         }
     }
     while running.join_next().await.is_some() {}
+    if let Some(gc) = gc {
+        // It stops at the shutdown too; a pass in progress finishes its deletions first.
+        let _ = gc.await;
+    }
     if let Err(e) = store.stop_worker(id).await {
         // It only marks the worker stopped for listings; its leases are all settled by now.
         tracing::warn!("marking worker {id} stopped failed: {e}");
@@ -538,7 +550,7 @@ async fn report(store: &Store, lease: &Lease, logs: &mut LogBuffer, outcome: Out
 
 /// Remembers an accepted output in the step cache: a downloaded snapshot or prefix under the key
 /// its download computed (from the commit, from the listing), a committed checkpoint under its
-/// plan task's key.
+/// plan task's key; tagged so that live runs protect it from the gc before they know its key.
 async fn remember(store: &Store, payload: &Payload, outputs: &BTreeMap<String, TaskOutput>, output: &TaskOutput) {
     let key = match payload {
         Payload::HubDownload { cache: true, .. }
@@ -552,7 +564,8 @@ async fn remember(store: &Store, payload: &Payload, outputs: &BTreeMap<String, T
         _ => None,
     };
     if let Some(key) = key {
-        if let Err(e) = store.cache_put(key, &output.to_value()).await {
+        let tags = crate::gc::tags::tags(payload);
+        if let Err(e) = store.cache_put_tagged(key, &output.to_value(), &tags).await {
             // The cache only saves work: a later run recomputes what was not remembered.
             tracing::warn!("remembering the output under {key} failed: {e}");
         }
