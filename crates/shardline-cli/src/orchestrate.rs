@@ -1,5 +1,5 @@
 //! The orchestrator's commands: `run`, `lint`, `plan`, `submit`, `server`, `worker`, `runs`,
-//! `logs`, `cancel`, `retry`.
+//! `logs`, `cancel`, `retry` (`gc` is in `gc.rs`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -454,6 +454,8 @@ pub struct ServerArgs {
     #[command(flatten)]
     pub policy: crate::serve::PolicyArgs,
     #[command(flatten)]
+    pub retention: crate::gc::RetentionArgs,
+    #[command(flatten)]
     pub state: StateArgs,
 }
 
@@ -466,6 +468,7 @@ pub fn run_server(args: ServerArgs) -> Result<ExitCode> {
                 eprintln!("server: pool {name} has {slots} slot(s)");
             }
         }
+        crate::gc::record_policy(&store, &args.retention).await?;
         let (tx, rx) = watch::channel(false);
         tokio::spawn(shutdown_signal(tx));
         // One set of metrics: the HTTP server shows what the trigger loop counts.
@@ -508,6 +511,8 @@ pub struct WorkerArgs {
     #[arg(long, default_value_t = 30)]
     pub lease_seconds: u64,
     #[command(flatten)]
+    pub gc: crate::gc::WorkerGcArgs,
+    #[command(flatten)]
     pub state: StateArgs,
 }
 
@@ -520,6 +525,7 @@ pub fn run_worker_cmd(args: WorkerArgs) -> Result<ExitCode> {
         eprintln!("worker `{}`: {} cpus, {} memory, gpus {:?}", info.name, info.cpus, bytes(info.memory), info.gpus);
         let mut config = WorkerConfig::new(info);
         config.lease_ttl = Duration::from_secs(args.lease_seconds.max(1));
+        config.gc = args.gc.setting(&args.state);
         run_worker(store, config, rx).await.context("worker")?;
         Ok(ExitCode::SUCCESS)
     })

@@ -32,16 +32,21 @@ pub enum Outcome {
     Spared(String),
 }
 
-/// Applies the decisions (`dry_run`: none); one outcome per item, in order.
+/// Applies the decisions (`dry_run`: none); one outcome per item, in order. Caches and
+/// downloads go first, so that a run's directory whose cut-out cache entries were freed too
+/// goes whole.
 pub async fn apply(store: &Store, items: &[Item], dry_run: bool) -> Vec<Outcome> {
-    let mut out = Vec::with_capacity(items.len());
-    for item in items {
-        let outcome = match item.action {
+    let mut out = vec![Outcome::Kept; items.len()];
+    let runs_last = |i: &usize| matches!(items[*i].kind, ItemKind::Run { .. });
+    let mut order: Vec<usize> = (0..items.len()).collect();
+    order.sort_by_key(runs_last);
+    for i in order {
+        let item = &items[i];
+        out[i] = match item.action {
             Action::Keep => Outcome::Kept,
             Action::Free if dry_run => Outcome::WouldFree,
             Action::Free => free(store, item).await,
         };
-        out.push(outcome);
     }
     out
 }
@@ -65,7 +70,9 @@ async fn free(store: &Store, item: &Item) -> Outcome {
                     return Outcome::Spared(why);
                 }
             }
-            blocking(item.path.clone(), item.except.clone(), false).await
+            // What was cut out and freed meanwhile no longer holds the directory back.
+            let except = item.except.iter().filter(|p| p.symlink_metadata().is_ok()).cloned().collect();
+            blocking(item.path.clone(), except, false).await
         }
         ItemKind::Part => Outcome::Kept,
     }
