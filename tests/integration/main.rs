@@ -6,6 +6,7 @@ mod bad_input;
 mod command_steps;
 mod convert;
 mod export;
+mod gc;
 mod hub_s3;
 mod metrics;
 mod notify;
