@@ -80,7 +80,10 @@ dedicated connection with a jittered poll as fallback. On SQLite writers are ser
 columns of their own, never in `params`), `tasks`, `task_deps` (edges), `attempts` (one row
 per lease), `workers`, `events`, `logs` (kept for ever, no reference to workers), `cache`,
 `triggers` and `trigger_firings` (see [`Store::list_triggers`] and [`Store::claim_firing`]),
-`pools` (run slots shared across pipelines, see [`Store::set_pools`]),
+`pools` (run slots shared across pipelines, see [`Store::set_pools`]), `retention_policy` and
+`disk_usage` (the server's retention and what each state directory's gc measured, see
+[`Store::set_retention_policy`] and [`Store::report_disk_usage`]; the step cache's use and tags
+are columns of `cache`, see [`Store::cache_forget`]),
 `api_tokens` (hashes of the HTTP API's tokens, see [`Store::insert_token`]), and the
 notifications' targets (`run_notify_targets`, `pipeline_notify_targets`, `notify_defaults`) and
 outbox (`notifications`, see [`Store::claim_notifications`]), filled by database triggers on
