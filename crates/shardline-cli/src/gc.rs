@@ -117,7 +117,7 @@ pub fn run_gc(args: GcArgs) -> Result<ExitCode> {
                 Some(Policy { retain_runs: runs.or(stored.retain_runs), cache_max: max.or(stored.cache_max) })
             }
         };
-        let opts = GcOptions { work: work.clone(), dry_run: args.dry_run, policy, reporter: Some(gc::reporter(&work)) };
+        let opts = GcOptions { work: work.clone(), dry_run: args.dry_run, policy, report: true };
         let report = gc::run_pass(&store, &opts).await.context("gc")?;
         if args.json {
             println!("{}", as_json(&report, &work, args.dry_run));

@@ -183,7 +183,7 @@ fn age(d: Duration) -> String {
 /// A tag, with a step hash cut short.
 fn short_tag(tag: &str) -> String {
     match tag.strip_prefix("step:") {
-        Some(hash) => format!("step {}", &hash[..hash.len().min(12)]),
+        Some(hash) => format!("step {}", hash.chars().take(12).collect::<String>()),
         None => tag.replacen(':', " ", 1),
     }
 }

@@ -21,6 +21,12 @@ pub fn objects_root(work: &Path) -> PathBuf {
     work.join("cache").join("objects")
 }
 
+/// `path` with its symbolic links resolved when it exists (as given otherwise): the store has
+/// paths as the submitter spelt them, a worker's state directory may reach them otherwise.
+pub fn resolved(path: &Path) -> PathBuf {
+    fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
 /// The bytes of the regular files under `path` (or of `path`, a file). Missing: 0.
 pub fn bytes_under(path: &Path) -> u64 {
     let Ok(meta) = fs::symlink_metadata(path) else { return 0 };

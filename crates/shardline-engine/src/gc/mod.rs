@@ -46,8 +46,8 @@ pub struct GcOptions {
     pub dry_run: bool,
     /// The policy instead of the store's.
     pub policy: Option<Policy>,
-    /// Record what the work directory holds afterwards, as this reporter.
-    pub reporter: Option<String>,
+    /// Record what the work directory holds afterwards, as [`reporter`] names it.
+    pub report: bool,
 }
 
 /// A pass's decisions and what became of them.
@@ -95,48 +95,51 @@ pub async fn run_pass(store: &Store, opts: &GcOptions) -> Result<GcReport, GcErr
         None => store.retention_policy().await?.into(),
     };
     // Rows before runs: see the module's doc.
-    let cache: Vec<decide::CacheRow> = store
-        .cache_entries()
-        .await?
-        .into_iter()
-        .filter_map(|e| {
-            let o = TaskOutput::from_value(&e.output);
-            let dir = o.dir.or(o.path)?;
-            dir.starts_with(&work).then_some(decide::CacheRow {
-                key: e.key,
-                dir,
-                uses: e.uses,
-                last_used: e.last_used_at,
-                tags: e.tags,
-            })
-        })
-        .collect();
+    let rows = store.cache_entries().await?;
     let names = {
         let work = work.clone();
         blocking(move || measure::run_names(&work)).await?
     };
     let runs = store.runs_named(&names).await?;
-    let live: Vec<decide::LiveRun> = store
-        .live_runs()
-        .await?
-        .into_iter()
-        .map(|r| {
-            let (paths, tags) = tags::of_tasks(&r.tasks);
-            decide::LiveRun { id: r.id, state: r.state, name: r.name, paths, tags }
-        })
-        .collect();
-    let wanted: Vec<PathBuf> =
-        cache.iter().map(|c| c.dir.clone()).chain(live.iter().flat_map(|r| r.paths.iter().cloned())).collect();
-    let inventory = {
+    let live = store.live_runs().await?;
+    // Paths as the file system resolves them: the store has them as the submitter spelt them.
+    let (inventory, cache, live) = {
         let work = work.clone();
-        blocking(move || measure::inventory(&work, &wanted)).await?
+        blocking(move || {
+            let cache: Vec<decide::CacheRow> = rows
+                .into_iter()
+                .filter_map(|e| {
+                    let o = TaskOutput::from_value(&e.output);
+                    let dir = measure::resolved(&o.dir.or(o.path)?);
+                    dir.starts_with(&work).then_some(decide::CacheRow {
+                        key: e.key,
+                        dir,
+                        uses: e.uses,
+                        last_used: e.last_used_at,
+                        tags: e.tags,
+                    })
+                })
+                .collect();
+            let live: Vec<decide::LiveRun> = live
+                .into_iter()
+                .map(|r| {
+                    let (paths, tags) = tags::of_tasks(&r.tasks);
+                    let paths = paths.iter().map(|p| measure::resolved(p)).collect();
+                    decide::LiveRun { id: r.id, state: r.state, name: r.name, paths, tags }
+                })
+                .collect();
+            let wanted: Vec<PathBuf> =
+                cache.iter().map(|c| c.dir.clone()).chain(live.iter().flat_map(|r| r.paths.iter().cloned())).collect();
+            (measure::inventory(&work, &wanted), cache, live)
+        })
+        .await?
     };
     let facts = decide::Facts { runs, live, cache };
     let items = decide::decide(&inventory, &facts, &policy, Utc::now());
     let outcomes = apply::apply(store, &items, opts.dry_run).await;
     let report = GcReport { policy, items: items.into_iter().zip(outcomes).collect() };
-    if let Some(reporter) = &opts.reporter {
-        store.report_disk_usage(reporter, &disk_entries(&report, &inventory)).await?;
+    if opts.report {
+        store.report_disk_usage(&reporter(&work), &disk_entries(&report, &inventory)).await?;
     }
     Ok(report)
 }
@@ -171,12 +174,14 @@ fn disk_entries(report: &GcReport, inventory: &decide::Inventory) -> Vec<DiskEnt
 }
 
 fn absolute(p: &Path) -> Result<PathBuf, GcError> {
-    if p.is_absolute() {
-        return Ok(p.to_path_buf());
-    }
-    std::env::current_dir()
-        .map(|d| d.join(p))
-        .map_err(|e| GcError::Measure { path: p.to_path_buf(), message: e.to_string() })
+    let p = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        std::env::current_dir()
+            .map(|d| d.join(p))
+            .map_err(|e| GcError::Measure { path: p.to_path_buf(), message: e.to_string() })?
+    };
+    Ok(measure::resolved(&p))
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, GcError> {
@@ -186,7 +191,7 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 /// A worker's gc: a pass over `work` every `every` (the first one shortly after it starts),
 /// until `shutdown`. A failed pass is logged and tried again at the next.
 pub async fn gc_loop(store: Store, work: PathBuf, every: Duration, mut shutdown: watch::Receiver<bool>) {
-    let opts = GcOptions { reporter: Some(reporter(&work)), work, dry_run: false, policy: None };
+    let opts = GcOptions { work, dry_run: false, policy: None, report: true };
     let mut wait = every.min(Duration::from_secs(5));
     loop {
         tokio::select! {
