@@ -129,6 +129,18 @@ mod tests {
     }
 
     #[test]
+    fn paths_are_resolved_through_symlinks_when_they_exist() {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let real = tmp.path().join("real");
+        fs::create_dir_all(real.join("work/runs/r")).expect("dirs");
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&real, &link).expect("link");
+        let real = fs::canonicalize(&real).expect("canonical");
+        assert_eq!(resolved(&link.join("work/runs/r")), real.join("work/runs/r"));
+        assert_eq!(resolved(&link.join("missing")), link.join("missing"), "as given when it does not exist");
+    }
+
+    #[test]
     fn a_held_download_lock_is_seen() {
         let tmp = tempfile::tempdir().expect("temp dir");
         let partial = tmp.path().join("k1.partial");
