@@ -1,6 +1,7 @@
 // End-to-end test of the dashboard in real headless Chromium (Debian's `chromium` package):
 // the real `shardline` binary serves the API and the dashboard on a temporary SQLite store, a
-// real worker runs the demo pipeline, and the page submits, follows, inspects and cancels runs.
+// real worker runs the demo pipeline, and the page submits, follows, inspects and cancels runs,
+// and shows what the worker's gc measured.
 // Fails (never skips) when Chromium or the binary is missing.
 //
 //   SHARDLINE_BIN   the binary (default: target/debug/shardline)
@@ -163,8 +164,9 @@ before(async () => {
     const m = readFileSync(server.log, 'utf8').match(/http:\/\/(127\.0\.0\.1:\d+)\//);
     return m ? `http://${m[1]}` : null;
   });
-  // Short leases: heartbeats (and the progress they carry) every 0.67 s.
-  start('worker', ['worker', '--name', 'browser-worker', '--cpus', '4', '--memory', '8GiB', '--lease-seconds', '2']);
+  // Short leases: heartbeats (and the progress they carry) every 0.67 s. Its gc measures (and,
+  // with no retention set, frees nothing) every 2 s, for the storage page.
+  start('worker', ['worker', '--name', 'browser-worker', '--cpus', '4', '--memory', '8GiB', '--lease-seconds', '2', '--gc-every', '2s']);
   await until('the worker to register', async () => {
     const r = await fetch(`${base}/api/v1/workers`);
     return r.ok && (await r.json()).some((w) => w.name === 'browser-worker');
@@ -579,6 +581,24 @@ test('the run page of a run with 2,000 tasks renders in under a second', { timeo
   writeFileSync(join(OUT, 'run-page-2000.json'), JSON.stringify({ tasks: 2000, figures, worst }, null, 2));
   assert.ok(worst < 1000, `the run page took ${worst} ms to render 2,000 tasks`);
   assert.match(await page.textContent('[data-task][data-name="shard"]'), /no worker has enough resources/);
+  await context.close();
+  assert.deepEqual(problems, [], `console errors or failed requests:\n${problems.join('\n')}`);
+});
+
+test('the storage page shows the retention policy and what the worker\'s gc measured; a run page its disk use', { timeout: 60000 }, async () => {
+  const runs = (await (await fetch(`${base}/api/v1/runs?pipeline=browser-demo`)).json()).runs;
+  assert.ok(runs.length >= 1);
+  const { context, page, problems } = await newPage();
+  await page.goto(`${base}/storage`);
+  await page.waitForFunction(() => /finished runs kept for ever; caches without limit/.test(document.querySelector('[data-testid=retention-policy]')?.textContent || ''));
+  // The worker's first gc pass comes a few seconds after it starts; the page refreshes every 10 s.
+  await page.waitForSelector('[data-testid=disk-reporters] tr[data-reporter]', { timeout: 30000 });
+  const reporter = await page.getAttribute('[data-testid=disk-reporters] tr[data-reporter]', 'data-reporter');
+  assert.ok(reporter.endsWith(`:${join(stateDir, 'work')}`), reporter);
+  await page.waitForSelector('[data-testid=cache-usage] tr[data-cache]');
+  await page.goto(`${base}/runs/${runs[0].id}`);
+  await page.waitForSelector('[data-testid=run-disk]');
+  assert.match(await page.textContent('[data-testid=run-disk]'), /\d( \w?i?B)/);
   await context.close();
   assert.deepEqual(problems, [], `console errors or failed requests:\n${problems.join('\n')}`);
 });

@@ -29,7 +29,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("shardline-spec", &["shardline-layout", "shardline-units"]),
     // Contracts and submission: never the engine, the data plane's I/O, the Hub or object stores.
     ("shardline-control", &["shardline-layout", "shardline-spec", "shardline-store"]),
-    // Runs tasks: everything a task needs, nothing that serves or schedules.
+    // Runs tasks (and frees what finished runs left): everything a task needs, nothing that
+    // serves or schedules.
     (
         "shardline-engine",
         &[
@@ -40,6 +41,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "shardline-hub",
             "shardline-control",
             "shardline-store",
+            "shardline-units",
         ],
     ),
     // Metrics are read from the store (typed outputs from the control plane), never from the

@@ -7,6 +7,7 @@ mod command_steps;
 mod convert;
 mod disk;
 mod export;
+mod gc;
 mod hub_s3;
 mod metrics;
 mod multihost;

@@ -6,6 +6,7 @@ import { h, replace } from './dom.js';
 import * as runs from './views/runs.js';
 import * as run from './views/run.js';
 import * as workers from './views/workers.js';
+import * as storage from './views/storage.js';
 import * as pipelines from './views/pipelines.js';
 import * as submit from './views/submit.js';
 import * as token from './views/token.js';
@@ -14,6 +15,7 @@ const routes = [
   [/^\/(?:runs\/?)?$/, runs, 'runs'],
   [/^\/runs\/(\d+)\/?$/, run, 'runs'],
   [/^\/workers\/?$/, workers, 'workers'],
+  [/^\/storage\/?$/, storage, 'storage'],
   [/^\/pipelines\/?$/, pipelines, 'pipelines'],
   [/^\/submit\/?$/, submit, 'submit'],
   [/^\/token\/?$/, token, 'token'],

@@ -6,6 +6,7 @@ mod bench_s3;
 mod bench_training;
 mod convert;
 mod export;
+mod gc;
 mod gpu;
 mod inspect;
 mod malloc;
@@ -69,6 +70,10 @@ enum Command {
     Token(serve::TokenArgs),
     /// List the registered triggers (schedules, Hub watches) with their last and next firing.
     Triggers(triggers::TriggersArgs),
+    /// Free what the retention policy no longer keeps in a state directory: work directories of
+    /// finished runs, step caches and downloads (least recently used first); never what a queued
+    /// or running run needs.
+    Gc(gc::GcArgs),
 }
 
 /// Exit codes: 0 success, 1 the checked thing is wrong (validation found differences), 2 error.
@@ -99,6 +104,7 @@ fn main() -> ExitCode {
         Command::Retry(a) => orchestrate::run_retry(a),
         Command::Token(a) => serve::run_token(a),
         Command::Triggers(a) => triggers::run_triggers(a),
+        Command::Gc(a) => gc::run_gc(a),
     };
     match result {
         Ok(code) => code,

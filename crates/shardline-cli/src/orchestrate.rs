@@ -1,5 +1,5 @@
 //! The orchestrator's commands: `run`, `lint`, `plan`, `submit`, `server`, `worker`, `runs`,
-//! `logs`, `cancel`, `retry`.
+//! `logs`, `cancel`, `retry` (`gc` is in `gc.rs`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -361,7 +361,7 @@ pub fn run_plan(args: PlanArgs) -> Result<ExitCode> {
                         cached = match &store {
                             _ if !job.cache => Some(false),
                             Some(s) => rt
-                                .block_on(s.cache_get(&key))
+                                .block_on(s.cache_peek(&key))
                                 .ok()
                                 .map(|hit| hit.is_some_and(|v| usable(&TaskOutput::from_value(&v)))),
                             None => Some(false),
@@ -492,6 +492,8 @@ pub struct ServerArgs {
     #[command(flatten)]
     pub policy: crate::serve::PolicyArgs,
     #[command(flatten)]
+    pub retention: crate::gc::RetentionArgs,
+    #[command(flatten)]
     pub state: StateArgs,
 }
 
@@ -504,6 +506,7 @@ pub fn run_server(args: ServerArgs) -> Result<ExitCode> {
                 eprintln!("server: pool {name} has {slots} slot(s)");
             }
         }
+        crate::gc::record_policy(&store, &args.retention).await?;
         let (tx, rx) = watch::channel(false);
         tokio::spawn(shutdown_signal(tx));
         // One set of metrics: the HTTP server shows what the trigger loop counts.
@@ -561,6 +564,8 @@ pub struct WorkerArgs {
     #[arg(long, default_value_t = 30)]
     pub lease_seconds: u64,
     #[command(flatten)]
+    pub gc: crate::gc::WorkerGcArgs,
+    #[command(flatten)]
     pub state: StateArgs,
 }
 
@@ -589,6 +594,7 @@ pub fn run_worker_cmd(args: WorkerArgs) -> Result<ExitCode> {
         config.lease_ttl = Duration::from_secs(args.lease_seconds.max(1));
         config.scratch_dir = args.state.scratch_dir();
         config.disk = Some(disk);
+        config.gc = args.gc.setting(&args.state);
         run_worker(store, config, rx).await.context("worker")?;
         Ok(ExitCode::SUCCESS)
     })

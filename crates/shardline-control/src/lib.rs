@@ -149,8 +149,8 @@ pub async fn submit(store: &Store, s: Submission<'_>) -> Result<Submitted, Submi
     Ok(Submitted { run, name, created, cancelled, resolved })
 }
 
-/// The store's options of a run of `resolved`: its name, the cache switch, its priority and
-/// its pipeline's concurrency limit (keyed by the pipeline's name) and pool.
+/// The store's options of a run of `resolved`: its name, the cache switch, its priority, its
+/// pipeline's concurrency limit (keyed by the pipeline's name) and pool, and its retention.
 fn run_options(resolved: &ResolvedPipeline, name: String, no_cache: bool, priority: i64) -> RunOptions {
     let concurrency = resolved.limits.concurrency.map(|c| Concurrency {
         key: resolved.name.clone(),
@@ -161,7 +161,14 @@ fn run_options(resolved: &ResolvedPipeline, name: String, no_cache: bool, priori
             OverflowPolicy::CancelPrevious => Overflow::CancelPrevious,
         },
     });
-    RunOptions { name: Some(name), no_cache, priority, concurrency, pool: resolved.limits.pool.clone() }
+    RunOptions {
+        name: Some(name),
+        no_cache,
+        priority,
+        concurrency,
+        pool: resolved.limits.pool.clone(),
+        retention: resolved.retention.runs,
+    }
 }
 
 /// A spec's `notify:` entries as the store keeps them.

@@ -1,9 +1,11 @@
 //! Runs pipelines: workers lease the tasks of a run's graph (built and submitted by
 //! `shardline-control`) and execute them ([`worker`], [`steps`], [`hub`], [`objects`],
 //! [`checkpoints`], [`command`]), offering the scratch their disk has free ([`disk`]); the
-//! reaper returns expired leases to the queue.
+//! reaper returns expired leases to the queue; [`gc`] frees what finished runs and old caches
+//! left in a work directory.
 //!
-//! **Owns:** what each task does and the worker loop (leases, heartbeats, logs, the step cache).
+//! **Owns:** what each task does and the worker loop (leases, heartbeats, logs, the step cache),
+//! and the retention of a work directory (what the gc frees and keeps).
 //! **Must not depend on:** the HTTP API, the trigger poller or the CLI; it reads payloads as
 //! `shardline-control` defines them and never writes SQL (the store does).
 //!
@@ -15,6 +17,7 @@
 pub mod checkpoints;
 pub mod command;
 pub mod disk;
+pub mod gc;
 pub mod hub;
 pub mod objects;
 pub mod remote;

@@ -47,6 +47,9 @@ pub struct WorkerConfig {
     /// then offers the smaller of its configured scratch and that (see [`crate::disk`]).
     /// `None` (the default): it offers its configured scratch, unmeasured.
     pub disk: Option<DiskSettings>,
+    /// The work directory this worker's gc keeps within the store's retention policy, and how
+    /// often (`None`: no gc).
+    pub gc: Option<(std::path::PathBuf, Duration)>,
 }
 
 impl WorkerConfig {
@@ -60,6 +63,7 @@ impl WorkerConfig {
             objects: ObjectSourceSettings::default(),
             scratch_dir: std::env::temp_dir().join("shardline-scratch"),
             disk: None,
+            gc: None,
         }
     }
 }
@@ -80,6 +84,10 @@ pub async fn run_worker(
     let pool =
         Arc::new(Mutex::new(Pool { free: config.info.resources(), gpus: config.info.gpus.iter().copied().collect() }));
     let mut running: JoinSet<()> = JoinSet::new();
+    let gc = config
+        .gc
+        .clone()
+        .map(|(work, every)| tokio::spawn(crate::gc::gc_loop(store.clone(), work, every, shutdown.clone())));
     let mut beat = tokio::time::interval(config.lease_ttl / 3);
     let cap = config.info.scratch;
     let free_now = |pool: &Mutex<Pool>| pool.lock().map(|p| p.free).unwrap_or_default();
@@ -129,6 +137,10 @@ pub async fn run_worker(
         }
     }
     while running.join_next().await.is_some() {}
+    if let Some(gc) = gc {
+        // It stops at the shutdown too; a pass in progress finishes its deletions first.
+        let _ = gc.await;
+    }
     if let Err(e) = store.stop_worker(id).await {
         // It only marks the worker stopped for listings; its leases are all settled by now.
         tracing::warn!("marking worker {id} stopped failed: {e}");
@@ -574,7 +586,7 @@ async fn report(store: &Store, lease: &Lease, logs: &mut LogBuffer, outcome: Out
 
 /// Remembers an accepted output in the step cache: a downloaded snapshot or prefix under the key
 /// its download computed (from the commit, from the listing), a committed checkpoint under its
-/// plan task's key.
+/// plan task's key; tagged so that live runs protect it from the gc before they know its key.
 async fn remember(store: &Store, payload: &Payload, outputs: &BTreeMap<String, TaskOutput>, output: &TaskOutput) {
     let key = match payload {
         Payload::HubDownload { cache: true, .. }
@@ -588,7 +600,8 @@ async fn remember(store: &Store, payload: &Payload, outputs: &BTreeMap<String, T
         _ => None,
     };
     if let Some(key) = key {
-        if let Err(e) = store.cache_put(key, &output.to_value()).await {
+        let tags = crate::gc::tags::tags(payload);
+        if let Err(e) = store.cache_put_tagged(key, &output.to_value(), &tags).await {
             // The cache only saves work: a later run recomputes what was not remembered.
             tracing::warn!("remembering the output under {key} failed: {e}");
         }

@@ -67,6 +67,10 @@
 //! the claims of its runs' tasks, higher first. None of them is interpolated; each is in the spec
 //! hash only when set.
 //!
+//! `retention` (optional: `{runs: 7d}`) keeps the work directories of the pipeline's finished
+//! runs for that long (the shorter of it and the server's `--retain-runs`); not interpolated, in
+//! the spec hash only when set, never in a step's.
+//!
 //! `triggers` (optional) lists what starts runs without a submission: a cron `schedule` in a
 //! named time zone with a missed-run policy, or a `watch` on Hub repositories; see [`triggers`].
 //! `notify` (optional) lists webhooks told when a run finishes or a trigger fails; see [`notify`].
@@ -94,6 +98,7 @@ pub mod notify;
 mod outline;
 pub mod policy;
 mod resolve;
+mod retention;
 mod run_limits;
 mod schema;
 pub use checks::is_object_store_source;
@@ -111,6 +116,7 @@ pub use model::{
 };
 pub use outline::{PipelineOutline, SourceOutline, StepOutline};
 pub use resolve::{parse_override, OverrideSyntaxError};
+pub use retention::Retention;
 pub use run_limits::{is_pool_name, ConcurrencyLimit, OverflowPolicy, RunLimits, MAX_CONCURRENCY, PRIORITY_RANGE};
 pub use shardline_units::{format_duration, format_size, parse_duration, parse_size, UnitError};
 pub use suggest::did_you_mean;

@@ -405,6 +405,8 @@ pub struct Pipeline {
     pub notify: Vec<crate::notify::NotifyTarget>,
     /// `concurrency:`, `pool:` and `priority:`.
     pub limits: crate::run_limits::RunLimits,
+    /// `retention:` (how long its finished runs' work directories are kept).
+    pub retention: crate::retention::Retention,
     /// The file name diagnostics are reported against.
     pub file: String,
     pub(crate) locations: Locations,
@@ -650,6 +652,9 @@ pub struct ResolvedPipeline {
     /// `concurrency:`, `pool:` and `priority:` (absent from older stored specs: none).
     #[serde(default, skip_serializing_if = "crate::run_limits::RunLimits::is_default")]
     pub limits: crate::run_limits::RunLimits,
+    /// `retention:` (absent from older stored specs: none).
+    #[serde(default, skip_serializing_if = "crate::retention::Retention::is_default")]
+    pub retention: crate::retention::Retention,
 }
 
 impl ResolvedPipeline {

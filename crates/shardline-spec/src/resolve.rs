@@ -17,6 +17,7 @@ use crate::model::{
     CheckpointSource, DownloadSource, Locations, OutputFormatName, ParamType, ParamValue, Pipeline, ResolvedPipeline,
     ResolvedStep, Resources, Retry, RngPolicyName, SpecValue, StepConfig, StepKind, StepSpec, API_VERSION,
 };
+use crate::retention::Retention;
 use crate::run_limits::RunLimits;
 use crate::schema::{
     convert_literal, convert_param, convert_text, param_from_text, with_fields, Concrete, Field, FieldDefault, CACHE,
@@ -593,6 +594,9 @@ struct Canonical<'a> {
     /// Left out at its default, so specs written before limits existed keep their hashes.
     #[serde(skip_serializing_if = "RunLimits::is_default")]
     limits: &'a RunLimits,
+    /// Likewise: specs written before retention existed keep their hashes.
+    #[serde(skip_serializing_if = "Retention::is_default")]
+    retention: &'a Retention,
 }
 
 fn spec_hash(
@@ -600,6 +604,7 @@ fn spec_hash(
     params: &BTreeMap<String, serde_json::Value>,
     steps: &[ResolvedStep],
     limits: &RunLimits,
+    retention: &Retention,
 ) -> String {
     let mut steps: Vec<ResolvedStep> = steps.to_vec();
     for s in &mut steps {
@@ -607,7 +612,7 @@ fn spec_hash(
         s.needs.dedup();
     }
     steps.sort_by(|a, b| a.id.cmp(&b.id));
-    let canonical = Canonical { api_version: API_VERSION, name, params, steps, limits };
+    let canonical = Canonical { api_version: API_VERSION, name, params, steps, limits, retention };
     let bytes = serde_json::to_vec(&canonical).unwrap_or_default();
     hex::encode(Sha256::digest(&bytes))
 }
@@ -734,13 +739,14 @@ impl Pipeline {
             .filter_map(|(i, s)| resolve_step(s, *i, &self.locations, &self.file, None, &env, &mut scratch))
             .collect();
         let hashed = if symbolic.len() == resolved.len() { &symbolic } else { &resolved };
-        let spec_hash = spec_hash(&self.name, &params, hashed, &self.limits);
+        let spec_hash = spec_hash(&self.name, &params, hashed, &self.limits, &self.retention);
         Ok(ResolvedPipeline {
             name: self.name.clone(),
             spec_hash,
             params,
             steps: resolved,
             limits: self.limits.clone(),
+            retention: self.retention,
         })
     }
 }

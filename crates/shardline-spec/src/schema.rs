@@ -262,9 +262,12 @@ pub(crate) const TOP_KEYS: &[&str] = &[
     "concurrency",
     "pool",
     "priority",
+    "retention",
 ];
 /// Keys of `concurrency:` written as a mapping.
 pub(crate) const CONCURRENCY_KEYS: &[&str] = &["limit", "overflow"];
+/// Keys of `retention:`.
+pub(crate) const RETENTION_KEYS: &[&str] = &["runs"];
 /// Keys of a param declaration.
 pub(crate) const PARAM_KEYS: &[&str] = &["type", "default", "enum", "description"];
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use shardline_spec::{
     lint, parse_override, render_all, ConcurrencyLimit, LintContext, OutputFormatName, OverflowPolicy, Pipeline,
-    ResolvedPipeline, Resources, Retry, RunLimits, StepConfig, StepKind,
+    ResolvedPipeline, Resources, Retention, Retry, RunLimits, StepConfig, StepKind,
 };
 
 const SPEC: &str = r#"apiVersion: shardline/v1
@@ -574,6 +574,37 @@ fn run_limits_are_read_and_hashed_only_when_set() {
     assert_eq!(long.step_hash("shard"), a.step_hash("shard"), "limits do not change what a step computes");
     let back: ResolvedPipeline = serde_json::from_value(serde_json::to_value(&long).unwrap()).unwrap();
     assert_eq!(back.limits, long.limits);
+}
+
+/// `retention`: read into the resolved pipeline in its canonical spelling, in the spec hash only
+/// when set (the pinned spec hash above has none), never in a step's hash, absent from older
+/// stored pipelines.
+#[test]
+fn retention_is_read_and_hashed_only_when_set() {
+    let a = pipeline(SPEC).instantiate(&[], "run-1").unwrap();
+    assert!(a.retention.is_default());
+    assert!(!serde_json::to_string(&a).unwrap().contains("retention"), "the default is not written");
+    let with = |extra: &str| {
+        let text = SPEC.replacen("\nparams:", &format!("\n{extra}\nparams:"), 1);
+        pipeline(&text).instantiate(&[], "run-1").unwrap()
+    };
+    let week = with("retention: {runs: 7d}");
+    assert_eq!(week.retention, Retention { runs: Some(Duration::from_secs(7 * 86_400)) });
+    let hours = with("retention:\n  runs: 168h");
+    assert_eq!(hours.retention, week.retention, "one duration, however it is spelt");
+    assert_eq!(hours.spec_hash, week.spec_hash, "hashed in its canonical spelling");
+    assert_ne!(week.spec_hash, a.spec_hash);
+    assert_ne!(with("retention: {runs: 1d}").spec_hash, week.spec_hash);
+    for step in ["download", "shard", "validate", "upload"] {
+        assert_eq!(week.step_hash(step), a.step_hash(step), "retention does not change what `{step}` computes");
+    }
+    let stored = serde_json::to_value(&week).unwrap();
+    assert_eq!(stored["retention"], serde_json::json!({"runs": "7d"}));
+    let back: ResolvedPipeline = serde_json::from_value(stored).unwrap();
+    assert_eq!(back.retention, week.retention);
+    let mut old = serde_json::to_value(&a).unwrap();
+    old.as_object_mut().unwrap().remove("retention");
+    assert!(serde_json::from_value::<ResolvedPipeline>(old).unwrap().retention.is_default());
 }
 
 #[test]

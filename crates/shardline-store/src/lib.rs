@@ -85,7 +85,10 @@ columns of their own, never in `params`), `tasks`, `task_deps` (edges), `attempt
 per lease), `workers` (with the disk each last measured, see
 [`Store::worker_heartbeat_with_disk`]), `events`, `logs` (kept for ever, no reference to
 workers), `cache`, `triggers` and `trigger_firings` (see [`Store::list_triggers`] and [`Store::claim_firing`]),
-`pools` (run slots shared across pipelines, see [`Store::set_pools`]),
+`pools` (run slots shared across pipelines, see [`Store::set_pools`]), `retention_policy` and
+`disk_usage` (the server's retention and what each state directory's gc measured, see
+[`Store::set_retention_policy`] and [`Store::report_disk_usage`]; the step cache's use and tags
+are columns of `cache`, see [`Store::cache_forget`]),
 `api_tokens` (hashes of the HTTP API's tokens, see [`Store::insert_token`]), and the
 notifications' targets (`run_notify_targets`, `pipeline_notify_targets`, `notify_defaults`) and
 outbox (`notifications`, see [`Store::claim_notifications`]), filled by database triggers on
@@ -140,6 +143,7 @@ mod notify;
 mod open;
 mod read;
 mod records;
+mod retention;
 mod runs;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -168,6 +172,9 @@ pub use metrics::{EndedAttempt, EndedCursor, EndedPage, StateCounts};
 pub use notify::{DeliveryOutcome, Notification, NotificationLease, NotifyTarget};
 pub use open::{sqlite_lock_path, MIGRATE_LOCK, SQLITE_LOCK_SUFFIX};
 pub use read::{MAX_LOG_LINE, MAX_PAGE};
+pub use retention::{
+    CacheEntry, DiskEntry, DiskKind, DiskReporter, DiskUsageRow, LiveRun, RetentionPolicy, RunRetention,
+};
 pub use tokens::TokenRow;
 pub use triggers::{FiringClaim, FiringRecord, NewTrigger, TriggerCheck, TriggerRecord, TriggerState};
 pub use types::*;

@@ -115,8 +115,8 @@ impl Store {
                 .opt(
                     sql!(
                         "INSERT INTO runs (pipeline_id, params, spec, dedupe_key, name, no_cache, priority, \
-                             concurrency_key, concurrency_limit, concurrency_overflow, pool, submitted_by) \
-                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
+                             concurrency_key, concurrency_limit, concurrency_overflow, pool, submitted_by, retain_ms) \
+                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
                          ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL \
                          AND state IN ('queued', 'running', 'succeeded') DO NOTHING RETURNING id"
                     ),
@@ -132,7 +132,8 @@ impl Store {
                         limit,
                         overflow,
                         new.options.pool.clone(),
-                        new.submitted_by.clone()
+                        new.submitted_by.clone(),
+                        new.options.retention.map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
                     ],
                 )
                 .await

@@ -3,7 +3,6 @@
 use std::collections::HashMap;
 
 use serde_json::{json, Value};
-use sqlx::types::Json;
 
 use crate::db::{args, sql, Conn};
 use crate::error::{Result, StoreError};
@@ -315,35 +314,6 @@ impl Store {
                 )
                 .await?;
             recs.into_iter().map(EventRecord::into_row).collect()
-        })
-        .await
-    }
-
-    /// The cached output for a content-addressed key.
-    pub async fn cache_get(&self, key: &str) -> Result<Option<Value>, StoreError> {
-        self.retrying("cache_get", || async {
-            let mut pc = self.pool().acquire().await?;
-            let row: Option<(Json<Value>,)> =
-                pc.conn().opt(sql!("SELECT output FROM cache WHERE key = $1"), args![key]).await?;
-            Ok(row.map(|(j,)| j.0))
-        })
-        .await
-    }
-
-    /// Stores (or replaces) the output for a key.
-    pub async fn cache_put(&self, key: &str, output: &Value) -> Result<(), StoreError> {
-        self.retrying("cache_put", || async {
-            let mut pc = self.pool().acquire().await?;
-            pc.conn()
-                .exec(
-                    sql!(
-                        "INSERT INTO cache (key, output) VALUES ($1, $2) \
-                         ON CONFLICT (key) DO UPDATE SET output = excluded.output, created_at = {now}"
-                    ),
-                    args![key, output],
-                )
-                .await?;
-            Ok(())
         })
         .await
     }

@@ -119,7 +119,7 @@ macro_rules! run_cols {
     () => {
         "r.id, r.pipeline_id, p.name AS pipeline_name, r.state, r.params, r.spec, r.name, r.no_cache, \
          r.plan, r.dedupe_key, r.error, r.created_at, r.started_at, r.finished_at, r.priority, \
-         r.concurrency_key, r.concurrency_limit, r.concurrency_overflow, r.pool, r.submitted_by"
+         r.concurrency_key, r.concurrency_limit, r.concurrency_overflow, r.pool, r.submitted_by, r.retain_ms"
     };
 }
 pub(crate) use run_cols;
@@ -146,6 +146,7 @@ pub(crate) struct RunRecord {
     concurrency_overflow: Option<String>,
     pool: Option<String>,
     submitted_by: Option<String>,
+    retain_ms: Option<i64>,
 }
 
 impl RunRecord {
@@ -178,6 +179,7 @@ impl RunRecord {
                     _ => None,
                 },
                 pool: self.pool,
+                retention: self.retain_ms.map(|ms| millis("runs", "retain_ms", ms)).transpose()?,
             },
             plan: self.plan.map(|j| j.0),
             dedupe_key: self.dedupe_key,

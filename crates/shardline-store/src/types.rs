@@ -272,6 +272,9 @@ pub struct RunOptions {
     /// A pool of slots shared across pipelines: the run takes one while it runs. A pool the
     /// server has not defined has no slots, so the run waits (and says why).
     pub pool: Option<String>,
+    /// How long the run's work directory is kept once it ended (its spec's `retention.runs`);
+    /// the gc keeps it for the shorter of this and the server's `--retain-runs`.
+    pub retention: Option<Duration>,
 }
 
 /// A concurrency limit: runs with the same `key` (a pipeline's name) that may be `running` at

@@ -20,8 +20,13 @@ use sqlx::Executor;
 /// The first migration that is not applied before the legacy rows are written.
 const RUN_OPTIONS: i64 = 20261124000000;
 const RETRY_BUDGETS: i64 = 20261126000000;
+const RETENTION: i64 = 20261128020000;
 
-shardline_testdb::on_both_databases!(run_options_move_out_of_params, lost_leases_are_counted_apart);
+shardline_testdb::on_both_databases!(
+    run_options_move_out_of_params,
+    lost_leases_are_counted_apart,
+    cache_rows_from_before_retention_count_as_used_when_written
+);
 
 /// The migrations of `dir` older than `before`.
 async fn migrations_before(dir: &str, before: i64) -> Migrator {
@@ -103,4 +108,26 @@ async fn lost_leases_are_counted_apart(db: &TestDb) {
     };
     assert_eq!(kinds(0).await, vec![Some("lost"), Some("error"), Some("lost")]);
     assert_eq!(kinds(1).await, vec![Some("lost"), Some("lost"), Some("error"), None]);
+}
+
+/// A step cache row written before retention: used when it was written, never since, no tags;
+/// a run of then has no retention of its own.
+async fn cache_rows_from_before_retention_count_as_used_when_written(db: &TestDb) {
+    let rows = "INSERT INTO cache (key, output) VALUES ('old', '{\"dir\": \"/w/runs/a/shard/checkpoint\"}'); \
+         INSERT INTO pipelines (name, spec_text, spec_hash) VALUES ('p', 'steps: []', 'h'); \
+         INSERT INTO runs (pipeline_id, params, spec, name) VALUES (1, '{}', '{}', 'p-1')";
+    legacy_database(db, RETENTION, rows).await;
+    let store = db.store().await;
+    let entries = store.cache_entries().await.expect("entries");
+    assert_eq!(entries.len(), 1);
+    let e = &entries[0];
+    assert_eq!((e.key.as_str(), e.uses, e.tags.len()), ("old", 0, 0));
+    assert_eq!(e.output, json!({"dir": "/w/runs/a/shard/checkpoint"}));
+    let age = chrono::Utc::now() - e.last_used_at;
+    assert!(age.num_seconds().abs() < 600, "last used when written: {}", e.last_used_at);
+    let runs = store.runs_named(&["p-1".to_string()]).await.expect("runs");
+    assert_eq!((runs.len(), runs[0].retention), (1, None));
+    assert!(store.cache_get("old").await.expect("get").is_some());
+    assert!(!store.cache_forget("old", 0).await.expect("forget"), "used since");
+    assert!(store.cache_forget("old", 1).await.expect("forget"));
 }

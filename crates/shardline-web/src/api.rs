@@ -153,7 +153,9 @@ pub async fn get_run(
     read_access(&state, &headers).await?;
     let run = find_run(&state, id).await?;
     let notifications = state.store.run_notifications(RunId(id)).await?;
-    Ok(Json(RunDetailDto::new(&run, &notifications)))
+    let mut detail = RunDetailDto::new(&run, &notifications);
+    detail.disk_bytes = state.store.run_disk_bytes(RunId(id)).await?;
+    Ok(Json(detail))
 }
 
 /// A run's tasks as the dashboard shows them: with progress, rate, ETA and why each waits.
@@ -244,7 +246,17 @@ pub async fn run_view(
     let tasks = annotate(&state, &tasks, &deps, false).await?;
     let notifications = state.store.run_notifications(RunId(id)).await?.iter().map(NotificationDto::from).collect();
     let attempts = attempts.iter().map(AttemptDto::from).collect();
-    Ok(Json(RunViewDto { run: RunDto::from(&run), steps, tasks, notifications, result, timeline, attempts }))
+    let disk_bytes = state.store.run_disk_bytes(RunId(id)).await?;
+    Ok(Json(RunViewDto {
+        run: RunDto::from(&run),
+        steps,
+        tasks,
+        notifications,
+        result,
+        timeline,
+        attempts,
+        disk_bytes,
+    }))
 }
 
 fn graph_steps(
@@ -309,6 +321,23 @@ pub async fn task_attempts(
     }
     let attempts = state.store.task_attempts(TaskId(id)).await?;
     Ok(Json(attempts.iter().map(AttemptDto::from).collect()))
+}
+
+/// The retention policy and what each state directory's gc last measured: its totals and the
+/// largest step cache entries and downloads.
+#[utoipa::path(get, path = "/api/v1/storage", tag = "storage",
+    responses((status = 200, body = StorageDto), (status = 401, body = ErrorBody)))]
+pub async fn storage(State(state): State<AppState>, headers: HeaderMap) -> ApiResult<Json<StorageDto>> {
+    read_access(&state, &headers).await?;
+    let retention = state.store.retention_policy().await?.into();
+    let reporters = state.store.disk_reporters().await?;
+    let kinds = [shardline_store::DiskKind::Cache, shardline_store::DiskKind::Download];
+    let caches = state.store.disk_usage(&kinds, 500).await?;
+    Ok(Json(StorageDto {
+        retention,
+        reporters: reporters.iter().map(DiskReporterDto::from).collect(),
+        caches: caches.iter().map(CacheUsageDto::from).collect(),
+    }))
 }
 
 /// Registered workers with the tasks they hold and what those use.

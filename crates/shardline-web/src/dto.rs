@@ -12,6 +12,7 @@ use utoipa::{IntoParams, ToSchema};
 use crate::redact::{redact, redact_line, redact_opt};
 
 pub use crate::dto_page::{ParamDto, ResultDto, TimelineDto, TimelineStepDto, TimelineTaskDto};
+pub use crate::dto_storage::{CacheUsageDto, DiskReporterDto, RetentionDto, StorageDto};
 
 /// A pipeline name with its stored spec versions.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -197,6 +198,10 @@ pub struct RunDetailDto {
     pub plan: Option<Value>,
     /// The webhooks told about the run's end, and how delivery went.
     pub notifications: Vec<NotificationDto>,
+    /// Bytes of its work directory, summed over the state directories whose gc last measured
+    /// it (the step cache entries inside it included); null when none did (not measured yet,
+    /// or freed).
+    pub disk_bytes: Option<u64>,
 }
 
 impl RunDetailDto {
@@ -206,6 +211,7 @@ impl RunDetailDto {
             spec: redact(&r.spec),
             plan: redact_opt(&r.plan),
             notifications: notifications.iter().map(NotificationDto::from).collect(),
+            disk_bytes: None,
         }
     }
 }
@@ -434,6 +440,8 @@ pub struct RunViewDto {
     pub timeline: TimelineDto,
     /// Every attempt of every task, by task and then oldest first.
     pub attempts: Vec<AttemptDto>,
+    /// Bytes of its work directory on disk (as in `GET /runs/{id}`).
+    pub disk_bytes: Option<u64>,
 }
 
 /// A run's step graph.

@@ -1,6 +1,6 @@
 /*!
 The HTTP API of the Shardline orchestrator, under `/api/v1`: pipelines, runs, tasks, attempts,
-workers and logs to read; submissions, cancels and retries; lint; a server-sent event stream of
+workers, logs and storage (retention and disk use) to read; submissions, cancels and retries; lint; a server-sent event stream of
 run and task state changes; and its own OpenAPI document at `/api/v1/openapi.json`.
 
 **Owns:** HTTP, API tokens' secrets and scopes, redaction, what the dashboard computes from
@@ -33,6 +33,7 @@ pub mod api;
 pub mod auth;
 pub mod dto;
 pub mod dto_page;
+pub mod dto_storage;
 pub mod error;
 pub mod metrics;
 pub mod outcome;
@@ -120,11 +121,11 @@ impl utoipa::Modify for BearerScheme {
     paths(
         api::list_pipelines, api::get_pipeline, api::list_triggers, api::list_runs, api::get_run, api::run_tasks, api::run_graph, api::run_view,
         api::get_task, api::task_attempts,
-        api::list_workers, api::run_logs, api::submit_run, api::cancel_run, api::retry_run, api::lint, api::events,
+        api::list_workers, api::storage, api::run_logs, api::submit_run, api::cancel_run, api::retry_run, api::lint, api::events,
         openapi_json
     ),
     modifiers(&BearerScheme),
-    tags((name = "runs"), (name = "tasks"), (name = "pipelines"), (name = "workers"), (name = "events"))
+    tags((name = "runs"), (name = "tasks"), (name = "pipelines"), (name = "workers"), (name = "storage"), (name = "events"))
 )]
 pub struct ApiDoc;
 
@@ -151,6 +152,7 @@ pub fn router(state: AppState) -> Router {
         .route("/tasks/{id}", get(api::get_task))
         .route("/tasks/{id}/attempts", get(api::task_attempts))
         .route("/workers", get(api::list_workers))
+        .route("/storage", get(api::storage))
         .route("/lint", post(api::lint))
         .route("/events", get(api::events))
         .route("/openapi.json", get(openapi_json));

@@ -1,6 +1,6 @@
 //! The dashboard: static files from the repository's `web/` directory, embedded in the binary
 //! at build time and served at `/`. Paths of the dashboard's own pages (`/runs`, `/runs/12`,
-//! `/workers`, …) get `index.html`, whose scripts route on the client; unknown `/api/` paths get
+//! `/workers`, `/storage`, …) get `index.html`, whose scripts route on the client; unknown `/api/` paths get
 //! the API's JSON 404.
 //!
 //! Every response carries a Content-Security-Policy that allows only the dashboard's own scripts
@@ -46,6 +46,7 @@ pub static ASSETS: &[Asset] = assets! {
     "js/views/run-outcome.js" => JS,
     "js/views/task.js" => JS,
     "js/views/workers.js" => JS,
+    "js/views/storage.js" => JS,
     "js/views/pipelines.js" => JS,
     "js/views/submit.js" => JS,
     "js/views/params-form.js" => JS,
@@ -53,7 +54,7 @@ pub static ASSETS: &[Asset] = assets! {
 };
 
 /// The client-side routes: their first path segment.
-pub const PAGES: &[&str] = &["runs", "workers", "pipelines", "submit", "token"];
+pub const PAGES: &[&str] = &["runs", "workers", "storage", "pipelines", "submit", "token"];
 
 const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; \
                    connect-src 'self'; font-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'";

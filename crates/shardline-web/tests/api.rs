@@ -496,6 +496,7 @@ async fn openapi_lists_every_route() {
         ("/api/v1/tasks/{id}", "get"),
         ("/api/v1/tasks/{id}/attempts", "get"),
         ("/api/v1/workers", "get"),
+        ("/api/v1/storage", "get"),
         ("/api/v1/lint", "post"),
         ("/api/v1/events", "get"),
         ("/api/v1/openapi.json", "get"),
@@ -519,6 +520,7 @@ async fn openapi_lists_every_route() {
         "LeaseDto",
         "TriggerDto",
         "RunViewDto",
+        "StorageDto",
     ] {
         assert!(v["components"]["schemas"].get(schema).is_some(), "schema {schema} missing");
     }

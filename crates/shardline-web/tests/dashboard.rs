@@ -353,6 +353,7 @@ async fn scopes(kind: Kind) {
         (Method::GET, "/api/v1/tasks/{id}", format!("/api/v1/tasks/{t}"), Scope::Read),
         (Method::GET, "/api/v1/tasks/{id}/attempts", format!("/api/v1/tasks/{t}/attempts"), Scope::Read),
         (Method::GET, "/api/v1/workers", "/api/v1/workers".into(), Scope::Read),
+        (Method::GET, "/api/v1/storage", "/api/v1/storage".into(), Scope::Read),
         (Method::POST, "/api/v1/lint", "/api/v1/lint".into(), Scope::Read),
         (Method::GET, "/api/v1/events", "/api/v1/events?after=0".into(), Scope::Read),
     ];

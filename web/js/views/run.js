@@ -2,7 +2,7 @@
 // the step graph with each step's state and fan-out, the task table
 // with progress bars (bytes/s, ETA) and why each task waits, a task's attempts and logs, and
 // the webhooks told about the run's end (targets redacted by the server), a timeline of steps
-// and tasks, and every attempt with its kind.
+// and tasks, every attempt with its kind, and the disk its work directory uses.
 
 import { get, api } from '../api.js';
 import { h, s, replace, link, badge, errorBox } from '../dom.js';
@@ -85,7 +85,7 @@ export function render(view, [idText], params) {
     }
   }
 
-  function renderHeader() {
+  function renderHeader(diskBytes) {
     replace(header,
       h('h1', {}, `Run #${run.id} `, h('span', { class: 'muted' }, run.pipeline), ' ', badge(run.state)),
       h('div', { class: 'actions' }, actions()));
@@ -96,6 +96,8 @@ export function render(view, [idText], params) {
       item('Tasks', `${run.tasks.succeeded}/${run.tasks.total} succeeded` + (run.tasks.failed ? `, ${run.tasks.failed} failed` : '')),
       item('Created', time(run.created_at)), item('Duration', duration(run.duration_ms)),
       item('Dedupe key', run.dedupe_key),
+      // What its work directory holds, as the workers' gc last measured it.
+      diskBytes === null || diskBytes === undefined ? [] : [h('dt', {}, 'Disk'), h('dd', { 'data-testid': 'run-disk' }, bytes(diskBytes))],
       auditItems(run),
       run.error ? [h('dt', {}, 'Error'), h('dd', { class: 'bad', 'data-testid': 'run-error' }, run.error)] : []);
   }
@@ -237,7 +239,7 @@ export function render(view, [idText], params) {
       const fetched = performance.now();
       run = v.run;
       tasks = v.tasks;
-      renderHeader();
+      renderHeader(v.disk_bytes);
       renderNotifications(v.notifications || []);
       renderDag(v.steps);
       renderTasks();

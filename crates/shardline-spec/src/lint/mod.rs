@@ -4,7 +4,8 @@
 //! usable):
 //! 1. document: size, YAML syntax, aliases, nesting, one document, duplicate keys;
 //! 2. shape: top-level keys, `apiVersion`, `kind`, `name`, and how runs share the workers
-//!    (`concurrency`, `pool`, `priority`: `limits`);
+//!    (`concurrency`, `pool`, `priority`: `limits`) and how long its runs' directories are kept
+//!    (`retention`);
 //! 3. params: types, defaults, `enum`s;
 //! 4. steps: keys, ids, kinds, `needs`, typed `with`/`resources`/`retry`/`timeout`/`cache`;
 //! 5. graph: unknown and duplicate `needs`, cycles (printed as the chain), order rules
@@ -29,6 +30,7 @@ mod names;
 mod params;
 mod pipeline;
 mod read;
+mod retention;
 mod steps;
 
 use crate::diagnostic::{self, Diagnostic};

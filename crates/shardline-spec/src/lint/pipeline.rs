@@ -90,6 +90,7 @@ impl Linter<'_> {
         };
         let description = get("description").and_then(|e| self.string(&e.value, "description", true));
         let limits = self.run_limits(entries);
+        let retention = get("retention").map(|e| self.retention(&e.value)).unwrap_or_default();
 
         // params.
         let (params, types) = match get("params") {
@@ -176,6 +177,7 @@ impl Linter<'_> {
             triggers,
             notify,
             limits,
+            retention,
             file: self.file.to_string(),
             locations: std::mem::take(&mut self.loc),
             step_index,
