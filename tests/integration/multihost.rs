@@ -216,8 +216,38 @@ fn three_workers_without_a_shared_disk_convert_validate_and_publish() {
     assert_eq!(summary["objects"], 10, "{summary}");
     assert_eq!(summary["problems"], serde_json::json!([]), "{summary}");
     assert_eq!(summary["source"]["sha"], sha.as_str(), "{summary}");
+
+    // Retention of the artifact store: the finished run's prefix goes, the release copy stays.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let run_prefix = format!("shardline/runs/{name}/");
+    let gc = |dry: bool| {
+        let mut c = hosts.cmd("client", &["gc", "--json", "--retain-runs", "1s"]);
+        if dry {
+            c.arg("--dry-run");
+        }
+        let o = crate::run(&mut c);
+        assert!(o.status.success(), "gc: {}\n{}", stdout(&o), stderr(&o));
+        serde_json::from_str::<Value>(stdout(&o).trim()).unwrap_or_else(|e| panic!("{e}: {}", stdout(&o)))
+    };
+    let dry = gc(true);
+    let items = dry["artifacts"]["items"].as_array().expect("artifact items").clone();
+    assert_eq!(items.len(), 1, "{dry}");
+    assert_eq!(items[0]["freed"], true, "{dry}");
+    let listed: u64 = list_bytes(&moto, ARTIFACTS, &run_prefix);
+    assert_eq!(items[0]["bytes"].as_u64(), Some(listed), "the item's size is the prefix's: {dry}");
+    assert!(!moto.list_keys(ARTIFACTS, &run_prefix).is_empty(), "a dry run deletes nothing");
+    gc(false);
+    assert!(moto.list_keys(ARTIFACTS, &run_prefix).is_empty(), "the finished run's prefix was freed");
+    assert!(!moto.list_keys(ARTIFACTS, "shardline/releases/").is_empty(), "release copies are kept");
     drop(hosts);
     drop(runtime);
+}
+
+/// Bytes of the objects under `prefix` of `bucket`.
+fn list_bytes(moto: &Moto, bucket: &str, prefix: &str) -> u64 {
+    let (status, body) = moto.http("GET", &format!("/{bucket}?list-type=2&prefix={prefix}")).expect("moto");
+    assert_eq!(status, 200, "{body}");
+    body.split("<Size>").skip(1).filter_map(|r| r.split("</Size>").next()?.parse::<u64>().ok()).sum()
 }
 
 #[test]

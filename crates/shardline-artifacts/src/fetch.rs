@@ -24,6 +24,7 @@ pub struct ListedObject {
     pub name: String,
     pub size: u64,
     pub e_tag: Option<String>,
+    pub modified: chrono::DateTime<chrono::Utc>,
 }
 
 impl Artifacts {
@@ -40,6 +41,7 @@ impl Artifacts {
                 name: m.location.as_ref().strip_prefix(&strip).unwrap_or(m.location.as_ref()).to_string(),
                 size: m.size,
                 e_tag: m.e_tag,
+                modified: m.last_modified,
             })
             .try_collect()
             .await?;

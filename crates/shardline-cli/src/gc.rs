@@ -119,10 +119,39 @@ pub fn run_gc(args: GcArgs) -> Result<ExitCode> {
         };
         let opts = GcOptions { work: work.clone(), dry_run: args.dry_run, policy, report: true };
         let report = gc::run_pass(&store, &opts).await.context("gc")?;
+        // With an object-store artifact store, the run prefixes there too.
+        let remote = match args.state.artifact_store() {
+            Some(url) => {
+                let artifacts = shardline_artifacts::Artifacts::open(url, &[]).context("the artifact store")?;
+                let r = gc::artifacts::artifacts_pass(&store, &artifacts, policy, args.dry_run)
+                    .await
+                    .context("gc of the artifact store")?;
+                Some((url.to_string(), r))
+            }
+            None => None,
+        };
         if args.json {
-            println!("{}", as_json(&report, &work, args.dry_run));
+            let mut v = as_json(&report, &work, args.dry_run);
+            if let Some((url, r)) = &remote {
+                v["artifacts"] = json!({"url": url, "items": r.items.iter().map(|(item, freed)| json!({
+                    "path": item.path, "bytes": item.bytes, "freed": *freed || (args.dry_run && item.action == gc::Action::Free),
+                    "reason": item.reason.to_string(),
+                })).collect::<Vec<_>>()});
+            }
+            println!("{v}");
         } else {
             print_report(&report, &work, args.dry_run);
+            if let Some((url, r)) = &remote {
+                println!("gc of {url}/runs");
+                for (item, freed) in &r.items {
+                    let word = match (item.action, freed, args.dry_run) {
+                        (_, true, _) => "freed",
+                        (gc::Action::Free, false, true) => "free",
+                        _ => "keep",
+                    };
+                    println!("  {word:<5} run {:>12} ({} bytes)  {}  — {}", bytes(item.bytes), item.bytes, item.path.display(), item.reason);
+                }
+            }
         }
         let spared = report.items.iter().any(|(_, o)| matches!(o, Outcome::Spared(_)));
         Ok(if spared { ExitCode::from(1) } else { ExitCode::SUCCESS })

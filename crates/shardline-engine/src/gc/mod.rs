@@ -12,6 +12,7 @@
 //! store for the dashboard. Only paths inside the work directory are ever deleted.
 
 pub mod apply;
+pub mod artifacts;
 pub mod decide;
 pub mod measure;
 pub mod tags;
