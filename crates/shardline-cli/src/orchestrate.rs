@@ -247,6 +247,8 @@ pub fn run_run(args: RunArgs) -> Result<ExitCode> {
             let mut config = WorkerConfig::new(info);
             config.lease_ttl = Duration::from_secs(10);
             config.disk = Some(disk_settings(&resources, &args.state)?);
+            config.scratch_dir = args.state.scratch_dir();
+            config.objects.cache_dir = Some(args.state.work_dir().join("cache").join("objects"));
             let store = store.clone();
             let rx = stop_rx.clone();
             handles.push(tokio::spawn(async move {
@@ -631,6 +633,9 @@ pub fn run_worker_cmd(args: WorkerArgs) -> Result<ExitCode> {
         let mut config = WorkerConfig::new(info);
         config.lease_ttl = Duration::from_secs(args.lease_seconds.max(1));
         config.scratch_dir = args.state.scratch_dir();
+        // Its own object cache (artifacts read back, release files read whole), where its gc
+        // looks after it, whatever directory a run's payload names.
+        config.objects.cache_dir = Some(args.state.work_dir().join("cache").join("objects"));
         config.disk = Some(disk);
         config.gc = args.gc.setting(&args.state);
         run_worker(store, config, rx).await.context("worker")?;

@@ -194,12 +194,19 @@ struct Staged {
     tags: BTreeMap<String, Option<String>>,
 }
 
-/// Where a worker keeps a release file it read whole: under its scratch root, keyed by the
-/// object's URL and ETag (an object replaced under the same name gets another entry).
+/// Where a worker keeps a release file it read whole: a directory of its object cache (so its gc
+/// frees it, least recently used, under the cache limit) keyed by the object's URL and ETag (an
+/// object replaced under the same name gets another entry).
 fn whole_file_path(ctx: &StepContext, url: &str, name: &str, tag: Option<&str>) -> PathBuf {
     let mut h = Sha256::new();
     h.update(format!("{url}\0{name}\0{}", tag.unwrap_or("")).as_bytes());
-    ctx.scratch_root.join("files").join(hex::encode(h.finalize()))
+    let file = Path::new(name).file_name().map(|n| n.to_os_string()).unwrap_or_else(|| "file".into());
+    object_cache(ctx).join(format!("whole-{}", &hex::encode(h.finalize())[..32])).join(file)
+}
+
+/// The worker's object cache: its own setting, else `objects/` under its scratch root.
+fn object_cache(ctx: &StepContext) -> PathBuf {
+    ctx.objects.cache_dir.clone().unwrap_or_else(|| ctx.scratch_root.join("objects"))
 }
 
 /// `path` replaced by a hard link to `whole` (both under the worker's scratch root).
@@ -459,8 +466,7 @@ pub fn commit(job: &ShardJob, plan_task: &str, ctx: &StepContext) -> Result<Task
 /// artifact prefix downloaded into the worker's object cache.
 pub fn materialize(output: &TaskOutput, ctx: &StepContext) -> Result<Option<PathBuf>, StepError> {
     let Some(url) = output.artifact.as_deref() else { return Ok(None) };
-    let cache = ctx.objects.cache_dir.clone().unwrap_or_else(|| ctx.scratch_root.join("objects"));
-    let got = TaskOutput::from_value(&crate::objects::download(url, &cache, ctx.objects, ctx)?);
+    let got = TaskOutput::from_value(&crate::objects::download(url, &object_cache(ctx), ctx.objects, ctx)?);
     Ok(got.path)
 }
 
