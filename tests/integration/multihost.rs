@@ -368,3 +368,50 @@ fn list_sizes(moto: &Moto, prefix: &str) -> BTreeMap<String, u64> {
     }
     out
 }
+
+/// `pipelines/reshard-export.yaml` on two workers that share no disk: the reshard and the export
+/// read their inputs back from the artifact store and put what they write there; the uploaded
+/// checkpoint validates against the release and the export holds the release's tensors.
+#[test]
+fn reshard_and_export_run_on_the_artifact_store() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let moto = Moto::start(tmp.path());
+    moto.create_bucket(ARTIFACTS);
+    let mut hosts = Hosts::new(&moto, None);
+    hosts.spawn("server", &["server"]);
+    for w in ["host-a", "host-b"] {
+        hosts.worker(w);
+    }
+    let out = tmp.path().join("out");
+    let dest = format!("file://{}", out.display());
+    let spec = repo_root().join("pipelines/reshard-export.yaml");
+    let run = hosts.submit(
+        &spec,
+        &[
+            format!("model={}", fixture("qwen3_moe").display()),
+            format!("checkpoint_dest={dest}"),
+            format!("hf_dest={dest}"),
+        ],
+    );
+    let row = hosts.wait_run(run);
+    assert_eq!(row.state, RunState::Succeeded, "{:?}", row.error);
+    let name = row.options.name.clone().expect("run name");
+    let art = moto.list_keys(ARTIFACTS, &format!("shardline/runs/{name}/"));
+    for step in ["shard/checkpoint/.metadata", "reshard/checkpoint/.metadata", "export/hf/config.json"] {
+        assert!(art.iter().any(|k| k.ends_with(step)), "no {step} in the artifact store: {art:?}");
+    }
+    assert_eq!(moto.open_multipart_uploads(ARTIFACTS), 0);
+
+    let (ckpt, hf) = (out.join(&name).join("checkpoint"), out.join(&name).join("hf"));
+    let o = run_validate(&ckpt);
+    assert!(o.status.success(), "validate: {}{}", stdout(&o), stderr(&o));
+    let (want, got) = (crate::release_tensors(&fixture("qwen3_moe")), crate::release_tensors(&hf));
+    assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
+    for (tensor, w) in &want {
+        assert!(&got[tensor] == w, "`{tensor}`: the exported tensor differs from the release's");
+    }
+}
+
+fn run_validate(ckpt: &Path) -> std::process::Output {
+    crate::run(bin().arg("validate").arg(ckpt).arg("--against").arg(fixture("qwen3_moe")).args(["--etp", "1"]))
+}

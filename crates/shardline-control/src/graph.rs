@@ -120,6 +120,10 @@ pub struct ReshardJob {
     pub release_task: Option<String>,
     /// Where the checkpoint is written; it is staged in `<out>.partial` and renamed.
     pub out: PathBuf,
+    /// With an object-store artifact store: the prefix the checkpoint is put under instead
+    /// (written in the worker's scratch, then uploaded, `.metadata` last).
+    #[serde(default)]
+    pub remote: Option<String>,
     pub step_hash: String,
     #[serde(default = "yes")]
     pub cache: bool,
@@ -150,6 +154,9 @@ pub struct ExportJob {
     pub prefix: String,
     /// The HF directory written (staged beside it and renamed).
     pub out: PathBuf,
+    /// With an object-store artifact store: the prefix the directory is put under instead.
+    #[serde(default)]
+    pub remote: Option<String>,
     pub step_hash: String,
     #[serde(default = "yes")]
     pub cache: bool,
@@ -169,6 +176,10 @@ pub struct CommandJob {
     pub workdir: PathBuf,
     /// `SHARDLINE_OUTPUT_DIR`: made empty before each attempt; the step's recorded `dir`.
     pub out: PathBuf,
+    /// With an object-store artifact store: the prefix the output directory is put under when
+    /// the command succeeds (`out` is then in the worker's scratch).
+    #[serde(default)]
+    pub remote: Option<String>,
     /// The steps it needs, each with the task whose output describes it.
     pub inputs: Vec<CommandInput>,
 }
@@ -256,6 +267,9 @@ pub enum Payload {
         step_hash: String,
         #[serde(default = "yes")]
         cache: bool,
+        /// With an object-store artifact store: the prefix is only listed; the reshard reads it.
+        #[serde(default)]
+        artifacts: Option<String>,
     },
     Reshard {
         job: ReshardJob,
@@ -388,7 +402,7 @@ fn source_task_of(p: &ResolvedPipeline, id: &str) -> Option<String> {
 /// Builds the task graph of a run whose work directory is `run_dir`; `base_dir` resolves relative
 /// paths of the spec (the directory the pipeline was submitted from). With `artifacts` (an
 /// object-store URL), step outputs live under `<artifacts>/runs/<run name>/<step>` instead, for
-/// workers that share no disk; the steps that cannot yet run that way are refused.
+/// workers that share no disk.
 pub fn tasks_for(
     p: &ResolvedPipeline,
     run_dir: &Path,
@@ -398,17 +412,8 @@ pub fn tasks_for(
     let hashes = p.step_hashes();
     let artifacts = artifacts.map(|a| a.trim_end_matches('/'));
     let run_name = run_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let remote_out = |step: &str| artifacts.map(|a| format!("{a}/runs/{run_name}/{step}/checkpoint"));
-    if artifacts.is_some() {
-        if let Some(s) = p.steps.iter().find(|s| !runs_on_artifacts(&s.config)) {
-            return Err(format!(
-                "step `{}` ({}) cannot run on an object-store artifact store yet: it reads and writes \
-                 whole directories; run it on a server whose work directory workers share",
-                s.id,
-                s.kind.as_str()
-            ));
-        }
-    }
+    let remote_at = |step: &str, leaf: &str| artifacts.map(|a| format!("{a}/runs/{run_name}/{step}/{leaf}"));
+    let remote_out = |step: &str| remote_at(step, "checkpoint");
     let mut tasks = Vec::new();
     for step in p.topo_order() {
         let needs: Vec<String> = step.needs.iter().map(|n| terminal_task(p, n)).collect();
@@ -519,6 +524,7 @@ pub fn tasks_for(
                             cache_dir: object_cache_dir(run_dir),
                             step_hash: step_hash.clone(),
                             cache: step.cache,
+                            artifacts: artifacts.map(str::to_string),
                         };
                         tasks.push(base(step, fetch.clone(), kinds::RESHARD_FETCH, needs, payload));
                         needs = vec![fetch.clone()];
@@ -546,6 +552,7 @@ pub fn tasks_for(
                     vocab_divisible_by,
                     release_task,
                     out: run_dir.join(&step.id).join("checkpoint"),
+                    remote: remote_out(&step.id),
                     step_hash,
                     cache: step.cache,
                 };
@@ -565,6 +572,7 @@ pub fn tasks_for(
                     max_file_size: *max_file_size,
                     prefix: shard_prefix(p, &step.id),
                     out: run_dir.join(&step.id).join("hf"),
+                    remote: remote_at(&step.id, "hf"),
                     step_hash,
                     cache: step.cache,
                 };
@@ -602,6 +610,7 @@ pub fn tasks_for(
                     inherit: inherit.clone(),
                     workdir: workdir.as_deref().map_or_else(|| base_dir.to_path_buf(), |w| local(w, base_dir)),
                     out: run_dir.join(&step.id).join("out"),
+                    remote: remote_at(&step.id, "out"),
                     inputs: step
                         .needs
                         .iter()
@@ -614,20 +623,6 @@ pub fn tasks_for(
         }
     }
     Ok(tasks)
-}
-
-/// Whether a step runs with its outputs in an object-store artifact store: downloads, sharding
-/// (rank files uploaded in parts, `.metadata` last), the split, validation and upload (which read
-/// the checkpoint back from the store).
-fn runs_on_artifacts(config: &StepConfig) -> bool {
-    matches!(
-        config,
-        StepConfig::HfDownload { .. }
-            | StepConfig::MegatronShard { .. }
-            | StepConfig::MegatronSplitFused { .. }
-            | StepConfig::CheckpointValidate {}
-            | StepConfig::StoreUpload { .. }
-    )
 }
 
 /// The download cache of object-store sources: `<work>/cache/objects`, next to `<work>/runs`

@@ -95,7 +95,7 @@ async fn put_file(artifacts: &Artifacts, name: &str, path: &Path, ctx: &StepCont
 /// a complete copy with the same files is reused).
 pub fn publish_release(mut output: TaskOutput, root: &str, ctx: &StepContext) -> Result<TaskOutput, StepError> {
     let dir = output.path.clone().ok_or_else(|| StepError::fatal("the download reported no directory"))?;
-    let files = release_files(&dir)?;
+    let files = dir_files(&dir, false)?;
     let mut key = Sha256::new();
     key.update(output.source.as_ref().map(Value::to_string).unwrap_or_else(|| dir.display().to_string()));
     for (name, size) in &files {
@@ -125,8 +125,10 @@ pub fn publish_release(mut output: TaskOutput, root: &str, ctx: &StepContext) ->
     Ok(output)
 }
 
-/// The release's files, relative names and sizes, sorted (symlinks of a Hub snapshot followed).
-fn release_files(dir: &Path) -> Result<Vec<(String, u64)>, StepError> {
+/// The files under `dir`, relative names and sizes, sorted (symlinks of a Hub snapshot followed);
+/// names starting with `.` only with `hidden` (a release's are tools' state, a checkpoint's
+/// `.metadata` is its own).
+fn dir_files(dir: &Path, hidden: bool) -> Result<Vec<(String, u64)>, StepError> {
     let mut out = Vec::new();
     let mut stack = vec![PathBuf::new()];
     while let Some(rel) = stack.pop() {
@@ -135,7 +137,7 @@ fn release_files(dir: &Path) -> Result<Vec<(String, u64)>, StepError> {
             let name = rel.join(e.file_name());
             let meta = fs::metadata(dir.join(&name)).map_err(|e| transient(format!("{}: {e}", name.display())))?;
             let text = name.to_string_lossy().into_owned();
-            if text.starts_with('.') {
+            if !hidden && e.file_name().to_string_lossy().starts_with('.') {
                 continue;
             }
             if meta.is_dir() {
@@ -484,4 +486,73 @@ pub fn clean(dir: &Path) {
             tracing::warn!("removing {}: {e}", dir.display());
         }
     }
+}
+
+/// An object-store checkpoint a reshard reads, only listed (it must have its `.metadata`): the
+/// reshard reads it back into its worker's object cache.
+pub fn list_checkpoint(url: &str, ctx: &StepContext) -> Result<TaskOutput, StepError> {
+    let artifacts = open_artifacts(url, ctx)?;
+    let listing = ctx.runtime.block_on(artifacts.list()).map_err(transient)?;
+    if !listing.iter().any(|o| o.name == ".metadata") {
+        return Err(StepError::fatal(format!("{url} is not a checkpoint: it has no `.metadata`")));
+    }
+    let mut digest = Sha256::new();
+    for o in &listing {
+        digest.update(format!("{}\0{}\0{}\0", o.name, o.size, o.e_tag.as_deref().unwrap_or("")).as_bytes());
+    }
+    (ctx.log)(format!("{url}: {} objects, read by the reshard", listing.len()));
+    Ok(TaskOutput {
+        artifact: Some(artifacts.url().to_string()),
+        digest: Some(hex::encode(digest.finalize())),
+        bytes: Some(listing.iter().map(|o| o.size).sum()),
+        files: Some(listing.len() as u64),
+        source: Some(json!({ "url": url, "kind": "checkpoint.reshard" })),
+        ..TaskOutput::default()
+    })
+}
+
+/// Runs a step that reads and writes whole directories (reshard, export, command) on an
+/// artifact store: the outputs of `needs` that live only there are read into the worker's object
+/// cache and handed to the step as local directories, the step writes into the task's scratch,
+/// and what it wrote is put under `remote` file by file, `last` (its completeness marker) last.
+pub fn staged_step(
+    ctx: &StepContext,
+    needs: &[&str],
+    remote: &str,
+    last: &str,
+    run: impl FnOnce(&StepContext, PathBuf) -> Result<TaskOutput, StepError>,
+) -> Result<TaskOutput, StepError> {
+    let mut outputs = ctx.outputs.clone();
+    for task in needs {
+        let Some(o) = outputs.get_mut(*task) else { continue };
+        let here = |p: &Option<PathBuf>| p.as_ref().is_some_and(|p| p.exists());
+        if o.artifact.is_none() || o.upload.is_some() || here(&o.dir) || here(&o.path) {
+            continue;
+        }
+        let local = materialize(o, ctx)?;
+        // A download names its release by `path`, a checkpoint or a directory by `dir`.
+        if o.path.is_some() {
+            o.path = local;
+        } else {
+            o.dir = local;
+        }
+    }
+    let local_ctx = StepContext { outputs: &outputs, ..*ctx };
+    let out = ctx.scratch.join("out");
+    let mut output = run(&local_ctx, out.clone())?;
+    let artifacts = open_artifacts(remote, ctx)?;
+    let mut files = dir_files(&out, true)?;
+    // The marker last: a reader that finds it finds everything else.
+    files.sort_by_key(|(name, _)| name == last);
+    let total = ctx.runtime.block_on(async {
+        let mut total = 0;
+        for (name, _) in &files {
+            total += put_file(&artifacts, name, &out.join(name), ctx).await?;
+        }
+        Ok::<u64, StepError>(total)
+    })?;
+    (ctx.log)(format!("put {} files ({total} bytes) under {remote}", files.len()));
+    output.dir = None;
+    output.artifact = Some(artifacts.url().to_string());
+    Ok(output)
 }

@@ -274,6 +274,7 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
             let cache_root = ctx.objects.cache_dir.as_deref().unwrap_or(cache_dir);
             checked_release(TaskOutput::from_value(&objects::download(url, cache_root, ctx.objects, ctx)?), ctx)
         }
+        Payload::CheckpointFetch { url, artifacts: Some(_), .. } => crate::remote::list_checkpoint(url, ctx),
         Payload::CheckpointFetch { url, cache_dir, .. } => {
             let cache_root = ctx.objects.cache_dir.as_deref().unwrap_or(cache_dir);
             let mut output = TaskOutput::from_value(&objects::download(url, cache_root, ctx.objects, ctx)?);
@@ -291,9 +292,38 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
             }
             Ok(output)
         }
-        Payload::Reshard { job } => checkpoints::reshard(job, ctx),
-        Payload::Command { job } => crate::command::run(job, ctx),
-        Payload::Export { job } => checkpoints::export(job, ctx),
+        Payload::Reshard { job } => match &job.remote {
+            Some(remote) => {
+                let needs: Vec<&str> = match &job.source {
+                    shardline_control::graph::ReshardSource::Task { task } => vec![task.as_str()],
+                    shardline_control::graph::ReshardSource::Local { .. } => vec![],
+                };
+                let needs = needs.into_iter().chain(job.release_task.as_deref()).collect::<Vec<_>>();
+                crate::remote::staged_step(ctx, &needs, remote, ".metadata", |ctx, out| {
+                    checkpoints::reshard(&shardline_control::graph::ReshardJob { out, ..job.clone() }, ctx)
+                })
+            }
+            None => checkpoints::reshard(job, ctx),
+        },
+        Payload::Command { job } => match &job.remote {
+            Some(remote) => {
+                let needs: Vec<&str> = job.inputs.iter().map(|i| i.task.as_str()).collect();
+                crate::remote::staged_step(ctx, &needs, remote, "", |ctx, out| {
+                    crate::command::run(&shardline_control::graph::CommandJob { out, ..job.clone() }, ctx)
+                })
+            }
+            None => crate::command::run(job, ctx),
+        },
+        Payload::Export { job } => match &job.remote {
+            Some(remote) => {
+                let needs = [Some(job.checkpoint_task.as_str()), job.release_task.as_deref()];
+                let needs: Vec<&str> = needs.into_iter().flatten().collect();
+                crate::remote::staged_step(ctx, &needs, remote, "config.json", |ctx, out| {
+                    checkpoints::export(&shardline_control::graph::ExportJob { out, ..job.clone() }, ctx)
+                })
+            }
+            None => checkpoints::export(job, ctx),
+        },
         Payload::Plan { job } => {
             let plan = match job.remote {
                 Some(_) => crate::remote::plan(job, ctx)?,

@@ -372,7 +372,7 @@ async fn check_cache(
             hit.cached = Some(json!(true));
             CacheCheck::Hit(Box::new(hit))
         }
-        Payload::Reshard { job } => {
+        Payload::Reshard { job } if job.remote.is_none() => {
             let digest = checkpoints::reshard_source_dir(job, outputs).and_then(|d| checkpoints::dir_digest(&d));
             let key = match digest {
                 Ok(d) => checkpoints::reshard_cache_key(job, &d),
@@ -390,7 +390,7 @@ async fn check_cache(
             }
             CacheCheck::Miss { key: Some(key) }
         }
-        Payload::Export { job } => {
+        Payload::Export { job } if job.remote.is_none() => {
             let checkpoint = outputs.get(&job.checkpoint_task).and_then(|o| o.dir.clone());
             let digests = checkpoints::export_like(job, outputs).and_then(|like| {
                 let checkpoint =

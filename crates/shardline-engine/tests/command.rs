@@ -28,6 +28,7 @@ fn job(dir: &Path, run: &[&str], shell: bool) -> CommandJob {
         inherit: Vec::new(),
         workdir: dir.to_path_buf(),
         out: dir.join("step/out"),
+        remote: None,
         inputs: Vec::new(),
     }
 }
