@@ -188,3 +188,25 @@ impl Artifacts {
         Ok(written)
     }
 }
+
+impl Artifacts {
+    /// The bytes `[start, end)` of `name` (pinned to `e_tag`), in memory: for small ranges.
+    pub async fn read_range(&self, name: &str, e_tag: Option<&str>, start: u64, end: u64) -> Result<Vec<u8>> {
+        let options = GetOptions {
+            range: Some(GetRange::Bounded(start..end)),
+            if_match: e_tag.map(str::to_string),
+            ..GetOptions::default()
+        };
+        let got = self
+            .dest
+            .store()
+            .get_opts(&self.object(name), options)
+            .await
+            .map_err(|e| self.store_err(name, "read", e))?;
+        let bytes = got.bytes().await.map_err(|e| self.store_err(name, "read", e))?;
+        if bytes.len() as u64 != end - start {
+            return Err(self.size_err(name, end - start, bytes.len() as u64));
+        }
+        Ok(bytes.to_vec())
+    }
+}

@@ -87,6 +87,11 @@ pub struct TaskOutput {
     /// where tasks on any host read it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub artifact: Option<String>,
+    /// A download on an artifact store: the prefix holding a copy of each safetensors file's
+    /// header (its first `8 + n` bytes), named by the SHA-256 of the file's URL, name and ETag,
+    /// so later tasks read them as small objects instead of ranges of large ones.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub headers: Option<String>,
     /// A rank task writing to an artifact store: its rank file's multipart upload, left open for
     /// the commit to complete.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -120,9 +120,47 @@ pub fn publish_release(mut output: TaskOutput, root: &str, ctx: &StepContext) ->
         }
         artifacts.list().await.map_err(transient)
     })?;
+    output.headers = Some(copy_headers(&artifacts, &listing, root, ctx)?);
     output.artifact = Some(artifacts.url().to_string());
     output.file_list = Some(listed_files(&listing));
     Ok(output)
+}
+
+/// The name of a release file's header copy (see `TaskOutput::headers`).
+fn header_name(url: &str, name: &str, tag: Option<&str>) -> String {
+    let mut h = Sha256::new();
+    h.update(format!("{url}\0{name}\0{}", tag.unwrap_or("")).as_bytes());
+    hex::encode(h.finalize())
+}
+
+/// Copies every safetensors file's header of `release` (as `listing` lists it) to
+/// `<root>/headers`, once; returns that prefix's URL.
+fn copy_headers(
+    release: &Artifacts,
+    listing: &[ListedObject],
+    root: &str,
+    ctx: &StepContext,
+) -> Result<String, StepError> {
+    let headers = open_artifacts(&format!("{}/headers", root.trim_end_matches('/')), ctx)?;
+    ctx.runtime.block_on(async {
+        for o in listing.iter().filter(|o| o.name.ends_with(".safetensors") && o.size >= 8) {
+            let name = header_name(release.url(), &o.name, o.e_tag.as_deref());
+            if headers.head(&name).await.map_err(transient)?.is_some() {
+                continue;
+            }
+            let len = release.read_range(&o.name, o.e_tag.as_deref(), 0, 8).await.map_err(transient)?;
+            let n = u64::from_le_bytes(len.try_into().unwrap_or([0; 8])).min(MAX_HEADER).min(o.size - 8);
+            let mut bytes = len_prefix(n);
+            bytes.extend(release.read_range(&o.name, o.e_tag.as_deref(), 8, 8 + n).await.map_err(transient)?);
+            headers.put_small(&name, bytes).await.map_err(transient)?;
+        }
+        Ok::<(), StepError>(())
+    })?;
+    Ok(headers.url().to_string())
+}
+
+fn len_prefix(n: u64) -> Vec<u8> {
+    n.to_le_bytes().to_vec()
 }
 
 /// The files under `dir`, relative names and sizes, sorted (symlinks of a Hub snapshot followed);
@@ -166,7 +204,7 @@ fn listed_files(listing: &[ListedObject]) -> Vec<ListedFile> {
 }
 
 /// An object-store source read in place: listed (pinning every object's ETag), never downloaded.
-pub fn list_source(url: &str, ctx: &StepContext) -> Result<TaskOutput, StepError> {
+pub fn list_source(url: &str, root: &str, ctx: &StepContext) -> Result<TaskOutput, StepError> {
     let artifacts = open_artifacts(url, ctx)?;
     let listing = ctx.runtime.block_on(artifacts.list()).map_err(transient)?;
     if !listing.iter().any(|o| o.name == "config.json") {
@@ -177,7 +215,9 @@ pub fn list_source(url: &str, ctx: &StepContext) -> Result<TaskOutput, StepError
         digest.update(format!("{}\0{}\0{}\0", o.name, o.size, o.e_tag.as_deref().unwrap_or("")).as_bytes());
     }
     (ctx.log)(format!("{url}: {} objects, read in place by later tasks", listing.len()));
+    let headers = copy_headers(&artifacts, &listing, root, ctx)?;
     Ok(TaskOutput {
+        headers: Some(headers),
         artifact: Some(artifacts.url().to_string()),
         digest: Some(hex::encode(digest.finalize())),
         bytes: Some(listing.iter().map(|o| o.size).sum()),
@@ -211,6 +251,18 @@ fn object_cache(ctx: &StepContext) -> PathBuf {
     ctx.objects.cache_dir.clone().unwrap_or_else(|| ctx.scratch_root.join("objects"))
 }
 
+/// The lock of the whole-file read into `path`, shared by this process's tasks.
+fn whole_file_lock(path: &Path) -> Arc<tokio::sync::Mutex<()>> {
+    static LOCKS: std::sync::OnceLock<std::sync::Mutex<BTreeMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>> =
+        std::sync::OnceLock::new();
+    let locks = LOCKS.get_or_init(Default::default);
+    match locks.lock() {
+        Ok(mut map) => map.entry(path.to_path_buf()).or_default().clone(),
+        // A poisoned map only loses the sharing: this task reads on its own.
+        Err(_) => Arc::default(),
+    }
+}
+
 /// `path` replaced by a hard link to `whole` (both under the worker's scratch root).
 fn link_whole(whole: &Path, path: &Path) -> Result<(), StepError> {
     let _ = fs::remove_file(path);
@@ -224,6 +276,7 @@ fn stage_release(source: &TaskOutput, dir: &Path, ctx: &StepContext) -> Result<S
     let url = source.artifact.as_deref().ok_or_else(|| StepError::fatal("the download recorded no artifact prefix"))?;
     let files = source.file_list.clone().unwrap_or_default();
     let artifacts = open_artifacts(url, ctx)?;
+    let headers = source.headers.as_deref().map(|h| open_artifacts(h, ctx)).transpose()?;
     let tags: BTreeMap<String, Option<String>> = files
         .iter()
         .map(|f| (f.path.clone(), f.rest.get("e_tag").and_then(Value::as_str).map(str::to_string)))
@@ -252,6 +305,17 @@ fn stage_release(source: &TaskOutput, dir: &Path, ctx: &StepContext) -> Result<S
             if f.path.ends_with(".safetensors") {
                 if f.size < 8 {
                     continue; // the reader reports it
+                }
+                let copy = match &headers {
+                    Some(h) => h
+                        .read_small(&header_name(artifacts.url(), &f.path, tag.as_deref()), MAX_HEADER + 8)
+                        .await
+                        .map_err(transient)?,
+                    None => None,
+                };
+                if let Some(bytes) = copy {
+                    std::os::unix::fs::FileExt::write_all_at(&*file, &bytes, 0).map_err(transient)?;
+                    continue;
                 }
                 artifacts.fetch_ranges(&f.path, tag.as_deref(), &[(0, 8)], file.clone()).await.map_err(transient)?;
                 let mut len = [0u8; 8];
@@ -321,8 +385,12 @@ pub fn rank(job: &ShardJob, plan_task: &str, rank: u64, ctx: &StepContext) -> Re
             let tag = staged.tags.get(name).cloned().flatten();
             let whole = whole_file_path(ctx, staged.artifacts.url(), name, tag.as_deref());
             let size = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+            // One read of a whole file at a time per worker: a second task waits and links it.
+            let lock = whole_file_lock(&whole);
+            let _held = lock.lock().await;
             if fs::metadata(&whole).is_ok_and(|m| m.len() == size) {
-                continue; // linked from the worker's file cache by stage_release
+                link_whole(&whole, &path)?;
+                continue;
             }
             if reads_whole(&mine, size, &whole) {
                 total += read_whole(&staged.artifacts, name, tag.as_deref(), &whole).await?;

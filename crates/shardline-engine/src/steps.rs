@@ -269,7 +269,7 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
                 None => Ok(output),
             }
         }
-        Payload::ObjectDownload { url, artifacts: Some(_), .. } => crate::remote::list_source(url, ctx),
+        Payload::ObjectDownload { url, artifacts: Some(root), .. } => crate::remote::list_source(url, root, ctx),
         Payload::ObjectDownload { url, cache_dir, .. } => {
             let cache_root = ctx.objects.cache_dir.as_deref().unwrap_or(cache_dir);
             checked_release(TaskOutput::from_value(&objects::download(url, cache_root, ctx.objects, ctx)?), ctx)
