@@ -42,6 +42,26 @@ fn shardline_run(dir: &Path, hub: &FakeHub, moto: &Moto, hf_home: &Path, dest: &
     o
 }
 
+/// The checkpoint published under `s3://bucket/prefix` (tp2, of the qwen3_next fixture), read back
+/// into `out` and loaded with torch.distributed.checkpoint by `tests/python/load_published.py`,
+/// compared with the independent reference: its summary.
+pub(crate) fn load_published(moto: &Moto, bucket: &str, prefix: &str, out: &Path) -> Value {
+    let o = Command::new(venv_python())
+        .arg(repo_root().join("tests/python/load_published.py"))
+        .args(["--endpoint", &moto.endpoint(), "--bucket", bucket, "--prefix", prefix, "--tp", "2"])
+        .arg("--source")
+        .arg(fixture("qwen3_next"))
+        .arg("--out")
+        .arg(out)
+        .output()
+        .expect("run .venv python");
+    let summary = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "loading the published checkpoint with torch failed:\n{summary}\n{}", {
+        String::from_utf8_lossy(&o.stderr)
+    });
+    serde_json::from_str(summary.trim()).unwrap_or_else(|e| panic!("{e}: {summary}"))
+}
+
 /// The `key` objects under `s3://BUCKET/prefix/`, listed through moto's plain HTTP API.
 fn list_keys(moto: &Moto, prefix: &str) -> Vec<String> {
     moto.list_keys(BUCKET, &format!("{prefix}/"))
@@ -83,20 +103,7 @@ fn hub_to_s3_pipeline_loads_in_torch() {
     assert_eq!(keys.len(), 6, "{keys:?}");
 
     // Read back from S3 and loaded with torch.distributed.checkpoint; compared with the reference.
-    let out = Command::new(venv_python())
-        .arg(repo_root().join("tests/python/load_published.py"))
-        .args(["--endpoint", &moto.endpoint(), "--bucket", BUCKET, "--prefix", &prefix, "--tp", "2"])
-        .arg("--source")
-        .arg(fixture("qwen3_next"))
-        .arg("--out")
-        .arg(tmp.path().join("downloaded"))
-        .output()
-        .expect("run .venv python");
-    let summary = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "loading the published checkpoint with torch failed:\n{summary}\n{}", {
-        String::from_utf8_lossy(&out.stderr)
-    });
-    let summary: Value = serde_json::from_str(summary.trim()).unwrap_or_else(|e| panic!("{e}: {summary}"));
+    let summary = load_published(&moto, BUCKET, &prefix, &tmp.path().join("downloaded"));
     assert_eq!(summary["objects"], 6);
     assert_eq!(summary["problems"], serde_json::json!([]));
     assert!(summary["tensors"].as_u64().is_some_and(|n| n > 20), "{summary}");

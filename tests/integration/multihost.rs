@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use shardline_hub::fake::FakeHub;
-use shardline_publish::moto::{repo_root, venv_python, Moto};
+use shardline_publish::moto::{repo_root, Moto};
 use shardline_store::{RunId, RunRow, RunState, Store, TaskState};
 use shardline_testdb::TestDb;
 
@@ -31,7 +31,7 @@ struct Hosts {
     dir: tempfile::TempDir,
     url: String,
     env: Vec<(&'static str, String)>,
-    procs: BTreeMap<String, (Child, PathBuf)>,
+    procs: std::sync::Mutex<BTreeMap<String, (Child, PathBuf)>>,
     rt: tokio::runtime::Runtime,
     store: Store,
     _db: TestDb,
@@ -39,7 +39,8 @@ struct Hosts {
 
 impl Drop for Hosts {
     fn drop(&mut self) {
-        for (name, (child, log)) in &mut self.procs {
+        let procs = self.procs.get_mut().unwrap_or_else(|e| e.into_inner());
+        for (name, (child, log)) in procs {
             let _ = child.kill();
             let _ = child.wait();
             if std::thread::panicking() {
@@ -62,7 +63,7 @@ impl Hosts {
             dir: tempfile::tempdir().expect("temp dir"),
             url: db.url.clone(),
             env,
-            procs: BTreeMap::new(),
+            procs: Default::default(),
             rt,
             store,
             _db: db,
@@ -100,15 +101,16 @@ impl Hosts {
             .stderr(out)
             .spawn()
             .unwrap_or_else(|e| panic!("spawn {host}: {e}"));
-        self.procs.insert(host.to_string(), (child, log));
+        self.procs.lock().expect("procs").insert(host.to_string(), (child, log));
     }
 
     fn worker(&mut self, host: &str) {
         self.spawn(host, &["worker", "--name", host, "--cpus", "2", "--lease-seconds", "3"]);
     }
 
-    fn kill9(&mut self, host: &str) {
-        let (child, _) = self.procs.get_mut(host).unwrap_or_else(|| panic!("no host {host}"));
+    fn kill9(&self, host: &str) {
+        let mut procs = self.procs.lock().expect("procs");
+        let (child, _) = procs.get_mut(host).unwrap_or_else(|| panic!("no host {host}"));
         child.kill().expect("kill -9");
         let _ = child.wait();
     }
@@ -129,6 +131,11 @@ impl Hosts {
     }
 
     fn wait_run(&self, run: RunId) -> RunRow {
+        self.wait_run_with(run, || {})
+    }
+
+    /// Waits for `run` to end, calling `each` between looks.
+    fn wait_run_with(&self, run: RunId, mut each: impl FnMut()) -> RunRow {
         let deadline = Instant::now() + WAIT;
         loop {
             let r = self.run_row(run);
@@ -136,7 +143,8 @@ impl Hosts {
                 return r;
             }
             assert!(Instant::now() < deadline, "run {run} did not end within {WAIT:?}: {r:?}");
-            std::thread::sleep(Duration::from_millis(50));
+            each();
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
@@ -199,20 +207,7 @@ fn three_workers_without_a_shared_disk_convert_validate_and_publish() {
 
     // The published checkpoint, read back from S3, loads in torch and equals the reference.
     let prefix = format!("published/{name}");
-    let out = Command::new(venv_python())
-        .arg(repo_root().join("tests/python/load_published.py"))
-        .args(["--endpoint", &moto.endpoint(), "--bucket", CHECKPOINTS, "--prefix", &prefix, "--tp", "2"])
-        .arg("--source")
-        .arg(fixture("qwen3_next"))
-        .arg("--out")
-        .arg(tmp.path().join("downloaded"))
-        .output()
-        .expect("run .venv python");
-    let summary = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "loading the published checkpoint failed:\n{summary}\n{}", {
-        String::from_utf8_lossy(&out.stderr)
-    });
-    let summary: Value = serde_json::from_str(summary.trim()).unwrap_or_else(|e| panic!("{e}: {summary}"));
+    let summary = crate::hub_s3::load_published(&moto, CHECKPOINTS, &prefix, &tmp.path().join("downloaded"));
     assert_eq!(summary["objects"], 10, "{summary}");
     assert_eq!(summary["problems"], serde_json::json!([]), "{summary}");
     assert_eq!(summary["source"]["sha"], sha.as_str(), "{summary}");
@@ -261,6 +256,7 @@ fn a_worker_killed_during_its_multipart_upload_leaves_nothing_partial() {
     for w in ["host-a", "host-b"] {
         hosts.worker(w);
     }
+    let hosts = hosts;
     let spec = tmp.path().join("killed.yaml");
     std::fs::write(
         &spec,
@@ -280,13 +276,7 @@ fn a_worker_killed_during_its_multipart_upload_leaves_nothing_partial() {
     // every object listed under the checkpoint with its size.
     let mut killed: Option<String> = None;
     let mut listed: BTreeMap<String, BTreeSet<u64>> = BTreeMap::new();
-    let deadline = Instant::now() + WAIT;
-    let row = loop {
-        let r = hosts.run_row(run);
-        if matches!(r.state, RunState::Succeeded | RunState::Failed | RunState::Cancelled) {
-            break r;
-        }
-        assert!(Instant::now() < deadline, "run {run} did not end within {WAIT:?}: {r:?}");
+    let row = hosts.wait_run_with(run, || {
         for (key, size) in list_sizes(&moto, &ckpt_prefix) {
             listed.entry(key).or_default().insert(size);
         }
@@ -297,8 +287,7 @@ fn a_worker_killed_during_its_multipart_upload_leaves_nothing_partial() {
                 killed = Some(victim);
             }
         }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    });
     let victim = killed.expect("no worker was caught with an open upload: the test tested nothing");
     assert_eq!(row.state, RunState::Succeeded, "{:?}", row.error);
     // The killed attempt was lost and its task done again by the other worker.

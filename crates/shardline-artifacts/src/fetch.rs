@@ -79,11 +79,7 @@ impl Artifacts {
             .map(|(start, end)| {
                 let (location, file) = (location.clone(), file.clone());
                 async move {
-                    let options = GetOptions {
-                        range: Some(GetRange::Bounded(start..end)),
-                        if_match: e_tag.map(str::to_string),
-                        ..GetOptions::default()
-                    };
+                    let options = pinned(e_tag, Some(start..end));
                     let got = self
                         .dest
                         .store()
@@ -139,6 +135,11 @@ impl Artifacts {
     fn size_err(&self, name: &str, expected: u64, actual: u64) -> ArtifactError {
         ArtifactError::Size { url: self.url.clone(), name: name.to_string(), expected, actual }
     }
+}
+
+/// A read of `range` (all of it: `None`) of the object's version `e_tag` (any: `None`).
+fn pinned(e_tag: Option<&str>, range: Option<std::ops::Range<u64>>) -> GetOptions {
+    GetOptions { range: range.map(GetRange::Bounded), if_match: e_tag.map(str::to_string), ..GetOptions::default() }
 }
 
 fn write_at(file: &File, bytes: &[u8], at: u64, name: &str) -> Result<()> {

@@ -203,23 +203,35 @@ fn listed_files(listing: &[ListedObject]) -> Vec<ListedFile> {
         .collect()
 }
 
-/// An object-store source read in place: listed (pinning every object's ETag), never downloaded.
-pub fn list_source(url: &str, root: &str, ctx: &StepContext) -> Result<TaskOutput, StepError> {
+/// The objects under `url`, which must include `marker`, and the digest of their names, sizes
+/// and ETags (what a read in place is pinned to).
+fn listed_in_place(
+    url: &str,
+    marker: &str,
+    what: &str,
+    ctx: &StepContext,
+) -> Result<(Artifacts, Vec<ListedObject>, String), StepError> {
     let artifacts = open_artifacts(url, ctx)?;
     let listing = ctx.runtime.block_on(artifacts.list()).map_err(transient)?;
-    if !listing.iter().any(|o| o.name == "config.json") {
-        return Err(StepError::fatal(format!("{url} has no config.json: not a release")));
+    if !listing.iter().any(|o| o.name == marker) {
+        return Err(StepError::fatal(format!("{url} has no `{marker}`: not {what}")));
     }
     let mut digest = Sha256::new();
     for o in &listing {
         digest.update(format!("{}\0{}\0{}\0", o.name, o.size, o.e_tag.as_deref().unwrap_or("")).as_bytes());
     }
+    Ok((artifacts, listing, hex::encode(digest.finalize())))
+}
+
+/// An object-store source read in place: listed (pinning every object's ETag), never downloaded.
+pub fn list_source(url: &str, root: &str, ctx: &StepContext) -> Result<TaskOutput, StepError> {
+    let (artifacts, listing, digest) = listed_in_place(url, "config.json", "a release", ctx)?;
     (ctx.log)(format!("{url}: {} objects, read in place by later tasks", listing.len()));
     let headers = copy_headers(&artifacts, &listing, root, ctx)?;
     Ok(TaskOutput {
         headers: Some(headers),
         artifact: Some(artifacts.url().to_string()),
-        digest: Some(hex::encode(digest.finalize())),
+        digest: Some(digest),
         bytes: Some(listing.iter().map(|o| o.size).sum()),
         files: Some(listing.len() as u64),
         file_list: Some(listed_files(&listing)),
@@ -559,19 +571,11 @@ pub fn clean(dir: &Path) {
 /// An object-store checkpoint a reshard reads, only listed (it must have its `.metadata`): the
 /// reshard reads it back into its worker's object cache.
 pub fn list_checkpoint(url: &str, ctx: &StepContext) -> Result<TaskOutput, StepError> {
-    let artifacts = open_artifacts(url, ctx)?;
-    let listing = ctx.runtime.block_on(artifacts.list()).map_err(transient)?;
-    if !listing.iter().any(|o| o.name == ".metadata") {
-        return Err(StepError::fatal(format!("{url} is not a checkpoint: it has no `.metadata`")));
-    }
-    let mut digest = Sha256::new();
-    for o in &listing {
-        digest.update(format!("{}\0{}\0{}\0", o.name, o.size, o.e_tag.as_deref().unwrap_or("")).as_bytes());
-    }
+    let (artifacts, listing, digest) = listed_in_place(url, ".metadata", "a checkpoint", ctx)?;
     (ctx.log)(format!("{url}: {} objects, read by the reshard", listing.len()));
     Ok(TaskOutput {
         artifact: Some(artifacts.url().to_string()),
-        digest: Some(hex::encode(digest.finalize())),
+        digest: Some(digest),
         bytes: Some(listing.iter().map(|o| o.size).sum()),
         files: Some(listing.len() as u64),
         source: Some(json!({ "url": url, "kind": "checkpoint.reshard" })),
