@@ -127,10 +127,26 @@ pub struct ListedFile {
 }
 
 impl TaskOutput {
-    /// Reads a stored output; a value of another shape reads as what it has of the known fields
-    /// (nothing, for a non-object).
+    /// Reads a stored output. A field whose value is not of its type (an output written by
+    /// another version, an object-store download's boolean `manifest` next to a typed field of
+    /// that name) is kept as written among the untyped fields, never read as a default, and the
+    /// other fields are read as usual; a non-object reads as an empty output.
     pub fn from_value(v: &Value) -> TaskOutput {
-        serde_json::from_value(v.clone()).unwrap_or_default()
+        if let Ok(output) = serde_json::from_value(v.clone()) {
+            return output;
+        }
+        let Some(fields) = v.as_object() else { return TaskOutput::default() };
+        let (mut typed, mut odd) = (Map::new(), Map::new());
+        for (key, value) in fields {
+            let alone = Value::Object(Map::from_iter([(key.clone(), value.clone())]));
+            match serde_json::from_value::<TaskOutput>(alone) {
+                Ok(_) => typed.insert(key.clone(), value.clone()),
+                Err(_) => odd.insert(key.clone(), value.clone()),
+            };
+        }
+        let mut output: TaskOutput = serde_json::from_value(Value::Object(typed)).unwrap_or_default();
+        output.rest.extend(odd);
+        output
     }
 
     /// The JSON stored with the task.
@@ -202,6 +218,21 @@ impl TaskProgress {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_field_of_another_type_is_kept_as_written_and_the_rest_still_read() {
+        let v = serde_json::json!({"path": "/r", "bytes": "many", "digest": "d", "upload": 3, "extra": [1]});
+        let o = super::TaskOutput::from_value(&v);
+        assert_eq!(o.path.as_deref(), Some(std::path::Path::new("/r")));
+        assert_eq!(o.digest.as_deref(), Some("d"));
+        assert_eq!((o.bytes, o.upload.clone()), (None, None));
+        assert_eq!(o.rest.get("bytes"), Some(&serde_json::json!("many")));
+        assert_eq!(o.rest.get("upload"), Some(&serde_json::json!(3)));
+        assert_eq!(o.rest.get("extra"), Some(&serde_json::json!([1])));
+        // Written back, every field is there as it was.
+        assert_eq!(o.to_value(), v);
+        assert_eq!(super::TaskOutput::from_value(&serde_json::json!(7)), super::TaskOutput::default());
+    }
+
     use serde_json::json;
 
     use super::*;
