@@ -228,7 +228,7 @@ fn three_workers_without_a_shared_disk_convert_validate_and_publish() {
     let items = dry["artifacts"]["items"].as_array().expect("artifact items").clone();
     assert_eq!(items.len(), 1, "{dry}");
     assert_eq!(items[0]["freed"], true, "{dry}");
-    let listed: u64 = list_bytes(&moto, ARTIFACTS, &run_prefix);
+    let listed: u64 = moto.list_sizes(ARTIFACTS, &run_prefix).values().sum();
     assert_eq!(items[0]["bytes"].as_u64(), Some(listed), "the item's size is the prefix's: {dry}");
     assert!(!moto.list_keys(ARTIFACTS, &run_prefix).is_empty(), "a dry run deletes nothing");
     gc(false);
@@ -236,13 +236,6 @@ fn three_workers_without_a_shared_disk_convert_validate_and_publish() {
     assert!(!moto.list_keys(ARTIFACTS, "shardline/releases/").is_empty(), "release copies are kept");
     drop(hosts);
     drop(runtime);
-}
-
-/// Bytes of the objects under `prefix` of `bucket`.
-fn list_bytes(moto: &Moto, bucket: &str, prefix: &str) -> u64 {
-    let (status, body) = moto.http("GET", &format!("/{bucket}?list-type=2&prefix={prefix}")).expect("moto");
-    assert_eq!(status, 200, "{body}");
-    body.split("<Size>").skip(1).filter_map(|r| r.split("</Size>").next()?.parse::<u64>().ok()).sum()
 }
 
 #[test]
@@ -277,7 +270,7 @@ fn a_worker_killed_during_its_multipart_upload_leaves_nothing_partial() {
     let mut killed: Option<String> = None;
     let mut listed: BTreeMap<String, BTreeSet<u64>> = BTreeMap::new();
     let row = hosts.wait_run_with(run, || {
-        for (key, size) in list_sizes(&moto, &ckpt_prefix) {
+        for (key, size) in moto.list_sizes(ARTIFACTS, &ckpt_prefix) {
             listed.entry(key).or_default().insert(size);
         }
         if killed.is_none() {
@@ -317,7 +310,7 @@ fn a_worker_killed_during_its_multipart_upload_leaves_nothing_partial() {
     assert!(hosts.rt.block_on(hosts.store.open_uploads(run)).expect("uploads").is_empty());
 
     // Every object ever listed under the checkpoint had one size: its complete one.
-    let finals = list_sizes(&moto, &ckpt_prefix);
+    let finals = moto.list_sizes(ARTIFACTS, &ckpt_prefix);
     assert_eq!(finals.len(), 3, "2 rank files and .metadata: {finals:?}");
     for (key, sizes) in &listed {
         assert_eq!(sizes.len(), 1, "`{key}` was listed with sizes {sizes:?}");
@@ -337,25 +330,6 @@ fn uploading_worker(hosts: &Hosts, run: RunId) -> Option<(String, String)> {
         }
     }
     None
-}
-
-/// Keys and sizes under `prefix` of the artifact bucket.
-fn list_sizes(moto: &Moto, prefix: &str) -> BTreeMap<String, u64> {
-    let (status, body) = moto.http("GET", &format!("/{ARTIFACTS}?list-type=2&prefix={prefix}")).expect("moto");
-    assert_eq!(status, 200, "{body}");
-    let mut out = BTreeMap::new();
-    for item in body.split("<Contents>").skip(1) {
-        let field = |tag: &str| {
-            item.split(&format!("<{tag}>"))
-                .nth(1)
-                .and_then(|r| r.split(&format!("</{tag}>")).next())
-                .map(str::to_string)
-        };
-        if let (Some(k), Some(s)) = (field("Key"), field("Size")) {
-            out.insert(k, s.parse().unwrap_or(0));
-        }
-    }
-    out
 }
 
 /// `pipelines/reshard-export.yaml` on two workers that share no disk: the reshard and the export

@@ -122,6 +122,23 @@ impl Moto {
         body.split("<Key>").skip(1).filter_map(|s| s.split("</Key>").next()).map(str::to_string).collect()
     }
 
+    /// The keys under `prefix` with their sizes (one ListObjectsV2 request).
+    pub fn list_sizes(&self, bucket: &str, prefix: &str) -> std::collections::BTreeMap<String, u64> {
+        let (status, body) =
+            self.http("GET", &format!("/{bucket}?list-type=2&prefix={prefix}")).unwrap_or_else(|e| panic!("moto: {e}"));
+        assert_eq!(status, 200, "{body}");
+        let field = |item: &str, tag: &str| {
+            item.split(&format!("<{tag}>"))
+                .nth(1)
+                .and_then(|r| r.split(&format!("</{tag}>")).next())
+                .map(str::to_string)
+        };
+        body.split("<Contents>")
+            .skip(1)
+            .filter_map(|item| Some((field(item, "Key")?, field(item, "Size")?.parse().ok()?)))
+            .collect()
+    }
+
     /// Multipart uploads started and neither completed nor aborted.
     pub fn open_multipart_uploads(&self, bucket: &str) -> usize {
         let (status, body) = self.http("GET", &format!("/{bucket}?uploads")).unwrap_or_else(|e| panic!("moto: {e}"));
