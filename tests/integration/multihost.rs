@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use shardline_hub::fake::FakeHub;
 use shardline_publish::moto::{repo_root, Moto};
-use shardline_store::{RunId, RunRow, RunState, Store, TaskState};
+use shardline_store::{LogFilter, RunId, RunRow, RunState, Store, TaskState};
 use shardline_testdb::TestDb;
 
 use crate::orchestrator::synth;
@@ -364,6 +364,17 @@ fn reshard_and_export_run_on_the_artifact_store() {
         assert!(art.iter().any(|k| k.ends_with(step)), "no {step} in the artifact store: {art:?}");
     }
     assert_eq!(moto.open_multipart_uploads(ARTIFACTS), 0);
+    // The export read the model's items of the resharded checkpoint, not its moments.
+    let logs = hosts.rt.block_on(hosts.store.logs(LogFilter::Run(run), 0, 100_000)).expect("logs");
+    let read = logs
+        .iter()
+        .find_map(|l| {
+            let rest = l.line.strip_prefix("read ")?;
+            let (fetched, rest) = rest.split_once(" of the ")?;
+            Some((fetched.parse::<u64>().ok()?, rest.split_once(' ')?.0.parse::<u64>().ok()?))
+        })
+        .expect("the export's log says how much of the checkpoint it read");
+    assert!(read.0 > 0 && read.0 * 2 < read.1, "the export read {} of {} bytes", read.0, read.1);
 
     let (ckpt, hf) = (out.join(&name).join("checkpoint"), out.join(&name).join("hf"));
     let o = run_validate(&ckpt);

@@ -21,7 +21,7 @@ use shardline_control::TaskOutput;
 use shardline_formats::checkpoint::{open_checkpoint, open_checkpoint_keys, Checkpoint};
 use shardline_formats::safetensors::Release;
 use shardline_formats::training::{
-    rank_of_file, write_export, write_resharded, ExportOptions, TrainingCheckpoint, TrainingError,
+    rank_of_file, summarize_training, write_export, write_resharded, ExportOptions, TrainingCheckpoint, TrainingError,
 };
 use shardline_layout::export::{plan_export, ExportTensor};
 use shardline_layout::reshard::{infer_mesh, plan_reshard, ReshardOptions, RngPolicy};
@@ -73,7 +73,8 @@ pub fn inferred_mesh(source: &TrainingCheckpoint) -> Option<Mesh> {
 
 /// The expert-TP size a checkpoint was saved with, as its `args` say.
 pub fn saved_etp(dir: &Path) -> Option<u64> {
-    TrainingCheckpoint::open(dir).ok().and_then(|c| c.args).and_then(|a| a.mesh()).map(|m| m.etp)
+    // From the bytes items alone: an export's copy of the checkpoint may hold only its model.
+    summarize_training(dir).ok().flatten().and_then(|s| s.mesh).map(|m| m.etp)
 }
 
 /// The export plan of `checkpoint` as the release `like`: the release's conversion plan for the

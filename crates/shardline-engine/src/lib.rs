@@ -21,6 +21,7 @@ pub mod gc;
 pub mod hub;
 pub mod objects;
 pub mod remote;
+mod sparse_checkpoint;
 pub mod steps;
 pub mod worker;
 

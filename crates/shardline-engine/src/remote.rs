@@ -13,7 +13,8 @@
 //!   them and writes `.metadata` last. Until then no object of the checkpoint exists; an upload
 //!   whose attempt failed is aborted (by the worker here, or by the server's reaper).
 //! - Validation and upload read the checkpoint and the release back into the worker's object
-//!   cache (`objects::download`) and run as they do on local directories.
+//!   cache (`objects::download`) and run as they do on local directories; an export reads only
+//!   the model's byte ranges of its checkpoint (`sparse_checkpoint`).
 //!
 //! Every task's staging directory is removed when it ends.
 
@@ -22,6 +23,7 @@ use std::fs::{self, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use futures_util::stream::{StreamExt, TryStreamExt};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use shardline_artifacts::{Artifacts, ListedObject, Upload};
@@ -30,7 +32,7 @@ use shardline_control::{ListedFile, PartUpload, TaskOutput};
 use shardline_formats::execute::{self, SourceMap};
 use shardline_formats::safetensors::Release;
 use shardline_layout::{Plan, PlanTable};
-use shardline_store::{Lease, Store, UploadEnd};
+use shardline_store::{Lease, Store, UploadEnd, WorkerState};
 
 use crate::steps::{job_plan, plan_digest, StepContext, StepError};
 
@@ -40,12 +42,17 @@ pub const RELEASE_MARKER: &str = "shardline-release.json";
 const MAX_SMALL_FILE: u64 = 64 << 20;
 /// The largest safetensors header read (the format's own limit is 100 MB).
 const MAX_HEADER: u64 = 100_000_000;
-/// A rank that reads at least this share of a release file reads it whole instead (once per
-/// worker, kept in its file cache for the next tasks): one streamed request instead of many
-/// ranged ones, which a store may serve at the cost of the whole object each (moto does).
-const WHOLE_FILE_SHARE: f64 = 0.25;
+/// A worker whose rank tasks can be expected to read at least this share of a release file
+/// between them reads it whole instead (once, kept in its file cache for its next tasks): a few
+/// streamed requests instead of one per tensor piece, per rank. Every rank of an FSDP plan reads
+/// a slice of nearly every tensor, so ranged reads cost about (ranks × tensors) requests, which
+/// a store serves at a fixed cost each; reading whole fetches at most 1/share of what the ranges
+/// would.
+const WHOLE_FILE_SHARE: f64 = 0.5;
 /// Free bytes a whole-file read must leave on the worker's disk.
 const WHOLE_FILE_RESERVE: u64 = 1 << 30;
+/// Rank files' uploads the commit completes at a time.
+const COMPLETES_IN_FLIGHT: usize = 8;
 
 /// Records, under a task's lease, the multipart uploads it opens and how they end.
 #[derive(Clone)]
@@ -71,11 +78,11 @@ fn ledger<'a>(ctx: &StepContext<'a>) -> Result<&'a UploadLedger, StepError> {
     ctx.ledger.ok_or_else(|| StepError::fatal("uploads to the artifact store need a lease to record them under"))
 }
 
-fn open_artifacts(url: &str, ctx: &StepContext) -> Result<Artifacts, StepError> {
+pub(crate) fn open_artifacts(url: &str, ctx: &StepContext) -> Result<Artifacts, StepError> {
     Artifacts::open(url, &ctx.objects.store_options).map_err(|e| StepError::fatal(e.to_string()))
 }
 
-fn transient(e: impl std::fmt::Display) -> StepError {
+pub(crate) fn transient(e: impl std::fmt::Display) -> StepError {
     StepError::transient(e.to_string())
 }
 
@@ -386,6 +393,7 @@ pub fn rank(job: &ShardJob, plan_task: &str, rank: u64, ctx: &StepContext) -> Re
         .map(|p| p.strip_prefix(ctx.scratch.join("release")).unwrap_or(p).to_string_lossy().into_owned())
         .collect();
     drop(sources);
+    let ranks_here = ranks_per_worker(ctx, plan.world());
     let fetched = ctx.runtime.block_on(async {
         let mut total = 0;
         for (fi, name) in names.iter().enumerate() {
@@ -404,7 +412,7 @@ pub fn rank(job: &ShardJob, plan_task: &str, rank: u64, ctx: &StepContext) -> Re
                 link_whole(&whole, &path)?;
                 continue;
             }
-            if reads_whole(&mine, size, &whole) {
+            if reads_whole(&mine, size, ranks_here, &whole) {
                 total += read_whole(&staged.artifacts, name, tag.as_deref(), &whole).await?;
                 link_whole(&whole, &path)?;
                 continue;
@@ -452,13 +460,30 @@ pub fn rank(job: &ShardJob, plan_task: &str, rank: u64, ctx: &StepContext) -> Re
     .with("rank", json!(rank)))
 }
 
-/// Whether a rank reading `ranges` of a file of `size` bytes reads it whole into `whole`: when it
-/// needs at least [`WHOLE_FILE_SHARE`] of it and the disk has room to keep it.
-fn reads_whole(ranges: &[(u64, u64)], size: u64, whole: &Path) -> bool {
+/// Whether a rank reading `ranges` of a file of `size` bytes reads it whole into `whole`: when the
+/// `ranks` tasks this worker can expect to run of the plan need at least [`WHOLE_FILE_SHARE`]
+/// of it (ranks' needs are alike in size) and the disk has room to keep it.
+fn reads_whole(ranges: &[(u64, u64)], size: u64, ranks: u64, whole: &Path) -> bool {
     let needed: u64 = ranges.iter().map(|(s, e)| e - s).sum();
-    let share = needed as f64 / size.max(1) as f64;
+    let share = needed as f64 / size.max(1) as f64 * ranks as f64;
     let room = crate::disk::measure(whole).is_ok_and(|d| d.free >= size.saturating_add(WHOLE_FILE_RESERVE));
     share >= WHOLE_FILE_SHARE && room
+}
+
+/// The rank tasks of a `world`-rank plan this worker can expect to run: the world shared among
+/// the active workers (1 when the job store cannot say).
+fn ranks_per_worker(ctx: &StepContext, world: u64) -> u64 {
+    let Some(ledger) = ctx.ledger else { return 1 };
+    let active = ctx
+        .runtime
+        .block_on(ledger.store.list_workers())
+        .map(|ws| ws.iter().filter(|w| w.state == WorkerState::Active).count() as u64)
+        .unwrap_or(0);
+    if active == 0 {
+        1
+    } else {
+        world.div_ceil(active)
+    }
 }
 
 /// Reads `name` whole into the worker's file cache at `whole` (through a temporary name, so a
@@ -520,11 +545,22 @@ pub fn commit(job: &ShardJob, plan_task: &str, ctx: &StepContext) -> Result<Task
         ),
         execute::OutputFormat::DcpSafetensors => None,
     };
+    let ledger = ledger(ctx)?;
     ctx.runtime.block_on(async {
-        for u in &uploads {
-            artifacts.complete(u).await.map_err(transient)?;
-            ledger(ctx)?.ended(&artifacts, &u.name, &u.upload_id, UploadEnd::Completed).await;
-        }
+        // Completing an upload can take a while (a store may assemble its parts then): several
+        // at a time, `.metadata` only once all are done.
+        futures_util::stream::iter(&uploads)
+            .map(|u| {
+                let artifacts = &artifacts;
+                async move {
+                    artifacts.complete(u).await.map_err(transient)?;
+                    ledger.ended(artifacts, &u.name, &u.upload_id, UploadEnd::Completed).await;
+                    Ok::<(), StepError>(())
+                }
+            })
+            .buffer_unordered(COMPLETES_IN_FLIGHT)
+            .try_collect::<Vec<()>>()
+            .await?;
         if let Some(path) = &metadata {
             put_file(&artifacts, ".metadata", path, ctx).await?;
         }

@@ -318,6 +318,17 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
             Some(remote) => {
                 let needs = [Some(job.checkpoint_task.as_str()), job.release_task.as_deref()];
                 let needs: Vec<&str> = needs.into_iter().flatten().collect();
+                // The model's items only, not the whole checkpoint: the moments are most of it.
+                let mut outputs = ctx.outputs.clone();
+                if let Some(o) = outputs.get_mut(&job.checkpoint_task) {
+                    if let (Some(url), false) = (o.artifact.clone(), o.dir.as_ref().is_some_and(|d| d.exists())) {
+                        let dir = ctx.scratch.join("checkpoint");
+                        let prefix = job.prefix.as_str();
+                        o.dir =
+                            Some(crate::sparse_checkpoint::fetch_sparse(&url, |k| k.starts_with(prefix), &dir, ctx)?);
+                    }
+                }
+                let ctx = &StepContext { outputs: &outputs, ..*ctx };
                 crate::remote::staged_step(ctx, &needs, remote, "config.json", |ctx, out| {
                     checkpoints::export(&shardline_control::graph::ExportJob { out, ..job.clone() }, ctx)
                 })

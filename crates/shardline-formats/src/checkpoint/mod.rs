@@ -209,8 +209,10 @@ fn open_dcp_safetensors(dir: &Path, files: &[String]) -> Result<Checkpoint, Chec
 
 mod blocks;
 mod dcp;
+mod ranges;
 mod scan;
 pub use blocks::BlockReader;
+pub use ranges::storage_ranges;
 pub use scan::{scan_checkpoint, FileSummary, ScanSummary, TensorSummary};
 
 #[cfg(test)]

@@ -103,3 +103,41 @@ fn storage_items_that_do_not_match_the_chunks_are_refused() {
         assert!(err.contains(want), "expected `{want}`, got: {err}");
     }
 }
+
+#[test]
+fn storage_ranges_of_the_model_are_all_a_filtered_open_reads() {
+    let dir = written();
+    let model = |k: &str| k.starts_with("model.");
+    let ranges = storage_ranges(&dir.path().join(".metadata"), model).unwrap();
+    // A sparse copy: every rank file at its size, zero but for the ranges.
+    let sparse = tempfile::tempdir().unwrap();
+    fs::copy(dir.path().join(".metadata"), sparse.path().join(".metadata")).unwrap();
+    let (mut kept, mut total) = (0u64, 0u64);
+    for e in fs::read_dir(dir.path()).unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') {
+            continue;
+        }
+        let full = fs::read(e.path()).unwrap();
+        total += full.len() as u64;
+        let mut copy = vec![0u8; full.len()];
+        for &(start, end) in ranges.get(&name).map(Vec::as_slice).unwrap_or_default() {
+            copy[start as usize..end as usize].copy_from_slice(&full[start as usize..end as usize]);
+            kept += end - start;
+        }
+        fs::write(sparse.path().join(&name), copy).unwrap();
+    }
+    // The moments are two thirds of the tensor bytes: far less than the files are kept.
+    assert!(kept > 0 && kept * 2 < total, "kept {kept} of {total} bytes");
+    let want = open_checkpoint_keys(dir.path(), model).unwrap();
+    let got = open_checkpoint_keys(sparse.path(), model).unwrap();
+    assert_eq!(got.tensors, want.tensors);
+    assert!(!got.tensors.is_empty() && got.tensors.iter().all(|t| model(&t.key)));
+    for c in got.tensors.iter().flat_map(|t| &t.chunks) {
+        let (a, b) = (fs::read(dir.path().join(&*c.file)).unwrap(), fs::read(sparse.path().join(&*c.file)).unwrap());
+        let data = c.data_offset as usize..(c.data_offset + c.data_len) as usize;
+        assert_eq!(a[data.clone()], b[data]);
+    }
+    // Opening every key reads the moments' framing, which the sparse copy does not hold.
+    assert!(open_checkpoint(sparse.path()).is_err());
+}
