@@ -159,7 +159,7 @@ impl Collector<'_> {
 }
 
 /// Why the stream of `.metadata` items stopped: the file, or what an item says.
-enum Stop {
+pub(super) enum Stop {
     Metadata(DcpMetadataError),
     Checkpoint(CheckpointError),
 }

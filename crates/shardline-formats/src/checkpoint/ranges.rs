@@ -6,8 +6,9 @@
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 
-use crate::dcp_metadata::{read_metadata_file, DcpMetadataError, EntryMeta, MetadataItem};
+use crate::dcp_metadata::{read_metadata_file, EntryMeta, MetadataItem};
 
+use super::dcp::Stop;
 use super::{safe_name, CheckpointError};
 
 /// Per rank file, the sorted, merged `[start, end)` ranges of the storage items of the keys
@@ -47,18 +48,6 @@ pub fn storage_ranges(
         *list = merged(std::mem::take(list));
     }
     Ok(ranges)
-}
-
-/// Why the stream of `.metadata` items stopped.
-enum Stop {
-    Metadata(DcpMetadataError),
-    Checkpoint(CheckpointError),
-}
-
-impl From<DcpMetadataError> for Stop {
-    fn from(e: DcpMetadataError) -> Stop {
-        Stop::Metadata(e)
-    }
 }
 
 /// `ranges` sorted, touching and overlapping ones joined.
