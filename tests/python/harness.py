@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import threading
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
 import reference as ref
+# Re-exported: the suite's tests take them from here.
+from mesh import Mesh, free_port  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "hf-tiny"
@@ -26,33 +26,6 @@ CONVERT_TIMEOUT_S = 120
 # Non-tensor (bytes) items a Megatron fsdp_dtensor checkpoint may carry next to the weights.
 TRAINER_STATE_ROOTS = {"args", "iteration", "checkpoint_version", "opt_param_scheduler", "rng_state",
                        "rerun_state_machine", "num_floating_point_operations_so_far", "content_metadata"}
-
-
-@dataclass(frozen=True)
-class Mesh:
-    tp: int
-    cp: int
-    dp: int
-    ep: int = 1
-    etp: int | None = None  # expert tensor parallel; None = the converter's default (tp)
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.cp * self.dp
-
-    @property
-    def id(self) -> str:
-        return f"tp{self.tp}-cp{self.cp}-dp{self.dp}-ep{self.ep}" + ("" if self.etp is None else f"-etp{self.etp}")
-
-    def cli_args(self) -> list[str]:
-        args = ["--tp", str(self.tp), "--dp", str(self.dp)]
-        if self.cp != 1:
-            args += ["--cp", str(self.cp)]
-        if self.ep != 1:
-            args += ["--ep", str(self.ep)]
-        if self.etp is not None:
-            args += ["--etp", str(self.etp)]
-        return args
 
 
 # tp1·dp1, tp2·dp4, tp2·cp2·dp2·ep2, tp1·dp8·ep4 (EP only applies to models with experts).
@@ -128,6 +101,18 @@ def run_cli(args: list[str], timeout: float = CONVERT_TIMEOUT_S) -> subprocess.C
                           cwd=ROOT)
 
 
+def run_old_torch(args: list, what: str, timeout: float = 300) -> str:
+    """Run .venv-torch25's interpreter with `args` (a script that prints torch.__version__ last);
+    assert it exits 0 on torch 2.5 and return its stdout."""
+    py = OLD_TORCH_PYTHON
+    assert py.is_file(), f"{py} missing: run scripts/setup-python (it creates .venv-torch25 with torch 2.5.1)"
+    proc = subprocess.run([str(py), *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{what} on torch 2.5 exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    lines = proc.stdout.strip().splitlines()
+    assert lines and lines[-1].startswith("2.5."), f"{what} ran on torch {lines[-1:]}, not 2.5"
+    return proc.stdout
+
+
 class Conversions:
     """Session cache of converter outputs, keyed by (model, mesh, format, prefix)."""
 
@@ -154,12 +139,6 @@ class Conversions:
                     f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
             self.done[key] = out
             return out
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def nan_like_spec(shape, dtype) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 The inputs are real training checkpoints written with torch.distributed (gloo ranks, dcp.save of
 DTensors with Megatron-FSDP's uneven boxes, optimizer moments, bytes items and RNG states; see
-training_ckpt.py). Sources: S1 tp1·dp4·ep2·etp1 (TE FusedAdam: `step` in param_to_group_meta) and
-S2 tp2·dp4·ep4·etp1 (torch-AdamW fallback: a 0-d `step` per parameter state). For each mesh change:
+training_ckpt.py). Sources: S1 tp1·dp4·ep2·etp1 (TE FusedAdam: `step` in param_to_group_meta),
+S2 tp2·dp4·ep4·etp1 (torch-AdamW fallback: a 0-d `step` per parameter state) and S3, S1 written by
+torch 2.5 itself (training_ckpt.py run by .venv-torch25's interpreter). For each mesh change:
   (a) the output `.metadata` lists exactly the reference boxes of every tensor on the target mesh,
       global shapes (vocab re-padded) and dtypes, and Megatron's planner_data nesting;
   (b) loaded on the target mesh in real gloo ranks, every rank's boxes of parameters, moments and
@@ -23,6 +24,8 @@ import json
 import pickle
 import re
 import shutil
+import subprocess
+import zipfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,11 +46,13 @@ from harness import Mesh
 class Source:
     mesh: Mesh
     variant: str
+    torch: str = "2.15"   # the torch whose dcp.save writes it
 
 
 SOURCES = {
     "S1": Source(Mesh(1, 1, 4, 2, etp=1), "fused_adam"),
     "S2": Source(Mesh(2, 1, 4, 4, etp=1), "adamw"),
+    "S3": Source(Mesh(1, 1, 4, 2, etp=1), "fused_adam", torch="2.5"),
 }
 
 # case -> (source, target mesh)
@@ -59,6 +64,8 @@ CASES = {
     "tp2to1": ("S2", Mesh(1, 1, 8, 4, etp=1)),   # vocab 48 -> 40
     "ep4to1": ("S2", Mesh(2, 1, 4, 1, etp=1)),
     "cp2": ("S2", Mesh(1, 2, 4, 2, etp=1)),      # FSDP group dp·cp = 8; TP 2 -> 1, EP 4 -> 2
+    "t25-dp4to3": ("S3", Mesh(1, 1, 3, 1, etp=1)),
+    "t25-tp1to2": ("S3", Mesh(2, 1, 2, 2, etp=2)),
 }
 CASE_IDS = list(CASES)
 ROUND_TRIPS = [("S1", "tp1to2"), ("S2", "tp2to1"), ("S2", "ep4to1")]
@@ -77,13 +84,39 @@ def mesh_args(mesh: Mesh) -> dict[str, int]:
 # Fixtures: the sources (saved by gloo ranks), the reshards (shardline), the target-mesh loads
 # ---------------------------------------------------------------------------------------------
 
+class Sources(dict):
+    """Source checkpoints by name. One that could not be written raises its error where a test
+    uses it, so that only the tests of that source fail."""
+
+    def __init__(self):
+        super().__init__()
+        self.errors: dict[str, str] = {}
+
+    def __missing__(self, name):
+        raise AssertionError(self.errors[name])
+
+
+def save_with_torch25(src: Source, out: Path, results: Path) -> None:
+    m = src.mesh
+    harness.run_old_torch([tc.__file__, "save", out, "--mesh", f"{m.tp},{m.cp},{m.dp},{m.ep},{tc.etp_of(m)}",
+                           "--variant", src.variant, "--results", results], f"training_ckpt.py save {out.name}")
+
+
 @pytest.fixture(scope="session")
-def sources(tmp_path_factory) -> dict[str, Path]:
+def sources(tmp_path_factory) -> Sources:
     base = tmp_path_factory.mktemp("training-sources")
-    out = {}
+    out = Sources()
     for name, src in SOURCES.items():
-        out[name] = base / name
-        tc.run_ranks(src.mesh.world, [tc.SaveJob(str(out[name]), src.mesh, src.variant)], base / f"{name}-results")
+        path, results = base / name, base / f"{name}-results"
+        if src.torch == "2.15":
+            tc.run_ranks(src.mesh.world, [tc.SaveJob(str(path), src.mesh, src.variant)], results)
+            out[name] = path
+            continue
+        try:
+            save_with_torch25(src, path, results)
+            out[name] = path
+        except (AssertionError, subprocess.TimeoutExpired) as e:
+            out.errors[name] = f"source {name} (torch {src.torch}): {e}"
     return out
 
 
@@ -132,6 +165,8 @@ def target_loads(reshards, sources, tmp_path_factory) -> dict[str, list[str]]:
     """(b) for every case whose reshard succeeded, grouped into one spawned job per world size."""
     by_world = defaultdict(list)
     for case, (src, mesh) in CASES.items():
+        if src not in sources:  # its tests fail with the source's own error
+            continue
         r = reshards.case(case)
         if r.proc.returncode != 0:
             continue
@@ -252,6 +287,8 @@ def test_harness_saves_and_loads_with_torch(sources, tmp_path):
     meshes into the reference values; a corrupted copy is caught."""
     problems = []
     for name, s in SOURCES.items():
+        if s.torch != "2.15":  # test_torch25_source_is_s1_in_torch25s_format
+            continue
         problems += [f"{name}: {p}" for p in layout_problems(sources[name], s.mesh, s.variant)]
         items = tc.read_bytes_items(sources[name])
         args = vars(items["args"])
@@ -285,6 +322,38 @@ def test_harness_saves_and_loads_with_torch(sources, tmp_path):
     flagged = {k for k in (a, b) if any(k + ":" in p for p in control)}
     assert flagged == {a, b} and all("[resharded vs torch's reshard" in p for p in control), (
         "the comparison missed swapped exp_avg/exp_avg_sq bytes:\n" + "\n".join(control[:10]))
+
+
+def _archive_records(path: Path, md, key: str) -> set[str]:
+    """The record names of the torch.save archive that holds bytes item `key`."""
+    info = md.storage_data[MetadataIndex(key)]
+    with open(path / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        data = f.read(info.length)
+    return {n.split("/", 1)[1] for n in zipfile.ZipFile(io.BytesIO(data)).namelist()}
+
+
+def test_torch25_source_is_s1_in_torch25s_format(sources):
+    """S3 holds S1's checkpoint (the reference layout, every tensor and bytes item equal) in the
+    format torch 2.5 writes, which differs from torch 2.15's where it is recorded: no `version` in
+    `.metadata`, no `modules` in its StorageMeta, no `.format_version` / `.storage_alignment`
+    records in the item archives (so data records sit at other offsets)."""
+    s1, s3 = sources["S1"], sources["S3"]
+    src = SOURCES["S3"]
+    assert (src.mesh, src.variant) == (SOURCES["S1"].mesh, SOURCES["S1"].variant)
+    problems = layout_problems(s3, src.mesh, src.variant)
+    problems += harness.compare_state_dicts(tc.load_full(s3), tc.load_full(s1))
+    items1, items3 = tc.read_bytes_items(s1), tc.read_bytes_items(s3)
+    problems += [f"bytes item {k}: {items3.get(k)!r:.200}, S1 {items1.get(k)!r:.200}"
+                 for k in sorted(set(items1) | set(items3)) if tc.canon(items1.get(k)) != tc.canon(items3.get(k))]
+    assert not problems, "\n".join(problems[:40])
+
+    md1, md3 = tc.read_metadata(s1), tc.read_metadata(s3)
+    assert vars(md1).get("version") == "1.0.0" and "version" not in vars(md3)
+    assert "modules" in vars(md1.storage_meta) and "modules" not in vars(md3.storage_meta)
+    new_records = {".format_version", ".storage_alignment"}
+    assert new_records <= _archive_records(s1, md1, "iteration")
+    assert not new_records & _archive_records(s3, md3, "iteration")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,7 +576,7 @@ def test_rejects_mesh_the_model_cannot_take(shardline, sources, tmp_path, mesh, 
     _assert_rejected(Reshard(args, out, harness.run_cli(args, timeout=RESHARD_TIMEOUT_S)), patterns, mesh.id)
 
 
-@pytest.mark.parametrize("src_name", ["S1", "S2"])
+@pytest.mark.parametrize("src_name", list(SOURCES))
 def test_inspect_reports_the_training_state(shardline, sources, src_name):
     """`inspect --json` of a torch-written training checkpoint: its mesh (from `args`), iteration,
     checkpoint version, optimizer moments, Adam's step (in the group settings, or per parameter for

@@ -33,13 +33,8 @@ def save_with(version: str, state: dict, ckpt: Path, tmp_path: Path) -> None:
         assert torch.__version__.startswith("2.15"), torch.__version__
         dcp.save(state, checkpoint_id=str(ckpt))
         return
-    py = harness.OLD_TORCH_PYTHON
-    assert py.is_file(), f"{py} missing: run scripts/setup-python (it creates .venv-torch25 with torch 2.5.1)"
     torch.save(state, tmp_path / "state.pt")
-    proc = subprocess.run([str(py), "-c", SAVE_ON_TORCH_2_5, str(tmp_path / "state.pt"), str(ckpt)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().startswith("2.5."), proc.stdout
+    harness.run_old_torch(["-c", SAVE_ON_TORCH_2_5, tmp_path / "state.pt", ckpt], "dcp.save")
 
 
 def run(*args: str | Path) -> subprocess.CompletedProcess:

@@ -18,6 +18,8 @@ boxes: like Megatron's `update_uneven_dtensor_chunk_metadata`, each DTensor's lo
 its `_local_tensor`); here the chunk is computed arithmetically from the layout (no all-gather).
 Values are pseudo-random per key and seed (`global_value`), so saves of the same model on any two
 meshes hold the same global tensors.
+The same code runs under torch 2.5 (`python training_ckpt.py save ...`, see `main`), which writes
+the same checkpoint in its own format (test_reshard.py's source S3).
 
 Key forms (NVIDIA/Megatron-LM at d98e8a64, read for facts; paths relative to the repo):
 * Top level, megatron/training/checkpointing.py `generate_state_dict` L1556-1640: `args`
@@ -86,7 +88,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from harness import Mesh, free_port
+from mesh import Mesh, free_port
 # Reading a checkpoint in one process, re-exported for the tests.
 from training_read import canon, load_full, read_bytes_items, read_item, read_metadata, tensor_keys  # noqa: F401
 
@@ -715,6 +717,9 @@ def worker(rank: int, world: int, port: int, jobs: list, result_dir: str) -> Non
             meshes = RankMeshes(job.mesh)
             if isinstance(job, SaveJob):
                 save_training_checkpoint(job.path, job.mesh, job.variant, meshes)
+                # Without it torch 2.5's gloo sometimes hung in destroy_process_group right after
+                # dcp.save (2 of 15 runs here, 0 of 20 with it).
+                dist.barrier()
                 continue
             try:
                 problems = _check(job, meshes)
@@ -751,3 +756,22 @@ def run_ranks(world: int, jobs: list, result_dir, timeout_s: float = 150.0) -> d
             results[job.label] = [m for r in range(world)
                                   for m in json.loads((result_dir / f"{i}.rank{r}.json").read_text())]
     return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`save OUT --mesh tp,cp,dp,ep,etp --variant V --results DIR`: a SaveJob run by this
+    interpreter's torch (test_reshard.py runs it with torch 2.5); prints torch's version."""
+    ap = argparse.ArgumentParser(prog="training_ckpt.py")
+    ap.add_argument("command", choices=["save"])
+    ap.add_argument("out")
+    ap.add_argument("--mesh", required=True, help="tp,cp,dp,ep,etp")
+    ap.add_argument("--variant", required=True, choices=VARIANTS)
+    ap.add_argument("--results", required=True)
+    a = ap.parse_args(argv)
+    mesh = Mesh(*map(int, a.mesh.split(",")))
+    run_ranks(mesh.world, [SaveJob(a.out, mesh, a.variant)], a.results)
+    print(torch.__version__)
+
+
+if __name__ == "__main__":
+    main()
