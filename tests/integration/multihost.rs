@@ -389,3 +389,60 @@ fn reshard_and_export_run_on_the_artifact_store() {
 fn run_validate(ckpt: &Path) -> std::process::Output {
     crate::run(bin().arg("validate").arg(ckpt).arg("--against").arg(fixture("qwen3_moe")).args(["--etp", "1"]))
 }
+
+/// Rank tasks whose worker needs little of each release file read just their byte ranges (a
+/// worker reads a file whole when the ranks it can expect to run need half of it between them):
+/// four workers, a synthetic Llama on dp8, where a rank's eighth of a tensor is separated from
+/// the next tensor's by more than the gap ranges are merged across. Every rank fetches a fraction
+/// of the release, and the checkpoint validates bit-exact against it.
+#[test]
+fn ranks_read_only_their_byte_ranges_when_their_worker_needs_little_of_a_file() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let release = tmp.path().join("release");
+    let o = crate::run(bin().args(["synth", "--arch", "llama", "--size", "160MB"]).arg(&release));
+    assert!(o.status.success(), "synth: {}", stderr(&o));
+    let release_bytes: u64 = std::fs::read_dir(&release)
+        .expect("release")
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
+        .map(|e| e.metadata().expect("size").len())
+        .sum();
+    let moto = Moto::start(tmp.path());
+    moto.create_bucket(ARTIFACTS);
+    let mut hosts = Hosts::new(&moto, None);
+    hosts.spawn("server", &["server"]);
+    for w in ["host-a", "host-b", "host-c", "host-d"] {
+        hosts.worker(w);
+    }
+    // The share a worker expects to read follows the active workers: wait for all four.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while hosts.rt.block_on(hosts.store.list_workers()).expect("workers").len() < 4 {
+        assert!(std::time::Instant::now() < deadline, "four workers did not register");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let spec = tmp.path().join("ranged.yaml");
+    let steps = format!(
+        "apiVersion: shardline/v1\nkind: Pipeline\nname: ranged\nsteps:\n\
+         \x20 - {{id: download, uses: hf.download, with: {{path: \"{}\"}}}}\n\
+         \x20 - {{id: shard, uses: megatron.shard, needs: [download], with: {{tp: 1, dp: 8}}}}\n\
+         \x20 - {{id: validate, uses: checkpoint.validate, needs: [shard]}}\n",
+        release.display()
+    );
+    std::fs::write(&spec, steps).expect("spec");
+    let run = hosts.submit(&spec, &[]);
+    let row = hosts.wait_run(run);
+    assert_eq!(row.state, RunState::Succeeded, "{:?}", row.error);
+    let tasks = hosts.rt.block_on(hosts.store.run_tasks(run)).expect("tasks");
+    let validate = tasks.iter().find(|t| t.name == "validate").expect("validate task");
+    assert_eq!(validate.output.as_ref().expect("output")["ok"], true);
+
+    let logs = hosts.rt.block_on(hosts.store.logs(LogFilter::Run(run), 0, 100_000)).expect("logs");
+    let fetched: Vec<u64> =
+        logs.iter().filter_map(|l| l.line.strip_prefix("fetched ")?.split_once(' ')?.0.parse().ok()).collect();
+    assert_eq!(fetched.len(), 8, "one fetch per rank: {fetched:?}");
+    assert!(
+        fetched.iter().all(|&n| n > 0 && n * 4 < release_bytes),
+        "every rank read a fraction of the {release_bytes} release bytes: {fetched:?}"
+    );
+    assert_eq!(moto.open_multipart_uploads(ARTIFACTS), 0);
+}
