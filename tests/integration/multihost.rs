@@ -393,8 +393,9 @@ fn run_validate(ckpt: &Path) -> std::process::Output {
 /// Rank tasks whose worker needs little of each release file read just their byte ranges (a
 /// worker reads a file whole when the ranks it can expect to run need half of it between them):
 /// four workers, a synthetic Llama on dp8, where a rank's eighth of a tensor is separated from
-/// the next tensor's by more than the gap ranges are merged across. Every rank fetches a fraction
-/// of the release, and the checkpoint validates bit-exact against it.
+/// the next tensor's by more than the gap ranges are merged across, with 3 MiB sections. Every
+/// rank fetches a fraction of the release and writes its file in several sections, each fetched,
+/// written, uploaded and freed in turn, and the checkpoint validates bit-exact against it.
 #[test]
 fn ranks_read_only_their_byte_ranges_when_their_worker_needs_little_of_a_file() {
     let tmp = tempfile::tempdir().expect("temp dir");
@@ -412,7 +413,9 @@ fn ranks_read_only_their_byte_ranges_when_their_worker_needs_little_of_a_file() 
     let mut hosts = Hosts::new(&moto, None);
     hosts.spawn("server", &["server"]);
     for w in ["host-a", "host-b", "host-c", "host-d"] {
-        hosts.worker(w);
+        // Small sections: each rank file is fetched, written and uploaded in several.
+        let args = ["worker", "--name", w, "--cpus", "2", "--lease-seconds", "3", "--rank-section", "3MiB"];
+        hosts.spawn(w, &args);
     }
     // The share a worker expects to read follows the active workers: wait for all four.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
@@ -440,6 +443,9 @@ fn ranks_read_only_their_byte_ranges_when_their_worker_needs_little_of_a_file() 
     let fetched: Vec<u64> =
         logs.iter().filter_map(|l| l.line.strip_prefix("fetched ")?.split_once(' ')?.0.parse().ok()).collect();
     assert_eq!(fetched.len(), 8, "one fetch per rank: {fetched:?}");
+    let sections: Vec<u64> =
+        logs.iter().filter_map(|l| l.line.split_once("; written in ")?.1.split_once(' ')?.0.parse().ok()).collect();
+    assert!(sections.len() == 8 && sections.iter().all(|&n| n > 1), "sections per rank: {sections:?}");
     assert!(
         fetched.iter().all(|&n| n > 0 && n * 4 < release_bytes),
         "every rank read a fraction of the {release_bytes} release bytes: {fetched:?}"

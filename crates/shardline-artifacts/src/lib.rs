@@ -16,7 +16,7 @@ mod fetch;
 mod upload;
 
 pub use fetch::{ListedObject, MAX_IN_FLIGHT, PIECE_BYTES};
-pub use upload::{Upload, MIN_PART_BYTES, PART_BYTES};
+pub use upload::{PartsUpload, Upload, MIN_PART_BYTES, PART_BYTES};
 
 use shardline_publish::object_store::path::Path as ObjPath;
 use shardline_publish::Destination;

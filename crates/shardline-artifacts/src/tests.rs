@@ -93,3 +93,33 @@ fn a_local_directory_is_not_an_artifact_store() {
     let err = Artifacts::open("file:///tmp/x", &[]).unwrap_err();
     assert!(err.to_string().contains("shared file system"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_filled_a_range_at_a_time_holds_the_file_and_refuses_short_parts_but_the_last() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (moto, a) = setup(tmp.path());
+    let bytes = data((2 * PART_BYTES + 5) as usize, 3);
+    let path = tmp.path().join("rank1");
+    fs::write(&path, &bytes).unwrap();
+    let file = Arc::new(File::open(&path).unwrap());
+    let mut up = a.begin_upload("ckpt/__1_0.distcp", |_| async { true }).await.unwrap();
+    // Nothing yet, then one part, then a range that would end in a short part.
+    a.put_parts(&mut up, &file, &path, 0, false).await.unwrap();
+    a.put_parts(&mut up, &file, &path, PART_BYTES, false).await.unwrap();
+    assert_eq!(up.size(), PART_BYTES);
+    assert!(a.put_parts(&mut up, &file, &path, PART_BYTES + 7, false).await.is_err());
+    a.put_parts(&mut up, &file, &path, bytes.len() as u64, true).await.unwrap();
+    let upload = up.open();
+    assert_eq!((upload.parts.len(), upload.size), (3, bytes.len() as u64));
+    a.complete(&upload).await.unwrap();
+    assert_eq!(a.read_range("ckpt/__1_0.distcp", None, 0, bytes.len() as u64).await.unwrap(), bytes);
+    assert_eq!(moto.open_multipart_uploads("art"), 0);
+
+    // An empty file is one empty part.
+    let empty = tmp.path().join("empty");
+    fs::write(&empty, b"").unwrap();
+    let upload = a.upload_file("ckpt/__2_0.distcp", &empty, |_| async { true }).await.unwrap();
+    assert_eq!((upload.parts.len(), upload.size), (1, 0));
+    a.complete(&upload).await.unwrap();
+    assert_eq!(a.head("ckpt/__2_0.distcp").await.unwrap(), Some(0));
+}

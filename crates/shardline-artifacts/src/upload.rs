@@ -34,6 +34,38 @@ pub struct Upload {
     pub size: u64,
 }
 
+/// A multipart upload being filled from a local file ([`Artifacts::put_parts`]).
+#[derive(Debug)]
+pub struct PartsUpload {
+    name: String,
+    id: String,
+    parts: Vec<PartId>,
+    /// Bytes sent so far.
+    size: u64,
+}
+
+impl PartsUpload {
+    /// The store's id of the upload.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Bytes sent so far.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The upload, every part sent, left open for [`Artifacts::complete`].
+    pub fn open(self) -> Upload {
+        Upload {
+            name: self.name,
+            upload_id: self.id,
+            parts: self.parts.into_iter().map(|p| p.content_id).collect(),
+            size: self.size,
+        }
+    }
+}
+
 impl Artifacts {
     fn multipart(&self) -> Result<&Arc<dyn MultipartStore>> {
         self.dest
@@ -52,6 +84,23 @@ impl Artifacts {
         let io = |action| move |error| ArtifactError::Io { path: path.display().to_string(), action, error };
         let file = Arc::new(File::open(path).map_err(io("open"))?);
         let size = file.metadata().map_err(io("stat"))?.len();
+        let mut upload = self.begin_upload(name, register).await?;
+        match self.put_parts(&mut upload, &file, path, size, true).await {
+            Ok(()) => Ok(upload.open()),
+            Err(e) => {
+                self.abort_parts(&upload).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Creates a multipart upload of `name` to be filled a range of a local file at a time
+    /// ([`put_parts`](Self::put_parts)); `register` as for [`upload_file`](Self::upload_file).
+    pub async fn begin_upload<F, Fut>(&self, name: &str, register: F) -> Result<PartsUpload>
+    where
+        F: FnOnce(String) -> Fut,
+        Fut: Future<Output = bool>,
+    {
         let mp = self.multipart()?;
         let location = self.object(name);
         let id = mp.create_multipart(&location).await.map_err(|e| self.store_err(name, "create upload", e))?;
@@ -59,16 +108,43 @@ impl Artifacts {
             let _ = mp.abort_multipart(&location, &id).await;
             return Err(ArtifactError::Fenced(name.to_string()));
         }
-        let parts = size.div_ceil(PART_BYTES).max(1);
-        let sent: Result<Vec<(usize, PartId)>> = stream::iter(0..parts)
+        Ok(PartsUpload { name: name.to_string(), id, parts: Vec::new(), size: 0 })
+    }
+
+    /// Uploads bytes `[upload.size, end)` of `file` (at `path`, for messages) as the upload's next
+    /// parts of [`PART_BYTES`]. Only the `last` call, whose `end` is where the file ends, may
+    /// leave a short part (stores refuse short parts but the last): a caller filling the file a
+    /// section at a time passes a multiple of [`PART_BYTES`] until then. An upload with nothing
+    /// sent by its last call gets one empty part (an empty object).
+    pub async fn put_parts(
+        &self,
+        upload: &mut PartsUpload,
+        file: &Arc<File>,
+        path: &Path,
+        end: u64,
+        last: bool,
+    ) -> Result<()> {
+        if !last && !end.is_multiple_of(PART_BYTES) {
+            return Err(ArtifactError::Io {
+                path: path.display().to_string(),
+                action: "upload parts",
+                error: std::io::Error::other(format!("{end} is not a whole number of parts")),
+            });
+        }
+        let io = |action| move |error| ArtifactError::Io { path: path.display().to_string(), action, error };
+        let mp = self.multipart()?;
+        let location = self.object(&upload.name);
+        let (start, first, name) = (upload.size, upload.parts.len(), upload.name.as_str());
+        let count = end.saturating_sub(start).div_ceil(PART_BYTES).max(u64::from(last && first == 0));
+        let sent: Vec<(usize, PartId)> = stream::iter(0..count)
             .map(|k| {
-                let (file, location, id) = (file.clone(), location.clone(), id.clone());
+                let (file, location, id) = (file.clone(), location.clone(), upload.id.clone());
                 async move {
-                    let start = k * PART_BYTES;
-                    let len = (size - start).min(PART_BYTES) as usize;
+                    let from = start + k * PART_BYTES;
+                    let len = (end - from).min(PART_BYTES) as usize;
                     let bytes = tokio::task::spawn_blocking(move || {
                         let mut buf = vec![0u8; len];
-                        file.read_exact_at(&mut buf, start).map(|()| buf)
+                        file.read_exact_at(&mut buf, from).map(|()| buf)
                     })
                     .await
                     .map_err(|e| ArtifactError::Io {
@@ -77,30 +153,30 @@ impl Artifacts {
                         error: std::io::Error::other(e.to_string()),
                     })?
                     .map_err(io("read part"))?;
+                    let index = first + k as usize;
                     let part = mp
-                        .put_part(&location, &id, k as usize, PutPayload::from(bytes))
+                        .put_part(&location, &id, index, PutPayload::from(bytes))
                         .await
                         .map_err(|e| self.store_err(name, "upload part", e))?;
-                    Ok((k as usize, part))
+                    Ok::<_, ArtifactError>((index, part))
                 }
             })
             .buffer_unordered(PARTS_IN_FLIGHT)
             .try_collect()
-            .await;
-        let mut sent = match sent {
-            Ok(s) => s,
-            Err(e) => {
-                let _ = mp.abort_multipart(&location, &id).await;
-                return Err(e);
-            }
-        };
+            .await?;
+        let mut sent = sent;
         sent.sort_by_key(|(k, _)| *k);
-        Ok(Upload {
-            name: name.to_string(),
-            upload_id: id,
-            parts: sent.into_iter().map(|(_, p)| p.content_id).collect(),
-            size,
-        })
+        upload.parts.extend(sent.into_iter().map(|(_, p)| p));
+        upload.size = upload.size.max(end);
+        Ok(())
+    }
+
+    /// Aborts an upload [`begin_upload`](Self::begin_upload) created (best effort: the reaper
+    /// aborts what is left).
+    pub async fn abort_parts(&self, upload: &PartsUpload) {
+        if let Ok(mp) = self.multipart() {
+            let _ = mp.abort_multipart(&self.object(&upload.name), &upload.id).await;
+        }
     }
 
     /// Completes an upload [`upload_file`](Self::upload_file) left open. Completing one that an

@@ -150,6 +150,11 @@ pub struct WorkerResources {
     /// directory's file system (default: 1GiB).
     #[arg(long)]
     pub scratch_reserve: Option<String>,
+    /// On an artifact store, how much of a rank file a task stages at a time, e.g. 64MiB: the
+    /// release bytes a section is written from are fetched, the section is written and uploaded,
+    /// and its disk freed before the next (default: 256MiB).
+    #[arg(long)]
+    pub rank_section: Option<String>,
     /// Worker name (default: host name and process id).
     #[arg(long)]
     pub name: Option<String>,
@@ -241,6 +246,7 @@ pub fn run_run(args: RunArgs) -> Result<ExitCode> {
                 gpus: None,
                 scratch: None,
                 scratch_reserve: None,
+                rank_section: None,
                 name: None,
             };
             let info = worker_info(&resources, &format!("-w{i}"))?;
@@ -636,6 +642,10 @@ pub fn run_worker_cmd(args: WorkerArgs) -> Result<ExitCode> {
         // Its own object cache (artifacts read back, release files read whole), where its gc
         // looks after it, whatever directory a run's payload names.
         config.objects.cache_dir = Some(args.state.work_dir().join("cache").join("objects"));
+        if let Some(s) = &args.resources.rank_section {
+            config.objects.rank_section_bytes =
+                parse_size(s).map_err(|e| anyhow::anyhow!("--rank-section {s}: {e}"))?.max(1);
+        }
         config.disk = Some(disk);
         config.gc = args.gc.setting(&args.state);
         run_worker(store, config, rx).await.context("worker")?;

@@ -20,6 +20,7 @@ pub mod disk;
 pub mod gc;
 pub mod hub;
 pub mod objects;
+mod rank_task;
 pub mod remote;
 mod sparse_checkpoint;
 pub mod steps;

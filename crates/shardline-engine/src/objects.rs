@@ -55,7 +55,14 @@ pub struct ObjectSourceSettings {
     pub store_options: Vec<(String, String)>,
     /// Files downloaded at once (0: [`DEFAULT_FILES_IN_FLIGHT`]).
     pub max_files_in_flight: usize,
+    /// Bytes of a rank file a rank task on an artifact store stages at a time: the release
+    /// bytes it is written from are fetched, it is written and uploaded, and the disk freed,
+    /// section by section (0: [`DEFAULT_RANK_SECTION_BYTES`]).
+    pub rank_section_bytes: u64,
 }
+
+/// Default of [`ObjectSourceSettings::rank_section_bytes`].
+pub const DEFAULT_RANK_SECTION_BYTES: u64 = 256 << 20;
 
 impl fmt::Debug for ObjectSourceSettings {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -5,13 +5,12 @@
 //!   written last names every file), or, for a source that is already an object-store prefix,
 //!   only lists it: later tasks read it in place.
 //! - A plan, rank or commit task stages the release locally as *sparse* files: the safetensors
-//!   headers and small files (config, index) always, and for a rank task only the byte ranges its
-//!   rank file is written from (`SourceMap::rank_ranges`), read with parallel ranged requests
-//!   pinned to the ETags the download recorded. It then runs the same writer as a local run.
-//! - A rank task uploads its file in parts and leaves the upload open, registered in the job
-//!   store under its lease; the commit checks every rank's upload against the plan, completes
-//!   them and writes `.metadata` last. Until then no object of the checkpoint exists; an upload
-//!   whose attempt failed is aborted (by the worker here, or by the server's reaper).
+//!   headers and small files (config, index) always; a rank task (`rank_task`) then fetches the
+//!   byte ranges its file is written from, a section at a time, and uploads the file in parts,
+//!   leaving the upload open, registered in the job store under its lease.
+//! - The commit checks every rank's upload against the plan, completes them and writes
+//!   `.metadata` last. Until then no object of the checkpoint exists; an upload whose attempt
+//!   failed is aborted (by the worker here, or by the server's reaper).
 //! - Validation and upload read the checkpoint and the release back into the worker's object
 //!   cache (`objects::download`) and run as they do on local directories; an export reads only
 //!   the model's byte ranges of its checkpoint (`sparse_checkpoint`).
@@ -28,11 +27,11 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use shardline_artifacts::{Artifacts, ListedObject, Upload};
 use shardline_control::graph::ShardJob;
-use shardline_control::{ListedFile, PartUpload, TaskOutput};
-use shardline_formats::execute::{self, SourceMap};
+use shardline_control::{ListedFile, TaskOutput};
+use shardline_formats::execute;
 use shardline_formats::safetensors::Release;
-use shardline_layout::{Plan, PlanTable};
-use shardline_store::{Lease, Store, UploadEnd, WorkerState};
+use shardline_layout::Plan;
+use shardline_store::{Lease, Store, UploadEnd};
 
 use crate::steps::{job_plan, plan_digest, StepContext, StepError};
 
@@ -42,15 +41,6 @@ pub const RELEASE_MARKER: &str = "shardline-release.json";
 const MAX_SMALL_FILE: u64 = 64 << 20;
 /// The largest safetensors header read (the format's own limit is 100 MB).
 const MAX_HEADER: u64 = 100_000_000;
-/// A worker whose rank tasks can be expected to read at least this share of a release file
-/// between them reads it whole instead (once, kept in its file cache for its next tasks): a few
-/// streamed requests instead of one per tensor piece, per rank. Every rank of an FSDP plan reads
-/// a slice of nearly every tensor, so ranged reads cost about (ranks × tensors) requests, which
-/// a store serves at a fixed cost each; reading whole fetches at most 1/share of what the ranges
-/// would.
-const WHOLE_FILE_SHARE: f64 = 0.5;
-/// Free bytes a whole-file read must leave on the worker's disk.
-const WHOLE_FILE_RESERVE: u64 = 1 << 30;
 /// Rank files' uploads the commit completes at a time.
 const COMPLETES_IN_FLIGHT: usize = 8;
 
@@ -62,7 +52,7 @@ pub struct UploadLedger {
 }
 
 impl UploadLedger {
-    async fn opened(&self, artifacts: &Artifacts, name: &str, upload_id: &str) -> bool {
+    pub(crate) async fn opened(&self, artifacts: &Artifacts, name: &str, upload_id: &str) -> bool {
         self.store.register_upload(&self.lease, artifacts.url(), name, upload_id).await.unwrap_or(false)
     }
 
@@ -74,7 +64,7 @@ impl UploadLedger {
     }
 }
 
-fn ledger<'a>(ctx: &StepContext<'a>) -> Result<&'a UploadLedger, StepError> {
+pub(crate) fn ledger<'a>(ctx: &StepContext<'a>) -> Result<&'a UploadLedger, StepError> {
     ctx.ledger.ok_or_else(|| StepError::fatal("uploads to the artifact store need a lease to record them under"))
 }
 
@@ -248,17 +238,17 @@ pub fn list_source(url: &str, root: &str, ctx: &StepContext) -> Result<TaskOutpu
 }
 
 /// A release staged as sparse local files: what a plan, rank or commit task reads.
-struct Staged {
-    release: Release,
-    artifacts: Artifacts,
+pub(crate) struct Staged {
+    pub(crate) release: Release,
+    pub(crate) artifacts: Artifacts,
     /// Every staged file with its ETag, by relative name.
-    tags: BTreeMap<String, Option<String>>,
+    pub(crate) tags: BTreeMap<String, Option<String>>,
 }
 
 /// Where a worker keeps a release file it read whole: a directory of its object cache (so its gc
 /// frees it, least recently used, under the cache limit) keyed by the object's URL and ETag (an
 /// object replaced under the same name gets another entry).
-fn whole_file_path(ctx: &StepContext, url: &str, name: &str, tag: Option<&str>) -> PathBuf {
+pub(crate) fn whole_file_path(ctx: &StepContext, url: &str, name: &str, tag: Option<&str>) -> PathBuf {
     let mut h = Sha256::new();
     h.update(format!("{url}\0{name}\0{}", tag.unwrap_or("")).as_bytes());
     let file = Path::new(name).file_name().map(|n| n.to_os_string()).unwrap_or_else(|| "file".into());
@@ -271,7 +261,7 @@ fn object_cache(ctx: &StepContext) -> PathBuf {
 }
 
 /// The lock of the whole-file read into `path`, shared by this process's tasks.
-fn whole_file_lock(path: &Path) -> Arc<tokio::sync::Mutex<()>> {
+pub(crate) fn whole_file_lock(path: &Path) -> Arc<tokio::sync::Mutex<()>> {
     static LOCKS: std::sync::OnceLock<std::sync::Mutex<BTreeMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>> =
         std::sync::OnceLock::new();
     let locks = LOCKS.get_or_init(Default::default);
@@ -283,7 +273,7 @@ fn whole_file_lock(path: &Path) -> Arc<tokio::sync::Mutex<()>> {
 }
 
 /// `path` replaced by a hard link to `whole` (both under the worker's scratch root).
-fn link_whole(whole: &Path, path: &Path) -> Result<(), StepError> {
+pub(crate) fn link_whole(whole: &Path, path: &Path) -> Result<(), StepError> {
     let _ = fs::remove_file(path);
     fs::hard_link(whole, path).map_err(|e| transient(format!("{} → {}: {e}", whole.display(), path.display())))
 }
@@ -353,7 +343,7 @@ fn stage_release(source: &TaskOutput, dir: &Path, ctx: &StepContext) -> Result<S
 
 /// The plan of `job`, from a staged release, checked against the plan task's digest (`None`:
 /// the plan task itself).
-fn staged_plan(
+pub(crate) fn staged_plan(
     ctx: &StepContext,
     job: &ShardJob,
     plan_task: Option<&str>,
@@ -379,139 +369,6 @@ fn staged_plan(
 /// to the store).
 pub fn plan(job: &ShardJob, ctx: &StepContext) -> Result<Plan, StepError> {
     Ok(staged_plan(ctx, job, None, ctx.scratch)?.1)
-}
-
-/// A rank task: fetches the byte ranges its file reads, writes it locally and uploads it in
-/// parts, leaving the upload open for the commit.
-pub fn rank(job: &ShardJob, plan_task: &str, rank: u64, ctx: &StepContext) -> Result<TaskOutput, StepError> {
-    let remote = job.remote.as_deref().ok_or_else(|| StepError::fatal("no artifact prefix for the checkpoint"))?;
-    let (staged, plan) = staged_plan(ctx, job, Some(plan_task), ctx.scratch)?;
-    let sources = SourceMap::new(&plan, &staged.release).map_err(|e| StepError::fatal(e.to_string()))?;
-    let ranges = sources.rank_ranges(&PlanTable::new(&plan), rank);
-    let names: Vec<String> = sources
-        .file_paths()
-        .map(|p| p.strip_prefix(ctx.scratch.join("release")).unwrap_or(p).to_string_lossy().into_owned())
-        .collect();
-    drop(sources);
-    let ranks_here = ranks_per_worker(ctx, plan.world());
-    let fetched = ctx.runtime.block_on(async {
-        let mut total = 0;
-        for (fi, name) in names.iter().enumerate() {
-            let mine: Vec<(u64, u64)> = ranges.iter().filter(|r| r.file == fi).map(|r| (r.start, r.end)).collect();
-            if mine.is_empty() {
-                continue;
-            }
-            let path = ctx.scratch.join("release").join(name);
-            let tag = staged.tags.get(name).cloned().flatten();
-            let whole = whole_file_path(ctx, staged.artifacts.url(), name, tag.as_deref());
-            let size = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
-            // One read of a whole file at a time per worker: a second task waits and links it.
-            let lock = whole_file_lock(&whole);
-            let _held = lock.lock().await;
-            if fs::metadata(&whole).is_ok_and(|m| m.len() == size) {
-                link_whole(&whole, &path)?;
-                continue;
-            }
-            if reads_whole(&mine, size, ranks_here, &whole) {
-                total += read_whole(&staged.artifacts, name, tag.as_deref(), &whole).await?;
-                link_whole(&whole, &path)?;
-                continue;
-            }
-            let file = OpenOptions::new()
-                .write(true)
-                .open(&path)
-                .map_err(|e| transient(format!("{}: {e}", path.display())))?;
-            total +=
-                staged.artifacts.fetch_ranges(name, tag.as_deref(), &mine, Arc::new(file)).await.map_err(transient)?;
-        }
-        Ok::<u64, StepError>(total)
-    })?;
-    (ctx.log)(format!("fetched {fetched} release bytes ({} ranges needed) for rank {rank}", ranges.len()));
-    let out = ctx.scratch.join("out");
-    let options = crate::steps::exec_options(job);
-    let bytes = execute::write_rank_file(&plan, &staged.release, &out, rank, &options, ctx.progress)
-        .map_err(|e| StepError::transient(e.to_string()))?;
-    let (name, _) = execute::rank_files(&plan, options.format)
-        .into_iter()
-        .nth(rank as usize)
-        .ok_or_else(|| StepError::fatal(format!("rank {rank} is outside the plan")))?;
-    let artifacts = open_artifacts(remote, ctx)?;
-    let path = out.join(&name);
-    let ledger = ledger(ctx)?;
-    let upload = ctx
-        .runtime
-        .block_on(artifacts.upload_file(&name, &path, |id: String| {
-            let (artifacts, name) = (&artifacts, &name);
-            async move { ledger.opened(artifacts, name, &id).await }
-        }))
-        .map_err(transient)?;
-    (ctx.log)(format!(
-        "rank {rank}: {bytes} tensor bytes, {} file bytes uploaded in {} parts (open)",
-        upload.size,
-        upload.parts.len()
-    ));
-    let Upload { name, upload_id, parts, size } = upload;
-    Ok(TaskOutput {
-        bytes: Some(bytes),
-        artifact: Some(remote.to_string()),
-        upload: Some(PartUpload { name, upload_id, parts, size }),
-        ..TaskOutput::default()
-    }
-    .with("rank", json!(rank)))
-}
-
-/// Whether a rank reading `ranges` of a file of `size` bytes reads it whole into `whole`: when the
-/// `ranks` tasks this worker can expect to run of the plan need at least [`WHOLE_FILE_SHARE`]
-/// of it (ranks' needs are alike in size) and the disk has room to keep it.
-fn reads_whole(ranges: &[(u64, u64)], size: u64, ranks: u64, whole: &Path) -> bool {
-    let needed: u64 = ranges.iter().map(|(s, e)| e - s).sum();
-    let share = needed as f64 / size.max(1) as f64 * ranks as f64;
-    let room = crate::disk::measure(whole).is_ok_and(|d| d.free >= size.saturating_add(WHOLE_FILE_RESERVE));
-    share >= WHOLE_FILE_SHARE && room
-}
-
-/// The rank tasks of a `world`-rank plan this worker can expect to run: the world shared among
-/// the active workers (1 when the job store cannot say).
-fn ranks_per_worker(ctx: &StepContext, world: u64) -> u64 {
-    let Some(ledger) = ctx.ledger else { return 1 };
-    let active = ctx
-        .runtime
-        .block_on(ledger.store.list_workers())
-        .map(|ws| ws.iter().filter(|w| w.state == WorkerState::Active).count() as u64)
-        .unwrap_or(0);
-    if active == 0 {
-        1
-    } else {
-        world.div_ceil(active)
-    }
-}
-
-/// Reads `name` whole into the worker's file cache at `whole` (through a temporary name, so a
-/// concurrent or interrupted read never leaves a short file there).
-async fn read_whole(artifacts: &Artifacts, name: &str, tag: Option<&str>, whole: &Path) -> Result<u64, StepError> {
-    let dir = whole.parent().unwrap_or(Path::new("."));
-    fs::create_dir_all(dir).map_err(|e| transient(format!("{}: {e}", dir.display())))?;
-    let tmp = tempfile_path(whole);
-    let read = artifacts.fetch_whole(name, tag, &tmp).await;
-    match read {
-        Ok(n) => {
-            fs::rename(&tmp, whole).map_err(|e| transient(format!("{}: {e}", whole.display())))?;
-            Ok(n)
-        }
-        Err(e) => {
-            let _ = fs::remove_file(&tmp);
-            Err(transient(e))
-        }
-    }
-}
-
-/// A name next to `path` no other task uses.
-fn tempfile_path(path: &Path) -> PathBuf {
-    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let mut s = path.as_os_str().to_owned();
-    s.push(format!(".partial-{}-{n}", std::process::id()));
-    PathBuf::from(s)
 }
 
 /// A commit task: every rank's upload checked against the plan and completed, then `.metadata`.

@@ -378,7 +378,7 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
                 return Ok(TaskOutput { cached: Some(json!(true)), ..TaskOutput::default() });
             }
             if job.remote.is_some() {
-                return crate::remote::rank(job, plan_task, *rank, ctx);
+                return crate::rank_task::rank(job, plan_task, *rank, ctx);
             }
             let (release, plan) = checked_plan(ctx, job, plan_task)?;
             let staging = staging_dir(job);

@@ -214,8 +214,14 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
                 Payload::Plan { job } => {
                     let mut needs = output.rank_scratch_needs(&task.name);
                     if job.remote.is_some() {
-                        // Staged from an artifact store: the rank's source bytes too, as large.
-                        needs.iter_mut().for_each(|n| n.bytes = n.bytes.saturating_mul(2));
+                        // Staged from an artifact store a section at a time: a section's source
+                        // bytes and the section itself, or the whole rank's when it is smaller.
+                        let section = match config.objects.rank_section_bytes {
+                            0 => crate::objects::DEFAULT_RANK_SECTION_BYTES,
+                            n => n,
+                        };
+                        let most = section.saturating_mul(3);
+                        needs.iter_mut().for_each(|n| n.bytes = n.bytes.saturating_mul(2).min(most));
                     }
                     needs
                 }

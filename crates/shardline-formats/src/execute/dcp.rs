@@ -145,6 +145,31 @@ pub(super) fn write_dcp_rank(
     file.finish()
 }
 
+/// Writes items `items` (in file order) of one DCP rank file at `path`, at their offsets; returns
+/// the span `[start, end)` they fill. The rest of the file is left as it is.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn write_dcp_rank_items(
+    plan: &PlanTable,
+    layout: &DcpLayout,
+    rank: usize,
+    items: std::ops::Range<usize>,
+    path: PathBuf,
+    data: &DataPath<'_>,
+    syncer: &mpsc::Sender<SyncJob>,
+    progress: &Progress,
+) -> Result<(u64, u64), ExecuteError> {
+    let mut chosen = layout.rank(plan, rank).skip(items.start).take(items.len()).peekable();
+    let start = chosen.peek().map_or(0, |item| item.offset);
+    let mut file = RankFile::resume(path, start, data, syncer)?;
+    for item in chosen {
+        if progress.cancel.load(Ordering::Relaxed) {
+            return Err(ExecuteError::Cancelled);
+        }
+        write_item(plan, layout, &item, &mut file, progress)?;
+    }
+    Ok((start, file.finish()?))
+}
+
 /// DCP: rank files written by `options.threads` writers and synced by the sync thread while
 /// another thread encodes and stages `.metadata`; the rename that commits comes after every sync.
 pub(super) fn write_dcp(

@@ -136,6 +136,47 @@ pub fn write_rank_file(
     }
 }
 
+/// The byte spans `(offset, length)` of the items of rank `rank`'s DCP file, in file order: the
+/// units [`write_rank_section`] writes.
+pub fn rank_item_spans(plan: &Plan, rank: u64) -> Vec<(u64, u64)> {
+    let plan = &PlanTable::new(plan);
+    let layout = DcpLayout::new(plan);
+    layout.rank(plan, rank as usize).map(|item| (item.offset, item.length)).collect()
+}
+
+/// Writes items `items` of rank `rank`'s DCP file into `path` at their offsets, leaving the rest
+/// of the file as it is, and syncs it: a rank file written (and shipped) a section at a time by
+/// a worker with little disk. `release` needs to hold only the bytes
+/// [`SourceMap::rank_ranges_of`] names for these items. Returns the span `[start, end)` written.
+pub fn write_rank_section(
+    plan: &Plan,
+    release: &Release,
+    path: &Path,
+    rank: u64,
+    items: std::ops::Range<usize>,
+    options: &ExecuteOptions,
+    progress: &Progress,
+) -> Result<(u64, u64), ExecuteError> {
+    let sources = SourceMap::new(plan, release)?;
+    let plan = &PlanTable::new(plan);
+    let layout = DcpLayout::new(plan);
+    let data = DataPath::new(&sources, options);
+    let (sync_tx, sync_rx) = mpsc::channel();
+    let (written, synced) = std::thread::scope(|s| {
+        let syncer = s.spawn(move || run_syncer(sync_rx));
+        let written =
+            write_dcp_rank_items(plan, &layout, rank as usize, items, path.to_path_buf(), &data, &sync_tx, progress);
+        drop(sync_tx);
+        (written, syncer.join())
+    });
+    let span = written?;
+    match synced {
+        Ok(Ok(1)) => Ok(span),
+        Ok(Err(e)) => Err(e),
+        _ => Err(io_err(path, "sync rank file")(io::Error::other("the sync thread stopped early"))),
+    }
+}
+
 /// Commits a checkpoint whose rank files [`write_rank_file`] wrote into `dir`: checks that every
 /// rank file is there with the length the plan implies, then (DCP) writes `.metadata` through
 /// `.metadata.tmp` + fsync + rename. Needs no state from the writers: the layout follows from the

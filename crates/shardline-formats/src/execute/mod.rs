@@ -44,7 +44,8 @@ mod tests;
 
 pub(crate) use dcp::publish_metadata;
 pub use entry::{
-    commit_checkpoint, rank_files, write_checkpoint, write_checkpoint_from, write_metadata_alone, write_rank_file,
+    commit_checkpoint, rank_files, rank_item_spans, write_checkpoint, write_checkpoint_from, write_metadata_alone,
+    write_rank_file, write_rank_section,
 };
 pub use ranges::{ByteRange, MERGE_GAP};
 pub(crate) use rank_file::copy_unsupported;

@@ -31,12 +31,18 @@ impl SourceMap {
 
     /// The byte ranges of the release that rank `rank`'s file is written from, sorted and merged.
     pub fn rank_ranges(&self, plan: &PlanTable, rank: u64) -> Vec<ByteRange> {
+        self.rank_ranges_of(plan, rank, 0..usize::MAX)
+    }
+
+    /// [`rank_ranges`](Self::rank_ranges) of the items `items` of the rank's file alone (its
+    /// chunks, in file order): what writing that section of it reads.
+    pub fn rank_ranges_of(&self, plan: &PlanTable, rank: u64, items: std::ops::Range<usize>) -> Vec<ByteRange> {
         let mut ranges = Vec::new();
         let whole = |id: usize, ranges: &mut Vec<ByteRange>| {
             let (file, start, len) = self.locs[id];
             ranges.push(ByteRange { file, start, end: start + len });
         };
-        for (ti, _, chunk) in plan.rank_chunks(rank) {
+        for (ti, _, chunk) in plan.rank_chunks(rank).skip(items.start).take(items.len()) {
             let t = plan.tensor(ti);
             for seg in segments(t.shape, t.dtype, t.recipe, &chunk.offsets, &chunk.sizes) {
                 let Segment { source: Some((id, offset)), transform, .. } = seg else { continue };

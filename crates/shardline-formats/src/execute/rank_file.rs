@@ -102,20 +102,41 @@ impl<'a> RankFile<'a> {
             .truncate(true)
             .open(&path)
             .map_err(io_err(&path, "create rank file"))?;
-        Ok(RankFile {
+        Ok(Self::at(path, file, 0, data, syncer))
+    }
+
+    /// Continues the rank file at `path` from byte `offset`, leaving what is before it as it is
+    /// (a rank file written a section at a time).
+    pub(super) fn resume(
+        path: PathBuf,
+        offset: u64,
+        data: &'a DataPath<'a>,
+        syncer: &'a mpsc::Sender<SyncJob>,
+    ) -> Result<RankFile<'a>, ExecuteError> {
+        let file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(io_err(&path, "open rank file"))?;
+        Ok(Self::at(path, file, offset, data, syncer))
+    }
+
+    fn at(path: PathBuf, file: File, offset: u64, data: &'a DataPath<'a>, syncer: &'a mpsc::Sender<SyncJob>) -> Self {
+        RankFile {
             path,
             file: Arc::new(file),
             data,
             syncer,
-            sync_requested: 0,
+            sync_requested: offset,
             buf: vec![0u8; data.buffer_bytes],
             fill: 0,
-            flushed: 0,
+            flushed: offset,
             pending: Vec::new(),
             gaps: Vec::new(),
             converter: Converter::default(),
             crc: None,
-        })
+        }
     }
 
     pub(super) fn pos(&self) -> u64 {

@@ -283,3 +283,63 @@ impl ExecuteOptions {
         ExecuteOptions { copy_file_range: true, ..self }
     }
 }
+
+/// A copy of the release's files holding only their headers and `ranges`, zeros elsewhere.
+fn sparse_release(release_dir: &Path, sources: &SourceMap, ranges: &[ByteRange]) -> tempfile::TempDir {
+    let out = tempfile::tempdir().unwrap();
+    for e in fs::read_dir(release_dir).unwrap().flatten() {
+        let bytes = fs::read(e.path()).unwrap();
+        let name = e.file_name();
+        if !name.to_string_lossy().ends_with(".safetensors") {
+            fs::write(out.path().join(&name), bytes).unwrap();
+            continue;
+        }
+        let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let mut copy = vec![0u8; bytes.len()];
+        copy[..header].copy_from_slice(&bytes[..header]);
+        let index = sources.file_paths().position(|p| p.file_name() == Some(name.as_os_str())).unwrap();
+        for r in ranges.iter().filter(|r| r.file == index) {
+            let span = r.start as usize..r.end as usize;
+            copy[span.clone()].copy_from_slice(&bytes[span]);
+        }
+        fs::write(out.path().join(&name), copy).unwrap();
+    }
+    out
+}
+
+#[test]
+fn a_rank_file_written_a_section_at_a_time_from_each_sections_ranges_equals_the_whole_file() {
+    for (name, mesh, optimizer_state) in meshes() {
+        let release = Release::open(fixture(name)).unwrap();
+        let plan = plan(&release, mesh, optimizer_state);
+        let table = PlanTable::new(&plan);
+        let sources = SourceMap::new(&plan, &release).unwrap();
+        let whole = tempfile::tempdir().unwrap();
+        let options = ExecuteOptions::default();
+        for rank in 0..plan.world() {
+            let len = write_rank_file(&plan, &release, whole.path(), rank, &options, &Progress::default()).unwrap();
+            let want = fs::read(whole.path().join(dcp_rank_file(rank))).unwrap();
+            let spans = rank_item_spans(&plan, rank);
+            assert_eq!(spans.iter().map(|(_, l)| l).sum::<u64>(), len, "{name} rank {rank}");
+            let out = tempfile::tempdir().unwrap();
+            let path = out.path().join("rank.distcp");
+            // Sections of 1, 3, 2, 5, … items, each written from a release holding its ranges only.
+            let (mut at, mut k) = (0usize, 0usize);
+            while at < spans.len() {
+                let items = at..(at + [1, 3, 2, 5][k % 4]).min(spans.len());
+                let ranges = sources.rank_ranges_of(&table, rank, items.clone());
+                let sparse = sparse_release(&fixture(name), &sources, &ranges);
+                let sparse = Release::open(sparse.path()).unwrap();
+                let (start, end) =
+                    write_rank_section(&plan, &sparse, &path, rank, items.clone(), &options, &Progress::default())
+                        .unwrap();
+                assert_eq!((start, end), (spans[items.start].0, spans[items.end - 1].0 + spans[items.end - 1].1));
+                (at, k) = (items.end, k + 1);
+            }
+            assert!(
+                fs::read(&path).unwrap() == want,
+                "{name} {mesh:?} rank {rank}: sections differ from the whole file"
+            );
+        }
+    }
+}
