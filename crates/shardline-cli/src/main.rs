@@ -92,12 +92,20 @@ fn main() -> ExitCode {
         Command::Export(a) => export::run_export(a),
         Command::Synth(a) => convert::run_synth(a),
         Command::Bench(a) => convert::run_bench(a),
-        Command::Run(a) => orchestrate::run_run(a),
+        Command::Run(a) => {
+            // Workers allocate large I/O buffers (parts, fetched pieces) on many threads: each
+            // its own mapping, so what a finished task freed does not stay resident.
+            malloc::map_large_buffers();
+            orchestrate::run_run(a)
+        }
         Command::Lint(a) => orchestrate::run_lint(a),
         Command::Plan(a) => orchestrate::run_plan(a),
         Command::Submit(a) => orchestrate::run_submit(a),
         Command::Server(a) => orchestrate::run_server(a),
-        Command::Worker(a) => orchestrate::run_worker_cmd(a),
+        Command::Worker(a) => {
+            malloc::map_large_buffers();
+            orchestrate::run_worker_cmd(a)
+        }
         Command::Runs(a) => orchestrate::run_runs(a),
         Command::Logs(a) => orchestrate::run_logs(a),
         Command::Cancel(a) => orchestrate::run_cancel(a),

@@ -96,13 +96,7 @@ impl<'a> RankFile<'a> {
         data: &'a DataPath<'a>,
         syncer: &'a mpsc::Sender<SyncJob>,
     ) -> Result<RankFile<'a>, ExecuteError> {
-        let file = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .map_err(io_err(&path, "create rank file"))?;
-        Ok(Self::at(path, file, 0, data, syncer))
+        Self::open(path, 0, data, syncer)
     }
 
     /// Continues the rank file at `path` from byte `offset`, leaving what is before it as it is
@@ -113,17 +107,23 @@ impl<'a> RankFile<'a> {
         data: &'a DataPath<'a>,
         syncer: &'a mpsc::Sender<SyncJob>,
     ) -> Result<RankFile<'a>, ExecuteError> {
+        Self::open(path, offset, data, syncer)
+    }
+
+    /// Opens the file for writing from `offset`; from 0, anything it held is dropped.
+    fn open(
+        path: PathBuf,
+        offset: u64,
+        data: &'a DataPath<'a>,
+        syncer: &'a mpsc::Sender<SyncJob>,
+    ) -> Result<RankFile<'a>, ExecuteError> {
         let file = OpenOptions::new()
             .write(true)
             .create(true)
-            .truncate(false)
+            .truncate(offset == 0)
             .open(&path)
             .map_err(io_err(&path, "open rank file"))?;
-        Ok(Self::at(path, file, offset, data, syncer))
-    }
-
-    fn at(path: PathBuf, file: File, offset: u64, data: &'a DataPath<'a>, syncer: &'a mpsc::Sender<SyncJob>) -> Self {
-        RankFile {
+        Ok(RankFile {
             path,
             file: Arc::new(file),
             data,
@@ -136,7 +136,7 @@ impl<'a> RankFile<'a> {
             gaps: Vec::new(),
             converter: Converter::default(),
             crc: None,
-        }
+        })
     }
 
     pub(super) fn pos(&self) -> u64 {
