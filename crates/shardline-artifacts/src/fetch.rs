@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use futures_util::stream::{self, StreamExt, TryStreamExt};
-use shardline_publish::object_store::{GetOptions, GetRange, ObjectStoreExt, PutPayload};
+use shardline_publish::object_store::{GetOptions, GetRange, GetResult, ObjectStoreExt, PutPayload};
 
 use crate::{ArtifactError, Artifacts, Result};
 
@@ -162,16 +162,16 @@ impl Artifacts {
 }
 
 impl Artifacts {
+    /// A read of `name` with `options`.
+    async fn get_opts(&self, name: &str, options: GetOptions) -> Result<GetResult> {
+        self.dest.store().get_opts(&self.object(name), options).await.map_err(|e| self.store_err(name, "read", e))
+    }
+
     /// Reads the whole of `name` (pinned to `e_tag`) into a new file at `path`, in one streamed
     /// request: a store then reads the object once, however it keeps it. Returns its size.
     pub async fn fetch_whole(&self, name: &str, e_tag: Option<&str>, path: &std::path::Path) -> Result<u64> {
         let options = GetOptions { if_match: e_tag.map(str::to_string), ..GetOptions::default() };
-        let got = self
-            .dest
-            .store()
-            .get_opts(&self.object(name), options)
-            .await
-            .map_err(|e| self.store_err(name, "read", e))?;
+        let got = self.get_opts(name, options).await?;
         let expected = got.meta.size;
         let io = |action| move |error| ArtifactError::Io { path: path.display().to_string(), action, error };
         let mut file = tokio::fs::File::create(path).await.map_err(io("create"))?;
@@ -198,12 +198,7 @@ impl Artifacts {
             if_match: e_tag.map(str::to_string),
             ..GetOptions::default()
         };
-        let got = self
-            .dest
-            .store()
-            .get_opts(&self.object(name), options)
-            .await
-            .map_err(|e| self.store_err(name, "read", e))?;
+        let got = self.get_opts(name, options).await?;
         let bytes = got.bytes().await.map_err(|e| self.store_err(name, "read", e))?;
         if bytes.len() as u64 != end - start {
             return Err(self.size_err(name, end - start, bytes.len() as u64));
