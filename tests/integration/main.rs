@@ -21,6 +21,7 @@ mod reshard;
 mod soak;
 mod startup;
 mod triggers;
+mod validate_parts;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

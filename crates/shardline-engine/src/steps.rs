@@ -460,8 +460,11 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
             let reference =
                 build_plan(&config, sources, mesh, &options).map_err(|e| StepError::fatal(format!("{e:?}")))?;
             // Only the CPUs the task leased: other tasks share this worker.
-            let options =
-                VerifyOptions { optional_prefix: Some(&defaults.optimizer_prefix), threads: ctx.cpus.max(1) as usize };
+            let options = VerifyOptions {
+                optional_prefix: Some(&defaults.optimizer_prefix),
+                threads: ctx.cpus.max(1) as usize,
+                ..VerifyOptions::default()
+            };
             let report =
                 verify_checkpoint(&dir, &release, &reference, &options, ctx.progress).map_err(|e| match e {
                     VerifyError::Execute(_) => StepError::transient(e.to_string()),

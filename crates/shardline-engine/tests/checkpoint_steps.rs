@@ -61,7 +61,8 @@ fn assert_validates(ckpt: &Path, release_dir: &Path) {
     let defaults = PlanOptions::default();
     let options = PlanOptions { vocab_divisible_by: 1, optimizer_state: true, ..defaults.clone() };
     let reference = build_plan(&config, sources, Mesh::new(1, 1, 1, 1), &options).expect("reference plan");
-    let options = VerifyOptions { optional_prefix: Some(&defaults.optimizer_prefix), threads: 2 };
+    let options =
+        VerifyOptions { optional_prefix: Some(&defaults.optimizer_prefix), threads: 2, ..VerifyOptions::default() };
     let report = verify_checkpoint(ckpt, &release, &reference, &options, &Progress::default()).expect("verify");
     assert!(report.ok(), "{} differs from {}: {:?}", ckpt.display(), release_dir.display(), &report.findings[..1]);
     assert!(report.tensors > 0 && report.bytes_checked > 0);

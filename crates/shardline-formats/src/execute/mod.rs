@@ -47,7 +47,7 @@ pub use entry::{
     commit_checkpoint, rank_files, rank_item_spans, write_checkpoint, write_checkpoint_from, write_metadata_alone,
     write_rank_file, write_rank_section,
 };
-pub use ranges::{ByteRange, MERGE_GAP};
+pub use ranges::{merge_ranges, ByteRange, MERGE_GAP};
 pub(crate) use rank_file::copy_unsupported;
 pub(crate) use sources::stream_chunk;
 pub use sources::SourceMap;

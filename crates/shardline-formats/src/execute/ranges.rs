@@ -8,7 +8,7 @@
 //! that many bytes do.
 
 use shardline_layout::recipe::{segments, Segment, Transform};
-use shardline_layout::PlanTable;
+use shardline_layout::{PlanTable, TensorView};
 
 use super::SourceMap;
 
@@ -38,38 +38,43 @@ impl SourceMap {
     /// chunks, in file order): what writing that section of it reads.
     pub fn rank_ranges_of(&self, plan: &PlanTable, rank: u64, items: std::ops::Range<usize>) -> Vec<ByteRange> {
         let mut ranges = Vec::new();
+        for (ti, _, chunk) in plan.rank_chunks(rank).skip(items.start).take(items.len()) {
+            self.chunk_ranges(plan.tensor(ti), &chunk.offsets, &chunk.sizes, &mut ranges);
+        }
+        merge_ranges(ranges)
+    }
+
+    /// Appends the byte ranges of the release the chunk `offsets`/`sizes` of `t` is made from
+    /// (unmerged: see [`merge_ranges`]).
+    pub fn chunk_ranges(&self, t: TensorView<'_>, offsets: &[u64], sizes: &[u64], ranges: &mut Vec<ByteRange>) {
         let whole = |id: usize, ranges: &mut Vec<ByteRange>| {
             let (file, start, len) = self.locs[id];
             ranges.push(ByteRange { file, start, end: start + len });
         };
-        for (ti, _, chunk) in plan.rank_chunks(rank).skip(items.start).take(items.len()) {
-            let t = plan.tensor(ti);
-            for seg in segments(t.shape, t.dtype, t.recipe, &chunk.offsets, &chunk.sizes) {
-                let Segment { source: Some((id, offset)), transform, .. } = seg else { continue };
-                match transform {
-                    Transform::Identity | Transform::SubtractOne | Transform::Cast(_) => {
-                        let (file, start, _) = self.locs[id];
-                        let begin = start + offset;
-                        ranges.push(ByteRange { file, start: begin, end: begin + seg.source_len(t.dtype) });
-                    }
-                    Transform::Transpose { .. } => whole(id, &mut ranges),
-                    Transform::DequantFp8 { scale, .. } => {
-                        whole(id, &mut ranges);
-                        whole(scale as usize, &mut ranges);
-                    }
-                    Transform::DequantMxfp4 { scales } => {
-                        whole(id, &mut ranges);
-                        whole(scales as usize, &mut ranges);
-                    }
+        for seg in segments(t.shape, t.dtype, t.recipe, offsets, sizes) {
+            let Segment { source: Some((id, offset)), transform, .. } = seg else { continue };
+            match transform {
+                Transform::Identity | Transform::SubtractOne | Transform::Cast(_) => {
+                    let (file, start, _) = self.locs[id];
+                    let begin = start + offset;
+                    ranges.push(ByteRange { file, start: begin, end: begin + seg.source_len(t.dtype) });
+                }
+                Transform::Transpose { .. } => whole(id, ranges),
+                Transform::DequantFp8 { scale, .. } => {
+                    whole(id, ranges);
+                    whole(scale as usize, ranges);
+                }
+                Transform::DequantMxfp4 { scales } => {
+                    whole(id, ranges);
+                    whole(scales as usize, ranges);
                 }
             }
         }
-        merge(ranges)
     }
 }
 
 /// Sorted, with overlapping, touching and nearby ranges of a file joined.
-fn merge(mut ranges: Vec<ByteRange>) -> Vec<ByteRange> {
+pub fn merge_ranges(mut ranges: Vec<ByteRange>) -> Vec<ByteRange> {
     ranges.retain(|r| r.end > r.start);
     ranges.sort_unstable();
     let mut out: Vec<ByteRange> = Vec::with_capacity(ranges.len());
@@ -94,7 +99,7 @@ mod tests {
 
     #[test]
     fn ranges_merge_per_file_across_small_gaps_only() {
-        let merged = merge(vec![
+        let merged = merge_ranges(vec![
             r(1, 0, 10),
             r(0, MERGE_GAP * 4, MERGE_GAP * 5),
             r(0, 0, 100),

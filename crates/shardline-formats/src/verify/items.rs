@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::keys::{BoxSet, KeyInfo};
+use super::keys::{fits, BoxSet, KeyInfo};
 use super::{Finding, VerifyError};
 use crate::execute::{stream_chunk, Progress, SourceMap};
 use crate::torch_save::{read_object_archive, read_tensor_archive_with, ArchivedTensor, SpecCache};
@@ -137,10 +137,7 @@ impl<'a> Worker<'a> {
             Location::Raw { data_offset, sizes } => (sizes.clone(), *data_offset, false),
         };
         self.found_for(key.index).add(offsets, &sizes);
-        let fits = offsets.len() == key.shape.len()
-            && sizes.len() == key.shape.len()
-            && offsets.iter().zip(&sizes).zip(&key.shape).all(|((o, s), g)| o.checked_add(*s).is_some_and(|e| e <= *g));
-        if !fits {
+        if !fits(offsets, &sizes, &key.shape) {
             return Err(format!("sizes {sizes:?} do not fit global shape {:?}", key.shape));
         }
         let Some(want) = &key.want else { return Ok(()) };

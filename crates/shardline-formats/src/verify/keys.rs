@@ -25,7 +25,7 @@ pub(super) struct KeyInfo {
 /// boxes `.metadata` declares and the boxes the items hold can be compared without keeping
 /// either list.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(super) struct BoxSet {
+pub struct BoxSet {
     pub count: u64,
     pub sum: u128,
 }
@@ -48,6 +48,13 @@ impl BoxSet {
         self.count += other.count;
         self.sum = self.sum.wrapping_add(other.sum);
     }
+}
+
+/// Whether the box `offsets`/`sizes` lies inside `shape`.
+pub(super) fn fits(offsets: &[u64], sizes: &[u64], shape: &[u64]) -> bool {
+    offsets.len() == shape.len()
+        && sizes.len() == shape.len()
+        && offsets.iter().zip(sizes).zip(shape).all(|((o, s), g)| o.checked_add(*s).is_some_and(|e| e <= *g))
 }
 
 /// Keys whose vocab dim may be padded with zero rows beyond the release's rows.
@@ -138,10 +145,7 @@ impl<'p> Keys<'p> {
         distinct.dedup();
         for (offsets, sizes) in &distinct {
             declared.add(offsets, sizes);
-            let fits = offsets.len() == shape.len()
-                && sizes.len() == shape.len()
-                && offsets.iter().zip(sizes).zip(&shape).all(|((o, s), g)| o.checked_add(*s).is_some_and(|e| e <= *g));
-            if !fits {
+            if !fits(offsets, sizes, &shape) {
                 problems.push(format!("chunk offsets {offsets:?} sizes {sizes:?} does not fit global shape {shape:?}"));
             }
         }

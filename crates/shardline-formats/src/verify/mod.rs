@@ -8,11 +8,17 @@
 //! bytes with the release's mapping of that box, streamed piece by piece. At the end every key's
 //! declared boxes must equal the boxes its items hold: each chunk stored exactly once. What grows
 //! with the checkpoint is one small record per key, never one per chunk.
+//!
+//! A validation can be split across workers by the files items are stored in ([`Scope`]): each
+//! part checks its files' items and returns the fingerprint of the boxes they hold; a pass over
+//! `.metadata` alone returns the fingerprint declared, which the parts' must add up to
+//! ([`parts_agree`]). The release bytes a part compares with are listed by [`part_ranges`].
 
 mod items;
 mod keys;
+mod parts;
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::sync_channel;
 use std::sync::{Arc, Mutex};
@@ -25,7 +31,9 @@ use crate::dcp_metadata::{read_metadata_file, DcpMetadataError, EntryMeta, Metad
 use crate::execute::{ExecuteError, Progress, SourceMap};
 use crate::safetensors::Release;
 use items::{Job, Location, Worker};
-use keys::{BoxSet, Keys};
+pub use keys::BoxSet;
+use keys::Keys;
+pub use parts::{part_ranges, parts_agree};
 
 /// One finding: the key and what is wrong, with offsets and shapes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -45,6 +53,10 @@ pub struct VerifyReport {
     pub findings: Vec<Finding>,
     /// Findings past the ones kept.
     pub findings_dropped: u64,
+    /// The boxes of every chunk `.metadata` declares.
+    pub declared: BoxSet,
+    /// The boxes the items read hold (all of them unless the scope is a part).
+    pub held: BoxSet,
 }
 
 impl VerifyReport {
@@ -81,12 +93,42 @@ pub struct VerifyOptions<'a> {
     pub optional_prefix: Option<&'a str>,
     /// Threads that check items (at least 1): a worker passes the CPUs its task leased.
     pub threads: usize,
+    /// What is read: everything unless the validation is split.
+    pub scope: Scope<'a>,
+}
+
+/// Which part of a checkpoint's validation a call does.
+#[derive(Clone, Copy, Debug, Default)]
+pub enum Scope<'a> {
+    /// `.metadata` and every stored item, each key's declared and held boxes compared.
+    #[default]
+    Whole,
+    /// `.metadata`'s entries and the items stored in these files only. The report's `held`
+    /// counts toward the total the `Declared` pass checks; keys are not compared one by one.
+    Files(&'a BTreeSet<String>),
+    /// `.metadata` alone: entries, tiling, missing keys, and the `declared` fingerprint.
+    Declared,
+}
+
+impl Scope<'_> {
+    /// Whether items stored in `file` are read.
+    fn reads(&self, file: &str) -> bool {
+        match self {
+            Scope::Whole => true,
+            Scope::Files(files) => files.contains(file),
+            Scope::Declared => false,
+        }
+    }
 }
 
 impl Default for VerifyOptions<'_> {
     /// No optional keys; a thread per core, up to 8 (past that the disk is the limit).
     fn default() -> Self {
-        Self { optional_prefix: None, threads: std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, 8) }
+        Self {
+            optional_prefix: None,
+            threads: std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, 8),
+            scope: Scope::Whole,
+        }
     }
 }
 
@@ -132,7 +174,7 @@ pub fn verify_checkpoint(
             .collect();
         // Jobs go in batches: one channel message per item would cost more than checking it.
         let mut batch = Vec::with_capacity(JOB_BATCH);
-        let fed = feed(dir, &mut keys, &mut findings, |job| {
+        let fed = feed(dir, &mut keys, &mut findings, options.scope, |job| {
             batch.push(job);
             batch.len() < JOB_BATCH || tx.send(std::mem::replace(&mut batch, Vec::with_capacity(JOB_BATCH))).is_ok()
         });
@@ -156,11 +198,13 @@ pub fn verify_checkpoint(
         }
     }
     fed?;
-    for key in keys.missing(options.optional_prefix) {
-        report.findings.push(Finding { key, message: "missing from the checkpoint".into() });
-    }
     for (info, declared) in keys.infos.iter().zip(&keys.declared) {
         let held = found.get(info.index as usize).copied().unwrap_or_default();
+        report.declared.merge(*declared);
+        report.held.merge(held);
+        if !matches!(options.scope, Scope::Whole) {
+            continue;
+        }
         report.items += held.count;
         if held != *declared {
             report.findings.push(Finding {
@@ -172,6 +216,16 @@ pub fn verify_checkpoint(
             });
         } else if info.want.is_some() {
             report.tensors += 1;
+        }
+    }
+    match options.scope {
+        Scope::Whole => {}
+        Scope::Files(_) => report.items = report.held.count,
+        Scope::Declared => report.tensors = keys.infos.iter().filter(|i| i.want.is_some()).count() as u64,
+    }
+    if !matches!(options.scope, Scope::Files(_)) {
+        for key in keys.missing(options.optional_prefix) {
+            report.findings.push(Finding { key, message: "missing from the checkpoint".into() });
         }
     }
     report.findings.sort_by(|a, b| a.key.cmp(&b.key));
@@ -192,6 +246,7 @@ fn feed(
     dir: &Path,
     keys: &mut Keys<'_>,
     findings: &mut Vec<Finding>,
+    scope: Scope<'_>,
     mut send: impl FnMut(Job) -> bool,
 ) -> Result<(), VerifyError> {
     let find = |findings: &mut Vec<Finding>, key: &str, message: String| {
@@ -209,7 +264,7 @@ fn feed(
                 find(findings, &t.key, p);
             }
             let Some(info) = keys.infos.last().cloned() else { continue };
-            for c in t.chunks {
+            for c in t.chunks.into_iter().filter(|c| scope.reads(&c.file)) {
                 let job = Job {
                     key: info.clone(),
                     offsets: Some(c.offsets),
@@ -257,7 +312,7 @@ fn feed(
                     );
                     return Ok(());
                 }
-                if stopped {
+                if stopped || !scope.reads(&info.relative_path) {
                     return Ok(());
                 }
                 let file =
