@@ -200,10 +200,21 @@ fn three_workers_without_a_shared_disk_convert_validate_and_publish() {
     assert_eq!(moto.open_multipart_uploads(CHECKPOINTS), 0);
     let open = hosts.rt.block_on(hosts.store.open_uploads(run)).expect("uploads");
     assert!(open.is_empty(), "{open:?}");
-    let validate = hosts.rt.block_on(hosts.store.run_tasks(run)).expect("tasks");
-    let validate = validate.iter().find(|t| t.name == "validate").expect("validate task");
+    let tasks = hosts.rt.block_on(hosts.store.run_tasks(run)).expect("tasks");
+    let validate = tasks.iter().find(|t| t.name == "validate").expect("validate task");
     assert_eq!(validate.state, TaskState::Succeeded);
     assert_eq!(validate.output.as_ref().expect("output")["ok"], true);
+    // Validation was split by rank file across the workers; the parts checked every byte.
+    let parts: Vec<_> = tasks.iter().filter(|t| t.name.starts_with("validate/part-")).collect();
+    assert_eq!(parts.len(), 8, "one part per rank file");
+    assert!(parts.iter().all(|t| t.state == TaskState::Succeeded));
+    let part_hosts: BTreeSet<&String> =
+        ran.iter().filter(|(t, _)| t.starts_with("validate/part-")).map(|(_, w)| w).collect();
+    assert!(part_hosts.len() >= 2, "parts ran on several workers: {ran:?}");
+    let checked =
+        |t: &shardline_store::TaskRow| t.output.as_ref().and_then(|o| o["bytes_checked"].as_u64()).unwrap_or(0);
+    assert!(parts.iter().all(|t| checked(t) > 0));
+    assert_eq!(checked(validate), parts.iter().map(|t| checked(t)).sum::<u64>());
 
     // The published checkpoint, read back from S3, loads in torch and equals the reference.
     let prefix = format!("published/{name}");
@@ -449,6 +460,20 @@ fn ranks_read_only_their_byte_ranges_when_their_worker_needs_little_of_a_file() 
     assert!(
         fetched.iter().all(|&n| n > 0 && n * 4 < release_bytes),
         "every rank read a fraction of the {release_bytes} release bytes: {fetched:?}"
+    );
+    // So did validation: eight parts, each with a rank file and the release ranges it is made of.
+    let parts: Vec<(u64, u64)> = logs
+        .iter()
+        .filter_map(|l| {
+            let (_, rest) = l.line.split_once("; fetched ")?;
+            let (checkpoint, rest) = rest.split_once(" checkpoint bytes and ")?;
+            Some((checkpoint.parse().ok()?, rest.split_once(' ')?.0.parse().ok()?))
+        })
+        .collect();
+    assert_eq!(parts.len(), 8, "one validation part per rank file: {parts:?}");
+    assert!(
+        parts.iter().all(|&(c, r)| c > 0 && c * 4 < release_bytes && r > 0 && r * 4 < release_bytes),
+        "every part read a fraction of the checkpoint and of the {release_bytes} release bytes: {parts:?}"
     );
     assert_eq!(moto.open_multipart_uploads(ARTIFACTS), 0);
 }

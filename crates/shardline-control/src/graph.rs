@@ -33,6 +33,8 @@ pub mod kinds {
     pub const COMMIT: &str = "megatron.shard.commit";
     pub const SPLIT_PASS: &str = "megatron.split_fused";
     pub const VALIDATE: &str = "checkpoint.validate";
+    /// One part of a validation split by rank file (object-store artifact stores).
+    pub const VALIDATE_PART: &str = "checkpoint.validate.part";
     pub const RESHARD: &str = "checkpoint.reshard";
     /// A reshard's object-store source, downloaded.
     pub const RESHARD_FETCH: &str = "checkpoint.reshard.fetch";
@@ -285,6 +287,19 @@ pub enum Payload {
         checkpoint_task: String,
         source_task: String,
         prefix: String,
+        /// The tasks of its parts, when split ([`Payload::ValidatePart`]): this task then checks
+        /// `.metadata` alone and that the parts' items add up to it.
+        #[serde(default)]
+        parts: Vec<String>,
+    },
+    /// Part `part` of `parts` of a validation: the items of the checkpoint's files
+    /// [`part_files`] gives it, checked against the release byte ranges they are made from.
+    ValidatePart {
+        checkpoint_task: String,
+        source_task: String,
+        prefix: String,
+        part: u64,
+        parts: u64,
     },
     Upload {
         /// The checkpoint or export uploaded.
@@ -582,13 +597,24 @@ pub fn tasks_for(
                 let checkpoint_task = checkpoint_task_of(p, &step.id, false).ok_or_else(|| missing("checkpoint"))?;
                 let source_task = source_task_of(p, &step.id).ok_or_else(|| missing("hf.download"))?;
                 let prefix = shard_prefix(p, &step.id);
-                tasks.push(base(
-                    step,
-                    step.id.clone(),
-                    kinds::VALIDATE,
-                    needs,
-                    Payload::Validate { checkpoint_task, source_task, prefix },
-                ));
+                // Workers that share no disk split it by rank file, so none reads the whole.
+                let parts = if artifacts.is_some() { validate_parts(p, &step.id) } else { 1 };
+                let mut part_tasks = Vec::new();
+                for part in (0..parts).filter(|_| parts > 1) {
+                    let name = validate_part_task(&step.id, part);
+                    part_tasks.push(name.clone());
+                    let payload = Payload::ValidatePart {
+                        checkpoint_task: checkpoint_task.clone(),
+                        source_task: source_task.clone(),
+                        prefix: prefix.clone(),
+                        part,
+                        parts,
+                    };
+                    tasks.push(base(step, name, kinds::VALIDATE_PART, needs.clone(), payload));
+                }
+                let needs = if part_tasks.is_empty() { needs } else { part_tasks.clone() };
+                let payload = Payload::Validate { checkpoint_task, source_task, prefix, parts: part_tasks };
+                tasks.push(base(step, step.id.clone(), kinds::VALIDATE, needs, payload));
             }
             StepConfig::StoreUpload { to } => {
                 let checkpoint_task = checkpoint_task_of(p, &step.id, true).ok_or_else(|| missing("checkpoint"))?;
@@ -643,6 +669,36 @@ fn resolve_destination(to: &str, base_dir: &Path) -> String {
         format!("file://{}", p.display())
     } else {
         format!("file://{}", base_dir.join(p).display())
+    }
+}
+
+/// The name of part `part` of the validation step `step`.
+pub fn validate_part_task(step: &str, part: u64) -> String {
+    format!("{step}/part-{part}")
+}
+
+/// The files of a checkpoint (object names under its prefix) part `part` of `parts` of its
+/// validation reads: every `parts`-th of its storage files in name order.
+pub fn part_files(names: &[String], part: u64, parts: u64) -> Vec<String> {
+    let mut files: Vec<&String> = names.iter().filter(|n| !n.starts_with('.')).collect();
+    files.sort();
+    files.into_iter().zip(0u64..).filter(|(_, i)| i % parts.max(1) == part).map(|(n, _)| n.clone()).collect()
+}
+
+/// Into how many parts the validation `id` is split: one per rank file of the DCP checkpoint it
+/// reads, when the spec gives its mesh (a DCP-safetensors checkpoint is read whole: its files'
+/// headers are its only index).
+fn validate_parts(p: &ResolvedPipeline, id: &str) -> u64 {
+    let own = p.step(id).into_iter();
+    let mut candidates = own.chain(p.upstream(id).into_iter().rev()).filter(|s| s.kind.writes_checkpoint());
+    let Some(step) = candidates.next() else { return 1 };
+    let shard = match step.config {
+        StepConfig::MegatronSplitFused { .. } => shard_parent(p, &step.id),
+        _ => Some(step),
+    };
+    match shard.map(|s| &s.config) {
+        Some(StepConfig::MegatronShard { format: OutputFormatName::DcpSafetensors, .. }) | None => 1,
+        Some(config) => config.mesh().map_or(1, |m| m.world()),
     }
 }
 

@@ -22,7 +22,7 @@ pub mod graph;
 pub mod output;
 pub mod policy;
 
-pub use output::{ListedFile, PartUpload, TaskOutput, TaskProgress};
+pub use output::{BoxFingerprint, ListedFile, PartUpload, TaskOutput, TaskProgress};
 
 use std::path::{Path, PathBuf};
 

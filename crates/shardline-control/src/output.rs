@@ -96,6 +96,10 @@ pub struct TaskOutput {
     /// the commit to complete.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub upload: Option<PartUpload>,
+    /// A part of a split validation: the fingerprint of the chunk boxes its items hold, summed
+    /// with the other parts' and compared with `.metadata`'s by the validation task.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub boxes_held: Option<BoxFingerprint>,
     /// Served from the step cache: `true`, or (a plan task) the cached checkpoint's output.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cached: Option<Value>,
@@ -113,6 +117,14 @@ pub struct PartUpload {
     /// The parts' ids, in order.
     pub parts: Vec<String>,
     pub size: u64,
+}
+
+/// An order-independent fingerprint of a set of chunk boxes: how many, and the sum of their
+/// 128-bit digests in hex (a JSON number does not hold 128 bits).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BoxFingerprint {
+    pub count: u64,
+    pub sum: String,
 }
 
 /// A file of a downloaded source, as its download lists it.

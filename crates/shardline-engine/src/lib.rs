@@ -24,6 +24,7 @@ mod rank_task;
 pub mod remote;
 mod sparse_checkpoint;
 pub mod steps;
+pub mod validate;
 pub mod worker;
 
 use std::time::Duration;

@@ -76,7 +76,8 @@ pub fn rank(job: &ShardJob, plan_task: &str, rank: u64, ctx: &StepContext) -> Re
         0 => DEFAULT_RANK_SECTION_BYTES,
         n => n,
     };
-    let stage = Stage { ctx, staged: &staged, names: &names, release_dir: &release_dir, artifacts: &artifacts };
+    let stage = SparseRelease { ctx, staged: &staged, names: &names, release_dir: &release_dir };
+    let ship = |upload: &mut PartsUpload, upto, last| ship(ctx, &artifacts, upload, &path, upto, last);
     let written = match options.format {
         OutputFormat::Dcp => {
             let spans = execute::rank_item_spans(&plan, rank);
@@ -97,7 +98,7 @@ pub fn rank(job: &ShardJob, plan_task: &str, rank: u64, ctx: &StepContext) -> Re
                     )
                     .map_err(|e| StepError::transient(e.to_string()))?;
                     let last = i + 1 == sections.len();
-                    stage.ship(&mut upload, &path, if last { end } else { end / PART_BYTES * PART_BYTES }, last)?;
+                    ship(&mut upload, if last { end } else { end / PART_BYTES * PART_BYTES }, last)?;
                     stage.free(&ranges);
                     Ok(end)
                 });
@@ -108,7 +109,7 @@ pub fn rank(job: &ShardJob, plan_task: &str, rank: u64, ctx: &StepContext) -> Re
             if sections.is_empty() {
                 done = File::create(&path)
                     .map_err(|e| transient(format!("{}: {e}", path.display())))
-                    .and_then(|_| stage.ship(&mut upload, &path, 0, true))
+                    .and_then(|_| ship(&mut upload, 0, true))
                     .map(|()| 0);
             }
             done.map(|len| (len, sections.len()))
@@ -118,7 +119,7 @@ pub fn rank(job: &ShardJob, plan_task: &str, rank: u64, ctx: &StepContext) -> Re
             fetched += n;
             let len = execute::write_rank_file(&plan, &staged.release, &out, rank, &options, ctx.progress)
                 .map_err(|e| StepError::transient(e.to_string()))?;
-            stage.ship(&mut upload, &path, len, true)?;
+            ship(&mut upload, len, true)?;
             Ok((len, 1))
         }),
     };
@@ -164,16 +165,17 @@ fn sections(spans: &[(u64, u64)], max: u64) -> Vec<std::ops::Range<usize>> {
     out
 }
 
-/// What moves bytes between the artifact store and a rank task's staging directory.
-struct Stage<'a> {
-    ctx: &'a StepContext<'a>,
-    staged: &'a Staged,
-    names: &'a [String],
-    release_dir: &'a Path,
-    artifacts: &'a Artifacts,
+/// A release staged as sparse files in a task's directory, filled in by ranges as the task needs
+/// them (files the worker read whole are links into its file cache and are left alone).
+pub(crate) struct SparseRelease<'a> {
+    pub(crate) ctx: &'a StepContext<'a>,
+    pub(crate) staged: &'a Staged,
+    /// The release files' names, by the index a [`ByteRange`] gives.
+    pub(crate) names: &'a [String],
+    pub(crate) release_dir: &'a Path,
 }
 
-impl Stage<'_> {
+impl SparseRelease<'_> {
     /// A staged release file that is this task's own sparse copy (not a link into the file cache).
     fn sparse(&self, file: usize) -> Option<std::path::PathBuf> {
         let path = self.release_dir.join(self.names.get(file)?);
@@ -181,7 +183,7 @@ impl Stage<'_> {
     }
 
     /// Fetches `ranges` of the release files not read whole into the staged copies.
-    fn fetch(&self, ranges: &[ByteRange]) -> Result<u64, StepError> {
+    pub(crate) fn fetch(&self, ranges: &[ByteRange]) -> Result<u64, StepError> {
         self.ctx.runtime.block_on(async {
             let mut total = 0;
             for (fi, name) in self.names.iter().enumerate() {
@@ -203,24 +205,31 @@ impl Stage<'_> {
         })
     }
 
-    /// Uploads the rank file's bytes up to `upto` that are not yet sent (`last`: the rest of
-    /// the file), then frees them on disk.
-    fn ship(&self, upload: &mut PartsUpload, path: &Path, upto: u64, last: bool) -> Result<(), StepError> {
-        let file = Arc::new(File::open(path).map_err(|e| transient(format!("{}: {e}", path.display())))?);
-        self.ctx.runtime.block_on(self.artifacts.put_parts(upload, &file, path, upto, last)).map_err(transient)?;
-        punch(&file, 0, upload.size());
-        Ok(())
-    }
-
     /// Gives back the disk `ranges` took in the staged copies (a later section that needs some
     /// of those bytes fetches them again).
-    fn free(&self, ranges: &[ByteRange]) {
+    pub(crate) fn free(&self, ranges: &[ByteRange]) {
         for r in ranges {
             if let Some(file) = self.sparse(r.file).and_then(|p| OpenOptions::new().write(true).open(p).ok()) {
                 punch(&file, r.start, r.end - r.start);
             }
         }
     }
+}
+
+/// Uploads the bytes of the file at `path` up to `upto` that `upload` has not yet sent (`last`:
+/// the rest of the file), then frees them on disk.
+fn ship(
+    ctx: &StepContext,
+    artifacts: &Artifacts,
+    upload: &mut PartsUpload,
+    path: &Path,
+    upto: u64,
+    last: bool,
+) -> Result<(), StepError> {
+    let file = Arc::new(File::open(path).map_err(|e| transient(format!("{}: {e}", path.display())))?);
+    ctx.runtime.block_on(artifacts.put_parts(upload, &file, path, upto, last)).map_err(transient)?;
+    punch(&file, 0, upload.size());
+    Ok(())
 }
 
 /// Punches a hole over `[offset, offset + len)` of `file`, keeping its size. Best effort: a file
@@ -233,8 +242,8 @@ fn punch(file: &File, offset: u64, len: u64) {
 
 /// Reads whole, into the worker's file cache, the release files the ranks this worker can
 /// expect to run need half of or more (when the disk has room), and links them into the staged
-/// release. Returns the bytes read.
-fn read_whole_files(
+/// release. Returns the bytes read. `world`: the tasks like this one the run has.
+pub(crate) fn read_whole_files(
     ctx: &StepContext,
     staged: &Staged,
     names: &[String],

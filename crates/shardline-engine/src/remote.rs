@@ -281,7 +281,7 @@ pub(crate) fn link_whole(whole: &Path, path: &Path) -> Result<(), StepError> {
 /// Stages the release a download task recorded (`artifact` and `file_list`) under `dir`: every
 /// file created at its size, safetensors headers and small files filled in; a file this worker
 /// has already read whole is linked from its file cache instead.
-fn stage_release(source: &TaskOutput, dir: &Path, ctx: &StepContext) -> Result<Staged, StepError> {
+pub(crate) fn stage_release(source: &TaskOutput, dir: &Path, ctx: &StepContext) -> Result<Staged, StepError> {
     let url = source.artifact.as_deref().ok_or_else(|| StepError::fatal("the download recorded no artifact prefix"))?;
     let files = source.file_list.clone().unwrap_or_default();
     let artifacts = open_artifacts(url, ctx)?;

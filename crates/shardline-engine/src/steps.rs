@@ -13,7 +13,6 @@ use sha2::{Digest, Sha256};
 use shardline_formats::checkpoint::open_checkpoint;
 use shardline_formats::execute::{self, ExecuteOptions, OutputFormat, Progress};
 use shardline_formats::safetensors::Release;
-use shardline_formats::verify::{verify_checkpoint, VerifyError, VerifyOptions};
 use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
 use thiserror::Error;
 
@@ -74,13 +73,13 @@ pub struct StepContext<'a> {
 }
 
 impl StepContext<'_> {
-    fn output(&self, task: &str) -> Result<&TaskOutput, StepError> {
+    pub(crate) fn output(&self, task: &str) -> Result<&TaskOutput, StepError> {
         self.outputs.get(task).ok_or_else(|| StepError::transient(format!("output of task `{task}` is not available")))
     }
 
     /// The release a download task recorded, as a local directory: its `path` when this host
     /// has it, else its artifact prefix read into the worker's object cache.
-    fn source_path(&self, task: &str) -> Result<PathBuf, StepError> {
+    pub(crate) fn source_path(&self, task: &str) -> Result<PathBuf, StepError> {
         let output = self.output(task)?;
         match (&output.path, &output.artifact) {
             (Some(p), _) if p.exists() => Ok(p.clone()),
@@ -110,7 +109,7 @@ pub fn release_digest(release: &Release) -> Result<String, StepError> {
     Ok(hex::encode(h.finalize()))
 }
 
-fn open_release(path: &Path) -> Result<Release, StepError> {
+pub(crate) fn open_release(path: &Path) -> Result<Release, StepError> {
     Release::open(path).map_err(|e| StepError::fatal(format!("reading release {}: {e}", path.display())))
 }
 
@@ -430,62 +429,11 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
             (ctx.log)("fused projections were split by the shard plan (plan exchanged, no intermediate output)".into());
             Ok(out)
         }
-        Payload::Validate { checkpoint_task, source_task, prefix } => {
-            let dir = checkpoint_dir(ctx, checkpoint_task)?;
-            let source = ctx.source_path(source_task)?;
-            let split = ctx.output(checkpoint_task)?.split_fused.unwrap_or(true);
-            let release = open_release(&source)?;
-            let config = ModelConfig::from_json(release.config_json()).map_err(|e| StepError::fatal(e.to_string()))?;
-            let defaults = PlanOptions::default();
-            let options = PlanOptions {
-                prefix: prefix.clone(),
-                vocab_divisible_by: 1,
-                // Optimizer state is expected when the checkpoint has any (see verify_checkpoint).
-                optimizer_state: true,
-                split_fused: split,
-                ..defaults.clone()
-            };
-            let sources = release
-                .tensors()
-                .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
-                .collect();
-            // The unsplit form depends on tp: validate against the mesh it was written for.
-            // The split form depends on no mesh but for parameters fused per expert-TP rank
-            // (gpt-oss's expert fc1): the written etp.
-            let mesh = match ctx.output(checkpoint_task)?.mesh.as_deref().and_then(parse_mesh) {
-                Some(m) if !split => m,
-                Some(m) => Mesh { tp: 1, cp: 1, dp: m.etp, ep: 1, etp: m.etp },
-                None => Mesh::new(1, 1, 1, 1),
-            };
-            let reference =
-                build_plan(&config, sources, mesh, &options).map_err(|e| StepError::fatal(format!("{e:?}")))?;
-            // Only the CPUs the task leased: other tasks share this worker.
-            let options = VerifyOptions {
-                optional_prefix: Some(&defaults.optimizer_prefix),
-                threads: ctx.cpus.max(1) as usize,
-                ..VerifyOptions::default()
-            };
-            let report =
-                verify_checkpoint(&dir, &release, &reference, &options, ctx.progress).map_err(|e| match e {
-                    VerifyError::Execute(_) => StepError::transient(e.to_string()),
-                    _ => StepError::fatal(format!("{}: {e}", dir.display())),
-                })?;
-            if !report.ok() {
-                for f in report.findings.iter().take(50) {
-                    (ctx.log)(format!("`{}`: {}", f.key, f.message));
-                }
-                return Err(StepError::fatal(format!(
-                    "checkpoint {} differs from its source in {} place(s); first: `{}`: {}",
-                    dir.display(),
-                    report.findings.len(),
-                    report.findings[0].key,
-                    report.findings[0].message
-                )));
-            }
-            (ctx.log)(format!("{} tensors, {} bytes reconstructed bit-exactly", report.tensors, report.bytes_checked));
-            Ok(TaskOutput { dir: Some(dir), bytes_checked: Some(report.bytes_checked), ..TaskOutput::default() }
-                .with("ok", json!(true))
-                .with("tensors", json!(report.tensors)))
+        Payload::Validate { checkpoint_task, source_task, prefix, parts } => {
+            crate::validate::validate(checkpoint_task, source_task, prefix, parts, ctx)
+        }
+        Payload::ValidatePart { checkpoint_task, source_task, prefix, part, parts } => {
+            crate::validate::part(checkpoint_task, source_task, prefix, (*part, *parts), ctx)
         }
         Payload::Upload { checkpoint_task, source_task, to, .. } => {
             let dir = checkpoint_dir(ctx, checkpoint_task)?;
@@ -529,7 +477,7 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
 
 /// The checkpoint (or exported release) a task recorded, as a local directory: its `dir`, else
 /// its artifact prefix read into the worker's object cache.
-fn checkpoint_dir(ctx: &StepContext, task: &str) -> Result<PathBuf, StepError> {
+pub(crate) fn checkpoint_dir(ctx: &StepContext, task: &str) -> Result<PathBuf, StepError> {
     let output = ctx.output(task)?;
     if let Some(dir) = &output.dir {
         return Ok(dir.clone());

@@ -1,0 +1,207 @@
+//! The `checkpoint.validate` step: a checkpoint read back and compared, bit for bit, with the
+//! release it was made from.
+//!
+//! On a local work directory one task reads it whole. On an object-store artifact store it is
+//! split by rank file, so no worker reads the whole checkpoint or the whole release: each part
+//! fetches `.metadata`, its own files and the release byte ranges their items are made from (a
+//! release file whole only when its worker's parts need half of it), and checks those items; the
+//! validation task then reads `.metadata` alone and checks that the parts' items add up to it,
+//! every declared chunk stored exactly once.
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::path::Path;
+
+use serde_json::json;
+use shardline_control::graph::part_files;
+use shardline_control::{BoxFingerprint, TaskOutput};
+use shardline_formats::execute::SourceMap;
+use shardline_formats::safetensors::Release;
+use shardline_formats::verify::{
+    part_ranges, parts_agree, verify_checkpoint, BoxSet, Scope, VerifyError, VerifyOptions, VerifyReport,
+};
+use shardline_layout::{build_plan, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
+
+use crate::rank_task::{read_whole_files, SparseRelease};
+use crate::remote::{open_artifacts, stage_release, transient};
+use crate::steps::{checkpoint_dir, open_release, parse_mesh, StepContext, StepError};
+
+/// A validation task: the whole checkpoint, or (with `parts`) its `.metadata` against what its
+/// parts found.
+pub fn validate(
+    checkpoint_task: &str,
+    source_task: &str,
+    prefix: &str,
+    parts: &[String],
+    ctx: &StepContext,
+) -> Result<TaskOutput, StepError> {
+    if !parts.is_empty() {
+        return declared(checkpoint_task, source_task, prefix, parts, ctx);
+    }
+    let dir = checkpoint_dir(ctx, checkpoint_task)?;
+    let release = open_release(&ctx.source_path(source_task)?)?;
+    let reference = reference(&release, prefix, checkpoint_task, ctx)?;
+    let report = verify(&dir, &release, &reference, Scope::Whole, ctx)?;
+    (ctx.log)(format!("{} tensors, {} bytes reconstructed bit-exactly", report.tensors, report.bytes_checked));
+    Ok(TaskOutput { dir: Some(dir), bytes_checked: Some(report.bytes_checked), ..TaskOutput::default() }
+        .with("ok", json!(true))
+        .with("tensors", json!(report.tensors)))
+}
+
+/// Part `part` of `parts` of a validation on an artifact store: the items of its files.
+pub fn part(
+    checkpoint_task: &str,
+    source_task: &str,
+    prefix: &str,
+    (part, parts): (u64, u64),
+    ctx: &StepContext,
+) -> Result<TaskOutput, StepError> {
+    let url = checkpoint_url(checkpoint_task, ctx)?;
+    let release_dir = ctx.scratch.join("release");
+    let staged = stage_release(ctx.output(source_task)?, &release_dir, ctx)?;
+    let reference = reference(&staged.release, prefix, checkpoint_task, ctx)?;
+    let checkpoint = open_artifacts(url, ctx)?;
+    let listing = ctx.runtime.block_on(checkpoint.list()).map_err(transient)?;
+    let names: Vec<String> = listing.iter().map(|o| o.name.clone()).collect();
+    let files: BTreeSet<String> = part_files(&names, part, parts).into_iter().collect();
+    let dir = ctx.scratch.join("checkpoint");
+    fs::create_dir_all(&dir).map_err(|e| transient(format!("{}: {e}", dir.display())))?;
+    let mut fetched = 0;
+    ctx.runtime.block_on(async {
+        for o in listing.iter().filter(|o| o.name == ".metadata" || files.contains(&o.name)) {
+            fetched +=
+                checkpoint.fetch_whole(&o.name, o.e_tag.as_deref(), &dir.join(&o.name)).await.map_err(transient)?;
+        }
+        Ok::<(), StepError>(())
+    })?;
+    let ranges = part_ranges(&dir, &staged.release, &reference, &files).map_err(|e| verify_error(e, &dir))?;
+    let release_names: Vec<String> = SourceMap::new(&reference, &staged.release)
+        .map_err(|e| StepError::fatal(e.to_string()))?
+        .file_paths()
+        .map(|p| p.strip_prefix(&release_dir).unwrap_or(p).to_string_lossy().into_owned())
+        .collect();
+    let release_bytes = read_whole_files(ctx, &staged, &release_names, &ranges, parts)?
+        + SparseRelease { ctx, staged: &staged, names: &release_names, release_dir: &release_dir }.fetch(&ranges)?;
+    let report = verify(&dir, &staged.release, &reference, Scope::Files(&files), ctx)?;
+    (ctx.log)(format!(
+        "part {part} of {parts}: {} items of {} file(s) checked, {} bytes bit-exact; fetched {fetched} checkpoint bytes \
+         and {release_bytes} release bytes ({} ranges)",
+        report.items,
+        files.len(),
+        report.bytes_checked,
+        ranges.len()
+    ));
+    let held = BoxFingerprint { count: report.held.count, sum: format!("{:032x}", report.held.sum) };
+    Ok(TaskOutput { bytes_checked: Some(report.bytes_checked), boxes_held: Some(held), ..TaskOutput::default() }
+        .with("files", json!(files)))
+}
+
+/// The validation task of a split validation: `.metadata` alone, and the parts' items summed.
+fn declared(
+    checkpoint_task: &str,
+    source_task: &str,
+    prefix: &str,
+    parts: &[String],
+    ctx: &StepContext,
+) -> Result<TaskOutput, StepError> {
+    let url = checkpoint_url(checkpoint_task, ctx)?;
+    let staged = stage_release(ctx.output(source_task)?, &ctx.scratch.join("release"), ctx)?;
+    let reference = reference(&staged.release, prefix, checkpoint_task, ctx)?;
+    let dir = ctx.scratch.join("checkpoint");
+    fs::create_dir_all(&dir).map_err(|e| transient(format!("{}: {e}", dir.display())))?;
+    let checkpoint = open_artifacts(url, ctx)?;
+    ctx.runtime.block_on(checkpoint.fetch_whole(".metadata", None, &dir.join(".metadata"))).map_err(transient)?;
+    let report = verify(&dir, &staged.release, &reference, Scope::Declared, ctx)?;
+    let mut held = Vec::new();
+    let mut bytes_checked = 0;
+    for task in parts {
+        let output = ctx.output(task)?;
+        let boxes = output
+            .boxes_held
+            .as_ref()
+            .and_then(|b| u128::from_str_radix(&b.sum, 16).ok().map(|sum| BoxSet { count: b.count, sum }));
+        held.push(boxes.ok_or_else(|| StepError::fatal(format!("`{task}` recorded no fingerprint of its items")))?);
+        bytes_checked += output.bytes_checked.unwrap_or(0);
+    }
+    if let Some(f) = parts_agree(&report, held) {
+        return Err(StepError::fatal(format!("checkpoint {url}: {}", f.message)));
+    }
+    (ctx.log)(format!(
+        "{} tensors, {} bytes reconstructed bit-exactly by {} parts; every declared chunk stored exactly once",
+        report.tensors,
+        bytes_checked,
+        parts.len()
+    ));
+    Ok(TaskOutput { artifact: Some(url.to_string()), bytes_checked: Some(bytes_checked), ..TaskOutput::default() }
+        .with("ok", json!(true))
+        .with("tensors", json!(report.tensors)))
+}
+
+fn checkpoint_url<'a>(task: &str, ctx: &'a StepContext) -> Result<&'a str, StepError> {
+    ctx.output(task)?
+        .artifact
+        .as_deref()
+        .ok_or_else(|| StepError::fatal(format!("task `{task}` recorded no artifact prefix to validate")))
+}
+
+/// The release's tensors as the checkpoint of `checkpoint_task` must hold them.
+fn reference(release: &Release, prefix: &str, checkpoint_task: &str, ctx: &StepContext) -> Result<Plan, StepError> {
+    let checkpoint = ctx.output(checkpoint_task)?;
+    let split = checkpoint.split_fused.unwrap_or(true);
+    let config = ModelConfig::from_json(release.config_json()).map_err(|e| StepError::fatal(e.to_string()))?;
+    let options = PlanOptions {
+        prefix: prefix.to_string(),
+        vocab_divisible_by: 1,
+        // Optimizer state is expected when the checkpoint has any (see verify_checkpoint).
+        optimizer_state: true,
+        split_fused: split,
+        ..PlanOptions::default()
+    };
+    let sources = release
+        .tensors()
+        .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
+        .collect();
+    // The unsplit form depends on tp: validate against the mesh it was written for. The split
+    // form depends on no mesh but for parameters fused per expert-TP rank (gpt-oss's expert
+    // fc1): the written etp.
+    let mesh = match checkpoint.mesh.as_deref().and_then(parse_mesh) {
+        Some(m) if !split => m,
+        Some(m) => Mesh { tp: 1, cp: 1, dp: m.etp, ep: 1, etp: m.etp },
+        None => Mesh::new(1, 1, 1, 1),
+    };
+    build_plan(&config, sources, mesh, &options).map_err(|e| StepError::fatal(format!("{e:?}")))
+}
+
+/// Runs a validation of `scope` with the task's CPUs; findings fail the task, the first 50 logged.
+fn verify(
+    dir: &Path,
+    release: &Release,
+    reference: &Plan,
+    scope: Scope<'_>,
+    ctx: &StepContext,
+) -> Result<VerifyReport, StepError> {
+    let optimizer_prefix = PlanOptions::default().optimizer_prefix;
+    // Only the CPUs the task leased: other tasks share this worker.
+    let options = VerifyOptions { optional_prefix: Some(&optimizer_prefix), threads: ctx.cpus.max(1) as usize, scope };
+    let report =
+        verify_checkpoint(dir, release, reference, &options, ctx.progress).map_err(|e| verify_error(e, dir))?;
+    if report.ok() {
+        return Ok(report);
+    }
+    for f in report.findings.iter().take(50) {
+        (ctx.log)(format!("`{}`: {}", f.key, f.message));
+    }
+    let first = report.findings.first().map_or_else(String::new, |f| format!("; first: `{}`: {}", f.key, f.message));
+    Err(StepError::fatal(format!(
+        "checkpoint {} differs from its source in {} place(s){first}",
+        dir.display(),
+        report.findings.len() as u64 + report.findings_dropped
+    )))
+}
+
+fn verify_error(e: VerifyError, dir: &Path) -> StepError {
+    match e {
+        VerifyError::Execute(_) => StepError::transient(e.to_string()),
+        _ => StepError::fatal(format!("{}: {e}", dir.display())),
+    }
+}
