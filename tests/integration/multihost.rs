@@ -215,6 +215,16 @@ fn three_workers_without_a_shared_disk_convert_validate_and_publish() {
         |t: &shardline_store::TaskRow| t.output.as_ref().and_then(|o| o["bytes_checked"].as_u64()).unwrap_or(0);
     assert!(parts.iter().all(|t| checked(t) > 0));
     assert_eq!(checked(validate), parts.iter().map(|t| checked(t)).sum::<u64>());
+    // Each part was claimed with the scratch its files take: `.metadata`, its rank file, and as
+    // much again for the release ranges they are made from.
+    let sizes = moto.list_sizes(ARTIFACTS, &format!("shardline/runs/{name}/shard/checkpoint/"));
+    let size = |file: &str| sizes.iter().find(|(k, _)| k.ends_with(&format!("/{file}"))).map(|(_, s)| *s);
+    for t in &parts {
+        let files = t.output.as_ref().and_then(|o| o["files"].as_array().cloned()).expect("the part's files");
+        assert_eq!(files.len(), 1, "{}: one rank file per part", t.name);
+        let file = size(files[0].as_str().expect("name")).expect("the part's file in the store");
+        assert_eq!(t.resources.scratch, size(".metadata").expect(".metadata") + 2 * file, "{}", t.name);
+    }
 
     // The published checkpoint, read back from S3, loads in torch and equals the reference.
     let prefix = format!("published/{name}");

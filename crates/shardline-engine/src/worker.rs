@@ -225,6 +225,11 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
                     }
                     needs
                 }
+                // A checkpoint in an artifact store: its validation parts need its files' room.
+                Payload::Commit { .. } | Payload::Reshard { .. } => {
+                    let options = &config.objects.store_options;
+                    crate::validate::part_scratch_needs(store, task.run, &task.name, &output, options).await
+                }
                 _ => Vec::new(),
             };
             let success = Outcome::Succeeded { output: output.to_value() };

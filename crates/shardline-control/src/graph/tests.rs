@@ -113,10 +113,7 @@ steps:
         let (needs, Payload::ValidatePart { checkpoint_task, part, parts, .. }) = payload(&tasks, name) else {
             panic!("part payload")
         };
-        assert_eq!(
-            (needs, checkpoint_task.as_str(), part, parts),
-            (vec!["split".to_string()], "split", i as u64, 6)
-        );
+        assert_eq!((needs, checkpoint_task.as_str(), part, parts), (vec!["split".to_string()], "split", i as u64, 6));
     }
     let (needs, Payload::Validate { parts: named, .. }) = payload(&tasks, "validate") else { panic!() };
     assert_eq!((&needs, &named), (&parts, &parts));
