@@ -11,9 +11,10 @@
 //! - The commit checks every rank's upload against the plan, completes them and writes
 //!   `.metadata` last. Until then no object of the checkpoint exists; an upload whose attempt
 //!   failed is aborted (by the worker here, or by the server's reaper).
-//! - Validation and upload read the checkpoint and the release back into the worker's object
-//!   cache (`objects::download`) and run as they do on local directories; an export reads only
-//!   the model's byte ranges of its checkpoint (`sparse_checkpoint`).
+//! - Validation is split by rank file (`validate`): each part fetches its files and the release
+//!   ranges they are made from. Upload reads the checkpoint back into the worker's object cache
+//!   (`objects::download`); an export reads only the model's byte ranges of its checkpoint
+//!   (`sparse_checkpoint`).
 //!
 //! Every task's staging directory is removed when it ends.
 
