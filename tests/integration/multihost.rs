@@ -3,8 +3,9 @@
 //! data passes through (`--artifacts s3://…`). The release comes from a local Hub server.
 //!
 //! Also: a worker killed with `kill -9` while its rank file's multipart upload is open. The run
-//! completes on the others, the reaper aborts the dead upload, and no object of the checkpoint
-//! is ever listed but complete rank files (the uploads stay open until the commit completes them).
+//! completes on the others, the reaper aborts the dead upload (and the server's sweep one no task
+//! recorded), and no object of the checkpoint is ever listed but complete rank files (the uploads
+//! stay open until the commit completes them).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
@@ -265,6 +266,15 @@ fn a_worker_killed_during_its_multipart_upload_leaves_nothing_partial() {
     let source = synth("qwen3", "200MB");
     let moto = Moto::start(tmp.path());
     moto.create_bucket(ARTIFACTS);
+    // An upload whose worker died before recording it: only the store's own list shows it.
+    let orphan = shardline_artifacts::Artifacts::open(
+        &format!("s3://{ARTIFACTS}/shardline/runs/an-earlier-run/shard/checkpoint"),
+        &moto.store_options(),
+    )
+    .expect("artifacts");
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    runtime.block_on(orphan.begin_upload("__0_0.distcp", |_| async { true })).expect("an unrecorded upload");
+    assert_eq!(moto.open_multipart_uploads(ARTIFACTS), 1);
     let mut hosts = Hosts::new(&moto, None);
     hosts.spawn("server", &["server"]);
     for w in ["host-a", "host-b"] {
@@ -322,7 +332,8 @@ fn a_worker_killed_during_its_multipart_upload_leaves_nothing_partial() {
         assert_ne!(ran.get(t), Some(&victim), "`{t}` succeeded on the killed worker");
     }
 
-    // The dead upload is aborted by the reaper: none stays open.
+    // The dead upload is aborted by the reaper, the unrecorded one by the server's sweep of the
+    // store's open uploads: none stays open.
     let deadline = Instant::now() + Duration::from_secs(30);
     while moto.open_multipart_uploads(ARTIFACTS) > 0 {
         assert!(Instant::now() < deadline, "an aborted worker's upload is still open on the server");

@@ -123,3 +123,37 @@ async fn an_upload_filled_a_range_at_a_time_holds_the_file_and_refuses_short_par
     a.complete(&upload).await.unwrap();
     assert_eq!(a.head("ckpt/__2_0.distcp").await.unwrap(), Some(0));
 }
+
+/// An upload whose creator never recorded its id is found by listing the store's open uploads
+/// under the prefix (and only under it), then aborted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_uploads_are_listed_by_the_store_under_the_prefix_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (moto, a) = setup(tmp.path());
+    assert_eq!(a.open_uploads().await.unwrap(), Some(Vec::new()));
+    let path = tmp.path().join("rank");
+    fs::write(&path, data(1 << 20, 3)).unwrap();
+    let mut ids = Vec::new();
+    for name in ["ckpt/__0_0.distcp", "ckpt/__1_0.distcp"] {
+        let mut upload = a.begin_upload(name, |_| async { true }).await.unwrap();
+        let file = Arc::new(File::open(&path).unwrap());
+        a.put_parts(&mut upload, &file, &path, 1 << 20, true).await.unwrap();
+        ids.push((name.to_string(), upload.open().upload_id));
+    }
+    // Another prefix's upload is not this prefix's.
+    let other = Artifacts::open("s3://art/runs/r10", &moto.store_options()).unwrap();
+    other.begin_upload("x", |_| async { true }).await.unwrap();
+    assert_eq!(moto.open_multipart_uploads("art"), 3);
+
+    let mut open = a.open_uploads().await.unwrap().expect("S3 lists its open uploads");
+    open.sort_by(|x, y| x.key.cmp(&y.key));
+    let listed: Vec<(String, String)> = open.iter().map(|u| (u.key.clone(), u.upload_id.clone())).collect();
+    assert_eq!(listed, ids);
+    // moto answers a fixed creation time of its own; the field is read, whatever it says.
+    assert!(open.iter().all(|u| u.initiated.is_some()), "{open:?}");
+    for u in &open {
+        a.abort(&u.key, &u.upload_id).await.unwrap();
+    }
+    assert_eq!(a.open_uploads().await.unwrap(), Some(Vec::new()));
+    assert_eq!(moto.open_multipart_uploads("art"), 1, "the other prefix's upload stays");
+}

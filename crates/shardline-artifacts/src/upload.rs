@@ -195,6 +195,12 @@ impl Artifacts {
     }
 
     /// Aborts the upload `upload_id` of `name`; one the store no longer knows counts as aborted.
+    /// The multipart uploads open under this prefix (names relative to it), as the store lists
+    /// them; `None` where it cannot (see `Destination::open_uploads`).
+    pub async fn open_uploads(&self) -> Result<Option<Vec<shardline_publish::OpenMultipart>>> {
+        self.dest.open_uploads().await.map_err(|e| self.store_err("", "list open uploads", e))
+    }
+
     pub async fn abort(&self, name: &str, upload_id: &str) -> Result<()> {
         let mp = self.multipart()?;
         match mp.abort_multipart(&self.object(name), &upload_id.to_string()).await {

@@ -11,6 +11,7 @@ use serde_json::json;
 use shardline_engine::gc::{self, GcOptions, GcReport, Item, ItemKind, Outcome, Policy};
 use shardline_spec::{format_duration, format_size, parse_duration, parse_size};
 use shardline_store::{RetentionPolicy, Store};
+use tokio::sync::watch;
 
 use crate::orchestrate::{runtime, StateArgs};
 use crate::report::bytes;
@@ -236,4 +237,46 @@ fn as_json(report: &GcReport, work: &std::path::Path, dry_run: bool) -> serde_js
         "freed": {"items": nf, "bytes": freed},
         "kept": {"items": nk, "bytes": kept},
     })
+}
+
+/// How often the server applies the retention policy to the artifact store's run prefixes.
+const ARTIFACT_GC_EVERY: Duration = Duration::from_secs(600);
+
+/// The server's gc of the artifact store: uploads no task recorded (aborted), and finished runs'
+/// prefixes past their retention, every
+/// [`ARTIFACT_GC_EVERY`] (the first pass a few seconds after start), until `shutdown`.
+pub async fn artifact_gc(store: Store, url: String, mut shutdown: watch::Receiver<bool>) {
+    let mut wait = Duration::from_secs(5);
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = shutdown.changed() => if *shutdown.borrow() { return },
+        }
+        wait = ARTIFACT_GC_EVERY;
+        let pass = async {
+            let artifacts = shardline_artifacts::Artifacts::open(&url, &[]).map_err(|e| e.to_string())?;
+            let age = shardline_engine::UNRECORDED_UPLOAD_AGE;
+            match shardline_engine::abort_unrecorded_uploads(&store, &artifacts.child("runs"), age).await {
+                Ok(0) => {}
+                Ok(n) => eprintln!("server: aborted {n} upload(s) no task recorded under {url}/runs"),
+                Err(e) => eprintln!("server: sweeping unrecorded uploads of {url} failed (will retry): {e}"),
+            }
+            shardline_engine::gc::artifacts::artifacts_pass(&store, &artifacts, None, false)
+                .await
+                .map_err(|e| e.to_string())
+        };
+        match pass.await {
+            Ok(r) => {
+                for (item, _) in r.items.iter().filter(|(_, freed)| *freed) {
+                    eprintln!(
+                        "server: gc freed {} ({} bytes) from {url}: {}",
+                        item.path.display(),
+                        item.bytes,
+                        item.reason
+                    );
+                }
+            }
+            Err(e) => eprintln!("server: gc of {url} failed (will retry): {e}"),
+        }
+    }
 }

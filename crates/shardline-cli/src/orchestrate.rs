@@ -552,7 +552,7 @@ pub fn run_server(args: ServerArgs) -> Result<ExitCode> {
         .await?;
         let notifier = crate::notify::start(&args.notify, &store, bound, rx.clone()).await?;
         if let Some(url) = &artifacts {
-            tokio::spawn(artifact_gc(store.clone(), url.clone(), rx.clone()));
+            tokio::spawn(crate::gc::artifact_gc(store.clone(), url.clone(), rx.clone()));
         }
         eprintln!("server: reaping expired leases on {}", redact_url(&args.state.url()));
         reaper(store, Duration::from_secs(1), rx).await;
@@ -578,41 +578,6 @@ pub struct WorkerArgs {
     pub gc: crate::gc::WorkerGcArgs,
     #[command(flatten)]
     pub state: StateArgs,
-}
-
-/// How often the server applies the retention policy to the artifact store's run prefixes.
-const ARTIFACT_GC_EVERY: Duration = Duration::from_secs(600);
-
-/// The server's gc of the artifact store: finished runs' prefixes past their retention, every
-/// [`ARTIFACT_GC_EVERY`] (the first pass a few seconds after start), until `shutdown`.
-async fn artifact_gc(store: Store, url: String, mut shutdown: watch::Receiver<bool>) {
-    let mut wait = Duration::from_secs(5);
-    loop {
-        tokio::select! {
-            _ = tokio::time::sleep(wait) => {}
-            _ = shutdown.changed() => if *shutdown.borrow() { return },
-        }
-        wait = ARTIFACT_GC_EVERY;
-        let pass = async {
-            let artifacts = shardline_artifacts::Artifacts::open(&url, &[]).map_err(|e| e.to_string())?;
-            shardline_engine::gc::artifacts::artifacts_pass(&store, &artifacts, None, false)
-                .await
-                .map_err(|e| e.to_string())
-        };
-        match pass.await {
-            Ok(r) => {
-                for (item, _) in r.items.iter().filter(|(_, freed)| *freed) {
-                    eprintln!(
-                        "server: gc freed {} ({} bytes) from {url}: {}",
-                        item.path.display(),
-                        item.bytes,
-                        item.reason
-                    );
-                }
-            }
-            Err(e) => eprintln!("server: gc of {url} failed (will retry): {e}"),
-        }
-    }
 }
 
 pub fn run_worker_cmd(args: WorkerArgs) -> Result<ExitCode> {

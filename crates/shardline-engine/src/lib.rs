@@ -76,3 +76,30 @@ async fn abort_abandoned_uploads(store: &Store) {
         }
     }
 }
+
+/// How old an upload the object store lists as open, and no task recorded, must be before it is
+/// taken for abandoned: a task records its upload right after the store creates it, so only one
+/// whose creator died in between stays unrecorded this long.
+pub const UNRECORDED_UPLOAD_AGE: Duration = Duration::from_secs(600);
+
+/// Aborts the multipart uploads open under `artifacts` that no task recorded and that were
+/// created more than `min_age` ago (an upload the store gives no creation time for counts as
+/// old); returns how many. Where the store cannot list its uploads, does nothing.
+pub async fn abort_unrecorded_uploads(
+    store: &Store,
+    artifacts: &shardline_artifacts::Artifacts,
+    min_age: Duration,
+) -> Result<u64, String> {
+    let Some(open) = artifacts.open_uploads().await.map_err(|e| e.to_string())? else { return Ok(0) };
+    let cutoff = chrono::Utc::now() - chrono::Duration::from_std(min_age).unwrap_or(chrono::Duration::MAX);
+    let mut aborted = 0;
+    for u in open.into_iter().filter(|u| u.initiated.is_none_or(|t| t <= cutoff)) {
+        if store.upload_recorded(&u.upload_id).await.map_err(|e| e.to_string())? {
+            continue; // the ledger's own: the reaper settles it when its attempt ends
+        }
+        artifacts.abort(&u.key, &u.upload_id).await.map_err(|e| e.to_string())?;
+        tracing::info!("aborted the unrecorded upload of `{}` in {}", u.key, artifacts.url());
+        aborted += 1;
+    }
+    Ok(aborted)
+}

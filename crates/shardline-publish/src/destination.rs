@@ -58,6 +58,8 @@ pub struct Destination {
     pub(crate) backend: Backend,
     pub(crate) display: String,
     pub(crate) redactor: Redactor,
+    /// S3 only: what lists the bucket's open multipart uploads.
+    pub(crate) uploads: Option<Arc<crate::s3_uploads::S3Uploads>>,
 }
 
 impl fmt::Debug for Destination {
@@ -98,6 +100,7 @@ impl Destination {
         let _ = base.set_username("");
         let display = base.to_string();
         let store_err = |e: object_store::Error| PublishError::Config(redactor.redact(&e.to_string()));
+        let mut uploads = None;
         let (store, multipart, backend): (Arc<dyn ObjectStore>, Arc<dyn MultipartStore>, Backend) = match url.scheme() {
             "s3" | "s3a" => {
                 install_crypto_provider();
@@ -109,7 +112,9 @@ impl Destination {
                     let key: AmazonS3ConfigKey = k.parse().map_err(|_| unknown_key(k))?;
                     b = b.with_config(key, v.clone());
                 }
-                let built = Arc::new(b.build().map_err(store_err)?);
+                let built = Arc::new(b.clone().build().map_err(store_err)?);
+                let bucket = url.host_str().unwrap_or_default();
+                uploads = Some(Arc::new(crate::s3_uploads::S3Uploads::new(&b, bucket, built.clone())));
                 (built.clone(), built, Backend::S3)
             }
             "gs" => {
@@ -140,7 +145,7 @@ impl Destination {
             }
             _ => return Err(unsupported()),
         };
-        Ok(Destination { store, multipart: Some(multipart), prefix, backend, display, redactor })
+        Ok(Destination { store, multipart: Some(multipart), prefix, backend, display, redactor, uploads })
     }
 
     /// The local directory `dir` (absolute) through object_store's `LocalFileSystem`.
@@ -157,6 +162,7 @@ impl Destination {
             backend: Backend::Local(dir.to_path_buf()),
             display: format!("file://{}", dir.display()),
             redactor: Redactor::new(&[]),
+            uploads: None,
         })
     }
 
@@ -173,7 +179,22 @@ impl Destination {
             backend: Backend::Custom { object_metadata },
             display,
             redactor: Redactor::new(&[]),
+            uploads: None,
         }
+    }
+
+    /// The multipart uploads open under this prefix, keys relative to it; `None` where the store
+    /// cannot list them (only S3 is listed: an Azure block blob's uncommitted blocks expire by
+    /// themselves, and a local file system has no uploads).
+    pub async fn open_uploads(&self) -> Result<Option<Vec<crate::OpenMultipart>>, PublishError> {
+        let Some(lister) = &self.uploads else { return Ok(None) };
+        let prefix = format!("{}/", self.prefix.as_ref());
+        let mut open =
+            lister.list(&prefix).await.map_err(|e| PublishError::Config(self.redactor.redact(&e.to_string())))?;
+        for u in &mut open {
+            u.key = u.key.strip_prefix(&prefix).unwrap_or(&u.key).to_string();
+        }
+        Ok(Some(open))
     }
 
     /// The store (for reading what was published).
@@ -196,6 +217,7 @@ impl Destination {
             backend,
             display,
             redactor: self.redactor.clone(),
+            uploads: self.uploads.clone(),
         }
     }
 

@@ -59,10 +59,12 @@ mod engine;
 /// moto's S3 server for tests of this and other crates.
 #[cfg(feature = "test-server")]
 pub mod moto;
+mod s3_uploads;
 
 pub use destination::{Backend, Destination};
 pub use engine::{publish_to, read_manifest_at};
 pub use object_store;
+pub use s3_uploads::OpenMultipart;
 
 /// Name of the manifest in a published directory.
 pub const MANIFEST: &str = "shardline-manifest.json";

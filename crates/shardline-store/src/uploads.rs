@@ -125,4 +125,15 @@ impl Store {
         })
         .await
     }
+
+    /// Whether any task recorded the upload `upload_id` (open or ended), in whatever store.
+    pub async fn upload_recorded(&self, upload_id: &str) -> Result<bool> {
+        self.retrying("upload_recorded", || async {
+            let mut c = self.pool().acquire().await?;
+            let row: Option<(i64,)> =
+                c.conn().opt(sql!("SELECT id FROM uploads WHERE upload_id = $1 LIMIT 1"), args![upload_id]).await?;
+            Ok(row.is_some())
+        })
+        .await
+    }
 }
