@@ -407,6 +407,23 @@ fn reshard_and_export_run_on_the_artifact_store() {
         })
         .expect("the export's log says how much of the checkpoint it read");
     assert!(read.0 > 0 && read.0 * 2 < read.1, "the export read {} of {} bytes", read.0, read.1);
+    // The tasks reading a checkpoint were claimed with the scratch it takes them: the reshard the
+    // source and its output, the export the model's items and the release, validation parts
+    // their files and the release ranges.
+    let tasks = hosts.rt.block_on(hosts.store.run_tasks(run)).expect("tasks");
+    let scratch = |name: &str| tasks.iter().find(|t| t.name == name).map(|t| t.resources.scratch);
+    let sizes = |step: &str| moto.list_sizes(ARTIFACTS, &format!("shardline/runs/{name}/{step}/checkpoint/"));
+    let (shard, resharded) = (sizes("shard"), sizes("reshard"));
+    assert_eq!(scratch("reshard"), Some(2 * shard.values().sum::<u64>()));
+    let metadata = resharded.iter().find(|(k, _)| k.ends_with("/.metadata")).map(|(_, s)| *s).expect(".metadata");
+    assert_eq!(scratch("export"), Some(metadata + 2 * read.0));
+    let parts: Vec<_> = tasks.iter().filter(|t| t.name.starts_with("validate-resharded/part-")).collect();
+    assert_eq!(parts.len(), 4, "one part per rank file of the resharded checkpoint");
+    assert!(
+        parts.iter().all(|t| t.resources.scratch > 2 * metadata),
+        "{:?}",
+        parts.iter().map(|t| t.resources.scratch).collect::<Vec<_>>()
+    );
 
     let (ckpt, hf) = (out.join(&name).join("checkpoint"), out.join(&name).join("hf"));
     let o = run_validate(&ckpt);

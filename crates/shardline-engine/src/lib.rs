@@ -21,6 +21,7 @@ pub mod gc;
 pub mod hub;
 pub mod objects;
 mod rank_task;
+pub mod reader_needs;
 pub mod remote;
 mod sparse_checkpoint;
 pub mod steps;

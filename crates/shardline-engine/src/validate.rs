@@ -8,13 +8,12 @@
 //! validation task then reads `.metadata` alone and checks that the parts' items add up to it,
 //! every declared chunk stored exactly once.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::fs;
 use std::path::Path;
 
 use serde_json::json;
-use shardline_artifacts::Artifacts;
-use shardline_control::graph::{part_files, Payload};
+use shardline_control::graph::part_files;
 use shardline_control::{BoxFingerprint, TaskOutput};
 use shardline_formats::execute::SourceMap;
 use shardline_formats::safetensors::Release;
@@ -22,7 +21,6 @@ use shardline_formats::verify::{
     part_ranges, parts_agree, verify_checkpoint, BoxSet, Scope, VerifyError, VerifyOptions, VerifyReport,
 };
 use shardline_layout::{build_plan, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
-use shardline_store::{RunId, ScratchNeed, Store};
 
 use crate::rank_task::{read_whole_files, SparseRelease};
 use crate::remote::{open_artifacts, stage_release, transient};
@@ -206,55 +204,4 @@ fn verify_error(e: VerifyError, dir: &Path) -> StepError {
         VerifyError::Execute(_) => StepError::transient(e.to_string()),
         _ => StepError::fatal(format!("{}: {e}", dir.display())),
     }
-}
-
-/// The scratch each validation part of run `run` that reads the checkpoint `task` just wrote
-/// (itself, or through a split that passes it on) needs, from the sizes of the checkpoint's
-/// objects: `.metadata`, its files, and as many bytes again for the release ranges they are made
-/// from (a checkpoint stores every release byte it holds at least as wide as the release does).
-/// Empty when no part reads it or the listing fails (the parts then claim without a need).
-pub async fn part_scratch_needs(
-    store: &Store,
-    run: RunId,
-    task: &str,
-    output: &TaskOutput,
-    options: &[(String, String)],
-) -> Vec<ScratchNeed> {
-    let Some(url) = &output.artifact else { return Vec::new() };
-    let Ok(tasks) = store.run_tasks(run).await else { return Vec::new() };
-    let payloads: Vec<(String, Payload)> =
-        tasks.iter().filter_map(|t| Some((t.name.clone(), serde_json::from_value(t.payload.clone()).ok()?))).collect();
-    let mut readers = BTreeSet::from([task.to_string()]);
-    for (name, p) in &payloads {
-        if matches!(p, Payload::SplitPassThrough { checkpoint_task } if checkpoint_task == task) {
-            readers.insert(name.clone());
-        }
-    }
-    let parts: Vec<(&String, u64, u64)> = payloads
-        .iter()
-        .filter_map(|(name, p)| match p {
-            Payload::ValidatePart { checkpoint_task, part, parts, .. } if readers.contains(checkpoint_task) => {
-                Some((name, *part, *parts))
-            }
-            _ => None,
-        })
-        .collect();
-    if parts.is_empty() {
-        return Vec::new();
-    }
-    let listing = match Artifacts::open(url, options) {
-        Ok(a) => a.list().await.unwrap_or_default(),
-        Err(_) => Vec::new(),
-    };
-    let size: BTreeMap<&str, u64> = listing.iter().map(|o| (o.name.as_str(), o.size)).collect();
-    let names: Vec<String> = listing.iter().map(|o| o.name.clone()).collect();
-    let metadata = size.get(".metadata").copied().unwrap_or(0);
-    parts
-        .into_iter()
-        .map(|(name, part, parts)| {
-            let files: u64 =
-                part_files(&names, part, parts).iter().map(|f| size.get(f.as_str()).copied().unwrap_or(0)).sum();
-            ScratchNeed { task: name.clone(), bytes: metadata.saturating_add(files.saturating_mul(2)) }
-        })
-        .collect()
 }

@@ -225,10 +225,11 @@ async fn handle(store: &Store, config: &WorkerConfig, lease: Lease, devices: Vec
                     }
                     needs
                 }
-                // A checkpoint in an artifact store: its validation parts need its files' room.
-                Payload::Commit { .. } | Payload::Reshard { .. } => {
-                    let options = &config.objects.store_options;
-                    crate::validate::part_scratch_needs(store, task.run, &task.name, &output, options).await
+                // A checkpoint in an artifact store: the tasks that read it need room for it.
+                Payload::Commit { .. } | Payload::Reshard { .. } | Payload::CheckpointFetch { .. } => {
+                    let (options, dir) = (&config.objects.store_options, &config.scratch_dir);
+                    crate::reader_needs::checkpoint_reader_needs(store, task.run, &task.name, &output, options, dir)
+                        .await
                 }
                 _ => Vec::new(),
             };
