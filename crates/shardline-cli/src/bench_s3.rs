@@ -7,7 +7,9 @@
 //! as they fill (`Artifacts::copy_through`, 4 files and 4 parts in flight each); the conversion is `shardline
 //! run` of `hf.download` (the prefix, read in place) → `megatron.shard` with `--artifacts
 //! URL/bench/<…>/art` and two in-process workers, timed from start to exit, its peak RSS read from
-//! `/proc/<pid>/status` (VmHWM) while it runs. Copies and checkpoints are deleted after each
+//! `/proc/<pid>/status` (VmHWM) while it runs. The run then validates the checkpoint, split into a
+//! part per rank file, timed from the commit's end to the validation's (read from the run's job
+//! store) and left out of the conversion's time. Copies and checkpoints are deleted after each
 //! repetition, so the server holds the release and one output at a time.
 
 use std::path::Path;
@@ -38,7 +40,7 @@ pub fn run_s3_bench(args: &BenchArgs, url: &str) -> Result<ExitCode> {
         let base = root.child(&format!("bench/{}-{size}", args.arch));
         let src = base.child("src");
         rt.block_on(put_release(&src, &local))?;
-        let (mut best_copy, mut best_conv, mut rss) = (f64::MAX, f64::MAX, 0u64);
+        let (mut best_copy, mut best_conv, mut best_validate, mut rss) = (f64::MAX, f64::MAX, f64::MAX, 0u64);
         for _ in 0..args.repeat.max(1) {
             let copy = base.child("copy");
             let started = Instant::now();
@@ -59,7 +61,8 @@ pub fn run_s3_bench(args: &BenchArgs, url: &str) -> Result<ExitCode> {
                     "apiVersion: shardline/v1\nkind: Pipeline\nname: bench-s3\nsteps:\n\
                      \x20 - {{id: download, uses: hf.download, with: {{path: \"{}\"}}, cache: false}}\n\
                      \x20 - {{id: shard, uses: megatron.shard, needs: [download], cache: false,\n\
-                     \x20     with: {{tp: {}, cp: {}, dp: {}, ep: {}, etp: {}}}}}\n",
+                     \x20     with: {{tp: {}, cp: {}, dp: {}, ep: {}, etp: {}}}}}\n\
+                     \x20 - {{id: validate, uses: checkpoint.validate, needs: [shard]}}\n",
                     src.url(),
                     mesh.tp,
                     mesh.cp,
@@ -76,22 +79,27 @@ pub fn run_s3_bench(args: &BenchArgs, url: &str) -> Result<ExitCode> {
                     .arg("--state-dir")
                     .arg(work.path().join("state")),
             )?;
-            best_conv = best_conv.min(t);
+            let validated = rt.block_on(validate_span(&work.path().join("state")))?;
+            best_conv = best_conv.min(t - validated);
+            best_validate = best_validate.min(validated);
             rss = rss.max(peak);
             rt.block_on(art.delete_all())?;
         }
         rows.push(json!({
             "arch": args.arch, "size": size, "input_bytes": input, "mesh": mesh.to_string(),
             "copy_seconds": best_copy, "convert_seconds": best_conv, "ratio_to_copy": best_conv / best_copy,
-            "peak_rss_bytes": rss,
+            "peak_rss_bytes": rss, "validate_seconds": best_validate,
+            "validate_ratio_to_copy": best_validate / best_copy,
         }));
         if !args.json {
             println!(
                 "{} {size} ({}) on {mesh}, S3 → S3: parallel copy {best_copy:.2}s, convert {best_conv:.2}s → {:.2}× \
-                 the copy; peak RSS of the converting process (2 workers) {}",
+                 the copy; validate (a part per rank file) {best_validate:.2}s → {:.2}× the copy; peak RSS of the \
+                 process (2 workers) {}",
                 args.arch,
                 bytes(input),
                 best_conv / best_copy,
+                best_validate / best_copy,
                 bytes(rss)
             );
         }
@@ -100,6 +108,26 @@ pub fn run_s3_bench(args: &BenchArgs, url: &str) -> Result<ExitCode> {
         println!("{}", serde_json::Value::Array(rows));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Seconds from the commit of the run's checkpoint to the end of its validation, read from the
+/// job store of the run's state directory `state` (it holds that one run).
+async fn validate_span(state: &Path) -> Result<f64> {
+    let url = format!("sqlite://{}", state.join("state.db").display());
+    let store = shardline_store::Store::connect(&url).await.with_context(|| format!("opening {url}"))?;
+    let runs = store.list_runs(&Default::default(), Default::default()).await?;
+    let run = runs.runs.first().context("the benchmark's run is not in its job store")?;
+    let mut ends = std::collections::BTreeMap::new();
+    for task in store.run_tasks(run.id).await? {
+        let attempts = store.task_attempts(task.id).await?;
+        if let Some(end) = attempts.iter().filter_map(|a| a.ended_at).max() {
+            ends.insert(task.name, end);
+        }
+    }
+    match (ends.get("shard/commit"), ends.get("validate")) {
+        (Some(commit), Some(validated)) => Ok((*validated - *commit).as_seconds_f64()),
+        _ => bail!("the run's commit or validation did not end"),
+    }
 }
 
 fn input_objects_bytes(dir: &Path) -> Result<u64> {
