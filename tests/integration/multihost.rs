@@ -516,9 +516,10 @@ fn ranks_read_only_their_byte_ranges_when_their_worker_needs_little_of_a_file() 
     assert_eq!(moto.open_multipart_uploads(ARTIFACTS), 0);
 }
 
-/// A rank file changed in the store after its commit (one byte flipped by a command step, as
-/// bit rot or a stray writer would) fails the validation part that reads that file, naming it;
-/// the other part passes, the validation task never runs, and the run fails.
+/// Validation split by rank file, in both output formats: an intact checkpoint validates, two
+/// parts and the task that sums them; a rank file changed in the store after its commit (one byte
+/// flipped by a command step, as bit rot or a stray writer would) fails the part that reads that
+/// file, naming it, while the other part passes, and the run fails without the validation task.
 #[test]
 fn a_rank_file_corrupted_in_the_store_fails_the_part_that_reads_it() {
     let tmp = tempfile::tempdir().expect("temp dir");
@@ -529,13 +530,14 @@ fn a_rank_file_corrupted_in_the_store_fails_the_part_that_reads_it() {
     for w in ["host-a", "host-b"] {
         hosts.worker(w);
     }
+    // Flips a byte in the middle of the object whose key starts with argv[1] and ends with argv[2].
     let script = tmp.path().join("corrupt.py");
     std::fs::write(
         &script,
-        "import boto3\n\
+        "import sys, boto3\n\
          s3 = boto3.client('s3')\n\
-         keys = [o['Key'] for o in s3.list_objects_v2(Bucket='artifacts', Prefix='shardline/runs/')['Contents']]\n\
-         key = [k for k in keys if k.endswith('/shard/checkpoint/__1_0.distcp')][0]\n\
+         keys = [o['Key'] for o in s3.list_objects_v2(Bucket='artifacts', Prefix=sys.argv[1])['Contents']]\n\
+         key = [k for k in keys if k.endswith(sys.argv[2])][0]\n\
          data = bytearray(s3.get_object(Bucket='artifacts', Key=key)['Body'].read())\n\
          data[len(data) // 2] ^= 0x55\n\
          s3.put_object(Bucket='artifacts', Key=key, Body=bytes(data))\n\
@@ -544,33 +546,53 @@ fn a_rank_file_corrupted_in_the_store_fails_the_part_that_reads_it() {
     .expect("script");
     let python = repo_root().join(".venv/bin/python");
     let env: Vec<String> = moto.env().iter().map(|(k, v)| format!("{k}: \"{v}\"")).collect();
-    let spec = tmp.path().join("corrupted.yaml");
-    std::fs::write(
-        &spec,
-        format!(
-            "apiVersion: shardline/v1\nkind: Pipeline\nname: corrupted\nsteps:\n\
-             \x20 - {{id: download, uses: hf.download, with: {{path: \"{}\"}}}}\n\
-             \x20 - {{id: shard, uses: megatron.shard, needs: [download], with: {{tp: 1, dp: 2}}}}\n\
-             \x20 - {{id: corrupt, uses: command, needs: [shard], retry: {{attempts: 1}}, timeout: 60s,\n\
-             \x20     with: {{run: [\"{}\", \"{}\"], env: {{{}}}}}}}\n\
-             \x20 - {{id: validate, uses: checkpoint.validate, needs: [corrupt]}}\n",
-            fixture("llama").display(),
-            python.display(),
-            script.display(),
-            env.join(", ")
-        ),
-    )
-    .expect("spec");
-    let run = hosts.submit(&spec, &[]);
-    let row = hosts.wait_run(run);
-    assert_eq!(row.state, RunState::Failed, "{row:?}");
-    let tasks = hosts.rt.block_on(hosts.store.run_tasks(run)).expect("tasks");
-    let task = |name: &str| tasks.iter().find(|t| t.name == name).unwrap_or_else(|| panic!("no task `{name}`"));
-    assert_eq!(task("corrupt").state, TaskState::Succeeded);
-    assert_eq!(task("validate/part-0").state, TaskState::Succeeded, "the intact file's part passes");
-    let failed = task("validate/part-1");
-    assert_eq!(failed.state, TaskState::Failed);
-    let error = failed.error.clone().unwrap_or_default();
-    assert!(error.contains("__1_0.distcp") && error.contains("differs from its source"), "{error}");
-    assert_ne!(task("validate").state, TaskState::Succeeded, "the validation cannot pass without its parts");
+    for (format, second_file) in
+        [("dcp", "__1_0.distcp"), ("dcp-safetensors", "shard-00002-model-00001-of-00001.safetensors")]
+    {
+        for corrupt in [false, true] {
+            let name = format!("{format}-{}", if corrupt { "corrupted" } else { "intact" });
+            let corrupt_step = format!(
+                "\x20 - {{id: corrupt, uses: command, needs: [shard], retry: {{attempts: 1}}, timeout: 60s,\n\
+                 \x20     with: {{run: [\"{}\", \"{}\", \"shardline/runs/{name}-\", \"/shard/checkpoint/{second_file}\"], env: {{{}}}}}}}\n",
+                python.display(),
+                script.display(),
+                env.join(", ")
+            );
+            let spec = tmp.path().join(format!("{name}.yaml"));
+            std::fs::write(
+                &spec,
+                format!(
+                    "apiVersion: shardline/v1\nkind: Pipeline\nname: {name}\nsteps:\n\
+                     \x20 - {{id: download, uses: hf.download, with: {{path: \"{}\"}}}}\n\
+                     \x20 - {{id: shard, uses: megatron.shard, needs: [download], with: {{tp: 1, dp: 2, format: {format}}}}}\n\
+                     {}\
+                     \x20 - {{id: validate, uses: checkpoint.validate, needs: [{}]}}\n",
+                    fixture("llama").display(),
+                    if corrupt { corrupt_step.as_str() } else { "" },
+                    if corrupt { "corrupt" } else { "shard" },
+                ),
+            )
+            .expect("spec");
+            let run = hosts.submit(&spec, &[]);
+            let row = hosts.wait_run(run);
+            let tasks = hosts.rt.block_on(hosts.store.run_tasks(run)).expect("tasks");
+            let task = |name: &str| tasks.iter().find(|t| t.name == name).unwrap_or_else(|| panic!("no task `{name}`"));
+            if !corrupt {
+                assert_eq!(task("validate/part-0").state, TaskState::Succeeded, "{name}: {:?}", row.error);
+                assert_eq!(row.state, RunState::Succeeded, "{name}: {:?}", row.error);
+                assert_eq!(task("validate/part-1").state, TaskState::Succeeded);
+                assert_eq!(task("validate").output.as_ref().expect("output")["ok"], true, "{name}");
+                continue;
+            }
+            assert_eq!(row.state, RunState::Failed, "{name}: {row:?}");
+            assert_eq!(task("corrupt").state, TaskState::Succeeded, "{name}");
+            // The intact file's part passes, unless the run's failure cancelled it first.
+            assert_ne!(task("validate/part-0").state, TaskState::Failed, "{name}");
+            let failed = task("validate/part-1");
+            assert_eq!(failed.state, TaskState::Failed, "{name}");
+            let error = failed.error.clone().unwrap_or_default();
+            assert!(error.contains(second_file) && error.contains("differs from its source"), "{name}: {error}");
+            assert_ne!(task("validate").state, TaskState::Succeeded, "{name}: no validation without its parts");
+        }
+    }
 }

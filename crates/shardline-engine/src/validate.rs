@@ -3,16 +3,20 @@
 //!
 //! On a local work directory one task reads it whole. On an object-store artifact store it is
 //! split by rank file, so no worker reads the whole checkpoint or the whole release: each part
-//! fetches `.metadata`, its own files and the release byte ranges their items are made from (a
-//! release file whole only when its worker's parts need half of it), and checks those items; the
-//! validation task then reads `.metadata` alone and checks that the parts' items add up to it,
-//! every declared chunk stored exactly once.
+//! fetches the checkpoint's index (`.metadata`, or the headers of a DCP-safetensors checkpoint's
+//! files), its own files and the release byte ranges their items are made from (a release file
+//! whole only when its worker's parts need half of it), and checks those items; the validation
+//! task then reads the index alone and checks that the parts' items add up to it, every declared
+//! chunk stored exactly once.
 
 use std::collections::BTreeSet;
 use std::fs;
+use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::sync::Arc;
 
 use serde_json::json;
+use shardline_artifacts::{Artifacts, ListedObject};
 use shardline_control::graph::part_files;
 use shardline_control::{BoxFingerprint, TaskOutput};
 use shardline_formats::execute::SourceMap;
@@ -25,6 +29,9 @@ use shardline_layout::{build_plan, Mesh, ModelConfig, Plan, PlanOptions, SourceT
 use crate::rank_task::{read_whole_files, SparseRelease};
 use crate::remote::{open_artifacts, stage_release, transient};
 use crate::steps::{checkpoint_dir, open_release, parse_mesh, StepContext, StepError};
+
+/// Bytes a first read of a safetensors header takes (most headers of rank files are shorter).
+const HEADER_FIRST_READ: u64 = 1 << 20;
 
 /// A validation task: the whole checkpoint, or (with `parts`) its `.metadata` against what its
 /// parts found.
@@ -65,15 +72,7 @@ pub fn part(
     let names: Vec<String> = listing.iter().map(|o| o.name.clone()).collect();
     let files: BTreeSet<String> = part_files(&names, part, parts).into_iter().collect();
     let dir = ctx.scratch.join("checkpoint");
-    fs::create_dir_all(&dir).map_err(|e| transient(format!("{}: {e}", dir.display())))?;
-    let mut fetched = 0;
-    ctx.runtime.block_on(async {
-        for o in listing.iter().filter(|o| o.name == ".metadata" || files.contains(&o.name)) {
-            fetched +=
-                checkpoint.fetch_whole(&o.name, o.e_tag.as_deref(), &dir.join(&o.name)).await.map_err(transient)?;
-        }
-        Ok::<(), StepError>(())
-    })?;
+    let fetched = ctx.runtime.block_on(fetch_checkpoint(&checkpoint, &listing, &files, &dir))?;
     let ranges = part_ranges(&dir, &staged.release, &reference, &files).map_err(|e| verify_error(e, &dir))?;
     let release_names: Vec<String> = SourceMap::new(&reference, &staged.release)
         .map_err(|e| StepError::fatal(e.to_string()))?
@@ -108,9 +107,11 @@ fn declared(
     let staged = stage_release(ctx.output(source_task)?, &ctx.scratch.join("release"), ctx)?;
     let reference = reference(&staged.release, prefix, checkpoint_task, ctx)?;
     let dir = ctx.scratch.join("checkpoint");
-    fs::create_dir_all(&dir).map_err(|e| transient(format!("{}: {e}", dir.display())))?;
     let checkpoint = open_artifacts(url, ctx)?;
-    ctx.runtime.block_on(checkpoint.fetch_whole(".metadata", None, &dir.join(".metadata"))).map_err(transient)?;
+    ctx.runtime.block_on(async {
+        let listing = checkpoint.list().await.map_err(transient)?;
+        fetch_checkpoint(&checkpoint, &listing, &BTreeSet::new(), &dir).await
+    })?;
     let report = verify(&dir, &staged.release, &reference, Scope::Declared, ctx)?;
     let mut held = Vec::new();
     let mut bytes_checked = 0;
@@ -135,6 +136,52 @@ fn declared(
     Ok(TaskOutput { artifact: Some(url.to_string()), bytes_checked: Some(bytes_checked), ..TaskOutput::default() }
         .with("ok", json!(true))
         .with("tensors", json!(report.tensors)))
+}
+
+/// Fetches into `dir` what validating the files `whole` of the checkpoint `listing` lists reads:
+/// those files, and its index — `.metadata`, or, for a DCP-safetensors checkpoint, every other
+/// file's header in a sparse file of the file's size. Returns the bytes fetched.
+async fn fetch_checkpoint(
+    checkpoint: &Artifacts,
+    listing: &[ListedObject],
+    whole: &BTreeSet<String>,
+    dir: &Path,
+) -> Result<u64, StepError> {
+    fs::create_dir_all(dir).map_err(|e| transient(format!("{}: {e}", dir.display())))?;
+    let has_metadata = listing.iter().any(|o| o.name == ".metadata");
+    let mut fetched = 0;
+    for o in listing {
+        let (path, tag) = (dir.join(&o.name), o.e_tag.as_deref());
+        if o.name == ".metadata" || whole.contains(&o.name) {
+            fetched += checkpoint.fetch_whole(&o.name, tag, &path).await.map_err(transient)?;
+        } else if !has_metadata && o.name.ends_with(".safetensors") {
+            fetched += fetch_header(checkpoint, o, &path).await?;
+        }
+    }
+    Ok(fetched)
+}
+
+/// A safetensors object's header (its length and JSON) into a sparse file of the object's size:
+/// a first read of up to [`HEADER_FIRST_READ`] bytes, and the rest of a longer header.
+async fn fetch_header(checkpoint: &Artifacts, object: &ListedObject, path: &Path) -> Result<u64, StepError> {
+    let io = |e: std::io::Error| transient(format!("{}: {e}", path.display()));
+    let file = fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path).map_err(io)?;
+    file.set_len(object.size).map_err(io)?;
+    let file = Arc::new(file);
+    let tag = object.e_tag.as_deref();
+    let first = object.size.min(HEADER_FIRST_READ);
+    let mut fetched =
+        checkpoint.fetch_ranges(&object.name, tag, &[(0, first)], file.clone()).await.map_err(transient)?;
+    let mut len = [0u8; 8];
+    if first >= 8 {
+        file.read_exact_at(&mut len, 0).map_err(io)?;
+    }
+    // A length past the object is the reader's to report; fetch no more than the object holds.
+    let end = 8u64.saturating_add(u64::from_le_bytes(len)).min(object.size);
+    if end > first {
+        fetched += checkpoint.fetch_ranges(&object.name, tag, &[(first, end)], file).await.map_err(transient)?;
+    }
+    Ok(fetched)
 }
 
 fn checkpoint_url<'a>(task: &str, ctx: &'a StepContext) -> Result<&'a str, StepError> {

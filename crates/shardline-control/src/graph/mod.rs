@@ -685,9 +685,8 @@ pub fn part_files(names: &[String], part: u64, parts: u64) -> Vec<String> {
     files.into_iter().zip(0u64..).filter(|(_, i)| i % parts.max(1) == part).map(|(n, _)| n.clone()).collect()
 }
 
-/// Into how many parts the validation `id` is split: one per rank file of the DCP checkpoint it
-/// reads, when the spec gives its mesh (a DCP-safetensors checkpoint is read whole: its files'
-/// headers are its only index).
+/// Into how many parts the validation `id` is split: one per rank file of the checkpoint it
+/// reads, when the spec gives its mesh.
 fn validate_parts(p: &ResolvedPipeline, id: &str) -> u64 {
     let own = p.step(id).into_iter();
     let mut candidates = own.chain(p.upstream(id).into_iter().rev()).filter(|s| s.kind.writes_checkpoint());
@@ -696,10 +695,7 @@ fn validate_parts(p: &ResolvedPipeline, id: &str) -> u64 {
         StepConfig::MegatronSplitFused { .. } => shard_parent(p, &step.id),
         _ => Some(step),
     };
-    match shard.map(|s| &s.config) {
-        Some(StepConfig::MegatronShard { format: OutputFormatName::DcpSafetensors, .. }) | None => 1,
-        Some(config) => config.mesh().map_or(1, |m| m.world()),
-    }
+    shard.and_then(|s| s.config.mesh()).map_or(1, |m| m.world())
 }
 
 /// The name of the task that writes rank file `rank` of the shard whose plan task is `plan_task`.
