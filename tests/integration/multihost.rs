@@ -559,12 +559,14 @@ fn a_rank_file_corrupted_in_the_store_fails_the_part_that_reads_it() {
                 env.join(", ")
             );
             let spec = tmp.path().join(format!("{name}.yaml"));
+            // `cache: false`: each run writes its own checkpoint (a cached one would be the
+            // intact run's, which the corrupted run would then change).
             std::fs::write(
                 &spec,
                 format!(
                     "apiVersion: shardline/v1\nkind: Pipeline\nname: {name}\nsteps:\n\
                      \x20 - {{id: download, uses: hf.download, with: {{path: \"{}\"}}}}\n\
-                     \x20 - {{id: shard, uses: megatron.shard, needs: [download], with: {{tp: 1, dp: 2, format: {format}}}}}\n\
+                     \x20 - {{id: shard, uses: megatron.shard, needs: [download], cache: false, with: {{tp: 1, dp: 2, format: {format}}}}}\n\
                      {}\
                      \x20 - {{id: validate, uses: checkpoint.validate, needs: [{}]}}\n",
                     fixture("llama").display(),
@@ -595,4 +597,92 @@ fn a_rank_file_corrupted_in_the_store_fails_the_part_that_reads_it() {
             assert_ne!(task("validate").state, TaskState::Succeeded, "{name}: no validation without its parts");
         }
     }
+}
+
+/// A run on the artifact store is served from the step cache: a second run of the same shard
+/// step writes no rank file and validates the first run's checkpoint in the store. While it runs,
+/// gc keeps the first run's prefix (it reads it), however old; once both are done it frees both,
+/// and a third run, its cache entry gone with the prefix, converts again.
+#[test]
+fn a_run_on_the_artifact_store_is_served_from_the_step_cache_and_gc_keeps_what_it_reads() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let moto = Moto::start(tmp.path());
+    moto.create_bucket(ARTIFACTS);
+    let mut hosts = Hosts::new(&moto, None);
+    hosts.spawn("server", &["server"]);
+    for w in ["host-a", "host-b"] {
+        hosts.worker(w);
+    }
+    let spec = |name: &str, hold: bool| {
+        let path = tmp.path().join(format!("{name}.yaml"));
+        let hold_step = "\x20 - {id: hold, uses: command, needs: [shard], with: {run: [sleep, \"6\"]}}\n";
+        std::fs::write(
+            &path,
+            format!(
+                "apiVersion: shardline/v1\nkind: Pipeline\nname: cached\nsteps:\n\
+                 \x20 - {{id: download, uses: hf.download, with: {{path: \"{}\"}}}}\n\
+                 \x20 - {{id: shard, uses: megatron.shard, needs: [download], with: {{tp: 1, dp: 2}}}}\n\
+                 {}\
+                 \x20 - {{id: validate, uses: checkpoint.validate, needs: [{}]}}\n",
+                fixture("llama").display(),
+                if hold { hold_step } else { "" },
+                if hold { "hold" } else { "shard" }
+            ),
+        )
+        .expect("spec");
+        path
+    };
+    let succeeded = |run: RunId| {
+        let row = hosts.wait_run(run);
+        assert_eq!(row.state, RunState::Succeeded, "{:?}", row.error);
+        let tasks = hosts.rt.block_on(hosts.store.run_tasks(run)).expect("tasks");
+        let validate = tasks.iter().find(|t| t.name == "validate").expect("validate");
+        assert_eq!(validate.output.as_ref().expect("output")["ok"], true);
+        (row.options.name.clone().expect("run name"), tasks)
+    };
+    let cached_ranks = |tasks: &[shardline_store::TaskRow]| {
+        tasks
+            .iter()
+            .filter(|t| t.name.contains("/rank-"))
+            .filter(|t| t.output.as_ref().is_some_and(|o| o["cached"] == true))
+            .count()
+    };
+    let prefix = |name: &str| format!("shardline/runs/{name}/");
+    let gc = || {
+        let o = crate::run(&mut hosts.cmd("client", &["gc", "--json", "--retain-runs", "1s"]));
+        assert!(o.status.success(), "gc: {}\n{}", stdout(&o), stderr(&o));
+    };
+
+    let (first, tasks) = succeeded(hosts.submit(&spec("first", false), &[]));
+    assert_eq!(cached_ranks(&tasks), 0, "the first run converts");
+    let second = hosts.submit(&spec("second", true), &[]);
+    // While the second run holds, gc keeps the first run's checkpoint it reads.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let tasks = hosts.rt.block_on(hosts.store.run_tasks(second)).expect("tasks");
+        if tasks.iter().any(|t| t.name == "hold" && t.state == TaskState::Leased) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the second run never reached its hold: {tasks:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    gc();
+    assert!(
+        moto.list_keys(ARTIFACTS, &prefix(&first)).iter().any(|k| k.ends_with("/shard/checkpoint/.metadata")),
+        "gc freed the checkpoint a running run reads"
+    );
+    let (second_name, tasks) = succeeded(second);
+    assert_eq!(cached_ranks(&tasks), 2, "the second run's ranks are served from the cache");
+    assert!(
+        !moto.list_keys(ARTIFACTS, &prefix(&second_name)).iter().any(|k| k.contains("/shard/checkpoint/")),
+        "the second run wrote no checkpoint of its own"
+    );
+
+    // Both done: gc frees both prefixes; the cache entry then serves no one.
+    std::thread::sleep(Duration::from_millis(1500));
+    gc();
+    assert!(moto.list_keys(ARTIFACTS, &prefix(&first)).is_empty(), "the first run's prefix was freed");
+    let (_, tasks) = succeeded(hosts.submit(&spec("third", false), &[]));
+    assert_eq!(cached_ranks(&tasks), 0, "the third run converts again");
 }

@@ -446,6 +446,17 @@ pub fn materialize(output: &TaskOutput, ctx: &StepContext) -> Result<Option<Path
     Ok(got.path)
 }
 
+/// Whether the checkpoint a cached output names is still complete in its artifact store: its
+/// `.metadata` is listed, or, for one without (DCP-safetensors), all `world` of its files. (Its
+/// run's prefix goes with the run's retention; the cache entry is then no longer served.)
+pub async fn checkpoint_listed(output: &TaskOutput, settings: &crate::objects::ObjectSourceSettings) -> bool {
+    let Some(url) = output.artifact.as_deref() else { return false };
+    let Ok(artifacts) = Artifacts::open(url, &settings.store_options) else { return false };
+    let Ok(listing) = artifacts.list().await else { return false };
+    let files = listing.iter().filter(|o| o.name.ends_with(".safetensors")).count() as u64;
+    listing.iter().any(|o| o.name == ".metadata") || output.world.is_some_and(|w| w > 0 && files == w)
+}
+
 /// Aborts an upload a failed attempt left open and records it.
 pub async fn abort(store: &Store, store_url: &str, name: &str, upload_id: &str) -> Result<(), String> {
     let artifacts = Artifacts::open(store_url, &[]).map_err(|e| e.to_string())?;

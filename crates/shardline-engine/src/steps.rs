@@ -192,6 +192,12 @@ pub fn shard_cache_key(job: &ShardJob, source_digest: &str) -> String {
         .as_bytes(),
     );
     h.update(source_digest.as_bytes());
+    // A checkpoint in an artifact store serves the runs of that store only (their workers may
+    // not see a local one, and a local run should not read a remote one back).
+    if let Some(root) = job.remote.as_deref().and_then(|r| r.find("/runs/").map(|i| &r[..i])) {
+        h.update(b"\0artifacts\0");
+        h.update(root.as_bytes());
+    }
     hex::encode(h.finalize())
 }
 

@@ -324,9 +324,23 @@ async fn check_cache(
         Payload::Plan { job } => {
             let digest = outputs.get(&job.source_task).and_then(|o| o.digest.as_deref()).unwrap_or("");
             let key = steps::shard_cache_key(job, digest);
+            // A run on an artifact store is served only from its own store, and only for a
+            // source it can name by content.
+            let remote = job.remote.is_some();
+            if remote && digest.is_empty() {
+                return miss;
+            }
             if step_cache(job.cache).await {
-                if let Some(hit) = cached(store, &key, steps::cached_checkpoint_usable).await {
-                    log(LogStream::System, format!("cache hit {key}: {}", Value::from(path_text(&hit.dir))));
+                let hit = match remote {
+                    false => cached(store, &key, steps::cached_checkpoint_usable).await,
+                    true => match cached(store, &key, |o| o.artifact.is_some()).await {
+                        Some(hit) if crate::remote::checkpoint_listed(&hit, &config.objects).await => Some(hit),
+                        _ => None,
+                    },
+                };
+                if let Some(hit) = hit {
+                    let at = hit.artifact.clone().map_or_else(|| Value::from(path_text(&hit.dir)), Value::from);
+                    log(LogStream::System, format!("cache hit {key}: {at}"));
                     return CacheCheck::Hit(Box::new(TaskOutput {
                         cached: Some(hit.to_value()),
                         cache_key: Some(key),
@@ -606,7 +620,7 @@ async fn remember(store: &Store, payload: &Payload, outputs: &BTreeMap<String, T
         | Payload::CheckpointFetch { cache: true, .. } => output.cache_key.as_deref(),
         Payload::Reshard { job } if job.cache => output.cache_key.as_deref(),
         Payload::Export { job } if job.cache => output.cache_key.as_deref(),
-        Payload::Commit { plan_task, job } if job.cache && output.dir.is_some() => {
+        Payload::Commit { plan_task, job } if job.cache && (output.dir.is_some() || output.artifact.is_some()) => {
             outputs.get(plan_task).and_then(|o| o.cache_key.as_deref())
         }
         _ => None,

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 
 use chrono::{DateTime, Utc};
 use shardline_artifacts::Artifacts;
+use shardline_control::TaskOutput;
 use shardline_store::Store;
 
 use super::decide::{self, Action, DirInfo, Inventory, Item, ItemKind, Policy};
@@ -42,11 +43,20 @@ pub async fn artifacts_pass(
     let names: Vec<String> = prefixes.keys().cloned().collect();
     let runs = store.runs_named(&names).await?;
     let live = store.live_runs().await?;
+    // A live run keeps the run prefixes its tasks' outputs name (its own, and another run's
+    // checkpoint the step cache served it).
+    let runs_url = format!("{}/", runs_root.url());
     let live = live
         .into_iter()
         .map(|r| {
             let (_, tags) = tags::of_tasks(&r.tasks);
-            decide::LiveRun { id: r.id, state: r.state, name: r.name, paths: Vec::new(), tags }
+            let paths = r
+                .tasks
+                .iter()
+                .flat_map(|(_, output)| tags::artifacts(output.as_ref().map(TaskOutput::from_value).as_ref()))
+                .filter_map(|url| Some(PathBuf::from("/runs").join(url.strip_prefix(&runs_url)?)))
+                .collect();
+            decide::LiveRun { id: r.id, state: r.state, name: r.name, paths, tags }
         })
         .collect();
     let inventory = Inventory {
@@ -63,8 +73,15 @@ pub async fn artifacts_pass(
     };
     let facts = decide::Facts { runs, live, cache: Vec::new() };
     let items = decide::decide(&inventory, &facts, &policy, Utc::now());
+    let read: BTreeMap<PathBuf, decide::Reason> =
+        items.iter().filter(|i| i.kind == ItemKind::Part).map(|i| (i.path.clone(), i.reason.clone())).collect();
     let mut out = Vec::new();
-    for item in items {
+    for mut item in items {
+        // A prefix is deleted whole: one a live run reads some of is kept whole.
+        if let Some(reason) = item.except.first().and_then(|p| read.get(p)).filter(|_| item.action == Action::Free) {
+            item.action = Action::Keep;
+            item.reason = reason.clone();
+        }
         let freed = if item.action == Action::Free && matches!(item.kind, ItemKind::Run { .. }) && !dry_run {
             let name = item.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
             let prefix = runs_root.child(&name);

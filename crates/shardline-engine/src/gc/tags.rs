@@ -52,6 +52,14 @@ pub fn paths(payload: Option<&Payload>, output: Option<&TaskOutput>) -> Vec<Path
     out
 }
 
+/// The artifact-store prefixes a task's output names: its own, and that of the cached output it
+/// was served (a run served from the step cache reads another run's checkpoint).
+pub fn artifacts(output: Option<&TaskOutput>) -> Vec<String> {
+    let Some(o) = output else { return Vec::new() };
+    let cached = o.cached.as_ref().map(TaskOutput::from_value).and_then(|c| c.artifact);
+    o.artifact.iter().cloned().chain(cached).collect()
+}
+
 /// A live run's tags and directories from its tasks' payloads and outputs, as the store holds
 /// them (an unreadable payload or output names nothing).
 pub fn of_tasks(tasks: &[(serde_json::Value, Option<serde_json::Value>)]) -> (Vec<PathBuf>, BTreeSet<String>) {
@@ -99,6 +107,18 @@ mod tests {
         };
         assert_eq!(tags(&hub), ["hub:org/m"]);
         assert!(tags(&Payload::Download { path: "/m".into(), step_hash: "h".into(), artifacts: None }).is_empty());
+    }
+
+    #[test]
+    fn artifact_prefixes_come_from_outputs_and_the_cached_outputs_they_were_served() {
+        let served = TaskOutput {
+            cached: Some(json!({"artifact": "s3://b/p/runs/old/shard/checkpoint"})),
+            ..TaskOutput::default()
+        };
+        assert_eq!(artifacts(Some(&served)), ["s3://b/p/runs/old/shard/checkpoint"]);
+        let own = TaskOutput { artifact: Some("s3://b/p/runs/new/x".into()), ..served };
+        assert_eq!(artifacts(Some(&own)), ["s3://b/p/runs/new/x", "s3://b/p/runs/old/shard/checkpoint"]);
+        assert!(artifacts(None).is_empty());
     }
 
     #[test]
