@@ -105,6 +105,16 @@ impl Hosts {
         self.procs.lock().expect("procs").insert(host.to_string(), (child, log));
     }
 
+    /// A server and workers named `workers`, on the one database and store.
+    fn started(moto: &Moto, hub: Option<&FakeHub>, workers: &[&str]) -> Hosts {
+        let mut hosts = Hosts::new(moto, hub);
+        hosts.spawn("server", &["server"]);
+        for w in workers {
+            hosts.worker(w);
+        }
+        hosts
+    }
+
     fn worker(&mut self, host: &str) {
         self.spawn(host, &["worker", "--name", host, "--cpus", "2", "--lease-seconds", "3"]);
     }
@@ -172,11 +182,7 @@ fn three_workers_without_a_shared_disk_convert_validate_and_publish() {
     let moto = Moto::start(tmp.path());
     moto.create_bucket(ARTIFACTS);
     moto.create_bucket(CHECKPOINTS);
-    let mut hosts = Hosts::new(&moto, Some(&hub));
-    hosts.spawn("server", &["server"]);
-    for w in ["host-a", "host-b", "host-c"] {
-        hosts.worker(w);
-    }
+    let hosts = Hosts::started(&moto, Some(&hub), &["host-a", "host-b", "host-c"]);
     let pipeline = repo_root().join("pipelines/hub-qwen3.yaml");
     let run = hosts.submit(
         &pipeline,
@@ -275,12 +281,7 @@ fn a_worker_killed_during_its_multipart_upload_leaves_nothing_partial() {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     runtime.block_on(orphan.begin_upload("__0_0.distcp", |_| async { true })).expect("an unrecorded upload");
     assert_eq!(moto.open_multipart_uploads(ARTIFACTS), 1);
-    let mut hosts = Hosts::new(&moto, None);
-    hosts.spawn("server", &["server"]);
-    for w in ["host-a", "host-b"] {
-        hosts.worker(w);
-    }
-    let hosts = hosts;
+    let hosts = Hosts::started(&moto, None, &["host-a", "host-b"]);
     let spec = tmp.path().join("killed.yaml");
     std::fs::write(
         &spec,
@@ -372,11 +373,7 @@ fn reshard_and_export_run_on_the_artifact_store() {
     let tmp = tempfile::tempdir().expect("temp dir");
     let moto = Moto::start(tmp.path());
     moto.create_bucket(ARTIFACTS);
-    let mut hosts = Hosts::new(&moto, None);
-    hosts.spawn("server", &["server"]);
-    for w in ["host-a", "host-b"] {
-        hosts.worker(w);
-    }
+    let hosts = Hosts::started(&moto, None, &["host-a", "host-b"]);
     let out = tmp.path().join("out");
     let dest = format!("file://{}", out.display());
     let spec = repo_root().join("pipelines/reshard-export.yaml");
@@ -525,11 +522,7 @@ fn a_rank_file_corrupted_in_the_store_fails_the_part_that_reads_it() {
     let tmp = tempfile::tempdir().expect("temp dir");
     let moto = Moto::start(tmp.path());
     moto.create_bucket(ARTIFACTS);
-    let mut hosts = Hosts::new(&moto, None);
-    hosts.spawn("server", &["server"]);
-    for w in ["host-a", "host-b"] {
-        hosts.worker(w);
-    }
+    let hosts = Hosts::started(&moto, None, &["host-a", "host-b"]);
     // Flips a byte in the middle of the object whose key starts with argv[1] and ends with argv[2].
     let script = tmp.path().join("corrupt.py");
     std::fs::write(
@@ -608,11 +601,7 @@ fn a_run_on_the_artifact_store_is_served_from_the_step_cache_and_gc_keeps_what_i
     let tmp = tempfile::tempdir().expect("temp dir");
     let moto = Moto::start(tmp.path());
     moto.create_bucket(ARTIFACTS);
-    let mut hosts = Hosts::new(&moto, None);
-    hosts.spawn("server", &["server"]);
-    for w in ["host-a", "host-b"] {
-        hosts.worker(w);
-    }
+    let hosts = Hosts::started(&moto, None, &["host-a", "host-b"]);
     let spec = |name: &str, hold: bool| {
         let path = tmp.path().join(format!("{name}.yaml"));
         let hold_step = "\x20 - {id: hold, uses: command, needs: [shard], with: {run: [sleep, \"6\"]}}\n";
