@@ -592,8 +592,9 @@ fn a_rank_file_corrupted_in_the_store_fails_the_part_that_reads_it() {
     }
 }
 
-/// A run on the artifact store is served from the step cache: a second run of the same shard
-/// step writes no rank file and validates the first run's checkpoint in the store. While it runs,
+/// A run on the artifact store is served from the step cache: a second run of the same shard and
+/// reshard steps writes no rank file and no resharded checkpoint, and validates the first run's
+/// resharded checkpoint in the store. While it runs,
 /// gc keeps the first run's prefix (it reads it), however old; once both are done it frees both,
 /// and a third run, its cache entry gone with the prefix, converts again.
 #[test]
@@ -604,18 +605,20 @@ fn a_run_on_the_artifact_store_is_served_from_the_step_cache_and_gc_keeps_what_i
     let hosts = Hosts::started(&moto, None, &["host-a", "host-b"]);
     let spec = |name: &str, hold: bool| {
         let path = tmp.path().join(format!("{name}.yaml"));
-        let hold_step = "\x20 - {id: hold, uses: command, needs: [shard], with: {run: [sleep, \"6\"]}}\n";
+        let hold_step = "\x20 - {id: hold, uses: command, needs: [reshard], with: {run: [sleep, \"6\"]}}\n";
         std::fs::write(
             &path,
             format!(
                 "apiVersion: shardline/v1\nkind: Pipeline\nname: cached\nsteps:\n\
                  \x20 - {{id: download, uses: hf.download, with: {{path: \"{}\"}}}}\n\
                  \x20 - {{id: shard, uses: megatron.shard, needs: [download], with: {{tp: 1, dp: 2}}}}\n\
+                 \x20 - {{id: split, uses: megatron.split_fused, needs: [shard]}}\n\
+                 \x20 - {{id: reshard, uses: checkpoint.reshard, needs: [split], with: {{tp: 2, dp: 1, rng: drop}}}}\n\
                  {}\
                  \x20 - {{id: validate, uses: checkpoint.validate, needs: [{}]}}\n",
                 fixture("llama").display(),
                 if hold { hold_step } else { "" },
-                if hold { "hold" } else { "shard" }
+                if hold { "hold" } else { "reshard" }
             ),
         )
         .expect("spec");
@@ -629,10 +632,11 @@ fn a_run_on_the_artifact_store_is_served_from_the_step_cache_and_gc_keeps_what_i
         assert_eq!(validate.output.as_ref().expect("output")["ok"], true);
         (row.options.name.clone().expect("run name"), tasks)
     };
+    // Rank tasks and the reshard served from the cache.
     let cached_ranks = |tasks: &[shardline_store::TaskRow]| {
         tasks
             .iter()
-            .filter(|t| t.name.contains("/rank-"))
+            .filter(|t| t.name.contains("/rank-") || t.name == "reshard")
             .filter(|t| t.output.as_ref().is_some_and(|o| o["cached"] == true))
             .count()
     };
@@ -662,9 +666,9 @@ fn a_run_on_the_artifact_store_is_served_from_the_step_cache_and_gc_keeps_what_i
         "gc freed the checkpoint a running run reads"
     );
     let (second_name, tasks) = succeeded(second);
-    assert_eq!(cached_ranks(&tasks), 2, "the second run's ranks are served from the cache");
+    assert_eq!(cached_ranks(&tasks), 3, "the second run's ranks and reshard are served from the cache");
     assert!(
-        !moto.list_keys(ARTIFACTS, &prefix(&second_name)).iter().any(|k| k.contains("/shard/checkpoint/")),
+        !moto.list_keys(ARTIFACTS, &prefix(&second_name)).iter().any(|k| k.contains("/checkpoint/")),
         "the second run wrote no checkpoint of its own"
     );
 

@@ -170,6 +170,7 @@ pub fn reshard_cache_key(job: &ReshardJob, source_digest: &str) -> String {
     let fields = json!([job.mesh_text(), job.rng, job.vocab_size, job.from_mesh, job.vocab_divisible_by]);
     h.update(fields.to_string().as_bytes());
     h.update(source_digest.as_bytes());
+    crate::steps::artifact_root_key(&mut h, job.remote.as_deref());
     hex::encode(h.finalize())
 }
 

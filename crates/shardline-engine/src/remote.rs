@@ -214,11 +214,23 @@ fn listed_in_place(
     if !listing.iter().any(|o| o.name == marker) {
         return Err(StepError::fatal(format!("{url} has no `{marker}`: not {what}")));
     }
+    let digest = listing_digest(&listing);
+    Ok((artifacts, listing, digest))
+}
+
+/// The digest of a listing's names, sizes and ETags: a prefix's content, as far as a store says.
+fn listing_digest(listing: &[ListedObject]) -> String {
     let mut digest = Sha256::new();
-    for o in &listing {
+    for o in listing {
         digest.update(format!("{}\0{}\0{}\0", o.name, o.size, o.e_tag.as_deref().unwrap_or("")).as_bytes());
     }
-    Ok((artifacts, listing, hex::encode(digest.finalize())))
+    hex::encode(digest.finalize())
+}
+
+/// The [`listing_digest`] of the checkpoint under `url`, when it is there (its `.metadata` listed).
+pub async fn checkpoint_digest(url: &str, settings: &crate::objects::ObjectSourceSettings) -> Option<String> {
+    let listing = Artifacts::open(url, &settings.store_options).ok()?.list().await.ok()?;
+    listing.iter().any(|o| o.name == ".metadata").then(|| listing_digest(&listing))
 }
 
 /// An object-store source read in place: listed (pinning every object's ETag), never downloaded.

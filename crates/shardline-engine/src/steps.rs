@@ -194,11 +194,17 @@ pub fn shard_cache_key(job: &ShardJob, source_digest: &str) -> String {
     h.update(source_digest.as_bytes());
     // A checkpoint in an artifact store serves the runs of that store only (their workers may
     // not see a local one, and a local run should not read a remote one back).
-    if let Some(root) = job.remote.as_deref().and_then(|r| r.find("/runs/").map(|i| &r[..i])) {
+    artifact_root_key(&mut h, job.remote.as_deref());
+    hex::encode(h.finalize())
+}
+
+/// Adds to a step-cache key the artifact store an output lives in (`remote`, under its
+/// `/runs/`), if any.
+pub(crate) fn artifact_root_key(h: &mut Sha256, remote: Option<&str>) {
+    if let Some(root) = remote.and_then(|r| r.find("/runs/").map(|i| &r[..i])) {
         h.update(b"\0artifacts\0");
         h.update(root.as_bytes());
     }
-    hex::encode(h.finalize())
 }
 
 /// Whether a cached checkpoint output still points at a complete checkpoint.

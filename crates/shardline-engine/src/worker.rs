@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use chrono::Utc;
 use serde_json::{json, Value};
-use shardline_control::graph::Payload;
+use shardline_control::graph::{Payload, ReshardSource};
 use shardline_control::{TaskOutput, TaskProgress};
 use shardline_formats::execute::Progress;
 use shardline_store::{
@@ -412,6 +412,24 @@ async fn check_cache(
                     );
                     hit.cached = Some(json!(true));
                     return CacheCheck::Hit(Box::new(hit));
+                }
+            }
+            CacheCheck::Miss { key: Some(key) }
+        }
+        Payload::Reshard { job } if job.remote.is_some() => {
+            // On an artifact store the source is named by its listing (names, sizes, ETags).
+            let ReshardSource::Task { task } = &job.source else { return miss };
+            let Some(url) = outputs.get(task).and_then(|o| o.artifact.as_deref()) else { return miss };
+            let Some(digest) = crate::remote::checkpoint_digest(url, &config.objects).await else { return miss };
+            let key = checkpoints::reshard_cache_key(job, &digest);
+            if step_cache(job.cache).await {
+                if let Some(mut hit) = cached(store, &key, |o| o.artifact.is_some()).await {
+                    if crate::remote::checkpoint_listed(&hit, &config.objects).await {
+                        let at = hit.artifact.clone().unwrap_or_default();
+                        log(LogStream::System, format!("cache hit {key}: already resharded in {at}"));
+                        hit.cached = Some(json!(true));
+                        return CacheCheck::Hit(Box::new(hit));
+                    }
                 }
             }
             CacheCheck::Miss { key: Some(key) }
