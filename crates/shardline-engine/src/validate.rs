@@ -33,8 +33,8 @@ use crate::steps::{checkpoint_dir, open_release, parse_mesh, StepContext, StepEr
 /// Bytes a first read of a safetensors header takes (most headers of rank files are shorter).
 const HEADER_FIRST_READ: u64 = 1 << 20;
 
-/// A validation task: the whole checkpoint, or (with `parts`) its `.metadata` against what its
-/// parts found.
+/// A validation task: the whole checkpoint, or (with `parts`) its index against what its parts
+/// found.
 pub fn validate(
     checkpoint_task: &str,
     source_task: &str,
@@ -95,7 +95,7 @@ pub fn part(
         .with("files", json!(files)))
 }
 
-/// The validation task of a split validation: `.metadata` alone, and the parts' items summed.
+/// The validation task of a split validation: the index alone, and the parts' items summed.
 fn declared(
     checkpoint_task: &str,
     source_task: &str,
