@@ -333,10 +333,7 @@ async fn check_cache(
             if step_cache(job.cache).await {
                 let hit = match remote {
                     false => cached(store, &key, steps::cached_checkpoint_usable).await,
-                    true => match cached(store, &key, |o| o.artifact.is_some()).await {
-                        Some(hit) if crate::remote::checkpoint_listed(&hit, &config.objects).await => Some(hit),
-                        _ => None,
-                    },
+                    true => cached_in_store(store, &key, config).await,
                 };
                 if let Some(hit) = hit {
                     let at = hit.artifact.clone().map_or_else(|| Value::from(path_text(&hit.dir)), Value::from);
@@ -423,13 +420,11 @@ async fn check_cache(
             let Some(digest) = crate::remote::checkpoint_digest(url, &config.objects).await else { return miss };
             let key = checkpoints::reshard_cache_key(job, &digest);
             if step_cache(job.cache).await {
-                if let Some(mut hit) = cached(store, &key, |o| o.artifact.is_some()).await {
-                    if crate::remote::checkpoint_listed(&hit, &config.objects).await {
-                        let at = hit.artifact.clone().unwrap_or_default();
-                        log(LogStream::System, format!("cache hit {key}: already resharded in {at}"));
-                        hit.cached = Some(json!(true));
-                        return CacheCheck::Hit(Box::new(hit));
-                    }
+                if let Some(mut hit) = cached_in_store(store, &key, config).await {
+                    let at = hit.artifact.clone().unwrap_or_default();
+                    log(LogStream::System, format!("cache hit {key}: already resharded in {at}"));
+                    hit.cached = Some(json!(true));
+                    return CacheCheck::Hit(Box::new(hit));
                 }
             }
             CacheCheck::Miss { key: Some(key) }
@@ -472,6 +467,13 @@ fn not_consulted(log: &(dyn Fn(LogStream, String) + Sync), e: StepError) -> Cach
 async fn cached(store: &Store, key: &str, usable: fn(&TaskOutput) -> bool) -> Option<TaskOutput> {
     let hit = store.cache_get(key).await.ok().flatten()?;
     Some(TaskOutput::from_value(&hit)).filter(usable)
+}
+
+/// The cached output under `key` of a checkpoint in an artifact store, while its prefix still
+/// lists the checkpoint.
+async fn cached_in_store(store: &Store, key: &str, config: &WorkerConfig) -> Option<TaskOutput> {
+    let hit = cached(store, key, |o| o.artifact.is_some()).await?;
+    crate::remote::checkpoint_listed(&hit, &config.objects).await.then_some(hit)
 }
 
 fn path_text(p: &Option<std::path::PathBuf>) -> Option<String> {
