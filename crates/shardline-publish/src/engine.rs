@@ -1,6 +1,6 @@
 //! The publish protocol over an object store (see the crate documentation for the steps).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -19,29 +19,29 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use crate::{
-    hash_file, io_err, source_files, Destination, FileEntry, Manifest, PublishError, PublishOptions, PublishReport,
-    Verify, MANIFEST, MANIFEST_FORMAT, PENDING, SHA256_METADATA,
+    hash_file, io_err, Destination, FileEntry, Manifest, PublishError, PublishOptions, Verify, MANIFEST,
+    SHA256_METADATA,
 };
 
-const PENDING_FORMAT: &str = "shardline-publish-pending/v1";
+pub(crate) const PENDING_FORMAT: &str = "shardline-publish-pending/v1";
 /// S3's (and GCS's XML API's) limit on the parts of one upload.
 const MAX_PARTS: u64 = 10_000;
 /// HEAD requests in flight while planning.
-const HEADS_IN_FLIGHT: usize = 16;
+pub(crate) const HEADS_IN_FLIGHT: usize = 16;
 
 /// The record of a publish in progress: what is known good at the destination and what this
 /// publish (or an interrupted one) may have overwritten.
 #[derive(Debug, Serialize, Deserialize)]
-struct Pending {
-    format: String,
+pub(crate) struct Pending {
+    pub(crate) format: String,
     /// Entries of the last manifest whose objects no publish since has touched.
-    trusted: Vec<FileEntry>,
+    pub(crate) trusted: Vec<FileEntry>,
     /// Paths that a publish since the last manifest set out to write.
-    touching: Vec<String>,
+    pub(crate) touching: Vec<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Plan {
+pub(crate) enum Plan {
     /// The manifest vouches for it and a HEAD agrees.
     Skip,
     /// Known to differ: upload.
@@ -50,20 +50,31 @@ enum Plan {
     Check,
 }
 
-enum Outcome {
-    Copied { bytes: u64, parts: u64, verified: u64 },
-    Resumed { verified: u64 },
+pub(crate) enum Outcome {
+    Copied {
+        bytes: u64,
+        parts: u64,
+        verified: u64,
+    },
+    Resumed {
+        verified: u64,
+    },
+    /// Uploaded but not completed: invisible until [`complete_staged`] (DCP-safetensors).
+    Staged {
+        parts: u64,
+        upload: UploadGuard,
+    },
 }
 
-struct Ctx<'a> {
-    dest: &'a Destination,
-    src: &'a Path,
-    opts: &'a PublishOptions,
-    parts: Arc<Semaphore>,
-    failed: AtomicBool,
+pub(crate) struct Ctx<'a> {
+    pub(crate) dest: &'a Destination,
+    pub(crate) src: &'a Path,
+    pub(crate) opts: &'a PublishOptions,
+    pub(crate) parts: Arc<Semaphore>,
+    pub(crate) failed: AtomicBool,
 }
 
-fn store_err(dest: &Destination, name: &str, action: &'static str, e: object_store::Error) -> PublishError {
+pub(crate) fn store_err(dest: &Destination, name: &str, action: &'static str, e: object_store::Error) -> PublishError {
     PublishError::Store {
         object: format!("{}/{}", dest.display, name),
         action,
@@ -79,13 +90,13 @@ fn join<T>(r: Result<T, tokio::task::JoinError>) -> T {
 }
 
 /// Size and recorded SHA-256 of an object, or `None` when there is no object.
-struct Head {
-    size: u64,
-    sha256: Option<String>,
-    e_tag: Option<String>,
+pub(crate) struct Head {
+    pub(crate) size: u64,
+    pub(crate) sha256: Option<String>,
+    pub(crate) e_tag: Option<String>,
 }
 
-async fn head(dest: &Destination, name: &str) -> Result<Option<Head>, PublishError> {
+pub(crate) async fn head(dest: &Destination, name: &str) -> Result<Option<Head>, PublishError> {
     let opts = GetOptions { head: true, ..Default::default() };
     match dest.store.get_opts(&dest.object(name), opts).await {
         Ok(r) => Ok(Some(Head {
@@ -182,7 +193,7 @@ fn part_size_for(size: u64, configured: usize) -> usize {
 }
 
 /// Aborts a multipart upload that is dropped unfinished (the publish future itself dropped).
-struct UploadGuard(Option<Box<dyn MultipartUpload>>);
+pub(crate) struct UploadGuard(Option<Box<dyn MultipartUpload>>);
 
 impl Drop for UploadGuard {
     fn drop(&mut self) {
@@ -209,12 +220,14 @@ fn source_changed(ctx: &Ctx<'_>, entry: &FileEntry, actual: String) -> PublishEr
 }
 
 /// Uploads one file: one PUT, or a multipart upload with parts in flight bounded by the shared
-/// semaphore. Returns the number of parts. A multipart upload that fails is aborted.
-async fn upload(ctx: &Ctx<'_>, entry: &FileEntry) -> Result<u64, PublishError> {
+/// semaphore. Returns the number of parts, and with `defer` the multipart upload still open (a
+/// file of any size then goes as a multipart upload, so that it stays invisible until completed).
+/// A multipart upload that fails is aborted.
+async fn upload(ctx: &Ctx<'_>, entry: &FileEntry, defer: bool) -> Result<(u64, Option<UploadGuard>), PublishError> {
     let obj = ctx.dest.object(&entry.path);
     let from = ctx.src.join(&entry.path);
     let part_size = part_size_for(entry.size, ctx.opts.part_size);
-    if entry.size <= part_size as u64 {
+    if entry.size <= part_size as u64 && !defer {
         let permit = ctx.parts.clone().acquire_owned().await.expect("the part semaphore is never closed");
         let (data, h) = read_chunk(from, 0, entry.size as usize, Sha256::new()).await?;
         let actual = hex::encode(h.finalize());
@@ -228,7 +241,7 @@ async fn upload(ctx: &Ctx<'_>, entry: &FileEntry) -> Result<u64, PublishError> {
             .await
             .map_err(|e| store_err(ctx.dest, &entry.path, "upload", e))?;
         drop(permit);
-        return Ok(0);
+        return Ok((0, None));
     }
     let opts = PutMultipartOptions { attributes: attributes(ctx, entry), ..Default::default() };
     let upload = ctx
@@ -245,7 +258,8 @@ async fn upload(ctx: &Ctx<'_>, entry: &FileEntry) -> Result<u64, PublishError> {
         let mut h = Sha256::new();
         let mut offset = 0u64;
         let mut parts = 0u64;
-        while offset < entry.size {
+        // An empty file still needs one (empty) part to be completed.
+        while offset < entry.size || parts == 0 {
             if ctx.failed.load(Ordering::Relaxed) {
                 return Err(PublishError::Cancelled);
             }
@@ -272,21 +286,54 @@ async fn upload(ctx: &Ctx<'_>, entry: &FileEntry) -> Result<u64, PublishError> {
         while let Some(r) = tasks.join_next().await {
             join(r).map_err(part_err)?;
         }
-        upload.complete().await.map_err(|e| store_err(ctx.dest, &entry.path, "complete multipart upload", e))?;
+        if !defer {
+            upload.complete().await.map_err(|e| store_err(ctx.dest, &entry.path, "complete multipart upload", e))?;
+        }
         Ok(parts)
     }
     .await;
     tasks.abort_all();
     while tasks.join_next().await.is_some() {}
-    let mut upload = guard.0.take().expect("upload present until here");
-    if result.is_err() {
-        let _ = upload.abort().await;
+    match result {
+        Ok(parts) if defer => Ok((parts, Some(guard))),
+        Ok(parts) => {
+            guard.0 = None;
+            Ok((parts, None))
+        }
+        Err(e) => {
+            if let Some(mut upload) = guard.0.take() {
+                let _ = upload.abort().await;
+            }
+            Err(e)
+        }
     }
-    result
+}
+
+/// Completes uploads left open by [`upload`] with `defer`, several at once, then verifies each
+/// object. On an error the uploads not yet completed are aborted (their guards dropped).
+pub(crate) async fn complete_staged(
+    ctx: &Ctx<'_>,
+    staged: Vec<(usize, &FileEntry, u64, UploadGuard)>,
+) -> Result<Vec<(usize, Outcome)>, PublishError> {
+    stream::iter(staged)
+        .map(|(i, entry, parts, mut guard)| async move {
+            let mut upload = guard.0.take().expect("a staged upload is open");
+            if let Err(e) = upload.complete().await {
+                let _ = upload.abort().await;
+                return Err(store_err(ctx.dest, &entry.path, "complete multipart upload", e));
+            }
+            let verified = verify_uploaded(ctx, entry).await?;
+            Ok((i, Outcome::Copied { bytes: entry.size, parts, verified }))
+        })
+        .buffer_unordered(ctx.opts.max_files_in_flight)
+        .collect::<Vec<Result<(usize, Outcome), PublishError>>>()
+        .await
+        .into_iter()
+        .collect()
 }
 
 /// fsyncs a published local file (a no-op for object stores).
-async fn sync_local(ctx: &Ctx<'_>, name: &str) -> Result<(), PublishError> {
+pub(crate) async fn sync_local(ctx: &Ctx<'_>, name: &str) -> Result<(), PublishError> {
     if let Some(path) = ctx.dest.local_file(name) {
         join(
             tokio::task::spawn_blocking(move || {
@@ -300,7 +347,7 @@ async fn sync_local(ctx: &Ctx<'_>, name: &str) -> Result<(), PublishError> {
 
 /// Removes what `LocalFileSystem` left of uploads of these files that a killed publish never
 /// finished (`{name}#{n}` next to `{name}`). Best effort: they are never taken for data.
-async fn remove_local_staging(dest: &Destination, names: &[String]) {
+pub(crate) async fn remove_local_staging(dest: &Destination, names: &[String]) {
     let crate::Backend::Local(dir) = &dest.backend else { return };
     let (dir, names) = (dir.clone(), names.iter().cloned().collect::<BTreeSet<String>>());
     let _ = tokio::task::spawn_blocking(move || {
@@ -316,7 +363,7 @@ async fn remove_local_staging(dest: &Destination, names: &[String]) {
     .await;
 }
 
-async fn sync_local_dir(dest: &Destination) -> Result<(), PublishError> {
+pub(crate) async fn sync_local_dir(dest: &Destination) -> Result<(), PublishError> {
     if let crate::Backend::Local(dir) = &dest.backend {
         let dir = dir.clone();
         join(
@@ -329,8 +376,13 @@ async fn sync_local_dir(dest: &Destination) -> Result<(), PublishError> {
     Ok(())
 }
 
-/// Resumes, or uploads and verifies, one file.
-async fn process(ctx: &Ctx<'_>, entry: &FileEntry, plan: Plan) -> Result<Outcome, PublishError> {
+/// Resumes, or uploads and verifies, one file; with `defer`, uploads it and leaves it open.
+pub(crate) async fn process(
+    ctx: &Ctx<'_>,
+    entry: &FileEntry,
+    plan: Plan,
+    defer: bool,
+) -> Result<Outcome, PublishError> {
     if ctx.failed.load(Ordering::Relaxed) {
         return Err(PublishError::Cancelled);
     }
@@ -347,14 +399,24 @@ async fn process(ctx: &Ctx<'_>, entry: &FileEntry, plan: Plan) -> Result<Outcome
             }
         }
     }
-    let parts = upload(ctx, entry).await?;
+    let (parts, open) = upload(ctx, entry, defer).await?;
+    if let Some(upload) = open {
+        return Ok(Outcome::Staged { parts, upload });
+    }
+    let verified = verify_uploaded(ctx, entry).await?;
+    Ok(Outcome::Copied { bytes: entry.size, parts, verified })
+}
+
+/// Checks a just uploaded object against its entry (after the test hook) and syncs it; a wrong
+/// object is deleted. Returns the bytes read back.
+async fn verify_uploaded(ctx: &Ctx<'_>, entry: &FileEntry) -> Result<u64, PublishError> {
     if let Some(hook) = &ctx.opts.after_upload {
         hook(&entry.path).await;
     }
     match check_object(ctx, entry, false).await? {
         Check::Matches { bytes_read } => {
             sync_local(ctx, &entry.path).await?;
-            Ok(Outcome::Copied { bytes: entry.size, parts, verified: bytes_read })
+            Ok(bytes_read)
         }
         Check::Differs { size, sha256 } => {
             // A wrong object must not be taken for a good one by a later publish.
@@ -370,7 +432,7 @@ async fn process(ctx: &Ctx<'_>, entry: &FileEntry, plan: Plan) -> Result<Outcome
     }
 }
 
-async fn get_bytes(dest: &Destination, name: &str) -> Result<Option<Bytes>, PublishError> {
+pub(crate) async fn get_bytes(dest: &Destination, name: &str) -> Result<Option<Bytes>, PublishError> {
     match dest.store.get(&dest.object(name)).await {
         Ok(r) => Ok(Some(r.bytes().await.map_err(|e| store_err(dest, name, "read", e))?)),
         Err(object_store::Error::NotFound { .. }) => Ok(None),
@@ -378,7 +440,11 @@ async fn get_bytes(dest: &Destination, name: &str) -> Result<Option<Bytes>, Publ
     }
 }
 
-async fn delete_if_present(dest: &Destination, name: &str, action: &'static str) -> Result<(), PublishError> {
+pub(crate) async fn delete_if_present(
+    dest: &Destination,
+    name: &str,
+    action: &'static str,
+) -> Result<(), PublishError> {
     match dest.store.delete(&dest.object(name)).await {
         Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
         Err(e) => Err(store_err(dest, name, action, e)),
@@ -396,7 +462,7 @@ pub async fn read_manifest_at(dest: &Destination) -> Result<Option<Manifest>, Pu
 }
 
 /// Hashes the source files, a few at once.
-async fn hash_sources(src: &Path, names: &[String]) -> Result<Vec<FileEntry>, PublishError> {
+pub(crate) async fn hash_sources(src: &Path, names: &[String]) -> Result<Vec<FileEntry>, PublishError> {
     let width = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).clamp(1, 4);
     stream::iter(names.iter().cloned())
         .map(|name| {
@@ -411,192 +477,6 @@ async fn hash_sources(src: &Path, names: &[String]) -> Result<Vec<FileEntry>, Pu
         .await
         .into_iter()
         .collect()
-}
-
-/// Publishes the checkpoint in `src` to `dest` (see the crate documentation for the protocol).
-pub async fn publish_to(
-    dest: &Destination,
-    src: &Path,
-    source: serde_json::Value,
-    layout: serde_json::Value,
-    options: &PublishOptions,
-) -> Result<(Manifest, PublishReport), PublishError> {
-    if options.part_size == 0 || options.max_parts_in_flight == 0 || options.max_files_in_flight == 0 {
-        return Err(PublishError::Config(format!(
-            "part_size, max_parts_in_flight and max_files_in_flight must be positive: {options:?}"
-        )));
-    }
-    let names = source_files(src)?;
-    let entries = hash_sources(src, &names).await?;
-    let manifest = Manifest {
-        format: MANIFEST_FORMAT.to_string(),
-        files: entries.clone(),
-        source,
-        layout,
-        shardline_version: env!("CARGO_PKG_VERSION").to_string(),
-    };
-    let manifest_bytes = serde_json::to_vec_pretty(&manifest)
-        .map_err(|e| PublishError::BadManifest(PathBuf::from(MANIFEST), e.to_string()))?;
-
-    // What the destination vouches for: its manifest, or else the record of an interrupted
-    // publish. An unreadable manifest vouches for nothing (and is replaced).
-    let previous: Option<Manifest> = match get_bytes(dest, MANIFEST).await? {
-        Some(b) => serde_json::from_slice(&b).ok(),
-        None => None,
-    };
-    let pending: Option<Pending> = if previous.is_some() {
-        None
-    } else {
-        get_bytes(dest, PENDING).await?.and_then(|b| serde_json::from_slice(&b).ok())
-    };
-    let (trusted, touched): (BTreeMap<String, FileEntry>, BTreeSet<String>) = match (&previous, pending) {
-        (Some(m), _) => (m.files.iter().map(|f| (f.path.clone(), f.clone())).collect(), BTreeSet::new()),
-        (None, Some(p)) => {
-            (p.trusted.into_iter().map(|f| (f.path.clone(), f)).collect(), p.touching.into_iter().collect())
-        }
-        (None, None) => (BTreeMap::new(), BTreeSet::new()),
-    };
-
-    let ctx = Ctx {
-        dest,
-        src,
-        opts: options,
-        parts: Arc::new(Semaphore::new(options.max_parts_in_flight)),
-        failed: AtomicBool::new(false),
-    };
-    let ctx = &ctx;
-
-    // Plan: what the destination vouches for is confirmed with a HEAD; the rest is uploaded or
-    // looked at more closely.
-    let plans: Vec<Plan> = stream::iter(entries.iter())
-        .map(|entry| {
-            let vouched = trusted.get(&entry.path);
-            let untouched = !touched.contains(&entry.path);
-            async move {
-                match vouched {
-                    Some(v) if untouched && v == entry => Ok(match head(ctx.dest, &entry.path).await? {
-                        Some(h) if h.size == entry.size && h.sha256.as_ref().is_none_or(|s| *s == entry.sha256) => {
-                            Plan::Skip
-                        }
-                        _ => Plan::Upload,
-                    }),
-                    Some(_) if untouched => Ok(Plan::Upload),
-                    _ => Ok(Plan::Check),
-                }
-            }
-        })
-        .buffered(HEADS_IN_FLIGHT)
-        .collect::<Vec<Result<Plan, PublishError>>>()
-        .await
-        .into_iter()
-        .collect::<Result<_, _>>()?;
-
-    let mut report = PublishReport::default();
-    let all_skipped = plans.iter().all(|p| *p == Plan::Skip);
-    if all_skipped && previous.as_ref() == Some(&manifest) {
-        report.skipped = names.clone();
-        return Ok((manifest, report));
-    }
-
-    if !all_skipped {
-        // Record what stays vouched for and what is about to change, then withdraw the commit.
-        let writing: BTreeSet<String> = entries
-            .iter()
-            .zip(&plans)
-            .filter(|(_, p)| **p != Plan::Skip)
-            .map(|(e, _)| e.path.clone())
-            .chain(touched.iter().cloned())
-            .collect();
-        let record = Pending {
-            format: PENDING_FORMAT.to_string(),
-            trusted: trusted.values().filter(|f| !writing.contains(&f.path)).cloned().collect(),
-            touching: writing.into_iter().collect(),
-        };
-        let record = serde_json::to_vec_pretty(&record).expect("the pending record serializes");
-        dest.store
-            .put(&dest.object(PENDING), PutPayload::from(record))
-            .await
-            .map_err(|e| store_err(dest, PENDING, "record the publish in progress", e))?;
-        delete_if_present(dest, MANIFEST, "withdraw the old manifest").await?;
-        sync_local_dir(dest).await?;
-        remove_local_staging(dest, &names).await;
-
-        let entries_ref = &entries;
-        let work: Vec<(usize, Plan)> = plans.iter().copied().enumerate().filter(|(_, p)| *p != Plan::Skip).collect();
-        let mut results: Vec<(usize, Result<Outcome, PublishError>)> = stream::iter(work)
-            .map(|(i, plan)| async move {
-                let r = process(ctx, &entries_ref[i], plan).await;
-                if r.is_err() {
-                    ctx.failed.store(true, Ordering::Relaxed);
-                }
-                (i, r)
-            })
-            .buffer_unordered(options.max_files_in_flight)
-            .collect()
-            .await;
-        results.sort_by_key(|(i, _)| *i);
-        let mut outcomes: BTreeMap<usize, Outcome> = BTreeMap::new();
-        let mut first_error = None;
-        for (i, r) in results {
-            match r {
-                Ok(o) => {
-                    outcomes.insert(i, o);
-                }
-                Err(PublishError::Cancelled) => {}
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        if let Some(e) = first_error {
-            return Err(e);
-        }
-        for (i, entry) in entries.iter().enumerate() {
-            match outcomes.remove(&i) {
-                None => report.skipped.push(entry.path.clone()),
-                Some(Outcome::Copied { bytes, parts, verified }) => {
-                    report.copied.push(entry.path.clone());
-                    report.bytes_copied += bytes;
-                    report.parts_uploaded += parts;
-                    report.bytes_verified += verified;
-                }
-                Some(Outcome::Resumed { verified }) => {
-                    report.resumed.push(entry.path.clone());
-                    report.bytes_verified += verified;
-                }
-            }
-        }
-        sync_local_dir(dest).await?;
-    } else {
-        report.skipped = names.clone();
-    }
-
-    // The commit.
-    dest.store
-        .put(&dest.object(MANIFEST), PutPayload::from(manifest_bytes.clone()))
-        .await
-        .map_err(|e| store_err(dest, MANIFEST, "write the manifest", e))?;
-    let back = get_bytes(dest, MANIFEST).await?;
-    if back.as_deref() != Some(&manifest_bytes[..]) {
-        let _ = dest.store.delete(&dest.object(MANIFEST)).await;
-        let (actual_size, actual) = match &back {
-            Some(b) => (b.len() as u64, hex::encode(Sha256::digest(b))),
-            None => (0, "(no object)".into()),
-        };
-        return Err(PublishError::Verify {
-            path: PathBuf::from(format!("{}/{MANIFEST}", dest.display)),
-            expected: hex::encode(Sha256::digest(&manifest_bytes)),
-            actual,
-            expected_size: manifest_bytes.len() as u64,
-            actual_size,
-        });
-    }
-    sync_local(ctx, MANIFEST).await?;
-    report.manifest_written = true;
-    // The manifest now vouches for everything; a stale record would be ignored anyway.
-    let _ = delete_if_present(dest, PENDING, "remove the record of the publish").await;
-    sync_local_dir(dest).await?;
-    Ok((manifest, report))
 }
 
 #[cfg(test)]

@@ -13,15 +13,20 @@
 //!    object metadata, the same recorded SHA-256), is **skipped**. If nothing differs and the
 //!    manifest would be byte-identical, nothing at all is written.
 //! 3. Otherwise a pending record (`.shardline-publish-pending.json`: what the old manifest vouched
-//!    for, and which paths this publish is about to write) is written, and then the old manifest
-//!    is **deleted**: from here until the new commit the destination is not a checkpoint, so a
-//!    half-updated destination never looks complete.
+//!    for, and which paths this publish is about to write) is written, and then the old commit
+//!    is **withdrawn**, before any other object is touched: the manifest, then every file that
+//!    makes the destination a checkpoint for readers that never read our manifest (`.metadata`
+//!    for torch's DCP reader; see [`CommitRule`]). From here until the new commit the
+//!    destination is no checkpoint to anyone, so a half-updated destination never looks complete.
 //! 4. Data objects are uploaded, several files at once: a file larger than
 //!    [`PublishOptions::part_size`] as a multipart upload (parts in flight bounded by
 //!    [`PublishOptions::max_parts_in_flight`] over all files, so memory stays near
 //!    `part_size × max_parts_in_flight`), a smaller one with a single PUT. Each object carries
 //!    its SHA-256 as user metadata (`shardlinesha256`, i.e. `x-amz-meta-shardlinesha256` on S3)
 //!    where the store keeps metadata. On any error the multipart upload is aborted.
+//!    DCP-safetensors files, which torch's reader takes one by one with no marker, stay open
+//!    multipart uploads (no object yet) until every file's bytes are up, and are then completed
+//!    together.
 //! 5. Every uploaded object is **verified**: a HEAD for its size (and recorded SHA-256), then —
 //!    with [`Verify::ReadBack`], the default — the object is read back, streaming, and hashed.
 //!    Read-back is the check that holds on every S3-compatible server: it needs no checksum
@@ -32,8 +37,14 @@
 //!    SigV4 already signs each request body's SHA-256 (S3 rejects a body that does not match);
 //!    where the server supports it, `AWS_CHECKSUM_ALGORITHM=SHA256` adds S3's own per-request
 //!    checksums on top. [`Verify::Head`] skips the read-back (size and recorded SHA-256 only).
-//! 6. The manifest is written last (and read back): consumers treat it as the commit. Then the
-//!    pending record is deleted.
+//! 6. Only when every data object is complete and verified are the commit markers written
+//!    (`.metadata`; an HF index), one at a time, each verified.
+//! 7. The manifest is written last (and read back): Shardline's consumers treat it as the commit.
+//!    Then the pending record is deleted.
+//!
+//! On a failure the markers (and, for DCP-safetensors, the files completed) and the manifest are
+//! withdrawn first, then the error is returned: a reader sees the previous complete checkpoint,
+//! nothing, or the new complete one, never a torn one.
 //!
 //! A publish that fails or is killed leaves no manifest. A retry reads the pending record: files
 //! the old manifest vouched for and that were not being written are skipped as usual; an object
@@ -54,16 +65,20 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use thiserror::Error;
 
+mod commit;
 mod destination;
 mod engine;
 /// moto's S3 server for tests of this and other crates.
 #[cfg(feature = "test-server")]
 pub mod moto;
+mod protocol;
 mod s3_uploads;
 
+pub use commit::{CommitRule, DCP_METADATA, HF_INDEX};
 pub use destination::{Backend, Destination};
-pub use engine::{publish_to, read_manifest_at};
+pub use engine::read_manifest_at;
 pub use object_store;
+pub use protocol::publish_to;
 pub use s3_uploads::OpenMultipart;
 
 /// Name of the manifest in a published directory.
@@ -340,7 +355,8 @@ mod tests {
         // A changed file is copied again.
         fs::write(src.join("__1_0.distcp"), b"rank 1 v2").unwrap();
         let (_, r3) = publish_dir(&src, &dest, serde_json::json!({}), serde_json::json!({})).unwrap();
-        assert_eq!(r3.copied, vec!["__1_0.distcp"]);
+        // `.metadata` was withdrawn before the change and is written again after it.
+        assert_eq!(r3.copied, vec!["__1_0.distcp", ".metadata"]);
         assert_eq!(fs::read(dest.join("__1_0.distcp")).unwrap(), b"rank 1 v2");
     }
 
@@ -360,13 +376,14 @@ mod tests {
         let err = publish_dir(&src, &dest, serde_json::json!({}), serde_json::json!({})).unwrap_err();
         assert!(err.to_string().contains("__1_0.distcp"), "{err}");
         assert!(read_manifest(&dest).unwrap().is_none());
+        assert!(!dest.join(".metadata").exists(), "the old .metadata survived a failed publish");
         // Once the obstacle is gone a retry completes, keeping what is already there.
         fs::remove_dir_all(dest.join("__1_0.distcp")).unwrap();
         // What a killed multipart upload leaves on a local destination is cleared away.
         fs::write(dest.join("__1_0.distcp#3"), b"stale part").unwrap();
         let (m, r) = publish_dir(&src, &dest, serde_json::json!({}), serde_json::json!({})).unwrap();
-        assert_eq!(r.copied, vec!["__1_0.distcp"]);
-        assert_eq!(r.skipped, vec!["__0_0.distcp", ".metadata"]);
+        assert_eq!(r.copied, vec!["__1_0.distcp", ".metadata"]);
+        assert_eq!(r.skipped, vec!["__0_0.distcp"]);
         assert_eq!(read_manifest(&dest).unwrap().unwrap(), m);
         assert!(!dest.join("__1_0.distcp#3").exists());
     }

@@ -37,6 +37,7 @@ on_both_backends!(
     a_failure_mid_upload_leaves_no_manifest_and_a_retry_completes,
     verification_catches_a_corrupted_object,
     a_failure_before_the_manifest_leaves_data_but_no_manifest,
+    dcp_safetensors_files_become_visible_together,
 );
 
 fn strings(v: &[&str]) -> Vec<String> {
@@ -80,15 +81,19 @@ async fn publishes_data_then_the_manifest(f: Fixture) {
     assert_eq!(m.layout, layout());
     assert_eq!(m.shardline_version, env!("CARGO_PKG_VERSION"));
 
-    // Order as the store saw it: the record of the publish, the withdrawal of any old commit,
-    // the data (in any order), the manifest, the record's removal.
+    // Order as the store saw it: the record of the publish, the withdrawal of any old commit
+    // (manifest, then `.metadata`), the data (in any order), `.metadata`, the manifest, the
+    // record's removal.
     let writes = rec.writes();
-    assert_eq!(writes[..2], strings(&[&format!("put {PENDING}"), &format!("delete {MANIFEST}")]));
-    assert_eq!(writes[writes.len() - 2..], strings(&[&format!("put {MANIFEST}"), &format!("delete {PENDING}")]));
-    let mut data: Vec<String> = writes[2..writes.len() - 2].to_vec();
+    assert_eq!(writes[..3], strings(&[&format!("put {PENDING}"), &format!("delete {MANIFEST}"), "delete .metadata"]));
+    assert_eq!(
+        writes[writes.len() - 3..],
+        strings(&["put .metadata", &format!("put {MANIFEST}"), &format!("delete {PENDING}")])
+    );
+    let mut data: Vec<String> = writes[3..writes.len() - 3].to_vec();
     data.sort();
     let mut want: Vec<String> =
-        FILES.iter().map(|n| format!("{} {n}", if *n == BIG { "complete" } else { "put" })).collect();
+        FILES[..4].iter().map(|n| format!("{} {n}", if *n == BIG { "complete" } else { "put" })).collect();
     want.sort();
     assert_eq!(data, want);
 
@@ -103,8 +108,13 @@ async fn publishes_data_then_the_manifest(f: Fixture) {
             assert!(last < manifest_at, "{name} written after the manifest: {writes:#?}");
         }
         assert_eq!(writes.iter().filter(|w| *w == &format!("PUT {}", key(BIG))).count(), 3, "{writes:#?}");
+        let metadata_at = writes.iter().position(|w| *w == format!("PUT {}", key(".metadata"))).expect(".metadata PUT");
+        for name in &FILES[..4] {
+            let last = writes.iter().rposition(|w| w.ends_with(&key(name))).expect("data write");
+            assert!(last < metadata_at, "{name} written after .metadata: {writes:#?}");
+        }
         let delete = format!("POST /{}?delete", support::BUCKET);
-        assert_eq!(writes[..2], [format!("PUT {}", key(PENDING)), delete.clone()], "{writes:#?}");
+        assert_eq!(writes[..3], [format!("PUT {}", key(PENDING)), delete.clone(), delete.clone()], "{writes:#?}");
         assert_eq!(writes[writes.len() - 2..], [format!("PUT {}", key(MANIFEST)), delete], "{writes:#?}");
         // The big object was read back in part-sized ranges, each one GET.
         let gets = moto.requests()[before..].iter().filter(|(m, p, _)| m == "GET" && *p == key(BIG)).count();
@@ -144,23 +154,25 @@ async fn republishing_identical_content_uploads_nothing(f: Fixture) {
     assert_published(&f, &m2).await;
 }
 
-/// One changed file (same size, other bytes) is the only upload; the old commit is withdrawn
-/// before it and the new one written after it.
+/// One changed file (same size, other bytes) is the only data upload; the old commit (manifest and
+/// `.metadata`) is withdrawn before it and written again after it.
 async fn changing_one_file_uploads_only_it(f: Fixture) {
     publish(&f.src, &f.to, source(), layout(), &f.options).await.unwrap();
     fs::write(f.src.join("__1_0.distcp"), b"rank one, v2!!!").unwrap();
     let (rec, dest) = f.faulty(Faults::default());
     let before = f.requests_so_far();
     let (m, r) = publish_to(&dest, &f.src, source(), layout(), &f.options).await.unwrap();
-    assert_eq!(r.copied, strings(&["__1_0.distcp"]));
-    assert_eq!(r.skipped, strings(&["__0_0.distcp", "__2_0.distcp", BIG, ".metadata"]));
-    assert_eq!(r.bytes_copied, 15);
+    assert_eq!(r.copied, strings(&["__1_0.distcp", ".metadata"]));
+    assert_eq!(r.skipped, strings(&["__0_0.distcp", "__2_0.distcp", BIG]));
+    assert_eq!(r.bytes_copied, 15 + fs::metadata(f.src.join(".metadata")).unwrap().len());
     assert_eq!(
         rec.writes(),
         strings(&[
             &format!("put {PENDING}"),
             &format!("delete {MANIFEST}"),
+            "delete .metadata",
             "put __1_0.distcp",
+            "put .metadata",
             &format!("put {MANIFEST}"),
             &format!("delete {PENDING}"),
         ])
@@ -172,7 +184,9 @@ async fn changing_one_file_uploads_only_it(f: Fixture) {
             vec![
                 format!("PUT {}", key(PENDING)),
                 format!("POST /{}?delete", support::BUCKET), // the manifest (DeleteObjects)
+                format!("POST /{}?delete", support::BUCKET), // .metadata
                 format!("PUT {}", key("__1_0.distcp")),
+                format!("PUT {}", key(".metadata")),
                 format!("PUT {}", key(MANIFEST)),
                 format!("POST /{}?delete", support::BUCKET), // the pending record
             ]
@@ -194,6 +208,7 @@ async fn a_failure_mid_upload_leaves_no_manifest_and_a_retry_completes(f: Fixtur
     assert!(read_manifest_at(&f.dest).await.unwrap().is_none());
     assert!(rec.writes().contains(&format!("abort {BIG}")), "{:?}", rec.writes());
     assert!(f.object(BIG).await.is_none(), "an aborted upload left an object");
+    assert!(f.object(".metadata").await.is_none(), ".metadata was written before the data was complete");
     if let Some(moto) = &f.moto {
         assert_eq!(moto.open_multipart_uploads(support::BUCKET), 0, "the failed multipart upload was not aborted");
     }
@@ -211,13 +226,14 @@ async fn a_failure_mid_upload_leaves_no_manifest_and_a_retry_completes(f: Fixtur
     let (_, dest) = f.faulty(Faults { parts_before_failure: Some(1), ..Default::default() });
     publish_to(&dest, &f.src, source(), layout(), &f.options).await.unwrap_err();
     assert!(read_manifest_at(&f.dest).await.unwrap().is_none(), "the old manifest survived a failed re-publish");
+    assert!(f.object(".metadata").await.is_none(), "the old .metadata survived a failed re-publish");
     assert!(f.object(PENDING).await.is_some());
     let (m, r) = publish(&f.src, &f.to, source(), layout(), &f.options).await.unwrap();
-    assert_eq!(r.skipped, strings(&["__1_0.distcp", "__2_0.distcp", ".metadata"]), "{r:?}");
+    assert_eq!(r.skipped, strings(&["__1_0.distcp", "__2_0.distcp"]), "{r:?}");
     assert!(r.copied.contains(&BIG.to_string()), "{r:?}");
     let mut changed = [r.copied.clone(), r.resumed.clone()].concat();
     changed.sort();
-    assert_eq!(changed, strings(&["__0_0.distcp", BIG]));
+    assert_eq!(changed, strings(&[".metadata", "__0_0.distcp", BIG]));
     assert_published(&f, &m).await;
 }
 
@@ -255,21 +271,71 @@ async fn verification_catches_a_corrupted_object(f: Fixture) {
     assert_published(&f, &m).await;
 }
 
-/// The manifest is the last write: failing it leaves every data object in place, verified, and
-/// no manifest; a retry then uploads nothing and commits.
+/// The manifest is the last write: failing it withdraws `.metadata` (so torch and Shardline agree
+/// there is no checkpoint) and leaves every data object in place, verified; a retry then uploads
+/// only `.metadata` and commits.
 async fn a_failure_before_the_manifest_leaves_data_but_no_manifest(f: Fixture) {
     let (_, dest) = f.faulty(Faults { fail_put_of: Some(MANIFEST.into()), ..Default::default() });
     let err = publish_to(&dest, &f.src, source(), layout(), &f.options).await.unwrap_err();
     assert!(err.to_string().contains(MANIFEST), "{err}");
     assert!(read_manifest_at(&f.dest).await.unwrap().is_none());
-    for name in FILES {
+    assert!(f.object(".metadata").await.is_none(), "a failed publish left .metadata");
+    for name in &FILES[..4] {
         assert_eq!(f.object(name).await.unwrap(), fs::read(f.src.join(name)).unwrap(), "{name}");
     }
     let (m, r) = publish(&f.src, &f.to, source(), layout(), &f.options).await.unwrap();
-    assert!(r.copied.is_empty(), "{r:?}");
-    assert_eq!(r.resumed, strings(&FILES));
+    assert_eq!(r.copied, strings(&[".metadata"]), "{r:?}");
+    assert_eq!(r.resumed, strings(&FILES[..4]));
     assert!(r.manifest_written);
     assert_published(&f, &m).await;
+}
+
+/// DCP-safetensors has no marker (torch's reader takes every `*.safetensors` it lists), so no
+/// file may become an object before every file's bytes are up: a failure at the big file's
+/// second part leaves no `.safetensors` object at all (the small file before it included), and
+/// an overwrite withdraws every old file first.
+async fn dcp_safetensors_files_become_visible_together(f: Fixture) {
+    let src = f.tmp.path().join("st");
+    fs::create_dir_all(&src).unwrap();
+    let names = ["shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"];
+    fs::write(src.join(names[0]), b"small rank file").unwrap();
+    fs::write(src.join(names[1]), fs::read(f.src.join(BIG)).unwrap()).unwrap();
+    let one_at_a_time = PublishOptions { max_files_in_flight: 1, ..f.options.clone() };
+    let (rec, dest) = f.faulty(Faults { parts_before_failure: Some(2), ..Default::default() });
+    let err = publish_to(&dest, &src, source(), layout(), &one_at_a_time).await.unwrap_err();
+    assert!(err.to_string().contains("injected failure"), "{err}");
+    for name in names {
+        assert!(f.object(name).await.is_none(), "{name} became visible before every file was up");
+    }
+    assert!(
+        !rec.writes().iter().any(|w| w.starts_with("put shard") || w.starts_with("complete")),
+        "{:?}",
+        rec.writes()
+    );
+
+    let (rec, dest) = f.faulty(Faults::default());
+    let (m, r) = publish_to(&dest, &src, source(), layout(), &f.options).await.unwrap();
+    assert_eq!(r.copied, strings(&names));
+    let writes = rec.writes();
+    let completes: Vec<&String> = writes.iter().filter(|w| w.starts_with("complete")).collect();
+    assert_eq!(completes.len(), 2, "{writes:?}");
+    for name in names {
+        assert_eq!(f.object(name).await.unwrap(), fs::read(src.join(name)).unwrap(), "{name}");
+    }
+    assert_eq!(read_manifest_at(&f.dest).await.unwrap(), Some(m));
+
+    // An overwrite with one file changed withdraws both old files before uploading anything.
+    fs::write(src.join(names[0]), b"small rank v2!!").unwrap();
+    let (rec, dest) = f.faulty(Faults::default());
+    publish_to(&dest, &src, source(), layout(), &f.options).await.unwrap();
+    let writes = rec.writes();
+    let want = [
+        format!("put {PENDING}"),
+        format!("delete {MANIFEST}"),
+        format!("delete {}", names[0]),
+        format!("delete {}", names[1]),
+    ];
+    assert_eq!(writes[..4], want, "{writes:?}");
 }
 
 /// A publish killed (SIGKILL) in the middle of a multipart upload leaves no manifest; a retry
@@ -303,6 +369,7 @@ async fn killed_mid_upload_then_retried(f: Fixture) {
     assert!(read_manifest_at(&f.dest).await.unwrap().is_none(), "a killed publish left a manifest");
     assert!(f.object(PENDING).await.is_some());
     assert!(f.object(BIG).await.is_none(), "an unfinished multipart upload became an object");
+    assert!(f.object(".metadata").await.is_none(), "a killed publish left .metadata");
     let published = f.tmp.path().join("published");
     let staging = |dir: &std::path::Path| -> Vec<String> {
         fs::read_dir(dir)

@@ -1,0 +1,130 @@
+//! What makes the files at a destination a checkpoint for readers that never read our manifest,
+//! and so what a publish must write last and withdraw first.
+//!
+//! - **DCP** (`.metadata` + rank files): torch's `FileSystemReader` (and every DCP reader) opens
+//!   `.metadata` and trusts it to name complete files, so `.metadata` is the commit: written
+//!   only after every data file is complete and verified, deleted before anything else changes.
+//! - **HF safetensors with an index** (`model.safetensors.index.json`, what `export` writes):
+//!   `transformers` reads the index first and opens the files it names, so the index is the
+//!   commit, with the same rule.
+//! - **DCP-safetensors** (`*.safetensors` with `DCP_SHARDING_INFO`, no index): torch's
+//!   `HuggingFaceStorageReader` lists the directory and reads every `*.safetensors` it finds,
+//!   building global shapes from whichever chunks are there, so a subset loads silently wrong and
+//!   no single file can commit. Each file is uploaded as a multipart upload that stays open
+//!   (invisible: an upload is no object until completed) until every file's bytes are up; then
+//!   all are completed together, so the completions are the commit. Before an overwrite every
+//!   `*.safetensors` of the old checkpoint is withdrawn, so old and new never mix.
+
+use std::collections::BTreeSet;
+
+use crate::{Destination, PublishError, MANIFEST};
+
+/// DCP's commit marker.
+pub const DCP_METADATA: &str = ".metadata";
+/// The commit marker of an HF safetensors release.
+pub const HF_INDEX: &str = "model.safetensors.index.json";
+const SAFETENSORS: &str = ".safetensors";
+
+/// How a checkpoint's files become visible to readers other than Shardline.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CommitRule {
+    /// These files (in this order) commit it: written after every other file, withdrawn first.
+    Markers(Vec<String>),
+    /// Every `*.safetensors` file is read by the reader: they are completed together, last.
+    AllSafetensors,
+    /// No reader-visible commit (anything else): the manifest alone commits.
+    ManifestOnly,
+}
+
+impl CommitRule {
+    /// The rule for a checkpoint made of `names`.
+    pub fn of(names: &[String]) -> CommitRule {
+        let markers: Vec<String> =
+            [DCP_METADATA, HF_INDEX].iter().filter(|m| names.iter().any(|n| n == *m)).map(|m| m.to_string()).collect();
+        if !markers.is_empty() {
+            CommitRule::Markers(markers)
+        } else if names.iter().any(|n| n.ends_with(SAFETENSORS)) {
+            CommitRule::AllSafetensors
+        } else {
+            CommitRule::ManifestOnly
+        }
+    }
+
+    /// Whether `name` is written in the commit phase, after the data.
+    pub fn is_marker(&self, name: &str) -> bool {
+        matches!(self, CommitRule::Markers(m) if m.iter().any(|x| x == name))
+    }
+
+    /// Whether `name`'s upload stays open until every file's bytes are up.
+    pub fn completes_together(&self, name: &str) -> bool {
+        *self == CommitRule::AllSafetensors && name.ends_with(SAFETENSORS)
+    }
+
+    /// What must be deleted, before anything else is touched, so that no reader takes the
+    /// destination for a checkpoint while it changes, in this order: our manifest, the commit
+    /// markers this checkpoint or the old one has, and for DCP-safetensors every `*.safetensors`
+    /// of either. `old` is what the destination's previous manifest (or an interrupted publish's
+    /// record) listed.
+    pub fn withdrawn<'a>(&self, new: &'a [String], old: impl Iterator<Item = &'a String>) -> Vec<String> {
+        let old: Vec<&String> = old.collect();
+        let either = || new.iter().chain(old.iter().copied());
+        let mut ordered = vec![MANIFEST.to_string()];
+        ordered.extend([DCP_METADATA, HF_INDEX].iter().filter(|m| either().any(|n| n == *m)).map(|m| m.to_string()));
+        if *self == CommitRule::AllSafetensors {
+            let files: BTreeSet<&String> = either().filter(|n| n.ends_with(SAFETENSORS)).collect();
+            ordered.extend(files.into_iter().cloned());
+        }
+        ordered
+    }
+}
+
+/// Deletes `names` at `dest` in order (missing ones are fine); stops at the first failure.
+pub(crate) async fn withdraw(dest: &Destination, names: &[String]) -> Result<(), PublishError> {
+    for name in names {
+        crate::engine::delete_if_present(dest, name, "withdraw the old commit").await?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn rules_by_format() {
+        let dcp = names(&["__0_0.distcp", "__1_0.distcp", ".metadata"]);
+        assert_eq!(CommitRule::of(&dcp), CommitRule::Markers(names(&[".metadata"])));
+        assert!(CommitRule::of(&dcp).is_marker(".metadata"));
+        assert!(!CommitRule::of(&dcp).is_marker("__0_0.distcp"));
+        let hf = names(&["model-00001-of-00002.safetensors", "config.json", "model.safetensors.index.json"]);
+        let rule = CommitRule::of(&hf);
+        assert_eq!(rule, CommitRule::Markers(names(&["model.safetensors.index.json"])));
+        assert!(!rule.completes_together("model-00001-of-00002.safetensors"));
+        let st =
+            names(&["shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]);
+        let rule = CommitRule::of(&st);
+        assert_eq!(rule, CommitRule::AllSafetensors);
+        assert!(rule.completes_together(&st[0]));
+        assert_eq!(CommitRule::of(&names(&["notes.txt"])), CommitRule::ManifestOnly);
+    }
+
+    #[test]
+    fn withdrawal_puts_the_commit_first_and_takes_every_old_safetensors_file() {
+        let dcp = names(&["__0_0.distcp", ".metadata"]);
+        let w = CommitRule::of(&dcp).withdrawn(&dcp, [].iter());
+        assert_eq!(w, names(&[MANIFEST, ".metadata"]));
+        // An HF export published over a DCP checkpoint withdraws the old `.metadata` too.
+        let hf = names(&["model.safetensors", HF_INDEX]);
+        let w = CommitRule::of(&hf).withdrawn(&hf, dcp.iter());
+        assert_eq!(w, names(&[MANIFEST, ".metadata", HF_INDEX]));
+        let st = names(&["shard-00001-model-00001-of-00001.safetensors"]);
+        let old = names(&["shard-00002-model-00001-of-00001.safetensors", "x.bin"]);
+        let w = CommitRule::AllSafetensors.withdrawn(&st, old.iter());
+        assert_eq!(w[0], MANIFEST);
+        assert!(w.contains(&st[0]) && w.contains(&old[0]) && !w.contains(&old[1]), "{w:?}");
+    }
+}
