@@ -12,6 +12,7 @@ mod inspect;
 mod malloc;
 mod notify;
 mod orchestrate;
+mod publish;
 mod report;
 mod reshard;
 mod serve;
@@ -42,6 +43,12 @@ enum Command {
     Reshard(reshard::ReshardArgs),
     /// Write a checkpoint's model weights back as an HF safetensors release.
     Export(export::ExportArgs),
+    /// Publish a local checkpoint directory to a destination: data first, each object verified,
+    /// then `.metadata`, then the manifest; nothing torch could take for a checkpoint until then.
+    Publish(publish::PublishArgs),
+    /// Say whether a published location holds a complete checkpoint (which one), or what an
+    /// interrupted publish left there; `--clean` removes it.
+    VerifyDestination(publish::VerifyDestinationArgs),
     /// Write a synthetic HF release with real key names and shapes (deterministic data).
     Synth(convert::SynthArgs),
     /// Measure conversion speed against `cp -r` of the same input, and peak memory.
@@ -90,6 +97,8 @@ fn main() -> ExitCode {
         Command::Validate(a) => inspect::run_validate(a),
         Command::Reshard(a) => reshard::run_reshard(a),
         Command::Export(a) => export::run_export(a),
+        Command::Publish(a) => publish::run_publish(a),
+        Command::VerifyDestination(a) => publish::run_verify_destination(a),
         Command::Synth(a) => convert::run_synth(a),
         Command::Bench(a) => convert::run_bench(a),
         Command::Run(a) => {

@@ -73,6 +73,7 @@ mod engine;
 pub mod moto;
 mod protocol;
 mod s3_uploads;
+mod survey;
 
 pub use commit::{CommitRule, DCP_METADATA, HF_INDEX};
 pub use destination::{Backend, Destination};
@@ -80,6 +81,7 @@ pub use engine::read_manifest_at;
 pub use object_store;
 pub use protocol::publish_to;
 pub use s3_uploads::OpenMultipart;
+pub use survey::{clean, survey, LocationReport, LocationState};
 
 /// Name of the manifest in a published directory.
 pub const MANIFEST: &str = "shardline-manifest.json";
