@@ -118,6 +118,15 @@ impl Artifacts {
         Ok(())
     }
 
+    /// Deletes the object `name`, if there is one (a commit marker withdrawn before its files
+    /// are written again).
+    pub async fn delete(&self, name: &str) -> Result<()> {
+        match self.dest.store().delete(&self.object(name)).await {
+            Ok(()) | Err(shardline_publish::object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(self.store_err(name, "delete", e)),
+        }
+    }
+
     /// Reads the whole of a small object (at most `max` bytes).
     pub async fn read_small(&self, name: &str, max: u64) -> Result<Option<Vec<u8>>> {
         let got = match self.dest.store().get(&self.object(name)).await {

@@ -534,6 +534,8 @@ pub fn staged_step(
     // The marker last: a reader that finds it finds everything else.
     files.sort_by_key(|(name, _)| name == last);
     let total = ctx.runtime.block_on(async {
+        // A marker an earlier attempt put there is withdrawn before its files are written again.
+        artifacts.delete(last).await.map_err(transient)?;
         let mut total = 0;
         for (name, _) in &files {
             total += put_file(&artifacts, name, &out.join(name), ctx).await?;

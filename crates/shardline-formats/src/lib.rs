@@ -16,6 +16,7 @@
 pub mod checkpoint;
 pub mod dcp_metadata;
 pub mod execute;
+pub mod out_dir;
 pub mod pickle;
 pub mod safetensors;
 pub mod torch_save;

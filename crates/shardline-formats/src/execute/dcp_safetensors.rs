@@ -67,6 +67,12 @@ pub(super) fn write_safetensors_rank(
     Ok((path, len, items.len() as u64))
 }
 
+/// Where a whole DCP-safetensors checkpoint is written before its files take their names: torch's
+/// `HuggingFaceStorageReader` reads every `*.safetensors` its (non-recursive) listing of the
+/// directory finds, with no marker naming the set, so no file may appear there before all are
+/// complete.
+pub const SAFETENSORS_STAGING: &str = ".shardline-staging";
+
 pub(super) fn write_dcp_safetensors(
     plan: &PlanTable,
     sources: &SourceMap,
@@ -75,17 +81,24 @@ pub(super) fn write_dcp_safetensors(
     progress: &Progress,
 ) -> Result<WriteReport, ExecuteError> {
     let world = plan.world() as usize;
+    let staging = out.join(SAFETENSORS_STAGING);
+    fs::create_dir_all(&staging).map_err(io_err(&staging, "create staging directory"))?;
     let per_rank = for_each_unit(world, options.threads, progress, |rank| {
-        let written = write_safetensors_rank(plan, rank, out, sources, options, progress)?;
+        let written = write_safetensors_rank(plan, rank, &staging, sources, options, progress)?;
         progress.files_done.fetch_add(1, Ordering::Relaxed);
         Ok(written)
     })?;
     let mut report = WriteReport { files: Vec::new(), tensor_bytes: 0, file_bytes: 0, chunks: 0, kernel_copy_bytes: 0 };
+    // Every file is complete and synced: now they take their names, one rename each.
     for (path, len, n) in per_rank {
-        report.files.push(path);
+        let fin = out.join(path.file_name().expect("a rank file has a name"));
+        fs::rename(&path, &fin).map_err(io_err(&fin, "rename rank file into place"))?;
+        report.files.push(fin);
         report.file_bytes += len;
         report.chunks += n;
     }
+    fs::remove_dir(&staging).map_err(io_err(&staging, "remove staging directory"))?;
+    fs::File::open(out).and_then(|d| d.sync_all()).map_err(io_err(out, "sync output directory"))?;
     report.tensor_bytes = plan.bytes_per_rank().iter().sum();
     Ok(report)
 }

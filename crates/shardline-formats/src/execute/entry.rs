@@ -14,9 +14,10 @@ use super::*;
 use super::{dcp::*, dcp_safetensors::*, rank_file::*, sources::*, threads::*};
 
 /// Prepares the output directory: refuses to clobber a checkpoint unless asked, and removes the
-/// commit marker first so a half-replaced checkpoint never looks complete.
-fn prepare_dir(out: &Path, format: OutputFormat, overwrite: bool) -> Result<(), ExecuteError> {
-    fs::create_dir_all(out).map_err(io_err(out, "create output directory"))?;
+/// commit marker first so a half-replaced checkpoint never looks complete. Returns the
+/// directories it created, to remove if the write fails.
+fn prepare_dir(out: &Path, format: OutputFormat, overwrite: bool) -> Result<crate::out_dir::Created, ExecuteError> {
+    let created = crate::out_dir::create(out).map_err(io_err(out, "create output directory"))?;
     let marker = out.join(".metadata");
     let existing: Vec<PathBuf> = fs::read_dir(out)
         .map_err(io_err(out, "list output directory"))?
@@ -41,7 +42,7 @@ fn prepare_dir(out: &Path, format: OutputFormat, overwrite: bool) -> Result<(), 
         }
     }
     let _ = format;
-    Ok(())
+    Ok(created)
 }
 
 /// Writes the checkpoint of `plan` from `release` into `out`.
@@ -64,7 +65,7 @@ pub fn write_checkpoint_from(
     options: &ExecuteOptions,
     progress: &Progress,
 ) -> Result<WriteReport, ExecuteError> {
-    prepare_dir(out, options.format, options.overwrite)?;
+    let created = prepare_dir(out, options.format, options.overwrite)?;
     let result = match options.format {
         OutputFormat::Dcp => write_dcp(plan, sources, out, options, progress),
         OutputFormat::DcpSafetensors => write_dcp_safetensors(plan, sources, out, options, progress),
@@ -79,6 +80,8 @@ pub fn write_checkpoint_from(
                 }
             }
         }
+        let _ = fs::remove_dir_all(out.join(SAFETENSORS_STAGING));
+        created.remove();
     }
     result
 }

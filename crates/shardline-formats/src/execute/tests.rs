@@ -343,3 +343,47 @@ fn a_rank_file_written_a_section_at_a_time_from_each_sections_ranges_equals_the_
         }
     }
 }
+
+/// A write that fails (here: cancelled) leaves nothing behind, not even the directories it
+/// created for its output; one that succeeds leaves no staging behind, and DCP-safetensors files
+/// (which no marker commits) take their names only once all are written.
+#[test]
+fn a_failed_write_leaves_nothing_behind_and_a_finished_one_no_staging() {
+    let release = Release::open(fixture("llama")).unwrap();
+    let plan = plan(&release, Mesh { tp: 2, cp: 1, dp: 2, ep: 1, etp: 2 }, false);
+    for format in [OutputFormat::Dcp, OutputFormat::DcpSafetensors] {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("runs/a/ckpt");
+        let options = ExecuteOptions { format, ..ExecuteOptions::default() };
+        let cancelled = Progress::default();
+        cancelled.cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+        let err = write_checkpoint(&plan, &release, &out, &options, &cancelled).unwrap_err();
+        assert!(matches!(err, ExecuteError::Cancelled), "{format:?}: {err}");
+        assert!(!tmp.path().join("runs").exists(), "{format:?}: a failed write left the directories it made");
+
+        // An obstacle where the last rank file's staged copy must go fails that rank after the
+        // others finished: none of theirs is in place, and the obstacle's directory, which the
+        // write did not make, stays.
+        if format == OutputFormat::DcpSafetensors {
+            let obstacle = out.join(SAFETENSORS_STAGING).join(dcp_safetensors_rank_file(3, 4));
+            fs::create_dir_all(obstacle.join("x")).unwrap();
+            write_checkpoint(&plan, &release, &out, &options, &Progress::default()).unwrap_err();
+            let left: Vec<String> =
+                fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+            assert!(left.is_empty(), "{left:?}");
+        }
+
+        write_checkpoint(&plan, &release, &out, &options, &Progress::default()).unwrap();
+        let mut names: Vec<String> =
+            fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        names.sort();
+        let want: Vec<String> = match format {
+            OutputFormat::Dcp => [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            OutputFormat::DcpSafetensors => (0..4).map(|r| dcp_safetensors_rank_file(r, 4)).collect(),
+        };
+        assert_eq!(names, want, "{format:?}");
+    }
+}

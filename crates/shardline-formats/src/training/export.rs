@@ -18,6 +18,7 @@ use shardline_layout::reshard::{check_tiling, runs, ChunkBox};
 use super::TrainingError;
 use crate::checkpoint::{Checkpoint, StoredTensor};
 use crate::execute::{for_each_unit, ExecuteError, Progress};
+use crate::out_dir;
 use crate::safetensors::{FileLayout, SafetensorsWriter};
 
 /// Bytes of checkpoint rows each writer reads at a time.
@@ -118,22 +119,24 @@ pub fn write_export(
     }
     let staging = staging_dir(out);
     let _ = fs::remove_dir_all(&staging);
-    fs::create_dir_all(&staging).map_err(io_err(&staging, "create staging directory"))?;
+    let parent = staging.parent().unwrap_or(Path::new("."));
+    let created = out_dir::create(parent).map_err(io_err(parent, "create the output's parent directory"))?;
+    if let Err(e) = fs::create_dir(&staging) {
+        created.remove();
+        return Err(io_err(&staging, "create staging directory")(e).into());
+    }
     let result = write_staged(checkpoint, &by_key, tensors, like, &staging, options, progress);
     let report = match result {
         Ok(r) => r,
         Err(e) => {
             let _ = fs::remove_dir_all(&staging);
+            created.remove();
             return Err(e);
         }
     };
-    if out.exists() {
-        fs::remove_dir_all(out).map_err(io_err(out, "remove the previous export"))?;
-    }
-    fs::rename(&staging, out).map_err(io_err(out, "rename the export into place"))?;
-    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
-        File::open(parent).and_then(|d| d.sync_all()).map_err(io_err(parent, "sync the parent directory"))?;
-    }
+    // The old export (if any) is withdrawn whole, in one rename, before the new one takes its
+    // place: a reader never sees an index naming files half removed.
+    out_dir::replace_with(&staging, out).map_err(io_err(out, "put the export in place"))?;
     Ok(report)
 }
 

@@ -93,8 +93,7 @@ pub fn write_resharded(
     }
     // Everything that can fail on the source's content fails before the output exists.
     let (edited, args_set, args_missing) = edit_args(source, plan)?;
-    let created = !out.exists();
-    fs::create_dir_all(out).map_err(io_err(out, "create output directory"))?;
+    let created = crate::out_dir::create(out).map_err(io_err(out, "create output directory"))?;
     let result = write_all(source, plan, out, threads, progress, &edited);
     match result {
         Ok((files, tensor_bytes, file_bytes, chunks)) => {
@@ -105,9 +104,7 @@ pub fn write_resharded(
                 let _ = fs::remove_file(out.join(dcp_rank_file(rank)));
             }
             let _ = fs::remove_file(out.join(".metadata.tmp"));
-            if created {
-                let _ = fs::remove_dir(out);
-            }
+            created.remove();
             Err(e)
         }
     }
