@@ -191,11 +191,20 @@ fn full_disk_leaves_no_checkpoint() {
         fixture("llama").display(),
         out.display()
     );
-    let o = std::process::Command::new("sh").arg("-c").arg(script).output().unwrap();
+    let o = std::process::Command::new("sh").arg("-c").arg(&script).output().unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let err = stderr(&o);
     assert!(err.contains("rank file") && err.contains("__"), "{err}");
-    assert!(!out.join(".metadata").exists());
+    // Nothing is left, not even the directory the convert created.
+    assert!(
+        !out.exists(),
+        "{:?}",
+        std::fs::read_dir(&out).map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>())
+    );
+    // Into a directory that was there before, the same failure leaves the directory, empty.
+    std::fs::create_dir(&out).unwrap();
+    let o = std::process::Command::new("sh").arg("-c").arg(&script).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let leftovers: Vec<_> = std::fs::read_dir(&out).unwrap().flatten().map(|e| e.file_name()).collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }

@@ -186,3 +186,25 @@ fn without_args_the_source_mesh_comes_from_the_chunk_geometry() {
     assert!(stdout(&o).contains("(tp2·cp1·dp2·ep2·etp1, from chunk geometry"), "{}", stdout(&o));
     validate(&b, "gpt_oss_bf16", 1);
 }
+
+/// `reshard --overwrite` over a checkpoint withdraws the old `.metadata` before it touches a rank
+/// file: a write that fails part-way (a file-size limit, as a full disk) leaves no `.metadata`
+/// naming rank files that were replaced or removed, only an empty directory.
+#[test]
+fn a_failed_overwrite_leaves_no_old_metadata_over_new_rank_files() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (src, out) = (tmp.path().join("src"), tmp.path().join("out"));
+    convert_at("llama", &src, (1, 1, 2, 1, 1));
+    convert_at("llama", &out, (1, 1, 4, 1, 1));
+    assert!(out.join(".metadata").is_file() && out.join("__3_0.distcp").is_file());
+    let script = format!(
+        "trap '' XFSZ; ulimit -f 64; exec '{}' reshard '{}' --to '{}' --tp 1 --dp 2 --overwrite",
+        env!("CARGO_BIN_EXE_shardline"),
+        src.display(),
+        out.display()
+    );
+    let o = std::process::Command::new("sh").arg("-c").arg(script).output().expect("sh");
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let left: Vec<_> = std::fs::read_dir(&out).expect("out").flatten().map(|e| e.file_name()).collect();
+    assert!(left.is_empty(), "{left:?}");
+}

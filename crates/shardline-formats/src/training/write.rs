@@ -94,6 +94,7 @@ pub fn write_resharded(
     // Everything that can fail on the source's content fails before the output exists.
     let (edited, args_set, args_missing) = edit_args(source, plan)?;
     let created = crate::out_dir::create(out).map_err(io_err(out, "create output directory"))?;
+    withdraw_old_checkpoint(out)?;
     let result = write_all(source, plan, out, threads, progress, &edited);
     match result {
         Ok((files, tensor_bytes, file_bytes, chunks)) => {
@@ -108,6 +109,23 @@ pub fn write_resharded(
             Err(e)
         }
     }
+}
+
+/// Removes a checkpoint being replaced: its `.metadata` first (so no reader takes the directory
+/// for a checkpoint from here on), then its rank files.
+fn withdraw_old_checkpoint(out: &Path) -> Result<(), TrainingError> {
+    let marker = out.join(".metadata");
+    match fs::remove_file(&marker) {
+        Ok(()) => File::open(out).and_then(|d| d.sync_all()).map_err(io_err(out, "sync output directory"))?,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err(&marker, "withdraw the old .metadata")(e).into()),
+    }
+    for e in fs::read_dir(out).map_err(io_err(out, "list output directory"))?.flatten() {
+        if e.file_name().to_string_lossy().ends_with(".distcp") {
+            fs::remove_file(e.path()).map_err(io_err(&e.path(), "remove old rank file"))?;
+        }
+    }
+    Ok(())
 }
 
 /// The `args` items rewritten with the target mesh: `(object index, archive)`, the fields set
