@@ -9,8 +9,8 @@ use std::sync::Arc;
 use serde_json::json;
 use shardline_publish::object_store::{Attribute, GetOptions, ObjectStore, ObjectStoreExt, PutPayload};
 use shardline_publish::{
-    publish, publish_to, read_manifest_at, AfterUpload, PublishError, PublishOptions, MANIFEST, PENDING,
-    SHA256_METADATA,
+    clean, publish, publish_to, read_manifest_at, survey, AfterUpload, LocationState, PublishError, PublishOptions,
+    MANIFEST, PENDING, SHA256_METADATA,
 };
 use support::{Faults, Fixture, BIG, FILES};
 
@@ -38,6 +38,7 @@ on_both_backends!(
     verification_catches_a_corrupted_object,
     a_failure_before_the_manifest_leaves_data_but_no_manifest,
     dcp_safetensors_files_become_visible_together,
+    a_survey_names_the_checkpoint_or_the_debris_and_clean_removes_it,
 );
 
 fn strings(v: &[&str]) -> Vec<String> {
@@ -336,6 +337,44 @@ async fn dcp_safetensors_files_become_visible_together(f: Fixture) {
         format!("delete {}", names[1]),
     ];
     assert_eq!(writes[..4], want, "{writes:?}");
+}
+
+/// `survey` (`verify-destination`): a complete checkpoint by its manifest's SHA-256; after a
+/// failed re-publish, not complete, with the pending record and the files it wrote as debris;
+/// `clean` removes them (nothing else) and a publish then completes.
+async fn a_survey_names_the_checkpoint_or_the_debris_and_clean_removes_it(f: Fixture) {
+    use sha2::{Digest, Sha256};
+    let r = survey(&f.dest).await.unwrap();
+    assert_eq!(r.state, LocationState::Empty, "{r:?}");
+    publish(&f.src, &f.to, source(), layout(), &f.options).await.unwrap();
+    let r = survey(&f.dest).await.unwrap();
+    let manifest = f.object(MANIFEST).await.unwrap();
+    assert_eq!(r.state, LocationState::Complete, "{r:?}");
+    assert_eq!(r.manifest_sha256.as_deref(), Some(hex::encode(Sha256::digest(&manifest)).as_str()));
+    assert!(r.torch_visible && r.debris.is_empty() && r.problems.is_empty(), "{r:?}");
+
+    // Something that is not ours stays out of it, and a failed re-publish leaves debris.
+    f.tamper("notes.txt", b"kept".to_vec()).await;
+    fs::write(f.src.join("__0_0.distcp"), b"rank zero, v2!!").unwrap();
+    let (_, dest) = f.faulty(Faults { fail_put_of: Some(".metadata".into()), ..Default::default() });
+    publish_to(&dest, &f.src, source(), layout(), &f.options).await.unwrap_err();
+    let r = survey(&f.dest).await.unwrap();
+    assert_eq!(r.state, LocationState::Incomplete, "{r:?}");
+    assert!(!r.torch_visible, "{r:?}");
+    assert!(r.debris.contains(&PENDING.to_string()) && r.debris.contains(&"__0_0.distcp".to_string()), "{r:?}");
+    assert_eq!(r.other, vec!["notes.txt".to_string()]);
+
+    let r = clean(&f.dest).await.unwrap();
+    assert!(r.cleaned.contains(&PENDING.to_string()), "{r:?}");
+    assert_eq!(r.state, LocationState::Incomplete, "only notes.txt is left: {r:?}");
+    assert!(r.debris.is_empty(), "{r:?}");
+    assert!(f.object("notes.txt").await.is_some(), "clean removed what is not ours");
+    for name in FILES {
+        assert!(f.object(name).await.is_none(), "{name} survived the clean");
+    }
+    let (m, _) = publish(&f.src, &f.to, source(), layout(), &f.options).await.unwrap();
+    assert_published(&f, &m).await;
+    assert_eq!(survey(&f.dest).await.unwrap().state, LocationState::Complete);
 }
 
 /// A publish killed (SIGKILL) in the middle of a multipart upload leaves no manifest; a retry

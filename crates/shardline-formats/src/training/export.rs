@@ -123,7 +123,7 @@ pub fn write_export(
     let created = out_dir::create(parent).map_err(io_err(parent, "create the output's parent directory"))?;
     if let Err(e) = fs::create_dir(&staging) {
         created.remove();
-        return Err(io_err(&staging, "create staging directory")(e).into());
+        return Err(io_err(&staging, "create staging directory")(e));
     }
     let result = write_staged(checkpoint, &by_key, tensors, like, &staging, options, progress);
     let report = match result {
