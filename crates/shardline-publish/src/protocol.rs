@@ -205,6 +205,10 @@ pub async fn publish_to(
     if plans.iter().all(|p| *p == Plan::Skip) {
         report.skipped = names.clone();
         if v.previous.as_ref() == Some(&manifest) {
+            // A publish killed after its commit may have left its record behind.
+            if head(dest, PENDING).await?.is_some() {
+                let _ = crate::engine::delete_if_present(dest, PENDING, "remove a stale publish record").await;
+            }
             return Ok((manifest, report));
         }
         // Same files, another manifest (its source or layout changed): the data stays committed.
@@ -243,6 +247,7 @@ pub async fn publish_to(
     withdraw(dest, &withdrawn).await?;
     sync_local_dir(dest).await?;
     remove_local_staging(dest, &names).await;
+    abort_stale_uploads(dest, &names).await;
 
     let written = match write_files(ctx, &entries, &plans, &rule).await {
         Ok(outcomes) => outcomes,
@@ -265,6 +270,17 @@ pub async fn publish_to(
     let _ = crate::engine::delete_if_present(dest, PENDING, "remove the record of the publish").await;
     sync_local_dir(dest).await?;
     Ok((manifest, report))
+}
+
+/// Aborts the multipart uploads of these files that an earlier, killed publish left open (S3,
+/// which lists them): they would otherwise hold storage until the bucket's lifecycle rule. Best
+/// effort; a publish owns its destination while it runs.
+async fn abort_stale_uploads(dest: &Destination, names: &[String]) {
+    let Ok(Some(open)) = dest.open_uploads().await else { return };
+    let Some(mp) = dest.multipart() else { return };
+    for u in open.into_iter().filter(|u| names.contains(&u.key)) {
+        let _ = mp.abort_multipart(&dest.object(&u.key), &u.upload_id).await;
+    }
 }
 
 fn fill_report(report: &mut PublishReport, entries: &[FileEntry], mut outcomes: BTreeMap<usize, Outcome>) {
