@@ -20,6 +20,7 @@ mod procs;
 mod reshard;
 mod soak;
 mod startup;
+mod torch_dist;
 mod triggers;
 mod validate_parts;
 

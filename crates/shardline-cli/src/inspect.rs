@@ -39,7 +39,10 @@ fn format_name(f: CheckpointFormat) -> &'static str {
     }
 }
 
-pub fn run_inspect(args: InspectArgs) -> Result<ExitCode> {
+pub fn run_inspect(mut args: InspectArgs) -> Result<ExitCode> {
+    // A Megatron-LM save directory: the checkpoint its tracker names.
+    args.ckpt = shardline_formats::checkpoint::resolve_checkpoint_dir(&args.ckpt)
+        .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?;
     let out = std::io::stdout();
     let mut out = std::io::BufWriter::with_capacity(1 << 16, out.lock());
     let mut first = true;

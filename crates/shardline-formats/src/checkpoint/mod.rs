@@ -90,6 +90,30 @@ pub enum CheckpointError {
     Safetensors(#[from] SafetensorsError),
     #[error("{file}: DCP_SHARDING_INFO: {message}")]
     ShardingInfo { file: String, message: String },
+    #[error("{0}: names neither `release` nor an iteration number: {1:?}")]
+    Tracker(PathBuf, String),
+}
+
+/// Megatron-LM's tracker file in a save directory.
+pub const MEGATRON_TRACKER: &str = "latest_checkpointed_iteration.txt";
+
+/// The checkpoint directory a Megatron-LM save directory's tracker names (`release/`, or
+/// `iter_0000123/` for `123`); `None` when `dir` has no tracker.
+pub fn megatron_checkpoint_dir(dir: &Path) -> Result<Option<PathBuf>, CheckpointError> {
+    let tracker = dir.join(MEGATRON_TRACKER);
+    let text = match fs::read_to_string(&tracker) {
+        Ok(t) => t,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(CheckpointError::Io { path: tracker, action: "read", error: e }),
+    };
+    let text = text.trim();
+    if text == "release" {
+        return Ok(Some(dir.join("release")));
+    }
+    match text.parse::<u64>() {
+        Ok(n) => Ok(Some(dir.join(format!("iter_{n:07}")))),
+        Err(_) => Err(CheckpointError::Tracker(tracker, text.chars().take(40).collect())),
+    }
 }
 
 fn io_err<'a>(path: &'a Path, action: &'static str) -> impl FnOnce(io::Error) -> CheckpointError + 'a {
@@ -107,7 +131,17 @@ pub fn open_checkpoint_keys(dir: &Path, keep: impl Fn(&str) -> bool) -> Result<C
     open_any(dir, Some(&keep))
 }
 
+/// The directory holding the checkpoint `dir` names: `dir` itself, or, for a Megatron-LM save
+/// directory, the checkpoint its tracker names (one level, never further).
+pub fn resolve_checkpoint_dir(dir: &Path) -> Result<PathBuf, CheckpointError> {
+    if dir.join(".metadata").is_file() {
+        return Ok(dir.to_path_buf());
+    }
+    Ok(megatron_checkpoint_dir(dir)?.unwrap_or_else(|| dir.to_path_buf()))
+}
+
 fn open_any(dir: &Path, keep: Option<&dyn Fn(&str) -> bool>) -> Result<Checkpoint, CheckpointError> {
+    let dir = &resolve_checkpoint_dir(dir)?;
     if dir.join(".metadata").is_file() {
         return dcp::open_dcp(dir, keep);
     }

@@ -42,6 +42,7 @@ pub struct ScanSummary {
 
 /// Streams the tensors of the checkpoint in `dir` to `on_tensor`, then returns the summary.
 pub fn scan_checkpoint(dir: &Path, mut on_tensor: impl FnMut(TensorSummary)) -> Result<ScanSummary, CheckpointError> {
+    let dir = &super::resolve_checkpoint_dir(dir)?;
     let md_path = dir.join(".metadata");
     let mut summary = ScanSummary {
         format: CheckpointFormat::Dcp,

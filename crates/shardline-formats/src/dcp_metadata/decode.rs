@@ -19,7 +19,12 @@ use crate::pickle::{scan_memo_references, Limits, PickleError, Reader, Value};
 /// The sections of `Metadata`'s state, in the order of its dataclass fields (which is the order
 /// its `__dict__`, and so its pickle, has them).
 const SECTIONS: [&str; 3] = ["state_dict_metadata", "planner_data", "storage_data"];
-const FIELDS: [&str; 5] = ["state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"];
+/// The dataclass fields, then the attributes Megatron-Core sets on the `Metadata` it saves:
+/// `all_local_plans` (every rank's `SavePlan`, for `--ckpt-assume-constant-structure`) and, before
+/// 0.14, `mcore_data`. torch unpickles them as plain attributes; a loader never reads them, and
+/// neither does Shardline.
+const FIELDS: [&str; 7] =
+    ["state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version", "all_local_plans", "mcore_data"];
 
 /// One item of a `.metadata`, in file order: every entry, then every planner path, then every
 /// storage location.
@@ -179,6 +184,7 @@ impl Decoder {
             last = i;
             match name.as_str() {
                 "version" => tail.version = optional(v).map(|v| into_str(v, &At::root("version"))).transpose()?,
+                "all_local_plans" | "mcore_data" => {}
                 "storage_meta" => {
                     if let Some(v) = optional(v) {
                         check_storage_meta(v)?;
@@ -410,7 +416,7 @@ fn check_memory_format(v: &Value, path: &At<'_>) -> Result<(), DcpMetadataError>
 }
 
 /// `TensorProperties` state: `(dtype, layout, requires_grad, memory_format, pin_memory)`, plus
-/// the strides torch 2.15 appends.
+/// the strides torch 2.15 appends (`None` when not recorded, as Megatron-Core's saves have it).
 fn decode_tensor_properties(v: Value, path: &At<'_>) -> Result<DType, DcpMetadataError> {
     let state = object_state(v, path, MD_MODULE, "TensorProperties")?;
     let items = match state {
@@ -424,7 +430,7 @@ fn decode_tensor_properties(v: Value, path: &At<'_>) -> Result<DType, DcpMetadat
     to_bool(at(2), &path.field("requires_grad"))?;
     check_memory_format(at(3), &path.field("memory_format"))?;
     to_bool(at(4), &path.field("pin_memory"))?;
-    if let Some(strides) = items.get(5) {
+    if let Some(strides) = items.get(5).filter(|s| **s != Value::None) {
         let p = path.field("strides");
         let Value::Tuple(s) = strides else { return Err(unexpected(&p, "a tuple of ints", strides)) };
         for (i, x) in s.iter().enumerate() {

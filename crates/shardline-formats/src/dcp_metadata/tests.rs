@@ -344,9 +344,16 @@ fn accepts_the_variants_torch_versions_write() {
         w.mark().global("torch", "float16").global("torch", "strided").bool(false);
         w.global(MD_MODULE, "_MEM_FORMAT_ENCODING").int(2).tuple1().reduce().bool(false).tuple();
     };
-    for (name, pkl) in
-        [("6-tuple with index", variant_pickle(six, true)), ("5-tuple without index", variant_pickle(five, false))]
-    {
+    // torch 2.15's field is `strides: tuple[int, ...] | None`; Megatron-Core's saves leave it None.
+    let six_without_strides = |w: &mut PickleWriter| {
+        w.mark().global("torch", "float16").global("torch", "strided").bool(false);
+        w.global(MD_MODULE, "_MEM_FORMAT_ENCODING").int(0).tuple1().reduce().bool(false).none().tuple();
+    };
+    for (name, pkl) in [
+        ("6-tuple with index", variant_pickle(six, true)),
+        ("5-tuple without index", variant_pickle(five, false)),
+        ("6-tuple, strides None", variant_pickle(six_without_strides, false)),
+    ] {
         let md = decode_metadata(&pkl).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(
             md.state_dict_metadata,

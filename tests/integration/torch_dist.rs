@@ -1,0 +1,85 @@
+//! Reading Megatron-LM's `torch_dist` checkpoints as Megatron-Core itself writes them: the
+//! fixtures under `tests/fixtures/torch-dist-*` were saved by megatron-core 0.16.1 on CPU
+//! (`tests/python/megatron_fixture.py`); their `.metadata` carries Megatron's `all_local_plans`
+//! and torch 2.15's `strides = None`, and the save directory is named by its tracker.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde_json::Value;
+
+use crate::{bin, run, stderr, stdout};
+
+fn torch_dist_fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+/// `inspect --json` of `dir`: key → global shape, and the bytes items.
+fn inspect(dir: &std::path::Path) -> (BTreeMap<String, Vec<u64>>, Vec<String>) {
+    let o = run(bin().arg("inspect").arg(dir).arg("--json"));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_str(&stdout(&o)).expect("inspect json");
+    let shapes = v["tensors"]
+        .as_array()
+        .expect("tensors")
+        .iter()
+        .map(|t| {
+            let shape = t["shape"].as_array().expect("shape").iter().map(|d| d.as_u64().expect("dim")).collect();
+            (t["key"].as_str().expect("key").to_string(), shape)
+        })
+        .collect();
+    let objects =
+        v["bytes_items"].as_array().expect("bytes items").iter().map(|k| k.as_str().expect("key").into()).collect();
+    (shapes, objects)
+}
+
+#[test]
+fn inspect_reads_what_megatron_core_wrote_through_its_tracker() {
+    // Shapes as Megatron-Core 0.16.1 saved tiny Llama (2 layers, hidden 64, 8/2 heads, ffn 128).
+    let (shapes, objects) = inspect(&torch_dist_fixture("torch-dist-llama-tp2"));
+    let want: BTreeMap<String, Vec<u64>> = [
+        ("embedding.word_embeddings.weight", vec![256, 64]),
+        ("output_layer.weight", vec![256, 64]),
+        ("decoder.final_layernorm.weight", vec![64]),
+        ("decoder.layers.self_attention.linear_qkv.layer_norm_weight", vec![2, 64]),
+        ("decoder.layers.self_attention.linear_qkv.weight", vec![2, 96, 64]),
+        ("decoder.layers.self_attention.linear_proj.weight", vec![2, 64, 64]),
+        ("decoder.layers.mlp.linear_fc1.layer_norm_weight", vec![2, 64]),
+        ("decoder.layers.mlp.linear_fc1.weight", vec![2, 256, 64]),
+        ("decoder.layers.mlp.linear_fc2.weight", vec![2, 64, 128]),
+    ]
+    .into_iter()
+    .map(|(k, s)| (k.to_string(), s))
+    .collect();
+    assert_eq!(shapes, want);
+    let mut objects = objects;
+    objects.sort();
+    let modules = ["mlp.linear_fc1", "mlp.linear_fc2", "self_attention.linear_proj", "self_attention.linear_qkv"];
+    let mut want: Vec<String> = (0..2)
+        .flat_map(|l| modules.iter().map(move |m| format!("decoder.layers.{m}._extra_state/shard_{l}_2")))
+        .collect();
+    want.sort();
+    assert_eq!(objects, want);
+
+    // The MoE save: experts stacked under `experts.experts.` with layer and expert axes.
+    let (shapes, _) = inspect(&torch_dist_fixture("torch-dist-qwen3_moe-tp1ep2").join("release"));
+    assert_eq!(shapes["decoder.layers.mlp.experts.experts.linear_fc1.weight"].len(), 4, "{shapes:?}");
+    assert_eq!(shapes["decoder.layers.mlp.router.weight"][..2], [2, 8]);
+}
+
+#[test]
+fn a_tracker_naming_nothing_is_refused_with_its_content() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    std::fs::write(tmp.path().join("latest_checkpointed_iteration.txt"), "last-good\n").expect("tracker");
+    let o = run(bin().arg("inspect").arg(tmp.path()));
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("neither `release` nor an iteration number") && stderr(&o).contains("last-good"),
+        "{}",
+        stderr(&o)
+    );
+    // An iteration names `iter_%07d`.
+    std::fs::write(tmp.path().join("latest_checkpointed_iteration.txt"), "1200").expect("tracker");
+    let o = run(bin().arg("inspect").arg(tmp.path()));
+    assert!(stderr(&o).contains("iter_0001200"), "{}", stderr(&o));
+}
