@@ -83,3 +83,20 @@ fn a_tracker_naming_nothing_is_refused_with_its_content() {
     let o = run(bin().arg("inspect").arg(tmp.path()));
     assert!(stderr(&o).contains("iter_0001200"), "{}", stderr(&o));
 }
+
+#[test]
+fn inspect_summarises_the_common_state_and_classifies_every_item() {
+    let o = run(bin().arg("inspect").arg(torch_dist_fixture("torch-dist-llama-tp2")).args(["--json", "--summary"]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_str(&stdout(&o)).expect("inspect json");
+    let t = &v["training"];
+    // From `common.pt`, as Megatron-Core's megatron/training would save it.
+    assert_eq!(t["checkpoint_version"], "3.0");
+    assert_eq!(t["iteration"], "0");
+    assert!(t["common"]["content_metadata"].as_str().expect("content_metadata").contains("singleton_local_shards"));
+    assert!(t["common"]["args"].as_str().expect("args").contains("tensor_model_parallel_size=2"));
+    // Nine parameters, eight `_extra_state` objects, nothing not understood.
+    assert_eq!(t["parameters"]["tensors"], 9);
+    assert_eq!(t["unknown"].as_array().map(Vec::len), Some(0), "{t}");
+    assert_eq!(t["objects"].as_object().map(|o| o.len()), Some(8));
+}

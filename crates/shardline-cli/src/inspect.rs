@@ -128,13 +128,21 @@ fn training_json(t: &TrainingSummary) -> serde_json::Value {
            "iteration": t.iteration, "checkpoint_version": t.checkpoint_version,
            "parameters": {"tensors": t.params.0, "bytes": t.params.1}, "optimizer_states": moments,
            "adam_steps": t.adam_steps, "rng_ranks": t.rng_ranks.iter().map(|(p, r)| [p, r]).collect::<Vec<_>>(),
-           "objects": objects, "unknown": t.unknown})
+           "objects": objects, "unknown": t.unknown,
+           "common": t.common.iter().cloned().collect::<BTreeMap<_, _>>()})
 }
 
 /// The training section of `inspect`: what a job resuming from this checkpoint gets.
 fn write_training(out: &mut impl Write, t: &TrainingSummary) -> std::io::Result<()> {
     writeln!(out, "\ntraining checkpoint")?;
-    let mesh = t.mesh.map_or("unknown (no `args`)".to_string(), |m| m.to_string());
+    let mesh = match (&t.mesh, &t.args) {
+        (Some(m), _) => m.to_string(),
+        (None, Some(a)) => match a.tensor_model_parallel_size {
+            Some(tp) => format!("tp={tp}, the rest unknown (`args` has neither world_size nor data_parallel_size)"),
+            None => "unknown (`args` has no tensor_model_parallel_size)".to_string(),
+        },
+        (None, None) => "unknown (no `args`)".to_string(),
+    };
     writeln!(out, "  mesh:               {mesh}")?;
     writeln!(out, "  iteration:          {}", t.iteration.as_deref().unwrap_or("—"))?;
     writeln!(out, "  checkpoint_version: {}", t.checkpoint_version.as_deref().unwrap_or("—"))?;
@@ -151,6 +159,12 @@ fn write_training(out: &mut impl Write, t: &TrainingSummary) -> std::io::Result<
     writeln!(out, "  RNG states:         {}", if rng.is_empty() { "none".to_string() } else { rng.join(", ") })?;
     if !t.unknown.is_empty() {
         writeln!(out, "  not understood (carried by reshard): {}", t.unknown.join(", "))?;
+    }
+    if !t.common.is_empty() {
+        writeln!(out, "  common state ({}):", t.common.len())?;
+        for (k, v) in &t.common {
+            writeln!(out, "    {k} = {v}")?;
+        }
     }
     writeln!(out, "  bytes items ({}):", t.objects.len())?;
     for (k, v) in &t.objects {

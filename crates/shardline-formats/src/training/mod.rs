@@ -3,6 +3,7 @@
 //! items (`open`), what its `args` says (`args`), and written again for another mesh (`write`).
 
 mod args;
+pub mod common_state;
 mod export;
 mod summary;
 mod write;

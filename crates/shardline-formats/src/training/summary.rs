@@ -5,12 +5,14 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::path::Path;
 
-use shardline_layout::reshard::{classify, ItemKind};
+use shardline_layout::reshard::{classify, classify_torch_dist, ItemKind};
 use shardline_layout::Mesh;
 
+use super::common_state::{common_entries, common_entry, is_torch_dist, read_common_pt};
 use super::{TrainingArgs, TrainingError};
 use crate::checkpoint::CheckpointError;
 use crate::dcp_metadata::{read_metadata_file, DcpMetadataError, EntryMeta, MetadataItem, PathElem};
+use crate::pickle::Value;
 use crate::torch_save::read_object_archive;
 
 /// Characters of a bytes item's rendered value.
@@ -36,6 +38,8 @@ pub struct TrainingSummary {
     pub objects: Vec<(String, String)>,
     /// Items that are neither a Megatron training item nor understood.
     pub unknown: Vec<String>,
+    /// `torch_dist`: the common state's entries (`common.pt` or the `common_state` item), rendered.
+    pub common: Vec<(String, String)>,
 }
 
 /// A key of `.metadata` as the summary keeps it: one record per key, never one per chunk.
@@ -81,8 +85,12 @@ pub fn summarize_training(dir: &Path) -> Result<Option<TrainingSummary>, Trainin
     .map_err(|source| CheckpointError::Metadata { path: md_path.clone(), source })?;
     let mut s = TrainingSummary::default();
     let mut training = false;
+    // Megatron-Core's `torch_dist` names items by their own keys and records no planner paths.
+    let torch_dist = is_torch_dist(dir);
+    let mut common_item = None;
     for (key, k) in &keys {
-        let kind = k.path.as_deref().map_or(ItemKind::Unknown, classify);
+        let kind =
+            if torch_dist { classify_torch_dist(key) } else { k.path.as_deref().map_or(ItemKind::Unknown, classify) };
         match k.tensor_bytes {
             Some(nbytes) => match kind {
                 ItemKind::Model { .. } => {
@@ -125,13 +133,44 @@ pub fn summarize_training(dir: &Path) -> Result<Option<TrainingSummary>, Trainin
                     }
                     ItemKind::Rng { pp, tp } => s.rng_ranks.push((*pp, *tp)),
                     ItemKind::Unknown => s.unknown.push(key.clone()),
+                    ItemKind::Carried if torch_dist && key.starts_with("common_state/") => {
+                        common_item = Some(value.clone());
+                    }
                     _ => {}
                 }
                 s.objects.push((key.clone(), shown));
             }
         }
     }
+    if torch_dist {
+        // A loader prefers `common.pt` (megatron-core ≤ 0.18) to the `common_state` item.
+        if let Some(common) = read_common_pt(dir)?.or(common_item) {
+            training = true;
+            apply_common(&mut s, &common);
+        }
+    }
     s.rng_ranks.sort_unstable();
     s.rng_ranks.dedup();
     Ok(training.then_some(s))
+}
+
+/// What the `torch_dist` common state says: the job's `args` (and so its mesh), `iteration`,
+/// `checkpoint_version`; every entry is listed.
+fn apply_common(s: &mut TrainingSummary, common: &Value) {
+    let Some(entries) = common_entries(common) else {
+        s.common.push(("(common state)".into(), common.repr(REPR_CHARS)));
+        return;
+    };
+    if let Some(args) = common_entry(entries, "args") {
+        let a = TrainingArgs::from_value(args);
+        s.mesh = a.mesh();
+        s.args = Some(a);
+    }
+    s.iteration = common_entry(entries, "iteration").map(|v| v.repr(REPR_CHARS)).or(s.iteration.take());
+    s.checkpoint_version =
+        common_entry(entries, "checkpoint_version").map(|v| v.repr(REPR_CHARS)).or(s.checkpoint_version.take());
+    for (k, v) in entries {
+        let name = k.as_str().map_or_else(|| k.repr(40), str::to_string);
+        s.common.push((name, v.repr(REPR_CHARS)));
+    }
 }

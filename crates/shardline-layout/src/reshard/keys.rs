@@ -112,9 +112,59 @@ pub fn classify(path: &[PathElem]) -> ItemKind {
     }
 }
 
+/// What the item keyed `key` is in Megatron-Core's `torch_dist` dialect, where the key is the
+/// `ShardedTensor`'s own (model parameters bare, `decoder.layers.…`; fully reshardable optimizer
+/// states `optimizer.state.<state>.<parameter>`) or a `ShardedObject`'s
+/// `<key>/shard_<offsets>_<shape>` (RNG `rng_state/shard_<pp>.<tp>_<PP>.<TP>`, modules'
+/// `_extra_state`, the common and rerun states).
+pub fn classify_torch_dist(key: &str) -> ItemKind {
+    if let Some((state, name)) = key.strip_prefix("optimizer.state.").and_then(|r| r.split_once('.')) {
+        return ItemKind::OptimizerState { name: name.to_string(), state: state.to_string() };
+    }
+    if let Some(shard) = key.strip_prefix("rng_state/shard_") {
+        let offsets = shard.split('_').next().unwrap_or_default();
+        let mut at = offsets.split('.').map(|n| n.parse::<u64>().ok());
+        return match (at.next().flatten(), at.next().flatten()) {
+            (Some(pp), Some(tp)) => ItemKind::Rng { pp, tp },
+            _ => ItemKind::Unknown,
+        };
+    }
+    let object = key.split_once("/shard_").map(|(k, _)| k);
+    match object {
+        Some(k) if k.ends_with("._extra_state") || k == "common_state" || k == "rerun_state_machine_state" => {
+            ItemKind::Carried
+        }
+        Some(_) => ItemKind::Unknown,
+        // Distributed-optimizer buckets (`optimizer.distributed.…`) have no parameter to follow.
+        None if key.starts_with("optimizer.") => ItemKind::Unknown,
+        None => ItemKind::Model { name: key.to_string() },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn torch_dist_keys_as_megatron_core_names_them() {
+        let model = |n: &str| ItemKind::Model { name: n.to_string() };
+        assert_eq!(
+            classify_torch_dist("decoder.layers.mlp.linear_fc1.weight"),
+            model("decoder.layers.mlp.linear_fc1.weight")
+        );
+        assert_eq!(
+            classify_torch_dist("optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"),
+            ItemKind::OptimizerState { name: "decoder.layers.mlp.linear_fc1.weight".into(), state: "exp_avg".into() }
+        );
+        assert_eq!(classify_torch_dist("rng_state/shard_0.1_1.2"), ItemKind::Rng { pp: 0, tp: 1 });
+        assert_eq!(classify_torch_dist("decoder.layers.mlp.linear_fc1._extra_state/shard_1_2"), ItemKind::Carried);
+        assert_eq!(classify_torch_dist("common_state/shard_0_1"), ItemKind::Carried);
+        assert_eq!(
+            classify_torch_dist("optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32).bucket_idx_0.exp_avg"),
+            ItemKind::Unknown
+        );
+        assert_eq!(classify_torch_dist("something/shard_0_1"), ItemKind::Unknown);
+    }
 
     fn p(parts: &[&str]) -> Vec<PathElem> {
         parts

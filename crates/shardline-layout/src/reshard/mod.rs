@@ -15,7 +15,9 @@ use thiserror::Error;
 
 pub use boxes::{check_tiling, runs, ChunkBox, Run, Runs, TilingProblem};
 pub use infer::infer_mesh;
-pub use keys::{classify, flat_key, parse_rng_rank, rng_rank_part, strip_modules, ItemKind, PathElem};
+pub use keys::{
+    classify, classify_torch_dist, flat_key, parse_rng_rank, rng_rank_part, strip_modules, ItemKind, PathElem,
+};
 pub use params::{is_buffer, param_layout, vision_table, ParamLayout};
 pub use plan::{
     plan_reshard, ReshardOptions, ReshardPlan, RngPolicy, SourceItem, SourceTensorMeta, TargetObject, TargetTensor,
