@@ -100,3 +100,22 @@ fn inspect_summarises_the_common_state_and_classifies_every_item() {
     assert_eq!(t["unknown"].as_array().map(Vec::len), Some(0), "{t}");
     assert_eq!(t["objects"].as_object().map(|o| o.len()), Some(8));
 }
+
+#[test]
+fn commands_that_read_fsdp_dtensor_only_say_so_for_torch_dist() {
+    let ckpt = torch_dist_fixture("torch-dist-llama-tp2");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let hf = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny/llama");
+    for (command, o) in [
+        (
+            "reshard",
+            run(bin().arg("reshard").arg(&ckpt).arg("--to").arg(tmp.path().join("r")).args(["--tp", "1", "--dp", "1"])),
+        ),
+        ("export", run(bin().arg("export").arg(&ckpt).arg("--to").arg(tmp.path().join("e")).arg("--like").arg(&hf))),
+        ("validate", run(bin().arg("validate").arg(&ckpt).arg("--against").arg(&hf))),
+    ] {
+        assert_eq!(o.status.code(), Some(2), "{command}");
+        assert!(stderr(&o).contains("Megatron-Core `torch_dist` checkpoint"), "{command}: {}", stderr(&o));
+        assert!(!tmp.path().join(&command[..1]).exists(), "{command} wrote something");
+    }
+}

@@ -64,6 +64,7 @@ fn release_of_manifest(ckpt: &Path) -> Option<PathBuf> {
 
 pub fn run_export(args: ExportArgs) -> Result<ExitCode> {
     let started = Instant::now();
+    crate::report::refuse_torch_dist(&args.ckpt, "export")?;
     let Some(like) = args.like.clone().or_else(|| release_of_manifest(&args.ckpt)) else {
         bail!(
             "{} has no Shardline manifest naming a local release: pass --like HF_RELEASE (its config.json decides the names)",

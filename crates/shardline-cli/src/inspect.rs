@@ -192,6 +192,7 @@ pub struct ValidateArgs {
 }
 
 pub fn run_validate(args: ValidateArgs) -> Result<ExitCode> {
+    crate::report::refuse_torch_dist(&args.ckpt, "validate")?;
     let defaults = PlanOptions::default();
     let options = PlanOptions {
         prefix: args.prefix.clone(),

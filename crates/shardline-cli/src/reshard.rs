@@ -73,6 +73,7 @@ pub(crate) fn parse_mesh(s: &str) -> Result<Mesh> {
 
 pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
     let started = Instant::now();
+    crate::report::refuse_torch_dist(&args.ckpt, "reshard")?;
     let source = TrainingCheckpoint::open(&args.ckpt)
         .with_context(|| format!("reading training checkpoint {}", args.ckpt.display()))?;
     let given = ReshardHints {
