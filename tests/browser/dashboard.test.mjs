@@ -311,6 +311,27 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   assert.deepEqual(await page.$$eval('[data-testid=timeline-step]', (rs) => rs.map((r) => r.dataset.step)), steps);
   const widths = await page.$$eval('[data-testid=timeline-task] .tl-bar', (bs) => bs.map((b) => b.getBoundingClientRect().width));
   assert.ok(widths.every((w) => w > 0), `bars without width: ${widths}`);
+  // Task rows are not painted in their state's colour (a field report: grey labels on green):
+  // only the bar is, and the label reads at WCAG AA contrast against the timeline's background.
+  const tlRows = await page.$$eval('[data-testid=timeline-task]', (rs) => rs.map((r) => {
+    const rgb = (c) => (c.match(/[\d.]+/g) || []).map(Number);
+    const lum = ([r, g, b]) => {
+      const ch = (v) => { const s = v / 255; return s <= 0.03928 ? s / 12.92 : ((s + 0.055) / 1.055) ** 2.4; };
+      return 0.2126 * ch(r) + 0.7152 * ch(g) + 0.0722 * ch(b);
+    };
+    const label = r.querySelector('.tl-label');
+    const bg = getComputedStyle(r.closest('.timeline')).backgroundColor;
+    const [l1, l2] = [lum(rgb(getComputedStyle(label).color)), lum(rgb(bg))].sort((a, b) => b - a);
+    return { row: getComputedStyle(r).backgroundColor, label: getComputedStyle(label).backgroundColor,
+             track: getComputedStyle(r.querySelector('.tl-track')).backgroundColor, contrast: (l1 + 0.05) / (l2 + 0.05) };
+  }));
+  for (const r of tlRows) {
+    assert.equal(r.row, 'rgba(0, 0, 0, 0)', `a timeline row is painted: ${JSON.stringify(r)}`);
+    assert.equal(r.label, 'rgba(0, 0, 0, 0)', `a timeline label is painted: ${JSON.stringify(r)}`);
+    assert.ok(r.contrast >= 4.5, `timeline label contrast ${r.contrast.toFixed(2)} < 4.5`);
+  }
+  const bars = await page.$$eval('[data-testid=timeline-task] .tl-bar', (bs) => bs.map((b) => getComputedStyle(b).backgroundColor));
+  assert.ok(bars.every((c) => c === 'rgb(31, 157, 85)'), `succeeded bars are green: ${bars}`);
   assert.ok((await page.textContent('[data-testid=run-attempts] thead')).includes('Kind'));
   assert.equal(await page.locator('[data-testid=run-attempt]').count(), 14);
 

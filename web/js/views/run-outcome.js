@@ -83,7 +83,8 @@ export function renderTimeline(section, body, timeline) {
   const row = (label, span, cls, attrs) => h('div', { class: `tl-row ${cls}`, ...attrs },
     h('div', { class: 'tl-label', title: label }, label),
     h('div', { class: 'tl-track' }, bar(span, t0, total, cls)));
-  const taskRows = (st) => st.tasks.map((t) => row(t.name, t, `tl-task st-${t.state}`,
+  // `tl-<state>`, not the badges' `st-<state>`: those paint a whole element in the state's colour.
+  const taskRows = (st) => st.tasks.map((t) => row(t.name, t, `tl-task tl-${t.state}`,
     { 'data-testid': 'timeline-task', 'data-task': t.task, 'data-state': t.state, 'data-attempts': t.attempts }));
   replace(body,
     h('div', { class: 'muted small' }, `${time(timeline.start)} – ${duration(total)}`),
