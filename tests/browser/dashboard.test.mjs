@@ -17,6 +17,7 @@ import { tmpdir } from 'node:os';
 import { join, resolve, dirname } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { chromium } from 'playwright-core';
+import { seriousViolations } from './a11y.mjs';
 
 const ROOT = resolve(dirname(fileURLToPath(import.meta.url)), '../..');
 const BIN = process.env.SHARDLINE_BIN || join(ROOT, 'target/debug/shardline');
@@ -224,6 +225,7 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   await page.waitForSelector('[data-testid=runs-table]');
   await page.waitForFunction(() => document.getElementById('live')?.textContent === 'live');
   await setToken(page, submitToken);
+  assert.deepEqual(await seriousViolations(page), [], 'the token page');
 
   // A broken spec: the lint error is shown at its line before anything is submitted.
   await page.click('nav a[data-nav="submit"]');
@@ -237,6 +239,7 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   assert.match(await diag.textContent(), /megatron\.split_fuzed/);
   assert.ok((await page.textContent('[data-testid=lint-inline]')).includes(evil), 'the spec text is not shown as written');
   assert.equal(await page.locator('[data-testid=lint-inline] img').count(), 0);
+  assert.deepEqual(await seriousViolations(page), [], 'the submit page with lint errors shown');
   assert.equal(await page.getAttribute(`.gutter [data-line="${badLine}"]`, 'class'), 'g-error');
   // The gutter's numbers sit beside their lines.
   const rows = await page.$$eval('.gutter [data-line]', (ds) => ds.map((d) => d.getBoundingClientRect().height));
@@ -330,8 +333,9 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
     assert.equal(r.label, 'rgba(0, 0, 0, 0)', `a timeline label is painted: ${JSON.stringify(r)}`);
     assert.ok(r.contrast >= 4.5, `timeline label contrast ${r.contrast.toFixed(2)} < 4.5`);
   }
+  assert.deepEqual(await seriousViolations(page), [], 'the run page (timeline open) has serious accessibility violations');
   const bars = await page.$$eval('[data-testid=timeline-task] .tl-bar', (bs) => bs.map((b) => getComputedStyle(b).backgroundColor));
-  assert.ok(bars.every((c) => c === 'rgb(31, 157, 85)'), `succeeded bars are green: ${bars}`);
+  assert.ok(bars.every((c) => c === 'rgb(23, 128, 61)'), `succeeded bars are green: ${bars}`);
   assert.ok((await page.textContent('[data-testid=run-attempts] thead')).includes('Kind'));
   assert.equal(await page.locator('[data-testid=run-attempt]').count(), 14);
 
@@ -343,6 +347,7 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   const logText = await page.textContent('[data-testid=logs]');
   assert.match(logText, /succeeded in/);
   await page.waitForFunction(() => /browser-worker/.test(document.querySelector('[data-testid=attempts]')?.textContent || ''));
+  assert.deepEqual(await seriousViolations(page), [], 'the task panel');
   await page.fill('[data-testid=log-search]', 'succeeded in');
   await page.waitForFunction(() => /^1 of \d+ lines match$/.test(document.querySelector('[data-testid=log-count]').textContent));
   assert.equal(await page.locator('[data-testid=logs] [data-line]').count(), 1);
@@ -463,6 +468,7 @@ test('a failing step shows its error attempts, its webhook delivery, and a regis
   assert.ok((await page.textContent('[data-testid=run-attempts] thead')).includes('Kind'));
   assert.equal(await page.locator('[data-testid=timeline-task]').count(), 1);
   assert.equal(await page.locator('[data-testid=result]:not([hidden])').count(), 0, 'a failed run has no result');
+  assert.deepEqual(await seriousViolations(page), [], 'a failed run');
   // The webhook was told, and the page shows the delivery.
   await page.waitForSelector('[data-testid=notifications] tr[data-state="delivered"]', { timeout: 60000 });
   const row = await page.textContent('[data-testid=notifications] tr[data-state="delivered"]');
@@ -617,6 +623,7 @@ test('the storage page shows the retention policy and what the worker\'s gc meas
   const reporter = await page.getAttribute('[data-testid=disk-reporters] tr[data-reporter]', 'data-reporter');
   assert.ok(reporter.endsWith(`:${join(stateDir, 'work')}`), reporter);
   await page.waitForSelector('[data-testid=cache-usage] tr[data-cache]');
+  assert.deepEqual(await seriousViolations(page), [], 'the storage page');
   await page.goto(`${base}/runs/${runs[0].id}`);
   await page.waitForSelector('[data-testid=run-disk]');
   assert.match(await page.textContent('[data-testid=run-disk]'), /\d( \w?i?B)/);
@@ -636,6 +643,7 @@ test('logs stay readable after the worker is gone', { timeout: 60000 }, async ()
   const { context, page, problems } = await newPage();
   await page.goto(`${base}/workers`);
   await page.waitForSelector('tr[data-worker="browser-worker"] [data-state="stopped"]');
+  assert.deepEqual(await seriousViolations(page), [], 'the workers page');
   await page.goto(`${base}/runs/${runs[0].id}?task=${rank.id}`);
   await page.waitForSelector('[data-testid=task-panel]:not([hidden])');
   await page.waitForFunction(() => /succeeded in/.test(document.querySelector('[data-testid=logs]')?.textContent || ''));

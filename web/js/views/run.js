@@ -23,8 +23,8 @@ export function render(view, [idText], params) {
   const meta = h('dl', { class: 'meta' });
   const message = h('div');
   const dag = h('div', { class: 'dag', 'data-testid': 'dag' });
-  const filterText = h('input', { type: 'search', placeholder: 'filter tasks by name', 'data-testid': 'task-filter' });
-  const filterState = h('select', { 'data-testid': 'task-state-filter' },
+  const filterText = h('input', { type: 'search', placeholder: 'filter tasks by name', 'aria-label': 'filter tasks by name', 'data-testid': 'task-filter' });
+  const filterState = h('select', { 'data-testid': 'task-state-filter', 'aria-label': 'filter tasks by state' },
     ['', 'blocked', 'ready', 'leased', 'succeeded', 'failed', 'cancelled'].map((v) => h('option', { value: v }, v || 'any state')));
   // A grid of rows rather than a <table>: rows off screen skip style and layout
   // (content-visibility), which keeps a run of thousands of tasks quick to show.
@@ -173,7 +173,7 @@ export function render(view, [idText], params) {
     const p = t.progress_info;
     if (!p) return '';
     const frac = p.fraction ?? (t.state === 'succeeded' ? 1 : null);
-    const bar = frac === null ? null : h('div', { class: 'bar', role: 'progressbar', 'aria-valuenow': Math.round(frac * 100), 'aria-valuemin': 0, 'aria-valuemax': 100 },
+    const bar = frac === null ? null : h('div', { class: 'bar', role: 'progressbar', 'aria-label': `progress of ${t.name}`, 'aria-valuenow': Math.round(frac * 100), 'aria-valuemin': 0, 'aria-valuemax': 100 },
       h('div', { class: 'fill', style: { width: `${(frac * 100).toFixed(1)}%` } }));
     const text = [bytes(p.bytes) + (p.total_bytes ? ` / ${bytes(p.total_bytes)}` : ''), rate(p.bytes_per_sec), eta(p.eta_seconds)].filter(Boolean).join(' · ');
     return [bar, h('div', { class: 'small' }, text)];

@@ -24,9 +24,9 @@ export function render(view, _m, params) {
     navigate(`/runs${qs ? `?${qs}` : ''}`);
   };
 
-  const stateSel = h('select', { 'data-testid': 'filter-state', onchange: () => go({ state: stateSel.value, pipeline }) },
+  const stateSel = h('select', { 'data-testid': 'filter-state', 'aria-label': 'filter runs by state', onchange: () => go({ state: stateSel.value, pipeline }) },
     STATES.map((s) => h('option', { value: s, selected: s === state }, s || 'any state')));
-  const pipeSel = h('select', { 'data-testid': 'filter-pipeline', onchange: () => go({ state, pipeline: pipeSel.value }) },
+  const pipeSel = h('select', { 'data-testid': 'filter-pipeline', 'aria-label': 'filter runs by pipeline', onchange: () => go({ state, pipeline: pipeSel.value }) },
     h('option', { value: '' }, 'any pipeline'));
   if (pipeline) pipeSel.append(h('option', { value: pipeline, selected: true }, pipeline));
   get('/pipelines').then((ps) => {
