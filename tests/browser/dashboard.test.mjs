@@ -398,6 +398,7 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   await page.waitForSelector(`[data-testid=runs-table] tr[data-run="${waitingId}"]`);
   assert.equal(await page.locator(`tr[data-run="${runId}"]`).count(), 0);
   assert.equal(await page.locator('[data-testid=runs-table] tbody tr').count(), 1);
+  assert.deepEqual(await seriousViolations(page), [], 'the runs page');
 
   // Workers and pipelines pages; the trigger with its next firing.
   await page.click('nav a[data-nav="workers"]');
@@ -416,6 +417,7 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   const cells = await trigger.$$eval('td', (tds) => tds.map((td) => td.textContent));
   assert.match(cells[2], /0 2 \* \* \*/);
   assert.equal(cells[3], 'never');
+  assert.deepEqual(await seriousViolations(page), [], 'the pipelines page, a pipeline open');
   assert.equal(cells[4], await page.evaluate((iso) => new Date(iso).toLocaleString(undefined, { hour12: false }), listed.next_at));
   await page.click('details[data-pipeline="browser-demo"] summary');
   await page.waitForFunction(() => document.querySelector('details[data-pipeline="browser-demo"] [data-testid=spec]')?.textContent.includes('megatron.shard'));
@@ -549,6 +551,7 @@ test('a running task shows a progress bar with bytes/s and ETA, and its logs fol
   const totalMiB = hub.total / 2 ** 20;
   assert.match(shown.text, new RegExp(`MiB / ${Math.floor(totalMiB)}\\.\\d MiB`), `total ${totalMiB.toFixed(2)} MiB`);
   assert.match(await page.textContent(`${row} [role=cell]`), /download/);
+  assert.deepEqual(await seriousViolations(page), [], 'a running run');
   // Its panel while it runs: the lease holder, then the last lines arriving without a reload.
   await page.click(`${row} a.task-link`);
   await page.waitForSelector('[data-testid=task-panel]:not([hidden])');
