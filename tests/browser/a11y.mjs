@@ -19,3 +19,28 @@ export async function seriousViolations(page) {
     .filter((v) => v.impact === 'serious' || v.impact === 'critical')
     .map((v) => `${v.id} (${v.impact}): ${v.help} — ${v.nodes.join(' | ')}`);
 }
+
+/** Tabs through the first `stops` focusable elements from the top of the page; each must show
+ *  its focus (an outline, or a ring on the editor around it). Returns what does not. */
+export async function invisibleFocus(page, stops) {
+  // Sequential navigation starts from what was focused last: start it from the body.
+  await page.evaluate(() => {
+    document.body.tabIndex = -1;
+    document.body.focus();
+    document.body.removeAttribute('tabindex');
+  });
+  const hidden = [];
+  for (let i = 0; i < stops; i += 1) {
+    await page.keyboard.press('Tab');
+    const f = await page.evaluate(() => {
+      const e = document.activeElement;
+      if (!e || e === document.body) return null;
+      const s = getComputedStyle(e);
+      const ring = e.closest('.editor') ? getComputedStyle(e.closest('.editor')).boxShadow : 'none';
+      const shown = (s.outlineStyle !== 'none' && parseFloat(s.outlineWidth) >= 1) || ring !== 'none';
+      return { what: `${e.tagName.toLowerCase()}${e.dataset.testid ? `[data-testid=${e.dataset.testid}]` : ''} ${e.textContent.trim().slice(0, 30)}`, shown };
+    });
+    if (f && !f.shown) hidden.push(f.what);
+  }
+  return hidden;
+}

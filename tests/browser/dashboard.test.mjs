@@ -17,7 +17,7 @@ import { tmpdir } from 'node:os';
 import { join, resolve, dirname } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { chromium } from 'playwright-core';
-import { seriousViolations } from './a11y.mjs';
+import { invisibleFocus, seriousViolations } from './a11y.mjs';
 
 const ROOT = resolve(dirname(fileURLToPath(import.meta.url)), '../..');
 const BIN = process.env.SHARDLINE_BIN || join(ROOT, 'target/debug/shardline');
@@ -240,6 +240,7 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   assert.ok((await page.textContent('[data-testid=lint-inline]')).includes(evil), 'the spec text is not shown as written');
   assert.equal(await page.locator('[data-testid=lint-inline] img').count(), 0);
   assert.deepEqual(await seriousViolations(page), [], 'the submit page with lint errors shown');
+  assert.deepEqual(await invisibleFocus(page, 20), [], 'keyboard focus must be visible on the submit page');
   assert.equal(await page.getAttribute(`.gutter [data-line="${badLine}"]`, 'class'), 'g-error');
   // The gutter's numbers sit beside their lines.
   const rows = await page.$$eval('.gutter [data-line]', (ds) => ds.map((d) => d.getBoundingClientRect().height));
@@ -399,6 +400,7 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   assert.equal(await page.locator(`tr[data-run="${runId}"]`).count(), 0);
   assert.equal(await page.locator('[data-testid=runs-table] tbody tr').count(), 1);
   assert.deepEqual(await seriousViolations(page), [], 'the runs page');
+  assert.deepEqual(await invisibleFocus(page, 12), [], 'keyboard focus must be visible on the runs page');
 
   // Workers and pipelines pages; the trigger with its next firing.
   await page.click('nav a[data-nav="workers"]');
