@@ -119,3 +119,13 @@ fn commands_that_read_fsdp_dtensor_only_say_so_for_torch_dist() {
         assert!(!tmp.path().join(&command[..1]).exists(), "{command} wrote something");
     }
 }
+
+#[test]
+fn publish_refuses_a_megatron_save_directory_and_names_its_checkpoint() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let o =
+        run(bin().arg("publish").arg(torch_dist_fixture("torch-dist-llama-tp2")).arg("--to").arg(tmp.path().join("p")));
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("Megatron-LM save directory") && stderr(&o).contains("release"), "{}", stderr(&o));
+    assert!(!tmp.path().join("p").exists(), "something was published");
+}

@@ -51,6 +51,7 @@ pub fn run_publish(args: PublishArgs) -> Result<ExitCode> {
         ..PublishOptions::default()
     };
     let ckpt = std::fs::canonicalize(&args.ckpt).with_context(|| format!("reading {}", args.ckpt.display()))?;
+    refuse_nested(&ckpt)?;
     let source = json!({ "path": ckpt });
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the runtime")?;
     let (manifest, report) = runtime
@@ -78,6 +79,33 @@ pub fn run_publish(args: PublishArgs) -> Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A checkpoint is published as the files of one directory; a subdirectory would be left out
+/// without a word (a Megatron-LM save directory holds its checkpoint in `release/` or `iter_*/`).
+fn refuse_nested(dir: &std::path::Path) -> Result<()> {
+    let named = shardline_formats::checkpoint::megatron_checkpoint_dir(dir)?;
+    if let Some(named) = named {
+        anyhow::bail!(
+            "{} is a Megatron-LM save directory: publish the checkpoint its tracker names, {}",
+            dir.display(),
+            named.display()
+        );
+    }
+    let nested: Vec<String> = std::fs::read_dir(dir)
+        .with_context(|| format!("listing {}", dir.display()))?
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    if !nested.is_empty() {
+        anyhow::bail!(
+            "{} has subdirectories ({}): a checkpoint is published as the files of one directory",
+            dir.display(),
+            nested.join(", ")
+        );
+    }
+    Ok(())
 }
 
 #[derive(Args, Debug)]
