@@ -22,7 +22,8 @@ export function render(view, [idText], params) {
   const header = h('div', { class: 'titlebar' });
   const meta = h('dl', { class: 'meta' });
   const message = h('div');
-  const dag = h('div', { class: 'dag', 'data-testid': 'dag' });
+  // Focusable and named: on a narrow screen the graph scrolls sideways, by keyboard too.
+  const dag = h('div', { class: 'dag', 'data-testid': 'dag', tabindex: '0', role: 'region', 'aria-label': 'Step graph' });
   const filterText = h('input', { type: 'search', placeholder: 'filter tasks by name', 'aria-label': 'filter tasks by name', 'data-testid': 'task-filter' });
   const filterState = h('select', { 'data-testid': 'task-state-filter', 'aria-label': 'filter tasks by state' },
     ['', 'blocked', 'ready', 'leased', 'succeeded', 'failed', 'cancelled'].map((v) => h('option', { value: v }, v || 'any state')));
