@@ -1,4 +1,6 @@
-//! The publish protocol over an object store (see the crate documentation for the steps).
+//! One object at a time, for the protocol (`protocol.rs`): HEAD, streamed read-back and hash,
+//! single or multipart upload (left open when asked), verification, resume of what an
+//! interrupted publish completed.
 
 use std::collections::BTreeSet;
 use std::fs::File;

@@ -122,15 +122,16 @@ async fn write_files(
         // Dropping the outcomes aborts the uploads still open.
         return Err(e);
     }
-    let staged: Vec<usize> =
-        outcomes.iter().filter(|(_, o)| matches!(o, Outcome::Staged { .. })).map(|(i, _)| *i).collect();
-    let staged = staged
-        .into_iter()
-        .map(|i| match outcomes.remove(&i) {
-            Some(Outcome::Staged { parts, upload }) => (i, &entries[i], parts, upload),
-            _ => unreachable!("filtered on Staged above"),
-        })
-        .collect();
+    // Uploads left open (DCP-safetensors) are completed together, now that every file is up.
+    let mut staged = Vec::new();
+    for (i, o) in std::mem::take(&mut outcomes) {
+        match o {
+            Outcome::Staged { parts, upload } => staged.push((i, &entries[i], parts, upload)),
+            done => {
+                outcomes.insert(i, done);
+            }
+        }
+    }
     outcomes.extend(complete_staged(ctx, staged).await?);
     for (i, plan) in plans.iter().copied().enumerate() {
         if plan != Plan::Skip && rule.is_marker(&entries[i].path) {
