@@ -11,7 +11,10 @@ use clap::{Args, ValueEnum};
 use serde_json::json;
 use shardline_formats::execute::{write_checkpoint_from, ExecuteOptions, OutputFormat, Progress, SourceMap};
 use shardline_formats::safetensors::Release;
-use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, Plan, PlanOptions, PlanTable, SourceTensor};
+use shardline_formats::training::save_dir::{self, SeedArgs};
+use shardline_layout::{
+    build_plan, validate_plan, Dialect, Mesh, ModelConfig, Plan, PlanOptions, PlanTable, SourceTensor,
+};
 
 use shardline_synth::{Arch as SynthArch, WeightFormat};
 
@@ -23,6 +26,24 @@ pub enum Format {
     Dcp,
     /// DCP-sharded safetensors with `DCP_SHARDING_INFO` (torch ≥ 2.9 HuggingFaceStorageReader).
     DcpSafetensors,
+}
+
+/// The checkpoint dialect `convert` writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Target {
+    #[value(name = "fsdp_dtensor")]
+    FsdpDtensor,
+    #[value(name = "torch_dist")]
+    TorchDist,
+}
+
+impl Target {
+    pub fn dialect(self) -> Dialect {
+        match self {
+            Target::FsdpDtensor => Dialect::FsdpDtensor,
+            Target::TorchDist => Dialect::TorchDist,
+        }
+    }
 }
 
 /// The target mesh, shared by every command that plans.
@@ -63,9 +84,14 @@ pub struct ConvertArgs {
     pub mesh: MeshArgs,
     #[arg(long, value_enum, default_value = "dcp")]
     pub format: Format,
-    /// Prefix of every model key.
-    #[arg(long, default_value = "model.module.")]
-    pub prefix: String,
+    /// The checkpoint dialect: Megatron-FSDP's `fsdp_dtensor`, or Megatron-LM's default
+    /// `torch_dist` (a save directory: the tracker and `release/` with the DCP files,
+    /// `common.pt` and `metadata.json`).
+    #[arg(long, value_enum, default_value = "fsdp_dtensor")]
+    pub target: Target,
+    /// Prefix of every model key (default: `model.module.` for fsdp_dtensor, none for torch_dist).
+    #[arg(long)]
+    pub prefix: Option<String>,
     /// Pad the vocab to a multiple of this times tp (Megatron's --make-vocab-size-divisible-by).
     #[arg(long, default_value_t = 128)]
     pub vocab_divisible_by: u64,
@@ -131,8 +157,18 @@ fn plan_sources(config: &ModelConfig, sources: Vec<SourceTensor>, mesh: Mesh, op
 pub fn run(args: ConvertArgs) -> Result<ExitCode> {
     crate::malloc::map_large_buffers();
     let mesh = args.mesh.mesh();
+    let dialect = args.target.dialect();
+    if dialect == Dialect::TorchDist {
+        if !matches!(args.format, Format::Dcp) {
+            bail!("--target torch_dist is a DCP checkpoint; --format dcp-safetensors does not apply");
+        }
+        if args.optimizer_state {
+            bail!("--optimizer-state is not supported with --target torch_dist yet; convert without it (the seed loads with a fresh optimizer)");
+        }
+    }
     let options = PlanOptions {
-        prefix: args.prefix.clone(),
+        prefix: args.prefix.clone().unwrap_or_else(|| dialect.default_prefix().to_string()),
+        dialect,
         vocab_divisible_by: args.vocab_divisible_by,
         optimizer_state: args.optimizer_state,
         ..PlanOptions::default()
@@ -140,6 +176,7 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
     let release = open_release(&args.from)?;
     let config = read_config(&release, &args.from)?;
     let source_bytes = release.total_bytes();
+    let seed_args = (dialect == Dialect::TorchDist).then(|| seed_args(&config, release.config_json(), mesh, &options));
     // The release's tensor descriptions move into the plan's sources: a release is described
     // once while it is planned, and not at all while it is copied.
     let (sources, locations) = release.into_sources();
@@ -148,7 +185,21 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
         print_plan(&plan, args.json);
         return Ok(ExitCode::SUCCESS);
     }
-    let Some(out) = args.to.as_deref() else { bail!("--to is required unless --dry-run") };
+    let Some(root) = args.to.as_deref() else { bail!("--to is required unless --dry-run") };
+    // torch_dist: a save directory, the checkpoint in `release/`.
+    let seed_dir = seed_args.as_ref().map(|_| save_dir::seed_dir(root));
+    let out = seed_dir.as_deref().unwrap_or(root);
+    if seed_args.is_some() {
+        if !args.overwrite && root.join(save_dir::TRACKER).exists() {
+            bail!(
+                "{} already holds a Megatron save directory (its tracker {}); pass --overwrite to replace it",
+                root.display(),
+                save_dir::TRACKER
+            );
+        }
+        // Never point at a checkpoint while it is rewritten.
+        save_dir::withdraw_tracker(root).with_context(|| format!("replacing {}", root.display()))?;
+    }
     let exec = ExecuteOptions {
         format: match args.format {
             Format::Dcp => OutputFormat::Dcp,
@@ -180,6 +231,10 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
         write_checkpoint_from(&table, &sources, out, &exec, &progress)
             .with_context(|| format!("writing checkpoint to {}", out.display()))?
     };
+    if let Some(seed) = &seed_args {
+        save_dir::finish_seed_save(root, seed)
+            .with_context(|| format!("completing the save directory {}", root.display()))?;
+    }
     let secs = started.elapsed().as_secs_f64();
     let rss = peak_rss().unwrap_or(0);
     if args.json {
@@ -506,5 +561,32 @@ impl ReaderTimes {
             self.torch = Some(self.torch.map_or(t, |b: f64| b.min(t)));
         }
         Ok(())
+    }
+}
+
+/// What `args` of a `torch_dist` seed records: the mesh and the model's dimensions.
+fn seed_args(config: &ModelConfig, config_json: &str, mesh: Mesh, options: &PlanOptions) -> SeedArgs {
+    let config_json: serde_json::Value = serde_json::from_str(config_json).unwrap_or_default();
+    let config_json = &config_json;
+    let text = config_json.get("text_config").filter(|t| t.is_object()).unwrap_or(config_json);
+    let multiple = options.vocab_divisible_by.max(1) * mesh.tp;
+    SeedArgs {
+        tp: mesh.tp,
+        cp: mesh.cp,
+        ep: mesh.ep,
+        etp: mesh.etp,
+        num_layers: config.num_layers,
+        hidden_size: config.hidden_size,
+        ffn_hidden_size: config.ffn_hidden_size,
+        num_attention_heads: config.num_attention_heads,
+        num_query_groups: config.num_query_groups,
+        kv_channels: config.head_dim,
+        vocab_size: config.vocab_size,
+        padded_vocab_size: config.vocab_size.div_ceil(multiple) * multiple,
+        make_vocab_size_divisible_by: options.vocab_divisible_by,
+        untie_embeddings_and_output_weights: !config.tie_word_embeddings,
+        num_experts: config.num_experts,
+        moe_ffn_hidden_size: config.moe_ffn_hidden_size,
+        max_position_embeddings: text.get("max_position_embeddings").and_then(serde_json::Value::as_u64),
     }
 }

@@ -91,9 +91,10 @@ fn lower_tensor<'a>(plan: &'a Plan, t: &'a OutputTensor) -> impl Iterator<Item =
         crate::arch::TpMode::Row => Some(1),
         crate::arch::TpMode::Replicated => None,
     };
-    let fsdp_size = match t.group {
-        Group::Dense => plan.mesh.fsdp_size(),
-        Group::Expert { .. } => plan.mesh.expert_dp_size(),
+    let fsdp_size = match (&t.tiling, t.group) {
+        (crate::plan::Tiling::Fsdp(f), _) => f.numbers.fsdp_size,
+        (_, Group::Dense) => plan.mesh.fsdp_size(),
+        (_, Group::Expert { .. }) => plan.mesh.expert_dp_size(),
     };
     t.chunks(&plan.mesh).map(move |c| {
         let mut h = DefaultHasher::new();

@@ -9,6 +9,7 @@
 
 pub mod arch;
 pub mod config;
+pub mod dialect;
 pub mod dtype;
 pub mod error;
 pub mod export;
@@ -20,6 +21,7 @@ pub mod reshard;
 pub mod table;
 
 pub use config::{Family, ModelConfig};
+pub use dialect::{Dialect, DiskLayout, Placement};
 pub use dtype::DType;
 pub use error::LayoutError;
 pub use invariants::{lower, validate, validate_plan, Invariant, RankPlan, Violation, WriteItem};

@@ -11,6 +11,7 @@
 use std::collections::HashMap;
 
 use crate::arch::TpMode;
+use crate::dialect::{Dialect, DiskLayout, TorchDistLayout};
 use crate::dtype::DType;
 use crate::mesh::Mesh;
 use crate::plan::{self, Chunk, FsdpNumbers, Group, Plan, TensorView, TilingView};
@@ -21,6 +22,8 @@ use crate::recipe::RowBlock;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlanTable {
     pub mesh: Mesh,
+    /// Where the tensors land on disk (the plan's dialect).
+    pub disk: DiskLayout,
     keys: String,
     recipes: Vec<RowBlock>,
     writers: Vec<u32>,
@@ -63,6 +66,12 @@ impl PlanTable {
         let total = |part: fn(TensorView<'_>) -> usize| plan.views().map(part).sum::<usize>();
         let mut table = PlanTable {
             mesh: plan.mesh,
+            disk: match plan.options.dialect {
+                Dialect::FsdpDtensor => DiskLayout::AsPlanned,
+                Dialect::TorchDist => {
+                    DiskLayout::TorchDist(TorchDistLayout::new(&plan.views().collect::<Vec<_>>(), &plan.mesh))
+                }
+            },
             keys: String::with_capacity(total(|t| t.key.len())),
             recipes: Vec::with_capacity(total(|t| t.recipe.len())),
             writers: Vec::with_capacity(total(|t| match t.tiling {

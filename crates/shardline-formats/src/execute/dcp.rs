@@ -44,7 +44,8 @@ impl DcpLayout {
             DcpLayout { archives: Vec::new(), archive_of: HashMap::new(), file_lens: Vec::new(), items: 0 };
         for rank in 0..plan.world() {
             for (tensor, _, chunk) in plan.rank_chunks(rank) {
-                layout.add_archive(plan.tensor(tensor).dtype, &chunk.sizes);
+                let t = plan.tensor(tensor);
+                layout.add_archive(t.dtype, &stored_sizes(plan, tensor, &chunk));
                 layout.items += 1;
             }
         }
@@ -69,7 +70,7 @@ impl DcpLayout {
     pub(super) fn rank<'a>(&'a self, plan: &'a PlanTable, rank: usize) -> impl Iterator<Item = DcpItem> + 'a {
         let mut offset = 0u64;
         plan.rank_chunks(rank as u64).map(move |(tensor, _, chunk)| {
-            let archive = self.archive_of[&(plan.tensor(tensor).dtype, chunk.sizes.clone())];
+            let archive = self.archive_of[&(plan.tensor(tensor).dtype, stored_sizes(plan, tensor, &chunk))];
             let length = self.archives[archive].0.total_len();
             let item = DcpItem { tensor, chunk, offset, length, archive };
             offset += length;
@@ -88,6 +89,9 @@ impl DcpLayout {
     /// Streams the checkpoint's `.metadata` to `sink` straight from the plan, so its size never
     /// sits in memory; chunks are listed in rank order, as torch does.
     pub(super) fn write_metadata<W: io::Write>(&self, plan: &PlanTable, sink: W) -> io::Result<W> {
+        if plan.disk.regroups() {
+            return super::placed::write_placed_metadata(self, plan, sink);
+        }
         let mut e = MetadataEncoder::new(sink);
         for t in plan.tensors() {
             let mut listed: Vec<Chunk> = t.chunks(&plan.mesh).filter(|c| c.written && c.numel() > 0).collect();
@@ -115,6 +119,16 @@ impl DcpLayout {
         }
         e.finish(None)
     }
+}
+
+/// The shape a chunk is stored with: the on-disk chunk's (a placed chunk has the leading axes
+/// of its key; DCP narrows the stored tensor by the chunk's dims).
+fn stored_sizes(plan: &PlanTable, tensor: usize, chunk: &Chunk) -> Vec<u64> {
+    if !plan.disk.regroups() {
+        return chunk.sizes.clone();
+    }
+    let t = plan.tensor(tensor);
+    plan.disk.place(t.key, t.shape).chunk(&chunk.offsets, &chunk.sizes).1
 }
 
 pub(super) fn layout_mismatch(path: &Path, what: &str) -> ExecuteError {
@@ -225,8 +239,10 @@ pub(super) fn write_dcp(
     })
 }
 
-/// Writes `.metadata.tmp` and syncs it; [`publish_metadata`] renames it into place.
+/// Writes `.metadata.tmp` and syncs it, after the dialect's object files (if any), which are
+/// small enough to write here; [`publish_metadata`] renames it into place.
 pub(super) fn stage_metadata(out: &Path, layout: &DcpLayout, plan: &PlanTable) -> Result<(), ExecuteError> {
+    super::placed::write_object_files(plan, out)?;
     let tmp = out.join(".metadata.tmp");
     let f = File::create(&tmp).map_err(io_err(&tmp, "create .metadata.tmp"))?;
     let f = layout.write_metadata(plan, f).map_err(io_err(&tmp, "write .metadata.tmp"))?;

@@ -33,6 +33,7 @@
 mod dcp;
 mod dcp_safetensors;
 mod entry;
+mod placed;
 mod ranges;
 mod rank_file;
 mod sources;
@@ -48,6 +49,7 @@ pub use entry::{
     commit_checkpoint, rank_files, rank_item_spans, write_checkpoint, write_checkpoint_from, write_metadata_alone,
     write_rank_file, write_rank_section,
 };
+pub use placed::{extra_state_payload, object_file};
 pub use ranges::{merge_ranges, ByteRange, MERGE_GAP};
 pub(crate) use rank_file::copy_unsupported;
 pub(crate) use sources::stream_chunk;

@@ -356,6 +356,13 @@ pub enum PyObject {
     Tuple(Vec<PyObject>),
     /// A dict with `str` keys, in insertion order.
     Dict(Vec<(String, PyObject)>),
+    /// An instance of `module.class` made by `cls.__new__(cls)` and given `state` as its
+    /// attributes (`NEWOBJ` + `BUILD`, as pickle stores an `argparse.Namespace`).
+    Object {
+        module: String,
+        class: String,
+        state: Vec<(String, PyObject)>,
+    },
 }
 
 fn write_object(w: &mut PickleWriter, v: &PyObject) {
@@ -395,6 +402,11 @@ fn write_object(w: &mut PickleWriter, v: &PyObject) {
                 }
                 w.tuple();
             }
+        }
+        PyObject::Object { module, class, state } => {
+            w.global(module, class).empty_tuple().newobj();
+            write_object(w, &PyObject::Dict(state.clone()));
+            w.build();
         }
         PyObject::Dict(items) => {
             w.empty_dict();

@@ -5,6 +5,7 @@
 mod args;
 pub mod common_state;
 mod export;
+pub mod save_dir;
 mod summary;
 mod write;
 

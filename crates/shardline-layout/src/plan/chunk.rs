@@ -35,6 +35,8 @@ pub(crate) fn chunk_draft(
             (mesh.etp, mesh.expert_dp_size(), Group::Expert { expert: e, ep_rank: e / (num_experts / mesh.ep).max(1) })
         }
     };
+    // Replicated over DP (torch_dist): DP rank 0 holds the one copy that is written.
+    let dsize = if options.dialect.shards_over_dp() { dsize } else { 1 };
     let rank_of = |r: u64, j: u64| match group {
         Group::Dense => mesh.dense_rank(r, j),
         Group::Expert { ep_rank, .. } => mesh.expert_rank(r, ep_rank, j),
@@ -51,7 +53,9 @@ pub(crate) fn chunk_draft(
             shape[0] = padded;
         }
     }
-    if (!options.split_fused || d.fused_on_disk) && sections.len() > 1 && d.tp_mode == TpMode::Column {
+    // torch_dist keeps even these as `[gate; up]` (its placement joins the sections).
+    let fused_on_disk = d.fused_on_disk && options.dialect == crate::dialect::Dialect::FsdpDtensor;
+    if (!options.split_fused || fused_on_disk) && sections.len() > 1 && d.tp_mode == TpMode::Column {
         // The TP-dependent fused layout: TP rank r's slice of every section, in section order.
         let mut rows = 0;
         let mut recipe = Vec::new();
@@ -83,7 +87,10 @@ pub(crate) fn chunk_draft(
         // For replicated pieces, the TP replica with the fewest planned bytes writes (like
         // torch's save-plan dedup), lowest rank on ties. Each FSDP piece's replicas sit on ranks
         // of their own, so the choice for one piece does not depend on the others.
-        let writers: Box<[u32]> = if d.tp_mode == TpMode::Replicated {
+        let writers: Box<[u32]> = if d.tp_mode == TpMode::Replicated && !options.dialect.balances_replicas() {
+            // Megatron-Core's main replica: TP rank 0.
+            vec![0; dsize as usize].into_boxed_slice()
+        } else if d.tp_mode == TpMode::Replicated {
             (0..dsize)
                 .map(|j| {
                     let w = (0..t).min_by_key(|r| (rank_bytes[rank_of(*r, j) as usize], rank_of(*r, j))).unwrap_or(0);

@@ -17,6 +17,7 @@ mod quant;
 use std::collections::BTreeMap;
 
 use crate::arch::TpMode;
+use crate::dialect::Dialect;
 use crate::dtype::DType;
 use crate::mesh::Mesh;
 use crate::recipe::{rows_of, RowBlock};
@@ -51,6 +52,9 @@ pub struct PlanOptions {
     /// `fsdp_dtensor` stores them. When false they stay fused in the TP-dependent layout
     /// (`[gate_r; up_r]` per TP rank), as a TP-local Megatron module holds them.
     pub split_fused: bool,
+    /// The checkpoint dialect: how DP chunks parameters and where they land on disk
+    /// (see [`crate::dialect`]).
+    pub dialect: Dialect,
 }
 
 impl Default for PlanOptions {
@@ -61,6 +65,7 @@ impl Default for PlanOptions {
             optimizer_state: false,
             optimizer_prefix: "optimizer.state.module.module.module.".to_string(),
             split_fused: true,
+            dialect: Dialect::FsdpDtensor,
         }
     }
 }

@@ -1,0 +1,135 @@
+//! Dialects whose keys are not the planned tensors' (`torch_dist`): `.metadata` lists each
+//! on-disk key once, with the chunks of every planned tensor placed in it, and the dialect's
+//! objects (`_extra_state`) go in a small file per rank that holds any. The rank files' bytes
+//! are those of the plain layout: a placed chunk only gains leading axes and an offset.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{self, Write};
+use std::path::Path;
+
+use shardline_layout::dialect::ObjectItem;
+use shardline_layout::{DType, PlanTable};
+
+use crate::dcp_metadata::{EntryRef, MetadataEncoder, PathElem, StorageRef};
+use crate::torch_save::{encode_object_archive, PyObject};
+
+use super::dcp::DcpLayout;
+use super::*;
+
+/// `torch.save([None])`: the payload of an `_extra_state` object, which Transformer Engine
+/// modules (`set_extra_state(None)` is a no-op) and Megatron's own linears accept alike.
+pub fn extra_state_payload() -> Vec<u8> {
+    encode_object_archive(&PyObject::List(vec![PyObject::None]))
+}
+
+/// The file of `rank`'s objects (a second writer file of that rank, as Megatron-Core's
+/// two-thread writer names its files).
+pub fn object_file(rank: u64) -> String {
+    format!("__{rank}_1.distcp")
+}
+
+/// The objects of the plan by the rank whose file holds them.
+pub(super) fn objects_by_rank(plan: &PlanTable) -> BTreeMap<u64, Vec<&ObjectItem>> {
+    let mut by_rank: BTreeMap<u64, Vec<&ObjectItem>> = BTreeMap::new();
+    for o in plan.disk.objects() {
+        by_rank.entry(o.rank).or_default().push(o);
+    }
+    by_rank
+}
+
+/// Writes and syncs the object files into `out`.
+pub(super) fn write_object_files(plan: &PlanTable, out: &Path) -> Result<(), ExecuteError> {
+    let payload = extra_state_payload();
+    for (rank, items) in objects_by_rank(plan) {
+        let path = out.join(object_file(rank));
+        let mut f = File::create(&path).map_err(io_err(&path, "create object file"))?;
+        for _ in items {
+            f.write_all(&payload).map_err(io_err(&path, "write object file"))?;
+        }
+        f.sync_all().map_err(io_err(&path, "sync object file"))?;
+    }
+    Ok(())
+}
+
+/// One on-disk key: its dtype, global shape, and the planned tensors placed in it.
+struct DiskKey {
+    dtype: DType,
+    shape: Vec<u64>,
+    tensors: Vec<usize>,
+}
+
+/// Streams the `.metadata` of a placed layout to `sink`.
+pub(super) fn write_placed_metadata<W: io::Write>(layout: &DcpLayout, plan: &PlanTable, sink: W) -> io::Result<W> {
+    let mut keys: BTreeMap<String, DiskKey> = BTreeMap::new();
+    for (i, t) in plan.tensors().enumerate() {
+        let place = plan.disk.place(t.key, t.shape);
+        let entry = keys.entry(place.key.into_owned()).or_insert_with(|| DiskKey {
+            dtype: t.dtype,
+            shape: place.shape.clone(),
+            tensors: Vec::new(),
+        });
+        if entry.dtype != t.dtype || entry.shape != place.shape {
+            return Err(io::Error::other(format!(
+                "internal error: `{}` is placed in a key of another dtype or shape ({:?} {:?} vs {:?} {:?})",
+                t.key, t.dtype, place.shape, entry.dtype, entry.shape
+            )));
+        }
+        entry.tensors.push(i);
+    }
+    let mut e = MetadataEncoder::new(sink);
+    for (key, k) in &keys {
+        let mut listed: Vec<(u64, Vec<u64>, Vec<u64>)> = Vec::new();
+        for &i in &k.tensors {
+            let t = plan.tensor(i);
+            let place = plan.disk.place(t.key, t.shape);
+            for c in t.chunks(&plan.mesh).filter(|c| c.written && c.numel() > 0) {
+                let (off, sz) = place.chunk(&c.offsets, &c.sizes);
+                listed.push((c.rank, off, sz));
+            }
+        }
+        listed.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        let chunks = listed.iter().map(|(_, o, s)| (o.as_slice(), s.as_slice()));
+        e.entry(key, EntryRef::Tensor { dtype: k.dtype, size: &k.shape, chunks })?;
+    }
+    for o in plan.disk.objects() {
+        e.entry(&o.key, EntryRef::<std::iter::Empty<(&[u64], &[u64])>>::Bytes)?;
+    }
+    // Megatron-Core saves a flat dict of its keys.
+    e.begin_planner_data();
+    for key in keys.keys().chain(plan.disk.objects().iter().map(|o| &o.key)) {
+        e.planner_path(key, &[PathElem::Key(key.clone())])?;
+    }
+    e.begin_storage_data();
+    for rank in 0..layout.world() {
+        let name = dcp_rank_file(rank as u64);
+        for item in layout.rank(plan, rank) {
+            let t = plan.tensor(item.tensor);
+            let place = plan.disk.place(t.key, t.shape);
+            let (off, _) = place.chunk(&item.chunk.offsets, &item.chunk.sizes);
+            e.storage(&StorageRef {
+                fqn: &place.key,
+                chunk_offset: Some(&off),
+                relative_path: &name,
+                offset: item.offset,
+                length: item.length,
+                transform_descriptors: None,
+            })?;
+        }
+    }
+    let len = extra_state_payload().len() as u64;
+    for (rank, items) in objects_by_rank(plan) {
+        let name = object_file(rank);
+        for (k, o) in items.iter().enumerate() {
+            e.storage(&StorageRef {
+                fqn: &o.key,
+                chunk_offset: None,
+                relative_path: &name,
+                offset: k as u64 * len,
+                length: len,
+                transform_descriptors: None,
+            })?;
+        }
+    }
+    e.finish(None)
+}
