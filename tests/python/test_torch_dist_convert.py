@@ -1,0 +1,150 @@
+"""`shardline convert --target torch_dist`, judged by Megatron-Core itself (issue 26).
+
+Shardline converts the tiny HF releases to Megatron save directories at one mesh; Megatron-Core's
+own `dist_checkpointing.load` (megatron_load.py: the real GPTModel's `sharded_state_dict()` on CPU,
+2 gloo processes) loads them at **another** TP/EP and every shard must equal the slice of the
+suite's independent reference (reference.py, from the HF tensors; nothing here reads Shardline's
+tables). The dense llama also runs Megatron-Core's forward at TP=1 and must give the HF model's
+logits. The on-disk keys and global shapes must be exactly those Megatron-Core 0.16.1 wrote
+itself for the same models (the committed fixtures of test_megatron_core.py), and the
+container must be what Megatron-LM's loader reads: tracker `release`, the 4-field
+`metadata.json`, a `common.pt` that `torch.load(weights_only=True)` opens under Megatron-Core's
+safe globals with `args` giving the mesh and the model's dimensions.
+
+All loads run in one spawn of the processes (module fixture `reports`).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+import megatron_load as ml
+from harness import FIXTURES, run_cli
+from test_megatron_core import FIXTURE_MOE_TENSORS, FIXTURE_TENSORS
+
+ml.quiet_megatron()
+import megatron.core.safe_globals  # noqa: E402,F401  (registers Megatron-Core's safe globals)
+
+HF_LLAMA = FIXTURES / "llama"
+HF_QWEN3_MOE = FIXTURES / "qwen3_moe"
+
+# (name, release, arch, written mesh flags, loads as (tp, ep))
+CONVERSIONS = [
+    ("llama-tp2", HF_LLAMA, "llama", ["--tp", "2"], [(1, 1)]),
+    ("llama-tp1", HF_LLAMA, "llama", ["--tp", "1"], [(2, 1)]),
+    ("moe-tp1ep2", HF_QWEN3_MOE, "qwen3_moe", ["--tp", "1", "--ep", "2", "--dp", "2"], [(2, 1)]),
+    ("moe-tp2", HF_QWEN3_MOE, "qwen3_moe", ["--tp", "2"], [(1, 2)]),
+]
+
+
+def convert(release: Path, out: Path, mesh: list[str]) -> Path:
+    res = run_cli(["convert", "--from", str(release), "--to", str(out), "--target", "torch_dist", *mesh])
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    base = tmp_path_factory.mktemp("torch_dist_convert")
+    return {name: convert(release, base / name, mesh) for name, release, _, mesh, _ in CONVERSIONS}
+
+
+@pytest.fixture(scope="module")
+def reports(converted):
+    jobs = {}
+    for name, release, arch, _, loads in CONVERSIONS:
+        for tp, ep in loads:
+            jobs[f"{name}@tp{tp}ep{ep}"] = ml.Job(str(converted[name]), str(release), arch, tp=tp, ep=ep,
+                                                  te_extra_state=True)
+    # Megatron-Core's forward at TP=1 (the local spec: no TE core_attention request, whose object
+    # the checkpoint holds for TE jobs and the local model would refuse in load_state_dict).
+    jobs["llama-tp2@tp1-forward"] = ml.Job(str(converted["llama-tp2"]), str(HF_LLAMA), "llama", tp=1, forward=True)
+    return dict(zip(jobs, ml.run_jobs(list(jobs.values()))))
+
+
+def _assert_ok(rep):
+    assert rep.ok, rep.summary() + "\n" + "\n".join(rep.problems)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CONVERSIONS])
+def test_megatron_core_loads_the_conversion_at_another_mesh(reports, name):
+    (_, _, arch, _, loads) = next(c for c in CONVERSIONS if c[0] == name)
+    for tp, ep in loads:
+        rep = reports[f"{name}@tp{tp}ep{ep}"]
+        _assert_ok(rep)
+        want = FIXTURE_TENSORS if arch == "llama" else FIXTURE_MOE_TENSORS
+        # Keys and global shapes exactly as Megatron-Core 0.16.1 wrote them for the same model.
+        assert {k: tuple(v[0]) for k, v in rep.keys.items() if not k.endswith("/object")} == want
+        assert all(v[1] == "bfloat16" for k, v in rep.keys.items() if not k.endswith("/object"))
+        assert rep.tensors_checked > 0 and rep.factories_checked > 0 and rep.objects_loaded > 0
+
+
+def test_megatron_core_forward_on_the_conversion_gives_the_hf_logits(reports):
+    rep = reports["llama-tp2@tp1-forward"]
+    _assert_ok(rep)
+    assert rep.forward_checked == 2
+
+
+def test_save_directory_is_what_megatron_lm_reads(converted):
+    root = converted["llama-tp2"]
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "release"
+    ckpt = root / "release"
+    assert json.loads((ckpt / "metadata.json").read_text()) == {
+        "sharded_backend": "torch_dist", "sharded_backend_version": 1,
+        "common_backend": "torch", "common_backend_version": 1}
+    common = torch.load(ckpt / "common.pt", weights_only=True)
+    assert common["checkpoint_version"] == 3.0 and common["iteration"] == 0
+    assert common["content_metadata"] == {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    args = common["args"]
+    assert type(args).__name__ == "Namespace"
+    cfg = json.loads((HF_LLAMA / "config.json").read_text())
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (2, 1)
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (
+        cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"])
+    assert args.padded_vocab_size == 256 and args.no_save_optim and args.no_save_rng
+    # One rank file per TP rank, and the objects in a second file of rank 0.
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__0_1.distcp", "__1_0.distcp"]
+
+
+def test_every_te_module_has_its_extra_state_and_replicas_are_written_once(converted):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(converted["moe-tp1ep2"] / "release")).read_metadata()
+    objects = {k for k, v in md.state_dict_metadata.items() if not hasattr(v, "chunks")}
+    layer = {f"decoder.layers.self_attention.{m}._extra_state/shard_{layer}_2"
+             for m in ("linear_qkv", "core_attention", "linear_proj", "q_layernorm", "k_layernorm")
+             for layer in (0, 1)}
+    experts = {f"decoder.layers.mlp.experts.experts.{m}._extra_state/shard_{layer}.{e}_2.8"
+               for m in ("linear_fc1", "linear_fc2") for layer in (0, 1) for e in range(8)}
+    assert objects == layer | experts
+    # Every element of every tensor is stored once: chunk volumes add up to the global volume.
+    for key, tmd in md.state_dict_metadata.items():
+        if hasattr(tmd, "chunks"):
+            vol = sum(torch.Size(c.sizes).numel() for c in tmd.chunks)
+            assert vol == tmd.size.numel(), key
+    # EP rank 1 (rank 1) holds experts 4..7, and its objects with them.
+    files = {}
+    for idx, info in md.storage_data.items():
+        files.setdefault(info.relative_path, set()).add(idx.fqn)
+    assert "decoder.layers.mlp.experts.experts.linear_fc1._extra_state/shard_1.5_2.8" in files["__1_1.distcp"]
+    assert "decoder.layers.self_attention.linear_qkv.weight" not in files["__1_0.distcp"]
+
+
+def test_refuses_what_it_cannot_write_and_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    res = run_cli(["convert", "--from", str(HF_LLAMA), "--to", str(out), "--target", "torch_dist",
+                   "--format", "dcp-safetensors"])
+    assert res.returncode != 0 and "--format dcp-safetensors does not apply" in res.stderr
+    res = run_cli(["convert", "--from", str(HF_QWEN3_MOE), "--to", str(out), "--target", "torch_dist",
+                   "--tp", "3"])
+    assert res.returncode != 0 and "not divisible by tp (3)" in res.stderr, res.stderr
+    assert not out.exists()
+    convert(HF_LLAMA, out, [])
+    res = run_cli(["convert", "--from", str(HF_LLAMA), "--to", str(out), "--target", "torch_dist"])
+    assert res.returncode != 0 and "pass --overwrite" in res.stderr
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "release"
