@@ -102,7 +102,7 @@ fn inspect_summarises_the_common_state_and_classifies_every_item() {
 }
 
 #[test]
-fn commands_that_read_fsdp_dtensor_only_say_so_for_torch_dist() {
+fn commands_that_do_not_read_torch_dist_yet_say_so() {
     let ckpt = torch_dist_fixture("torch-dist-llama-tp2");
     let tmp = tempfile::tempdir().expect("tempdir");
     let hf = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny/llama");
@@ -112,7 +112,6 @@ fn commands_that_read_fsdp_dtensor_only_say_so_for_torch_dist() {
             run(bin().arg("reshard").arg(&ckpt).arg("--to").arg(tmp.path().join("r")).args(["--tp", "1", "--dp", "1"])),
         ),
         ("export", run(bin().arg("export").arg(&ckpt).arg("--to").arg(tmp.path().join("e")).arg("--like").arg(&hf))),
-        ("validate", run(bin().arg("validate").arg(&ckpt).arg("--against").arg(&hf))),
     ] {
         assert_eq!(o.status.code(), Some(2), "{command}");
         assert!(stderr(&o).contains("Megatron-Core `torch_dist` checkpoint"), "{command}: {}", stderr(&o));
@@ -128,4 +127,42 @@ fn publish_refuses_a_megatron_save_directory_and_names_its_checkpoint() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("Megatron-LM save directory") && stderr(&o).contains("release"), "{}", stderr(&o));
     assert!(!tmp.path().join("p").exists(), "something was published");
+}
+
+#[test]
+fn validate_proves_megatron_cores_own_checkpoints_bit_exact_and_names_a_changed_key() {
+    for (fixture, hf) in [("torch-dist-llama-tp2", "llama"), ("torch-dist-qwen3_moe-tp1ep2", "qwen3_moe")] {
+        let hf = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny").join(hf);
+        let o = run(bin().arg("validate").arg(torch_dist_fixture(fixture)).arg("--against").arg(&hf).arg("--json"));
+        assert_eq!(o.status.code(), Some(0), "{fixture}: {}{}", String::from_utf8_lossy(&o.stdout), stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+        assert_eq!(v["tensors"], if fixture.contains("moe") { 12 } else { 9 }, "{v}");
+    }
+    // One stored element of layer 1's fc2 changed: the stacked key is named, at its global index.
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let copy = tmp.path().join("ckpt");
+    let src = torch_dist_fixture("torch-dist-llama-tp2");
+    std::fs::create_dir_all(copy.join("release")).expect("mkdir");
+    std::fs::copy(src.join("latest_checkpointed_iteration.txt"), copy.join("latest_checkpointed_iteration.txt"))
+        .expect("copy");
+    for e in std::fs::read_dir(src.join("release")).expect("list") {
+        let e = e.expect("entry");
+        std::fs::copy(e.path(), copy.join("release").join(e.file_name())).expect("copy");
+    }
+    let hf = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny/llama");
+    let md = shardline_formats::checkpoint::open_checkpoint(&copy.join("release")).expect("open");
+    let fc2 = md.tensors.iter().find(|t| t.key == "decoder.layers.mlp.linear_fc2.weight").expect("fc2");
+    let chunk = fc2.chunks.iter().find(|c| c.offsets == [1, 0, 64]).expect("layer 1, TP rank 1");
+    let path = copy.join("release").join(&*chunk.file);
+    let mut bytes = std::fs::read(&path).expect("read");
+    bytes[chunk.data_offset as usize] ^= 0x40;
+    std::fs::write(&path, bytes).expect("write");
+    let o = run(bin().arg("validate").arg(&copy).arg("--against").arg(&hf));
+    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stdout));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("`decoder.layers.mlp.linear_fc2.weight`: chunk offsets [1, 0, 64]")
+            && out.contains("global index [1, 0, 64]"),
+        "{out}"
+    );
 }

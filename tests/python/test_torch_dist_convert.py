@@ -148,3 +148,27 @@ def test_refuses_what_it_cannot_write_and_writes_nothing(tmp_path):
     res = run_cli(["convert", "--from", str(HF_LLAMA), "--to", str(out), "--target", "torch_dist"])
     assert res.returncode != 0 and "pass --overwrite" in res.stderr
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "release"
+
+
+def test_validate_agrees_on_a_torch_written_checkpoint_whose_chunks_span_layers(converted, tmp_path):
+    """A writer free to chunk as it likes (here torch's own DCP save, one chunk per key: each
+    spans every layer, and fc1's gate and up) is validated bit-exactly, and so are Shardline's
+    conversions; a changed `[gate; up]` order is caught."""
+    from test_megatron_core import write_single_chunk_checkpoint
+
+    single = write_single_chunk_checkpoint(HF_LLAMA, tmp_path / "single")
+    swapped = dict(ml.expected_globals(HF_LLAMA, tp=1))
+    fc1 = swapped["decoder.layers.mlp.linear_fc1.weight"]
+    swapped["decoder.layers.mlp.linear_fc1.weight"] = torch.cat(fc1.chunk(2, dim=1)[::-1], dim=1).contiguous()
+    bad = write_single_chunk_checkpoint(HF_LLAMA, tmp_path / "swapped", swapped)
+    for name, release, *_ in CONVERSIONS:
+        res = run_cli(["validate", str(converted[name]), "--against", str(release), "--json"])
+        assert res.returncode == 0, res.stdout + res.stderr
+    res = run_cli(["validate", str(single), "--against", str(HF_LLAMA), "--json"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(res.stdout)["tensors"] == 9
+    res = run_cli(["validate", str(bad), "--against", str(HF_LLAMA), "--json"])
+    assert res.returncode == 1, res.stdout + res.stderr
+    findings = json.loads(res.stdout)["findings"]
+    assert [f["key"] for f in findings] == ["decoder.layers.mlp.linear_fc1.weight"], findings
+    assert "global index [0, 0, 0]" in findings[0]["message"], findings

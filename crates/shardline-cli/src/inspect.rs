@@ -15,7 +15,7 @@ use shardline_formats::checkpoint::{scan_checkpoint, CheckpointFormat};
 use shardline_formats::execute::Progress;
 use shardline_formats::training::{summarize_training, TrainingSummary};
 use shardline_formats::verify::{verify_checkpoint, VerifyOptions};
-use shardline_layout::{Mesh, PlanOptions};
+use shardline_layout::{Dialect, Mesh, PlanOptions};
 
 use crate::convert::plan_release;
 use crate::report::{bytes, peak_rss, Bar};
@@ -180,9 +180,10 @@ pub struct ValidateArgs {
     /// The HF release it was converted from.
     #[arg(long, value_name = "HF_DIR")]
     pub against: PathBuf,
-    /// Prefix of model keys in the checkpoint.
-    #[arg(long, default_value = "model.module.")]
-    pub prefix: String,
+    /// Prefix of model keys in the checkpoint (default: `model.module.` for fsdp_dtensor, none
+    /// for torch_dist).
+    #[arg(long)]
+    pub prefix: Option<String>,
     /// Expert-TP size the checkpoint was written with: only parameters Megatron keeps fused per
     /// expert-TP rank (gpt-oss's expert fc1) have a global layout that depends on it.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
@@ -192,15 +193,22 @@ pub struct ValidateArgs {
 }
 
 pub fn run_validate(args: ValidateArgs) -> Result<ExitCode> {
-    crate::report::refuse_torch_dist(&args.ckpt, "validate")?;
+    // A Megatron save directory: the checkpoint its tracker names.
+    let ckpt = shardline_formats::checkpoint::resolve_checkpoint_dir(&args.ckpt)?;
+    let dialect = if shardline_formats::training::common_state::is_torch_dist(&ckpt) {
+        Dialect::TorchDist
+    } else {
+        Dialect::FsdpDtensor
+    };
     let defaults = PlanOptions::default();
     let options = PlanOptions {
-        prefix: args.prefix.clone(),
+        prefix: args.prefix.clone().unwrap_or_else(|| dialect.default_prefix().to_string()),
+        dialect,
+        // The optimizer state of torch_dist checkpoints is not compared yet: none is expected.
+        optimizer_state: dialect == Dialect::FsdpDtensor,
         // Global tensors do not depend on the mesh but for vocab padding, which validation
         // accepts as trailing zero rows.
         vocab_divisible_by: 1,
-        // Expected when the checkpoint has any optimizer state (see verify_checkpoint).
-        optimizer_state: true,
         ..defaults.clone()
     };
     // Any mesh gives the same global tensors but for what is fused per expert-TP rank.
@@ -213,7 +221,7 @@ pub fn run_validate(args: ValidateArgs) -> Result<ExitCode> {
         let p = progress.clone();
         let _bar = Bar::start("validate", total, move || p.bytes_written.load(Ordering::Relaxed));
         verify_checkpoint(
-            &args.ckpt,
+            &ckpt,
             &release,
             &reference,
             &VerifyOptions { optional_prefix: Some(&defaults.optimizer_prefix), ..VerifyOptions::default() },

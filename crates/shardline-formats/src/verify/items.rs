@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::keys::{fits, BoxSet, KeyInfo};
+use super::keys::{fits, BoxSet, KeyInfo, Want};
 use super::{Finding, VerifyError};
 use crate::execute::{stream_chunk, Progress, SourceMap};
 use crate::torch_save::{read_object_archive, read_tensor_archive_with, ArchivedTensor, SpecCache};
@@ -157,7 +157,7 @@ impl<'a> Worker<'a> {
     /// Compares the stored box with the release's mapping of it.
     fn compare(
         &mut self,
-        want: &shardline_layout::OutputTensor,
+        want: &Want,
         offsets: &[u64],
         sizes: &[u64],
         file: &File,
@@ -168,7 +168,7 @@ impl<'a> Worker<'a> {
         let mut mismatch: Option<u64> = None;
         let mut io_error: Option<String> = None;
         let (item, actual, progress) = (&self.item, &mut self.actual, self.progress);
-        stream_chunk(want.view(), offsets, sizes, self.sources, &mut self.expected, |piece| {
+        let mut compare_piece = |piece: &[u8]| {
             let got: &[u8] = if in_memory {
                 let start = (data_at + cursor) as usize;
                 match item.get(start..start + piece.len()) {
@@ -194,8 +194,12 @@ impl<'a> Worker<'a> {
             cursor += piece.len() as u64;
             progress.bytes_written.fetch_add(piece.len() as u64, Ordering::Relaxed);
             Ok(())
-        })
-        .map_err(|e| format!("reading the release: {e}"))?;
+        };
+        // A placed key's box meets its parts one after the other in the order of its bytes.
+        for (t, off, sz) in want.pieces(offsets, sizes) {
+            stream_chunk(t.view(), &off, &sz, self.sources, &mut self.expected, &mut compare_piece)
+                .map_err(|e| format!("reading the release: {e}"))?;
+        }
         if let Some(e) = io_error {
             return Err(e);
         }

@@ -1,13 +1,14 @@
 //! What validation knows of each key while the checkpoint streams past: its expected tensor, and
 //! a fingerprint of the chunks `.metadata` declares, to be matched by the items found.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 use shardline_layout::invariants::{tiling_violations, Piece};
 use shardline_layout::recipe::rows_of;
-use shardline_layout::{DType, OutputTensor, Plan, RowBlock};
+use shardline_layout::{DType, OutputTensor, Plan, PlanTable, RowBlock};
 
 /// A key of the checkpoint, as the workers that check its items need it.
 #[derive(Debug)]
@@ -18,7 +19,53 @@ pub(super) struct KeyInfo {
     /// Global shape as stored (vocab rows included).
     pub shape: Vec<u64>,
     /// The expected tensor, padded like the stored one; `None` for a bytes item.
-    pub want: Option<OutputTensor>,
+    pub want: Option<Want>,
+}
+
+/// What a stored key must hold: the planned tensors placed in it, each at its origin (one at
+/// the origin for a key that is one planned tensor; a layer stack or a `[gate; up]` of several).
+#[derive(Clone, Debug)]
+pub(super) struct Want {
+    pub dtype: DType,
+    /// Sorted by origin: a chunk's bytes meet the parts in this order.
+    pub parts: Vec<(OutputTensor, Vec<u64>)>,
+}
+
+impl Want {
+    fn one(t: OutputTensor) -> Want {
+        let origin = vec![0; t.shape.len()];
+        Want { dtype: t.dtype, parts: vec![(t, origin)] }
+    }
+
+    /// The parts a stored box meets, in the order of its bytes: `(tensor, offsets, sizes)` in
+    /// the tensor's own coordinates. Each part covers whole trailing dims and one leading index,
+    /// so its share of a box is one contiguous run of the box's bytes.
+    pub fn pieces<'w>(&'w self, offsets: &[u64], sizes: &[u64]) -> Vec<(&'w OutputTensor, Vec<u64>, Vec<u64>)> {
+        let mut out = Vec::new();
+        for (t, origin) in &self.parts {
+            let lead = origin.len() - t.shape.len();
+            let mut lo = Vec::with_capacity(t.shape.len());
+            let mut len = Vec::with_capacity(t.shape.len());
+            let mut meets = true;
+            for d in 0..origin.len() {
+                let extent = if d < lead { 1 } else { t.shape[d - lead] };
+                let a = offsets[d].max(origin[d]);
+                let b = (offsets[d] + sizes[d]).min(origin[d] + extent);
+                if a >= b {
+                    meets = false;
+                    break;
+                }
+                if d >= lead {
+                    lo.push(a - origin[d]);
+                    len.push(b - a);
+                }
+            }
+            if meets {
+                out.push((t, lo, len));
+            }
+        }
+        out
+    }
 }
 
 /// The order-independent fingerprint of a set of chunk boxes: a sum of 128-bit digests, so the
@@ -64,7 +111,7 @@ fn is_vocab_key(key: &str) -> bool {
 
 /// The keys met so far, and the expected tensors of the release.
 pub(super) struct Keys<'p> {
-    expected: HashMap<&'p str, &'p OutputTensor>,
+    expected: HashMap<Cow<'p, str>, Expected<'p>>,
     pub infos: Vec<Arc<KeyInfo>>,
     pub by_name: HashMap<String, u32>,
     /// The chunks `.metadata` declares, per key index.
@@ -74,7 +121,7 @@ pub(super) struct Keys<'p> {
 impl<'p> Keys<'p> {
     pub fn new(reference: &'p Plan) -> Self {
         Keys {
-            expected: reference.tensors.iter().map(|t| (t.key.as_str(), t)).collect(),
+            expected: expected_keys(reference),
             infos: Vec::new(),
             by_name: HashMap::new(),
             declared: Vec::new(),
@@ -89,7 +136,7 @@ impl<'p> Keys<'p> {
         let mut m: Vec<String> = self
             .expected
             .keys()
-            .filter(|k| !self.by_name.contains_key(**k) && !optional(k))
+            .filter(|k| !self.by_name.contains_key(k.as_ref()) && !optional(k))
             .map(|k| k.to_string())
             .collect();
         m.sort();
@@ -131,7 +178,7 @@ impl<'p> Keys<'p> {
                 problems.push("in the checkpoint but not produced by the mapping of this release".to_string());
                 None
             }
-            Some(w) => match expected_as_stored(w, dtype, &shape) {
+            Some(w) => match w.as_stored(dtype, &shape) {
                 Ok(w) => Some(w),
                 Err(p) => {
                     problems.push(p);
@@ -166,6 +213,56 @@ impl<'p> Keys<'p> {
         self.register(info, declared);
         problems
     }
+}
+
+/// An expected key: one planned tensor, or several placed in it (torch_dist).
+enum Expected<'p> {
+    One(&'p OutputTensor),
+    Placed { shape: Vec<u64>, parts: Vec<(&'p OutputTensor, Vec<u64>)> },
+}
+
+impl Expected<'_> {
+    fn as_stored(&self, dtype: DType, shape: &[u64]) -> Result<Want, String> {
+        match self {
+            Expected::One(t) => expected_as_stored(t, dtype, shape).map(Want::one),
+            Expected::Placed { shape: want_shape, parts } => {
+                let want_dtype = parts[0].0.dtype;
+                if dtype != want_dtype {
+                    return Err(format!("dtype {dtype} but the source gives {want_dtype}"));
+                }
+                if shape != want_shape.as_slice() {
+                    return Err(format!("global shape {shape:?} but the source gives {want_shape:?}"));
+                }
+                let mut parts: Vec<(OutputTensor, Vec<u64>)> =
+                    parts.iter().map(|(t, o)| ((*t).clone(), o.clone())).collect();
+                parts.sort_by(|a, b| a.1.cmp(&b.1));
+                Ok(Want { dtype, parts })
+            }
+        }
+    }
+}
+
+/// The keys the checkpoint must hold: the plan's tensors where they land in its dialect.
+fn expected_keys(reference: &Plan) -> HashMap<Cow<'_, str>, Expected<'_>> {
+    let table = PlanTable::new(reference);
+    if !table.disk.regroups() {
+        return reference.tensors.iter().map(|t| (Cow::Borrowed(t.key.as_str()), Expected::One(t))).collect();
+    }
+    let mut expected: HashMap<Cow<'_, str>, Expected<'_>> = HashMap::new();
+    for t in &reference.tensors {
+        let place = table.disk.place(&t.key, &t.shape);
+        if place.origin.iter().all(|o| *o == 0) && place.shape == t.shape {
+            expected.insert(Cow::Borrowed(t.key.as_str()), Expected::One(t));
+            continue;
+        }
+        let entry = expected
+            .entry(Cow::Owned(place.key.into_owned()))
+            .or_insert_with(|| Expected::Placed { shape: place.shape, parts: Vec::new() });
+        if let Expected::Placed { parts, .. } = entry {
+            parts.push((t, place.origin));
+        }
+    }
+    expected
 }
 
 /// The release's tensor as the checkpoint must hold it: same dtype and shape, or the vocab

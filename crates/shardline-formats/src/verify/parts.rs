@@ -43,7 +43,9 @@ pub fn part_ranges(
             }
         };
         if let Some(sizes) = sizes.filter(|s| fits(offsets, s, &job.key.shape)) {
-            sources.chunk_ranges(want.view(), offsets, &sizes, &mut ranges);
+            for (t, off, sz) in want.pieces(offsets, &sizes) {
+                sources.chunk_ranges(t.view(), &off, &sz, &mut ranges);
+            }
         }
         true
     })?;
