@@ -391,6 +391,9 @@ pub struct BenchArgs {
     /// Convert with --zip-crc32.
     #[arg(long)]
     pub zip_crc32: bool,
+    /// The dialect to convert to (as `convert --target`).
+    #[arg(long, value_enum, default_value = "fsdp_dtensor")]
+    pub target: Target,
     /// Also time torch's `FileSystemReader(CKPT).read_metadata()` with this Python (one that has
     /// torch), next to `validate` and `inspect`.
     #[arg(long, value_name = "PYTHON")]
@@ -480,17 +483,19 @@ pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
                     .args(["--tp", &mesh.tp.to_string(), "--cp", &mesh.cp.to_string()])
                     .args(["--dp", &mesh.dp.to_string(), "--ep", &mesh.ep.to_string()])
                     .args(["--etp", &mesh.etp.to_string()])
+                    .args(["--target", args.target.dialect().name()])
                     .args(args.zip_crc32.then_some("--zip-crc32")),
             )?;
             best_conv = best_conv.min(t);
             let v: serde_json::Value = serde_json::from_str(stdout.trim()).context("parsing convert --json")?;
             rss = rss.max(v["peak_rss_bytes"].as_u64().unwrap_or(0));
             output = v["tensor_bytes"].as_u64().unwrap_or(0);
-            readers.measure(&exe, &out, &src, args.torch_python.as_deref())?;
+            let dcp_dir = if args.target == Target::TorchDist { save_dir::seed_dir(&out) } else { out.clone() };
+            readers.measure(&exe, &out, &dcp_dir, &src, args.torch_python.as_deref())?;
             let _ = std::fs::remove_dir_all(&out);
         }
         rows.push(json!({
-            "arch": args.arch, "fp8": args.fp8, "size": size, "input_bytes": input, "output_bytes": output,
+            "arch": args.arch, "fp8": args.fp8, "size": size, "target": args.target.dialect().name(), "input_bytes": input, "output_bytes": output,
             "mesh": mesh.to_string(),
             "cp_seconds": best_cp, "cp_sync_seconds": best_cp_sync, "convert_seconds": best_conv,
             "ratio_to_cp": best_conv / best_cp, "ratio_to_cp_sync": best_conv / best_cp_sync,
@@ -501,10 +506,11 @@ pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
         }));
         if !args.json {
             println!(
-                "{label} {size} ({} → {}) on {mesh}: cp -r {best_cp:.2}s, cp -r + fsync {best_cp_sync:.2}s, convert \
+                "{label} {size} ({} → {}) on {mesh} as {}: cp -r {best_cp:.2}s, cp -r + fsync {best_cp_sync:.2}s, convert \
                  {best_conv:.2}s → {:.2}× cp -r, {:.2}× cp -r + fsync; {:.2} GB/s; peak RSS {}",
                 bytes(input),
                 bytes(output),
+                args.target.dialect().name(),
                 best_conv / best_cp,
                 best_conv / best_cp_sync,
                 input as f64 / best_conv / 1e9,
@@ -545,7 +551,15 @@ const TORCH_READ_METADATA: &str =
     "import sys; from torch.distributed.checkpoint import FileSystemReader; FileSystemReader(sys.argv[1]).read_metadata()";
 
 impl ReaderTimes {
-    fn measure(&mut self, exe: &Path, ckpt: &Path, src: &Path, torch_python: Option<&Path>) -> Result<()> {
+    /// Times the readers of `ckpt` (torch's on `dcp_dir`, the directory holding `.metadata`).
+    fn measure(
+        &mut self,
+        exe: &Path,
+        ckpt: &Path,
+        dcp_dir: &Path,
+        src: &Path,
+        torch_python: Option<&Path>,
+    ) -> Result<()> {
         let (t, stdout) =
             time_command(Command::new(exe).args(["validate", "--json"]).arg(ckpt).arg("--against").arg(src))?;
         let v: serde_json::Value = serde_json::from_str(stdout.trim()).context("parsing validate --json")?;
@@ -557,7 +571,7 @@ impl ReaderTimes {
         let v: serde_json::Value = serde_json::from_str(stdout.trim()).context("parsing inspect --json")?;
         self.inspect = (self.inspect.0.min(t), self.inspect.1.max(v["peak_rss_bytes"].as_u64().unwrap_or(0)));
         if let Some(py) = torch_python {
-            let (t, _) = time_command(Command::new(py).args(["-c", TORCH_READ_METADATA]).arg(ckpt))?;
+            let (t, _) = time_command(Command::new(py).args(["-c", TORCH_READ_METADATA]).arg(dcp_dir))?;
             self.torch = Some(self.torch.map_or(t, |b: f64| b.min(t)));
         }
         Ok(())

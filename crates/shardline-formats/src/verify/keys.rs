@@ -120,12 +120,7 @@ pub(super) struct Keys<'p> {
 
 impl<'p> Keys<'p> {
     pub fn new(reference: &'p Plan) -> Self {
-        Keys {
-            expected: expected_keys(reference),
-            infos: Vec::new(),
-            by_name: HashMap::new(),
-            declared: Vec::new(),
-        }
+        Keys { expected: expected_keys(reference), infos: Vec::new(), by_name: HashMap::new(), declared: Vec::new() }
     }
 
     /// The release's keys the checkpoint does not have; those under `optional_prefix` only if the
