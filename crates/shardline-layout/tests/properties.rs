@@ -491,3 +491,54 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 120, ..ProptestConfig::default() })]
+
+    /// `torch_dist`: every on-disk key is tiled exactly by the placed chunks of the planned
+    /// tensors it holds (layers stacked, experts, `[gate; up]`), each chunk within one planned
+    /// tensor's region; DP replicas write once, spread over the DP ranks, and a rank's chunks
+    /// are found from the rank alone.
+    #[test]
+    fn torch_dist_placements_tile_every_key_exactly(c in case()) {
+        use std::collections::BTreeMap;
+        use shardline_layout::invariants::{tiling_violations, Piece};
+        use shardline_layout::{Dialect, DiskLayout};
+        let config = ModelConfig::from_json(&c.config).unwrap();
+        let options = PlanOptions { prefix: String::new(), dialect: Dialect::TorchDist, ..PlanOptions::default() };
+        let plan = build_plan(&config, c.sources.clone(), c.mesh, &options)
+            .map_err(|e| TestCaseError::fail(format!("{} {}: {e:?}", c.family, c.mesh)))?;
+        let table = PlanTable::new(&plan);
+        prop_assert!(matches!(table.disk, DiskLayout::TorchDist(_)));
+        let mut keys: BTreeMap<String, (Vec<u64>, Vec<Piece>)> = BTreeMap::new();
+        for t in table.tensors() {
+            let place = table.disk.place(t.key, t.shape);
+            prop_assert_eq!(place.origin.len(), place.shape.len());
+            let entry = keys.entry(place.key.to_string()).or_insert_with(|| (place.shape.clone(), Vec::new()));
+            prop_assert_eq!(&entry.0, &place.shape, "{} in {}", t.key, place.key);
+            for ch in t.chunks(&table.mesh) {
+                // One writer per chunk, however many DP replicas hold it.
+                prop_assert_eq!(ch.fsdp_rank, 0);
+                if ch.written && ch.numel() > 0 {
+                    let (offsets, sizes) = place.chunk(&ch.offsets, &ch.sizes);
+                    entry.1.push(Piece { offsets, sizes, owner: format!("{} rank {}", t.key, ch.rank) });
+                }
+            }
+            for rank in 0..table.world() {
+                let direct: Vec<usize> = t.chunks_of_rank(&table.mesh, rank).collect();
+                let scanned: Vec<usize> =
+                    (0..t.chunk_count()).filter(|&i| t.chunk(&table.mesh, i).rank == rank).collect();
+                prop_assert_eq!(direct, scanned, "{} rank {}", t.key, rank);
+            }
+        }
+        for (key, (shape, pieces)) in keys {
+            let v = tiling_violations(&shape, pieces);
+            prop_assert!(v.is_empty(), "{} {}: {key}: {v:?}", c.family, c.mesh);
+            // SwiGLU keys are whole `[gate; up]`: no `_w`/`_v` key reaches the disk.
+            prop_assert!(!key.ends_with("_w") && !key.ends_with("_v"), "{key}");
+        }
+        // Every TE module of a decoder layer has an `_extra_state` object.
+        prop_assert!(table.disk.objects().iter().any(|o| o.key.contains("linear_proj._extra_state/")
+            || o.key.contains("out_proj._extra_state/")));
+    }
+}

@@ -35,11 +35,18 @@ pub(crate) fn chunk_draft(
             (mesh.etp, mesh.expert_dp_size(), Group::Expert { expert: e, ep_rank: e / (num_experts / mesh.ep).max(1) })
         }
     };
-    // Replicated over DP (torch_dist): DP rank 0 holds the one copy that is written.
-    let dsize = if options.dialect.shards_over_dp() { dsize } else { 1 };
     let rank_of = |r: u64, j: u64| match group {
         Group::Dense => mesh.dense_rank(r, j),
         Group::Expert { ep_rank, .. } => mesh.expert_rank(r, ep_rank, j),
+    };
+    // Replicated over DP (torch_dist): one DP replica writes the tensor, the one whose ranks
+    // have the fewest bytes planned so far (lowest on ties), as a fully parallel save spreads
+    // the writing over the replicas.
+    let (dsize, dp_writer) = if options.dialect.shards_over_dp() {
+        (dsize, 0)
+    } else {
+        let load = |j: u64| (0..t).map(|r| rank_bytes[rank_of(r, j) as usize]).sum::<u64>();
+        (1, (0..dsize).min_by_key(|&j| (load(j), j)).unwrap_or(0))
     };
     let mut sections: Vec<(String, Vec<u64>, Vec<RowBlock>)> =
         d.sections.into_iter().map(|s| (s.suffix, s.shape, s.recipe)).collect();
@@ -100,7 +107,7 @@ pub(crate) fn chunk_draft(
         } else {
             Box::default()
         };
-        let numbers = FsdpNumbers { fsdp_size: dsize, local_rows, section_start: a_c, section_rows: n_c };
+        let numbers = FsdpNumbers { fsdp_size: dsize, local_rows, section_start: a_c, section_rows: n_c, dp_writer };
         let tiling = FsdpTiling { numbers, writers };
         // Sized exactly: a plan keeps every key for the whole conversion.
         let mut key = String::with_capacity(options.prefix.len() + d.name.len() + suffix.len());

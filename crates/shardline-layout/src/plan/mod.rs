@@ -139,6 +139,10 @@ pub struct FsdpNumbers {
     pub section_start: u64,
     /// TP-local rows of this key.
     pub section_rows: u64,
+    /// The data-parallel rank whose ranks write the chunks, when DP replicates instead of
+    /// sharding (`fsdp_size` 1): `torch_dist` spreads whole tensors over the DP replicas, as
+    /// Megatron-Core's fully parallel save does. 0 under FSDP.
+    pub dp_writer: u64,
 }
 
 /// Where a split section comes from: the fused parameter's name (a byte range of the key, so a
@@ -301,8 +305,8 @@ impl<'a> TensorView<'a> {
     /// The rank that lists chunk `i`, without computing the chunk's geometry.
     pub fn chunk_rank(self, mesh: &Mesh, i: usize) -> u64 {
         match self.tiling {
-            TilingView::Fsdp(..) => {
-                let (j, r) = (i as u64 / self.tp, i as u64 % self.tp);
+            TilingView::Fsdp(f, _) => {
+                let (j, r) = (i as u64 / self.tp + f.dp_writer, i as u64 % self.tp);
                 match self.group {
                     Group::Dense => mesh.dense_rank(r, j),
                     Group::Expert { ep_rank, .. } => mesh.expert_rank(r, ep_rank, j),
@@ -317,13 +321,17 @@ impl<'a> TensorView<'a> {
     /// found without looking at the other ranks'.
     pub fn chunks_of_rank(self, mesh: &'a Mesh, rank: u64) -> impl Iterator<Item = usize> + 'a {
         let (direct, listed) = match self.tiling {
-            TilingView::Fsdp(..) => {
-                // Invert dense_rank / expert_rank: chunk i is TP rank i mod tp of FSDP rank i div tp.
+            TilingView::Fsdp(f, _) => {
+                // Invert dense_rank / expert_rank: chunk i is TP rank i mod tp of FSDP rank
+                // i div tp (shifted to the DP rank that writes it).
                 let index = match self.group {
-                    Group::Dense => Some(rank),
+                    Group::Dense => rank.checked_sub(self.tp * f.dp_writer),
                     Group::Expert { ep_rank, .. } => {
                         let (etp_rank, rest) = (rank % mesh.etp, rank / mesh.etp);
-                        (rest % mesh.ep == ep_rank).then(|| (rest / mesh.ep) * self.tp + etp_rank)
+                        (rest % mesh.ep == ep_rank)
+                            .then(|| (rest / mesh.ep).checked_sub(f.dp_writer))
+                            .flatten()
+                            .map(|dp| dp * self.tp + etp_rank)
                     }
                 };
                 let index = index.and_then(|i| usize::try_from(i).ok()).filter(|&i| i < self.chunk_count());
