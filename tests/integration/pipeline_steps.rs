@@ -42,3 +42,45 @@ fn the_reshard_export_example_runs_and_its_outputs_check_out() {
         assert!(&got[name] == w, "`{name}`: the exported tensor differs from the release's");
     }
 }
+
+/// `pipelines/torch-dist.yaml`: the shard step writes a Megatron save directory whose rank
+/// tasks and commit run as for fsdp_dtensor, the validate step reads it through its tracker,
+/// and the upload publishes the tracker and the checkpoint it names.
+#[test]
+fn the_torch_dist_example_writes_validates_and_uploads_a_save_directory() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let out = tmp.path().join("out");
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/torch-dist.yaml");
+    let o = run(bin()
+        .current_dir(tmp.path())
+        .arg("run")
+        .arg(&spec)
+        .args(["--set", &format!("model={}", fixture("qwen3_moe").display())])
+        .args(["--set", &format!("dest=file://{}", out.display())]));
+    assert!(o.status.success(), "run: {}{}", stdout(&o), stderr(&o));
+    let runs: Vec<_> = std::fs::read_dir(&out).expect("uploads").map(|e| e.expect("entry").path()).collect();
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    let root = &runs[0];
+    assert_eq!(std::fs::read_to_string(root.join("latest_checkpointed_iteration.txt")).expect("tracker"), "release");
+    let mut names: Vec<String> = std::fs::read_dir(root.join("release"))
+        .expect("release/")
+        .map(|e| e.expect("e").file_name().to_string_lossy().into())
+        .collect();
+    names.sort();
+    // tp2·dp2·ep2: 4 ranks; the objects of rank 0 (dense modules, EP rank 0's experts) and of
+    // rank 2 (EP rank 1's experts) in their second files.
+    let want = [
+        ".metadata",
+        "__0_0.distcp",
+        "__0_1.distcp",
+        "__1_0.distcp",
+        "__2_0.distcp",
+        "__2_1.distcp",
+        "__3_0.distcp",
+        "common.pt",
+        "metadata.json",
+    ];
+    assert_eq!(names, want);
+    let o = run(bin().arg("validate").arg(root).arg("--against").arg(fixture("qwen3_moe")));
+    assert!(o.status.success(), "validate: {}{}", stdout(&o), stderr(&o));
+}

@@ -120,13 +120,30 @@ fn commands_that_do_not_read_torch_dist_yet_say_so() {
 }
 
 #[test]
-fn publish_refuses_a_megatron_save_directory_and_names_its_checkpoint() {
+fn publish_takes_a_megatron_save_directory_whole_and_its_tracker_commits_last() {
     let tmp = tempfile::tempdir().expect("tempdir");
+    let dest = tmp.path().join("p");
     let o =
-        run(bin().arg("publish").arg(torch_dist_fixture("torch-dist-llama-tp2")).arg("--to").arg(tmp.path().join("p")));
-    assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("Megatron-LM save directory") && stderr(&o).contains("release"), "{}", stderr(&o));
-    assert!(!tmp.path().join("p").exists(), "something was published");
+        run(bin().arg("publish").arg(torch_dist_fixture("torch-dist-llama-tp2")).arg("--to").arg(&dest).arg("--json"));
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let tracker = std::fs::read_to_string(dest.join("latest_checkpointed_iteration.txt")).expect("tracker");
+    assert_eq!(tracker.trim(), "release");
+    for name in [".metadata", "metadata.json", "common.pt", "__0_0.distcp", "__1_1.distcp"] {
+        assert!(dest.join("release").join(name).is_file(), "{name} not published");
+    }
+    // The published save directory is the checkpoint: validate reads it through its tracker.
+    let hf = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny/llama");
+    let o = run(bin().arg("validate").arg(&dest).arg("--against").arg(&hf));
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stdout));
+    let o = run(bin().arg("verify-destination").arg(&dest).arg("--json"));
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stdout));
+    // A save directory whose tracker names nothing is refused, nothing published.
+    let broken = tmp.path().join("broken");
+    std::fs::create_dir_all(broken.join("release")).expect("mkdir");
+    std::fs::write(broken.join("latest_checkpointed_iteration.txt"), "12").expect("tracker");
+    let o = run(bin().arg("publish").arg(&broken).arg("--to").arg(tmp.path().join("q")));
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(!tmp.path().join("q").exists(), "something was published");
 }
 
 #[test]

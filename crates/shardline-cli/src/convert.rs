@@ -176,7 +176,8 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
     let release = open_release(&args.from)?;
     let config = read_config(&release, &args.from)?;
     let source_bytes = release.total_bytes();
-    let seed_args = (dialect == Dialect::TorchDist).then(|| seed_args(&config, release.config_json(), mesh, &options));
+    let seed_args = (dialect == Dialect::TorchDist)
+        .then(|| SeedArgs::for_model(&config, release.config_json(), mesh, options.vocab_divisible_by));
     // The release's tensor descriptions move into the plan's sources: a release is described
     // once while it is planned, and not at all while it is copied.
     let (sources, locations) = release.into_sources();
@@ -575,32 +576,5 @@ impl ReaderTimes {
             self.torch = Some(self.torch.map_or(t, |b: f64| b.min(t)));
         }
         Ok(())
-    }
-}
-
-/// What `args` of a `torch_dist` seed records: the mesh and the model's dimensions.
-fn seed_args(config: &ModelConfig, config_json: &str, mesh: Mesh, options: &PlanOptions) -> SeedArgs {
-    let config_json: serde_json::Value = serde_json::from_str(config_json).unwrap_or_default();
-    let config_json = &config_json;
-    let text = config_json.get("text_config").filter(|t| t.is_object()).unwrap_or(config_json);
-    let multiple = options.vocab_divisible_by.max(1) * mesh.tp;
-    SeedArgs {
-        tp: mesh.tp,
-        cp: mesh.cp,
-        ep: mesh.ep,
-        etp: mesh.etp,
-        num_layers: config.num_layers,
-        hidden_size: config.hidden_size,
-        ffn_hidden_size: config.ffn_hidden_size,
-        num_attention_heads: config.num_attention_heads,
-        num_query_groups: config.num_query_groups,
-        kv_channels: config.head_dim,
-        vocab_size: config.vocab_size,
-        padded_vocab_size: config.vocab_size.div_ceil(multiple) * multiple,
-        make_vocab_size_divisible_by: options.vocab_divisible_by,
-        untie_embeddings_and_output_weights: !config.tie_word_embeddings,
-        num_experts: config.num_experts,
-        moe_ffn_hidden_size: config.moe_ffn_hidden_size,
-        max_position_embeddings: text.get("max_position_embeddings").and_then(serde_json::Value::as_u64),
     }
 }

@@ -81,16 +81,19 @@ pub fn run_publish(args: PublishArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// A checkpoint is published as the files of one directory; a subdirectory would be left out
-/// without a word (a Megatron-LM save directory holds its checkpoint in `release/` or `iter_*/`).
+/// A checkpoint is published as the files of one directory (a subdirectory would be left out
+/// without a word), or as a Megatron-LM save directory: its tracker and the checkpoint
+/// directory it names, the tracker committing last.
 fn refuse_nested(dir: &std::path::Path) -> Result<()> {
-    let named = shardline_formats::checkpoint::megatron_checkpoint_dir(dir)?;
-    if let Some(named) = named {
-        anyhow::bail!(
-            "{} is a Megatron-LM save directory: publish the checkpoint its tracker names, {}",
-            dir.display(),
-            named.display()
-        );
+    if let Some(named) = shardline_formats::checkpoint::megatron_checkpoint_dir(dir)? {
+        if !named.join(".metadata").is_file() {
+            anyhow::bail!(
+                "{} is a Megatron-LM save directory whose tracker names {}, which holds no checkpoint (no .metadata)",
+                dir.display(),
+                named.display()
+            );
+        }
+        return Ok(());
     }
     let nested: Vec<String> = std::fs::read_dir(dir)
         .with_context(|| format!("listing {}", dir.display()))?

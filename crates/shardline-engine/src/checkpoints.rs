@@ -237,6 +237,18 @@ fn threads(ctx: &StepContext) -> usize {
 }
 
 /// Runs a `checkpoint.reshard` task.
+/// Steps that read Megatron-FSDP checkpoints only say so for a `torch_dist` one.
+fn refuse_torch_dist(dir: &Path, step: &str) -> Result<(), StepError> {
+    let ckpt = shardline_formats::checkpoint::resolve_checkpoint_dir(dir).unwrap_or_else(|_| dir.to_path_buf());
+    if shardline_formats::training::common_state::is_torch_dist(&ckpt) {
+        return Err(StepError::fatal(format!(
+            "{} is a Megatron-Core `torch_dist` checkpoint; `{step}` reads Megatron-FSDP `fsdp_dtensor` checkpoints only for now",
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
 pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepError> {
     let dir = reshard_source_dir(job, ctx.outputs)?;
     let upstream = match &job.source {
@@ -250,6 +262,7 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
             dir.display()
         )));
     }
+    refuse_torch_dist(&dir, "checkpoint.reshard")?;
     let source = TrainingCheckpoint::open(&dir)
         .map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
     let mesh = Mesh { tp: job.tp, cp: job.cp, dp: job.dp, ep: job.ep, etp: job.etp };
@@ -363,6 +376,7 @@ pub fn export(job: &ExportJob, ctx: &StepContext) -> Result<TaskOutput, StepErro
     let dir = upstream.dir.clone().ok_or_else(|| {
         StepError::fatal(format!("task `{}` did not report a checkpoint directory", job.checkpoint_task))
     })?;
+    refuse_torch_dist(&dir, "checkpoint.export")?;
     let like = export_like(job, ctx.outputs)?;
     let etp = job
         .etp

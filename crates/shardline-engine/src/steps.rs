@@ -10,10 +10,11 @@ use std::sync::Arc;
 
 use serde_json::json;
 use sha2::{Digest, Sha256};
-use shardline_formats::checkpoint::open_checkpoint;
+use shardline_formats::checkpoint::{open_checkpoint, resolve_checkpoint_dir};
 use shardline_formats::execute::{self, ExecuteOptions, OutputFormat, Progress};
 use shardline_formats::safetensors::Release;
-use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
+use shardline_formats::training::save_dir::{self, SeedArgs};
+use shardline_layout::{build_plan, validate_plan, Dialect, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
 use thiserror::Error;
 
 use crate::checkpoints;
@@ -134,11 +135,14 @@ pub fn job_plan(job: &ShardJob, release: &Release) -> Result<Plan, StepError> {
         .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
         .collect();
     let mesh = Mesh { tp: job.tp, cp: job.cp, dp: job.dp, ep: job.ep, etp: job.etp };
+    let dialect = job_dialect(job)?;
     let options = PlanOptions {
         prefix: job.prefix.clone(),
         vocab_divisible_by: job.vocab_divisible_by,
         optimizer_state: job.optimizer_state,
-        split_fused: job.split_fused,
+        // torch_dist places the sections of fused projections itself (`[gate; up]`).
+        split_fused: job.split_fused || dialect == Dialect::TorchDist,
+        dialect,
         ..PlanOptions::default()
     };
     let plan = build_plan(&config, sources, mesh, &options).map_err(|errors| {
@@ -159,6 +163,15 @@ pub fn job_plan(job: &ShardJob, release: &Release) -> Result<Plan, StepError> {
     Ok(plan)
 }
 
+/// The dialect a job writes (`fsdp_dtensor` when the job names none).
+pub(crate) fn job_dialect(job: &ShardJob) -> Result<Dialect, StepError> {
+    match job.target.as_str() {
+        "" => Ok(Dialect::FsdpDtensor),
+        t => Dialect::parse(t)
+            .ok_or_else(|| StepError::fatal(format!("unknown target `{t}` (fsdp_dtensor, torch_dist)"))),
+    }
+}
+
 /// A stable digest of a plan: every key, dtype, shape, recipe and chunk.
 pub fn plan_digest(plan: &Plan) -> String {
     let mut h = Sha256::new();
@@ -177,7 +190,8 @@ pub fn shard_cache_key(job: &ShardJob, source_digest: &str) -> String {
     h.update(job.step_hash.as_bytes());
     h.update(
         format!(
-            "{}/{}/{}/{}/{}/{}/{}/{}/{}/{}",
+            "{}/{}/{}/{}/{}/{}/{}/{}/{}/{}/{}",
+            job.target,
             job.tp,
             job.cp,
             job.dp,
@@ -209,14 +223,29 @@ pub(crate) fn artifact_root_key(h: &mut Sha256, remote: Option<&str>) {
 
 /// Whether a cached checkpoint output still points at a complete checkpoint.
 pub fn cached_checkpoint_usable(output: &TaskOutput) -> bool {
-    let Some(dir) = &output.dir else { return false };
-    open_checkpoint(dir).is_ok()
+    output.dir.as_deref().is_some_and(committed_checkpoint)
 }
 
-fn staging_dir(job: &ShardJob) -> PathBuf {
+/// Whether `dir` holds a committed checkpoint: its `.metadata`, or for a Megatron save
+/// directory, the checkpoint its tracker names.
+pub(crate) fn committed_checkpoint(dir: &Path) -> bool {
+    resolve_checkpoint_dir(dir).is_ok_and(|d| open_checkpoint(&d).is_ok())
+}
+
+/// Where the job's output is assembled before it is renamed into place.
+fn staging_root(job: &ShardJob) -> PathBuf {
     let mut s = job.out.as_os_str().to_owned();
     s.push(".partial");
     PathBuf::from(s)
+}
+
+/// Where rank files are written: the staging root, or for torch_dist its checkpoint directory
+/// (the save directory's `release/`).
+fn staging_dir(job: &ShardJob) -> PathBuf {
+    match job_dialect(job) {
+        Ok(Dialect::TorchDist) => save_dir::seed_dir(&staging_root(job)),
+        _ => staging_root(job),
+    }
 }
 
 pub(crate) fn exec_options(job: &ShardJob) -> ExecuteOptions {
@@ -347,17 +376,22 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
             None => checkpoints::export(job, ctx),
         },
         Payload::Plan { job } => {
+            if job.remote.is_some() && job_dialect(job)? == Dialect::TorchDist {
+                return Err(StepError::fatal(
+                    "`target: torch_dist` is written to local artifacts only for now; this server keeps its artifacts in an object store (run it without `--artifacts`, or use `target: fsdp_dtensor`)",
+                ));
+            }
             let plan = match job.remote {
                 Some(_) => crate::remote::plan(job, ctx)?,
                 None => job_plan(job, &open_release(&ctx.source_path(&job.source_task)?)?)?,
             };
             let staging = staging_dir(job);
+            let root = staging_root(job);
             // A previous attempt's partial output is discarded; rank files are rewritten whole.
             if job.remote.is_some() {
                 // Nothing is staged: rank files go to the artifact store.
-            } else if staging.exists() {
-                fs::remove_dir_all(&staging)
-                    .map_err(|e| StepError::transient(format!("{}: {e}", staging.display())))?;
+            } else if root.exists() {
+                fs::remove_dir_all(&root).map_err(|e| StepError::transient(format!("{}: {e}", root.display())))?;
             }
             if job.remote.is_none() {
                 fs::create_dir_all(&staging)
@@ -406,20 +440,25 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
             if job.remote.is_some() {
                 return crate::remote::commit(job, plan_task, ctx);
             }
-            let (_release, plan) = checked_plan(ctx, job, plan_task)?;
-            let staging = staging_dir(job);
-            if job.out.exists() && open_checkpoint(&job.out).is_ok() && !staging.exists() {
+            let (release, plan) = checked_plan(ctx, job, plan_task)?;
+            let (staging, root) = (staging_dir(job), staging_root(job));
+            if job.out.exists() && committed_checkpoint(&job.out) && !root.exists() {
                 // A previous attempt committed and then lost its lease before reporting.
                 (ctx.log)("already committed by a previous attempt".into());
             } else {
                 execute::commit_checkpoint(&plan, &staging, &exec_options(job))
                     .map_err(|e| StepError::transient(e.to_string()))?;
+                if job_dialect(job)? == Dialect::TorchDist {
+                    let config =
+                        ModelConfig::from_json(release.config_json()).map_err(|e| StepError::fatal(e.to_string()))?;
+                    let args = SeedArgs::for_model(&config, release.config_json(), plan.mesh, job.vocab_divisible_by);
+                    save_dir::finish_seed_save(&root, &args).map_err(|e| StepError::transient(e.to_string()))?;
+                }
                 if job.out.exists() {
                     fs::remove_dir_all(&job.out)
                         .map_err(|e| StepError::transient(format!("{}: {e}", job.out.display())))?;
                 }
-                fs::rename(&staging, &job.out)
-                    .map_err(|e| StepError::transient(format!("{}: {e}", job.out.display())))?;
+                fs::rename(&root, &job.out).map_err(|e| StepError::transient(format!("{}: {e}", job.out.display())))?;
             }
             (ctx.log)(format!("committed {}", job.out.display()));
             Ok(TaskOutput {
@@ -431,7 +470,8 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
                 split_fused: Some(job.split_fused),
                 ..TaskOutput::default()
             }
-            .with("format", json!(job.format)))
+            .with("format", json!(job.format))
+            .with("target", json!(job_dialect(job)?.name())))
         }
         Payload::SplitPassThrough { checkpoint_task } => {
             let out = ctx

@@ -19,12 +19,14 @@ use serde_json::json;
 use shardline_artifacts::{Artifacts, ListedObject};
 use shardline_control::graph::part_files;
 use shardline_control::{BoxFingerprint, TaskOutput};
+use shardline_formats::checkpoint::resolve_checkpoint_dir;
 use shardline_formats::execute::SourceMap;
 use shardline_formats::safetensors::Release;
+use shardline_formats::training::common_state::is_torch_dist;
 use shardline_formats::verify::{
     part_ranges, parts_agree, verify_checkpoint, BoxSet, Scope, VerifyError, VerifyOptions, VerifyReport,
 };
-use shardline_layout::{build_plan, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
+use shardline_layout::{build_plan, Dialect, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
 
 use crate::rank_task::{read_whole_files, SparseRelease};
 use crate::remote::{open_artifacts, stage_release, transient};
@@ -46,9 +48,12 @@ pub fn validate(
         return declared(checkpoint_task, source_task, prefix, parts, ctx);
     }
     let dir = checkpoint_dir(ctx, checkpoint_task)?;
+    // A Megatron save directory (torch_dist): the checkpoint its tracker names.
+    let ckpt = resolve_checkpoint_dir(&dir).map_err(|e| StepError::fatal(e.to_string()))?;
     let release = open_release(&ctx.source_path(source_task)?)?;
-    let reference = reference(&release, prefix, checkpoint_task, ctx)?;
-    let report = verify(&dir, &release, &reference, Scope::Whole, ctx)?;
+    let dialect = if is_torch_dist(&ckpt) { Dialect::TorchDist } else { Dialect::FsdpDtensor };
+    let reference = reference(&release, prefix, checkpoint_task, dialect, ctx)?;
+    let report = verify(&ckpt, &release, &reference, Scope::Whole, ctx)?;
     (ctx.log)(format!("{} tensors, {} bytes reconstructed bit-exactly", report.tensors, report.bytes_checked));
     Ok(TaskOutput { dir: Some(dir), bytes_checked: Some(report.bytes_checked), ..TaskOutput::default() }
         .with("ok", json!(true))
@@ -66,7 +71,7 @@ pub fn part(
     let url = checkpoint_url(checkpoint_task, ctx)?;
     let release_dir = ctx.scratch.join("release");
     let staged = stage_release(ctx.output(source_task)?, &release_dir, ctx)?;
-    let reference = reference(&staged.release, prefix, checkpoint_task, ctx)?;
+    let reference = reference(&staged.release, prefix, checkpoint_task, Dialect::FsdpDtensor, ctx)?;
     let checkpoint = open_artifacts(url, ctx)?;
     let listing = ctx.runtime.block_on(checkpoint.list()).map_err(transient)?;
     let names: Vec<String> = listing.iter().map(|o| o.name.clone()).collect();
@@ -105,7 +110,7 @@ fn declared(
 ) -> Result<TaskOutput, StepError> {
     let url = checkpoint_url(checkpoint_task, ctx)?;
     let staged = stage_release(ctx.output(source_task)?, &ctx.scratch.join("release"), ctx)?;
-    let reference = reference(&staged.release, prefix, checkpoint_task, ctx)?;
+    let reference = reference(&staged.release, prefix, checkpoint_task, Dialect::FsdpDtensor, ctx)?;
     let dir = ctx.scratch.join("checkpoint");
     let checkpoint = open_artifacts(url, ctx)?;
     ctx.runtime.block_on(async {
@@ -192,16 +197,24 @@ fn checkpoint_url<'a>(task: &str, ctx: &'a StepContext) -> Result<&'a str, StepE
 }
 
 /// The release's tensors as the checkpoint of `checkpoint_task` must hold them.
-fn reference(release: &Release, prefix: &str, checkpoint_task: &str, ctx: &StepContext) -> Result<Plan, StepError> {
+fn reference(
+    release: &Release,
+    prefix: &str,
+    checkpoint_task: &str,
+    dialect: Dialect,
+    ctx: &StepContext,
+) -> Result<Plan, StepError> {
     let checkpoint = ctx.output(checkpoint_task)?;
-    let split = checkpoint.split_fused.unwrap_or(true);
+    let split = checkpoint.split_fused.unwrap_or(true) || dialect == Dialect::TorchDist;
     let config = ModelConfig::from_json(release.config_json()).map_err(|e| StepError::fatal(e.to_string()))?;
     let options = PlanOptions {
         prefix: prefix.to_string(),
         vocab_divisible_by: 1,
-        // Optimizer state is expected when the checkpoint has any (see verify_checkpoint).
-        optimizer_state: true,
+        // Optimizer state is expected when the checkpoint has any (see verify_checkpoint);
+        // torch_dist checkpoints are written without.
+        optimizer_state: dialect == Dialect::FsdpDtensor,
         split_fused: split,
+        dialect,
         ..PlanOptions::default()
     };
     let sources = release

@@ -21,6 +21,10 @@ use crate::{Destination, PublishError, MANIFEST};
 
 /// DCP's commit marker.
 pub const DCP_METADATA: &str = ".metadata";
+/// Megatron-LM's commit marker: the tracker of a save directory, naming the checkpoint
+/// directory (`release/`, `iter_NNNNNNN/`) it holds. Written after the checkpoint's
+/// `.metadata`, withdrawn before it.
+pub const MEGATRON_TRACKER: &str = "latest_checkpointed_iteration.txt";
 /// The commit marker of an HF safetensors release.
 pub const HF_INDEX: &str = "model.safetensors.index.json";
 const SAFETENSORS: &str = ".safetensors";
@@ -39,8 +43,9 @@ pub enum CommitRule {
 impl CommitRule {
     /// The rule for a checkpoint made of `names`.
     pub fn of(names: &[String]) -> CommitRule {
-        let markers: Vec<String> =
-            [DCP_METADATA, HF_INDEX].iter().filter(|m| names.iter().any(|n| n == *m)).map(|m| m.to_string()).collect();
+        let mut markers: Vec<&String> = names.iter().filter(|n| marker_order(n).is_some()).collect();
+        markers.sort_by_key(|n| (marker_order(n), n.as_str()));
+        let markers: Vec<String> = markers.into_iter().cloned().collect();
         if !markers.is_empty() {
             CommitRule::Markers(markers)
         } else if names.iter().any(|n| n.ends_with(SAFETENSORS)) {
@@ -69,12 +74,30 @@ impl CommitRule {
         let old: Vec<&String> = old.collect();
         let either = || new.iter().chain(old.iter().copied());
         let mut ordered = vec![MANIFEST.to_string()];
-        ordered.extend([DCP_METADATA, HF_INDEX].iter().filter(|m| either().any(|n| n == *m)).map(|m| m.to_string()));
+        // Markers in the reverse of their commit order: a save directory's tracker before the
+        // `.metadata` of the checkpoint it names.
+        let mut markers: Vec<&String> = either().filter(|n| marker_order(n).is_some()).collect();
+        markers.sort_by_key(|n| (std::cmp::Reverse(marker_order(n)), n.as_str()));
+        markers.dedup();
+        ordered.extend(markers.into_iter().cloned());
         if *self == CommitRule::AllSafetensors {
             let files: BTreeSet<&String> = either().filter(|n| n.ends_with(SAFETENSORS)).collect();
             ordered.extend(files.into_iter().cloned());
         }
         ordered
+    }
+}
+
+/// Whether `name` is a commit marker, and its place in the commit (first written first):
+/// `.metadata` (also a save directory's checkpoint's, `release/.metadata`) and an HF index, then
+/// a Megatron tracker.
+pub fn marker_order(name: &str) -> Option<u8> {
+    if name == DCP_METADATA || name == HF_INDEX || name.ends_with("/.metadata") {
+        Some(0)
+    } else if name == MEGATRON_TRACKER {
+        Some(1)
+    } else {
+        None
     }
 }
 
@@ -92,6 +115,16 @@ mod tests {
 
     fn names(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn a_save_directory_commits_with_its_tracker_after_its_checkpoint() {
+        let save = names(&["latest_checkpointed_iteration.txt", "release/.metadata", "release/__0_0.distcp"]);
+        let rule = CommitRule::of(&save);
+        assert_eq!(rule, CommitRule::Markers(names(&["release/.metadata", "latest_checkpointed_iteration.txt"])));
+        assert!(!rule.is_marker("release/__0_0.distcp"));
+        let w = rule.withdrawn(&save, [].iter());
+        assert_eq!(w, names(&[MANIFEST, "latest_checkpointed_iteration.txt", "release/.metadata"]));
     }
 
     #[test]

@@ -75,7 +75,7 @@ mod protocol;
 mod s3_uploads;
 mod survey;
 
-pub use commit::{CommitRule, DCP_METADATA, HF_INDEX};
+pub use commit::{CommitRule, DCP_METADATA, HF_INDEX, MEGATRON_TRACKER};
 pub use destination::{Backend, Destination};
 pub use engine::read_manifest_at;
 pub use object_store;
@@ -263,23 +263,61 @@ pub fn read_manifest(dir: &Path) -> Result<Option<Manifest>, PublishError> {
     }
 }
 
-/// Files to publish from `src`, in publish order: everything but `.metadata` by name, then
-/// `.metadata` (the checkpoint's own commit marker) last among the data.
+/// Files to publish from `src`, in publish order: the data by name, then the commit markers in
+/// their order (see [`commit::marker_order`]). The files of one directory; for a Megatron-LM save
+/// directory (its tracker at the top), the files under it too, by relative path.
 fn source_files(src: &Path) -> Result<Vec<String>, PublishError> {
-    let mut names: Vec<String> = fs::read_dir(src)
-        .map_err(io_err(src, "list"))?
-        .filter_map(|e| e.ok())
-        .filter(|e| e.file_type().map(|t| t.is_file()).unwrap_or(false))
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| {
-            n != MANIFEST && n != PENDING && !n.ends_with(".partial") && !n.ends_with(".tmp") && !n.contains('#')
-        })
-        .collect();
-    names.sort_by_key(|n| (n == ".metadata", n.clone()));
+    let mut names = Vec::new();
+    match megatron_checkpoint(src)? {
+        // A save directory: its tracker and the checkpoint it names (older iterations stay).
+        Some(named) => {
+            names.push(commit::MEGATRON_TRACKER.to_string());
+            list_files(&src.join(&named), &format!("{named}/"), true, &mut names)?;
+        }
+        None => list_files(src, "", false, &mut names)?,
+    }
+    names.retain(|n| {
+        let base = n.rsplit('/').next().unwrap_or(n);
+        n != MANIFEST && n != PENDING && !base.ends_with(".partial") && !base.ends_with(".tmp") && !base.contains('#')
+    });
+    names.sort_by_key(|n| (commit::marker_order(n), n.clone()));
     if names.is_empty() {
         return Err(PublishError::Empty(src.to_path_buf()));
     }
     Ok(names)
+}
+
+/// The checkpoint directory a Megatron-LM save directory's tracker names (`release`,
+/// `iter_NNNNNNN`), when `src` is one.
+fn megatron_checkpoint(src: &Path) -> Result<Option<String>, PublishError> {
+    let tracker = src.join(commit::MEGATRON_TRACKER);
+    let text = match fs::read_to_string(&tracker) {
+        Ok(t) => t,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(PublishError::Io { path: tracker, action: "read", error: e }),
+    };
+    let named = match text.trim() {
+        "release" => "release".to_string(),
+        t => match t.parse::<u64>() {
+            Ok(n) => format!("iter_{n:07}"),
+            Err(_) => return Err(PublishError::Config(format!("{}: `{t}` names no checkpoint", tracker.display()))),
+        },
+    };
+    Ok(Some(named))
+}
+
+/// Adds the files of `dir` (under the relative path `rel`) to `out`, and those of its
+/// subdirectories when `nested`.
+fn list_files(dir: &Path, rel: &str, nested: bool, out: &mut Vec<String>) -> Result<(), PublishError> {
+    for e in fs::read_dir(dir).map_err(io_err(dir, "list"))?.filter_map(|e| e.ok()) {
+        let name = format!("{rel}{}", e.file_name().to_string_lossy());
+        match e.file_type() {
+            Ok(t) if t.is_file() => out.push(name),
+            Ok(t) if t.is_dir() && nested => list_files(&e.path(), &format!("{name}/"), nested, out)?,
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Publishes the checkpoint in `src` to `to` (an absolute path or a `file://`, `s3://`, `gs://`

@@ -38,7 +38,7 @@
 //! | kind | fields |
 //! |---|---|
 //! | `hf.download` | exactly one of `repo` (a Hub repository, `org/name`) and `path` (a local HF-layout directory, or an object-store prefix: `s3://bucket/prefix`, `gs://…`, `az://…`, `file:///abs/dir`); with `repo`: `revision` = `main` (branch, tag or commit sha), `allow` / `ignore` = [] (`fnmatch` globs), `endpoint` = `HF_ENDPOINT`, else `https://huggingface.co` |
-//! | `megatron.shard` | `tp`, `dp` (required), `cp` = 1, `ep` = 1, `etp` = `tp`, `format` = `dcp` \| `dcp-safetensors`, `prefix` = `model.module.`, `optimizer_state` = false, `vocab_divisible_by` = 128, `keep` = false |
+//! | `megatron.shard` | `tp`, `dp` (required), `cp` = 1, `ep` = 1, `etp` = `tp`, `format` = `dcp` \| `dcp-safetensors`, `target` = `fsdp_dtensor` \| `torch_dist` (a Megatron save directory: tracker and `release/`), `prefix` = `model.module.` (none for `torch_dist`), `optimizer_state` = false, `vocab_divisible_by` = 128, `keep` = false |
 //! | `megatron.split_fused` | `keep` = false; its only need is a `megatron.shard` step |
 //! | `checkpoint.reshard` | `tp`, `dp` (required), `cp` = 1, `ep` = 1, `etp` = `tp`, `rng` = `from-rank0` \| `drop`, `vocab_size` (the tokenizer's; default: the checkpoint's `args`, else the upstream release's `config.json`), `from_mesh` (`tp=2,dp=4,…`; default: `args`, else the mesh the upstream step wrote, else the chunk geometry's), `path` (a local checkpoint directory or an object-store prefix, fetched as `hf.download` fetches one; without it, the checkpoint of the upstream `megatron.shard`, `megatron.split_fused` or `checkpoint.reshard` step) |
 //! | `checkpoint.validate` | none; validates against the upstream download's source |

@@ -494,6 +494,8 @@ pub enum StepConfig {
         ep: u64,
         etp: u64,
         format: OutputFormatName,
+        /// The checkpoint dialect: `fsdp_dtensor` or `torch_dist`.
+        target: String,
         prefix: String,
         optimizer_state: bool,
         vocab_divisible_by: u64,

@@ -172,7 +172,9 @@ const MEGATRON_SHARD: &[Field] = &[
     field("ep", POSITIVE, FieldDefault::UInt(1)),
     field("etp", POSITIVE, FieldDefault::SameAs("tp")),
     field("format", FieldType::Choice(OutputFormatName::NAMES), FieldDefault::Str("dcp")),
-    field("prefix", FieldType::Str, FieldDefault::Str("model.module.")),
+    field("target", FieldType::Choice(&["fsdp_dtensor", "torch_dist"]), FieldDefault::Str("fsdp_dtensor")),
+    // `model.module.` for fsdp_dtensor, none for torch_dist.
+    field("prefix", FieldType::Str, FieldDefault::Optional),
     field("optimizer_state", FieldType::Bool, FieldDefault::Bool(false)),
     field("vocab_divisible_by", POSITIVE, FieldDefault::UInt(128)),
     field("keep", FieldType::Bool, FieldDefault::Bool(false)),

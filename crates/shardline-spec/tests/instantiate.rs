@@ -85,6 +85,7 @@ fn defaults_fill_every_field() {
             ep: 2,
             etp: 2,
             format: OutputFormatName::Dcp,
+            target: "fsdp_dtensor".into(),
             prefix: "model.module.".into(),
             optimizer_state: false,
             vocab_divisible_by: 128,
@@ -270,7 +271,7 @@ fn spec_hash_is_stable_and_canonical() {
     assert_eq!(a.spec_hash, b.spec_hash, "the run id does not change the spec hash");
     assert_eq!(a.spec_hash.len(), 64);
     // Pinned: a change to the canonical form is a change to every cache key.
-    insta::assert_snapshot!(a.spec_hash, @"5e8a9aa392690febd8dfb0a5de63319168036ebe15ddf9e7f4e2aa062650437f");
+    insta::assert_snapshot!(a.spec_hash, @"c427e074dc416e581a680b4ce8121ebbec5263bcd6a15f199eb7f027ea1bfb2e");
 
     // Same spec written differently: key order, flow vs block, explicit defaults, comments,
     // step order, an override equal to the default.
@@ -630,4 +631,37 @@ fn command_steps_resolve_their_argv_env_and_workdir() {
     // The resolved form round-trips through the JSON stored with a run.
     let back: ResolvedPipeline = serde_json::from_value(serde_json::to_value(&run).unwrap()).unwrap();
     assert_eq!(back, run);
+}
+
+#[test]
+fn a_torch_dist_shard_has_no_prefix_and_refuses_what_it_cannot_write() {
+    let spec = r#"
+apiVersion: shardline/v1
+kind: Pipeline
+name: td
+steps:
+  - {id: download, uses: hf.download, with: {repo: org/model}}
+  - {id: shard, uses: megatron.shard, needs: [download], with: {tp: 2, dp: 1, target: torch_dist}}
+  - {id: validate, uses: checkpoint.validate, needs: [shard]}
+"#;
+    let run = pipeline(spec).instantiate(&[], "run-1").unwrap();
+    match &run.step("shard").unwrap().config {
+        StepConfig::MegatronShard { target, prefix, .. } => {
+            assert_eq!((target.as_str(), prefix.as_str()), ("torch_dist", ""))
+        }
+        other => panic!("{other:?}"),
+    }
+    let bad = r#"
+apiVersion: shardline/v1
+kind: Pipeline
+name: td
+steps:
+  - {id: download, uses: hf.download, with: {repo: org/model}}
+  - {id: shard, uses: megatron.shard, needs: [download], with: {tp: 2, dp: 1, target: torch_dist, format: dcp-safetensors, optimizer_state: true}}
+  - {id: split, uses: megatron.split_fused, needs: [shard]}
+"#;
+    let (_, diags) = lint("td.yaml", bad, &common::disk_context());
+    let targets: Vec<&str> = diags.iter().filter(|d| d.code == "target").map(|d| d.path.as_str()).collect();
+    assert_eq!(targets, ["steps[1].with.format", "steps[1].with.optimizer_state", "steps[2].needs"], "{diags:#?}");
+    assert!(diags.iter().any(|d| d.message.contains("`format: dcp-safetensors` does not apply")), "{diags:#?}");
 }

@@ -43,6 +43,10 @@ pub mod kinds {
     pub const COMMAND: &str = "command";
 }
 
+fn fsdp_dtensor() -> String {
+    "fsdp_dtensor".to_string()
+}
+
 /// What a sharding subgraph writes. (`Default` is an empty job, for tests to fill in.)
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardJob {
@@ -57,6 +61,9 @@ pub struct ShardJob {
     pub vocab_divisible_by: u64,
     /// Split fused projections (the `fsdp_dtensor` form) or keep them fused.
     pub split_fused: bool,
+    /// The checkpoint dialect, `fsdp_dtensor` or `torch_dist` (a Megatron save directory).
+    #[serde(default = "fsdp_dtensor")]
+    pub target: String,
     /// Task whose output names the source release (`{"path": …}`).
     pub source_task: String,
     /// Where the checkpoint is committed; rank files are staged in `<out>.partial`.
@@ -470,6 +477,7 @@ pub fn tasks_for(
                 ep,
                 etp,
                 format,
+                target,
                 prefix,
                 optimizer_state,
                 vocab_divisible_by,
@@ -489,6 +497,7 @@ pub fn tasks_for(
                     optimizer_state: *optimizer_state,
                     vocab_divisible_by: *vocab_divisible_by,
                     split_fused: shard_applies_split(p, &step.id),
+                    target: target.clone(),
                     source_task: source_task_of(p, &step.id).ok_or_else(|| missing("hf.download"))?,
                     out: run_dir.join(&step.id).join("checkpoint"),
                     remote: remote_out(&step.id),

@@ -11,6 +11,8 @@ use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use shardline_layout::{Mesh, ModelConfig};
+
 use super::common_state::{COMMON_PT, METADATA_JSON};
 use crate::execute::ExecuteError;
 use crate::torch_save::{encode_object_archive, PyObject};
@@ -60,6 +62,34 @@ fn opt(v: Option<u64>) -> PyObject {
 }
 
 impl SeedArgs {
+    /// The `args` of a seed of `config` (`config_json` the release's `config.json`, for the
+    /// fields the planner does not read) for `mesh`, the vocabulary padded to a multiple of
+    /// `vocab_divisible_by · tp`.
+    pub fn for_model(config: &ModelConfig, config_json: &str, mesh: Mesh, vocab_divisible_by: u64) -> SeedArgs {
+        let json: serde_json::Value = serde_json::from_str(config_json).unwrap_or_default();
+        let text = json.get("text_config").filter(|t| t.is_object()).unwrap_or(&json);
+        let multiple = vocab_divisible_by.max(1) * mesh.tp;
+        SeedArgs {
+            tp: mesh.tp,
+            cp: mesh.cp,
+            ep: mesh.ep,
+            etp: mesh.etp,
+            num_layers: config.num_layers,
+            hidden_size: config.hidden_size,
+            ffn_hidden_size: config.ffn_hidden_size,
+            num_attention_heads: config.num_attention_heads,
+            num_query_groups: config.num_query_groups,
+            kv_channels: config.head_dim,
+            vocab_size: config.vocab_size,
+            padded_vocab_size: config.vocab_size.div_ceil(multiple) * multiple,
+            make_vocab_size_divisible_by: vocab_divisible_by,
+            untie_embeddings_and_output_weights: !config.tie_word_embeddings,
+            num_experts: config.num_experts,
+            moe_ffn_hidden_size: config.moe_ffn_hidden_size,
+            max_position_embeddings: text.get("max_position_embeddings").and_then(serde_json::Value::as_u64),
+        }
+    }
+
     /// `args` as the `argparse.Namespace` Megatron-LM pickles. No optimizer or RNG state is
     /// saved, and `args` says so, so a loader does not ask for them.
     pub fn namespace(&self) -> PyObject {
