@@ -511,8 +511,14 @@ proptest! {
         let table = PlanTable::new(&plan);
         prop_assert!(matches!(table.disk, DiskLayout::TorchDist(_)));
         let mut keys: BTreeMap<String, (Vec<u64>, Vec<Piece>)> = BTreeMap::new();
+        let mut placed: BTreeMap<String, Vec<shardline_layout::dialect::Part>> = BTreeMap::new();
         for t in table.tensors() {
             let place = table.disk.place(t.key, t.shape);
+            placed.entry(place.key.to_string()).or_default().push(shardline_layout::dialect::Part {
+                key: t.key.to_string(),
+                origin: place.origin.clone(),
+                shape: t.shape.to_vec(),
+            });
             prop_assert_eq!(place.origin.len(), place.shape.len());
             let entry = keys.entry(place.key.to_string()).or_insert_with(|| (place.shape.clone(), Vec::new()));
             prop_assert_eq!(&entry.0, &place.shape, "{} in {}", t.key, place.key);
@@ -530,6 +536,16 @@ proptest! {
                     (0..t.chunk_count()).filter(|&i| t.chunk(&table.mesh, i).rank == rank).collect();
                 prop_assert_eq!(direct, scanned, "{} rank {}", t.key, rank);
             }
+        }
+        // Read backwards, every on-disk key gives back exactly the planned tensors placed in it.
+        let planned: std::collections::BTreeSet<&str> = table.tensors().map(|t| t.key).collect();
+        for (key, mut want) in placed {
+            let shape = &keys[&key].0;
+            let mut got = shardline_layout::dialect::unplace(&key, shape, |k| planned.contains(format!("{k}_w").as_str()))
+                .map_err(TestCaseError::fail)?;
+            want.sort_by(|a, b| a.key.cmp(&b.key));
+            got.sort_by(|a, b| a.key.cmp(&b.key));
+            prop_assert_eq!(got, want, "{}", key);
         }
         for (key, (shape, pieces)) in keys {
             let v = tiling_violations(&shape, pieces);

@@ -212,9 +212,100 @@ impl TorchDistLayout {
     }
 }
 
+/// A planned tensor inside an on-disk key: its canonical (per-layer, per-expert, split) key, its
+/// origin in the on-disk key and its shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Part {
+    pub key: String,
+    pub origin: Vec<u64>,
+    pub shape: Vec<u64>,
+}
+
+/// The planned tensors an on-disk `torch_dist` key of `shape` holds: [`TorchDistLayout::place`]
+/// read backwards. Stacked keys (`<p>decoder.layers.<sub>`, no layer index) have a leading
+/// layer axis; `mlp.experts.experts.` keys an expert axis after it; `gated` says, of a canonical
+/// key, whether it is a SwiGLU fc1 stored `[gate; up]`, whose halves become its `_w` and `_v`
+/// sections — the model's layer kinds decide, never a flag.
+pub fn unplace(key: &str, shape: &[u64], gated: impl Fn(&str) -> bool) -> Result<Vec<Part>, String> {
+    let mut lead = 0usize;
+    let mut dim = |what: &str| -> Result<u64, String> {
+        let d = *shape.get(lead).ok_or_else(|| format!("`{key}` of shape {shape:?} has no {what} axis"))?;
+        lead += 1;
+        Ok(d)
+    };
+    let stack = key
+        .find("decoder.layers.")
+        .filter(|&at| !key[..at].contains("mtp."))
+        .map(|at| at + "decoder.layers.".len())
+        .filter(|&after| !key[after..].starts_with(|c: char| c.is_ascii_digit()));
+    let layers = match stack {
+        Some(_) => Some(dim("layer")?),
+        None => None,
+    };
+    let experts = match key.contains("mlp.experts.experts.") {
+        true => Some(dim("expert")?),
+        false => None,
+    };
+    let inner = &shape[lead..];
+    let mut parts = Vec::new();
+    for l in 0..layers.unwrap_or(1) {
+        for e in 0..experts.unwrap_or(1) {
+            let mut k = key.to_string();
+            if experts.is_some() {
+                k = k.replacen("mlp.experts.experts.", "mlp.experts.", 1);
+                k.push_str(&e.to_string());
+            }
+            if let Some(after) = stack {
+                k.insert_str(after, &format!("{l}."));
+            }
+            let mut origin: Vec<u64> = Vec::with_capacity(shape.len());
+            origin.extend(layers.map(|_| l));
+            origin.extend(experts.map(|_| e));
+            origin.extend(inner.iter().map(|_| 0));
+            if gated(&k) {
+                let rows = inner.first().copied().unwrap_or(0);
+                if rows % 2 != 0 {
+                    return Err(format!("`{key}`: a SwiGLU fc1 of {rows} rows cannot be `[gate; up]`"));
+                }
+                let mut half = inner.to_vec();
+                half[0] = rows / 2;
+                let mut up = origin.clone();
+                up[lead] = rows / 2;
+                parts.push(Part { key: format!("{k}_w"), origin, shape: half.clone() });
+                parts.push(Part { key: format!("{k}_v"), origin: up, shape: half });
+            } else {
+                parts.push(Part { key: k, origin, shape: inner.to_vec() });
+            }
+        }
+    }
+    Ok(parts)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unplace_reads_placements_backwards() {
+        let gated = |k: &str| k.ends_with("linear_fc1.weight") || k.contains("experts.linear_fc1.weight");
+        let parts = unplace("decoder.layers.mlp.experts.experts.linear_fc1.weight", &[2, 3, 8, 4], gated).unwrap();
+        assert_eq!(parts.len(), 2 * 3 * 2);
+        assert_eq!(
+            parts[3],
+            Part {
+                key: "decoder.layers.0.mlp.experts.linear_fc1.weight1_v".into(),
+                origin: vec![0, 1, 4, 0],
+                shape: vec![4, 4]
+            }
+        );
+        let parts = unplace("decoder.layers.3.mlp.linear_fc2.weight", &[16, 6], gated).unwrap();
+        assert_eq!(
+            parts,
+            [Part { key: "decoder.layers.3.mlp.linear_fc2.weight".into(), origin: vec![0, 0], shape: vec![16, 6] }]
+        );
+        assert!(unplace("decoder.layers.mlp.linear_fc1.weight", &[2, 5, 4], gated).unwrap_err().contains("5 rows"));
+        assert!(unplace("decoder.layers.mlp.linear_fc2.weight", &[], gated).unwrap_err().contains("no layer axis"));
+    }
 
     #[test]
     fn keys_come_apart() {
