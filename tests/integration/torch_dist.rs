@@ -106,15 +106,21 @@ fn commands_that_do_not_read_torch_dist_yet_say_so() {
     let ckpt = torch_dist_fixture("torch-dist-llama-tp2");
     let tmp = tempfile::tempdir().expect("tempdir");
     let hf = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny/llama");
-    for (command, o) in [
+    for (command, o, want) in [
         (
             "reshard",
             run(bin().arg("reshard").arg(&ckpt).arg("--to").arg(tmp.path().join("r")).args(["--tp", "1", "--dp", "1"])),
+            "`--target fsdp_dtensor` translates it",
         ),
-        ("export", run(bin().arg("export").arg(&ckpt).arg("--to").arg(tmp.path().join("e")).arg("--like").arg(&hf))),
+        (
+            "export",
+            run(bin().arg("export").arg(&ckpt).arg("--to").arg(tmp.path().join("e")).arg("--like").arg(&hf)),
+            "reads Megatron-FSDP `fsdp_dtensor` checkpoints only",
+        ),
     ] {
         assert_eq!(o.status.code(), Some(2), "{command}");
         assert!(stderr(&o).contains("Megatron-Core `torch_dist` checkpoint"), "{command}: {}", stderr(&o));
+        assert!(stderr(&o).contains(want), "{command}: {}", stderr(&o));
         assert!(!tmp.path().join(&command[..1]).exists(), "{command} wrote something");
     }
 }
@@ -182,4 +188,75 @@ fn validate_proves_megatron_cores_own_checkpoints_bit_exact_and_names_a_changed_
             && out.contains("global index [1, 0, 64]"),
         "{out}"
     );
+}
+
+/// Megatron-Core's own `torch_dist` checkpoints translated to `fsdp_dtensor` on another mesh:
+/// every tensor byte equals `convert --target fsdp_dtensor` of the same release on that mesh
+/// (each rank file `convert` writes is the translated file's first bytes; rank 0's then holds
+/// the carried common state), and the result validates bit-exactly against the release.
+#[test]
+fn megatron_cores_torch_dist_translates_to_what_convert_writes_byte_for_byte() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    for (fixture, hf, mesh) in [
+        ("torch-dist-llama-tp2", "llama", &["--tp", "2", "--dp", "2"][..]),
+        ("torch-dist-qwen3_moe-tp1ep2", "qwen3_moe", &["--tp", "2", "--dp", "2", "--ep", "2", "--etp", "1"][..]),
+    ] {
+        let hf = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny").join(hf);
+        let (translated, converted) =
+            (tmp.path().join(format!("{fixture}-t")), tmp.path().join(format!("{fixture}-c")));
+        let o =
+            run(bin().arg("reshard").arg(torch_dist_fixture(fixture)).arg("--to").arg(&translated).args(mesh).args([
+                "--target",
+                "fsdp_dtensor",
+                "--json",
+            ]));
+        assert_eq!(o.status.code(), Some(0), "{fixture}: {}", stderr(&o));
+        assert!(stderr(&o).contains("`_extra_state` objects left out"), "{}", stderr(&o));
+        let o = run(bin().arg("convert").arg("--from").arg(&hf).arg("--to").arg(&converted).args(mesh));
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        for rank in 0..4 {
+            let name = format!("__{rank}_0.distcp");
+            let (c, t) = (
+                std::fs::read(converted.join(&name)).expect("convert"),
+                std::fs::read(translated.join(&name)).expect("translated"),
+            );
+            assert!(
+                t.len() >= c.len() && t[..c.len()] == c[..],
+                "{fixture} {name}: the tensor bytes differ from convert's"
+            );
+            assert_eq!(t.len() > c.len(), rank == 0, "{fixture} {name}: only rank 0 carries the common state");
+        }
+        let o = run(bin().arg("validate").arg(&translated).arg("--against").arg(&hf).args(["--etp", "1"]));
+        assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stdout));
+        let o = run(bin().arg("inspect").arg(&translated).arg("--json"));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+        let objects = v["training"]["objects"].as_object().expect("objects");
+        assert!(objects.contains_key("args") && objects.contains_key("iteration"), "{v}");
+    }
+}
+
+#[test]
+fn a_translation_it_cannot_make_is_refused_and_nothing_is_written() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let hf = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny/gpt_oss");
+    let seed = tmp.path().join("seed");
+    let o = run(bin().arg("convert").arg("--from").arg(&hf).arg("--to").arg(&seed).args([
+        "--tp",
+        "2",
+        "--target",
+        "torch_dist",
+    ]));
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = tmp.path().join("out");
+    let o = run(bin().arg("reshard").arg(&seed).arg("--to").arg(&out).args([
+        "--tp",
+        "1",
+        "--dp",
+        "2",
+        "--target",
+        "fsdp_dtensor",
+    ]));
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("expert-TP-dependent layout (gpt-oss's expert fc1)"), "{}", stderr(&o));
+    assert!(!out.exists(), "something was written");
 }

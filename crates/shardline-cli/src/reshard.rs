@@ -15,7 +15,7 @@ use shardline_formats::training::{write_resharded, TrainingCheckpoint};
 use shardline_layout::reshard::{plan_reshard, RngPolicy};
 use shardline_layout::Mesh;
 
-use crate::convert::MeshArgs;
+use crate::convert::{MeshArgs, Target};
 use crate::report::{bytes, peak_rss, Bar};
 
 /// What happens to the per-(pp, tp) RNG states when the TP grid changes.
@@ -30,8 +30,15 @@ pub enum Rng {
 
 #[derive(Args, Debug)]
 pub struct ReshardArgs {
-    /// Training checkpoint directory (DCP, as Megatron-FSDP's `fsdp_dtensor` format saves it).
+    /// Training checkpoint directory (DCP, as Megatron-FSDP's `fsdp_dtensor` format saves it), or
+    /// a Megatron-Core `torch_dist` checkpoint or save directory (with `--target fsdp_dtensor`).
     pub ckpt: PathBuf,
+    /// The dialect to write (default: the source's). `fsdp_dtensor` from a `torch_dist` source
+    /// translates it: layers and experts unstacked, SwiGLU fc1 split where the model's layers are
+    /// SwiGLU, `args` and the common state carried as top-level items; what Megatron-FSDP does not
+    /// save (`_extra_state`, the rerun state) is left out, and said so.
+    #[arg(long, value_enum)]
+    pub target: Option<crate::convert::Target>,
     /// Output checkpoint directory.
     #[arg(long = "to", value_name = "OUT_DIR", required_unless_present = "dry_run")]
     pub to: Option<PathBuf>,
@@ -73,9 +80,21 @@ pub(crate) fn parse_mesh(s: &str) -> Result<Mesh> {
 
 pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
     let started = Instant::now();
-    crate::report::refuse_torch_dist(&args.ckpt, "reshard")?;
+    let dir = shardline_formats::checkpoint::resolve_checkpoint_dir(&args.ckpt)?;
+    if shardline_formats::training::common_state::is_torch_dist(&dir) && args.target != Some(Target::FsdpDtensor) {
+        bail!(
+            "{} is a Megatron-Core `torch_dist` checkpoint: resharding it as torch_dist is not supported yet;              `--target fsdp_dtensor` translates it to Megatron-FSDP's format on the target mesh",
+            dir.display()
+        );
+    }
+    if args.target == Some(Target::TorchDist) {
+        bail!("writing torch_dist from a reshard is not supported yet; `convert --target torch_dist` writes it from a release");
+    }
     let source = TrainingCheckpoint::open(&args.ckpt)
         .with_context(|| format!("reading training checkpoint {}", args.ckpt.display()))?;
+    for note in &source.notes {
+        eprintln!("note: {note}");
+    }
     let given = ReshardHints {
         source_mesh: args.from_mesh.as_deref().map(parse_mesh).transpose()?,
         vocab_size: args.vocab_size,
@@ -141,7 +160,7 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
             "{}",
             json!({"from": from, "to": options.mesh.to_string(), "out": to, "files": report.files,
                    "tensor_bytes": report.tensor_bytes, "file_bytes": report.file_bytes, "chunks": report.chunks,
-                   "optimizer_states": moments, "args_updated": report.args_set, "notes": plan.notes,
+                   "optimizer_states": moments, "args_updated": report.args_set, "notes": plan.notes, "left_out": source.notes,
                    "seconds": secs, "peak_rss_bytes": peak_rss(),
                    "bytes_written": progress.bytes_written.load(Ordering::Relaxed)})
         );

@@ -10,6 +10,7 @@
 //!   `BufRead`, and hands the items of chosen top-level dicts to the caller as they complete
 //!   instead of keeping them, so memory follows the largest item, not the file.
 
+mod encode;
 mod input;
 mod opcodes;
 mod patch;
@@ -22,6 +23,7 @@ use std::sync::Arc;
 
 use thiserror::Error;
 
+pub use encode::dumps;
 pub use patch::set_int_fields;
 pub use read::{loads, loads_with_limits, Reader};
 pub use scan::{scan_memo_references, MemoReferences};

@@ -433,10 +433,14 @@ pub fn object_pickle(value: &PyObject) -> Vec<u8> {
 
 /// `torch.save(value)`: an archive with `data.pkl`, `byteorder` and `version`.
 pub fn encode_object_archive(value: &PyObject) -> Vec<u8> {
+    encode_pickle_archive(&object_pickle(value))
+}
+
+/// The `torch.save` archive of an object whose pickle (`data.pkl`, no tensors) is `pkl`.
+pub fn encode_pickle_archive(pkl: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
     let mut entries = Vec::new();
-    let pkl = object_pickle(value);
-    push_entry(&mut out, &mut entries, format!("{ARCHIVE_DIR}/data.pkl"), &pkl);
+    push_entry(&mut out, &mut entries, format!("{ARCHIVE_DIR}/data.pkl"), pkl);
     push_entry(&mut out, &mut entries, format!("{ARCHIVE_DIR}/byteorder"), b"little");
     push_entry(&mut out, &mut entries, format!("{ARCHIVE_DIR}/version"), b"3\n");
     let cd = central_directory(&entries, out.len() as u64);

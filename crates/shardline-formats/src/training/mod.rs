@@ -7,6 +7,7 @@ pub mod common_state;
 mod export;
 pub mod save_dir;
 mod summary;
+mod translate;
 mod write;
 
 use std::fs::File;
@@ -45,6 +46,8 @@ pub enum TrainingError {
     Write(#[from] ExecuteError),
     #[error(transparent)]
     Safetensors(#[from] crate::safetensors::SafetensorsError),
+    #[error("cannot translate `{key}` from torch_dist: {problem}")]
+    Translate { key: String, problem: String },
 }
 
 /// Where an item's bytes are in the source checkpoint.
@@ -54,6 +57,9 @@ pub enum ItemData {
     Tensor(usize),
     /// Index into [`Checkpoint::objects`].
     Object(usize),
+    /// Index into [`TrainingCheckpoint::inline`]: an item held in memory (a `torch_dist`
+    /// checkpoint's common state, carried item by item).
+    Inline(usize),
 }
 
 /// A training checkpoint, opened: its items for the reshard core, in the same order as `data`.
@@ -64,14 +70,31 @@ pub struct TrainingCheckpoint {
     pub data: Vec<ItemData>,
     /// `args`, when the checkpoint has it (Megatron-LM's trainer writes it; Megatron-Bridge does not).
     pub args: Option<TrainingArgs>,
+    /// `torch.save` archives of the [`ItemData::Inline`] items.
+    pub inline: Vec<Vec<u8>>,
+    /// What reading it decided that its user should know (items left out of a translation).
+    pub notes: Vec<String>,
 }
 
 impl TrainingCheckpoint {
     /// Opens `dir`, checking every chunk's and bytes item's archive (see [`open_checkpoint`]).
+    /// A Megatron-Core `torch_dist` checkpoint (or save directory) reads as the `fsdp_dtensor`
+    /// checkpoint it translates to (see `translate`).
     pub fn open(dir: &Path) -> Result<TrainingCheckpoint, TrainingError> {
         let checkpoint = open_checkpoint(dir)?;
         if checkpoint.format != CheckpointFormat::Dcp {
             return Err(TrainingError::NotDcp(dir.to_path_buf()));
+        }
+        if common_state::is_torch_dist(&checkpoint.dir) {
+            let t = translate::translate(checkpoint)?;
+            return Ok(TrainingCheckpoint {
+                checkpoint: t.checkpoint,
+                items: t.items,
+                data: t.data,
+                args: t.args,
+                inline: t.inline,
+                notes: t.notes,
+            });
         }
         if checkpoint.planner_data.is_empty() {
             return Err(TrainingError::NoPlannerData(dir.to_path_buf()));
@@ -100,14 +123,14 @@ impl TrainingCheckpoint {
             items.push(SourceItem { key: o.key.clone(), path, tensor: None });
             data.push(ItemData::Object(i));
         }
-        Ok(TrainingCheckpoint { checkpoint, items, data, args })
+        Ok(TrainingCheckpoint { checkpoint, items, data, args, inline: Vec::new(), notes: Vec::new() })
     }
 
     /// The stored chunks of the tensor item `item`.
     pub fn chunks_of(&self, item: usize) -> &[StoredChunk] {
         match self.data[item] {
             ItemData::Tensor(t) => &self.checkpoint.tensors[t].chunks,
-            ItemData::Object(_) => &[],
+            ItemData::Object(_) | ItemData::Inline(_) => &[],
         }
     }
 }

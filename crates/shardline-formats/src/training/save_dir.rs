@@ -36,6 +36,7 @@ pub const METADATA_JSON_TEXT: &str = r#"{"sharded_backend": "torch_dist", "shard
 pub struct SeedArgs {
     pub tp: u64,
     pub cp: u64,
+    pub dp: u64,
     pub ep: u64,
     pub etp: u64,
     pub num_layers: u64,
@@ -72,6 +73,7 @@ impl SeedArgs {
         SeedArgs {
             tp: mesh.tp,
             cp: mesh.cp,
+            dp: mesh.dp,
             ep: mesh.ep,
             etp: mesh.etp,
             num_layers: config.num_layers,
@@ -98,6 +100,8 @@ impl SeedArgs {
             ("tensor_model_parallel_size", int(self.tp)),
             ("pipeline_model_parallel_size", int(1)),
             ("context_parallel_size", int(self.cp)),
+            ("data_parallel_size", int(self.dp)),
+            ("world_size", int(self.tp * self.cp * self.dp)),
             ("expert_model_parallel_size", int(self.ep)),
             ("expert_tensor_parallel_size", int(self.etp)),
             ("num_layers", int(self.num_layers)),

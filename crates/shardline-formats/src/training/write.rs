@@ -139,17 +139,26 @@ fn edit_args(
     let mut edited = HashMap::new();
     let mut set = Vec::new();
     for o in plan.objects.iter().filter(|o| o.is_args) {
-        let ItemData::Object(i) = source.data[o.source] else { continue };
-        let stored = &source.checkpoint.objects[i];
-        let path = source.checkpoint.dir.join(&*stored.file);
-        let f = File::open(&path).map_err(io_err(&path, "open rank file"))?;
-        let archive = edit_object_archive(&f, stored.offset, stored.length, |pkl| {
+        let mut edit = |pkl: &[u8]| {
             let (new, found) = set_int_fields(pkl, &updates).map_err(TorchSaveError::from)?;
             set = found;
             Ok(new)
-        })
-        .map_err(|source| TrainingError::Object { key: stored.key.clone(), source })?;
-        edited.insert(i, archive);
+        };
+        let archive = match source.data[o.source] {
+            ItemData::Object(i) => {
+                let stored = &source.checkpoint.objects[i];
+                let path = source.checkpoint.dir.join(&*stored.file);
+                let f = File::open(&path).map_err(io_err(&path, "open rank file"))?;
+                edit_object_archive(&f, stored.offset, stored.length, &mut edit)
+            }
+            ItemData::Inline(j) => {
+                let bytes = &source.inline[j][..];
+                edit_object_archive(bytes, 0, bytes.len() as u64, &mut edit)
+            }
+            ItemData::Tensor(_) => continue,
+        }
+        .map_err(|source| TrainingError::Object { key: o.key.clone(), source })?;
+        edited.insert(o.source, archive);
     }
     let missing = if edited.is_empty() {
         Vec::new()
@@ -177,8 +186,12 @@ fn rank_items<'p>(
             .map(move |c| (ti, c))
     });
     let objects = plan.objects.iter().enumerate().filter(move |_| rank == 0).filter_map(move |(oi, o)| {
-        let ItemData::Object(i) = source.data[o.source] else { return None };
-        Some((oi, edited.get(&i).map_or(source.checkpoint.objects[i].length, |b| b.len() as u64)))
+        let stored = match source.data[o.source] {
+            ItemData::Object(i) => source.checkpoint.objects[i].length,
+            ItemData::Inline(j) => source.inline[j].len() as u64,
+            ItemData::Tensor(_) => return None,
+        };
+        Some((oi, edited.get(&o.source).map_or(stored, |b| b.len() as u64)))
     });
     let mut end = 0u64;
     let chunk_items = chunks.map(move |(ti, c)| {
@@ -382,14 +395,16 @@ impl<'a> RankWriter<'a> {
                     self.progress.bytes_written.fetch_add(archive.data_len(), Ordering::Relaxed);
                 }
                 OutItem::Object { object, offset, .. } => {
-                    let ItemData::Object(i) = self.source.data[self.plan.objects[*object].source] else { continue };
-                    let stored = &self.source.checkpoint.objects[i];
-                    match self.edited.get(&i) {
-                        Some(bytes) => copier.put(bytes, *offset)?,
-                        None => {
+                    let source_item = self.plan.objects[*object].source;
+                    match (self.edited.get(&source_item), &self.source.data[source_item]) {
+                        (Some(bytes), _) => copier.put(bytes, *offset)?,
+                        (None, ItemData::Inline(j)) => copier.put(&self.source.inline[*j], *offset)?,
+                        (None, ItemData::Object(i)) => {
+                            let stored = &self.source.checkpoint.objects[*i];
                             let input = self.input(&stored.file)?;
                             copier.copy(input, stored.offset, *offset, stored.length)?;
                         }
+                        (None, ItemData::Tensor(_)) => continue,
                     }
                 }
             }
