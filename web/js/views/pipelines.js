@@ -26,7 +26,8 @@ export function render(view) {
         const mine = (triggers || []).filter((t) => t.pipeline === name);
         const details = h('details', { 'data-pipeline': name },
           h('summary', {}, h('strong', {}, name), ' ',
-            p ? h('span', { class: 'muted' }, `${p.versions} version${p.versions === 1 ? '' : 's'} · spec ${p.latest_spec_hash.slice(0, 12)}`) : null, ' ',
+            p ? h('span', { class: 'muted' }, `${p.versions} version${p.versions === 1 ? '' : 's'} · spec `,
+              h('span', { 'data-spec-hash': '' }, p.latest_spec_hash.slice(0, 12))) : null, ' ',
             mine.length ? h('span', { class: 'muted' }, `· ${mine.length} trigger${mine.length === 1 ? '' : 's'}`) : null),
           // Outside the summary: a control inside another is unreachable to assistive technology.
           h('p', { class: 'small' }, link(`/runs?pipeline=${encodeURIComponent(name)}`, `runs of ${name}`)),
