@@ -106,18 +106,11 @@ fn commands_that_do_not_read_torch_dist_yet_say_so() {
     let ckpt = torch_dist_fixture("torch-dist-llama-tp2");
     let tmp = tempfile::tempdir().expect("tempdir");
     let hf = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny/llama");
-    for (command, o, want) in [
-        (
-            "reshard",
-            run(bin().arg("reshard").arg(&ckpt).arg("--to").arg(tmp.path().join("r")).args(["--tp", "1", "--dp", "1"])),
-            "`--target fsdp_dtensor` translates it",
-        ),
-        (
-            "export",
-            run(bin().arg("export").arg(&ckpt).arg("--to").arg(tmp.path().join("e")).arg("--like").arg(&hf)),
-            "reads Megatron-FSDP `fsdp_dtensor` checkpoints only",
-        ),
-    ] {
+    for (command, o, want) in [(
+        "reshard",
+        run(bin().arg("reshard").arg(&ckpt).arg("--to").arg(tmp.path().join("r")).args(["--tp", "1", "--dp", "1"])),
+        "`--target fsdp_dtensor` translates it",
+    )] {
         assert_eq!(o.status.code(), Some(2), "{command}");
         assert!(stderr(&o).contains("Megatron-Core `torch_dist` checkpoint"), "{command}: {}", stderr(&o));
         assert!(stderr(&o).contains(want), "{command}: {}", stderr(&o));
@@ -259,4 +252,27 @@ fn a_translation_it_cannot_make_is_refused_and_nothing_is_written() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("expert-TP-dependent layout (gpt-oss's expert fc1)"), "{}", stderr(&o));
     assert!(!out.exists(), "something was written");
+}
+
+/// `export` of Megatron-Core's own `torch_dist` checkpoints gives the release back: the same
+/// names, dtypes, shapes and bytes.
+#[test]
+fn megatron_cores_torch_dist_exports_back_to_the_release() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    for (fixture, hf) in [("torch-dist-llama-tp2", "llama"), ("torch-dist-qwen3_moe-tp1ep2", "qwen3_moe")] {
+        let out = tmp.path().join(fixture);
+        let o = run(bin()
+            .arg("export")
+            .arg(torch_dist_fixture(fixture))
+            .arg("--to")
+            .arg(&out)
+            .arg("--like")
+            .arg(crate::fixture(hf)));
+        assert_eq!(o.status.code(), Some(0), "{fixture}: {}", stderr(&o));
+        let (want, got) = (crate::release_tensors(&crate::fixture(hf)), crate::release_tensors(&out));
+        assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>(), "{fixture}");
+        for (name, w) in &want {
+            assert!(&got[name] == w, "{fixture} `{name}`: the exported tensor differs from the release's");
+        }
+    }
 }

@@ -12,6 +12,7 @@ use serde_json::json;
 use shardline_engine::checkpoints::{export_tensors, saved_etp};
 use shardline_formats::checkpoint::open_checkpoint_keys;
 use shardline_formats::execute::Progress;
+use shardline_formats::training::TrainingCheckpoint;
 use shardline_formats::training::{write_export, ExportOptions};
 
 use crate::report::{bytes, peak_rss, Bar};
@@ -64,7 +65,8 @@ fn release_of_manifest(ckpt: &Path) -> Option<PathBuf> {
 
 pub fn run_export(args: ExportArgs) -> Result<ExitCode> {
     let started = Instant::now();
-    crate::report::refuse_torch_dist(&args.ckpt, "export")?;
+    let dir = shardline_formats::checkpoint::resolve_checkpoint_dir(&args.ckpt)?;
+    let torch_dist = shardline_formats::training::common_state::is_torch_dist(&dir);
     let Some(like) = args.like.clone().or_else(|| release_of_manifest(&args.ckpt)) else {
         bail!(
             "{} has no Shardline manifest naming a local release: pass --like HF_RELEASE (its config.json decides the names)",
@@ -74,10 +76,19 @@ pub fn run_export(args: ExportArgs) -> Result<ExitCode> {
     let max_file_bytes = shardline_units::parse_size_lenient(&args.max_file_size)
         .map_err(|e| anyhow::anyhow!("--max-file-size: {e}"))?;
     let etp = args.etp.or_else(|| saved_etp(&args.ckpt)).unwrap_or(1);
-    // The model's keys only: the optimizer's moments are not exported.
-    let checkpoint = open_checkpoint_keys(&args.ckpt, |k| k.starts_with(args.prefix.as_str()))
-        .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?;
-    let tensors = export_tensors(&checkpoint, &like, etp, &args.prefix).map_err(|e| anyhow::anyhow!(e))?;
+    // The model's keys only: the optimizer's moments are not exported. A torch_dist checkpoint's
+    // are read under the fsdp_dtensor names its keys stand for (layers and experts unstacked,
+    // `[gate; up]` split), in place.
+    let (checkpoint, prefix) = if torch_dist {
+        let c = TrainingCheckpoint::open_torch_dist_model(&args.ckpt)
+            .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?;
+        (c, "model.module.")
+    } else {
+        let c = open_checkpoint_keys(&args.ckpt, |k| k.starts_with(args.prefix.as_str()))
+            .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?;
+        (c, args.prefix.as_str())
+    };
+    let tensors = export_tensors(&checkpoint, &like, etp, prefix).map_err(|e| anyhow::anyhow!(e))?;
     let progress = Arc::new(Progress::default());
     let total: u64 = tensors.iter().map(|t| t.shape.iter().product::<u64>() * t.dtype.size() as u64).sum();
     let counter = Arc::clone(&progress);

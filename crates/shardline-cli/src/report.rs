@@ -71,17 +71,3 @@ impl Drop for Bar {
         }
     }
 }
-
-/// Refuses a Megatron-Core `torch_dist` checkpoint for a command that reads Megatron-FSDP's
-/// `fsdp_dtensor` only, saying so instead of failing on its keys.
-pub fn refuse_torch_dist(ckpt: &std::path::Path, command: &str) -> anyhow::Result<()> {
-    let dir = shardline_formats::checkpoint::resolve_checkpoint_dir(ckpt)?;
-    if shardline_formats::training::common_state::is_torch_dist(&dir) {
-        anyhow::bail!(
-            "{} is a Megatron-Core `torch_dist` checkpoint (its metadata.json says so); `{command}` reads \
-             Megatron-FSDP `fsdp_dtensor` checkpoints only for now (`inspect` reads torch_dist)",
-            dir.display()
-        );
-    }
-    Ok(())
-}

@@ -86,7 +86,7 @@ impl TrainingCheckpoint {
             return Err(TrainingError::NotDcp(dir.to_path_buf()));
         }
         if common_state::is_torch_dist(&checkpoint.dir) {
-            let t = translate::translate(checkpoint)?;
+            let t = translate::translate(checkpoint, false)?;
             return Ok(TrainingCheckpoint {
                 checkpoint: t.checkpoint,
                 items: t.items,
@@ -124,6 +124,13 @@ impl TrainingCheckpoint {
             data.push(ItemData::Object(i));
         }
         Ok(TrainingCheckpoint { checkpoint, items, data, args, inline: Vec::new(), notes: Vec::new() })
+    }
+
+    /// The model parameters of a Megatron-Core `torch_dist` checkpoint (or save directory) under
+    /// their `fsdp_dtensor` names (`model.module.…`), read in place: what `export` reads. Other
+    /// items (optimizer state, RNG, the common state) are not read.
+    pub fn open_torch_dist_model(dir: &Path) -> Result<Checkpoint, TrainingError> {
+        Ok(translate::translate(open_checkpoint(dir)?, true)?.checkpoint)
     }
 
     /// The stored chunks of the tensor item `item`.

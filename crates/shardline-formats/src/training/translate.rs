@@ -49,13 +49,15 @@ fn gated(key: &str) -> bool {
         .is_some_and(|(fused, index, suffixes)| fused == key && index == 0 && suffixes == ["_w", "_v"])
 }
 
-/// Reads `checkpoint` (a `torch_dist` checkpoint directory) as `fsdp_dtensor` items.
-pub(super) fn translate(checkpoint: Checkpoint) -> Result<Translated, TrainingError> {
+/// Reads `checkpoint` (a `torch_dist` checkpoint directory) as `fsdp_dtensor` items; with
+/// `model_only`, its model parameters alone (what `export` reads), anything else skipped.
+pub(super) fn translate(checkpoint: Checkpoint, model_only: bool) -> Result<Translated, TrainingError> {
     let mut notes = Vec::new();
     let mut tensors: Vec<StoredTensor> = Vec::new();
     for t in &checkpoint.tensors {
         match classify_torch_dist(&t.key) {
             ItemKind::Model { .. } => {}
+            _ if model_only => continue,
             ItemKind::OptimizerState { .. } => {
                 return Err(refuse(
                     &t.key,
