@@ -45,7 +45,8 @@ fn the_reshard_export_example_runs_and_its_outputs_check_out() {
 
 /// `pipelines/torch-dist.yaml`: the shard step writes a Megatron save directory whose rank
 /// tasks and commit run as for fsdp_dtensor, the validate step reads it through its tracker,
-/// and the upload publishes the tracker and the checkpoint it names.
+/// the upload publishes the tracker and the checkpoint it names, and the export step gives the
+/// release back from it.
 #[test]
 fn the_torch_dist_example_writes_validates_and_uploads_a_save_directory() {
     let tmp = tempfile::tempdir().expect("tempdir");
@@ -60,7 +61,7 @@ fn the_torch_dist_example_writes_validates_and_uploads_a_save_directory() {
     assert!(o.status.success(), "run: {}{}", stdout(&o), stderr(&o));
     let runs: Vec<_> = std::fs::read_dir(&out).expect("uploads").map(|e| e.expect("entry").path()).collect();
     assert_eq!(runs.len(), 1, "{runs:?}");
-    let root = &runs[0];
+    let root = &runs[0].join("megatron");
     assert_eq!(std::fs::read_to_string(root.join("latest_checkpointed_iteration.txt")).expect("tracker"), "release");
     let mut names: Vec<String> = std::fs::read_dir(root.join("release"))
         .expect("release/")
@@ -83,4 +84,10 @@ fn the_torch_dist_example_writes_validates_and_uploads_a_save_directory() {
     assert_eq!(names, want);
     let o = run(bin().arg("validate").arg(root).arg("--against").arg(fixture("qwen3_moe")));
     assert!(o.status.success(), "validate: {}{}", stdout(&o), stderr(&o));
+    // The export step read the torch_dist checkpoint back to the release, byte for byte.
+    let (want, got) = (tensors(&fixture("qwen3_moe")), tensors(&runs[0].join("hf")));
+    assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
+    for (name, w) in &want {
+        assert!(&got[name] == w, "`{name}`: the exported tensor differs from the release's");
+    }
 }

@@ -376,17 +376,26 @@ pub fn export(job: &ExportJob, ctx: &StepContext) -> Result<TaskOutput, StepErro
     let dir = upstream.dir.clone().ok_or_else(|| {
         StepError::fatal(format!("task `{}` did not report a checkpoint directory", job.checkpoint_task))
     })?;
-    refuse_torch_dist(&dir, "checkpoint.export")?;
     let like = export_like(job, ctx.outputs)?;
     let etp = job
         .etp
         .or_else(|| saved_etp(&dir))
         .or_else(|| upstream.mesh.as_deref().and_then(parse_mesh).map(|m| m.etp))
         .unwrap_or(1);
-    // The model's keys only: the optimizer's moments are not exported.
-    let checkpoint = open_checkpoint_keys(&dir, |k| k.starts_with(job.prefix.as_str()))
-        .map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
-    let tensors = export_tensors(&checkpoint, &like, etp, &job.prefix).map_err(StepError::fatal)?;
+    // The model's keys only: the optimizer's moments are not exported. A torch_dist checkpoint's
+    // are read under the fsdp_dtensor names its keys stand for, in place.
+    let torch_dist = shardline_formats::checkpoint::resolve_checkpoint_dir(&dir)
+        .is_ok_and(|d| shardline_formats::training::common_state::is_torch_dist(&d));
+    let (checkpoint, prefix) = if torch_dist {
+        let c = TrainingCheckpoint::open_torch_dist_model(&dir)
+            .map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
+        (c, "model.module.")
+    } else {
+        let c = open_checkpoint_keys(&dir, |k| k.starts_with(job.prefix.as_str()))
+            .map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
+        (c, job.prefix.as_str())
+    };
+    let tensors = export_tensors(&checkpoint, &like, etp, prefix).map_err(StepError::fatal)?;
     let total: u64 = tensors.iter().map(|t| t.shape.iter().product::<u64>() * t.dtype.size() as u64).sum();
     ctx.bytes_total.store(total, Ordering::Relaxed);
     (ctx.log)(format!(

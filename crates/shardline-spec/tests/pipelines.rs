@@ -59,8 +59,8 @@ fn every_example_pipeline_is_clean() {
                 StoreUpload,
             ]
         } else if name == "torch-dist.yaml" {
-            // torch_dist keeps SwiGLU fc1 whole: nothing to split.
-            vec![HfDownload, MegatronShard, CheckpointValidate, StoreUpload]
+            // torch_dist keeps SwiGLU fc1 whole: nothing to split; the seed is also exported back.
+            vec![HfDownload, MegatronShard, CheckpointValidate, StoreUpload, CheckpointExport, StoreUpload]
         } else if name == "load-check.yaml" {
             vec![HfDownload, MegatronShard, MegatronSplitFused, CheckpointValidate, StoreUpload, Command]
         } else {
