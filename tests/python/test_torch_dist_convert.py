@@ -175,3 +175,35 @@ def test_validate_agrees_on_a_torch_written_checkpoint_whose_chunks_span_layers(
     findings = json.loads(res.stdout)["findings"]
     assert [f["key"] for f in findings] == ["decoder.layers.mlp.linear_fc1.weight"], findings
     assert "global index [0, 0, 0]" in findings[0]["message"], findings
+
+
+def test_a_dp_reshardable_optimizer_is_refused_with_the_reason_and_nothing_is_written(tmp_path):
+    """Megatron-LM's default distributed-optimizer format stores flat buckets whose mapping to
+    parameters is not in the checkpoint: translating it is refused, saying how to re-save."""
+    import torch.distributed.checkpoint as dcp
+    from argparse import Namespace
+
+    import warnings
+    ckpt = tmp_path / "save" / "iter_0000010"
+    ckpt.mkdir(parents=True)
+    sd = dict(ml.expected_globals(HF_LLAMA, tp=1))
+    sd["optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, torch.bfloat16).bucket_idx_0.exp_avg"] = \
+        torch.zeros(1024, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        dcp.save(sd, checkpoint_id=str(ckpt), no_dist=True)
+    torch.save({"checkpoint_version": 3.0, "iteration": 10, "args": Namespace(tensor_model_parallel_size=1),
+                "content_metadata": {"distrib_optim_sharding_type": "dp_reshardable"}}, ckpt / "common.pt")
+    (ckpt / "metadata.json").write_text(json.dumps({
+        "sharded_backend": "torch_dist", "sharded_backend_version": 1,
+        "common_backend": "torch", "common_backend_version": 1}))
+    (tmp_path / "save" / "latest_checkpointed_iteration.txt").write_text("10")
+    out = tmp_path / "out"
+    res = run_cli(["reshard", str(tmp_path / "save"), "--to", str(out), "--tp", "1", "--dp", "2",
+                   "--target", "fsdp_dtensor"])
+    assert res.returncode != 0
+    assert "dp_reshardable" in res.stderr and "--dist-ckpt-optim-fully-reshardable" in res.stderr, res.stderr
+    assert not out.exists()
+    # Its model alone still exports (the optimizer's buckets are not read).
+    res = run_cli(["export", str(tmp_path / "save"), "--to", str(tmp_path / "hf"), "--like", str(HF_LLAMA)])
+    assert res.returncode == 0, res.stderr

@@ -64,6 +64,15 @@ pub(super) fn translate(checkpoint: Checkpoint, model_only: bool) -> Result<Tran
                     "optimizer state is not translated yet: reshard the model (re-save with --no-save-optim), or keep the dialect",
                 ))
             }
+            _ if t.key.starts_with("optimizer.distributed.") => {
+                return Err(refuse(
+                    &t.key,
+                    "a `dp_reshardable` distributed-optimizer bucket: its flat buckets' mapping to parameters is not in \
+                     the checkpoint (it follows Megatron's buffer layout of that run), so it is not guessed; re-save \
+                     with `--dist-ckpt-optim-fully-reshardable`, or translate the model alone after loading with \
+                     `--no-load-optim`",
+                ))
+            }
             _ => return Err(refuse(&t.key, "a tensor Shardline does not know how to translate")),
         }
         let parts = unplace(&t.key, &t.shape, gated).map_err(|p| refuse(&t.key, p))?;
