@@ -59,6 +59,7 @@ fn the_torch_dist_example_writes_validates_and_uploads_a_save_directory() {
         .args(["--set", &format!("model={}", fixture("qwen3_moe").display())])
         .args(["--set", &format!("dest=file://{}", out.display())]));
     assert!(o.status.success(), "run: {}{}", stdout(&o), stderr(&o));
+    let run_out = format!("{}{}", stdout(&o), stderr(&o));
     let runs: Vec<_> = std::fs::read_dir(&out).expect("uploads").map(|e| e.expect("entry").path()).collect();
     assert_eq!(runs.len(), 1, "{runs:?}");
     let root = &runs[0].join("megatron");
@@ -84,6 +85,8 @@ fn the_torch_dist_example_writes_validates_and_uploads_a_save_directory() {
     assert_eq!(names, want);
     let o = run(bin().arg("validate").arg(root).arg("--against").arg(fixture("qwen3_moe")));
     assert!(o.status.success(), "validate: {}{}", stdout(&o), stderr(&o));
+    // The translation to fsdp_dtensor ran and was validated (its step would have failed the run).
+    assert!(run_out.contains("translate: 1/1") && run_out.contains("validate-translated: 1/1"), "{run_out}");
     // The export step read the torch_dist checkpoint back to the release, byte for byte.
     let (want, got) = (tensors(&fixture("qwen3_moe")), tensors(&runs[0].join("hf")));
     assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());

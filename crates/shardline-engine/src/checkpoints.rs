@@ -114,20 +114,26 @@ pub fn export_tensors(
 
 /// Digest of a directory's entries (names, sizes, modification times; symlinks followed): what
 /// the step cache keys of reshards and exports read of their inputs. Cheap, and changes whenever
-/// a file is replaced.
+/// a file is replaced. A Megatron-LM save directory's entries include the checkpoint directory
+/// its tracker names.
 pub fn dir_digest(dir: &Path) -> Result<String, StepError> {
     let io = |e: std::io::Error| StepError::transient(format!("{}: {e}", dir.display()));
     let mut entries: Vec<(String, u64, i64, i64)> = Vec::new();
-    for entry in fs::read_dir(dir).map_err(io)? {
-        let entry = entry.map_err(io)?;
-        let meta = fs::metadata(entry.path()).map_err(io)?;
-        if meta.is_file() {
-            entries.push((
-                entry.file_name().to_string_lossy().into_owned(),
-                meta.len(),
-                meta.mtime(),
-                meta.mtime_nsec(),
-            ));
+    let named = shardline_formats::checkpoint::megatron_checkpoint_dir(dir).ok().flatten();
+    let named_rel = named.as_ref().and_then(|d| d.file_name()).map(|n| format!("{}/", n.to_string_lossy()));
+    for (listed, rel) in [(Some(dir.to_path_buf()), String::new()), (named, named_rel.unwrap_or_default())] {
+        let Some(listed) = listed else { continue };
+        for entry in fs::read_dir(&listed).map_err(io)? {
+            let entry = entry.map_err(io)?;
+            let meta = fs::metadata(entry.path()).map_err(io)?;
+            if meta.is_file() {
+                entries.push((
+                    format!("{rel}{}", entry.file_name().to_string_lossy()),
+                    meta.len(),
+                    meta.mtime(),
+                    meta.mtime_nsec(),
+                ));
+            }
         }
     }
     entries.sort();
@@ -167,7 +173,7 @@ fn version_key(h: &mut Sha256, what: &str, step_hash: &str) {
 pub fn reshard_cache_key(job: &ReshardJob, source_digest: &str) -> String {
     let mut h = Sha256::new();
     version_key(&mut h, "shardline checkpoint.reshard", &job.step_hash);
-    let fields = json!([job.mesh_text(), job.rng, job.vocab_size, job.from_mesh, job.vocab_divisible_by]);
+    let fields = json!([job.mesh_text(), job.rng, job.vocab_size, job.from_mesh, job.vocab_divisible_by, job.target]);
     h.update(fields.to_string().as_bytes());
     h.update(source_digest.as_bytes());
     crate::steps::artifact_root_key(&mut h, job.remote.as_deref());
@@ -237,32 +243,37 @@ fn threads(ctx: &StepContext) -> usize {
 }
 
 /// Runs a `checkpoint.reshard` task.
-/// Steps that read Megatron-FSDP checkpoints only say so for a `torch_dist` one.
-fn refuse_torch_dist(dir: &Path, step: &str) -> Result<(), StepError> {
-    let ckpt = shardline_formats::checkpoint::resolve_checkpoint_dir(dir).unwrap_or_else(|_| dir.to_path_buf());
-    if shardline_formats::training::common_state::is_torch_dist(&ckpt) {
-        return Err(StepError::fatal(format!(
-            "{} is a Megatron-Core `torch_dist` checkpoint; `{step}` reads Megatron-FSDP `fsdp_dtensor` checkpoints only for now",
-            dir.display()
-        )));
-    }
-    Ok(())
-}
-
 pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepError> {
     let dir = reshard_source_dir(job, ctx.outputs)?;
     let upstream = match &job.source {
         ReshardSource::Task { task } => ctx.outputs.get(task),
         ReshardSource::Local { .. } => None,
     };
-    if upstream.and_then(|o| o.split_fused) == Some(false) {
+    let torch_dist = shardline_formats::checkpoint::resolve_checkpoint_dir(&dir)
+        .is_ok_and(|d| shardline_formats::training::common_state::is_torch_dist(&d));
+    match (torch_dist, job.target.as_deref()) {
+        (true, Some("fsdp_dtensor")) | (false, None | Some("fsdp_dtensor")) => {}
+        (true, _) => {
+            return Err(StepError::fatal(format!(
+                "{} is a Megatron-Core `torch_dist` checkpoint: resharding it as torch_dist is not supported yet; \
+                 `target: fsdp_dtensor` translates it to Megatron-FSDP's format on the target mesh",
+                dir.display()
+            )))
+        }
+        (false, Some(other)) => {
+            return Err(StepError::fatal(format!(
+                "writing `{other}` from a reshard is not supported yet; a reshard writes fsdp_dtensor"
+            )))
+        }
+    }
+    // torch_dist keeps SwiGLU fc1 whole and the translation splits it.
+    if !torch_dist && upstream.and_then(|o| o.split_fused) == Some(false) {
         return Err(StepError::fatal(format!(
             "{} keeps fused projections (no `megatron.split_fused` step follows its shard step); a reshard reads the \
              split form Megatron-FSDP saves: add a `megatron.split_fused` step and reshard its output",
             dir.display()
         )));
     }
-    refuse_torch_dist(&dir, "checkpoint.reshard")?;
     let source = TrainingCheckpoint::open(&dir)
         .map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
     let mesh = Mesh { tp: job.tp, cp: job.cp, dp: job.dp, ep: job.ep, etp: job.etp };

@@ -527,6 +527,10 @@ pub enum StepConfig {
         /// written); `None`: the checkpoint's `args`, else the mesh its step wrote.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         from_mesh: Option<String>,
+        /// The dialect to write: `fsdp_dtensor` translates a `torch_dist` source; `None` keeps
+        /// the source's.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        target: Option<String>,
     },
     /// Writes the checkpoint of the step it needs as the HF release `like` (else the upstream
     /// download's).

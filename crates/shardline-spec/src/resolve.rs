@@ -374,6 +374,7 @@ pub(crate) fn resolve_step(
             rng: if string(&w, "rng") == "drop" { RngPolicyName::Drop } else { RngPolicyName::FromRank0 },
             vocab_size: w.get("vocab_size").map(|_| uint(&w, "vocab_size")),
             from_mesh: w.get("from_mesh").map(|_| string(&w, "from_mesh")),
+            target: w.get("target").map(|_| string(&w, "target")),
         },
         StepKind::CheckpointExport => StepConfig::CheckpointExport {
             like: w.get("like").map(|_| PathBuf::from(string(&w, "like"))),

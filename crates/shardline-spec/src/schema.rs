@@ -195,6 +195,8 @@ const CHECKPOINT_RESHARD: &[Field] = &[
     field("rng", FieldType::Choice(RngPolicyName::NAMES), FieldDefault::Str("from-rank0")),
     field("vocab_size", FieldType::UInt { min: 1, max: 1 << 40 }, FieldDefault::Optional),
     field("from_mesh", FieldType::Mesh, FieldDefault::Optional),
+    // `fsdp_dtensor` translates a torch_dist source; absent, the source's dialect is kept.
+    field("target", FieldType::Choice(&["fsdp_dtensor", "torch_dist"]), FieldDefault::Optional),
 ];
 
 /// HF's default `max_shard_size`.

@@ -59,8 +59,18 @@ fn every_example_pipeline_is_clean() {
                 StoreUpload,
             ]
         } else if name == "torch-dist.yaml" {
-            // torch_dist keeps SwiGLU fc1 whole: nothing to split; the seed is also exported back.
-            vec![HfDownload, MegatronShard, CheckpointValidate, StoreUpload, CheckpointExport, StoreUpload]
+            // torch_dist keeps SwiGLU fc1 whole: nothing to split; the seed is also exported back
+            // and translated to fsdp_dtensor.
+            vec![
+                HfDownload,
+                MegatronShard,
+                CheckpointValidate,
+                StoreUpload,
+                CheckpointExport,
+                StoreUpload,
+                CheckpointReshard,
+                CheckpointValidate,
+            ]
         } else if name == "load-check.yaml" {
             vec![HfDownload, MegatronShard, MegatronSplitFused, CheckpointValidate, StoreUpload, Command]
         } else {

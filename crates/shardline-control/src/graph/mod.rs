@@ -121,6 +121,10 @@ pub struct ReshardJob {
     /// source task reports.
     #[serde(default)]
     pub from_mesh: Option<String>,
+    /// The dialect to write (`fsdp_dtensor` translates a `torch_dist` source); `None` keeps
+    /// the source's.
+    #[serde(default)]
+    pub target: Option<String>,
     /// Megatron's vocab divisor when the checkpoint's `args` do not say (the upstream shard's).
     #[serde(default)]
     pub vocab_divisible_by: Option<u64>,
@@ -397,9 +401,12 @@ fn upstream_shard<T>(p: &ResolvedPipeline, id: &str, pick: impl Fn(&StepConfig) 
     p.upstream(id).iter().rev().find_map(|s| pick(&s.config))
 }
 
+/// The model-key prefix of the checkpoint a step reads: its shard step's, unless a reshard in
+/// between translated it to `fsdp_dtensor` (whose keys are `model.module.…`).
 fn shard_prefix(p: &ResolvedPipeline, id: &str) -> String {
     upstream_shard(p, id, |c| match c {
         StepConfig::MegatronShard { prefix, .. } => Some(prefix.clone()),
+        StepConfig::CheckpointReshard { target: Some(t), .. } if t == "fsdp_dtensor" => Some("model.module.".into()),
         _ => None,
     })
     .unwrap_or_else(|| "model.module.".into())
@@ -535,7 +542,7 @@ pub fn tasks_for(
                     ));
                 }
             }
-            StepConfig::CheckpointReshard { source, tp, cp, dp, ep, etp, rng, vocab_size, from_mesh } => {
+            StepConfig::CheckpointReshard { source, tp, cp, dp, ep, etp, rng, vocab_size, from_mesh, target } => {
                 let mut needs = needs;
                 let (source, release_task, vocab_divisible_by) = match source {
                     Some(CheckpointSource::Local { path }) => {
@@ -573,6 +580,7 @@ pub fn tasks_for(
                     rng: rng.as_str().to_string(),
                     vocab_size: *vocab_size,
                     from_mesh: from_mesh.clone(),
+                    target: target.clone(),
                     vocab_divisible_by,
                     release_task,
                     out: run_dir.join(&step.id).join("checkpoint"),
