@@ -103,6 +103,7 @@ mod run_limits;
 mod schema;
 pub use checks::is_object_store_source;
 mod suggest;
+mod targets;
 mod template;
 pub mod triggers;
 mod yaml;

@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 
-use shardline_layout::dialect::unplace;
+use shardline_layout::dialect::{share_of_box, unplace};
 use shardline_layout::reshard::{
     classify_torch_dist, param_layout, ChunkBox, ItemKind, PathElem, SourceItem, SourceTensorMeta,
 };
@@ -83,13 +83,8 @@ pub(super) fn translate(checkpoint: Checkpoint, model_only: bool) -> Result<Tran
                     "Megatron-FSDP keeps this parameter fused in an expert-TP-dependent layout (gpt-oss's expert fc1); not translated yet",
                 ));
             }
-            let lead = part.origin.len() - part.shape.len();
-            let mut chunks = Vec::new();
-            for c in &t.chunks {
-                if let Some(piece) = piece_of(c, &part.origin, &part.shape, lead, t.dtype.size() as u64) {
-                    chunks.push(piece);
-                }
-            }
+            let elem = t.dtype.size() as u64;
+            let chunks = t.chunks.iter().filter_map(|c| piece_of(c, &part.origin, &part.shape, elem)).collect();
             tensors.push(StoredTensor {
                 key: format!("{MODEL_PREFIX}{}", part.key),
                 dtype: t.dtype,
@@ -177,35 +172,16 @@ pub(super) fn translate(checkpoint: Checkpoint, model_only: bool) -> Result<Tran
     Ok(Translated { checkpoint, items, data, inline, args, notes })
 }
 
-/// The piece of the stored chunk `c` that the planned tensor at `origin` (of `shape`, behind
-/// `lead` leading axes) holds: its box in the planned tensor's coordinates and where its bytes
-/// start — one contiguous run of the chunk's.
-fn piece_of(c: &StoredChunk, origin: &[u64], shape: &[u64], lead: usize, elem: u64) -> Option<StoredChunk> {
-    let mut lo = Vec::with_capacity(shape.len());
-    let mut len = Vec::with_capacity(shape.len());
-    // The piece's first element, in the chunk's own coordinates.
-    let mut first = Vec::with_capacity(origin.len());
-    for d in 0..origin.len() {
-        let extent = if d < lead { 1 } else { shape[d - lead] };
-        let a = c.offsets[d].max(origin[d]);
-        let b = (c.offsets[d] + c.sizes[d]).min(origin[d] + extent);
-        if a >= b {
-            return None;
-        }
-        first.push(a - c.offsets[d]);
-        if d >= lead {
-            lo.push(a - origin[d]);
-            len.push(b - a);
-        }
-    }
-    let mut at = 0u64;
-    for (f, s) in first.iter().zip(&c.sizes) {
-        at = at * s + f;
-    }
-    let numel: u64 = len.iter().product();
+/// The piece of the stored chunk `c` that the planned tensor at `origin` (of `shape`) holds,
+/// read in place: its box in the planned tensor's coordinates, its bytes one run of the chunk's
+/// (see `share_of_box`).
+fn piece_of(c: &StoredChunk, origin: &[u64], shape: &[u64], elem: u64) -> Option<StoredChunk> {
+    let share = share_of_box(&c.offsets, &c.sizes, origin, shape)?;
+    let at = share.first_in_box.iter().zip(&c.sizes).fold(0u64, |at, (f, s)| at * s + f);
+    let numel: u64 = share.sizes.iter().product();
     Some(StoredChunk {
-        offsets: lo,
-        sizes: len,
+        offsets: share.offsets,
+        sizes: share.sizes,
         file: c.file.clone(),
         data_offset: c.data_offset + at * elem,
         data_len: numel * elem,

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
+use shardline_layout::dialect::share_of_box;
 use shardline_layout::invariants::{tiling_violations, Piece};
 use shardline_layout::recipe::rows_of;
 use shardline_layout::{DType, OutputTensor, Plan, PlanTable, RowBlock};
@@ -38,33 +39,14 @@ impl Want {
     }
 
     /// The parts a stored box meets, in the order of its bytes: `(tensor, offsets, sizes)` in
-    /// the tensor's own coordinates. Each part covers whole trailing dims and one leading index,
-    /// so its share of a box is one contiguous run of the box's bytes.
+    /// the tensor's own coordinates (see [`share_of_box`]).
     pub fn pieces<'w>(&'w self, offsets: &[u64], sizes: &[u64]) -> Vec<(&'w OutputTensor, Vec<u64>, Vec<u64>)> {
-        let mut out = Vec::new();
-        for (t, origin) in &self.parts {
-            let lead = origin.len() - t.shape.len();
-            let mut lo = Vec::with_capacity(t.shape.len());
-            let mut len = Vec::with_capacity(t.shape.len());
-            let mut meets = true;
-            for d in 0..origin.len() {
-                let extent = if d < lead { 1 } else { t.shape[d - lead] };
-                let a = offsets[d].max(origin[d]);
-                let b = (offsets[d] + sizes[d]).min(origin[d] + extent);
-                if a >= b {
-                    meets = false;
-                    break;
-                }
-                if d >= lead {
-                    lo.push(a - origin[d]);
-                    len.push(b - a);
-                }
-            }
-            if meets {
-                out.push((t, lo, len));
-            }
-        }
-        out
+        self.parts
+            .iter()
+            .filter_map(|(t, origin)| {
+                share_of_box(offsets, sizes, origin, &t.shape).map(|share| (t, share.offsets, share.sizes))
+            })
+            .collect()
     }
 }
 

@@ -111,6 +111,38 @@ impl Placement<'_> {
     }
 }
 
+/// The share of a stored box `offsets`/`sizes` (on-disk coordinates) that the planned tensor at
+/// `origin`, of `shape` behind leading axes of size 1, holds: `(offsets, sizes)` in the planned
+/// tensor's coordinates, and the first element's coordinates within the box. `None` when they do
+/// not meet. A planned tensor covers one index of each leading axis and whole trailing dims, so
+/// its share is one contiguous run of the box's bytes, in the same order.
+pub fn share_of_box(offsets: &[u64], sizes: &[u64], origin: &[u64], shape: &[u64]) -> Option<BoxShare> {
+    let lead = origin.len() - shape.len();
+    let mut share = BoxShare { offsets: Vec::new(), sizes: Vec::new(), first_in_box: Vec::new() };
+    for d in 0..origin.len() {
+        let extent = if d < lead { 1 } else { shape[d - lead] };
+        let a = offsets[d].max(origin[d]);
+        let b = (offsets[d] + sizes[d]).min(origin[d] + extent);
+        if a >= b {
+            return None;
+        }
+        share.first_in_box.push(a - offsets[d]);
+        if d >= lead {
+            share.offsets.push(a - origin[d]);
+            share.sizes.push(b - a);
+        }
+    }
+    Some(share)
+}
+
+/// See [`share_of_box`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BoxShare {
+    pub offsets: Vec<u64>,
+    pub sizes: Vec<u64>,
+    pub first_in_box: Vec<u64>,
+}
+
 /// How a frozen plan's tensors are laid out on disk.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum DiskLayout {
