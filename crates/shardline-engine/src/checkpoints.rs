@@ -173,8 +173,12 @@ fn version_key(h: &mut Sha256, what: &str, step_hash: &str) {
 pub fn reshard_cache_key(job: &ReshardJob, source_digest: &str) -> String {
     let mut h = Sha256::new();
     version_key(&mut h, "shardline checkpoint.reshard", &job.step_hash);
-    let fields = json!([job.mesh_text(), job.rng, job.vocab_size, job.from_mesh, job.vocab_divisible_by, job.target]);
+    let fields = json!([job.mesh_text(), job.rng, job.vocab_size, job.from_mesh, job.vocab_divisible_by]);
     h.update(fields.to_string().as_bytes());
+    // The target only when set, so keys made before it existed still serve.
+    if let Some(target) = &job.target {
+        h.update(format!("\0target {target}").as_bytes());
+    }
     h.update(source_digest.as_bytes());
     crate::steps::artifact_root_key(&mut h, job.remote.as_deref());
     hex::encode(h.finalize())

@@ -190,8 +190,7 @@ pub fn shard_cache_key(job: &ShardJob, source_digest: &str) -> String {
     h.update(job.step_hash.as_bytes());
     h.update(
         format!(
-            "{}/{}/{}/{}/{}/{}/{}/{}/{}/{}/{}",
-            job.target,
+            "{}/{}/{}/{}/{}/{}/{}/{}/{}/{}",
             job.tp,
             job.cp,
             job.dp,
@@ -205,6 +204,10 @@ pub fn shard_cache_key(job: &ShardJob, source_digest: &str) -> String {
         )
         .as_bytes(),
     );
+    // The dialect only when it is not the default, so keys made before it existed still serve.
+    if !matches!(job.target.as_str(), "" | "fsdp_dtensor") {
+        h.update(format!("\0target {}", job.target).as_bytes());
+    }
     h.update(source_digest.as_bytes());
     // A checkpoint in an artifact store serves the runs of that store only (their workers may
     // not see a local one, and a local run should not read a remote one back).

@@ -462,6 +462,14 @@ pub struct Retry {
     pub backoff: Duration,
 }
 
+fn default_target() -> String {
+    "fsdp_dtensor".to_string()
+}
+
+fn is_default_target(target: &str) -> bool {
+    target == "fsdp_dtensor"
+}
+
 fn default_lost() -> u32 {
     DEFAULT_LOST
 }
@@ -494,7 +502,10 @@ pub enum StepConfig {
         ep: u64,
         etp: u64,
         format: OutputFormatName,
-        /// The checkpoint dialect: `fsdp_dtensor` or `torch_dist`.
+        /// The checkpoint dialect: `fsdp_dtensor` or `torch_dist`. Left out of the serialized
+        /// form at its default, so that specs written before it existed keep their hashes (and
+        /// their step cache keys); read back as the default when absent.
+        #[serde(default = "default_target", skip_serializing_if = "is_default_target")]
         target: String,
         prefix: String,
         optimizer_state: bool,
