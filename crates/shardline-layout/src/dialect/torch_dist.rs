@@ -120,6 +120,14 @@ fn parse(key: &str) -> Parts<'_> {
     Parts { layer, sub, expert, up }
 }
 
+/// The module whose weight the on-disk key `key` is: `<module>.weight`, or a named section of
+/// it, `<module>.weight.<section>` — GDN's fused input projection is saved in sections
+/// (`in_proj.weight.query`, …, Megatron-Core's split factory), its module `in_proj` all the same.
+fn weight_module(key: &str) -> Option<&str> {
+    key.strip_suffix(".weight")
+        .or_else(|| key.rsplit_once(".weight.").filter(|(_, section)| !section.contains('.')).map(|(m, _)| m))
+}
+
 impl TorchDistLayout {
     /// The placement of `tensors` (a plan's, in key order) on `mesh`.
     pub fn new(tensors: &[TensorView<'_>], mesh: &Mesh) -> TorchDistLayout {
@@ -149,7 +157,7 @@ impl TorchDistLayout {
         let mut objects: BTreeMap<String, u64> = BTreeMap::new();
         for t in tensors {
             let place = layout.place(t.key, t.shape);
-            let Some(module) = place.key.strip_suffix(".weight") else { continue };
+            let Some(module) = weight_module(&place.key) else { continue };
             let (parent, name) = module.rsplit_once('.').unwrap_or(("", module));
             if !TE_MODULES.contains(&name) {
                 continue;
@@ -323,6 +331,24 @@ mod tests {
         );
         let p = parse("embedding.word_embeddings.weight");
         assert_eq!((p.layer, p.expert, p.up), (None, None, None));
+    }
+
+    #[test]
+    fn a_weight_saved_in_sections_belongs_to_its_module() {
+        assert_eq!(
+            weight_module("decoder.layers.self_attention.linear_qkv.weight"),
+            Some("decoder.layers.self_attention.linear_qkv")
+        );
+        assert_eq!(
+            weight_module("decoder.layers.0.self_attention.in_proj.weight.z"),
+            Some("decoder.layers.0.self_attention.in_proj")
+        );
+        assert_eq!(
+            weight_module("decoder.layers.0.self_attention.conv1d.weight.query"),
+            Some("decoder.layers.0.self_attention.conv1d")
+        );
+        assert_eq!(weight_module("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"), None);
+        assert_eq!(weight_module("decoder.layers.0.mlp.linear_fc1.bias"), None);
     }
 
     #[test]
