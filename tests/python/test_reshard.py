@@ -603,3 +603,101 @@ def test_inspect_reports_the_training_state(shardline, sources, src_name):
     assert objects["opt_param_scheduler.lr_decay_style"] == '"cosine"'
     assert objects["args"].startswith("argparse.Namespace(")
     assert sorted(tuple(r) for r in training["rng_ranks"]) == [(0, t) for t in range(mesh.tp)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Translation to Megatron-Core's torch_dist (issue 26)
+# ---------------------------------------------------------------------------------------------
+
+TORCH_DIST_MESH = Mesh(2, 1, 2, 2, etp=1)
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
+
+
+def torch_dist_form(flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Megatron-FSDP tensors (canonical names) in torch_dist's form, from the brief
+    (torch-dist.md §2): fc1 `[gate; up]`, experts stacked under `experts.experts.`, decoder layers
+    stacked when every layer holds the same parameters, else per layer."""
+    import megatron_load as ml
+
+    layers: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
+    out: dict[str, torch.Tensor] = {}
+    for k, t in flat.items():
+        m = _LAYER.fullmatch(k)
+        if m:
+            layers[int(m.group(1))][m.group(2)] = t
+        else:
+            out[k] = t
+    per_layer = {i: ml._torch_dist_per_layer(sub) for i, sub in layers.items()}
+    kinds = {i: sorted(sub) for i, sub in per_layer.items()}
+    if all(k == kinds[0] for k in kinds.values()):
+        for k in kinds[0]:
+            out[f"decoder.layers.{k}"] = torch.stack([per_layer[i][k] for i in sorted(per_layer)])
+    else:
+        for i, sub in per_layer.items():
+            out |= {f"decoder.layers.{i}.{k}": t for k, t in sub.items()}
+    return out
+
+
+def test_translates_to_torch_dist_with_fully_reshardable_optimizer_state(reshards, sources, tmp_path):
+    """S1 (Megatron-FSDP, TE FusedAdam) → `reshard --target torch_dist` on another mesh: a Megatron
+    save directory at the source's iteration whose every tensor equals the reference in torch_dist's
+    form — the model, `optimizer.state.param.*` (the fp32 masters), the moments — read back by
+    torch's own DCP reader; a common.pt with args for the target mesh, the scheduler, and the
+    optimizer's param_groups (dense and expert-parallel sub-optimizers) as `fully_reshardable`."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    r = reshards.run(sources["S1"], TORCH_DIST_MESH, ("--target", "torch_dist"), name="torch-dist")
+    root = r.require()
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == str(tc.ITERATION)
+    ckpt = root / f"iter_{tc.ITERATION:07d}"
+    assert json.loads((ckpt / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    assert re.search(r"RNG states of 1 \(pp, tp\) ranks left out", r.output), r.output
+
+    ref = tc.reference_tensors(TORCH_DIST_MESH.tp, "fused_adam")
+    model, states = {}, {"param": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for p in tc.params():
+        for name, _ in p.sections:
+            model[name] = ref[tc.model_key(name)]
+            if p.optimized:
+                states["param"][name] = ref[tc.model_key(name)]
+                for s in ("exp_avg", "exp_avg_sq"):
+                    states[s][name] = ref[tc.state_key(name, s)]
+    want = torch_dist_form(model)
+    for s, flat in states.items():
+        want |= {f"optimizer.state.{s}.{k}": t for k, t in torch_dist_form(flat).items()}
+
+    dcp_to_torch_save(ckpt, tmp_path / "all.pt")
+    got = torch.load(tmp_path / "all.pt", weights_only=False)
+    tensors = {k: v for k, v in got.items() if isinstance(v, torch.Tensor)}
+    assert sorted(tensors) == sorted(want)
+    bad = [k for k, t in want.items() if tensors[k].dtype != t.dtype or not torch.equal(tensors[k], t)]
+    assert not bad, f"{len(bad)} tensors differ from the reference, e.g. {bad[:5]}"
+    others = sorted(k for k in got if k not in tensors)
+    assert others and all(k.endswith(("._extra_state/shard_0_1",)) or "._extra_state/shard_" in k for k in others), others
+
+    import megatron.core.safe_globals  # noqa: F401  (Megatron-Core's safe globals for weights_only)
+    common = torch.load(ckpt / "common.pt", weights_only=True)
+    args = common["args"]
+    for field, value in mesh_args(TORCH_DIST_MESH).items():
+        assert getattr(args, field) == value, field
+    assert (args.no_save_rng, args.no_save_optim, args.ckpt_format) == (True, False, "torch_dist")
+    assert common["iteration"] == tc.ITERATION and common["checkpoint_version"] == 3.0
+    assert common["opt_param_scheduler"] == tc.scheduler_state()
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
+    # Megatron's ChainedOptimizer: the dense sub-optimizer, then the expert-parallel one; each
+    # group's settings exactly one parameter's param_to_group_meta.
+    opt = common["optimizer"]
+    assert sorted(opt) == [0, 1]
+    for i, expert in ((0, False), (1, True)):
+        assert opt[i]["param_state_sharding_type"] == "fully_reshardable"
+        groups = opt[i]["optimizer"]["param_groups"]
+        metas = {json.dumps(tc.group_meta(p, "fused_adam"), sort_keys=True)
+                 for p in tc.params() if p.optimized and (p.expert is not None) == expert}
+        assert sorted(json.dumps(g, sort_keys=True) for g in groups) == sorted(metas)
+
+
+def test_torch_adamw_steps_are_refused_for_torch_dist(shardline, sources, tmp_path):
+    out = tmp_path / "out"
+    args = ["reshard", str(sources["S2"]), "--to", str(out), *Mesh(2, 1, 2, 2, etp=1).cli_args(), "--target", "torch_dist"]
+    _assert_rejected(Reshard(args, out, harness.run_cli(args, timeout=RESHARD_TIMEOUT_S)),
+                     [r"per-parameter `step`", r"param_groups"], "adamw steps")

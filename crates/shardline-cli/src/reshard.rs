@@ -13,7 +13,7 @@ use shardline_engine::checkpoints::{inferred_mesh, reshard_options, ReshardHints
 use shardline_formats::execute::Progress;
 use shardline_formats::training::{write_resharded, TrainingCheckpoint};
 use shardline_layout::reshard::{plan_reshard, RngPolicy};
-use shardline_layout::Mesh;
+use shardline_layout::{Dialect, Mesh};
 
 use crate::convert::{MeshArgs, Target};
 use crate::report::{bytes, peak_rss, Bar};
@@ -36,7 +36,12 @@ pub struct ReshardArgs {
     /// The dialect to write (default: the source's). `fsdp_dtensor` from a `torch_dist` source
     /// translates it: layers and experts unstacked, SwiGLU fc1 split where the model's layers are
     /// SwiGLU, `args` and the common state carried as top-level items; what Megatron-FSDP does not
-    /// save (`_extra_state`, the rerun state) is left out, and said so.
+    /// save (`_extra_state`, the rerun state) is left out, and said so. `torch_dist` writes a
+    /// Megatron-LM save directory (`iter_%07d/` of the source's iteration, or `release/`, then
+    /// the tracker): layers stacked, experts and `[gate; up]` joined, an `_extra_state` per
+    /// Transformer Engine module, the bytes items as the common state `common.pt`, optimizer
+    /// moments as `fully_reshardable` state with the fp32 masters as `optimizer.state.param.*`
+    /// and the parameter groups as `param_groups`; RNG states are left out (`no_save_rng`).
     #[arg(long, value_enum)]
     pub target: Option<crate::convert::Target>,
     /// Output checkpoint directory.
@@ -81,15 +86,11 @@ pub(crate) fn parse_mesh(s: &str) -> Result<Mesh> {
 pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
     let started = Instant::now();
     let dir = shardline_formats::checkpoint::resolve_checkpoint_dir(&args.ckpt)?;
-    if shardline_formats::training::common_state::is_torch_dist(&dir) && args.target != Some(Target::FsdpDtensor) {
-        bail!(
-            "{} is a Megatron-Core `torch_dist` checkpoint: resharding it as torch_dist is not supported yet;              `--target fsdp_dtensor` translates it to Megatron-FSDP's format on the target mesh",
-            dir.display()
-        );
-    }
-    if args.target == Some(Target::TorchDist) {
-        bail!("writing torch_dist from a reshard is not supported yet; `convert --target torch_dist` writes it from a release");
-    }
+    let source_dialect = match shardline_formats::training::common_state::is_torch_dist(&dir) {
+        true => Dialect::TorchDist,
+        false => Dialect::FsdpDtensor,
+    };
+    let dialect = args.target.map_or(source_dialect, Target::dialect);
     let source = TrainingCheckpoint::open(&args.ckpt)
         .with_context(|| format!("reading training checkpoint {}", args.ckpt.display()))?;
     for note in &source.notes {
@@ -111,7 +112,8 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
         Rng::Drop => RngPolicy::Drop,
     };
     let fallback = ReshardHints { source_mesh: inferred, ..ReshardHints::default() };
-    let options = reshard_options(&source, args.mesh.mesh(), rng, given, fallback);
+    let mut options = reshard_options(&source, args.mesh.mesh(), rng, given, fallback);
+    options.dialect = dialect;
     let source_mesh = options.source_mesh;
     let plan = plan_reshard(&source.items, &options)
         .with_context(|| format!("cannot reshard {} to {}", args.ckpt.display(), options.mesh))?;

@@ -23,6 +23,7 @@ use shardline_formats::safetensors::Release;
 use shardline_formats::training::{
     rank_of_file, summarize_training, write_export, write_resharded, ExportOptions, TrainingCheckpoint, TrainingError,
 };
+use shardline_layout::dialect::Dialect;
 use shardline_layout::export::{plan_export, ExportTensor};
 use shardline_layout::reshard::{infer_mesh, plan_reshard, ReshardOptions, RngPolicy};
 use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, PlanOptions, Role, SourceTensor};
@@ -60,6 +61,7 @@ pub fn reshard_options(
         num_experts: saved.num_experts,
         num_query_groups: saved.num_query_groups,
         rng,
+        dialect: Dialect::FsdpDtensor,
     }
 }
 

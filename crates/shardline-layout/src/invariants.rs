@@ -475,7 +475,10 @@ fn check_parameter_states<'s>(
     let p_global = &param_items[0].1.global_shape;
     let p_chunks = chunk_set(param_items);
     for suffix in ["exp_avg", "exp_avg_sq"] {
-        if !states.iter().any(|s| s.ends_with(&format!(".{suffix}"))) {
+        // `fsdp_dtensor` names a moment `<param>.<state>`, `torch_dist` `optimizer.state.<state>.<param>`.
+        let named =
+            |s: &str| s.ends_with(&format!(".{suffix}")) || s.starts_with(&format!("optimizer.state.{suffix}."));
+        if !states.iter().any(|s| named(s)) {
             push(v, Invariant::OptimizerParity, param, format!("has optimizer state but no `{suffix}`"));
         }
     }

@@ -3,6 +3,7 @@
 //! says (HF → chunks → reconstructed globals → HF, bit-exact).
 
 use proptest::prelude::*;
+use shardline_layout::dialect::Dialect;
 use shardline_layout::recipe::{rows_of, segments, Transform};
 use shardline_layout::reshard::{
     plan_reshard, ChunkBox, PathElem, ReshardOptions, RngPolicy, SourceItem, SourceTensorMeta,
@@ -477,6 +478,7 @@ proptest! {
             num_experts: (c.experts > 0).then_some(c.experts),
             num_query_groups: Some(config.num_query_groups),
             rng: RngPolicy::FromRank0,
+            dialect: Dialect::FsdpDtensor,
         };
         let resharded = match plan_reshard(&items_of(&source), &reshard_options) {
             Ok(p) => p,
@@ -488,6 +490,79 @@ proptest! {
         prop_assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
         for (k, v) in &want {
             prop_assert_eq!(&got[k], v, "{} {} → {}: `{}`", c.family, a, b, k);
+        }
+    }
+}
+
+/// A written chunk: `(rank, offsets, sizes)`.
+type Written = (u64, Vec<u64>, Vec<u64>);
+
+/// Every written chunk of every key, sorted.
+fn written_of<'a>(
+    mesh: &'a Mesh,
+    tensors: impl Iterator<Item = &'a shardline_layout::OutputTensor>,
+) -> std::collections::BTreeMap<String, Vec<Written>> {
+    tensors
+        .map(|t| {
+            let mut b: Vec<_> =
+                t.chunks(mesh).filter(|c| c.written && c.numel() > 0).map(|c| (c.rank, c.offsets, c.sizes)).collect();
+            b.sort();
+            (t.key.clone(), b)
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 60, ..ProptestConfig::default() })]
+
+    /// A Megatron-FSDP checkpoint with optimizer state resharded to `torch_dist` on another mesh
+    /// holds the model exactly as `convert --target torch_dist` plans it on that mesh — the same
+    /// keys, chunks, writing ranks and `_extra_state` objects — and each optimizer state
+    /// (`param`, `exp_avg`, `exp_avg_sq`) has its parameter's chunks and writers.
+    #[test]
+    fn resharding_to_torch_dist_gives_what_convert_writes(
+        c in case(),
+        keep_tp in any::<bool>(),
+        keep_ep in any::<bool>(),
+        dp_mult in 1u64..4,
+    ) {
+        prop_assume!(c.family != "gpt_oss");
+        let config = ModelConfig::from_json(&c.config).unwrap();
+        let options = PlanOptions { optimizer_state: true, ..PlanOptions::default() };
+        let source = build_plan(&config, c.sources.clone(), c.mesh, &options).unwrap();
+        let a = c.mesh;
+        let (tp, ep) = (if keep_tp { a.tp } else { 1 }, if keep_ep { a.ep } else { 1 });
+        let etp = if keep_tp { a.etp } else { 1 };
+        let b = Mesh { tp, cp: 1, dp: dp_mult * ep * etp, ep, etp };
+        let reshard_options = ReshardOptions {
+            mesh: b,
+            source_mesh: Some(a),
+            vocab_size: Some(config.vocab_size),
+            vocab_divisible_by: options.vocab_divisible_by,
+            num_experts: (c.experts > 0).then_some(c.experts),
+            num_query_groups: Some(config.num_query_groups),
+            rng: RngPolicy::FromRank0,
+            dialect: Dialect::TorchDist,
+        };
+        let resharded = plan_reshard(&items_of(&source), &reshard_options)
+            .map_err(|e| TestCaseError::fail(format!("{} {a} → {b}: {e}", c.family)))?;
+        let torch_dist = PlanOptions { prefix: String::new(), dialect: Dialect::TorchDist, ..PlanOptions::default() };
+        let target = build_plan(&config, c.sources.clone(), b, &torch_dist).unwrap();
+        let got = written_of(&b, resharded.tensors.iter().map(|t| &t.out));
+        let want = written_of(&b, target.tensors.iter());
+        let model: Vec<&String> = got.keys().filter(|k| !k.starts_with("optimizer.")).collect();
+        prop_assert_eq!(model, want.keys().collect::<Vec<_>>(), "{} {} → {}", c.family, a, b);
+        for (k, v) in &want {
+            prop_assert_eq!(&got[k], v, "{} {} → {}: `{}`", c.family, a, b, k);
+            for state in ["param", "exp_avg", "exp_avg_sq"] {
+                let s = format!("optimizer.state.{state}.{k}");
+                prop_assert_eq!(got.get(&s), Some(v), "{} {} → {}: `{}`", c.family, a, b, s);
+            }
+        }
+        let table = PlanTable::new(&target);
+        prop_assert_eq!(resharded.disk.objects(), table.disk.objects());
+        for t in &target.tensors {
+            prop_assert_eq!(resharded.disk.place(&t.key, &t.shape), table.disk.place(&t.key, &t.shape));
         }
     }
 }

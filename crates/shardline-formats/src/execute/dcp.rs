@@ -242,7 +242,7 @@ pub(super) fn write_dcp(
 /// Writes `.metadata.tmp` and syncs it, after the dialect's object files (if any), which are
 /// small enough to write here; [`publish_metadata`] renames it into place.
 pub(super) fn stage_metadata(out: &Path, layout: &DcpLayout, plan: &PlanTable) -> Result<(), ExecuteError> {
-    super::placed::write_object_files(plan, out)?;
+    super::placed::write_object_files(plan.disk.objects(), out)?;
     let tmp = out.join(".metadata.tmp");
     let f = File::create(&tmp).map_err(io_err(&tmp, "create .metadata.tmp"))?;
     let f = layout.write_metadata(plan, f).map_err(io_err(&tmp, "write .metadata.tmp"))?;

@@ -29,19 +29,28 @@ pub fn object_file(rank: u64) -> String {
     format!("__{rank}_1.distcp")
 }
 
-/// The objects of the plan by the rank whose file holds them.
-pub(super) fn objects_by_rank(plan: &PlanTable) -> BTreeMap<u64, Vec<&ObjectItem>> {
+/// The objects by the rank whose file holds them.
+fn objects_by_rank(objects: &[ObjectItem]) -> BTreeMap<u64, Vec<&ObjectItem>> {
     let mut by_rank: BTreeMap<u64, Vec<&ObjectItem>> = BTreeMap::new();
-    for o in plan.disk.objects() {
+    for o in objects {
         by_rank.entry(o.rank).or_default().push(o);
     }
     by_rank
 }
 
+/// Where each object is stored: `(object, file, offset, length)`.
+pub fn object_storage(objects: &[ObjectItem]) -> impl Iterator<Item = (&ObjectItem, String, u64, u64)> {
+    let len = extra_state_payload().len() as u64;
+    objects_by_rank(objects).into_iter().flat_map(move |(rank, items)| {
+        let name = object_file(rank);
+        items.into_iter().enumerate().map(move |(k, o)| (o, name.clone(), k as u64 * len, len))
+    })
+}
+
 /// Writes and syncs the object files into `out`.
-pub(super) fn write_object_files(plan: &PlanTable, out: &Path) -> Result<(), ExecuteError> {
+pub fn write_object_files(objects: &[ObjectItem], out: &Path) -> Result<(), ExecuteError> {
     let payload = extra_state_payload();
-    for (rank, items) in objects_by_rank(plan) {
+    for (rank, items) in objects_by_rank(objects) {
         let path = out.join(object_file(rank));
         let mut f = File::create(&path).map_err(io_err(&path, "create object file"))?;
         for _ in items {
@@ -117,19 +126,15 @@ pub(super) fn write_placed_metadata<W: io::Write>(layout: &DcpLayout, plan: &Pla
             })?;
         }
     }
-    let len = extra_state_payload().len() as u64;
-    for (rank, items) in objects_by_rank(plan) {
-        let name = object_file(rank);
-        for (k, o) in items.iter().enumerate() {
-            e.storage(&StorageRef {
-                fqn: &o.key,
-                chunk_offset: None,
-                relative_path: &name,
-                offset: k as u64 * len,
-                length: len,
-                transform_descriptors: None,
-            })?;
-        }
+    for (o, file, offset, length) in object_storage(plan.disk.objects()) {
+        e.storage(&StorageRef {
+            fqn: &o.key,
+            chunk_offset: None,
+            relative_path: &file,
+            offset,
+            length,
+            transform_descriptors: None,
+        })?;
     }
     e.finish(None)
 }

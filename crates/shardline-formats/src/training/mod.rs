@@ -7,6 +7,7 @@ pub mod common_state;
 mod export;
 pub mod save_dir;
 mod summary;
+mod torch_dist_save;
 mod translate;
 mod write;
 

@@ -192,8 +192,15 @@ pub fn withdraw_tracker(root: &Path) -> Result<(), ExecuteError> {
 /// Completes a seed save whose DCP checkpoint is in [`seed_dir`]: `common.pt`, `metadata.json`,
 /// then the tracker.
 pub fn finish_seed_save(root: &Path, args: &SeedArgs) -> Result<(), ExecuteError> {
-    let dir = seed_dir(root);
-    write_durably(&dir, COMMON_PT, &encode_object_archive(&args.common_state()))?;
+    finish_save(root, RELEASE_DIR, &encode_object_archive(&args.common_state()))
+}
+
+/// Completes a save whose DCP checkpoint is in `root/dir_name` (`release` or `iter_%07d`):
+/// `common.pt` (the `torch.save` archive `common`), `metadata.json`, then the tracker naming it.
+pub fn finish_save(root: &Path, dir_name: &str, common: &[u8]) -> Result<(), ExecuteError> {
+    let dir = root.join(dir_name);
+    write_durably(&dir, COMMON_PT, common)?;
     write_durably(&dir, METADATA_JSON, METADATA_JSON_TEXT.as_bytes())?;
-    write_durably(root, TRACKER, RELEASE_DIR.as_bytes())
+    let tracker = dir_name.strip_prefix("iter_").map_or(dir_name, |n| n.trim_start_matches('0'));
+    write_durably(root, TRACKER, tracker.as_bytes())
 }

@@ -4,6 +4,7 @@
 //! synced and renamed into place last. Rows no source chunk holds (vocab padding added for a
 //! larger TP) are skipped: they read as zeros without being written.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io;
@@ -12,13 +13,15 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 
+use shardline_layout::dialect::Dialect;
 use shardline_layout::reshard::{runs, ChunkBox, ReshardPlan};
 use shardline_layout::Chunk;
 
-use super::{ItemData, TrainingCheckpoint, TrainingError};
+use super::{save_dir, torch_dist_save, ItemData, TrainingCheckpoint, TrainingError};
 use crate::dcp_metadata::{EntryRef, MetadataEncoder, StorageRef};
 use crate::execute::{
-    copy_unsupported, dcp_rank_file, for_each_unit, publish_metadata, run_syncer, ExecuteError, Progress, SyncJob,
+    copy_unsupported, dcp_rank_file, for_each_unit, object_file, publish_metadata, run_syncer, write_object_files,
+    ExecuteError, Progress, SyncJob,
 };
 use crate::pickle::set_int_fields;
 use crate::torch_save::{edit_object_archive, TensorArchive, TorchSaveError};
@@ -91,6 +94,9 @@ pub fn write_resharded(
         }
         .into());
     }
+    if plan.dialect == Dialect::TorchDist {
+        return write_torch_dist(source, plan, out, threads, overwrite, progress);
+    }
     // Everything that can fail on the source's content fails before the output exists.
     let (edited, args_set, args_missing) = edit_args(source, plan)?;
     let created = crate::out_dir::create(out).map_err(io_err(out, "create output directory"))?;
@@ -101,11 +107,53 @@ pub fn write_resharded(
             Ok(ReshardReport { files, tensor_bytes, file_bytes, chunks, args_set, args_missing })
         }
         Err(e) => {
-            for rank in 0..plan.mesh.world() {
-                let _ = fs::remove_file(out.join(dcp_rank_file(rank)));
-            }
-            let _ = fs::remove_file(out.join(".metadata.tmp"));
+            remove_partial(out, plan);
             created.remove();
+            Err(e)
+        }
+    }
+}
+
+fn remove_partial(dir: &Path, plan: &ReshardPlan) {
+    for rank in 0..plan.mesh.world() {
+        let _ = fs::remove_file(dir.join(dcp_rank_file(rank)));
+        let _ = fs::remove_file(dir.join(object_file(rank)));
+    }
+    let _ = fs::remove_file(dir.join(".metadata.tmp"));
+}
+
+/// A `torch_dist` target: a Megatron-LM save directory in `root` — the checkpoint directory
+/// written as any reshard (`.metadata` last), then `common.pt`, `metadata.json` and the tracker
+/// (see `save_dir`).
+fn write_torch_dist(
+    source: &TrainingCheckpoint,
+    plan: &ReshardPlan,
+    root: &Path,
+    threads: usize,
+    overwrite: bool,
+    progress: &Progress,
+) -> Result<ReshardReport, TrainingError> {
+    if root.join(save_dir::TRACKER).exists() && !overwrite {
+        return Err(ExecuteError::Exists(root.to_path_buf(), save_dir::TRACKER).into());
+    }
+    let common = torch_dist_save::common_state(source, plan)?;
+    let dir = torch_dist_save::checkpoint_dir(root, &common);
+    let created_root = crate::out_dir::create(root).map_err(io_err(root, "create output directory"))?;
+    save_dir::withdraw_tracker(root)?;
+    let created = crate::out_dir::create(&dir).map_err(io_err(&dir, "create checkpoint directory"))?;
+    withdraw_old_checkpoint(&dir)?;
+    let edited = HashMap::new();
+    let result = write_all(source, plan, &dir, threads, progress, &edited)
+        .and_then(|totals| Ok(save_dir::finish_save(root, &common.dir_name, &common.archive).map(|()| totals)?));
+    match result {
+        Ok((files, tensor_bytes, file_bytes, chunks)) => {
+            let args_set = plan.args_updates().iter().map(|(k, _)| k.to_string()).collect();
+            Ok(ReshardReport { files, tensor_bytes, file_bytes, chunks, args_set, args_missing: Vec::new() })
+        }
+        Err(e) => {
+            remove_partial(&dir, plan);
+            created.remove();
+            created_root.remove();
             Err(e)
         }
     }
@@ -185,7 +233,9 @@ fn rank_items<'p>(
             .filter(|c| c.written && c.numel() > 0)
             .map(move |c| (ti, c))
     });
-    let objects = plan.objects.iter().enumerate().filter(move |_| rank == 0).filter_map(move |(oi, o)| {
+    // torch_dist keeps the bytes items in its common state, and writes its `_extra_state`s.
+    let in_dcp = plan.dialect != Dialect::TorchDist;
+    let objects = plan.objects.iter().enumerate().filter(move |_| rank == 0 && in_dcp).filter_map(move |(oi, o)| {
         let stored = match source.data[o.source] {
             ItemData::Object(i) => source.checkpoint.objects[i].length,
             ItemData::Inline(j) => source.inline[j].len() as u64,
@@ -195,7 +245,10 @@ fn rank_items<'p>(
     });
     let mut end = 0u64;
     let chunk_items = chunks.map(move |(ti, c)| {
-        let archive = TensorArchive::new(plan.tensors[ti].out.dtype, &c.sizes);
+        // A placed chunk is stored with its placed shape (leading axes of size 1); same bytes.
+        let t = &plan.tensors[ti].out;
+        let (_, sizes) = plan.disk.place(&t.key, &t.shape).chunk(&c.offsets, &c.sizes);
+        let archive = TensorArchive::new(t.dtype, &sizes);
         OutItem::Chunk { tensor: ti, chunk: c, offset: 0, archive }
     });
     let object_items = objects.map(|(oi, length)| OutItem::Object { object: oi, offset: 0, length });
@@ -276,13 +329,39 @@ fn write_all(
             .into())
         }
     }
+    // A dialect's objects (`torch_dist`'s `_extra_state`s) in a second file per rank, as convert
+    // writes them.
+    write_object_files(plan.disk.objects(), out)?;
     let tmp = out.join(".metadata.tmp");
     let f = File::create(&tmp).map_err(io_err(&tmp, "create .metadata.tmp"))?;
-    let f = write_metadata(source, plan, edited, f).map_err(io_err(&tmp, "write .metadata.tmp"))?;
+    let f = match plan.dialect {
+        Dialect::FsdpDtensor => write_metadata(source, plan, edited, f),
+        Dialect::TorchDist => torch_dist_save::write_placed_metadata(
+            plan,
+            |rank| rank_items(source, plan, edited, rank).map(|item| stored_of(plan, item)),
+            f,
+        ),
+    }
+    .map_err(io_err(&tmp, "write .metadata.tmp"))?;
     f.sync_all().map_err(io_err(&tmp, "sync .metadata.tmp"))?;
     publish_metadata(out)?;
     let sum = |f: fn(&FileTotals) -> u64| totals.iter().map(f).sum::<u64>();
     Ok((world, sum(|t| t.tensor_bytes), sum(|t| t.len), sum(|t| t.chunks)))
+}
+
+/// Where a placed layout's item is, for its `.metadata`.
+fn stored_of(plan: &ReshardPlan, item: OutItem) -> torch_dist_save::Stored<'_> {
+    match item {
+        OutItem::Chunk { tensor, chunk, offset, archive } => {
+            let t = &plan.tensors[tensor].out;
+            let place = plan.disk.place(&t.key, &t.shape);
+            let (offsets, _) = place.chunk(&chunk.offsets, &chunk.sizes);
+            torch_dist_save::Stored { fqn: place.key, offsets: Some(offsets), offset, length: archive.total_len() }
+        }
+        OutItem::Object { object, offset, length } => {
+            torch_dist_save::Stored { fqn: Cow::Borrowed(&plan.objects[object].key), offsets: None, offset, length }
+        }
+    }
 }
 
 /// `.metadata`: tensors with their chunks in rank order, bytes items, every key's path, and

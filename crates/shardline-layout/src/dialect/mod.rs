@@ -21,7 +21,7 @@ pub mod torch_dist;
 
 use std::borrow::Cow;
 
-pub use torch_dist::{unplace, ObjectItem, Part, TorchDistLayout};
+pub use torch_dist::{state_key, unplace, ObjectItem, Part, TorchDistLayout};
 
 /// The checkpoint dialect a plan is written in.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

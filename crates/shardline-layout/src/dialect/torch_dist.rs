@@ -42,6 +42,16 @@ const TE_MODULES: &[&str] = &[
     "eh_proj",
 ];
 
+/// Where `fully_reshardable` optimizer state lives: `optimizer.state.<state>.<model key>`, each
+/// tensor with its parameter's key suffix, shape and placement (torch-dist.md §3.2).
+const OPTIMIZER_STATE: &str = "optimizer.state.";
+
+/// The `fully_reshardable` key of optimizer state `state` (`param` — the fp32 master —,
+/// `exp_avg`, `exp_avg_sq`) of the model parameter `name`.
+pub fn state_key(state: &str, name: &str) -> String {
+    format!("{OPTIMIZER_STATE}{state}.{name}")
+}
+
 /// A non-tensor item of the checkpoint: a `ShardedObject` whose payload is `torch.save([None])`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ObjectItem {
@@ -155,7 +165,7 @@ impl TorchDistLayout {
             .collect();
         let mut layout = TorchDistLayout { blocks, experts, objects: Vec::new() };
         let mut objects: BTreeMap<String, u64> = BTreeMap::new();
-        for t in tensors {
+        for t in tensors.iter().filter(|t| !t.key.starts_with(OPTIMIZER_STATE)) {
             let place = layout.place(t.key, t.shape);
             let Some(module) = weight_module(&place.key) else { continue };
             let (parent, name) = module.rsplit_once('.').unwrap_or(("", module));

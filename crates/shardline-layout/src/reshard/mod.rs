@@ -10,6 +10,7 @@ mod infer;
 mod keys;
 mod params;
 mod plan;
+mod target;
 
 use thiserror::Error;
 
@@ -38,6 +39,8 @@ pub enum ReshardError {
     Sections { fused: String, have: String, want: String },
     #[error("two items would be named `{0}`")]
     Duplicate(String),
+    #[error("`{key}` cannot be written as torch_dist: {problem}")]
+    Dialect { key: String, problem: String },
     #[error("the target layout breaks invariants: {}", .0.join("; "))]
     Invalid(Vec<String>),
     #[error("{}", .0.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n"))]

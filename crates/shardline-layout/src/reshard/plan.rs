@@ -9,6 +9,7 @@ use super::keys::{classify, flat_key, rng_rank_part, ItemKind, PathElem};
 use super::params::{is_buffer, param_layout, vision_table, ParamLayout};
 use super::ReshardError;
 use crate::arch::TpMode;
+use crate::dialect::{Dialect, DiskLayout, TorchDistLayout};
 use crate::dtype::DType;
 use crate::mesh::Mesh;
 use crate::plan::{chunk_draft, Chunk, Draft, OutputTensor, Plan, PlanOptions, Role, Section, Tiling};
@@ -55,6 +56,8 @@ pub struct ReshardOptions {
     pub num_experts: Option<u64>,
     pub num_query_groups: Option<u64>,
     pub rng: RngPolicy,
+    /// The dialect to write (the source is read as `fsdp_dtensor`).
+    pub dialect: Dialect,
 }
 
 /// A tensor of the target checkpoint: its key, chunks and role as a plan tensor, its path, and
@@ -89,6 +92,12 @@ pub struct ReshardPlan {
     /// What the user should know: RNG states copied or dropped, items carried without being
     /// understood, a vocabulary size guessed.
     pub notes: Vec<String>,
+    pub dialect: Dialect,
+    /// Where the tensors land on disk.
+    pub disk: DiskLayout,
+    /// `torch_dist`: the source items of the parameter groups' settings, which become the
+    /// optimizer's `param_groups` in the common state (in `fsdp_dtensor` they are `objects`).
+    pub group_meta: Vec<usize>,
 }
 
 impl ReshardPlan {
@@ -186,8 +195,25 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
             continue;
         };
         match kind {
-            ItemKind::Model { name } if is_buffer(name) && !with_states.contains(name.as_str()) => plain.push((i, t)),
+            // torch_dist writes a buffer whole, by the replica a fully parallel save picks, as
+            // `convert` plans it.
+            ItemKind::Model { name }
+                if is_buffer(name)
+                    && !with_states.contains(name.as_str())
+                    && (options.dialect == Dialect::FsdpDtensor || param_layout(name, vision).is_none()) =>
+            {
+                plain.push((i, t))
+            }
             ItemKind::Model { name } => match param_layout(name, vision) {
+                Some(layout) if layout.tp_dependent && options.dialect == Dialect::TorchDist => {
+                    errors.push(ReshardError::Dialect {
+                        key: item.key.clone(),
+                        problem:
+                            "Megatron-FSDP keeps it fused in an expert-TP-dependent layout (gpt-oss's expert fc1), \
+                                  whose torch_dist form is not written yet"
+                                .into(),
+                    })
+                }
                 Some(layout) => tiled.push(Tiled { item: i, meta: t, name: name.clone(), layout, state: None }),
                 None => *unknown_params.entry(pattern_of(name)).or_default() += 1,
             },
@@ -227,14 +253,34 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
     for (i, t) in plain {
         tensors.push(carried_tensor(t, i, items[i].key.clone(), items[i].path.clone()));
     }
-    rng_items(items, &rng, options, &mut tensors, &mut objects, &mut notes);
+    let mut group_meta = Vec::new();
+    match options.dialect {
+        Dialect::FsdpDtensor => rng_items(items, &rng, options, &mut tensors, &mut objects, &mut notes),
+        Dialect::TorchDist => {
+            if !rng.is_empty() {
+                notes.push(format!(
+                    "warning: the RNG states of {} (pp, tp) ranks left out (torch_dist's RNG objects are not written); \
+                     `args.no_save_rng` is set, so Megatron-LM does not ask for them",
+                    rng.len()
+                ));
+            }
+            group_meta = super::target::to_torch_dist(&kinds, &mut tensors, &mut objects, &mut notes, &mut errors);
+        }
+    }
     if !errors.is_empty() {
         return Err(ReshardError::Many(errors));
     }
     tensors.sort_by(|a, b| a.out.key.cmp(&b.out.key));
     objects.sort_by(|a, b| a.key.cmp(&b.key));
     check_unique(&tensors, &objects)?;
-    let plan = ReshardPlan { mesh, tensors, objects, padded_vocab, notes };
+    let disk = match options.dialect {
+        Dialect::FsdpDtensor => DiskLayout::AsPlanned,
+        Dialect::TorchDist => {
+            let views: Vec<_> = tensors.iter().map(|t| t.out.view()).collect();
+            DiskLayout::TorchDist(TorchDistLayout::new(&views, &mesh))
+        }
+    };
+    let plan = ReshardPlan { mesh, tensors, objects, padded_vocab, notes, dialect: options.dialect, disk, group_meta };
     validate(&plan, options)?;
     Ok(plan)
 }
@@ -321,19 +367,25 @@ fn retile(
         errors.push(ReshardError::Mesh(format!("ep = {} does not divide the model's {num_experts} experts", mesh.ep)));
         return None;
     }
-    // Sections of one fused parameter (and state) are tiled together.
-    let mut groups: BTreeMap<(String, Option<String>), Vec<&Tiled>> = BTreeMap::new();
+    // Sections of one fused parameter (and state) are tiled together, parameters in the order
+    // `convert` plans them (by name), then their states.
+    let mut groups: BTreeMap<(Option<String>, String), Vec<&Tiled>> = BTreeMap::new();
     for t in tiled {
+        // The fused name as the checkpoint spells it (the table's may lack a tower's prefix).
         let name = match &t.layout.section {
-            Some((fused, ..)) => fused.clone(),
-            None => items[t.item].key.clone(),
+            Some((fused, index, suffixes)) => t.name.strip_suffix(suffixes[*index]).unwrap_or(fused).to_string(),
+            None => t.name.clone(),
         };
-        groups.entry((name, t.state.clone())).or_default().push(t);
+        groups.entry((t.state.clone(), name)).or_default().push(t);
     }
     let mut rank_bytes = vec![0u64; mesh.world() as usize];
     let mut padded_vocab = None;
-    let plan_options = PlanOptions { vocab_divisible_by: options.vocab_divisible_by, ..PlanOptions::default() };
-    for ((name, state), mut members) in groups {
+    let plan_options = PlanOptions {
+        vocab_divisible_by: options.vocab_divisible_by,
+        dialect: options.dialect,
+        ..PlanOptions::default()
+    };
+    for ((state, name), mut members) in groups {
         members.sort_by_key(|t| t.layout.section.as_ref().map_or(0, |s| s.1));
         let first = members[0];
         let layout = &first.layout;
@@ -372,7 +424,7 @@ fn retile(
             sections.push(Section { suffix: String::new(), shape, recipe: vec![RowBlock::copy(m.item, 0, rows)] });
         }
         let draft = Draft {
-            name: String::new(),
+            name: name.clone(),
             first_source: first.item,
             dtype: first.meta.dtype,
             tp_mode: layout.tp_mode,
@@ -396,6 +448,20 @@ fn retile(
             out.push(TargetTensor { out: tensor, path: item.path.clone(), source: m.item });
         }
     }
+    // A state is written where its parameter is: the same chunks, and the same ranks writing
+    // the replicas (Megatron saves a moment with its parameter's replica ids).
+    let tiling_of: BTreeMap<usize, Tiling> =
+        out.iter().filter(|t| t.out.role == Role::Param).map(|t| (t.source, t.out.tiling.clone())).collect();
+    let param_of: BTreeMap<usize, usize> = tiled
+        .iter()
+        .filter(|m| m.state.is_some())
+        .filter_map(|m| Some((m.item, *params.get(m.name.as_str())?)))
+        .collect();
+    for t in out.iter_mut() {
+        if let Some(tiling) = param_of.get(&t.source).and_then(|p| tiling_of.get(p)) {
+            t.out.tiling = tiling.clone();
+        }
+    }
     padded_vocab
 }
 
@@ -404,6 +470,7 @@ fn leak_state(state: &str) -> &'static str {
     match state {
         "exp_avg" => "exp_avg",
         "exp_avg_sq" => "exp_avg_sq",
+        "param" => "param",
         _ => "state",
     }
 }

@@ -34,6 +34,7 @@ fn options(mesh: Mesh) -> ReshardOptions {
         num_experts: None,
         num_query_groups: None,
         rng: RngPolicy::FromRank0,
+        dialect: crate::dialect::Dialect::FsdpDtensor,
     }
 }
 

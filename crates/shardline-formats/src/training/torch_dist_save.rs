@@ -1,0 +1,281 @@
+//! A resharded checkpoint written as Megatron-Core's `torch_dist`: what differs from writing
+//! `fsdp_dtensor` is decided here — the checkpoint directory in the save root (`iter_%07d/` of
+//! the source's iteration, `release/` for iteration 0), the common state `common.pt` built from
+//! the source's bytes items, and the `.metadata` of placed keys. The rank files' bytes are the
+//! plain ones (a placed chunk only gains leading axes and an offset).
+//!
+//! The common state: every carried bytes item at its path (`args`, `iteration`,
+//! `opt_param_scheduler`, …); `args` with the target mesh, `ckpt_format` `torch_dist`,
+//! `no_save_rng` (RNG states are not written) and `no_save_optim` unless optimizer state is;
+//! `content_metadata` saying `fully_reshardable` when it is (on load it, not the job's flags,
+//! decides the optimizer's layout, torch-dist.md §1.3); and the optimizer's `param_groups` —
+//! the distinct settings of `param_to_group_meta`, without `params`, split into the dense and the
+//! expert-parallel sub-optimizer when the model has both, as Megatron's `ChainedOptimizer` saves
+//! them (§3.2: its `load_state_dict` matches groups by their settings, not by order).
+
+use std::collections::BTreeMap;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use shardline_layout::reshard::{PathElem, ReshardPlan};
+
+use super::{read_object, ItemData, TrainingCheckpoint, TrainingError};
+use crate::dcp_metadata::{EntryRef, MetadataEncoder, StorageRef};
+use crate::pickle::{dumps, Value};
+use crate::torch_save::{encode_pickle_archive, read_object_archive};
+
+/// The common state of the target and the name of its checkpoint directory.
+pub(super) struct CommonState {
+    pub archive: Vec<u8>,
+    pub dir_name: String,
+}
+
+fn refuse(key: &str, problem: impl Into<String>) -> TrainingError {
+    TrainingError::Translate { key: key.to_string(), problem: problem.into() }
+}
+
+fn s(v: &str) -> Value {
+    Value::Str(v.to_string())
+}
+
+/// The value of the bytes item `item` of `source`.
+fn item_value(source: &TrainingCheckpoint, item: usize) -> Result<Value, TrainingError> {
+    let key = &source.items[item].key;
+    match source.data[item] {
+        ItemData::Object(i) => read_object(&source.checkpoint, i),
+        ItemData::Inline(j) => {
+            let bytes = &source.inline[j][..];
+            read_object_archive(bytes, 0, bytes.len() as u64)
+                .map_err(|e| TrainingError::Object { key: key.clone(), source: e })
+        }
+        ItemData::Tensor(_) => Err(refuse(key, "a tensor where a bytes item was planned")),
+    }
+}
+
+/// The attribute dict of an `argparse.Namespace` (its `BUILD` state).
+fn namespace_fields(v: &mut Value) -> Option<&mut Vec<(Value, Value)>> {
+    match v {
+        Value::Dict(items) => Some(items),
+        Value::Object { state: Some(state), .. } | Value::Reduce { state: Some(state), .. } => namespace_fields(state),
+        _ => None,
+    }
+}
+
+fn set(fields: &mut Vec<(Value, Value)>, name: &str, value: Value) {
+    match fields.iter_mut().rev().find(|(k, _)| k.as_str() == Some(name)) {
+        Some((_, v)) => *v = value,
+        None => fields.push((s(name), value)),
+    }
+}
+
+/// `dict[key]`, inserted empty when absent.
+fn entry(dict: &mut Vec<(Value, Value)>, key: Value) -> &mut Value {
+    let at = match dict.iter().position(|(k, _)| *k == key) {
+        Some(at) => at,
+        None => {
+            dict.push((key, Value::Dict(Vec::new())));
+            dict.len() - 1
+        }
+    };
+    &mut dict[at].1
+}
+
+/// Puts `value` at `path` in the nested dict `root`.
+fn insert_at(root: &mut Vec<(Value, Value)>, path: &[PathElem], value: Value) -> Result<(), String> {
+    let key = |e: &PathElem| match e {
+        PathElem::Key(k) => s(k),
+        PathElem::Index(i) => Value::Int(i128::from(*i)),
+    };
+    let (last, parents) = path.split_last().ok_or("an empty path")?;
+    let mut dict = root;
+    for p in parents {
+        match entry(dict, key(p)) {
+            Value::Dict(d) => dict = d,
+            _ => return Err(format!("`{p}` holds a value and a nested item")),
+        }
+    }
+    set_value(dict, key(last), value);
+    Ok(())
+}
+
+fn set_value(dict: &mut Vec<(Value, Value)>, key: Value, value: Value) {
+    match dict.iter_mut().find(|(k, _)| *k == key) {
+        Some((_, v)) => *v = value,
+        None => dict.push((key, value)),
+    }
+}
+
+/// The optimizer's non-sharded state: `param_groups` from the parameters' group settings.
+fn optimizer_state(source: &TrainingCheckpoint, plan: &ReshardPlan) -> Result<Value, TrainingError> {
+    // Each parameter's settings, field by field in path order.
+    let mut per_param: BTreeMap<String, Vec<(Value, Value)>> = BTreeMap::new();
+    for &i in &plan.group_meta {
+        let item = &source.items[i];
+        let (Some(PathElem::Key(param)), Some(PathElem::Key(field)), 4) =
+            (item.path.get(2), item.path.get(3), item.path.len())
+        else {
+            return Err(refuse(
+                &item.key,
+                "a parameter-group setting not at optimizer.param_to_group_meta.<param>.<field>",
+            ));
+        };
+        per_param.entry(param.clone()).or_default().push((s(field), item_value(source, i)?));
+    }
+    let mut dense: Vec<Value> = Vec::new();
+    let mut expert: Vec<Value> = Vec::new();
+    for mut fields in per_param.into_values() {
+        // One group's members list the same settings, not necessarily in the same order.
+        fields.sort_by(|a, b| a.0.as_str().cmp(&b.0.as_str()));
+        let is_expert = fields.iter().any(|(k, v)| k.as_str() == Some("is_expert_parallel") && *v == Value::Bool(true));
+        let group = Value::Dict(fields);
+        let groups = if is_expert { &mut expert } else { &mut dense };
+        if !groups.contains(&group) {
+            groups.push(group);
+        }
+    }
+    let sub = |groups: Vec<Value>| {
+        Value::Dict(vec![
+            (s("optimizer"), Value::Dict(vec![(s("param_groups"), Value::List(groups))])),
+            (s("param_state_sharding_type"), s("fully_reshardable")),
+        ])
+    };
+    Ok(match (dense.is_empty(), expert.is_empty()) {
+        (false, false) => Value::Dict(vec![(Value::Int(0), sub(dense)), (Value::Int(1), sub(expert))]),
+        (true, false) => sub(expert),
+        _ => sub(dense),
+    })
+}
+
+/// The common state of `plan`'s target, pickled as `common.pt`.
+pub(super) fn common_state(source: &TrainingCheckpoint, plan: &ReshardPlan) -> Result<CommonState, TrainingError> {
+    let with_optimizer = !plan.group_meta.is_empty();
+    let mut root: Vec<(Value, Value)> = Vec::new();
+    for o in &plan.objects {
+        let mut value = item_value(source, o.source)?;
+        if o.is_args {
+            let fields = namespace_fields(&mut value).ok_or_else(|| refuse(&o.key, "`args` is not a namespace"))?;
+            for (name, v) in plan.args_updates() {
+                set(fields, name, Value::Int(v));
+            }
+            set(fields, "ckpt_format", s("torch_dist"));
+            set(fields, "no_save_rng", Value::Bool(true));
+            set(fields, "no_save_optim", Value::Bool(!with_optimizer));
+            if with_optimizer {
+                set(fields, "dist_ckpt_optim_fully_reshardable", Value::Bool(true));
+            }
+        }
+        insert_at(&mut root, &o.path, value).map_err(|p| refuse(&o.key, p))?;
+    }
+    if !root.iter().any(|(k, _)| k.as_str() == Some("checkpoint_version")) {
+        root.push((s("checkpoint_version"), Value::Float(3.0)));
+    }
+    let mut content =
+        vec![(s("singleton_local_shards"), Value::Bool(false)), (s("chained_optim_avoid_prefix"), Value::Bool(true))];
+    if with_optimizer {
+        content.push((s("distrib_optim_sharding_type"), s("fully_reshardable")));
+        content.push((s("distrib_optim_fully_reshardable_mem_efficient"), Value::Bool(false)));
+        set_value(&mut root, s("optimizer"), optimizer_state(source, plan)?);
+    }
+    set_value(&mut root, s("content_metadata"), Value::Dict(content));
+    let iteration = root.iter().find(|(k, _)| k.as_str() == Some("iteration")).and_then(|(_, v)| v.as_int());
+    let dir_name = match iteration {
+        Some(i) if i > 0 => format!("iter_{i:07}"),
+        _ => super::save_dir::RELEASE_DIR.to_string(),
+    };
+    let pkl = dumps(&Value::Dict(root)).map_err(|p| refuse("common state", p))?;
+    Ok(CommonState { archive: encode_pickle_archive(&pkl), dir_name })
+}
+
+/// One on-disk key: dtype, global shape and the target tensors placed in it.
+struct DiskKey {
+    dtype: shardline_layout::DType,
+    shape: Vec<u64>,
+    tensors: Vec<usize>,
+}
+
+/// One stored item of a rank file, for `.metadata`: its key, chunk offsets (`None` for a bytes
+/// item), where it is and its length.
+pub(super) struct Stored<'a> {
+    pub fqn: std::borrow::Cow<'a, str>,
+    pub offsets: Option<Vec<u64>>,
+    pub offset: u64,
+    pub length: u64,
+}
+
+/// `.metadata` of a placed layout: each on-disk key once with the placed chunks of its tensors,
+/// the `_extra_state` objects, a flat path per key (as Megatron-Core saves), and the rank files'
+/// items as `stored(rank)` lists them.
+pub(super) fn write_placed_metadata<'a, W: io::Write, I: Iterator<Item = Stored<'a>>>(
+    plan: &'a ReshardPlan,
+    stored: impl Fn(u64) -> I,
+    sink: W,
+) -> io::Result<W> {
+    let mut keys: BTreeMap<String, DiskKey> = BTreeMap::new();
+    for (i, t) in plan.tensors.iter().enumerate() {
+        let place = plan.disk.place(&t.out.key, &t.out.shape);
+        let k = keys.entry(place.key.into_owned()).or_insert_with(|| DiskKey {
+            dtype: t.out.dtype,
+            shape: place.shape.clone(),
+            tensors: Vec::new(),
+        });
+        if k.dtype != t.out.dtype || k.shape != place.shape {
+            return Err(io::Error::other(format!(
+                "`{}` is placed in a key of another dtype or shape ({:?} {:?} vs {:?} {:?})",
+                t.out.key, t.out.dtype, place.shape, k.dtype, k.shape
+            )));
+        }
+        k.tensors.push(i);
+    }
+    let mut e = MetadataEncoder::new(sink);
+    for (key, k) in &keys {
+        let mut listed: Vec<(u64, Vec<u64>, Vec<u64>)> = Vec::new();
+        for &i in &k.tensors {
+            let t = &plan.tensors[i];
+            let place = plan.disk.place(&t.out.key, &t.out.shape);
+            for c in plan.written_chunks(i) {
+                let (off, sz) = place.chunk(&c.offsets, &c.sizes);
+                listed.push((c.rank, off, sz));
+            }
+        }
+        listed.sort();
+        let chunks = listed.iter().map(|(_, o, s)| (o.as_slice(), s.as_slice()));
+        e.entry(key, EntryRef::Tensor { dtype: k.dtype, size: &k.shape, chunks })?;
+    }
+    for o in plan.disk.objects() {
+        e.entry(&o.key, EntryRef::<std::iter::Empty<(&[u64], &[u64])>>::Bytes)?;
+    }
+    e.begin_planner_data();
+    for key in keys.keys().chain(plan.disk.objects().iter().map(|o| &o.key)) {
+        e.planner_path(key, &[crate::dcp_metadata::PathElem::Key(key.clone())])?;
+    }
+    e.begin_storage_data();
+    for rank in 0..plan.mesh.world() {
+        let name = crate::execute::dcp_rank_file(rank);
+        for item in stored(rank) {
+            e.storage(&StorageRef {
+                fqn: &item.fqn,
+                chunk_offset: item.offsets.as_deref(),
+                relative_path: &name,
+                offset: item.offset,
+                length: item.length,
+                transform_descriptors: None,
+            })?;
+        }
+    }
+    for (o, file, offset, length) in crate::execute::object_storage(plan.disk.objects()) {
+        e.storage(&StorageRef {
+            fqn: &o.key,
+            chunk_offset: None,
+            relative_path: &file,
+            offset,
+            length,
+            transform_descriptors: None,
+        })?;
+    }
+    e.finish(None)
+}
+
+/// The checkpoint directory of a save root.
+pub(super) fn checkpoint_dir(root: &Path, common: &CommonState) -> PathBuf {
+    root.join(&common.dir_name)
+}

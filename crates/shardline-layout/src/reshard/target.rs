@@ -1,0 +1,102 @@
+//! The target dialect of a reshard. The plan is made in the source's `fsdp_dtensor` names (a
+//! `torch_dist` source is read as the `fsdp_dtensor` checkpoint it stands for); for a `torch_dist`
+//! target its tensors are then re-keyed as Megatron-Core names them with a `fully_reshardable`
+//! distributed optimizer (torch-dist.md §3.2): a model parameter under its bare name, each moment
+//! as `optimizer.state.<state>.<name>`, and, when the checkpoint has optimizer state, the fp32
+//! master `optimizer.state.param.<name>` — in Megatron-FSDP the master *is* the model tensor, so
+//! it is the same source item written a second time. Where the keys land on disk (stacks,
+//! experts, `[gate; up]`) is the dialect's placement, not this module's.
+//!
+//! What `torch_dist` keeps outside its tensors: the bytes items become the common state (the
+//! writer's business); RNG states are left out (their per-rank `ShardedObject` form is not
+//! written yet), and `args` then says `no_save_rng`; the parameter groups' settings
+//! (`param_to_group_meta`) become the optimizer's `param_groups`.
+
+use std::collections::BTreeSet;
+
+use super::keys::{ItemKind, PathElem};
+use super::plan::{TargetObject, TargetTensor};
+use super::ReshardError;
+use crate::dialect::state_key;
+use crate::plan::{Role, Tiling};
+
+/// What becomes of a plan's items in `torch_dist`: the tensors re-keyed in place, and the
+/// source items of the parameter-group settings (empty when there is no optimizer state).
+pub(super) fn to_torch_dist(
+    kinds: &[ItemKind],
+    tensors: &mut Vec<TargetTensor>,
+    objects: &mut Vec<TargetObject>,
+    notes: &mut Vec<String>,
+    errors: &mut Vec<ReshardError>,
+) -> Vec<usize> {
+    // Parameters have optimizer state; buffers (`router.expert_bias`) have none.
+    let optimized: BTreeSet<&str> = kinds
+        .iter()
+        .filter_map(|k| match k {
+            ItemKind::OptimizerState { name, .. } => Some(name.as_str()),
+            _ => None,
+        })
+        .collect();
+    let has_states = !optimized.is_empty();
+    let mut masters = Vec::new();
+    for t in tensors.iter_mut() {
+        let key = match &kinds[t.source] {
+            ItemKind::Model { name } => {
+                if optimized.contains(name.as_str()) && matches!(t.out.tiling, Tiling::Fsdp(_)) {
+                    let mut master = t.clone();
+                    master.out.key = state_key("param", name);
+                    master.out.role = Role::OptimizerState { param_key: name.clone(), state: "param" };
+                    master.path = vec![PathElem::Key(master.out.key.clone())];
+                    masters.push(master);
+                }
+                name.clone()
+            }
+            ItemKind::OptimizerState { name, state } if !t.out.shape.is_empty() => {
+                if let Role::OptimizerState { param_key, .. } = &mut t.out.role {
+                    *param_key = name.clone();
+                }
+                state_key(state, name)
+            }
+            ItemKind::OptimizerState { state, .. } => {
+                errors.push(ReshardError::Dialect {
+                    key: t.out.key.clone(),
+                    problem: format!(
+                        "a per-parameter `{state}` tensor (torch AdamW's): torch_dist keeps Adam's step in the \
+                         optimizer's param_groups, and a per-parameter step is not mapped there"
+                    ),
+                });
+                continue;
+            }
+            _ => {
+                errors.push(ReshardError::Dialect {
+                    key: t.out.key.clone(),
+                    problem: "a tensor Shardline does not know how to place in torch_dist".into(),
+                });
+                continue;
+            }
+        };
+        t.out.key = key;
+        t.path = vec![PathElem::Key(t.out.key.clone())];
+    }
+    tensors.extend(masters);
+
+    let mut group_meta = Vec::new();
+    let mut dropped_groups = 0;
+    objects.retain(|o| match kinds[o.source] {
+        ItemKind::GroupMeta => {
+            if has_states {
+                group_meta.push(o.source);
+            } else {
+                dropped_groups += 1;
+            }
+            false
+        }
+        _ => true,
+    });
+    if dropped_groups > 0 {
+        notes.push(format!(
+            "{dropped_groups} parameter-group settings left out: the checkpoint has no optimizer moments to go with them"
+        ));
+    }
+    group_meta
+}
