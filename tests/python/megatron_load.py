@@ -16,12 +16,16 @@ request. The default load path is used (`validate_access_integrity=True`, strict
 `assume_ok_unexpected`, factories merged by Megatron-Core), as Megatron-LM's `load_checkpoint` does.
 
 Every loaded value is then compared, bit for bit, with the slice of the expected global tensor the
-request names (for the SwiGLU factory: Megatron-Core's own merge of the expected pieces, i.e. the
-local `[gate_r; up_r]`). The expected global tensors come from the HF release through the suite's
-independent reference (reference.py: QKV interleaved per query group, vocabulary zero-padded to a
-multiple of 128 x TP, ...) turned into torch_dist's form here: SwiGLU fc1 whole as `[gate; up]`,
-experts under `mlp.experts.experts.` with an expert axis, and homogeneous decoder layers stacked
-under `decoder.layers.<sub>` with a leading layer axis. Nothing here reads Shardline's tables.
+request names (for a factory — the SwiGLU one, GDN's split of `in_proj` / `conv1d` into named
+sections —: Megatron-Core's own merge of the expected pieces, e.g. the local `[gate_r; up_r]`).
+The expected global tensors come from the HF release through the suite's independent reference
+(reference.py: QKV interleaved per query group, GDN's projections in natural order, FP8 / MXFP4
+dequantized, vocabulary zero-padded to a multiple of 128 x TP, ...) turned into torch_dist's form
+here: fc1 (and its bias) whole as `[gate; up]` whatever the TP, experts' weights and biases under
+`mlp.experts.experts.` with an expert axis, decoder layers stacked under `decoder.layers.<sub>`
+with a leading layer axis when the family's Megatron config keeps them homogeneous and per layer
+(`decoder.layers.<i>.<sub>`) when it does not, MTP layers per layer under `mtp.layers.<k>.`.
+Nothing here reads Shardline's tables.
 
 Besides the values it checks: every key the model requests exists with exactly the requested
 global shape (else Megatron-Core's load raises, and the report names the missing key), the dtype
@@ -37,12 +41,41 @@ names, no reference mapping). That closes the loop the shard check cannot: it sh
 reference's layouts (QKV interleave, `[gate; up]`) are the ones Megatron-Core computes with
 (measured difference 1.2e-7 against logits up to 0.58; fc1 stored `[up; gate]` gives 1.9e-2).
 
-Spec choices. The local spec would request the MoE pre-MLP norm as
-`mlp.linear_fc1.layer_norm_weight` (it renames it even for MoE layers); the model is built to
-request the TE spec's `pre_mlp_layernorm.weight` instead, the name Megatron-LM's production (TE)
-spec saves. `--te-extra-state` additionally requests TE's `core_attention._extra_state` per
-layer, which a TE-spec job requests and the local spec has not; use it for checkpoints meant for
-TE jobs (Shardline's), not for the Megatron-Core-written fixtures (local spec).
+Spec choices. Where the TE spec fuses a norm into the linear after it, the local spec has a
+separate norm, which it requests under its own name (and it renames the MoE pre-MLP norm to
+`mlp.linear_fc1.layer_norm_weight` even for MoE layers); each layer is built to request the TE
+spec's names instead, the ones Megatron-LM's production (TE) spec saves (`_te_names`: the layer's
+own `sharded_state_dict_keys_map`). `--te-extra-state` additionally requests TE's
+`core_attention._extra_state` per attention, which a TE-spec job requests and the local spec has
+not; use it for checkpoints meant for TE jobs (Shardline's), not for the Megatron-Core-written
+fixtures (local spec).
+
+Families and what is, and is not, Megatron-Core's own request. The configs follow what
+Megatron-Bridge's provider for the family sets (`transformer_config`). llama-style dense GQA
+models and qwen3_moe: Megatron-Core's local layer spec as is. gpt_oss: the local spec as is
+(biased linears, learnable softmax offsets = the sinks, TP-sharded by head, sliding window,
+quick-GELU GLU whose fc1 and fc1 bias go through the SwiGLU factory); Megatron-Core refuses
+biased experts at expert-TP > 1, so it loads at ETP 1. deepseek_v3 (MLA, dense first layers then
+MoE with shared experts and a float32 expert bias, MTP): Megatron-Core's own
+`get_gpt_decoder_block_spec(use_transformer_engine=False)` and `get_gpt_mtp_block_spec`, as
+DeepSeekV3Bridge builds them without TE, with one substitution: 0.16.1's MLA passes
+`k_channels`/`v_channels` to its core attention, which the local DotProductAttention rejects, so
+the core attention is a DotProductAttention that ignores them (`_mla_local_core_attention`; it
+has no checkpoint state). qwen3_next (GDN and gated full attention, MoE with a gated shared
+expert): Megatron-Core 0.16.1 builds hybrid GDN blocks only with TE
+(`get_transformer_block_with_experimental_attention_variant_spec` asserts it), so the block is
+assembled here with that function's structure from Megatron-Core's own pieces on the local
+backend: `get_gated_delta_net_module_spec` with ColumnParallelLinear for `in_proj` and a separate
+RMSNorm before it, the local MoE, the local GQA spec for the full-attention layers
+(`_gdn_layer_spec`, `layer_spec`). Every module, and so every request (keys, TP offsets, GDN's
+split factory, `_extra_state` objects, per-layer keys from `linear_attention_freq` /
+`hetereogenous_dist_checkpoint`), is Megatron-Core's. To build on a CPU without TE or the
+flash-linear-attention kernels, the build (not the load) runs with `torch.cuda.current_device`
+returning the CPU, the CUDA RNG tracker's fork a no-op, GDN's `HAVE_FLA` set (its kernels only
+run in forward) and MLA's `HAVE_TE` cleared (`_cpu_build`). Not set, because the local torch
+norm refuses it: Qwen3-Next's `layernorm_zero_centered_gamma` (arithmetic only; no key or shape).
+Position embeddings hold no parameters: gpt-oss's yarn is built as plain RoPE (MLA builds its own
+from `rope_type`).
 
 How Shardline's writer plugs in
 -------------------------------
@@ -54,6 +87,8 @@ Convert the same HF release to `torch_dist`, then load it at meshes other than t
         --tp 2 --te-extra-state
     .venv/bin/python tests/python/megatron_load.py OUT --hf tests/fixtures/hf-tiny/qwen3_moe --arch qwen3_moe \
         --tp 2 --ep 2 --te-extra-state
+    .venv/bin/python tests/python/megatron_load.py OUT --hf tests/fixtures/hf-tiny/gpt_oss --tp 2 --etp 1 \
+        --te-extra-state
 
 OUT is the save root (with `latest_checkpointed_iteration.txt`) or the checkpoint directory.
 It prints one line per problem (naming the torch_dist key, the layer/expert and the request's
@@ -67,8 +102,9 @@ The world is the smallest >= 2 that every mesh divides (DP fills the rest).
 Tested against checkpoints Megatron-Core 0.16.1 wrote itself (tests/fixtures/torch-dist-llama-tp2,
 tests/fixtures/torch-dist-qwen3_moe-tp1ep2; see megatron_fixture.py), against a single-chunk
 plain-DCP checkpoint in the form an offline writer emits, and against broken copies of them.
-Families: llama-style dense GQA models and qwen3_moe (every layer MoE); others raise
-NotImplementedError (per-layer stacks, MLA, GDN, MTP need their own model configs here).
+Families (`ARCHS`): llama-style dense GQA models, qwen3_moe (every layer MoE), deepseek_v3,
+qwen3_next and gpt_oss (test_torch_dist_convert.py loads Shardline's conversions of all of them);
+others raise NotImplementedError.
 """
 
 from __future__ import annotations
@@ -91,7 +127,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference as ref  # noqa: E402
 from mesh import free_port  # noqa: E402
 
-ARCHS = ("llama", "qwen3_moe")
+ARCHS = ("llama", "qwen3_moe", "deepseek_v3", "qwen3_next", "gpt_oss")
 # What Megatron-LM's checkpointing passes as sharded_state_dict metadata without a distributed
 # optimizer (`_build_sharded_state_dict_metadata`, brief torch-dist.md §1.3).
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
@@ -103,29 +139,30 @@ TRACKER = "latest_checkpointed_iteration.txt"
 # --------------------------------------------------------------------------------------------
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"(.*)\.experts\.linear_fc([12])\.weight(\d+)(_w|_v)?$")
+_BLOCK_LAYER = re.compile(r"(decoder\.layers|mtp\.layers)\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"(.*)\.experts\.linear_fc([12])\.(weight|bias)(\d+)(_w|_v)?$")
 
 
 def _torch_dist_per_layer(sub: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One layer's reference tensors (fsdp_dtensor split form) in torch_dist's form: fc1 whole as
-    [gate; up]; experts stacked on a leading expert axis under `experts.experts.`."""
+    [gate; up]; experts (weights and biases) stacked on a leading expert axis under
+    `experts.experts.`."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for name in sorted(sub):
         t = sub[name]
         m = _EXPERT.fullmatch(name)
         if m:
-            base, fc, g, half = m.group(1), m.group(2), int(m.group(3)), m.group(4)
+            base, fc, kind, g, half = m.group(1), m.group(2), m.group(3), int(m.group(4)), m.group(5)
             if half == "_v":
                 continue
-            if fc == "1":
-                w, v = t, sub[f"{base}.experts.linear_fc1.weight{g}_v"] if half else None
-                t = torch.cat([w, v], dim=0) if half else w
-            experts.setdefault(f"{base}.experts.experts.linear_fc{fc}.weight", {})[g] = t
-        elif name.endswith(".weight_w"):
+            if half:
+                t = torch.cat([t, sub[f"{base}.experts.linear_fc{fc}.{kind}{g}_v"]], dim=0)
+            experts.setdefault(f"{base}.experts.experts.linear_fc{fc}.{kind}", {})[g] = t
+        elif name.endswith((".weight_w", ".bias_w")):
             stem = name[: -len("_w")]
             out[stem] = torch.cat([t, sub[stem + "_v"]], dim=0).contiguous()
-        elif name.endswith(".weight_v"):
+        elif name.endswith((".weight_v", ".bias_v")):
             continue
         else:
             out[name] = t
@@ -136,33 +173,52 @@ def _torch_dist_per_layer(sub: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
+def non_homogeneous_layers(hf_dir) -> bool:
+    """Whether Megatron-Core stores the decoder per layer (`decoder.layers.<i>.`) rather than
+    stacked, by what `transformer_config` sets for the family (TransformerBlock.sharded_state_dict,
+    torch-dist.md §2.2): DeepSeek-V3's `moe_layer_freq` is a list (any list makes the block
+    non-homogeneous, also one without dense layers), Qwen3-Next sets `linear_attention_freq` and
+    `hetereogenous_dist_checkpoint`."""
+    return ref.load_config(hf_dir).get("model_type") in ("deepseek_v3", "qwen3_next")
+
+
 def expected_globals(hf_dir, tp: int, etp: int | None = None) -> dict[str, torch.Tensor]:
     """`{torch_dist key: global tensor}` for the HF release at load TP `tp` (the vocabulary is
-    padded for it). Homogeneous decoder layers are stacked with a leading layer axis."""
+    padded for it). Decoder layers are stacked with a leading layer axis, or kept per layer when
+    the family's Megatron config makes them non-homogeneous; MTP layers are always per layer.
+
+    `etp` is accepted for symmetry with the loads and not used: every fused fc1 is stored through
+    Megatron-Core's SwiGLU factory (whenever `gated_linear_unit`, also gpt-oss's quick-GELU GLU),
+    whose global tensor is `[gate; up]` whatever the (expert-)TP, i.e. the reference's ETP=1
+    layout (its gpt-oss fc1 is ETP-dependent only in the fsdp_dtensor form)."""
+    del etp
     cfg = ref.load_config(hf_dir)
-    flat = ref.megatron_state_dict(cfg, ref.load_hf_tensors(hf_dir), tp, etp or tp)
-    layers: dict[int, dict[str, torch.Tensor]] = {}
+    flat = ref.megatron_state_dict(cfg, ref.load_hf_tensors(hf_dir), tp, 1)
+    blocks: dict[str, dict[int, dict[str, torch.Tensor]]] = {"decoder.layers": {}, "mtp.layers": {}}
     out: dict[str, torch.Tensor] = {}
     for k, t in flat.items():
-        m = _LAYER.fullmatch(k)
+        m = _BLOCK_LAYER.fullmatch(k)
         if m:
-            layers.setdefault(int(m.group(1)), {})[m.group(2)] = t
-        elif k.startswith(("mtp.", "vision_model.", "language_model.")):
-            raise NotImplementedError(f"{k}: MTP and multimodal models are not covered here")
+            blocks[m.group(1)].setdefault(int(m.group(2)), {})[m.group(3)] = t
+        elif k.startswith(("vision_model.", "language_model.")):
+            raise NotImplementedError(f"{k}: multimodal models are not covered here")
         else:
             out[k] = t
-    per_layer = {i: _torch_dist_per_layer(sub) for i, sub in layers.items()}
+    layers = {i: _torch_dist_per_layer(sub) for i, sub in blocks["decoder.layers"].items()}
     n = cfg["num_hidden_layers"]
-    if sorted(per_layer) != list(range(n)):
-        raise ValueError(f"decoder layers {sorted(per_layer)} are not 0..{n - 1}")
-    shapes = {i: {k: (tuple(t.shape), t.dtype) for k, t in sub.items()} for i, sub in per_layer.items()}
-    if any(shapes[i] != shapes[0] for i in shapes):
+    if sorted(layers) != list(range(n)):
+        raise ValueError(f"decoder layers {sorted(layers)} are not 0..{n - 1}")
+    shapes = {i: {k: (tuple(t.shape), t.dtype) for k, t in sub.items()} for i, sub in layers.items()}
+    homogeneous = all(shapes[i] == shapes[0] for i in shapes)
+    if non_homogeneous_layers(hf_dir) or not homogeneous:
         # Megatron stores non-homogeneous stacks per layer (brief torch-dist.md §2.2).
-        for i, sub in per_layer.items():
+        for i, sub in layers.items():
             out.update({f"decoder.layers.{i}.{k}": t for k, t in sub.items()})
     else:
-        for k in per_layer[0]:
-            out[f"decoder.layers.{k}"] = torch.stack([per_layer[i][k] for i in range(n)]).contiguous()
+        for k in layers[0]:
+            out[f"decoder.layers.{k}"] = torch.stack([layers[i][k] for i in range(n)]).contiguous()
+    for k, sub in blocks["mtp.layers"].items():
+        out.update({f"mtp.layers.{k}.{name}": t for name, t in _torch_dist_per_layer(sub).items()})
     return out
 
 
@@ -185,17 +241,47 @@ def hf_arch(hf_dir) -> str:
     cfg = ref.load_config(hf_dir)
     if cfg.get("model_type") in ("llama", "mistral", "qwen2", "qwen3"):
         return "llama"
-    if cfg.get("model_type") == "qwen3_moe":
-        return "qwen3_moe"
+    if cfg.get("model_type") in ("qwen3_moe", "deepseek_v3", "qwen3_next", "gpt_oss"):
+        return cfg["model_type"]
     raise NotImplementedError(f"model_type {cfg.get('model_type')!r} (supported: {ARCHS})")
+
+
+def _rope(cfg) -> dict:
+    return cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta", 10000.0),
+                                          **(cfg.get("rope_scaling") or {})}
+
+
+def _linear_attention_pattern(cfg) -> list[int]:
+    """Qwen3-Next's layer kinds as Megatron's `linear_attention_freq` list (1 = GDN)."""
+    if cfg.get("layer_types"):
+        return [1 if t == "linear_attention" else 0 for t in cfg["layer_types"]]
+    every = cfg["full_attention_interval"]
+    return [0 if (i + 1) % every == 0 else 1 for i in range(cfg["num_hidden_layers"])]
 
 
 def transformer_config(hf_dir, arch: str, tp: int, ep: int = 1, etp: int | None = None,
                        dtype: torch.dtype = torch.bfloat16):
-    """Megatron-Core TransformerConfig of the HF release (the dims Megatron-Bridge's llama /
-    qwen3_moe providers set), bf16 parameters allocated on CPU, not initialised."""
+    """Megatron-Core TransformerConfig of the HF release: what Megatron-Bridge's provider for the
+    family sets (its `provider_bridge`) that changes parameters or their layout, bf16 parameters
+    allocated on CPU. Fusion and dispatcher settings that need CUDA or Transformer Engine
+    (bias_activation_fusion, alltoall, grouped GEMM, permute fusion) are left off: they change no
+    key. Per family:
+
+    - deepseek_v3 (DeepSeekV3Bridge): MLATransformerConfig with q/kv LoRA ranks, nope/rope/v
+      head dims, `qk_layernorm` (the q/kv latent norms), `moe_layer_freq` = first_k_dense_replace
+      dense layers then MoE, shared experts of n_shared_experts x moe_intermediate_size, sigmoid
+      routing with the float32 `expert_bias`, and `mtp_num_layers` = num_nextn_predict_layers.
+    - qwen3_next (Qwen3NextBridge): `experimental_attention_variant="gated_delta_net"` with
+      `linear_attention_freq` (as a list from `layer_types`), the linear-attention dims, gated
+      full attention (`attention_output_gate`), q/k norms, MoE with a gated shared expert and
+      `hetereogenous_dist_checkpoint`. Not set: `layernorm_zero_centered_gamma` (the local torch
+      RMSNorm refuses it; it changes the norms' arithmetic, not their keys or shapes).
+    - gpt_oss (GPTOSSBridge): biased linears (`add_bias_linear`, so also router and expert
+      biases), learnable softmax offsets (`softmax_type="learnable"`: the attention sinks),
+      sliding window on every other layer, the clamped quick-GELU GLU, MoE of intermediate_size.
+    """
     import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     cfg = ref.load_config(hf_dir)
     if arch not in ARCHS:
@@ -225,57 +311,266 @@ def transformer_config(hf_dir, arch: str, tp: int, ep: int = 1, etp: int | None 
         bf16=dtype == torch.bfloat16,
         tensor_model_parallel_size=tp,
     )
+    moe = dict(
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",  # alltoall makes a CUDA stream at build; keys are the same
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp or tp,
+        moe_router_topk=cfg.get("num_experts_per_tok"),
+    )
+    config_class = TransformerConfig
     if arch == "qwen3_moe":
         if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
             raise NotImplementedError("qwen3_moe with dense layers (mlp_only_layers / decoder_sparse_step)")
+        kw.update(moe, qk_layernorm=True, num_moe_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+                  moe_ffn_hidden_size=cfg["moe_intermediate_size"])
+    elif arch == "deepseek_v3":
+        config_class = MLATransformerConfig
+        n, dense = cfg["num_hidden_layers"], cfg.get("first_k_dense_replace", 0)
+        rope = _rope(cfg)
         kw.update(
+            moe,
+            multi_latent_attention=True,
             qk_layernorm=True,
-            num_moe_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+            q_lora_rank=cfg.get("q_lora_rank"),
+            kv_lora_rank=cfg["kv_lora_rank"],
+            qk_head_dim=cfg["qk_nope_head_dim"],
+            qk_pos_emb_head_dim=cfg["qk_rope_head_dim"],
+            v_head_dim=cfg["v_head_dim"],
+            rope_type="yarn" if rope.get("rope_type") == "yarn" else "rope",
+            rotary_base=float(rope.get("rope_theta", 10000.0)),
+            num_moe_experts=cfg["n_routed_experts"],
             moe_ffn_hidden_size=cfg["moe_intermediate_size"],
-            moe_router_topk=cfg["num_experts_per_tok"],
-            moe_grouped_gemm=False,
-            moe_token_dispatcher_type="allgather",  # alltoall makes a CUDA stream at build; keys are the same
-            expert_model_parallel_size=ep,
-            expert_tensor_parallel_size=etp or tp,
+            moe_shared_expert_intermediate_size=cfg["moe_intermediate_size"] * cfg.get("n_shared_experts", 1),
+            moe_layer_freq=[0] * dense + [1] * (n - dense),
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_pre_softmax=True,
+            moe_router_dtype="fp32",
+            moe_router_num_groups=cfg.get("n_group"),
+            moe_router_group_topk=cfg.get("topk_group"),
+            moe_router_topk_scaling_factor=cfg.get("routed_scaling_factor"),
+            mtp_num_layers=cfg.get("num_nextn_predict_layers") or None,
         )
-    elif ep != 1:
+    elif arch == "qwen3_next":
+        kw.update(
+            moe,
+            qk_layernorm=True,
+            attention_output_gate=True,
+            num_moe_experts=cfg["num_experts"],
+            moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+            moe_shared_expert_intermediate_size=cfg["shared_expert_intermediate_size"],
+            moe_shared_expert_gate=True,
+            experimental_attention_variant="gated_delta_net",
+            linear_attention_freq=_linear_attention_pattern(cfg),
+            linear_conv_kernel_dim=cfg["linear_conv_kernel_dim"],
+            linear_key_head_dim=cfg["linear_key_head_dim"],
+            linear_value_head_dim=cfg["linear_value_head_dim"],
+            linear_num_key_heads=cfg["linear_num_key_heads"],
+            linear_num_value_heads=cfg["linear_num_value_heads"],
+            hetereogenous_dist_checkpoint=True,
+        )
+    elif arch == "gpt_oss":
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        kw.update(
+            moe,
+            add_bias_linear=True,
+            add_qkv_bias=False,
+            activation_func=quick_gelu,
+            activation_func_clamp_value=7.0,
+            glu_linear_offset=1.0,
+            softmax_type="learnable",
+            window_size=(cfg["sliding_window"] - 1, 0),
+            window_attn_skip_freq=2,
+            num_moe_experts=cfg["num_local_experts"],
+            moe_ffn_hidden_size=cfg["intermediate_size"],
+            moe_router_pre_softmax=False,
+            moe_router_load_balancing_type="none",
+        )
+    if ep != 1 and not kw.get("num_moe_experts"):
         raise ValueError(f"--ep {ep} given for a model without experts")
-    return TransformerConfig(**kw)
+    return config_class(**kw)
+
+
+def _te_names(spec):
+    """A TransformerLayer spec of Megatron-Core's local backend whose checkpoint keys are the
+    Transformer-Engine spec's, the names Megatron-LM's production jobs save (and Shardline
+    writes): the TE spec fuses a norm into the linear after it (`<linear>.layer_norm_weight`)
+    where the local spec has a separate norm module. Renamed through the layer's own
+    `sharded_state_dict_keys_map`, as the local spec already does for dense GQA layers:
+
+    - GQA attention: `input_layernorm.` -> `self_attention.linear_qkv.layer_norm_`;
+      GDN: -> `self_attention.in_proj.layer_norm_`; MLA keeps its `input_layernorm`, and its
+      latent norms `q_layernorm.` / `kv_layernorm.` -> `linear_q_up_proj.layer_norm_` /
+      `linear_kv_up_proj.layer_norm_`.
+    - Dense MLP: `pre_mlp_layernorm.` -> `mlp.linear_fc1.layer_norm_`; MoE layers keep
+      `pre_mlp_layernorm` (the TE spec has a separate norm there too)."""
+    from dataclasses import replace
+
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    sub = spec.submodules
+    attention, mlp = sub.self_attention.module, sub.mlp.module
+    keys = {}
+    if attention is MLASelfAttention:
+        keys["self_attention.q_layernorm."] = "self_attention.linear_q_up_proj.layer_norm_"
+        keys["self_attention.kv_layernorm."] = "self_attention.linear_kv_up_proj.layer_norm_"
+    elif attention is GatedDeltaNet:
+        keys["input_layernorm."] = "self_attention.in_proj.layer_norm_"
+    else:
+        keys["input_layernorm."] = "self_attention.linear_qkv.layer_norm_"
+    if not issubclass(mlp, MoELayer):
+        keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    return replace(spec, submodules=replace(sub, sharded_state_dict_keys_map=keys))
+
+
+def _gdn_layer_spec(config):
+    """A Qwen3-Next GDN layer on Megatron-Core's local backend. Megatron-Core 0.16.1 builds
+    hybrid GDN blocks only for Transformer Engine
+    (`get_transformer_block_with_experimental_attention_variant_spec` asserts
+    `transformer_impl == "transformer_engine"`), so this is that function's GDN layer with the
+    local modules in place of TE's: Megatron-Core's own `get_gated_delta_net_module_spec` with a
+    local backend whose fused norm-linear is a plain ColumnParallelLinear, a separate RMSNorm in
+    front (TE fuses it into `in_proj`; renamed to its key by `_te_names`), the local MoE."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_gated_delta_net_module_spec,
+    )
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    class Local(LocalSpecProvider):
+        def column_parallel_layer_norm_linear(self):
+            return ColumnParallelLinear
+
+    backend = Local()
+    norm = backend.layer_norm(rms_norm=True, for_qk=False)
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=get_gated_delta_net_module_spec(config, backend=backend),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=get_moe_module_spec_for_backend(backend=backend, num_experts=config.num_moe_experts,
+                                                moe_grouped_gemm=False),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def _mla_local_core_attention(spec):
+    """The one change Megatron-Core 0.16.1's local MLA spec needs to be built at all:
+    MLASelfAttention passes `k_channels` / `v_channels` to its core attention, which the local
+    DotProductAttention does not accept (TypeError; only TEDotProductAttention does). The core
+    attention is swapped for a DotProductAttention that takes and ignores them; it holds no
+    parameter (vanilla softmax) and requests nothing from the checkpoint, so the request is
+    unchanged (the TE spec's core_attention `_extra_state` is added by `--te-extra-state`)."""
+    from dataclasses import replace
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    attention = spec.submodules.self_attention
+    attention = replace(attention, submodules=replace(attention.submodules, core_attention=MLADotProductAttention))
+    return replace(spec, submodules=replace(spec.submodules, self_attention=attention))
 
 
 def layer_spec(config):
-    """Megatron-Core's local layer spec; for MoE layers the pre-MLP norm keeps the TE spec's
-    on-disk name `pre_mlp_layernorm.weight` (the local spec would rename it to
-    `mlp.linear_fc1.layer_norm_weight`)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    """The decoder's spec on Megatron-Core's local backend, with the TE spec's checkpoint names
+    (`_te_names`): one layer spec for homogeneous models; for DeepSeek-V3 Megatron-Core's own
+    `get_gpt_decoder_block_spec(use_transformer_engine=False)` (what DeepSeekV3Bridge builds
+    without TE: dense and MoE MLA layers by `moe_layer_freq`); for Qwen3-Next a block of GDN
+    layers (`_gdn_layer_spec`) and gated full-attention layers (the local GQA spec) by
+    `linear_attention_freq`."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
-    if config.num_moe_experts:
-        keys_map = dict(spec.submodules.sharded_state_dict_keys_map)
-        keys_map.pop("pre_mlp_layernorm.", None)
-        spec.submodules.sharded_state_dict_keys_map = keys_map
+    if config.multi_latent_attention:
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        block.layer_specs = [_te_names(_mla_local_core_attention(s)) for s in block.layer_specs]
+        return block
+    spec = _te_names(get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                              qk_layernorm=config.qk_layernorm, normalization="RMSNorm"))
+    if config.experimental_attention_variant == "gated_delta_net":
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        gdn = _te_names(_gdn_layer_spec(config))
+        specs = [gdn if linear else spec for linear in config.linear_attention_freq]
+        return TransformerBlockSubmodules(layer_specs=specs, layer_norm=spec.submodules.input_layernorm)
     return spec
+
+
+class _cpu_build:
+    """Megatron-Core 0.16.1 allocates a few parameters and buffers on `torch.cuda.current_device()`
+    even with `use_cpu_initialization` (GatedDeltaNet's conv1d / dt_bias / A_log, the learnable
+    softmax offset of DotProductAttention, the router's expert_bias), GatedDeltaNet initialises
+    them under the CUDA RNG tracker, and GatedDeltaNet's constructor refuses to run without the
+    flash-linear-attention kernels (`HAVE_FLA`), which only its forward uses; and
+    multi_latent_attention.py believes Transformer Engine present (`HAVE_TE`: its import of
+    Megatron-Core's TE extension succeeds, with mock classes, when TE is absent), so MLA's
+    constructor calls `isinstance(linear_proj, TELinear)` with a mock and raises TypeError (the
+    guarded branch is FP8/FP4-only). For the build only: the current device is the CPU, the
+    tracker's fork is a no-op, `HAVE_FLA` is set and MLA's `HAVE_TE` cleared."""
+
+    def __enter__(self):
+        import contextlib
+
+        import megatron.core.ssm.gated_delta_net as gdn
+        import megatron.core.transformer.multi_latent_attention as mla
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        self.gdn, self.mla = gdn, mla
+        self.tracker = get_cuda_rng_tracker()
+        self.saved = (torch.cuda.current_device, self.tracker.__dict__.get("fork"), gdn.HAVE_FLA, mla.HAVE_TE)
+        torch.cuda.current_device = lambda: "cpu"
+        self.tracker.fork = lambda *a, **k: contextlib.nullcontext()
+        gdn.HAVE_FLA, mla.HAVE_TE = True, False
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.current_device, fork, self.gdn.HAVE_FLA, self.mla.HAVE_TE = self.saved
+        if fork is None:
+            del self.tracker.fork
+        else:
+            self.tracker.fork = fork
 
 
 def build_model(hf_dir, arch: str, tp: int, ep: int = 1, etp: int | None = None,
                 dtype: torch.dtype = torch.bfloat16):
-    """The GPTModel of the release at (tp, ep), bf16; model parallel state must be initialised."""
+    """The GPTModel of the release at (tp, ep), bf16; model parallel state must be initialised.
+    Models with MTP layers get Megatron-Core's own `get_gpt_mtp_block_spec` (local backend) over
+    the decoder's last layer spec, as the GPT providers build it."""
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     cfg = ref.load_config(hf_dir)
     config = transformer_config(hf_dir, arch, tp, ep, etp, dtype)
-    rope = cfg.get("rope_parameters") or {}
-    model = GPTModel(
-        config, layer_spec(config),
-        vocab_size=ref.padded_vocab_size(cfg["vocab_size"], tp),
-        max_sequence_length=cfg.get("max_position_embeddings", 4096),
-        position_embedding_type="rope",
-        rotary_base=int(rope.get("rope_theta", cfg.get("rope_theta", 10000))),
-        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
-    )
+    spec = layer_spec(config)
+    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if config.mtp_num_layers else None
+    rope = _rope(cfg)
+    with _cpu_build():
+        model = GPTModel(
+            config, spec,
+            vocab_size=ref.padded_vocab_size(cfg["vocab_size"], tp),
+            max_sequence_length=cfg.get("max_position_embeddings", 4096),
+            position_embedding_type="rope",
+            rotary_percent=float(rope.get("partial_rotary_factor", 1.0)),
+            rotary_base=int(rope.get("rope_theta", 10000)),
+            share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+            mtp_block_spec=mtp,
+        )
     # Megatron-LM wraps a bf16 model in Float16Module, which casts every parameter (the torch
-    # norms of the local spec are created in fp32) to bf16; the keys are unchanged.
+    # norms of the local spec are created in fp32) to bf16; the keys are unchanged. The router's
+    # expert_bias goes back to float32 when its state is taken (`_maintain_float32_expert_bias`).
     return model.to(dtype)
 
 
@@ -357,18 +652,20 @@ def _map_tree(fn, tree):
 
 
 def _where(st) -> str:
-    """`layer 1, expert 3, offsets (1, 48, 0)` for a ShardedTensor or ShardedObject request."""
+    """`layer 1, expert 3, offsets (1, 48, 0)` for a ShardedTensor or ShardedObject request: the
+    prepended axes are the layer axis of a stacked key (`…layers.<sub>`, no index) and the expert
+    axis of `experts.experts.` keys, in that order."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     off = tuple(st.global_offset)
     if isinstance(st, ShardedObject):
         return f"object offsets {off}"
-    p = st.prepend_axis_num
-    parts = []
-    if p >= 1:
-        parts.append(f"layer {off[0]}")
-    if p >= 2:
-        parts.append(f"expert {off[1]}")
+    axes = []
+    if re.search(r"layers\.(?!\d)", st.key):
+        axes.append("layer")
+    if "experts.experts." in st.key:
+        axes.append("expert")
+    parts = [f"{name} {o}" for name, o in zip(axes[: st.prepend_axis_num], off)]
     parts.append(f"offsets {off} of {tuple(st.global_shape)}")
     return ", ".join(parts)
 
@@ -402,7 +699,7 @@ class LoadReport:
     etp: int
     world: int
     tensors_checked: int = 0          # ShardedTensor requests compared, over all ranks
-    factories_checked: int = 0        # SwiGLU (factory) requests compared, over all ranks
+    factories_checked: int = 0        # factory requests (SwiGLU, GDN split) compared, over all ranks
     objects_loaded: int = 0           # ShardedObject requests loaded, over all ranks
     keys: dict = field(default_factory=dict)   # torch_dist key -> [global shape, on-disk dtype]
     extra_keys: list = field(default_factory=list)  # stored, not requested
@@ -417,7 +714,8 @@ class LoadReport:
     def summary(self) -> str:
         return (f"tp={self.tp} ep={self.ep} etp={self.etp} on {self.world} gloo processes: "
                 f"{len(self.keys)} keys requested; {self.tensors_checked} tensor shards, "
-                f"{self.factories_checked} SwiGLU factory shards, {self.objects_loaded} extra-state objects "
+                f"{self.factories_checked} factory shards (SwiGLU / GDN split), "
+                f"{self.objects_loaded} extra-state objects "
                 f"loaded" + (f"; logits equal HF's on {self.forward_checked} ranks" if self.forward_checked else "")
                 + f"; {len(self.problems)} problems")
 
@@ -428,17 +726,20 @@ def _stored_metadata(ckpt_dir: Path):
     return FileSystemReader(str(ckpt_dir)).read_metadata()
 
 
-def _te_extra_state_requests(model, sd: dict) -> None:
+def _te_extra_state_requests(sd: dict) -> None:
     """The `_extra_state` ShardedObjects a TE-spec model requests and the local spec has not:
-    TEDotProductAttention's, one per layer (made the way Megatron-Core makes extra-state objects,
-    `make_sharded_object_for_checkpoint` with the layer offset)."""
-    from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
+    TEDotProductAttention's, one per attention that has a `linear_proj` (GQA and MLA, in the
+    decoder and in MTP layers; GDN has none). Each is its attention's `linear_proj._extra_state`
+    request (which the local linear makes, `make_sharded_object_for_checkpoint` with the layer
+    offset when stacked) with the module name changed: same layer axis, offsets and replica."""
+    from dataclasses import replace
 
-    n = model.config.num_layers
-    for layer in model.decoder.layers:
-        i = layer.layer_number - 1
-        sd[f"decoder.layers.{i}.self_attention.core_attention._extra_state"] = make_sharded_object_for_checkpoint(
-            None, "decoder.layers.self_attention.core_attention._extra_state", ((0, i, n),))
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    linear, core = "self_attention.linear_proj._extra_state", "self_attention.core_attention._extra_state"
+    for name, leaf in list(sd.items()):
+        if isinstance(leaf, ShardedObject) and leaf.key.endswith(linear) and name.endswith(linear):
+            sd[name[: -len(linear)] + core] = replace(leaf, key=leaf.key[: -len(linear)] + core, data=None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -570,7 +871,7 @@ def check_load(ckpt_dir: Path, hf_dir, arch: str, tp: int, ep: int, etp: int,
     model = build_model(hf_dir, arch, tp, ep, etp)
     sd = sharded_request(model)
     if te_extra_state:
-        _te_extra_state_requests(model, sd)
+        _te_extra_state_requests(sd)
     problems: list[str] = []
     expect = _Expectation(expected_globals(hf_dir, tp, etp), problems)
 
@@ -637,13 +938,16 @@ def check_load(ckpt_dir: Path, hf_dir, arch: str, tp: int, ep: int, etp: int,
             if isinstance(kind, tuple):
                 factories += 1
                 fac, pieces = kind
-                label = f"{fac.key} (SwiGLU factory, " + "; ".join(_where(st) for st in pieces) + ")"
+                kind = "SwiGLU factory" if len({st.key for st in pieces}) == 1 else "split factory"
+                label = f"{fac.key} ({kind}, " + "; ".join(_where(st) for st in pieces) + ")"
             else:
                 tensors += 1
                 label = f"{leaf.key} ({_where(leaf)})"
             if not isinstance(got, torch.Tensor):
                 problems.append(f"{label}: loaded a {type(got).__name__}, not a tensor")
             elif not (got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)):
+                if got.dim() < 2:  # describe_mismatch's row hint needs rows of >= 1 dim: one element a row
+                    got, want, label = got.reshape(-1, 1), want.reshape(-1, 1), f"{label} [as a column]"
                 problems.append(describe_mismatch(label, got, want))
         common = {k: loaded.get(k) for k in ("checkpoint_version", "iteration", "content_metadata")
                   if k in loaded}

@@ -5,11 +5,16 @@ own `dist_checkpointing.load` (megatron_load.py: the real GPTModel's `sharded_st
 2 gloo processes) loads them at **another** TP/EP and every shard must equal the slice of the
 suite's independent reference (reference.py, from the HF tensors; nothing here reads Shardline's
 tables). The dense llama also runs Megatron-Core's forward at TP=1 and must give the HF model's
-logits. The on-disk keys and global shapes must be exactly those Megatron-Core 0.16.1 wrote
-itself for the same models (the committed fixtures of test_megatron_core.py), and the
-container must be what Megatron-LM's loader reads: tracker `release`, the 4-field
-`metadata.json`, a `common.pt` that `torch.load(weights_only=True)` opens under Megatron-Core's
-safe globals with `args` giving the mesh and the model's dimensions.
+logits. The on-disk keys and global shapes of llama and qwen3_moe must be exactly those
+Megatron-Core 0.16.1 wrote itself for the same models (the committed fixtures of
+test_megatron_core.py). The 2025 families load the same way, each at a TP/EP other than the
+written one: deepseek_v3 (MLA, a dense first layer then MoE, MTP) from its bf16 and its block-FP8
+release, qwen3_next (GDN and gated full-attention layers, MoE), gpt_oss from its MXFP4 and its
+bf16 release (megatron_load.py's docstring says which parts of those models are built around
+Megatron-Core 0.16.1's CPU limits, and how). The container must be what Megatron-LM's loader
+reads: tracker `release`, the 4-field `metadata.json`, a `common.pt` that
+`torch.load(weights_only=True)` opens under Megatron-Core's safe globals with `args` giving the
+mesh and the model's dimensions.
 
 All loads run in one spawn of the processes (module fixture `reports`).
 """
@@ -32,14 +37,23 @@ import megatron.core.safe_globals  # noqa: E402,F401  (registers Megatron-Core's
 
 HF_LLAMA = FIXTURES / "llama"
 HF_QWEN3_MOE = FIXTURES / "qwen3_moe"
+EP2 = ["--tp", "1", "--ep", "2", "--dp", "2"]
 
-# (name, release, arch, written mesh flags, loads as (tp, ep))
+# (name, release, arch, written mesh flags, loads as (tp, ep) or (tp, ep, etp))
 CONVERSIONS = [
     ("llama-tp2", HF_LLAMA, "llama", ["--tp", "2"], [(1, 1)]),
     ("llama-tp1", HF_LLAMA, "llama", ["--tp", "1"], [(2, 1)]),
-    ("moe-tp1ep2", HF_QWEN3_MOE, "qwen3_moe", ["--tp", "1", "--ep", "2", "--dp", "2"], [(2, 1)]),
+    ("moe-tp1ep2", HF_QWEN3_MOE, "qwen3_moe", EP2, [(2, 1)]),
     ("moe-tp2", HF_QWEN3_MOE, "qwen3_moe", ["--tp", "2"], [(1, 2)]),
+    ("deepseek_v3-tp2", FIXTURES / "deepseek_v3", "deepseek_v3", ["--tp", "2"], [(1, 2)]),
+    ("deepseek_v3_fp8-tp1ep2", FIXTURES / "deepseek_v3_fp8", "deepseek_v3", EP2, [(2, 1)]),
+    ("qwen3_next-tp2", FIXTURES / "qwen3_next", "qwen3_next", ["--tp", "2"], [(1, 2)]),
+    ("qwen3_next-tp1ep2", FIXTURES / "qwen3_next", "qwen3_next", EP2, [(2, 1)]),
+    ("gpt_oss-tp2", FIXTURES / "gpt_oss", "gpt_oss", ["--tp", "2"], [(1, 2)]),
+    # Megatron-Core refuses biased experts at expert-TP > 1: TP 2 loads at ETP 1.
+    ("gpt_oss_bf16-tp1ep2", FIXTURES / "gpt_oss_bf16", "gpt_oss", EP2, [(2, 1, 1)]),
 ]
+NEW_FAMILIES = ("deepseek_v3", "qwen3_next", "gpt_oss")
 
 
 def convert(release: Path, out: Path, mesh: list[str]) -> Path:
@@ -58,9 +72,9 @@ def converted(tmp_path_factory):
 def reports(converted):
     jobs = {}
     for name, release, arch, _, loads in CONVERSIONS:
-        for tp, ep in loads:
+        for tp, ep, *etp in loads:
             jobs[f"{name}@tp{tp}ep{ep}"] = ml.Job(str(converted[name]), str(release), arch, tp=tp, ep=ep,
-                                                  te_extra_state=True)
+                                                  etp=etp[0] if etp else None, te_extra_state=True)
     # Megatron-Core's forward at TP=1 (the local spec: no TE core_attention request, whose object
     # the checkpoint holds for TE jobs and the local model would refuse in load_state_dict).
     jobs["llama-tp2@tp1-forward"] = ml.Job(str(converted["llama-tp2"]), str(HF_LLAMA), "llama", tp=1, forward=True)
@@ -71,10 +85,10 @@ def _assert_ok(rep):
     assert rep.ok, rep.summary() + "\n" + "\n".join(rep.problems)
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CONVERSIONS])
+@pytest.mark.parametrize("name", [c[0] for c in CONVERSIONS if c[2] not in NEW_FAMILIES])
 def test_megatron_core_loads_the_conversion_at_another_mesh(reports, name):
     (_, _, arch, _, loads) = next(c for c in CONVERSIONS if c[0] == name)
-    for tp, ep in loads:
+    for tp, ep, *_ in loads:
         rep = reports[f"{name}@tp{tp}ep{ep}"]
         _assert_ok(rep)
         want = FIXTURE_TENSORS if arch == "llama" else FIXTURE_MOE_TENSORS
@@ -82,6 +96,79 @@ def test_megatron_core_loads_the_conversion_at_another_mesh(reports, name):
         assert {k: tuple(v[0]) for k, v in rep.keys.items() if not k.endswith("/object")} == want
         assert all(v[1] == "bfloat16" for k, v in rep.keys.items() if not k.endswith("/object"))
         assert rep.tensors_checked > 0 and rep.factories_checked > 0 and rep.objects_loaded > 0
+
+
+def _new_family_report(reports, name):
+    (_, _, _, mesh, loads) = next(c for c in CONVERSIONS if c[0] == name)
+    (tp, ep, *_), = loads
+    rep = reports[f"{name}@tp{tp}ep{ep}"]
+    _assert_ok(rep)
+    written = dict(zip(mesh[::2], mesh[1::2]))
+    assert (str(tp), str(ep)) != (written.get("--tp", "1"), written.get("--ep", "1"))
+    tensors = {k: v for k, v in rep.keys.items() if not k.endswith("/object")}
+    objects = {k[: -len("/object")]: v for k, v in rep.keys.items() if k.endswith("/object")}
+    # On disk every tensor is bf16 except the router's float32 expert bias (archs-2025.md §2).
+    assert {k for k, v in tensors.items() if v[1] != "bfloat16"} == {
+        k for k in tensors if k.endswith(".router.expert_bias")}
+    assert all(v[1] == "float32" for k, v in tensors.items() if k.endswith(".router.expert_bias"))
+    assert rep.tensors_checked > 0 and rep.factories_checked > 0 and rep.objects_loaded > 0
+    return rep, tensors, objects
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3-tp2", "deepseek_v3_fp8-tp1ep2"])
+def test_megatron_core_loads_deepseek_v3_with_mla_a_dense_first_layer_and_mtp(reports, name):
+    """Per-layer keys (dense layer 0, MoE layers 1-2: `moe_layer_freq` is a list), MLA's latent
+    norms under the TE names, shared experts, the float32 expert bias, and the MTP layer (its
+    decoder layer under `transformer_layer`): every shard bit-exact, the FP8 release dequantized."""
+    rep, tensors, objects = _new_family_report(reports, name)
+    assert not [k for k in tensors if k.startswith("decoder.layers.") and not k.split(".")[2].isdigit()]
+    assert tensors["decoder.layers.0.mlp.linear_fc1.weight"] == [[192, 64], "bfloat16"]
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in tensors
+    assert tensors["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"] == [[8, 64, 64], "bfloat16"]
+    assert tensors["decoder.layers.2.self_attention.linear_kv_down_proj.weight"] == [[40, 64], "bfloat16"]
+    for mla in ("linear_q_up_proj", "linear_kv_up_proj"):
+        assert f"decoder.layers.1.self_attention.{mla}.layer_norm_weight" in tensors
+    mtp = {k for k in tensors if k.startswith("mtp.layers.0.")}
+    assert {"mtp.layers.0.eh_proj.weight", "mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight",
+            "mtp.layers.0.final_layernorm.weight",
+            "mtp.layers.0.transformer_layer.mlp.router.expert_bias",
+            "mtp.layers.0.transformer_layer.mlp.shared_experts.linear_fc1.weight"} <= mtp
+    assert tensors["mtp.layers.0.eh_proj.weight"] == [[64, 128], "bfloat16"]
+    assert "mtp.layers.0.transformer_layer.self_attention.core_attention._extra_state" in objects
+    assert objects["decoder.layers.1.mlp.experts.experts.linear_fc1._extra_state"] == [8]
+
+
+@pytest.mark.parametrize("name", ["qwen3_next-tp2", "qwen3_next-tp1ep2"])
+def test_megatron_core_loads_qwen3_next_with_gdn_and_gated_attention_layers(reports, name):
+    """Per-layer keys (`linear_attention_freq`): GDN layers 0-2 with `in_proj` and `conv1d` in
+    Megatron-Core's named sections and `in_proj`'s `_extra_state`, full-attention layer 3 with the
+    output gate in `linear_qkv`, every layer MoE with a gated shared expert."""
+    rep, tensors, objects = _new_family_report(reports, name)
+    for i in range(3):
+        sa = f"decoder.layers.{i}.self_attention"
+        assert {f"{sa}.in_proj.weight.{s}" for s in ("query", "key", "value", "z", "beta", "alpha")} <= set(tensors)
+        assert {f"{sa}.conv1d.weight.{s}" for s in ("query", "key", "value")} <= set(tensors)
+        assert {f"{sa}.in_proj.layer_norm_weight", f"{sa}.out_norm.weight", f"{sa}.A_log"} <= set(tensors)
+        assert f"{sa}.in_proj._extra_state" in objects and f"{sa}.linear_qkv.weight" not in tensors
+    # 8 heads of 8 with their gates, 2 KV groups: 2 x (4 + 4 + 1 + 1) x 8 rows.
+    assert tensors["decoder.layers.3.self_attention.linear_qkv.weight"] == [[160, 64], "bfloat16"]
+    assert "decoder.layers.3.self_attention.in_proj.weight.query" not in tensors
+    assert all(f"decoder.layers.{i}.mlp.shared_experts.gate_weight" in tensors for i in range(4))
+
+
+@pytest.mark.parametrize("name", ["gpt_oss-tp2", "gpt_oss_bf16-tp1ep2"])
+def test_megatron_core_loads_gpt_oss_with_sinks_and_biased_experts(reports, name):
+    """Stacked layers; the attention sinks as `core_attention.softmax_offset` (split by head
+    under TP); biased experts whose fc1 weight and bias are `[gate; up]` at every TP; the MXFP4
+    release dequantized."""
+    rep, tensors, objects = _new_family_report(reports, name)
+    assert tensors["decoder.layers.self_attention.core_attention.softmax_offset"] == [[2, 8], "bfloat16"]
+    assert tensors["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == [[2, 4, 192, 64], "bfloat16"]
+    assert tensors["decoder.layers.mlp.experts.experts.linear_fc1.bias"] == [[2, 4, 192], "bfloat16"]
+    assert {"decoder.layers.mlp.router.bias", "decoder.layers.self_attention.linear_qkv.bias",
+            "decoder.layers.self_attention.linear_proj.bias",
+            "decoder.layers.mlp.experts.experts.linear_fc2.bias"} <= set(tensors)
+    assert objects["decoder.layers.self_attention.core_attention._extra_state"] == [2]
 
 
 def test_megatron_core_forward_on_the_conversion_gives_the_hf_logits(reports):
