@@ -701,3 +701,46 @@ def test_torch_adamw_steps_are_refused_for_torch_dist(shardline, sources, tmp_pa
     args = ["reshard", str(sources["S2"]), "--to", str(out), *Mesh(2, 1, 2, 2, etp=1).cli_args(), "--target", "torch_dist"]
     _assert_rejected(Reshard(args, out, harness.run_cli(args, timeout=RESHARD_TIMEOUT_S)),
                      [r"per-parameter `step`", r"param_groups"], "adamw steps")
+
+
+def _flat_items(d, p: str = "") -> dict:
+    """A loaded state dict's leaves by their DCP key (RNG lists descended into)."""
+    out = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out |= _flat_items(v, f"{p}{k}.")
+    elif isinstance(d, list) and p.startswith("rng_state."):
+        for i, v in enumerate(d):
+            out |= _flat_items(v, f"{p}{i}.")
+    else:
+        out[p[:-1]] = d
+    return out
+
+
+def test_torch_dist_translates_back_to_the_same_training_state(reshards, sources, tmp_path):
+    """S1 → torch_dist (another mesh) → fsdp_dtensor on S1's mesh: torch's DCP reader finds every
+    parameter (from the fp32 masters), moment, param_to_group_meta field, scheduler value and
+    counter of S1, equal; only the RNG states (not written to torch_dist) are gone."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    there = reshards.run(sources["S1"], TORCH_DIST_MESH, ("--target", "torch_dist"), name="torch-dist").require()
+    back = reshards.run(there, SOURCES["S1"].mesh, ("--target", "fsdp_dtensor"), name="back").require()
+
+    def items(path):
+        dcp_to_torch_save(path, tmp_path / f"{path.name}.pt")
+        return _flat_items(torch.load(tmp_path / f"{path.name}.pt", weights_only=False))
+
+    src, got = items(sources["S1"]), items(back)
+    assert sorted(set(src) - set(got)) == sorted(k for k in src if k.startswith("rng_state."))
+    assert not set(got) - set(src)
+    bad = []
+    for k in sorted(set(src) & set(got)):
+        a, b = src[k], got[k]
+        same = (a.dtype == b.dtype and torch.equal(a, b)) if isinstance(a, torch.Tensor) else (k == "args" or a == b)
+        if not same:
+            bad.append(k)
+    assert not bad, f"{len(bad)} items changed, e.g. {bad[:5]}"
+    assert sum(k.startswith("optimizer.param_to_group_meta.") for k in got) > 100
+    args = got["args"]
+    for field, value in mesh_args(SOURCES["S1"].mesh).items():
+        assert getattr(args, field) == value, field

@@ -5,6 +5,7 @@
 mod args;
 pub mod common_state;
 mod export;
+mod param_groups;
 pub mod save_dir;
 mod summary;
 mod torch_dist_save;

@@ -10,15 +10,16 @@
 //! Megatron-FSDP does not save (`_extra_state`, the rerun state, `content_metadata`) is left
 //! out, and said so.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 
 use shardline_layout::dialect::{share_of_box, unplace};
 use shardline_layout::reshard::{
-    classify_torch_dist, param_layout, ChunkBox, ItemKind, PathElem, SourceItem, SourceTensorMeta,
+    classify_torch_dist, flat_key, param_layout, ChunkBox, ItemKind, PathElem, SourceItem, SourceTensorMeta,
 };
 
 use super::common_state::{common_entries, read_common_pt};
+use super::param_groups::{group_of, saved_groups};
 use super::{ItemData, TrainingArgs, TrainingError};
 use crate::checkpoint::{Checkpoint, StoredChunk, StoredTensor};
 use crate::pickle::{dumps, Value};
@@ -53,47 +54,79 @@ fn gated(key: &str) -> bool {
 /// `model_only`, its model parameters alone (what `export` reads), anything else skipped.
 pub(super) fn translate(checkpoint: Checkpoint, model_only: bool) -> Result<Translated, TrainingError> {
     let mut notes = Vec::new();
+    // Parameters whose fp32 master is saved (`optimizer.state.param.*`, `fp32_param` for a
+    // non-distributed optimizer): in Megatron-FSDP the master is the model tensor, so it
+    // replaces the rounded model weights.
+    let masters: BTreeSet<String> = checkpoint
+        .tensors
+        .iter()
+        .filter_map(|t| match classify_torch_dist(&t.key) {
+            ItemKind::OptimizerState { name, state } if is_master(&state) && !model_only => Some(name),
+            _ => None,
+        })
+        .collect();
     let mut tensors: Vec<StoredTensor> = Vec::new();
+    // Every optimized parameter's live (unsplit) name, its dimensions and whether it is an expert's.
+    let mut optimized: BTreeMap<String, (usize, bool)> = BTreeMap::new();
     for t in &checkpoint.tensors {
-        match classify_torch_dist(&t.key) {
-            ItemKind::Model { .. } => {}
+        // The planned tensors' key: `model.module.<part>` or `optimizer.state.<opt>.<part>.<state>`.
+        let name_of: Box<dyn Fn(&str) -> String> = match classify_torch_dist(&t.key) {
+            ItemKind::Model { name } if masters.contains(&name) => continue,
+            ItemKind::Model { .. } => Box::new(|part| format!("{MODEL_PREFIX}{part}")),
             _ if model_only => continue,
-            ItemKind::OptimizerState { .. } => {
-                return Err(refuse(
-                    &t.key,
-                    "optimizer state is not translated yet: reshard the model (re-save with --no-save-optim), or keep the dialect",
-                ))
+            ItemKind::OptimizerState { state, .. } if is_master(&state) => {
+                Box::new(|part| format!("{MODEL_PREFIX}{part}"))
             }
-            _ if t.key.starts_with("optimizer.distributed.") => {
-                return Err(refuse(
-                    &t.key,
-                    "a `dp_reshardable` distributed-optimizer bucket: its flat buckets' mapping to parameters is not in \
+            ItemKind::OptimizerState { state, .. } if state == "exp_avg" || state == "exp_avg_sq" => {
+                Box::new(move |part| format!("{OPTIMIZER_PREFIX}{part}.{state}"))
+            }
+            ItemKind::OptimizerState { state, .. } => {
+                return Err(refuse(&t.key, format!("optimizer state `{state}` has no Megatron-FSDP counterpart")))
+            }
+            _ if t.key.starts_with("optimizer.distributed.") => return Err(refuse(
+                &t.key,
+                "a `dp_reshardable` distributed-optimizer bucket: its flat buckets' mapping to parameters is not in \
                      the checkpoint (it follows Megatron's buffer layout of that run), so it is not guessed; re-save \
                      with `--dist-ckpt-optim-fully-reshardable`, or translate the model alone after loading with \
                      `--no-load-optim`",
-                ))
-            }
+            )),
             _ => return Err(refuse(&t.key, "a tensor Shardline does not know how to translate")),
-        }
-        let parts = unplace(&t.key, &t.shape, gated).map_err(|p| refuse(&t.key, p))?;
+        };
+        let on_disk = match classify_torch_dist(&t.key) {
+            ItemKind::OptimizerState { name, .. } => name,
+            _ => t.key.clone(),
+        };
+        let moment = t.key.starts_with("optimizer.state.exp_avg.");
+        let parts = unplace(&on_disk, &t.shape, gated).map_err(|p| refuse(&t.key, p))?;
         for part in parts {
-            if param_layout(&part.key, None).is_some_and(|l| l.tp_dependent) {
+            let layout = param_layout(&part.key, None);
+            if layout.as_ref().is_some_and(|l| l.tp_dependent) {
                 return Err(refuse(
                     &t.key,
                     "Megatron-FSDP keeps this parameter fused in an expert-TP-dependent layout (gpt-oss's expert fc1); not translated yet",
                 ));
             }
+            if moment {
+                let live = match layout.as_ref().and_then(|l| l.section.as_ref()) {
+                    Some((_, index, suffixes)) => part.key.strip_suffix(suffixes[*index]).unwrap_or(&part.key),
+                    None => &part.key,
+                };
+                let expert = layout.as_ref().is_some_and(|l| l.expert.is_some());
+                optimized.insert(live.to_string(), (part.shape.len(), expert));
+            }
             let elem = t.dtype.size() as u64;
             let chunks = t.chunks.iter().filter_map(|c| piece_of(c, &part.origin, &part.shape, elem)).collect();
-            tensors.push(StoredTensor {
-                key: format!("{MODEL_PREFIX}{}", part.key),
-                dtype: t.dtype,
-                shape: part.shape,
-                chunks,
-            });
+            tensors.push(StoredTensor { key: name_of(&part.key), dtype: t.dtype, shape: part.shape, chunks });
         }
     }
     tensors.sort_by(|a, b| a.key.cmp(&b.key));
+    if !masters.is_empty() {
+        notes.push(format!(
+            "{} parameters taken from their fp32 masters (optimizer.state.param), as Megatron-FSDP keeps them; \
+             the rounded model weights left out",
+            masters.len()
+        ));
+    }
 
     // Top-level items from the common state; the DCP's bytes items Megatron-FSDP does not save
     // are left out.
@@ -130,46 +163,105 @@ pub(super) fn translate(checkpoint: Checkpoint, model_only: bool) -> Result<Tran
     }
     let mut inline = Vec::new();
     let mut args = None;
-    let mut objects: Vec<(String, usize)> = Vec::new();
-    if let Some(entries) = common.as_ref().and_then(common_entries) {
-        for (k, v) in entries {
-            let Some(name) = k.as_str() else { continue };
-            match name {
-                "content_metadata" => {
-                    notes.push("`content_metadata` left out: it describes torch_dist's own layout".to_string());
-                    continue;
-                }
-                "args" => args = Some(TrainingArgs::from_value(v)),
-                "optimizer" | "rng_state" | "rerun_state_machine" => {
-                    notes.push(format!("`{name}` of the common state left out (not translated yet)"));
-                    continue;
-                }
-                _ => {}
+    let mut objects: Vec<(Vec<PathElem>, usize)> = Vec::new();
+    let mut push = |path: Vec<PathElem>, v: &Value, inline: &mut Vec<Vec<u8>>| -> Result<(), TrainingError> {
+        let pkl = dumps(v).map_err(|p| refuse(&flat_key(&path), p))?;
+        objects.push((path, inline.len()));
+        inline.push(encode_pickle_archive(&pkl));
+        Ok(())
+    };
+    let entries = common.as_ref().and_then(common_entries).unwrap_or(&[]);
+    for (k, v) in entries {
+        let Some(name) = k.as_str() else { continue };
+        match name {
+            "content_metadata" => {
+                notes.push("`content_metadata` left out: it describes torch_dist's own layout".to_string());
+                continue;
             }
-            let pkl = dumps(v).map_err(|p| refuse(name, p))?;
-            objects.push((name.to_string(), inline.len()));
-            inline.push(encode_pickle_archive(&pkl));
+            "args" => args = Some(TrainingArgs::from_value(v)),
+            "optimizer" if !optimized.is_empty() => {
+                let groups = saved_groups(v).map_err(|p| refuse("optimizer", p))?;
+                for (live, &(ndim, expert)) in &optimized {
+                    let group = group_of(&groups, live, ndim, expert).map_err(|p| refuse("optimizer", p))?;
+                    for (field, value) in group {
+                        let Some(field) = field.as_str().filter(|f| *f != "params") else { continue };
+                        let path = ["optimizer", "param_to_group_meta", &format!("{OPTIMIZER_MODULES}{live}"), field]
+                            .map(|p| PathElem::Key(p.to_string()));
+                        push(path.to_vec(), value, &mut inline)?;
+                    }
+                }
+                continue;
+            }
+            "optimizer" | "rng_state" | "rerun_state_machine" => {
+                notes.push(format!("`{name}` of the common state left out (not translated)"));
+                continue;
+            }
+            _ => {}
         }
+        // DCP flattens nested dicts (the scheduler's state) into an item per leaf.
+        let mut leaves = Vec::new();
+        flatten(vec![PathElem::Key(name.to_string())], v, &mut leaves);
+        for (path, leaf) in leaves {
+            push(path, leaf, &mut inline)?;
+        }
+    }
+    if !optimized.is_empty() && !entries.iter().any(|(k, _)| k.as_str() == Some("optimizer")) {
+        return Err(refuse("optimizer", "optimizer state without the optimizer's param_groups in the common state"));
     }
 
     let mut items = Vec::new();
     let mut data = Vec::new();
     for (i, t) in tensors.iter().enumerate() {
         let chunks = t.chunks.iter().map(|c| ChunkBox { offsets: c.offsets.clone(), sizes: c.sizes.clone() }).collect();
-        let rest = t.key.strip_prefix("model.").unwrap_or(&t.key).to_string();
         items.push(SourceItem {
             key: t.key.clone(),
-            path: vec![PathElem::Key("model".into()), PathElem::Key(rest)],
+            path: tensor_path(&t.key),
             tensor: Some(SourceTensorMeta { dtype: t.dtype, shape: t.shape.clone(), chunks }),
         });
         data.push(ItemData::Tensor(i));
     }
-    for (name, j) in objects {
-        items.push(SourceItem { key: name.clone(), path: vec![PathElem::Key(name)], tensor: None });
+    for (path, j) in objects {
+        items.push(SourceItem { key: flat_key(&path), path, tensor: None });
         data.push(ItemData::Inline(j));
     }
     let checkpoint = Checkpoint { tensors, objects: Vec::new(), planner_data: BTreeMap::new(), ..checkpoint };
     Ok(Translated { checkpoint, items, data, inline, args, notes })
+}
+
+/// The prefix Megatron-FSDP's optimizer keys its parameters by (the DDP, FSDP and Float16Module
+/// wrappers' `module.`s).
+const OPTIMIZER_MODULES: &str = "module.module.module.";
+const OPTIMIZER_PREFIX: &str = "optimizer.state.module.module.module.";
+
+/// Whether a `fully_reshardable` state is the fp32 master (`param`; `fp32_param` for a
+/// non-distributed optimizer, which Megatron-Core accepts as its alias).
+fn is_master(state: &str) -> bool {
+    state == "param" || state == "fp32_param"
+}
+
+/// The `planner_data` path of a translated tensor, as Megatron-FSDP nests its state dict.
+fn tensor_path(key: &str) -> Vec<PathElem> {
+    if let Some(rest) = key.strip_prefix("optimizer.state.") {
+        if let Some((param, state)) = rest.rsplit_once('.') {
+            return ["optimizer", "state", param, state].map(|p| PathElem::Key(p.to_string())).to_vec();
+        }
+    }
+    let rest = key.strip_prefix("model.").unwrap_or(key).to_string();
+    vec![PathElem::Key("model".into()), PathElem::Key(rest)]
+}
+
+/// The leaves of `v` under `path`: a dict with string keys is descended into, anything else is a leaf.
+fn flatten<'v>(path: Vec<PathElem>, v: &'v Value, out: &mut Vec<(Vec<PathElem>, &'v Value)>) {
+    match v.as_dict() {
+        Some(items) if !items.is_empty() && items.iter().all(|(k, _)| k.as_str().is_some()) => {
+            for (k, child) in items {
+                let mut p = path.clone();
+                p.push(PathElem::Key(k.as_str().unwrap_or_default().to_string()));
+                flatten(p, child, out);
+            }
+        }
+        _ => out.push((path, v)),
+    }
 }
 
 /// The piece of the stored chunk `c` that the planned tensor at `origin` (of `shape`) holds,
