@@ -257,21 +257,15 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
     };
     let torch_dist = shardline_formats::checkpoint::resolve_checkpoint_dir(&dir)
         .is_ok_and(|d| shardline_formats::training::common_state::is_torch_dist(&d));
-    match (torch_dist, job.target.as_deref()) {
-        (true, Some("fsdp_dtensor")) | (false, None | Some("fsdp_dtensor")) => {}
-        (true, _) => {
-            return Err(StepError::fatal(format!(
-                "{} is a Megatron-Core `torch_dist` checkpoint: resharding it as torch_dist is not supported yet; \
-                 `target: fsdp_dtensor` translates it to Megatron-FSDP's format on the target mesh",
-                dir.display()
-            )))
-        }
-        (false, Some(other)) => {
-            return Err(StepError::fatal(format!(
-                "writing `{other}` from a reshard is not supported yet; a reshard writes fsdp_dtensor"
-            )))
-        }
-    }
+    // The source's dialect unless the step names another (translation either way).
+    let dialect = match job.target.as_deref() {
+        None => match torch_dist {
+            true => Dialect::TorchDist,
+            false => Dialect::FsdpDtensor,
+        },
+        Some(t) => Dialect::parse(t)
+            .ok_or_else(|| StepError::fatal(format!("unknown target `{t}` (fsdp_dtensor, torch_dist)")))?,
+    };
     // torch_dist keeps SwiGLU fc1 whole and the translation splits it.
     if !torch_dist && upstream.and_then(|o| o.split_fused) == Some(false) {
         return Err(StepError::fatal(format!(
@@ -297,7 +291,8 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
         vocab_size: release_vocab(ctx, job.release_task.as_deref()),
         vocab_divisible_by: job.vocab_divisible_by,
     };
-    let options = reshard_options(&source, mesh, rng_policy(&job.rng)?, given, fallback);
+    let mut options = reshard_options(&source, mesh, rng_policy(&job.rng)?, given, fallback);
+    options.dialect = dialect;
     let plan = plan_reshard(&source.items, &options)
         .map_err(|e| StepError::fatal(format!("cannot reshard {} to {mesh}: {e}", dir.display())))?;
     for note in &plan.notes {
@@ -373,6 +368,7 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
         ..TaskOutput::default()
     }
     .with("format", json!("dcp"))
+    .with("target", json!(dialect.name()))
     .with("from", json!(from))
     .with("optimizer_states", json!(moments))
     .with("notes", json!(plan.notes)))

@@ -60,7 +60,7 @@ fn every_example_pipeline_is_clean() {
             ]
         } else if name == "torch-dist.yaml" {
             // torch_dist keeps SwiGLU fc1 whole: nothing to split; the seed is also exported back
-            // and translated to fsdp_dtensor.
+            // and translated to fsdp_dtensor and back.
             vec![
                 HfDownload,
                 MegatronShard,
@@ -68,6 +68,8 @@ fn every_example_pipeline_is_clean() {
                 StoreUpload,
                 CheckpointExport,
                 StoreUpload,
+                CheckpointReshard,
+                CheckpointValidate,
                 CheckpointReshard,
                 CheckpointValidate,
             ]

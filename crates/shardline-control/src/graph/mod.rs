@@ -407,6 +407,7 @@ fn shard_prefix(p: &ResolvedPipeline, id: &str) -> String {
     upstream_shard(p, id, |c| match c {
         StepConfig::MegatronShard { prefix, .. } => Some(prefix.clone()),
         StepConfig::CheckpointReshard { target: Some(t), .. } if t == "fsdp_dtensor" => Some("model.module.".into()),
+        StepConfig::CheckpointReshard { target: Some(t), .. } if t == "torch_dist" => Some(String::new()),
         _ => None,
     })
     .unwrap_or_else(|| "model.module.".into())
