@@ -318,3 +318,22 @@ fn megatron_cores_torch_dist_exports_back_to_the_release() {
         }
     }
 }
+
+/// A torch_dist seed is a release checkpoint, whose optimizer state Megatron-LM never reads:
+/// `--optimizer-state` is refused with that reason, and nothing is written.
+#[test]
+fn a_torch_dist_seed_with_optimizer_state_is_refused_with_the_reason() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let hf = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny/llama");
+    let out = tmp.path().join("seed");
+    let o = run(bin().arg("convert").arg("--from").arg(&hf).arg("--to").arg(&out).args([
+        "--tp",
+        "1",
+        "--target",
+        "torch_dist",
+        "--optimizer-state",
+    ]));
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("never reads optimizer state from a release checkpoint"), "{}", stderr(&o));
+    assert!(!out.exists(), "something was written");
+}

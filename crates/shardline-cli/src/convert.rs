@@ -163,7 +163,12 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
             bail!("--target torch_dist is a DCP checkpoint; --format dcp-safetensors does not apply");
         }
         if args.optimizer_state {
-            bail!("--optimizer-state is not supported with --target torch_dist yet; convert without it (the seed loads with a fresh optimizer)");
+            bail!(
+                "--optimizer-state does not apply to --target torch_dist: Megatron-LM loads a seed (iteration 0) only as \
+                 `release`, and never reads optimizer state from a release checkpoint, so zero moments and fp32 \
+                 masters would never be read; the fresh optimizer it builds on load holds exactly those. Convert \
+                 without it, or use `reshard --target torch_dist` on a training checkpoint, which writes its state"
+            );
         }
     }
     let options = PlanOptions {

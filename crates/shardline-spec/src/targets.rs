@@ -38,8 +38,13 @@ pub(crate) fn check_targets(
                     push(
                         "with.optimizer_state",
                         "target",
-                        format!("step `{}`: optimizer state is not written for `target: torch_dist` yet", spec.id),
-                        "remove `optimizer_state` (the seed loads with a fresh optimizer), or use `target: fsdp_dtensor`",
+                        format!(
+                            "step `{}`: a `target: torch_dist` seed is a release checkpoint, and Megatron-LM never reads \
+                             optimizer state from one",
+                            spec.id
+                        ),
+                        "remove `optimizer_state`: the fresh optimizer Megatron-LM builds on load holds the same zero \
+                         moments and fp32 masters",
                     );
                 }
             }
