@@ -158,8 +158,9 @@ def describe_mismatch(key: str, got: torch.Tensor, want: torch.Tensor) -> str:
         detail += f" (got {got[first].item()!r}, want {want[first].item()!r})"
     if nan_count:
         detail += f"; {nan_count} elements never written (NaN sentinel)"
-    # Row-permutation hint: are the rows of `got` a permutation of the rows of `want`?
-    if got.dim() >= 1 and got.shape[0] > 1 and not nan_count:
+    # Row-permutation hint: are the rows of `got` a permutation of the rows of `want`? (Rows of
+    # a 1-D tensor are scalars, which cannot be viewed as bytes: no hint there.)
+    if got.dim() >= 2 and got.shape[0] > 1 and not nan_count:
         g_rows = [bytes(r.contiguous().view(torch.uint8).flatten().tolist()) for r in got]
         w_rows = [bytes(r.contiguous().view(torch.uint8).flatten().tolist()) for r in want]
         if sorted(g_rows) == sorted(w_rows):

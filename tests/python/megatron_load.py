@@ -946,8 +946,6 @@ def check_load(ckpt_dir: Path, hf_dir, arch: str, tp: int, ep: int, etp: int,
             if not isinstance(got, torch.Tensor):
                 problems.append(f"{label}: loaded a {type(got).__name__}, not a tensor")
             elif not (got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)):
-                if got.dim() < 2:  # describe_mismatch's row hint needs rows of >= 1 dim: one element a row
-                    got, want, label = got.reshape(-1, 1), want.reshape(-1, 1), f"{label} [as a column]"
                 problems.append(describe_mismatch(label, got, want))
         common = {k: loaded.get(k) for k in ("checkpoint_version", "iteration", "content_metadata")
                   if k in loaded}
