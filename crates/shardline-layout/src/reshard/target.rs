@@ -93,6 +93,14 @@ pub(super) fn to_torch_dist(
         }
         _ => true,
     });
+    if has_states && group_meta.is_empty() {
+        notes.push(
+            "warning: optimizer moments without parameter-group settings (`convert --optimizer-state` writes none): \
+             written as fully_reshardable state, but with no param_groups Megatron-LM cannot restore an optimizer \
+             from them, so `args.no_save_optim` is set"
+                .to_string(),
+        );
+    }
     if dropped_groups > 0 {
         notes.push(format!(
             "{dropped_groups} parameter-group settings left out: the checkpoint has no optimizer moments to go with them"
