@@ -1,6 +1,7 @@
 //! `bench --training`: `reshard` and `export` of a training checkpoint (a synthetic release
 //! converted with optimizer state) against `cp -r` of the same bytes, side by side, and their
-//! peak memory.
+//! peak memory; with `--target torch_dist`, also its translation to a Megatron-LM `torch_dist`
+//! save directory and back.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -8,17 +9,20 @@ use std::process::{Command, ExitCode};
 use anyhow::{Context, Result};
 use serde_json::json;
 
-use crate::convert::{time_command, BenchArgs};
+use crate::convert::{time_command, BenchArgs, Target};
 use crate::report::bytes;
 use crate::reshard::parse_mesh;
 
-/// Bytes of the regular files under `dir`.
+/// Bytes of the regular files under `dir`, subdirectories included (a save directory).
 fn dir_bytes(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
-        .map(|entries| {
-            entries.flatten().filter_map(|e| e.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum()
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let m = e.metadata().ok()?;
+            Some(if m.is_dir() { dir_bytes(&e.path()) } else { m.len() })
         })
-        .unwrap_or(0)
+        .sum()
 }
 
 /// Best of `repeat` runs of `cp -r SRC COPY` and of the same made durable: `(cp, cp + fsync)`.
@@ -47,6 +51,66 @@ fn time_runs(repeat: usize, out: &Path, mut cmd: impl FnMut() -> Command) -> Res
         let _ = std::fs::remove_dir_all(out);
     }
     Ok((best, rss))
+}
+
+/// The translation of the training checkpoint `ckpt` to `torch_dist` on `target`, and of that
+/// back to `fsdp_dtensor` on the source mesh, each against `cp -r` of what it reads.
+fn time_translations(
+    args: &BenchArgs,
+    exe: &Path,
+    ckpt: &Path,
+    target: shardline_layout::Mesh,
+    (cp, cp_sync): (f64, f64),
+    repeat: usize,
+) -> Result<serde_json::Value> {
+    let from = args.mesh.mesh();
+    let mesh_args = |m: shardline_layout::Mesh| {
+        ["--tp", "--cp", "--dp", "--ep", "--etp"]
+            .into_iter()
+            .zip([m.tp, m.cp, m.dp, m.ep, m.etp].map(|n| n.to_string()))
+            .flat_map(|(k, v)| [k.to_string(), v])
+            .collect::<Vec<_>>()
+    };
+    let (td, back, copy) = (args.work.join("torch-dist"), args.work.join("translated-back"), args.work.join("cp-copy"));
+    let reshard = |src: &Path, out: &Path, m: shardline_layout::Mesh, dialect: &str| {
+        let mut c = Command::new(exe);
+        c.args(["reshard", "--json"]).arg(src).arg("--to").arg(out).args(mesh_args(m)).args(["--target", dialect]);
+        c
+    };
+    let (to_td, to_td_rss) = time_runs(repeat, &td, || reshard(ckpt, &td, target, "torch_dist"))?;
+    // The torch_dist checkpoint kept once more, to translate it back and to copy it.
+    let _ = std::fs::remove_dir_all(&td);
+    time_command(&mut reshard(ckpt, &td, target, "torch_dist"))?;
+    let td_bytes = dir_bytes(&td);
+    let (td_cp, td_cp_sync) = time_copies(&td, &copy, repeat)?;
+    let (to_fsdp, to_fsdp_rss) = time_runs(repeat, &back, || reshard(&td, &back, from, "fsdp_dtensor"))?;
+    let _ = std::fs::remove_dir_all(&td);
+    if !args.json {
+        println!(
+            "  translate → torch_dist on {target} ({}): {to_td:.2}s → {:.2}× cp -r of the checkpoint, {:.2}× cp -r + fsync; \
+             peak RSS {}",
+            bytes(td_bytes),
+            to_td / cp,
+            to_td / cp_sync,
+            bytes(to_td_rss)
+        );
+        println!(
+            "  translate back → fsdp_dtensor on {from}: {to_fsdp:.2}s → {:.2}× cp -r of the torch_dist checkpoint \
+             ({td_cp:.2}s), {:.2}× cp -r + fsync; peak RSS {}",
+            to_fsdp / td_cp,
+            to_fsdp / td_cp_sync,
+            bytes(to_fsdp_rss)
+        );
+    }
+    Ok(json!({
+        "arch": args.arch, "translate": "torch_dist", "from": from.to_string(), "to": target.to_string(),
+        "torch_dist_bytes": td_bytes,
+        "to_torch_dist_seconds": to_td, "to_torch_dist_ratio_to_cp": to_td / cp,
+        "to_torch_dist_ratio_to_cp_sync": to_td / cp_sync, "to_torch_dist_peak_rss_bytes": to_td_rss,
+        "torch_dist_cp_seconds": td_cp, "torch_dist_cp_sync_seconds": td_cp_sync,
+        "to_fsdp_dtensor_seconds": to_fsdp, "to_fsdp_dtensor_ratio_to_cp": to_fsdp / td_cp,
+        "to_fsdp_dtensor_ratio_to_cp_sync": to_fsdp / td_cp_sync, "to_fsdp_dtensor_peak_rss_bytes": to_fsdp_rss,
+    }))
 }
 
 pub fn run_training_bench(args: &BenchArgs, to: &str) -> Result<ExitCode> {
@@ -89,6 +153,9 @@ pub fn run_training_bench(args: &BenchArgs, to: &str) -> Result<ExitCode> {
             c.args(["--ep", &target.ep.to_string(), "--etp", &target.etp.to_string(), "--from-mesh", &from_mesh]);
             c
         })?;
+        if args.target == Target::TorchDist {
+            rows.push(time_translations(args, &exe, &ckpt, target, (cp, cp_sync), repeat)?);
+        }
         let (release_cp, release_cp_sync) = time_copies(&release, &copy, repeat)?;
         let (export, export_rss) = time_runs(repeat, &hf, || {
             let mut c = Command::new(&exe);

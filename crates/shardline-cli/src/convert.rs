@@ -397,7 +397,8 @@ pub struct BenchArgs {
     /// Convert with --zip-crc32.
     #[arg(long)]
     pub zip_crc32: bool,
-    /// The dialect to convert to (as `convert --target`).
+    /// The dialect to convert to (as `convert --target`). With `--training`, `torch_dist` also
+    /// times the training checkpoint's translation to a torch_dist save directory and back.
     #[arg(long, value_enum, default_value = "fsdp_dtensor")]
     pub target: Target,
     /// Also time torch's `FileSystemReader(CKPT).read_metadata()` with this Python (one that has
