@@ -294,3 +294,60 @@ def test_a_dp_reshardable_optimizer_is_refused_with_the_reason_and_nothing_is_wr
     # Its model alone still exports (the optimizer's buckets are not read).
     res = run_cli(["export", str(tmp_path / "save"), "--to", str(tmp_path / "hf"), "--like", str(HF_LLAMA)])
     assert res.returncode == 0, res.stderr
+
+
+def _drop_extra_state(ckpt: Path) -> str:
+    import pickle as pkl
+    md_path = ckpt / "release" / ".metadata"
+    md = pkl.loads(md_path.read_bytes())
+    key = sorted(k for k in md.state_dict_metadata if "_extra_state/shard_0_" in k)[0]
+    del md.state_dict_metadata[key]
+    md.storage_data = {i: s for i, s in md.storage_data.items() if i.fqn != key}
+    if md.planner_data:
+        md.planner_data.pop(key, None)
+    md_path.write_bytes(pkl.dumps(md))
+    return key
+
+
+def _common_version(ckpt: Path, version) -> str:
+    path = ckpt / "release" / "common.pt"
+    common = torch.load(path, weights_only=False)
+    common["checkpoint_version"] = version
+    torch.save(common, path)
+    return "checkpoint_version is 9.0"
+
+
+def _truncate(ckpt: Path) -> str:
+    path = ckpt / "release" / "__1_0.distcp"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return "__1_0.distcp"
+
+
+@pytest.mark.parametrize("kind", ["extra_state", "version", "truncated", "mesh"])
+def test_bad_torch_dist_input_gets_a_clear_error_and_nothing_is_written(converted, tmp_path, kind):
+    """A missing `_extra_state` object (validate names it: Megatron-Core's load would fail on it),
+    an unknown common-state version, a truncated rank file, a target mesh the model cannot take:
+    each refused with what is wrong, and nothing written."""
+    import shutil
+    ckpt = tmp_path / "in"
+    shutil.copytree(converted["llama-tp2"], ckpt)
+    mesh = ["--tp", "1", "--dp", "2"]
+    if kind == "extra_state":
+        key = _drop_extra_state(ckpt)
+        res = run_cli(["validate", str(ckpt), "--against", str(HF_LLAMA), "--json"])
+        assert res.returncode == 1, res.stdout + res.stderr
+        findings = json.loads(res.stdout)["findings"]
+        assert [f["key"] for f in findings] == [key], findings
+        assert "requests every one" in findings[0]["message"], findings
+        return
+    expect = {"version": lambda: _common_version(ckpt, 9.0), "truncated": lambda: _truncate(ckpt),
+              "mesh": lambda: "does not divide"}[kind]()
+    if kind == "mesh":
+        mesh = ["--tp", "3", "--dp", "1"]
+    for target in ("fsdp_dtensor", "torch_dist"):
+        out = tmp_path / f"out-{target}"
+        res = run_cli(["reshard", str(ckpt), "--to", str(out), *mesh, "--target", target])
+        assert res.returncode != 0, res.stdout
+        assert expect in res.stderr, res.stderr
+        assert not out.exists(), f"{target}: {sorted(p.name for p in out.rglob('*'))}"

@@ -171,6 +171,7 @@ pub(super) fn translate(checkpoint: Checkpoint, model_only: bool) -> Result<Tran
         Ok(())
     };
     let entries = common.as_ref().and_then(common_entries).unwrap_or(&[]);
+    check_version(entries, &mut notes)?;
     for (k, v) in entries {
         let Some(name) = k.as_str() else { continue };
         match name {
@@ -226,6 +227,32 @@ pub(super) fn translate(checkpoint: Checkpoint, model_only: bool) -> Result<Tran
     }
     let checkpoint = Checkpoint { tensors, objects: Vec::new(), planner_data: BTreeMap::new(), ..checkpoint };
     Ok(Translated { checkpoint, items, data, inline, args, notes })
+}
+
+/// The common state's `checkpoint_version`: Megatron-Core writes 3.0 (a version below 2 would
+/// mean the legacy QKV order, one above 3 a layout this reader was not written for).
+fn check_version(entries: &[(Value, Value)], notes: &mut Vec<String>) -> Result<(), TrainingError> {
+    let version = entries.iter().find(|(k, _)| k.as_str() == Some("checkpoint_version")).map(|(_, v)| v);
+    let number = match version {
+        None => {
+            notes.push("the common state has no `checkpoint_version`; read as Megatron-Core's 3.0".to_string());
+            return Ok(());
+        }
+        Some(Value::Float(f)) => Some(*f),
+        Some(Value::Int(i)) => Some(*i as f64),
+        Some(_) => None,
+    };
+    match number {
+        Some(v) if (3.0..4.0).contains(&v) => Ok(()),
+        _ => Err(refuse(
+            "checkpoint_version",
+            format!(
+                "the common state's checkpoint_version is {}; Shardline reads Megatron-Core's 3.x (older versions \
+                 order QKV differently, newer ones are not known)",
+                version.map_or_else(String::new, |v| v.repr(40))
+            ),
+        )),
+    }
 }
 
 /// The prefix Megatron-FSDP's optimizer keys its parameters by (the DDP, FSDP and Float16Module

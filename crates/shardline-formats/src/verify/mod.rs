@@ -16,6 +16,7 @@
 
 mod items;
 mod keys;
+mod objects;
 mod parts;
 
 use std::collections::{BTreeSet, HashMap};
@@ -226,6 +227,9 @@ pub fn verify_checkpoint(
     if !matches!(options.scope, Scope::Files(_)) {
         for key in keys.missing(options.optional_prefix) {
             report.findings.push(Finding { key, message: "missing from the checkpoint".into() });
+        }
+        for (key, message) in objects::extra_state_gaps(keys.by_name.keys().map(String::as_str)) {
+            report.findings.push(Finding { key, message });
         }
     }
     report.findings.sort_by(|a, b| a.key.cmp(&b.key));
