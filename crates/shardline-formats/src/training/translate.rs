@@ -207,7 +207,12 @@ pub(super) fn translate(checkpoint: Checkpoint, model_only: bool) -> Result<Tran
         }
     }
     if !optimized.is_empty() && !entries.iter().any(|(k, _)| k.as_str() == Some("optimizer")) {
-        return Err(refuse("optimizer", "optimizer state without the optimizer's param_groups in the common state"));
+        // As `reshard --target torch_dist` writes moments that came without group settings.
+        notes.push(
+            "optimizer moments without the optimizer's param_groups in the common state: translated without \
+             param_to_group_meta"
+                .to_string(),
+        );
     }
 
     let mut items = Vec::new();
