@@ -41,6 +41,33 @@ names, no reference mapping). That closes the loop the shard check cannot: it sh
 reference's layouts (QKV interleave, `[gate; up]`) are the ones Megatron-Core computes with
 (measured difference 1.2e-7 against logits up to 0.58; fc1 stored `[up; gate]` gives 1.9e-2).
 
+`--optimizer` (`Job(optimizer=True)`) also judges the distributed-optimizer state a checkpoint
+holds in the `fully_reshardable` form (`optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`,
+what `reshard --target torch_dist` writes) by Megatron-Core's own optimizer, not by a hand-built
+request: around the model, every process builds Megatron-LM's training setup — Megatron-Core's
+DistributedDataParallel with the distributed optimizer and `get_megatron_optimizer` (a
+ChainedOptimizer of one DistributedOptimizer for the dense parameters and, at EP > 1, one for the
+experts over the expert-data-parallel group) — asks it for
+`sharded_state_dict(model_request, is_loading=True, metadata={distrib_optim_sharding_type:
+'fully_reshardable', ...})` and loads that together with the model's request (under `optimizer`,
+in one `dist_checkpointing.load`, as `load_checkpoint` does). Every optimizer shard is compared
+like a model shard: the master (`param`) must be the reference's model tensor in fp32 (the slice
+the request names; SwiGLU factories and expert axes as the model's), the moments zero (the
+optimizer state of `convert --optimizer-state`, the suite's only source of it for HF families).
+Then the optimizer's own `load_state_dict` takes the loaded dict — param groups from the
+checkpoint's common state, or the job's own where it has none (a checkpoint written without
+groups, which Megatron-LM would not restore) — and the fp32 master and both moments of every
+parameter range each rank's optimizer now owns (its data-parallel range of the flattened
+parameter) must equal that range of the expected tensor. What it takes on a CPU with
+Megatron-Core 0.16.1, none of which touches the checkpoint: CUDA allocations and the CUDA
+tensor-type check redirected while the optimizer is built and loaded (`_cpu_optimizer`); one step
+on zero gradients first, because torch's AdamW (the inner optimizer without TE / Apex) has no
+state before it and the distributed optimizer reads `step` from that state
+(`build_optimizer`); torch AdamW's per-parameter `step` kept through the restore, which 0.16.1
+copies from the loaded state without being given one (`_keep_torch_adam_step`); and expert
+parameters marked expert-parallel at EP > 1 as Transformer Engine's linears mark them (the
+local spec's do not).
+
 Spec choices. Where the TE spec fuses a norm into the linear after it, the local spec has a
 separate norm, which it requests under its own name (and it renames the MoE pre-MLP norm to
 `mlp.linear_fc1.layer_norm_weight` even for MoE layers); each layer is built to request the TE
@@ -89,6 +116,9 @@ Convert the same HF release to `torch_dist`, then load it at meshes other than t
         --tp 2 --ep 2 --te-extra-state
     .venv/bin/python tests/python/megatron_load.py OUT --hf tests/fixtures/hf-tiny/gpt_oss --tp 2 --etp 1 \
         --te-extra-state
+    # a `reshard --target torch_dist` of `convert --optimizer-state`'s output, with its optimizer:
+    .venv/bin/python tests/python/megatron_load.py OUT --hf tests/fixtures/hf-tiny/qwen3_moe --tp 1 --ep 2 \
+        --te-extra-state --optimizer
 
 OUT is the save root (with `latest_checkpointed_iteration.txt`) or the checkpoint directory.
 It prints one line per problem (naming the torch_dist key, the layer/expert and the request's
@@ -131,6 +161,13 @@ ARCHS = ("llama", "qwen3_moe", "deepseek_v3", "qwen3_next", "gpt_oss")
 # What Megatron-LM's checkpointing passes as sharded_state_dict metadata without a distributed
 # optimizer (`_build_sharded_state_dict_metadata`, brief torch-dist.md §1.3).
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+# ... and with the distributed optimizer's fully_reshardable state (`--dist-ckpt-optim-fully-reshardable`).
+OPTIMIZER_METADATA = dict(CONTENT_METADATA, distrib_optim_sharding_type="fully_reshardable",
+                          distrib_optim_fully_reshardable_mem_efficient=False)
+# `optimizer.state.<state>.<model key>`: DistributedOptimizer's fully_reshardable keys (`fp32_param`
+# is the non-distributed optimizers' name for the master, accepted as `param` on load).
+_OPT_STATE = re.compile(r"optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
+MOMENTS = ("exp_avg", "exp_avg_sq")
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -623,6 +660,198 @@ def resolve_checkpoint_dir(path) -> Path:
 
 
 # --------------------------------------------------------------------------------------------
+# Megatron-Core's distributed optimizer on CPU (the fully_reshardable optimizer state)
+# --------------------------------------------------------------------------------------------
+
+class _cpu_optimizer:
+    """Megatron-Core 0.16.1's DDP and distributed optimizer assume CUDA in three places that do
+    not touch the checkpoint: the param/grad buffers and `load_state_dict`'s placeholder state
+    are allocated on `torch.cuda.current_device()`, the mixed-precision optimizer's unity loss
+    scale on `'cuda'`, and `_build_model_and_main_param_groups` takes a parameter only if
+    `param.type()` names a CUDA type ('torch.cuda.BFloat16Tensor', ...). While the optimizer is
+    built, asked for its sharded state dict and given the loaded one: the current device is the
+    CPU, `torch.tensor(..., device='cuda')` makes a CPU tensor, and `Tensor.type()` without
+    arguments names a CPU tensor's type by its CUDA counterpart."""
+
+    def __enter__(self):
+        real_type, real_tensor = torch.Tensor.type, torch.tensor
+        self.saved = (torch.cuda.current_device, real_type, real_tensor)
+
+        def cuda_type(t, *args, **kwargs):
+            name = real_type(t, *args, **kwargs)
+            if args or kwargs or not name.startswith("torch.") or name.startswith("torch.cuda."):
+                return name
+            return "torch.cuda." + name[len("torch."):]
+
+        def tensor(*args, **kwargs):
+            if kwargs.get("device") == "cuda":
+                kwargs["device"] = "cpu"
+            return real_tensor(*args, **kwargs)
+
+        torch.cuda.current_device = lambda: "cpu"
+        torch.Tensor.type = cuda_type
+        torch.tensor = tensor
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.current_device, torch.Tensor.type, torch.tensor = self.saved
+
+
+def sub_optimizers(opt) -> list:
+    return list(getattr(opt, "chained_optimizers", None) or [opt])
+
+
+def build_optimizer(model, ep: int = 1):
+    """Megatron-LM's training setup around `model`: Megatron-Core's DistributedDataParallel with
+    the distributed optimizer and `get_megatron_optimizer` (Adam, bf16, fp32 masters,
+    `use_distributed_optimizer`), i.e. a ChainedOptimizer over one DistributedOptimizer for the
+    dense parameters (over the data-parallel group) and, when the experts are expert-parallel,
+    one for the experts (over the expert-data-parallel group). Returns the optimizer.
+
+    Expert parameters are marked the way Transformer Engine's expert linears mark them
+    (`allreduce = not expert_parallel`, expert_parallel being EP > 1: TELinear,
+    TEGroupedLinear), which decides the dense / expert split; the local spec's linears mark
+    nothing, which would keep the experts with the dense parameters at any EP.
+
+    Without TE or Apex the inner optimizer is torch's AdamW, which has no state before its first
+    step, and DistributedOptimizer.state_dict() (so also its sharded_state_dict) reads `step`
+    from that state (TE's FusedAdam keeps it in the param groups): every sub-optimizer first
+    takes Megatron-Core's own `_init_optimizer_states_with_dummy_values` (one step on zero
+    gradients), whose values the load replaces."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    for name, param in model.named_parameters():
+        if ".experts." in name:
+            param.allreduce = not ep > 1
+    with _cpu_optimizer():
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                      model)
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True,
+                                                     params_dtype=torch.bfloat16,
+                                                     use_distributed_optimizer=True), [ddp])
+        for sub in sub_optimizers(opt):
+            sub._init_optimizer_states_with_dummy_values()
+    return opt
+
+
+def optimizer_request(opt, model_sd: dict) -> dict:
+    """The optimizer part of Megatron-LM's load request: Megatron-Core's own
+    `optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=True, metadata=...)` for
+    the fully_reshardable type (what `load_checkpoint` asks for when the checkpoint's content
+    metadata names it): per parameter `optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`,
+    the model request `replace`d with that key and fp32 data of the parameter's local shape
+    (SwiGLU factories included), under `param_state`, next to the optimizer's own non-sharded
+    state (`optimizer.param_groups`, `param_state_sharding_type`); `{0: dense, 1: experts}`
+    for a ChainedOptimizer of two."""
+    with _cpu_optimizer():
+        return opt.sharded_state_dict(model_sd, is_loading=True, metadata=dict(OPTIMIZER_METADATA))
+
+
+def _without_param_state(tree):
+    """The non-sharded part of a loaded optimizer state dict (what the common state gave)."""
+    if not isinstance(tree, dict):
+        return tree
+    out = {k: _without_param_state(v) for k, v in tree.items() if k != "param_state"}
+    return {k: v for k, v in out.items() if v != {}}
+
+
+class _keep_torch_adam_step:
+    """Megatron-Core 0.16.1's `_set_main_param_and_optimizer_states` copies every entry of the
+    inner optimizer's per-parameter state from the loaded tensors, and torch's AdamW (the inner
+    optimizer without TE or Apex) keeps a `step` there, which
+    `load_parameter_state_from_fully_reshardable` does not pass (the step lives in the param
+    groups; TE's FusedAdam has no per-parameter step): KeyError. During the restore each
+    parameter's step is passed through unchanged."""
+
+    def __init__(self, opt):
+        self.subs = sub_optimizers(opt)
+
+    def __enter__(self):
+        for sub in self.subs:
+            def set_states(model_param, tensors, sub=sub, original=sub._set_main_param_and_optimizer_states):
+                group, order = sub.model_param_group_index_map[model_param]
+                state = sub.optimizer.state[sub.optimizer.param_groups[group]["params"][order]]
+                if "step" in state and "step" not in tensors:
+                    tensors = {**tensors, "step": state["step"]}
+                return original(model_param, tensors)
+            sub._set_main_param_and_optimizer_states = set_states
+        return self
+
+    def __exit__(self, *exc):
+        for sub in self.subs:
+            del sub._set_main_param_and_optimizer_states
+
+
+def restore_optimizer(opt, request: dict, loaded: dict) -> tuple[str, list[str]]:
+    """`optimizer.load_state_dict(loaded)`, as Megatron-LM's `load_checkpoint` does after the
+    load: the distributed optimizer matches the checkpoint's param groups to its own by their
+    settings, then flattens each loaded parameter state and keeps its data-parallel range
+    (`load_parameter_state_from_fully_reshardable`). The param groups come from the checkpoint's
+    common state (`optimizer` in common.pt); a checkpoint without one (written with
+    `no_save_optim`: Megatron-LM would not load its optimizer) gets the job's own, the request's
+    non-sharded part. Returns where the groups came from and the problems."""
+    from_checkpoint = bool(_without_param_state(loaded))
+    if not from_checkpoint:
+        subs = sorted(k for k in request if isinstance(k, int))
+        pairs = [(request[i], loaded.setdefault(i, {})) for i in subs] if subs else [(request, loaded)]
+        for req, got in pairs:
+            got.update({k: v for k, v in req.items() if k != "param_state"})
+    try:
+        with _cpu_optimizer(), _keep_torch_adam_step(opt):
+            opt.load_state_dict(loaded)
+    except Exception as e:
+        return "checkpoint" if from_checkpoint else "job", [
+            f"optimizer.load_state_dict failed: {type(e).__name__}: {e}"[:2000]]
+    return "checkpoint" if from_checkpoint else "job", []
+
+
+def check_optimizer_state(opt, expected: dict, kinds: dict) -> tuple[int, list[str]]:
+    """After `restore_optimizer`: for every parameter range this rank's distributed optimizers
+    own, the fp32 master and both moments the optimizer now holds
+    (`_get_main_param_and_optimizer_states`) equal that range of the expected local tensor,
+    flattened (`expected`, `kinds`: by request path, as check_load builds them). Parameters are
+    numbered as `sharded_param_state_fully_reshardable` numbers them (buffers in order, each
+    buffer's `param_index_map`), the order its load counterpart relies on."""
+    from collections import ChainMap
+
+    from harness import describe_mismatch
+
+    subs = sub_optimizers(opt)
+    problems: list[str] = []
+    checked = 0
+    for i, sub in enumerate(subs):
+        base = ("optimizer", i, "param_state") if len(subs) > 1 else ("optimizer", "param_state")
+        idx = -1
+        for gbuf_idx, range_maps in enumerate(sub.gbuf_ranges):
+            for buckets in range_maps.values():
+                owned = ChainMap(*(b["param_map"] for b in buckets))
+                for param in sub.buffers[gbuf_idx].param_index_map:
+                    idx += 1
+                    if param not in owned:
+                        continue
+                    r = owned[param]["param"]
+                    state = sub._get_main_param_and_optimizer_states(param)
+                    for name in ("param",) + MOMENTS:
+                        path = base + (idx, name)
+                        want = expected.get(path)
+                        if want is None:
+                            continue  # not expected (reported when the expectation was built)
+                        want = want.flatten()[r.start:r.end]
+                        kind = kinds[path]
+                        key = kind[0].key if isinstance(kind, tuple) else kind.key
+                        label = (f"{key} (in DistributedOptimizer {i} after load_state_dict: elements "
+                                 f"{r.start}:{r.end} of the flattened local parameter)")
+                        got = state.get(name)
+                        checked += 1
+                        if not isinstance(got, torch.Tensor):
+                            problems.append(f"{label}: the optimizer holds no {name!r}")
+                        elif not (got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)):
+                            problems.append(describe_mismatch(label, got, want))
+    return checked, problems
+
+
+# --------------------------------------------------------------------------------------------
 # Comparing what was loaded with what was expected
 # --------------------------------------------------------------------------------------------
 
@@ -677,16 +906,25 @@ class _Expectation:
         self.used: set[str] = set()
 
     def local(self, st) -> torch.Tensor | None:
-        want = self.globals.get(st.key)
+        """The slice of the expected global tensor that request `st` names, in its dtype. An
+        optimizer request `optimizer.state.<state>.<model key>` expects the model tensor for the
+        master (`param`, or `fp32_param`) and zeros for the moments: the optimizer state the
+        suite's sources carry is `convert --optimizer-state`'s (the release's weights, zero
+        moments)."""
+        opt = _OPT_STATE.fullmatch(st.key)
+        key = opt.group(2) if opt else st.key
+        want = self.globals.get(key)
         if want is None:
             self.problems.append(f"{st.key}: requested by Megatron-Core ({_where(st)}) but the "
                                  f"reference has no such tensor")
             return None
-        self.used.add(st.key)
+        self.used.add(key)
         if tuple(want.shape) != tuple(st.global_shape):
             self.problems.append(f"{st.key}: Megatron-Core requests global shape {tuple(st.global_shape)}, "
                                  f"the reference has {tuple(want.shape)}")
             return None
+        if opt and opt.group(1) in MOMENTS:
+            return torch.zeros(st.local_shape, dtype=st.dtype)
         sizes = (1,) * st.prepend_axis_num + tuple(st.local_shape)
         idx = tuple(slice(o, o + s) for o, s in zip(st.global_offset, sizes))
         return want[idx].reshape(st.local_shape).to(st.dtype)
@@ -705,6 +943,10 @@ class LoadReport:
     extra_keys: list = field(default_factory=list)  # stored, not requested
     common: dict = field(default_factory=dict)
     forward_checked: int = 0          # ranks whose loaded model's logits were compared with HF's
+    optimizer_shards_checked: int = 0  # of the tensors and factories: optimizer.state.* requests
+    optimizer_states_checked: int = 0  # (param | exp_avg | exp_avg_sq) ranges held by the restored optimizers
+    optimizer_param_groups: str | None = None  # "checkpoint" | "job" (the common state had none)
+    optimizer_count: int = 0          # DistributedOptimizers in the job's ChainedOptimizer (2: dense, experts)
     problems: list = field(default_factory=list)
 
     @property
@@ -717,6 +959,10 @@ class LoadReport:
                 f"{self.factories_checked} factory shards (SwiGLU / GDN split), "
                 f"{self.objects_loaded} extra-state objects "
                 f"loaded" + (f"; logits equal HF's on {self.forward_checked} ranks" if self.forward_checked else "")
+                + (f"; of them {self.optimizer_shards_checked} optimizer shards, then "
+                   f"{self.optimizer_states_checked} master / moment ranges in the restored distributed "
+                   f"optimizers (param groups from the {self.optimizer_param_groups})"
+                   if self.optimizer_shards_checked else "")
                 + f"; {len(self.problems)} problems")
 
 
@@ -861,24 +1107,35 @@ def _describe_load_error(e: BaseException) -> str:
 
 
 def check_load(ckpt_dir: Path, hf_dir, arch: str, tp: int, ep: int, etp: int,
-               te_extra_state: bool = False, forward: bool = False) -> dict:
-    """On every rank of an initialised gloo world: build the model at (tp, ep, etp), load the
-    checkpoint with Megatron-Core, compare. Returns this rank's partial report (a dict)."""
+               te_extra_state: bool = False, forward: bool = False, optimizer: bool = False) -> dict:
+    """On every rank of an initialised gloo world: build the model at (tp, ep, etp) (with
+    `optimizer`, also Megatron-Core's distributed optimizer around it, whose fully_reshardable
+    request joins the model's under `optimizer`, as Megatron-LM's load_checkpoint asks), load
+    the checkpoint with Megatron-Core, compare; with `optimizer`, then restore the optimizer from
+    what was loaded and compare what it holds. Returns this rank's partial report (a dict)."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedBase, ShardedObject, ShardedTensor, ShardedTensorFactory,
+    )
 
     init_model_parallel(tp, ep, etp)
     model = build_model(hf_dir, arch, tp, ep, etp)
+    opt = build_optimizer(model, ep) if optimizer else None
     sd = sharded_request(model)
     if te_extra_state:
         _te_extra_state_requests(sd)
+    request = dict(sd)
+    if opt is not None:
+        request["optimizer"] = optimizer_request(opt, sd)
+    # The sharded requests (the optimizer's also holds its own plain state: param groups, ...).
+    sharded = [(path, leaf) for path, leaf in _leaves(request) if isinstance(leaf, ShardedBase)]
     problems: list[str] = []
     expect = _Expectation(expected_globals(hf_dir, tp, etp), problems)
 
     # Expected local values, computed before the load (the load fills the request tensors).
     expected: dict[tuple, object] = {}
     kinds: dict[tuple, object] = {}
-    for path, leaf in _leaves(sd):
+    for path, leaf in sharded:
         kinds[path] = leaf
         if isinstance(leaf, ShardedTensor):
             expected[path] = expect.local(leaf)
@@ -892,12 +1149,12 @@ def check_load(ckpt_dir: Path, hf_dir, arch: str, tp: int, ep: int, etp: int,
             kinds[path] = (leaf, [st for _, st in _leaves(pieces) if isinstance(st, ShardedTensor)])
     # Requests get NaN-filled (floating) data first, so nothing unloaded can pass for loaded.
     with torch.no_grad():
-        for path, leaf in _leaves(sd):
+        for path, leaf in sharded:
             if isinstance(leaf, (ShardedTensor, ShardedTensorFactory)) and leaf.data.is_floating_point():
                 leaf.data.fill_(float("nan"))
 
     requested = {}
-    for path, leaf in _leaves(sd):
+    for path, leaf in sharded:
         pieces = kinds[path][1] if isinstance(kinds[path], tuple) else [leaf]
         for st in pieces:
             if isinstance(st, ShardedTensor):
@@ -905,10 +1162,11 @@ def check_load(ckpt_dir: Path, hf_dir, arch: str, tp: int, ep: int, etp: int,
             elif isinstance(st, ShardedObject):
                 requested[st.key + "/object"] = [list(st.global_shape), "object"]
 
-    tensors = factories = objects = 0
+    tensors = factories = objects = optimizer_shards = optimizer_states = 0
+    optimizer_groups = None
     common: dict = {}
     try:
-        loaded = dist_checkpointing.load(sd, str(ckpt_dir))
+        loaded = dist_checkpointing.load(request, str(ckpt_dir))
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if isinstance(e, KeyboardInterrupt):
             raise
@@ -918,7 +1176,7 @@ def check_load(ckpt_dir: Path, hf_dir, arch: str, tp: int, ep: int, etp: int,
     if loaded is not None:
         from harness import describe_mismatch
 
-        for path, leaf in _leaves(sd):
+        for path, leaf in sharded:
             kind = kinds[path]
             try:
                 got = _get(loaded, path)
@@ -943,6 +1201,7 @@ def check_load(ckpt_dir: Path, hf_dir, arch: str, tp: int, ep: int, etp: int,
             else:
                 tensors += 1
                 label = f"{leaf.key} ({_where(leaf)})"
+            optimizer_shards += path[0] == "optimizer"
             if not isinstance(got, torch.Tensor):
                 problems.append(f"{label}: loaded a {type(got).__name__}, not a tensor")
             elif not (got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)):
@@ -954,6 +1213,18 @@ def check_load(ckpt_dir: Path, hf_dir, arch: str, tp: int, ep: int, etp: int,
             common["args"] = {k: getattr(a, k, None) for k in (
                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size",
                 "num_attention_heads", "no_save_optim", "no_save_rng")}
+        if opt is not None:
+            common["optimizer"] = _without_param_state(loaded.get("optimizer", {}))
+            sharding = (loaded.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+            if sharding not in (None, "fully_reshardable"):
+                problems.append(f"content_metadata: distrib_optim_sharding_type is {sharding!r}: Megatron-LM "
+                                f"would request that layout, not the fully_reshardable one loaded here")
+            optimizer_groups, restore_problems = restore_optimizer(opt, request["optimizer"],
+                                                                   loaded.setdefault("optimizer", {}))
+            problems += restore_problems
+            if not restore_problems:
+                optimizer_states, state_problems = check_optimizer_state(opt, expected, kinds)
+                problems += state_problems
 
     forward_done = False
     if forward and loaded is not None:
@@ -967,7 +1238,9 @@ def check_load(ckpt_dir: Path, hf_dir, arch: str, tp: int, ep: int, etp: int,
         for k in unrequested:
             problems.append(f"{k}: in the reference but not requested by the Megatron-Core model (rank 0)")
     return dict(problems=problems, tensors=tensors, factories=factories, objects=objects,
-                requested=requested, common=common, forward=forward_done)
+                requested=requested, common=common, forward=forward_done, optimizer_shards=optimizer_shards,
+                optimizer_states=optimizer_states, optimizer_groups=optimizer_groups,
+                optimizer_count=len(sub_optimizers(opt)) if opt is not None else 0)
 
 
 def _finish_report(ckpt_dir: Path, hf_dir, tp: int, ep: int, etp: int, world: int, parts: list[dict]) -> LoadReport:
@@ -979,6 +1252,10 @@ def _finish_report(ckpt_dir: Path, hf_dir, tp: int, ep: int, etp: int, world: in
         rep.factories_checked += part["factories"]
         rep.objects_loaded += part["objects"]
         rep.forward_checked += bool(part.get("forward"))
+        rep.optimizer_shards_checked += part.get("optimizer_shards", 0)
+        rep.optimizer_states_checked += part.get("optimizer_states", 0)
+        rep.optimizer_param_groups = rep.optimizer_param_groups or part.get("optimizer_groups")
+        rep.optimizer_count = max(rep.optimizer_count, part.get("optimizer_count", 0))
         requested.update(part["requested"])
         rep.common = rep.common or part["common"]
     # On-disk checks from the DCP metadata: dtype of every requested tensor, unrequested keys.
@@ -1027,6 +1304,7 @@ class Job:
     etp: int | None = None
     te_extra_state: bool = False
     forward: bool = False
+    optimizer: bool = False
 
 
 def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
@@ -1034,8 +1312,8 @@ def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
     init_gloo(rank, world, port)
     try:
         results = []
-        for ckpt_dir, hf_dir, arch, tp, ep, etp, te, fwd in jobs:
-            results.append(check_load(Path(ckpt_dir), hf_dir, arch, tp, ep, etp, te, fwd))
+        for ckpt_dir, hf_dir, arch, tp, ep, etp, te, fwd, opt in jobs:
+            results.append(check_load(Path(ckpt_dir), hf_dir, arch, tp, ep, etp, te, fwd, opt))
         with open(Path(out_dir) / f"rank{rank}.json", "w") as f:
             json.dump(results, f, default=str)
         torch.distributed.barrier()
@@ -1055,22 +1333,22 @@ def run_jobs(jobs: list[Job]) -> list[LoadReport]:
         arch = j.arch or hf_arch(j.hf_dir)
         etp = int(j.etp or j.tp)
         resolved.append((str(resolve_checkpoint_dir(j.ckpt)), str(j.hf_dir), arch, int(j.tp), int(j.ep), etp,
-                         bool(j.te_extra_state), bool(j.forward)))
-    world = max(world_size_for(tp, ep, etp) for _, _, _, tp, ep, etp, _, _ in resolved)
-    for _, _, _, tp, ep, etp, _, _ in resolved:
+                         bool(j.te_extra_state), bool(j.forward), bool(j.optimizer)))
+    world = max(world_size_for(tp, ep, etp) for _, _, _, tp, ep, etp, *_ in resolved)
+    for _, _, _, tp, ep, etp, *_ in resolved:
         if world % tp or world % (ep * etp):
             raise ValueError(f"mesh tp={tp} ep={ep} etp={etp} does not divide the world size {world}")
     with tempfile.TemporaryDirectory(prefix="megatron_load.") as out:
         mp.spawn(_worker, args=(world, free_port(), resolved, out), nprocs=world, join=True)
         parts = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world)]
     return [_finish_report(Path(ckpt), hf, tp, ep, etp, world, [p[i] for p in parts])
-            for i, (ckpt, hf, _, tp, ep, etp, _, _) in enumerate(resolved)]
+            for i, (ckpt, hf, _, tp, ep, etp, *_) in enumerate(resolved)]
 
 
 def run(ckpt, hf_dir, arch: str | None = None, meshes=((1, 1, None),), te_extra_state: bool = False,
-        forward: bool = False) -> list[LoadReport]:
+        forward: bool = False, optimizer: bool = False) -> list[LoadReport]:
     """Load `ckpt` once per mesh `(tp, ep, etp)` (etp None = tp); one report per mesh."""
-    return run_jobs([Job(str(ckpt), str(hf_dir), arch, tp, ep, etp, te_extra_state, forward)
+    return run_jobs([Job(str(ckpt), str(hf_dir), arch, tp, ep, etp, te_extra_state, forward, optimizer)
                      for tp, ep, etp in meshes])
 
 
@@ -1088,11 +1366,14 @@ def main(argv=None) -> int:
     p.add_argument("--forward", action="store_true",
                    help="also run Megatron-Core's forward on the loaded model and compare its logits with "
                         "the HF model's (dense llama at --tp 1)")
+    p.add_argument("--optimizer", action="store_true",
+                   help="also load the fully_reshardable distributed-optimizer state with Megatron-Core's "
+                        "DistributedOptimizer and check it (the master = the release's weights, zero moments)")
     p.add_argument("--json", type=Path, help="write the reports (keys, shapes, problems) here")
     p.add_argument("-v", "--verbose", action="store_true", help="print the requested keys and shapes")
     a = p.parse_args(argv)
     try:
-        reports = run(a.ckpt, a.hf, a.arch, [(a.tp, a.ep, a.etp)], a.te_extra_state, a.forward)
+        reports = run(a.ckpt, a.hf, a.arch, [(a.tp, a.ep, a.etp)], a.te_extra_state, a.forward, a.optimizer)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"megatron_load: {e}", file=sys.stderr)
         return 2
