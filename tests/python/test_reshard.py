@@ -744,3 +744,20 @@ def test_torch_dist_translates_back_to_the_same_training_state(reshards, sources
     args = got["args"]
     for field, value in mesh_args(SOURCES["S1"].mesh).items():
         assert getattr(args, field) == value, field
+
+
+def test_torch_dist_at_ep1_has_one_optimizer(reshards, sources):
+    """At EP 1 experts are not expert-parallel (Megatron marks them `allreduce = not EP>1`), so a
+    job has one DistributedOptimizer: the common state holds one optimizer's param_groups, the
+    expert groups merged into the dense ones, not a ChainedOptimizer's {0, 1}."""
+    import megatron.core.safe_globals  # noqa: F401
+
+    mesh = Mesh(1, 1, 4, 1, etp=1)
+    root = reshards.run(sources["S1"], mesh, ("--target", "torch_dist"), name="torch-dist-ep1").require()
+    common = torch.load(root / f"iter_{tc.ITERATION:07d}" / "common.pt", weights_only=True)
+    opt = common["optimizer"]
+    assert opt["param_state_sharding_type"] == "fully_reshardable"
+    groups = opt["optimizer"]["param_groups"]
+    metas = {json.dumps(tc.group_meta(p, "fused_adam") | {"is_expert_parallel": False}, sort_keys=True)
+             for p in tc.params() if p.optimized}
+    assert sorted(json.dumps(g, sort_keys=True) for g in groups) == sorted(metas)

@@ -65,6 +65,8 @@ pub(super) fn group_of<'g>(
     expert: bool,
 ) -> Result<&'g [(Value, Value)], String> {
     let wd_mult = if live.ends_with(".bias") || ndim == 1 { 0.0 } else { 1.0 };
+    // Saved at EP 1, experts were not expert-parallel: their groups are the dense ones.
+    let expert = expert && groups.iter().any(|g| field(g, "is_expert_parallel") == Some(&Value::Bool(true)));
     let matching: Vec<&&[(Value, Value)]> = groups
         .iter()
         .filter(|g| {

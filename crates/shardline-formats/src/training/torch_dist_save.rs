@@ -10,8 +10,9 @@
 //! `content_metadata` saying `fully_reshardable` when it is (on load it, not the job's flags,
 //! decides the optimizer's layout, torch-dist.md §1.3); and the optimizer's `param_groups` —
 //! the distinct settings of `param_to_group_meta`, without `params`, split into the dense and the
-//! expert-parallel sub-optimizer when the model has both, as Megatron's `ChainedOptimizer` saves
-//! them (§3.2: its `load_state_dict` matches groups by their settings, not by order).
+//! expert-parallel sub-optimizer when the target has both (EP > 1), as Megatron's
+//! `ChainedOptimizer` saves them (§3.2: its `load_state_dict` matches groups by their settings,
+//! not by order); at EP 1 experts are not expert-parallel and one optimizer holds every group.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -123,10 +124,21 @@ fn optimizer_state(source: &TrainingCheckpoint, plan: &ReshardPlan) -> Result<Va
     }
     let mut dense: Vec<Value> = Vec::new();
     let mut expert: Vec<Value> = Vec::new();
+    // Experts are expert-parallel, with an optimizer of their own, only when EP > 1 (Megatron
+    // marks expert parameters so by `allreduce = not EP>1`); at EP 1 one optimizer holds all.
+    let expert_parallel = plan.mesh.ep > 1;
     for mut fields in per_param.into_values() {
         // One group's members list the same settings, not necessarily in the same order.
         fields.sort_by(|a, b| a.0.as_str().cmp(&b.0.as_str()));
-        let is_expert = fields.iter().any(|(k, v)| k.as_str() == Some("is_expert_parallel") && *v == Value::Bool(true));
+        let flag = fields.iter_mut().find(|(k, _)| k.as_str() == Some("is_expert_parallel")).map(|(_, v)| v);
+        let is_expert = match flag {
+            Some(v) if *v == Value::Bool(true) && !expert_parallel => {
+                *v = Value::Bool(false);
+                false
+            }
+            Some(v) => *v == Value::Bool(true),
+            None => false,
+        };
         let group = Value::Dict(fields);
         let groups = if is_expert { &mut expert } else { &mut dense };
         if !groups.contains(&group) {

@@ -97,7 +97,7 @@ pub(super) fn to_torch_dist(
         notes.push(
             "warning: optimizer moments without parameter-group settings (`convert --optimizer-state` writes none): \
              written as fully_reshardable state, but with no param_groups Megatron-LM cannot restore an optimizer \
-             from them, so `args.no_save_optim` is set"
+             from them (`args.no_save_optim` is set when the checkpoint has `args`)"
                 .to_string(),
         );
     }
