@@ -49,7 +49,10 @@ pub use entry::{
     commit_checkpoint, rank_files, rank_item_spans, write_checkpoint, write_checkpoint_from, write_metadata_alone,
     write_rank_file, write_rank_section,
 };
-pub use placed::{extra_state_payload, object_file, object_storage, write_object_files};
+pub use placed::{
+    extra_state_payload, object_file, object_storage, object_storage_entries, placed_entries, write_object_files,
+    Planned,
+};
 pub use ranges::{merge_ranges, ByteRange, MERGE_GAP};
 pub(crate) use rank_file::copy_unsupported;
 pub(crate) use sources::stream_chunk;

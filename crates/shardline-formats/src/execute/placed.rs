@@ -8,8 +8,8 @@ use std::fs::File;
 use std::io::{self, Write};
 use std::path::Path;
 
-use shardline_layout::dialect::ObjectItem;
-use shardline_layout::{DType, PlanTable};
+use shardline_layout::dialect::{DiskLayout, ObjectItem};
+use shardline_layout::{Chunk, DType, PlanTable};
 
 use crate::dcp_metadata::{EntryRef, MetadataEncoder, PathElem, StorageRef};
 use crate::torch_save::{encode_object_archive, PyObject};
@@ -68,11 +68,26 @@ struct DiskKey {
     tensors: Vec<usize>,
 }
 
-/// Streams the `.metadata` of a placed layout to `sink`.
-pub(super) fn write_placed_metadata<W: io::Write>(layout: &DcpLayout, plan: &PlanTable, sink: W) -> io::Result<W> {
+/// A planned tensor, as a placed `.metadata` names it.
+pub struct Planned<'a> {
+    pub key: &'a str,
+    pub dtype: DType,
+    pub shape: &'a [u64],
+}
+
+/// The entries of a placed layout and their flat planner paths (Megatron-Core saves a flat dict
+/// of its keys): each on-disk key once, with the placed written chunks of every planned tensor in
+/// it (`chunks(i)`: tensor `i`'s, in its own coordinates), then the layout's objects. The
+/// encoder is left at the storage data.
+pub fn placed_entries<W: io::Write, C: Iterator<Item = Chunk>>(
+    e: &mut MetadataEncoder<W>,
+    disk: &DiskLayout,
+    tensors: &[Planned<'_>],
+    chunks: impl Fn(usize) -> C,
+) -> io::Result<()> {
     let mut keys: BTreeMap<String, DiskKey> = BTreeMap::new();
-    for (i, t) in plan.tensors().enumerate() {
-        let place = plan.disk.place(t.key, t.shape);
+    for (i, t) in tensors.iter().enumerate() {
+        let place = disk.place(t.key, t.shape);
         let entry = keys.entry(place.key.into_owned()).or_insert_with(|| DiskKey {
             dtype: t.dtype,
             shape: place.shape.clone(),
@@ -86,13 +101,11 @@ pub(super) fn write_placed_metadata<W: io::Write>(layout: &DcpLayout, plan: &Pla
         }
         entry.tensors.push(i);
     }
-    let mut e = MetadataEncoder::new(sink);
     for (key, k) in &keys {
         let mut listed: Vec<(u64, Vec<u64>, Vec<u64>)> = Vec::new();
         for &i in &k.tensors {
-            let t = plan.tensor(i);
-            let place = plan.disk.place(t.key, t.shape);
-            for c in t.chunks(&plan.mesh).filter(|c| c.written && c.numel() > 0) {
+            let place = disk.place(tensors[i].key, tensors[i].shape);
+            for c in chunks(i).filter(|c| c.written && c.numel() > 0) {
                 let (off, sz) = place.chunk(&c.offsets, &c.sizes);
                 listed.push((c.rank, off, sz));
             }
@@ -101,15 +114,38 @@ pub(super) fn write_placed_metadata<W: io::Write>(layout: &DcpLayout, plan: &Pla
         let chunks = listed.iter().map(|(_, o, s)| (o.as_slice(), s.as_slice()));
         e.entry(key, EntryRef::Tensor { dtype: k.dtype, size: &k.shape, chunks })?;
     }
-    for o in plan.disk.objects() {
+    for o in disk.objects() {
         e.entry(&o.key, EntryRef::<std::iter::Empty<(&[u64], &[u64])>>::Bytes)?;
     }
-    // Megatron-Core saves a flat dict of its keys.
     e.begin_planner_data();
-    for key in keys.keys().chain(plan.disk.objects().iter().map(|o| &o.key)) {
+    for key in keys.keys().chain(disk.objects().iter().map(|o| &o.key)) {
         e.planner_path(key, &[PathElem::Key(key.clone())])?;
     }
     e.begin_storage_data();
+    Ok(())
+}
+
+/// The storage entries of a layout's objects, in their object files.
+pub fn object_storage_entries<W: io::Write>(e: &mut MetadataEncoder<W>, objects: &[ObjectItem]) -> io::Result<()> {
+    for (o, file, offset, length) in object_storage(objects) {
+        e.storage(&StorageRef {
+            fqn: &o.key,
+            chunk_offset: None,
+            relative_path: &file,
+            offset,
+            length,
+            transform_descriptors: None,
+        })?;
+    }
+    Ok(())
+}
+
+/// Streams the `.metadata` of a placed layout to `sink`.
+pub(super) fn write_placed_metadata<W: io::Write>(layout: &DcpLayout, plan: &PlanTable, sink: W) -> io::Result<W> {
+    let tensors: Vec<Planned<'_>> =
+        plan.tensors().map(|t| Planned { key: t.key, dtype: t.dtype, shape: t.shape }).collect();
+    let mut e = MetadataEncoder::new(sink);
+    placed_entries(&mut e, &plan.disk, &tensors, |i| plan.tensor(i).chunks(&plan.mesh))?;
     for rank in 0..layout.world() {
         let name = dcp_rank_file(rank as u64);
         for item in layout.rank(plan, rank) {
@@ -126,15 +162,6 @@ pub(super) fn write_placed_metadata<W: io::Write>(layout: &DcpLayout, plan: &Pla
             })?;
         }
     }
-    for (o, file, offset, length) in object_storage(plan.disk.objects()) {
-        e.storage(&StorageRef {
-            fqn: &o.key,
-            chunk_offset: None,
-            relative_path: &file,
-            offset,
-            length,
-            transform_descriptors: None,
-        })?;
-    }
+    object_storage_entries(&mut e, plan.disk.objects())?;
     e.finish(None)
 }

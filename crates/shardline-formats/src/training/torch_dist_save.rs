@@ -21,7 +21,8 @@ use std::path::{Path, PathBuf};
 use shardline_layout::reshard::{PathElem, ReshardPlan};
 
 use super::{read_object, ItemData, TrainingCheckpoint, TrainingError};
-use crate::dcp_metadata::{EntryRef, MetadataEncoder, StorageRef};
+use crate::dcp_metadata::{MetadataEncoder, StorageRef};
+use crate::execute::{object_storage_entries, placed_entries, Planned};
 use crate::pickle::{dumps, Value};
 use crate::torch_save::{encode_pickle_archive, read_object_archive};
 
@@ -198,13 +199,6 @@ pub(super) fn common_state(source: &TrainingCheckpoint, plan: &ReshardPlan) -> R
     Ok(CommonState { archive: encode_pickle_archive(&pkl), dir_name })
 }
 
-/// One on-disk key: dtype, global shape and the target tensors placed in it.
-struct DiskKey {
-    dtype: shardline_layout::DType,
-    shape: Vec<u64>,
-    tensors: Vec<usize>,
-}
-
 /// One stored item of a rank file, for `.metadata`: its key, chunk offsets (`None` for a bytes
 /// item), where it is and its length.
 pub(super) struct Stored<'a> {
@@ -214,53 +208,17 @@ pub(super) struct Stored<'a> {
     pub length: u64,
 }
 
-/// `.metadata` of a placed layout: each on-disk key once with the placed chunks of its tensors,
-/// the `_extra_state` objects, a flat path per key (as Megatron-Core saves), and the rank files'
-/// items as `stored(rank)` lists them.
+/// `.metadata` of a placed layout (see `execute::placed_entries`), the rank files' items as
+/// `stored(rank)` lists them, then the `_extra_state` objects.
 pub(super) fn write_placed_metadata<'a, W: io::Write, I: Iterator<Item = Stored<'a>>>(
     plan: &'a ReshardPlan,
     stored: impl Fn(u64) -> I,
     sink: W,
 ) -> io::Result<W> {
-    let mut keys: BTreeMap<String, DiskKey> = BTreeMap::new();
-    for (i, t) in plan.tensors.iter().enumerate() {
-        let place = plan.disk.place(&t.out.key, &t.out.shape);
-        let k = keys.entry(place.key.into_owned()).or_insert_with(|| DiskKey {
-            dtype: t.out.dtype,
-            shape: place.shape.clone(),
-            tensors: Vec::new(),
-        });
-        if k.dtype != t.out.dtype || k.shape != place.shape {
-            return Err(io::Error::other(format!(
-                "`{}` is placed in a key of another dtype or shape ({:?} {:?} vs {:?} {:?})",
-                t.out.key, t.out.dtype, place.shape, k.dtype, k.shape
-            )));
-        }
-        k.tensors.push(i);
-    }
+    let tensors: Vec<Planned<'_>> =
+        plan.tensors.iter().map(|t| Planned { key: &t.out.key, dtype: t.out.dtype, shape: &t.out.shape }).collect();
     let mut e = MetadataEncoder::new(sink);
-    for (key, k) in &keys {
-        let mut listed: Vec<(u64, Vec<u64>, Vec<u64>)> = Vec::new();
-        for &i in &k.tensors {
-            let t = &plan.tensors[i];
-            let place = plan.disk.place(&t.out.key, &t.out.shape);
-            for c in plan.written_chunks(i) {
-                let (off, sz) = place.chunk(&c.offsets, &c.sizes);
-                listed.push((c.rank, off, sz));
-            }
-        }
-        listed.sort();
-        let chunks = listed.iter().map(|(_, o, s)| (o.as_slice(), s.as_slice()));
-        e.entry(key, EntryRef::Tensor { dtype: k.dtype, size: &k.shape, chunks })?;
-    }
-    for o in plan.disk.objects() {
-        e.entry(&o.key, EntryRef::<std::iter::Empty<(&[u64], &[u64])>>::Bytes)?;
-    }
-    e.begin_planner_data();
-    for key in keys.keys().chain(plan.disk.objects().iter().map(|o| &o.key)) {
-        e.planner_path(key, &[crate::dcp_metadata::PathElem::Key(key.clone())])?;
-    }
-    e.begin_storage_data();
+    placed_entries(&mut e, &plan.disk, &tensors, |i| plan.written_chunks(i))?;
     for rank in 0..plan.mesh.world() {
         let name = crate::execute::dcp_rank_file(rank);
         for item in stored(rank) {
@@ -274,16 +232,7 @@ pub(super) fn write_placed_metadata<'a, W: io::Write, I: Iterator<Item = Stored<
             })?;
         }
     }
-    for (o, file, offset, length) in crate::execute::object_storage(plan.disk.objects()) {
-        e.storage(&StorageRef {
-            fqn: &o.key,
-            chunk_offset: None,
-            relative_path: &file,
-            offset,
-            length,
-            transform_descriptors: None,
-        })?;
-    }
+    object_storage_entries(&mut e, plan.disk.objects())?;
     e.finish(None)
 }
 
