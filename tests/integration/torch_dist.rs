@@ -4,7 +4,7 @@
 //! and torch 2.15's `strides = None`, and the save directory is named by its tracker.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
@@ -101,6 +101,46 @@ fn inspect_summarises_the_common_state_and_classifies_every_item() {
     assert_eq!(t["objects"].as_object().map(|o| o.len()), Some(8));
 }
 
+/// `shardline convert --target torch_dist` of the tiny release `hf` into `out` on `mesh`.
+fn convert_torch_dist(hf: &str, out: &Path, mesh: &[&str]) {
+    let o = run(bin()
+        .arg("convert")
+        .arg("--from")
+        .arg(crate::fixture(hf))
+        .arg("--to")
+        .arg(out)
+        .args(mesh)
+        .args(["--target", "torch_dist"]));
+    assert_eq!(o.status.code(), Some(0), "convert {hf}: {}", stderr(&o));
+}
+
+/// `shardline reshard SRC --to OUT` on `mesh`, writing `target`.
+fn reshard_as(src: &Path, out: &Path, mesh: &[&str], target: &str) {
+    let o = run(bin().arg("reshard").arg(src).arg("--to").arg(out).args(mesh).args(["--target", target]));
+    assert_eq!(o.status.code(), Some(0), "reshard {} → {target}: {}", src.display(), stderr(&o));
+}
+
+/// The checkpoint directory a save directory's tracker names.
+fn named_checkpoint(root: &Path) -> PathBuf {
+    match std::fs::read_to_string(root.join("latest_checkpointed_iteration.txt")).expect("tracker").as_str() {
+        "release" => root.join("release"),
+        n => root.join(format!("iter_{:07}", n.parse::<u64>().expect("iteration"))),
+    }
+}
+
+/// Asserts that the rank files and `.metadata` of the save directory `got` are those of `want`,
+/// byte for byte.
+fn assert_same_dcp_files(want: &Path, got: &Path, what: &str) {
+    let (want, got) = (named_checkpoint(want), named_checkpoint(got));
+    for entry in std::fs::read_dir(&want).expect("checkpoint directory") {
+        let name = entry.expect("entry").file_name().to_string_lossy().into_owned();
+        if name.ends_with(".distcp") || name == ".metadata" || name == "metadata.json" {
+            let (a, b) = (std::fs::read(want.join(&name)), std::fs::read(got.join(&name)));
+            assert!(a.expect("read") == b.expect("written"), "{what} {name}: differs from convert's");
+        }
+    }
+}
+
 /// `torch_dist → fsdp_dtensor → torch_dist` loses nothing: the result's `.metadata` and rank
 /// files are byte for byte those `convert --target torch_dist` writes on that mesh (the common
 /// state is pickled again, so it is compared by what `inspect` reads of it), and a `torch_dist`
@@ -113,49 +153,22 @@ fn torch_dist_round_trips_through_fsdp_dtensor_and_reshards_as_itself() {
         ("qwen3_moe", &["--tp", "2", "--dp", "2", "--ep", "2", "--etp", "1"][..]),
         ("deepseek_v3", &["--tp", "2", "--dp", "2"][..]),
     ] {
-        let release = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny").join(hf);
         let dir = tmp.path().join(hf);
         let (seed, fsdp, back, moved) = (dir.join("seed"), dir.join("fsdp"), dir.join("back"), dir.join("moved"));
-        let o = run(bin()
-            .arg("convert")
-            .arg("--from")
-            .arg(&release)
-            .arg("--to")
-            .arg(&seed)
-            .args(mesh)
-            .args(["--target", "torch_dist"]));
-        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-        let o = run(bin()
-            .arg("reshard")
-            .arg(&seed)
-            .arg("--to")
-            .arg(&fsdp)
-            .args(["--tp", "1", "--dp", "2"])
-            .args(["--target", "fsdp_dtensor"]));
-        assert_eq!(o.status.code(), Some(0), "{hf}: {}", stderr(&o));
-        let o = run(bin().arg("reshard").arg(&fsdp).arg("--to").arg(&back).args(mesh).args(["--target", "torch_dist"]));
-        assert_eq!(o.status.code(), Some(0), "{hf}: {}", stderr(&o));
+        convert_torch_dist(hf, &seed, mesh);
+        reshard_as(&seed, &fsdp, &["--tp", "1", "--dp", "2"], "fsdp_dtensor");
+        reshard_as(&fsdp, &back, mesh, "torch_dist");
         assert_eq!(std::fs::read_to_string(back.join("latest_checkpointed_iteration.txt")).unwrap(), "release");
-        let mut names: Vec<String> = std::fs::read_dir(seed.join("release"))
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        for name in names.iter().filter(|n| n.ends_with(".distcp") || *n == ".metadata" || *n == "metadata.json") {
-            let (a, b) =
-                (std::fs::read(seed.join("release").join(name)), std::fs::read(back.join("release").join(name)));
-            assert!(a.unwrap() == b.expect("the round trip wrote it"), "{hf} {name}: differs after the round trip");
-        }
-        let summary = |d: &std::path::Path| {
+        assert_same_dcp_files(&seed, &back, hf);
+        let summary = |d: &Path| {
             let o = run(bin().arg("inspect").arg(d).arg("--json"));
             let v: Value = serde_json::from_slice(&o.stdout).expect("json");
             v["training"]["objects"].clone()
         };
         assert_eq!(summary(&seed), summary(&back), "{hf}: the common state changed");
         // torch_dist to torch_dist on another mesh.
-        let o = run(bin().arg("reshard").arg(&seed).arg("--to").arg(&moved).args(["--tp", "1", "--dp", "4"]));
-        assert_eq!(o.status.code(), Some(0), "{hf}: {}", stderr(&o));
-        let o = run(bin().arg("validate").arg(&moved).arg("--against").arg(&release));
+        reshard_as(&seed, &moved, &["--tp", "1", "--dp", "4"], "torch_dist");
+        let o = run(bin().arg("validate").arg(&moved).arg("--against").arg(crate::fixture(hf)));
         assert_eq!(o.status.code(), Some(0), "{hf}: {}", stdout(&o));
     }
 }
@@ -348,40 +361,11 @@ fn megatron_cores_own_checkpoint_goes_to_fsdp_dtensor_and_back_losing_nothing() 
         ("torch-dist-llama-tp2", "llama", &["--tp", "2", "--dp", "1"][..]),
         ("torch-dist-qwen3_moe-tp1ep2", "qwen3_moe", &["--tp", "1", "--dp", "2", "--ep", "2"][..]),
     ] {
-        let release = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny").join(hf);
         let (fsdp, back, seed) =
             (tmp.path().join(format!("{hf}-f")), tmp.path().join(format!("{hf}-b")), tmp.path().join(hf));
-        let o = run(bin().arg("reshard").arg(torch_dist_fixture(fixture)).arg("--to").arg(&fsdp).args([
-            "--tp",
-            "1",
-            "--dp",
-            "2",
-            "--target",
-            "fsdp_dtensor",
-        ]));
-        assert_eq!(o.status.code(), Some(0), "{fixture}: {}", stderr(&o));
-        let o = run(bin().arg("reshard").arg(&fsdp).arg("--to").arg(&back).args(mesh).args(["--target", "torch_dist"]));
-        assert_eq!(o.status.code(), Some(0), "{fixture}: {}", stderr(&o));
-        let o = run(bin()
-            .arg("convert")
-            .arg("--from")
-            .arg(&release)
-            .arg("--to")
-            .arg(&seed)
-            .args(mesh)
-            .args(["--target", "torch_dist"]));
-        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-        let iteration = std::fs::read_to_string(back.join("latest_checkpointed_iteration.txt")).expect("tracker");
-        let back_dir = match iteration.as_str() {
-            "release" => back.join("release"),
-            n => back.join(format!("iter_{:07}", n.parse::<u64>().expect("iteration"))),
-        };
-        for entry in std::fs::read_dir(seed.join("release")).expect("seed") {
-            let name = entry.expect("entry").file_name().to_string_lossy().into_owned();
-            if name.ends_with(".distcp") || name == ".metadata" {
-                let (a, b) = (std::fs::read(seed.join("release").join(&name)), std::fs::read(back_dir.join(&name)));
-                assert!(a.unwrap() == b.expect("written"), "{fixture} {name}: differs from convert's");
-            }
-        }
+        reshard_as(&torch_dist_fixture(fixture), &fsdp, &["--tp", "1", "--dp", "2"], "fsdp_dtensor");
+        reshard_as(&fsdp, &back, mesh, "torch_dist");
+        convert_torch_dist(hf, &seed, mesh);
+        assert_same_dcp_files(&seed, &back, fixture);
     }
 }

@@ -431,6 +431,20 @@ fn items_of(plan: &shardline_layout::Plan) -> Vec<SourceItem> {
         .collect()
 }
 
+/// Options of a reshard of case `c`'s plan to `mesh`, written in `dialect`.
+fn reshard_options(config: &ModelConfig, c: &Case, mesh: Mesh, dialect: Dialect) -> ReshardOptions {
+    ReshardOptions {
+        mesh,
+        source_mesh: Some(c.mesh),
+        vocab_size: Some(config.vocab_size),
+        vocab_divisible_by: PlanOptions::default().vocab_divisible_by,
+        num_experts: (c.experts > 0).then_some(c.experts),
+        num_query_groups: Some(config.num_query_groups),
+        rng: RngPolicy::FromRank0,
+        dialect,
+    }
+}
+
 /// A key's dtype, global shape and sorted written chunk boxes `(offsets, sizes)`.
 type KeyLayout = (DType, Vec<u64>, Vec<(Vec<u64>, Vec<u64>)>);
 
@@ -470,16 +484,7 @@ proptest! {
         // gpt-oss keeps its expert fc1 fused in a layout of the expert-TP size: that stays.
         let etp = if c.family == "gpt_oss" || keep_tp { a.etp } else { 1 };
         let b = Mesh { tp, cp: 1, dp: dp_mult * ep * etp, ep, etp };
-        let reshard_options = ReshardOptions {
-            mesh: b,
-            source_mesh: Some(a),
-            vocab_size: Some(config.vocab_size),
-            vocab_divisible_by: options.vocab_divisible_by,
-            num_experts: (c.experts > 0).then_some(c.experts),
-            num_query_groups: Some(config.num_query_groups),
-            rng: RngPolicy::FromRank0,
-            dialect: Dialect::FsdpDtensor,
-        };
+        let reshard_options = reshard_options(&config, &c, b, Dialect::FsdpDtensor);
         let resharded = match plan_reshard(&items_of(&source), &reshard_options) {
             Ok(p) => p,
             Err(e) => return Err(TestCaseError::fail(format!("{} {a} → {b}: {e}", c.family))),
@@ -534,16 +539,7 @@ proptest! {
         let (tp, ep) = (if keep_tp { a.tp } else { 1 }, if keep_ep { a.ep } else { 1 });
         let etp = if keep_tp { a.etp } else { 1 };
         let b = Mesh { tp, cp: 1, dp: dp_mult * ep * etp, ep, etp };
-        let reshard_options = ReshardOptions {
-            mesh: b,
-            source_mesh: Some(a),
-            vocab_size: Some(config.vocab_size),
-            vocab_divisible_by: options.vocab_divisible_by,
-            num_experts: (c.experts > 0).then_some(c.experts),
-            num_query_groups: Some(config.num_query_groups),
-            rng: RngPolicy::FromRank0,
-            dialect: Dialect::TorchDist,
-        };
+        let reshard_options = reshard_options(&config, &c, b, Dialect::TorchDist);
         let resharded = plan_reshard(&items_of(&source), &reshard_options)
             .map_err(|e| TestCaseError::fail(format!("{} {a} → {b}: {e}", c.family)))?;
         let torch_dist = PlanOptions { prefix: String::new(), dialect: Dialect::TorchDist, ..PlanOptions::default() };
