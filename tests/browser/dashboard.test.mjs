@@ -10,14 +10,14 @@
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn, execFileSync } from 'node:child_process';
-import { existsSync, mkdtempSync, mkdirSync, readFileSync, readdirSync, rmSync, openSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdtempSync, mkdirSync, readFileSync, rmSync, openSync, writeFileSync } from 'node:fs';
 import { createServer } from 'node:http';
-import { createHash } from 'node:crypto';
 import { tmpdir } from 'node:os';
 import { join, resolve, dirname } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { chromium } from 'playwright-core';
 import { invisibleFocus, seriousViolations } from './a11y.mjs';
+import { hubImitation } from './hub.mjs';
 
 const ROOT = resolve(dirname(fileURLToPath(import.meta.url)), '../..');
 const BIN = process.env.SHARDLINE_BIN || join(ROOT, 'target/debug/shardline');
@@ -48,60 +48,11 @@ function cleanEnv() {
   return env;
 }
 
-/**
- * A Hub imitation serving the files of `dir` as repository `repo` at one commit, over the Hub's
- * HTTP API (revision, recursive tree, resolve with `Range`), its bodies throttled to
- * `bytesPerSecond` over all connections: a download that lasts long enough to be watched
- * whatever the speed of the machine. Files are plain git blobs (ETag = git blob sha1). With
- * `failFiles`, every file download answers 500: a download that fails (and is retried).
- */
+/** A Hub imitation (hub.mjs) whose bodies come at `bytesPerSecond`; closed when the tests end. */
 async function slowHub(repo, dir, bytesPerSecond, { failFiles = false } = {}) {
-  const sha = createHash('sha1').update(`${repo}@${dir}`).digest('hex');
-  const files = new Map(readdirSync(dir).sort().map((name) => {
-    const data = readFileSync(join(dir, name));
-    const oid = createHash('sha1').update(`blob ${data.length}\0`).update(data).digest('hex');
-    return [name, { data, oid }];
-  }));
-  let nextFree = Date.now();
-  const server = createServer(async (req, res) => {
-    const url = new URL(req.url, 'http://hub');
-    const json = (v) => { res.writeHead(200, { 'content-type': 'application/json', etag: `"${sha}"` }); res.end(JSON.stringify(v)); };
-    if (url.pathname === `/api/models/${repo}/revision/main`) {
-      return json({ id: repo, sha, siblings: [...files.keys()].map((rfilename) => ({ rfilename })) });
-    }
-    if (url.pathname === `/api/models/${repo}/tree/${sha}` || url.pathname === `/api/models/${repo}/tree/main`) {
-      return json([...files].map(([path, f]) => ({ type: 'file', oid: f.oid, size: f.data.length, path })));
-    }
-    if (failFiles) {
-      res.writeHead(500, { 'content-type': 'application/json' });
-      return res.end(JSON.stringify({ error: 'Internal error' }));
-    }
-    const prefix = `/${repo}/resolve/${sha}/`;
-    const f = url.pathname.startsWith(prefix) && files.get(decodeURIComponent(url.pathname.slice(prefix.length)));
-    if (!f) {
-      res.writeHead(404, { 'content-type': 'application/json', 'x-error-code': 'EntryNotFound' });
-      return res.end(JSON.stringify({ error: 'Entry not found' }));
-    }
-    let [start, end] = [0, f.data.length];
-    const range = /^bytes=(\d+)-(\d*)$/.exec(req.headers.range || '');
-    if (range) [start, end] = [Number(range[1]), range[2] ? Math.min(Number(range[2]) + 1, end) : end];
-    const headers = { 'content-length': end - start, 'accept-ranges': 'bytes', etag: `"${f.oid}"`, 'x-repo-commit': sha };
-    if (range) headers['content-range'] = `bytes ${start}-${end - 1}/${f.data.length}`;
-    res.writeHead(range ? 206 : 200, headers);
-    if (req.method === 'HEAD') return res.end();
-    for (let at = start; at < end && !res.destroyed; at += 64 << 10) {
-      const piece = f.data.subarray(at, Math.min(at + (64 << 10), end));
-      const now = Date.now();
-      nextFree = Math.max(now, nextFree) + (piece.length * 1000) / bytesPerSecond;
-      await new Promise((r) => setTimeout(r, nextFree - now));
-      if (!res.write(piece)) await new Promise((r) => res.once('drain', r));
-    }
-    res.end();
-  });
-  await new Promise((r) => server.listen(0, '127.0.0.1', r));
-  servers.push(server);
-  const total = [...files.values()].reduce((n, f) => n + f.data.length, 0);
-  return { endpoint: `http://127.0.0.1:${server.address().port}`, total };
+  const hub = await hubImitation(repo, dir, { bytesPerSecond, failFiles });
+  servers.push(hub.server);
+  return hub;
 }
 
 function start(name, args) {

@@ -10,15 +10,14 @@
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn, execFileSync } from 'node:child_process';
-import { cpSync, existsSync, mkdtempSync, mkdirSync, readFileSync, readdirSync, rmSync, openSync, writeFileSync } from 'node:fs';
-import { createServer } from 'node:http';
-import { createHash } from 'node:crypto';
+import { cpSync, existsSync, mkdtempSync, mkdirSync, readFileSync, rmSync, openSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve, dirname } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { chromium } from 'playwright-core';
 import { seriousViolations } from './a11y.mjs';
 import { screenshotDiff } from './visual.mjs';
+import { hubImitation } from './hub.mjs';
 
 const ROOT = resolve(dirname(fileURLToPath(import.meta.url)), '../..');
 const BIN = process.env.SHARDLINE_BIN || join(ROOT, 'target/debug/shardline');
@@ -68,50 +67,6 @@ async function until(what, fn, timeoutMs = 30000) {
   assert.fail(`timed out waiting for ${what} (last: ${last})\n${logs}`);
 }
 
-/**
- * A Hub imitation serving the files of `dir` as repository `repo` at one commit (revision,
- * recursive tree, resolve; plain git blobs), except that a GET of `stalled` answers its headers
- * and never its body: the download completes every other file, reports their bytes, and then
- * waits (each retry of the stalled file waits again) until the test ends.
- */
-async function stuckHub(repo, dir, stalled) {
-  const sha = createHash('sha1').update(`${repo}@visual`).digest('hex');
-  const files = new Map(readdirSync(dir).sort().map((name) => {
-    const data = readFileSync(join(dir, name));
-    return [name, { data, oid: createHash('sha1').update(`blob ${data.length}\0`).update(data).digest('hex') }];
-  }));
-  const srv = createServer((req, res) => {
-    const url = new URL(req.url, 'http://hub');
-    const json = (v) => { res.writeHead(200, { 'content-type': 'application/json', etag: `"${sha}"` }); res.end(JSON.stringify(v)); };
-    if (url.pathname === `/api/models/${repo}/revision/main`) {
-      return json({ id: repo, sha, siblings: [...files.keys()].map((rfilename) => ({ rfilename })) });
-    }
-    if (url.pathname === `/api/models/${repo}/tree/${sha}` || url.pathname === `/api/models/${repo}/tree/main`) {
-      return json([...files].map(([path, f]) => ({ type: 'file', oid: f.oid, size: f.data.length, path })));
-    }
-    const prefix = `/${repo}/resolve/${sha}/`;
-    const name = url.pathname.startsWith(prefix) ? decodeURIComponent(url.pathname.slice(prefix.length)) : '';
-    const f = files.get(name);
-    if (!f) {
-      res.writeHead(404, { 'content-type': 'application/json', 'x-error-code': 'EntryNotFound' });
-      return res.end(JSON.stringify({ error: 'Entry not found' }));
-    }
-    let [start, end] = [0, f.data.length];
-    const range = /^bytes=(\d+)-(\d*)$/.exec(req.headers.range || '');
-    if (range) [start, end] = [Number(range[1]), range[2] ? Math.min(Number(range[2]) + 1, end) : end];
-    const headers = { 'content-length': end - start, 'accept-ranges': 'bytes', etag: `"${f.oid}"`, 'x-repo-commit': sha };
-    if (range) headers['content-range'] = `bytes ${start}-${end - 1}/${f.data.length}`;
-    res.writeHead(range ? 206 : 200, headers);
-    if (req.method === 'HEAD') return res.end();
-    if (name === stalled) return res.flushHeaders();
-    res.end(f.data.subarray(start, end));
-  });
-  await new Promise((r) => srv.listen(0, '127.0.0.1', r));
-  const sizes = [...files].map(([name, f]) => [name, f.data.length]);
-  return { srv, endpoint: `http://127.0.0.1:${srv.address().port}`,
-    total: sizes.reduce((n, [, b]) => n + b, 0), done: sizes.reduce((n, [k, b]) => n + (k === stalled ? 0 : b), 0) };
-}
-
 /** A pipeline of a download (its `with:` map), tried once, and a shard of it on `mesh`. */
 function downloadAndShard(name, download, mesh = '{tp: 1, dp: 2}') {
   return ['apiVersion: shardline/v1', 'kind: Pipeline', `name: ${name}`, 'steps:',
@@ -147,7 +102,7 @@ before(async () => {
   assert.ok(existsSync(join(FIXTURE, 'config.json')), `${FIXTURE} is missing`);
   // Read from the directory runs are submitted from: the model's name is the path as written.
   cpSync(FIXTURE, join(tmp, 'qwen3_next'), { recursive: true });
-  hub = await stuckHub('visual/stuck', FIXTURE, STALLED);
+  hub = await hubImitation('visual/stuck', FIXTURE, { stalled: STALLED });
   const wcli = (...a) => execFileSync(BIN, [...a, '--state-dir', wstate], { cwd: tmp, encoding: 'utf8', env: cleanEnv() }).trim();
   const specs = [
     downloadAndShard('visual-small', '{path: qwen3_next}'),
@@ -178,8 +133,8 @@ after(async () => {
   // The stalled download fails once the Hub imitation drops its connections, so the worker
   // drains at once.
   if (hub) {
-    hub.srv.closeAllConnections();
-    hub.srv.close();
+    hub.server.closeAllConnections();
+    hub.server.close();
   }
   const stops = [server, wserver, worker].filter((p) => p && p.exitCode === null && p.signalCode === null).map((p) => {
     p.kill('SIGTERM');
