@@ -694,6 +694,9 @@ def test_translates_to_torch_dist_with_fully_reshardable_optimizer_state(reshard
         metas = {json.dumps(tc.group_meta(p, "fused_adam"), sort_keys=True)
                  for p in tc.params() if p.optimized and (p.expert is not None) == expert}
         assert sorted(json.dumps(g, sort_keys=True) for g in groups) == sorted(metas)
+    # inspect finds Adam's step in the param_groups (the step is not the iteration).
+    training = json.loads(harness.run_cli(["inspect", str(root), "--json"]).stdout)["training"]
+    assert training["adam_steps"] == {str(tc.ADAM_STEP): 3} and training["adam_steps_by_group"], training
 
 
 def test_torch_adamw_steps_are_refused_for_torch_dist(shardline, sources, tmp_path):

@@ -127,7 +127,7 @@ fn training_json(t: &TrainingSummary) -> serde_json::Value {
     json!({"mesh": t.mesh.map(|m| json!({"tp": m.tp, "cp": m.cp, "dp": m.dp, "ep": m.ep, "etp": m.etp})),
            "iteration": t.iteration, "checkpoint_version": t.checkpoint_version,
            "parameters": {"tensors": t.params.0, "bytes": t.params.1}, "optimizer_states": moments,
-           "adam_steps": t.adam_steps, "rng_ranks": t.rng_ranks.iter().map(|(p, r)| [p, r]).collect::<Vec<_>>(),
+           "adam_steps": t.adam_steps, "adam_steps_by_group": t.adam_steps_by_group, "rng_ranks": t.rng_ranks.iter().map(|(p, r)| [p, r]).collect::<Vec<_>>(),
            "objects": objects, "unknown": t.unknown,
            "common": t.common.iter().cloned().collect::<BTreeMap<_, _>>()})
 }
@@ -153,7 +153,8 @@ fn write_training(out: &mut impl Write, t: &TrainingSummary) -> std::io::Result<
     if t.moments.is_empty() {
         writeln!(out, "  optimizer state:    none")?;
     }
-    let steps: Vec<String> = t.adam_steps.iter().map(|(s, n)| format!("{s} ({n} parameters)")).collect();
+    let holders = if t.adam_steps_by_group { "parameter groups" } else { "parameters" };
+    let steps: Vec<String> = t.adam_steps.iter().map(|(s, n)| format!("{s} ({n} {holders})")).collect();
     writeln!(out, "  Adam step:          {}", if steps.is_empty() { "—".to_string() } else { steps.join(", ") })?;
     let rng: Vec<String> = t.rng_ranks.iter().map(|(p, r)| format!("({p}, {r})")).collect();
     writeln!(out, "  RNG states:         {}", if rng.is_empty() { "none".to_string() } else { rng.join(", ") })?;

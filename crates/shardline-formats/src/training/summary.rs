@@ -9,6 +9,7 @@ use shardline_layout::reshard::{classify, classify_torch_dist, ItemKind};
 use shardline_layout::Mesh;
 
 use super::common_state::{common_entries, common_entry, is_torch_dist, read_common_pt};
+use super::param_groups::saved_groups;
 use super::{TrainingArgs, TrainingError};
 use crate::checkpoint::CheckpointError;
 use crate::dcp_metadata::{read_metadata_file, DcpMetadataError, EntryMeta, MetadataItem, PathElem};
@@ -30,8 +31,12 @@ pub struct TrainingSummary {
     pub params: (u64, u64),
     /// Optimizer moments by state name (`exp_avg`, …): count and bytes.
     pub moments: BTreeMap<String, (u64, u64)>,
-    /// Adam's step as each parameter's group stores it: rendered value → parameters.
+    /// Adam's step as each parameter's group stores it: rendered value → parameters
+    /// (`fsdp_dtensor`'s `param_to_group_meta`), or → parameter groups (`torch_dist`'s
+    /// `param_groups`, which name no parameters).
     pub adam_steps: BTreeMap<String, u64>,
+    /// Whether `adam_steps` counts parameter groups rather than parameters.
+    pub adam_steps_by_group: bool,
     /// `(pp, tp)` ranks with RNG states.
     pub rng_ranks: Vec<(u64, u64)>,
     /// Every bytes item and its rendered value, in `.metadata` order.
@@ -169,6 +174,14 @@ fn apply_common(s: &mut TrainingSummary, common: &Value) {
     s.iteration = common_entry(entries, "iteration").map(|v| v.repr(REPR_CHARS)).or(s.iteration.take());
     s.checkpoint_version =
         common_entry(entries, "checkpoint_version").map(|v| v.repr(REPR_CHARS)).or(s.checkpoint_version.take());
+    if let Some(groups) = common_entry(entries, "optimizer").and_then(|o| saved_groups(o).ok()) {
+        for g in groups {
+            if let Some((_, step)) = g.iter().find(|(k, _)| k.as_str() == Some("step")) {
+                *s.adam_steps.entry(step.repr(REPR_CHARS)).or_default() += 1;
+                s.adam_steps_by_group = true;
+            }
+        }
+    }
     for (k, v) in entries {
         let name = k.as_str().map_or_else(|| k.repr(40), str::to_string);
         s.common.push((name, v.repr(REPR_CHARS)));
