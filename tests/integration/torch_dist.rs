@@ -283,30 +283,59 @@ fn megatron_cores_torch_dist_translates_to_what_convert_writes_byte_for_byte() {
     }
 }
 
+/// gpt-oss: Megatron-FSDP keeps its expert fc1 whole, fused in a layout of the expert-TP size,
+/// where torch_dist stores `[gate; up]` (the experts' fc1 biases mark the kind). Translated for
+/// expert-TP 1 and 2, the rank files hold what `convert` writes for that mesh, and validate;
+/// `export` gives the release back. The other direction is refused, and nothing is written.
 #[test]
-fn a_translation_it_cannot_make_is_refused_and_nothing_is_written() {
+fn gpt_oss_fused_expert_fc1_translates_for_the_target_expert_tp() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let hf = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny/gpt_oss");
     let seed = tmp.path().join("seed");
-    let o = run(bin().arg("convert").arg("--from").arg(&hf).arg("--to").arg(&seed).args([
+    convert_torch_dist("gpt_oss_bf16", &seed, &["--tp", "2"]);
+    for etp in ["1", "2"] {
+        let mesh = ["--tp", "2", "--dp", "2", "--etp", etp];
+        let (translated, converted) = (tmp.path().join(format!("t{etp}")), tmp.path().join(format!("c{etp}")));
+        reshard_as(&seed, &translated, &mesh, "fsdp_dtensor");
+        let o = run(bin()
+            .arg("convert")
+            .arg("--from")
+            .arg(crate::fixture("gpt_oss_bf16"))
+            .arg("--to")
+            .arg(&converted)
+            .args(mesh));
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        for rank in 0..4 {
+            let name = format!("__{rank}_0.distcp");
+            let (c, t) =
+                (std::fs::read(converted.join(&name)).unwrap(), std::fs::read(translated.join(&name)).unwrap());
+            assert!(t.len() >= c.len() && t[..c.len()] == c[..], "etp {etp} {name}: differs from convert's");
+        }
+        let o = run(bin()
+            .arg("validate")
+            .arg(&translated)
+            .arg("--against")
+            .arg(crate::fixture("gpt_oss_bf16"))
+            .args(["--etp", etp]));
+        assert_eq!(o.status.code(), Some(0), "etp {etp}: {}", stdout(&o));
+    }
+    let hf = tmp.path().join("hf");
+    let o = run(bin().arg("export").arg(&seed).arg("--to").arg(&hf).arg("--like").arg(crate::fixture("gpt_oss_bf16")));
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let (want, got) = (crate::release_tensors(&crate::fixture("gpt_oss_bf16")), crate::release_tensors(&hf));
+    assert!(want == got, "the export of gpt-oss's torch_dist checkpoint differs from the release");
+    // Back to torch_dist: not written yet.
+    let back = tmp.path().join("back");
+    let o = run(bin().arg("reshard").arg(tmp.path().join("t2")).arg("--to").arg(&back).args([
         "--tp",
+        "2",
+        "--dp",
         "2",
         "--target",
         "torch_dist",
     ]));
-    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let out = tmp.path().join("out");
-    let o = run(bin().arg("reshard").arg(&seed).arg("--to").arg(&out).args([
-        "--tp",
-        "1",
-        "--dp",
-        "2",
-        "--target",
-        "fsdp_dtensor",
-    ]));
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("expert-TP-dependent layout (gpt-oss's expert fc1)"), "{}", stderr(&o));
-    assert!(!out.exists(), "something was written");
+    assert!(!back.exists(), "something was written");
 }
 
 /// `export` of Megatron-Core's own `torch_dist` checkpoints gives the release back: the same

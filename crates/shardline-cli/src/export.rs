@@ -75,7 +75,8 @@ pub fn run_export(args: ExportArgs) -> Result<ExitCode> {
     };
     let max_file_bytes = shardline_units::parse_size_lenient(&args.max_file_size)
         .map_err(|e| anyhow::anyhow!("--max-file-size: {e}"))?;
-    let etp = args.etp.or_else(|| saved_etp(&args.ckpt)).unwrap_or(1);
+    // A torch_dist checkpoint's fused parameters are read for expert-TP size 1 (`[gate; up]`).
+    let etp = if torch_dist { 1 } else { args.etp.or_else(|| saved_etp(&args.ckpt)).unwrap_or(1) };
     // The model's keys only: the optimizer's moments are not exported. A torch_dist checkpoint's
     // are read under the fsdp_dtensor names its keys stand for (layers and experts unstacked,
     // `[gate; up]` split), in place.

@@ -91,7 +91,7 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
         false => Dialect::FsdpDtensor,
     };
     let dialect = args.target.map_or(source_dialect, Target::dialect);
-    let source = TrainingCheckpoint::open(&args.ckpt)
+    let source = TrainingCheckpoint::open_for(&args.ckpt, Some(args.mesh.mesh().etp))
         .with_context(|| format!("reading training checkpoint {}", args.ckpt.display()))?;
     for note in &source.notes {
         eprintln!("note: {note}");

@@ -49,9 +49,12 @@ pub fn reshard_options(
     fallback: ReshardHints,
 ) -> ReshardOptions {
     let saved = source.args.clone().unwrap_or_default();
+    // A translated checkpoint's fused parameters are in the layout it was read for.
+    let source_mesh = given.source_mesh.or(saved.mesh()).or(fallback.source_mesh);
+    let source_mesh = source_mesh.map(|m| Mesh { etp: source.fused_etp.unwrap_or(m.etp), ..m });
     ReshardOptions {
         mesh,
-        source_mesh: given.source_mesh.or(saved.mesh()).or(fallback.source_mesh),
+        source_mesh,
         vocab_size: given.vocab_size.or(saved.vocab_size).or(fallback.vocab_size),
         vocab_divisible_by: given
             .vocab_divisible_by
@@ -274,9 +277,9 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
             dir.display()
         )));
     }
-    let source = TrainingCheckpoint::open(&dir)
-        .map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
     let mesh = Mesh { tp: job.tp, cp: job.cp, dp: job.dp, ep: job.ep, etp: job.etp };
+    let source = TrainingCheckpoint::open_for(&dir, Some(mesh.etp))
+        .map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
     let given = ReshardHints {
         source_mesh: match &job.from_mesh {
             Some(m) => Some(Mesh::parse_assignments(m).map_err(|e| StepError::fatal(format!("from_mesh: {e}")))?),
@@ -390,15 +393,19 @@ pub fn export(job: &ExportJob, ctx: &StepContext) -> Result<TaskOutput, StepErro
         StepError::fatal(format!("task `{}` did not report a checkpoint directory", job.checkpoint_task))
     })?;
     let like = export_like(job, ctx.outputs)?;
-    let etp = job
-        .etp
-        .or_else(|| saved_etp(&dir))
-        .or_else(|| upstream.mesh.as_deref().and_then(parse_mesh).map(|m| m.etp))
-        .unwrap_or(1);
-    // The model's keys only: the optimizer's moments are not exported. A torch_dist checkpoint's
-    // are read under the fsdp_dtensor names its keys stand for, in place.
     let torch_dist = shardline_formats::checkpoint::resolve_checkpoint_dir(&dir)
         .is_ok_and(|d| shardline_formats::training::common_state::is_torch_dist(&d));
+    // A torch_dist checkpoint's fused parameters are read for expert-TP size 1 (`[gate; up]`).
+    let etp = match torch_dist {
+        true => 1,
+        false => job
+            .etp
+            .or_else(|| saved_etp(&dir))
+            .or_else(|| upstream.mesh.as_deref().and_then(parse_mesh).map(|m| m.etp))
+            .unwrap_or(1),
+    };
+    // The model's keys only: the optimizer's moments are not exported. A torch_dist checkpoint's
+    // are read under the fsdp_dtensor names its keys stand for, in place.
     let (checkpoint, prefix) = if torch_dist {
         let c = TrainingCheckpoint::open_torch_dist_model(&dir)
             .map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;

@@ -76,6 +76,9 @@ pub struct TrainingCheckpoint {
     pub inline: Vec<Vec<u8>>,
     /// What reading it decided that its user should know (items left out of a translation).
     pub notes: Vec<String>,
+    /// A translated `torch_dist` checkpoint: the expert-TP size its fused parameters were read in,
+    /// whatever `args` says the job ran with.
+    pub fused_etp: Option<u64>,
 }
 
 impl TrainingCheckpoint {
@@ -83,12 +86,19 @@ impl TrainingCheckpoint {
     /// A Megatron-Core `torch_dist` checkpoint (or save directory) reads as the `fsdp_dtensor`
     /// checkpoint it translates to (see `translate`).
     pub fn open(dir: &Path) -> Result<TrainingCheckpoint, TrainingError> {
+        Self::open_for(dir, None)
+    }
+
+    /// [`TrainingCheckpoint::open`], a `torch_dist` checkpoint read for a target of expert-TP
+    /// size `etp`: parameters Megatron-FSDP keeps fused in a layout of that size (gpt-oss's
+    /// expert fc1) are read in it ([`TrainingCheckpoint::fused_etp`]).
+    pub fn open_for(dir: &Path, etp: Option<u64>) -> Result<TrainingCheckpoint, TrainingError> {
         let checkpoint = open_checkpoint(dir)?;
         if checkpoint.format != CheckpointFormat::Dcp {
             return Err(TrainingError::NotDcp(dir.to_path_buf()));
         }
         if common_state::is_torch_dist(&checkpoint.dir) {
-            let t = translate::translate(checkpoint, false)?;
+            let t = translate::translate(checkpoint, false, etp)?;
             return Ok(TrainingCheckpoint {
                 checkpoint: t.checkpoint,
                 items: t.items,
@@ -96,6 +106,7 @@ impl TrainingCheckpoint {
                 args: t.args,
                 inline: t.inline,
                 notes: t.notes,
+                fused_etp: etp,
             });
         }
         if checkpoint.planner_data.is_empty() {
@@ -125,14 +136,16 @@ impl TrainingCheckpoint {
             items.push(SourceItem { key: o.key.clone(), path, tensor: None });
             data.push(ItemData::Object(i));
         }
-        Ok(TrainingCheckpoint { checkpoint, items, data, args, inline: Vec::new(), notes: Vec::new() })
+        Ok(TrainingCheckpoint { checkpoint, items, data, args, inline: Vec::new(), notes: Vec::new(), fused_etp: None })
     }
 
     /// The model parameters of a Megatron-Core `torch_dist` checkpoint (or save directory) under
     /// their `fsdp_dtensor` names (`model.module.…`), read in place: what `export` reads. Other
     /// items (optimizer state, RNG, the common state) are not read.
+    /// Fused parameters are read for expert-TP size 1, where the fused layout is `[gate; up]`
+    /// itself: export with `--etp 1`.
     pub fn open_torch_dist_model(dir: &Path) -> Result<Checkpoint, TrainingError> {
-        Ok(translate::translate(open_checkpoint(dir)?, true)?.checkpoint)
+        Ok(translate::translate(open_checkpoint(dir)?, true, Some(1))?.checkpoint)
     }
 
     /// The stored chunks of the tensor item `item`.

@@ -52,7 +52,14 @@ fn gated(key: &str) -> bool {
 
 /// Reads `checkpoint` (a `torch_dist` checkpoint directory) as `fsdp_dtensor` items; with
 /// `model_only`, its model parameters alone (what `export` reads), anything else skipped.
-pub(super) fn translate(checkpoint: Checkpoint, model_only: bool) -> Result<Translated, TrainingError> {
+/// Parameters Megatron-FSDP keeps fused in an expert-TP-dependent layout (gpt-oss's expert fc1,
+/// stored `[gate; up]` in `torch_dist`) are read in that layout for expert-TP size `fused_etp`;
+/// without it they are refused.
+pub(super) fn translate(
+    checkpoint: Checkpoint,
+    model_only: bool,
+    fused_etp: Option<u64>,
+) -> Result<Translated, TrainingError> {
     let mut notes = Vec::new();
     // Parameters whose fp32 master is saved (`optimizer.state.param.*`, `fp32_param` for a
     // non-distributed optimizer): in Megatron-FSDP the master is the model tensor, so it
@@ -65,6 +72,9 @@ pub(super) fn translate(checkpoint: Checkpoint, model_only: bool) -> Result<Tran
             _ => None,
         })
         .collect();
+    // Routed experts with fc1 biases are gpt-oss's kind, whose fc1 Megatron-FSDP keeps whole
+    // (fused in the expert-TP layout), not split into SwiGLU sections: the model's layers decide.
+    let fused_experts = checkpoint.tensors.iter().any(|t| t.key.contains("mlp.experts.experts.linear_fc1.bias"));
     let mut tensors: Vec<StoredTensor> = Vec::new();
     // Every optimized parameter's live (unsplit) name, its dimensions and whether it is an expert's.
     let mut optimized: BTreeMap<String, (usize, bool)> = BTreeMap::new();
@@ -97,13 +107,16 @@ pub(super) fn translate(checkpoint: Checkpoint, model_only: bool) -> Result<Tran
             _ => t.key.clone(),
         };
         let moment = t.key.starts_with("optimizer.state.exp_avg.");
-        let parts = unplace(&on_disk, &t.shape, gated).map_err(|p| refuse(&t.key, p))?;
+        let parts =
+            unplace(&on_disk, &t.shape, |k| gated(k) && !(fused_experts && fused(k))).map_err(|p| refuse(&t.key, p))?;
         for part in parts {
             let layout = param_layout(&part.key, None);
-            if layout.as_ref().is_some_and(|l| l.tp_dependent) {
+            let fused = fused_experts && layout.as_ref().is_some_and(|l| l.tp_dependent);
+            if fused && fused_etp.is_none() {
                 return Err(refuse(
                     &t.key,
-                    "Megatron-FSDP keeps this parameter fused in an expert-TP-dependent layout (gpt-oss's expert fc1); not translated yet",
+                    "Megatron-FSDP keeps this parameter fused in a layout of the expert-TP size (gpt-oss's expert \
+                     fc1), which is not known here",
                 ));
             }
             if moment {
@@ -115,7 +128,11 @@ pub(super) fn translate(checkpoint: Checkpoint, model_only: bool) -> Result<Tran
                 optimized.insert(live.to_string(), (part.shape.len(), expert));
             }
             let elem = t.dtype.size() as u64;
-            let chunks = t.chunks.iter().filter_map(|c| piece_of(c, &part.origin, &part.shape, elem)).collect();
+            let mut chunks: Vec<StoredChunk> =
+                t.chunks.iter().filter_map(|c| piece_of(c, &part.origin, &part.shape, elem)).collect();
+            if let (true, Some(etp)) = (fused, fused_etp) {
+                chunks = fused_rows(chunks, &part.shape, etp, elem).map_err(|p| refuse(&t.key, p))?;
+            }
             tensors.push(StoredTensor { key: name_of(&part.key), dtype: t.dtype, shape: part.shape, chunks });
         }
     }
@@ -294,6 +311,49 @@ fn flatten<'v>(path: Vec<PathElem>, v: &'v Value, out: &mut Vec<(Vec<PathElem>, 
         }
         _ => out.push((path, v)),
     }
+}
+
+/// Whether a table keeps the canonical `key` fused in a layout of the expert-TP size.
+fn fused(key: &str) -> bool {
+    param_layout(key, None).is_some_and(|l| l.tp_dependent)
+}
+
+/// Pieces of a `[gate; up]` tensor of `shape` (rows `2·I`) moved to the rows Megatron-FSDP's
+/// fused layout for expert-TP size `etp` gives them: expert-TP rank `r`'s gate rows, then its
+/// up rows, for each `r` in turn (as `convert` writes gpt-oss's expert fc1). A piece is cut where
+/// a rank's section ends; each cut is a run of whole rows, so it stays one run of bytes.
+fn fused_rows(pieces: Vec<StoredChunk>, shape: &[u64], etp: u64, elem: u64) -> Result<Vec<StoredChunk>, String> {
+    let rows = shape.first().copied().unwrap_or(0);
+    if etp == 0 || rows % (2 * etp) != 0 {
+        return Err(format!("{rows} rows of [gate; up] do not split over expert-TP size {etp}"));
+    }
+    let (half, q) = (rows / 2, rows / 2 / etp);
+    let row_elems: u64 = shape[1..].iter().product();
+    let mut out = Vec::new();
+    for p in pieces {
+        if p.sizes[1..] != shape[1..] {
+            return Err("a stored chunk holds part of a row; its rows cannot be moved".into());
+        }
+        let (a, b) = (p.offsets[0], p.offsets[0] + p.sizes[0]);
+        let mut x = a;
+        while x < b {
+            let y = b.min((x / q + 1) * q);
+            let (up, within) = (x >= half, x % half);
+            let at = (within / q) * 2 * q + if up { q } else { 0 } + within % q;
+            let mut offsets = p.offsets.clone();
+            let mut sizes = p.sizes.clone();
+            (offsets[0], sizes[0]) = (at, y - x);
+            out.push(StoredChunk {
+                offsets,
+                sizes,
+                file: p.file.clone(),
+                data_offset: p.data_offset + (x - a) * row_elems * elem,
+                data_len: (y - x) * row_elems * elem,
+            });
+            x = y;
+        }
+    }
+    Ok(out)
 }
 
 /// The piece of the stored chunk `c` that the planned tensor at `origin` (of `shape`) holds,
