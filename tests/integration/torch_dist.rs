@@ -286,7 +286,7 @@ fn megatron_cores_torch_dist_translates_to_what_convert_writes_byte_for_byte() {
 /// gpt-oss: Megatron-FSDP keeps its expert fc1 whole, fused in a layout of the expert-TP size,
 /// where torch_dist stores `[gate; up]` (the experts' fc1 biases mark the kind). Translated for
 /// expert-TP 1 and 2, the rank files hold what `convert` writes for that mesh, and validate;
-/// `export` gives the release back. The other direction is refused, and nothing is written.
+/// `export` gives the release back, and the way back to `torch_dist` is convert's byte for byte.
 #[test]
 fn gpt_oss_fused_expert_fc1_translates_for_the_target_expert_tp() {
     let tmp = tempfile::tempdir().expect("tempdir");
@@ -323,19 +323,12 @@ fn gpt_oss_fused_expert_fc1_translates_for_the_target_expert_tp() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let (want, got) = (crate::release_tensors(&crate::fixture("gpt_oss_bf16")), crate::release_tensors(&hf));
     assert!(want == got, "the export of gpt-oss's torch_dist checkpoint differs from the release");
-    // Back to torch_dist: not written yet.
-    let back = tmp.path().join("back");
-    let o = run(bin().arg("reshard").arg(tmp.path().join("t2")).arg("--to").arg(&back).args([
-        "--tp",
-        "2",
-        "--dp",
-        "2",
-        "--target",
-        "torch_dist",
-    ]));
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(stderr(&o).contains("expert-TP-dependent layout (gpt-oss's expert fc1)"), "{}", stderr(&o));
-    assert!(!back.exists(), "something was written");
+    // And back to torch_dist, from expert-TP 2 to 1: the halves read out of the fused layout are
+    // joined as `[gate; up]`, exactly as convert writes them.
+    let (back, want) = (tmp.path().join("back"), tmp.path().join("want"));
+    reshard_as(&tmp.path().join("t2"), &back, &["--tp", "2", "--dp", "1", "--etp", "1"], "torch_dist");
+    convert_torch_dist("gpt_oss_bf16", &want, &["--tp", "2", "--dp", "1", "--etp", "1"]);
+    assert_same_dcp_files(&want, &back, "gpt-oss back to torch_dist");
 }
 
 /// `export` of Megatron-Core's own `torch_dist` checkpoints gives the release back: the same

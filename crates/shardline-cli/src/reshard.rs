@@ -91,7 +91,7 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
         false => Dialect::FsdpDtensor,
     };
     let dialect = args.target.map_or(source_dialect, Target::dialect);
-    let source = TrainingCheckpoint::open_for(&args.ckpt, Some(args.mesh.mesh().etp))
+    let mut source = TrainingCheckpoint::open_for(&args.ckpt, Some(args.mesh.mesh().etp))
         .with_context(|| format!("reading training checkpoint {}", args.ckpt.display()))?;
     for note in &source.notes {
         eprintln!("note: {note}");
@@ -114,6 +114,9 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
     let fallback = ReshardHints { source_mesh: inferred, ..ReshardHints::default() };
     let mut options = reshard_options(&source, args.mesh.mesh(), rng, given, fallback);
     options.dialect = dialect;
+    if dialect == Dialect::TorchDist {
+        source.split_fused(options.source_mesh.map(|m| m.etp)).context("reading the fused expert fc1")?;
+    }
     let source_mesh = options.source_mesh;
     let plan = plan_reshard(&source.items, &options)
         .with_context(|| format!("cannot reshard {} to {}", args.ckpt.display(), options.mesh))?;

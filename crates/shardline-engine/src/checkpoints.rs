@@ -278,7 +278,7 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
         )));
     }
     let mesh = Mesh { tp: job.tp, cp: job.cp, dp: job.dp, ep: job.ep, etp: job.etp };
-    let source = TrainingCheckpoint::open_for(&dir, Some(mesh.etp))
+    let mut source = TrainingCheckpoint::open_for(&dir, Some(mesh.etp))
         .map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
     let given = ReshardHints {
         source_mesh: match &job.from_mesh {
@@ -296,6 +296,9 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
     };
     let mut options = reshard_options(&source, mesh, rng_policy(&job.rng)?, given, fallback);
     options.dialect = dialect;
+    if dialect == Dialect::TorchDist {
+        source.split_fused(options.source_mesh.map(|m| m.etp)).map_err(|e| StepError::fatal(e.to_string()))?;
+    }
     let plan = plan_reshard(&source.items, &options)
         .map_err(|e| StepError::fatal(format!("cannot reshard {} to {mesh}: {e}", dir.display())))?;
     for note in &plan.notes {

@@ -5,6 +5,7 @@
 mod args;
 pub mod common_state;
 mod export;
+mod fused;
 mod param_groups;
 pub mod save_dir;
 mod summary;

@@ -19,6 +19,7 @@ use shardline_layout::reshard::{
 };
 
 use super::common_state::{common_entries, read_common_pt};
+use super::fused::{fused, fused_rows};
 use super::param_groups::{group_of, saved_groups};
 use super::{ItemData, TrainingArgs, TrainingError};
 use crate::checkpoint::{Checkpoint, StoredChunk, StoredTensor};
@@ -311,49 +312,6 @@ fn flatten<'v>(path: Vec<PathElem>, v: &'v Value, out: &mut Vec<(Vec<PathElem>, 
         }
         _ => out.push((path, v)),
     }
-}
-
-/// Whether a table keeps the canonical `key` fused in a layout of the expert-TP size.
-fn fused(key: &str) -> bool {
-    param_layout(key, None).is_some_and(|l| l.tp_dependent)
-}
-
-/// Pieces of a `[gate; up]` tensor of `shape` (rows `2·I`) moved to the rows Megatron-FSDP's
-/// fused layout for expert-TP size `etp` gives them: expert-TP rank `r`'s gate rows, then its
-/// up rows, for each `r` in turn (as `convert` writes gpt-oss's expert fc1). A piece is cut where
-/// a rank's section ends; each cut is a run of whole rows, so it stays one run of bytes.
-fn fused_rows(pieces: Vec<StoredChunk>, shape: &[u64], etp: u64, elem: u64) -> Result<Vec<StoredChunk>, String> {
-    let rows = shape.first().copied().unwrap_or(0);
-    if etp == 0 || rows % (2 * etp) != 0 {
-        return Err(format!("{rows} rows of [gate; up] do not split over expert-TP size {etp}"));
-    }
-    let (half, q) = (rows / 2, rows / 2 / etp);
-    let row_elems: u64 = shape[1..].iter().product();
-    let mut out = Vec::new();
-    for p in pieces {
-        if p.sizes[1..] != shape[1..] {
-            return Err("a stored chunk holds part of a row; its rows cannot be moved".into());
-        }
-        let (a, b) = (p.offsets[0], p.offsets[0] + p.sizes[0]);
-        let mut x = a;
-        while x < b {
-            let y = b.min((x / q + 1) * q);
-            let (up, within) = (x >= half, x % half);
-            let at = (within / q) * 2 * q + if up { q } else { 0 } + within % q;
-            let mut offsets = p.offsets.clone();
-            let mut sizes = p.sizes.clone();
-            (offsets[0], sizes[0]) = (at, y - x);
-            out.push(StoredChunk {
-                offsets,
-                sizes,
-                file: p.file.clone(),
-                data_offset: p.data_offset + (x - a) * row_elems * elem,
-                data_len: (y - x) * row_elems * elem,
-            });
-            x = y;
-        }
-    }
-    Ok(out)
 }
 
 /// The piece of the stored chunk `c` that the planned tensor at `origin` (of `shape`) holds,

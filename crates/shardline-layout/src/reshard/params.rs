@@ -112,6 +112,14 @@ fn layout_by_rules<'r>(rules: impl Iterator<Item = &'r arch::Rule>, name: &str, 
     for rule in rules {
         let Some((tp_mode, vocab, suffixes, tp_dependent)) = kind_layout(rule.kind) else { continue };
         let Some((expert, rest)) = match_pattern(rule.megatron, lookup) else { continue };
+        // A parameter kept fused in an expert-TP-dependent layout also goes by its SwiGLU
+        // sections (`_w`, `_v`: gate and up, each TP-invariant), as `torch_dist` plans it.
+        if tp_dependent && !rest.is_empty() {
+            let Some(index) = GATED.iter().position(|s| *s == rest) else { continue };
+            let section = Some((name[..name.len() - rest.len()].to_string(), index, GATED));
+            let expert = expert.filter(|_| rule.expert);
+            return Some(ParamLayout { tp_mode, vocab, expert, section, tp_dependent: false });
+        }
         let section = if suffixes.is_empty() {
             if !rest.is_empty() {
                 continue;
@@ -164,6 +172,10 @@ mod tests {
         // gpt-oss: fc1 fused on disk, its layout depends on the expert-TP size.
         let l = param_layout("decoder.layers.0.mlp.experts.linear_fc1.weight2", None).unwrap();
         assert!(l.tp_dependent && l.section.is_none());
+        // ... and its sections, as torch_dist plans it, are TP-invariant SwiGLU halves.
+        let l = param_layout("decoder.layers.0.mlp.experts.linear_fc1.bias2_v", None).unwrap();
+        assert_eq!(l.section, Some(("decoder.layers.0.mlp.experts.linear_fc1.bias2".into(), 1, GATED)));
+        assert!(!l.tp_dependent && l.expert == Some(2));
         let l = param_layout("decoder.layers.0.self_attention.linear_kv_down_proj.weight", None).unwrap();
         assert_eq!(l.tp_mode, TpMode::Replicated);
         let l = param_layout("decoder.layers.0.self_attention.in_proj.weight.beta", None).unwrap();
