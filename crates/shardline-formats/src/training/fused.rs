@@ -36,26 +36,38 @@ pub(super) fn fused_rows(
         if p.sizes[1..] != shape[1..] {
             return Err("a stored chunk holds part of a row; its rows cannot be moved".into());
         }
-        let (a, b) = (p.offsets[0], p.offsets[0] + p.sizes[0]);
-        let mut x = a;
-        while x < b {
-            let y = b.min((x / q + 1) * q);
+        for mut cut in cut_rows(&p, q, row_elems * elem) {
+            let x = cut.offsets[0];
             let (up, within) = (x >= half, x % half);
-            let at = (within / q) * 2 * q + if up { q } else { 0 } + within % q;
-            let mut offsets = p.offsets.clone();
-            let mut sizes = p.sizes.clone();
-            (offsets[0], sizes[0]) = (at, y - x);
-            out.push(StoredChunk {
-                offsets,
-                sizes,
-                file: p.file.clone(),
-                data_offset: p.data_offset + (x - a) * row_elems * elem,
-                data_len: (y - x) * row_elems * elem,
-            });
-            x = y;
+            cut.offsets[0] = (within / q) * 2 * q + if up { q } else { 0 } + within % q;
+            out.push(cut);
         }
     }
     Ok(out)
+}
+
+/// The rows of the piece `c` cut where a block of `q` rows ends, each cut one run of its bytes
+/// (rows of `row_bytes`) with its first row still in `offsets[0]`.
+fn cut_rows(c: &StoredChunk, q: u64, row_bytes: u64) -> impl Iterator<Item = StoredChunk> + '_ {
+    let (a, b) = (c.offsets[0], c.offsets[0] + c.sizes[0]);
+    let mut x = a;
+    std::iter::from_fn(move || {
+        if x >= b {
+            return None;
+        }
+        let y = b.min((x / q + 1) * q);
+        let (mut offsets, mut sizes) = (c.offsets.clone(), c.sizes.clone());
+        (offsets[0], sizes[0]) = (x, y - x);
+        let cut = StoredChunk {
+            offsets,
+            sizes,
+            file: c.file.clone(),
+            data_offset: c.data_offset + (x - a) * row_bytes,
+            data_len: (y - x) * row_bytes,
+        };
+        x = y;
+        Some(cut)
+    })
 }
 
 /// Rows of the fused layout (`2·I` rows, expert-TP size `etp`) as `(section, row)`: 0 for gate,
@@ -124,21 +136,10 @@ impl TrainingCheckpoint {
                 if c.sizes[1..] != meta.shape[1..] {
                     return Err(refuse("a stored chunk holds part of a row; its rows cannot be moved".into()));
                 }
-                let (a, b) = (c.offsets[0], c.offsets[0] + c.sizes[0]);
-                let mut x = a;
-                while x < b {
-                    let y = b.min((x / q + 1) * q);
-                    let (half, at) = section(x);
-                    let (mut offsets, mut sizes) = (c.offsets.clone(), c.sizes.clone());
-                    (offsets[0], sizes[0]) = (at, y - x);
-                    halves[half].push(StoredChunk {
-                        offsets,
-                        sizes,
-                        file: c.file.clone(),
-                        data_offset: c.data_offset + (x - a) * row_elems * elem,
-                        data_len: (y - x) * row_elems * elem,
-                    });
-                    x = y;
+                for mut cut in cut_rows(c, q, row_elems * elem) {
+                    let (half, at) = section(cut.offsets[0]);
+                    cut.offsets[0] = at;
+                    halves[half].push(cut);
                 }
             }
             let mut shape = meta.shape.clone();
