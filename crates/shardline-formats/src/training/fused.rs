@@ -10,6 +10,12 @@ use shardline_layout::reshard::{flat_key, param_layout, ChunkBox, ItemKind, Path
 use super::{ItemData, TrainingCheckpoint, TrainingError};
 use crate::checkpoint::{StoredChunk, StoredTensor};
 
+/// Whether the model key `key` (either dialect's name) is a routed expert's fc1 bias: the mark
+/// of gpt-oss's kind of experts.
+pub(super) fn marks_fused_experts(key: &str) -> bool {
+    key.contains("mlp.experts.linear_fc1.bias") || key.contains("mlp.experts.experts.linear_fc1.bias")
+}
+
 /// Whether a table keeps the canonical `key` fused in a layout of the expert-TP size.
 pub(super) fn fused(key: &str) -> bool {
     param_layout(key, None).is_some_and(|l| l.tp_dependent)
@@ -90,9 +96,9 @@ fn section_of(rows: u64, etp: u64) -> Option<impl Fn(u64) -> (usize, u64)> {
 impl TrainingCheckpoint {
     /// Whether the model's routed experts are gpt-oss's kind (their fc1 has biases).
     fn has_fused_experts(&self) -> bool {
-        self.items.iter().any(|i| {
-            matches!(classify_item(i), Some(ItemKind::Model { name }) if name.contains("mlp.experts.linear_fc1.bias"))
-        })
+        self.items
+            .iter()
+            .any(|i| matches!(classify_item(i), Some(ItemKind::Model { name }) if marks_fused_experts(&name)))
     }
 
     /// Reads the fused expert fc1 of a Megatron-FSDP checkpoint saved at expert-TP size `etp` as

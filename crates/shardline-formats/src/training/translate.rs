@@ -19,7 +19,7 @@ use shardline_layout::reshard::{
 };
 
 use super::common_state::{common_entries, read_common_pt};
-use super::fused::{fused, fused_rows};
+use super::fused::{fused, fused_rows, marks_fused_experts};
 use super::param_groups::{group_of, saved_groups};
 use super::{ItemData, TrainingArgs, TrainingError};
 use crate::checkpoint::{Checkpoint, StoredChunk, StoredTensor};
@@ -75,7 +75,7 @@ pub(super) fn translate(
         .collect();
     // Routed experts with fc1 biases are gpt-oss's kind, whose fc1 Megatron-FSDP keeps whole
     // (fused in the expert-TP layout), not split into SwiGLU sections: the model's layers decide.
-    let fused_experts = checkpoint.tensors.iter().any(|t| t.key.contains("mlp.experts.experts.linear_fc1.bias"));
+    let fused_experts = checkpoint.tensors.iter().any(|t| marks_fused_experts(&t.key));
     let mut tensors: Vec<StoredTensor> = Vec::new();
     // Every optimized parameter's live (unsplit) name, its dimensions and whether it is an expert's.
     let mut optimized: BTreeMap<String, (usize, bool)> = BTreeMap::new();
@@ -112,8 +112,8 @@ pub(super) fn translate(
             unplace(&on_disk, &t.shape, |k| gated(k) && !(fused_experts && fused(k))).map_err(|p| refuse(&t.key, p))?;
         for part in parts {
             let layout = param_layout(&part.key, None);
-            let fused = fused_experts && layout.as_ref().is_some_and(|l| l.tp_dependent);
-            if fused && fused_etp.is_none() {
+            let keep_fused = fused_experts && fused(&part.key);
+            if keep_fused && fused_etp.is_none() {
                 return Err(refuse(
                     &t.key,
                     "Megatron-FSDP keeps this parameter fused in a layout of the expert-TP size (gpt-oss's expert \
@@ -131,7 +131,7 @@ pub(super) fn translate(
             let elem = t.dtype.size() as u64;
             let mut chunks: Vec<StoredChunk> =
                 t.chunks.iter().filter_map(|c| piece_of(c, &part.origin, &part.shape, elem)).collect();
-            if let (true, Some(etp)) = (fused, fused_etp) {
+            if let (true, Some(etp)) = (keep_fused, fused_etp) {
                 chunks = fused_rows(chunks, &part.shape, etp, elem).map_err(|p| refuse(&t.key, p))?;
             }
             tensors.push(StoredTensor { key: name_of(&part.key), dtype: t.dtype, shape: part.shape, chunks });

@@ -143,8 +143,10 @@ fn write_torch_dist(
     let created = crate::out_dir::create(&dir).map_err(io_err(&dir, "create checkpoint directory"))?;
     withdraw_old_checkpoint(&dir)?;
     let edited = HashMap::new();
-    let result = write_all(source, plan, &dir, threads, progress, &edited)
-        .and_then(|totals| Ok(save_dir::finish_save(root, &common.dir_name, &common.archive).map(|()| totals)?));
+    let result = write_all(source, plan, &dir, threads, progress, &edited).and_then(|totals| {
+        save_dir::finish_save(root, &common.dir_name, &common.archive)?;
+        Ok(totals)
+    });
     match result {
         Ok((files, tensor_bytes, file_bytes, chunks)) => {
             let args_set = plan.args_updates().iter().map(|(k, _)| k.to_string()).collect();

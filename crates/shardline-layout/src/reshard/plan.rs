@@ -208,10 +208,10 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
                 Some(layout) if layout.tp_dependent && options.dialect == Dialect::TorchDist => {
                     errors.push(ReshardError::Dialect {
                         key: item.key.clone(),
-                        problem:
-                            "Megatron-FSDP keeps it fused in an expert-TP-dependent layout (gpt-oss's expert fc1), \
-                                  whose torch_dist form is not written yet"
-                                .into(),
+                        problem: "kept fused in a layout of the expert-TP size (gpt-oss's expert fc1); torch_dist \
+                                  takes its `_w`/`_v` sections, which the reader gives once it knows the \
+                                  expert-TP size the checkpoint was saved with (`split_fused`)"
+                            .into(),
                     })
                 }
                 Some(layout) => tiled.push(Tiled { item: i, meta: t, name: name.clone(), layout, state: None }),
