@@ -40,7 +40,9 @@ function cli(...args) {
 }
 
 function cleanEnv() {
-  const env = { ...process.env, HF_HOME: join(tmp, 'hf-home') };
+  // Workers keep nothing of the disk free: the tests need little scratch, and a nearly full
+  // machine must not stall their rank tasks.
+  const env = { ...process.env, HF_HOME: join(tmp, 'hf-home'), SHARDLINE_SCRATCH_RESERVE: '0' };
   delete env.SHARDLINE_DATABASE_URL;
   delete env.HF_HUB_CACHE;
   delete env.HF_ENDPOINT;
@@ -305,7 +307,7 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   assert.equal(await page.locator('[data-testid=logs] [data-line]').count(), 1);
 
   // Another run waits for a GPU no worker has; the page says why, and an admin cancels it.
-  const gpuSpec = demoSpec('browser-gpu').replace('resources: {cpus: 2, memory: 2GiB, scratch: 1GiB}', 'resources: {cpus: 2, memory: 2GiB, scratch: 1GiB, gpus: 1}');
+  const gpuSpec = demoSpec('browser-gpu').replace('resources: {cpus: 2, memory: 2GiB, scratch: 64MiB}', 'resources: {cpus: 2, memory: 2GiB, scratch: 64MiB, gpus: 1}');
   assert.ok(gpuSpec.includes('gpus: 1'), 'the demo shard step resources moved: update this test');
   // This one is uploaded as a file.
   const gpuFile = join(tmp, 'browser-gpu.yaml');
@@ -522,7 +524,7 @@ test('a running task shows a progress bar with bytes/s and ETA, and its logs fol
 test('the run page of a run with 2,000 tasks renders in under a second', { timeout: 120000 }, async () => {
   // The demo at tp 2 × dp 997: download, plan, 1,994 rank files, commit, split, validate,
   // upload. Its shard step wants a GPU this worker lacks, so the run stays put while measured.
-  const spec = demoSpec('browser-2000').replace('resources: {cpus: 2, memory: 2GiB, scratch: 1GiB}', 'resources: {cpus: 2, memory: 2GiB, scratch: 1GiB, gpus: 1}');
+  const spec = demoSpec('browser-2000').replace('resources: {cpus: 2, memory: 2GiB, scratch: 64MiB}', 'resources: {cpus: 2, memory: 2GiB, scratch: 64MiB, gpus: 1}');
   const file = join(tmp, 'big.yaml');
   writeFileSync(file, spec);
   const { context, page, problems } = await newPage();

@@ -123,3 +123,35 @@ fn a_full_disk_worker_takes_no_rank_task_and_the_run_says_why() {
     let run = get_json(&addr, &format!("/api/v1/runs/{run_id}"));
     assert_eq!(run["run"]["state"], "succeeded", "{run:#}");
 }
+
+/// `shardline run` whose own workers' disks are below their reserve does not wait in silence: it
+/// says which tasks wait and why, as the dashboard would.
+#[test]
+fn a_one_shot_run_says_why_its_ranks_wait() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = format!(
+        "apiVersion: shardline/v1\nkind: Pipeline\nname: disk\nsteps:\n\
+         \x20 - {{id: download, uses: hf.download, with: {{path: \"{}\"}}}}\n\
+         \x20 - {{id: shard, uses: megatron.shard, needs: [download], with: {{tp: 2, dp: 2}}}}\n",
+        fixture("qwen3_next").display()
+    );
+    std::fs::write(dir.path().join("disk.yaml"), spec).expect("spec");
+    let run = spawn(dir.path(), "run", &["run", "disk.yaml", "--workers", "1", "--scratch-reserve", "1PiB"]);
+    let deadline = Instant::now() + WAIT;
+    let log = dir.path().join("run.log");
+    let line = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if let Some(l) = text.lines().find(|l| l.contains(" wait: ")) {
+            break l.trim().to_string();
+        }
+        assert!(Instant::now() < deadline, "no reason printed within {WAIT:?}:\n{text}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let (names, why) = line.split_once(" wait: ").expect("`… wait: why`");
+    assert_eq!(names, "shard/rank-0 and 3 more", "{line}");
+    assert!(
+        why.starts_with("needs ") && why.contains(" scratch; the most any live worker has free is 0 MiB (worker "),
+        "{line}"
+    );
+    drop(run);
+}

@@ -126,6 +126,9 @@ pub struct RunArgs {
     /// In-process workers.
     #[arg(long, default_value_t = 2)]
     pub workers: usize,
+    /// Disk space the in-process workers never offer as scratch, e.g. 10GiB (default: 1GiB).
+    #[arg(long, env = "SHARDLINE_SCRATCH_RESERVE")]
+    pub scratch_reserve: Option<String>,
     #[command(flatten)]
     pub state: StateArgs,
 }
@@ -148,7 +151,7 @@ pub struct WorkerResources {
     pub scratch: Option<String>,
     /// Disk space never offered as scratch, e.g. 10GiB: what tasks leave free on the work
     /// directory's file system (default: 1GiB).
-    #[arg(long)]
+    #[arg(long, env = "SHARDLINE_SCRATCH_RESERVE")]
     pub scratch_reserve: Option<String>,
     /// On an artifact store, how much of a rank file a task stages at a time, e.g. 64MiB: the
     /// release bytes a section is written from are fetched, the section is written and uploaded,
@@ -245,7 +248,7 @@ pub fn run_run(args: RunArgs) -> Result<ExitCode> {
                 memory: None,
                 gpus: None,
                 scratch: None,
-                scratch_reserve: None,
+                scratch_reserve: args.scratch_reserve.clone(),
                 rank_section: None,
                 name: None,
             };
@@ -305,6 +308,7 @@ async fn follow_run(store: &Store, run: RunId) -> Result<RunState> {
                 last.insert(step.clone(), line);
             }
         }
+        waiting_note(store, &tasks, &mut last).await?;
         if r.state.is_terminal() {
             match r.state {
                 RunState::Succeeded => eprintln!("run {} succeeded", run.0),
@@ -314,6 +318,50 @@ async fn follow_run(store: &Store, run: RunId) -> Result<RunState> {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// While none of the run's tasks is leased, why its ready ones wait (the dashboard's reason:
+/// a disk below its reserve, a GPU no worker has), printed when it changes; a one-shot run that
+/// cannot go on says so instead of waiting in silence.
+async fn waiting_note(
+    store: &Store,
+    tasks: &[shardline_store::TaskRow],
+    last: &mut BTreeMap<String, String>,
+) -> Result<()> {
+    let ready: Vec<_> = tasks.iter().filter(|t| t.state == TaskState::Ready).collect();
+    if ready.is_empty() || tasks.iter().any(|t| t.state == TaskState::Leased) {
+        return Ok(());
+    }
+    let held: Vec<shardline_web::view::Held> = store
+        .leased_tasks()
+        .await?
+        .into_iter()
+        .map(|l| shardline_web::view::Held { worker: l.owner.0, resources: l.resources })
+        .collect();
+    let workers = store.list_workers().await?;
+    let now = chrono::Utc::now();
+    let mut why: BTreeMap<String, Vec<&str>> = BTreeMap::new();
+    for t in &ready {
+        let reason = shardline_web::view::ready_reason(&t.resources, &workers, &held, now);
+        // A worker with room is about to claim it: nothing to explain.
+        if !reason.starts_with("waiting for a worker to claim it") {
+            why.entry(reason).or_default().push(&t.name);
+        }
+    }
+    let line = why
+        .iter()
+        .map(|(reason, names)| match names.as_slice() {
+            [one] => format!("{one} waits: {reason}"),
+            [first, ..] => format!("{first} and {} more wait: {reason}", names.len() - 1),
+            [] => String::new(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n  ");
+    if !line.is_empty() && last.get("\0waiting") != Some(&line) {
+        eprintln!("  {line}");
+        last.insert("\0waiting".into(), line);
+    }
+    Ok(())
 }
 
 #[derive(Args, Debug)]
