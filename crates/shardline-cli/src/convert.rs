@@ -13,7 +13,8 @@ use shardline_formats::execute::{write_checkpoint_from, ExecuteOptions, OutputFo
 use shardline_formats::safetensors::Release;
 use shardline_formats::training::save_dir::{self, SeedArgs};
 use shardline_layout::{
-    build_plan, validate_plan, Dialect, Mesh, ModelConfig, Plan, PlanOptions, PlanTable, SourceTensor,
+    build_plan, validate_plan, DType, Dialect, Mesh, ModelConfig, Plan, PlanOptions, PlanTable, SourceTensor,
+    TorchtitanTarget, TorchtitanVersion,
 };
 
 use shardline_synth::{Arch as SynthArch, WeightFormat};
@@ -35,16 +36,67 @@ pub enum Target {
     FsdpDtensor,
     #[value(name = "torch_dist")]
     TorchDist,
+    #[value(name = "torchtitan")]
+    Torchtitan,
 }
 
 impl Target {
+    /// The dialect, torchtitan's with its default version and dtype (see [`TorchtitanArgs`]).
     pub fn dialect(self) -> Dialect {
         match self {
             Target::FsdpDtensor => Dialect::FsdpDtensor,
             Target::TorchDist => Dialect::TorchDist,
+            Target::Torchtitan => Dialect::Torchtitan(TorchtitanTarget::default()),
         }
     }
 }
+
+/// What `--target torchtitan` writes for.
+#[derive(Args, Clone, Debug)]
+pub struct TorchtitanArgs {
+    /// The torchtitan whose native key names to write: `main` (also `0.3.0`: `qkv_linear`,
+    /// `lm_head`, `routed_experts.inner_experts.w1_EFD`) or `2025-12` (before its 2026 renames:
+    /// `attention.wq`, `output`, `moe.experts.w1`). Default: main.
+    #[arg(long, value_parser = parse_torchtitan_version)]
+    pub torchtitan_version: Option<TorchtitanVersion>,
+    /// The parameters' dtype with --target torchtitan: float32 (torchtitan's training and seed
+    /// dtype, the default) or bfloat16.
+    #[arg(long, value_parser = parse_seed_dtype)]
+    pub dtype: Option<DType>,
+}
+
+impl TorchtitanArgs {
+    pub fn target(&self) -> TorchtitanTarget {
+        let default = TorchtitanTarget::default();
+        TorchtitanTarget {
+            version: self.torchtitan_version.unwrap_or(default.version),
+            dtype: self.dtype.unwrap_or(default.dtype),
+        }
+    }
+
+    /// Whether either was given (they mean nothing to another target).
+    pub fn given(&self) -> bool {
+        self.torchtitan_version.is_some() || self.dtype.is_some()
+    }
+}
+
+fn parse_torchtitan_version(s: &str) -> Result<TorchtitanVersion, String> {
+    TorchtitanVersion::parse(s).ok_or_else(|| {
+        let known: Vec<&str> = TorchtitanVersion::NAMES.iter().map(|(n, _)| *n).collect();
+        format!("unknown torchtitan version `{s}` (known: {})", known.join(", "))
+    })
+}
+
+fn parse_seed_dtype(s: &str) -> Result<DType, String> {
+    match s {
+        "float32" | "fp32" => Ok(DType::F32),
+        "bfloat16" | "bf16" => Ok(DType::BF16),
+        _ => Err(format!("`{s}`: the seed's dtype is float32 or bfloat16")),
+    }
+}
+
+/// Where torchtitan finds its seed under `checkpoint.folder`: step 0, loaded model-only.
+pub const TORCHTITAN_SEED_DIR: &str = "step-0";
 
 /// The target mesh, shared by every command that plans.
 #[derive(Args, Clone, Debug)]
@@ -89,6 +141,8 @@ pub struct ConvertArgs {
     /// `common.pt` and `metadata.json`).
     #[arg(long, value_enum, default_value = "fsdp_dtensor")]
     pub target: Target,
+    #[command(flatten)]
+    pub torchtitan: TorchtitanArgs,
     /// Prefix of every model key (default: `model.module.` for fsdp_dtensor, none for torch_dist).
     #[arg(long)]
     pub prefix: Option<String>,
@@ -157,7 +211,26 @@ fn plan_sources(config: &ModelConfig, sources: Vec<SourceTensor>, mesh: Mesh, op
 pub fn run(args: ConvertArgs) -> Result<ExitCode> {
     crate::malloc::map_large_buffers();
     let mesh = args.mesh.mesh();
-    let dialect = args.target.dialect();
+    let dialect = match args.target {
+        Target::Torchtitan => Dialect::Torchtitan(args.torchtitan.target()),
+        t => t.dialect(),
+    };
+    if let Dialect::Torchtitan(_) = dialect {
+        if !matches!(args.format, Format::Dcp) {
+            bail!("--target torchtitan is a DCP checkpoint; --format dcp-safetensors does not apply");
+        }
+        if args.optimizer_state {
+            bail!(
+                "--optimizer-state does not apply to --target torchtitan: torchtitan loads `step-0` model-only, \
+                 and builds its optimizer fresh"
+            );
+        }
+        if args.prefix.is_some() {
+            bail!("--prefix does not apply to --target torchtitan: its model keys sit at the top level");
+        }
+    } else if args.torchtitan.given() {
+        bail!("--dtype and --torchtitan-version apply only to --target torchtitan");
+    }
     if dialect == Dialect::TorchDist {
         if !matches!(args.format, Format::Dcp) {
             bail!("--target torch_dist is a DCP checkpoint; --format dcp-safetensors does not apply");
@@ -192,8 +265,13 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let Some(root) = args.to.as_deref() else { bail!("--to is required unless --dry-run") };
-    // torch_dist: a save directory, the checkpoint in `release/`.
-    let seed_dir = seed_args.as_ref().map(|_| save_dir::seed_dir(root));
+    // torch_dist: a save directory, the checkpoint in `release/`; torchtitan: `step-0/`, which
+    // it loads model-only.
+    let seed_dir = match dialect {
+        Dialect::TorchDist => Some(save_dir::seed_dir(root)),
+        Dialect::Torchtitan(_) => Some(root.join(TORCHTITAN_SEED_DIR)),
+        Dialect::FsdpDtensor => None,
+    };
     let out = seed_dir.as_deref().unwrap_or(root);
     if seed_args.is_some() {
         if !args.overwrite && root.join(save_dir::TRACKER).exists() {

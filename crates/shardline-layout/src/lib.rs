@@ -28,7 +28,7 @@ pub use invariants::{lower, validate, validate_plan, Invariant, RankPlan, Violat
 pub use mesh::Mesh;
 pub use plan::{
     build_plan, check_mesh_for_model, Chunk, FsdpNumbers, FsdpTiling, Group, OutputTensor, Plan, PlanOptions, Role,
-    SourceTensor, TensorView, Tiling, TilingView,
+    SourceTensor, TensorView, Tiling, TilingView, TorchtitanTarget, TorchtitanVersion,
 };
 pub use recipe::{RowBlock, Segment, Transform};
 pub use table::PlanTable;

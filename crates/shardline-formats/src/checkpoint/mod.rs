@@ -131,13 +131,32 @@ pub fn open_checkpoint_keys(dir: &Path, keep: impl Fn(&str) -> bool) -> Result<C
     open_any(dir, Some(&keep))
 }
 
-/// The directory holding the checkpoint `dir` names: `dir` itself, or, for a Megatron-LM save
-/// directory, the checkpoint its tracker names (one level, never further).
+/// The directory holding the checkpoint `dir` names: `dir` itself; for a Megatron-LM save
+/// directory, the checkpoint its tracker names; for a torchtitan checkpoint folder, its latest
+/// complete `step-N` (one level, never further).
 pub fn resolve_checkpoint_dir(dir: &Path) -> Result<PathBuf, CheckpointError> {
     if dir.join(".metadata").is_file() {
         return Ok(dir.to_path_buf());
     }
-    Ok(megatron_checkpoint_dir(dir)?.unwrap_or_else(|| dir.to_path_buf()))
+    if let Some(d) = megatron_checkpoint_dir(dir)? {
+        return Ok(d);
+    }
+    Ok(torchtitan_latest_step(dir).unwrap_or_else(|| dir.to_path_buf()))
+}
+
+/// The `step-N` of largest `N` under `dir` that holds a `.metadata` (torchtitan loads the latest
+/// step whose save completed).
+pub fn torchtitan_latest_step(dir: &Path) -> Option<PathBuf> {
+    fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name();
+            let step: u64 = name.to_str()?.strip_prefix("step-")?.parse().ok()?;
+            e.path().join(".metadata").is_file().then(|| (step, e.path()))
+        })
+        .max_by_key(|(step, _)| *step)
+        .map(|(_, path)| path)
 }
 
 fn open_any(dir: &Path, keep: Option<&dyn Fn(&str) -> bool>) -> Result<Checkpoint, CheckpointError> {

@@ -337,7 +337,7 @@ fn write_all(
     let tmp = out.join(".metadata.tmp");
     let f = File::create(&tmp).map_err(io_err(&tmp, "create .metadata.tmp"))?;
     let f = match plan.dialect {
-        Dialect::FsdpDtensor => write_metadata(source, plan, edited, f),
+        Dialect::FsdpDtensor | Dialect::Torchtitan(_) => write_metadata(source, plan, edited, f),
         Dialect::TorchDist => torch_dist_save::write_placed_metadata(
             plan,
             |rank| rank_items(source, plan, edited, rank).map(|item| stored_of(plan, item)),

@@ -35,6 +35,10 @@ pub enum Dialect {
     /// `mlp.experts.experts.` with an expert axis, SwiGLU fc1 whole as `[gate; up]`, DP replicas
     /// written once, and an `_extra_state` object per Transformer Engine module.
     TorchDist,
+    /// torchtitan's seed checkpoint (`step-0/`): native names of the torchtitan version given,
+    /// q/k/v and the MLP unfused, routed experts stacked, FSDP2 `Shard(0)` over dp; planned from
+    /// the release directly (`plan::torchtitan`), not from Megatron's per-module form.
+    Torchtitan(crate::plan::TorchtitanTarget),
 }
 
 impl Dialect {
@@ -43,6 +47,7 @@ impl Dialect {
         match self {
             Dialect::FsdpDtensor => "fsdp_dtensor",
             Dialect::TorchDist => "torch_dist",
+            Dialect::Torchtitan(_) => "torchtitan",
         }
     }
 
@@ -51,6 +56,7 @@ impl Dialect {
         match name {
             "fsdp_dtensor" => Some(Dialect::FsdpDtensor),
             "torch_dist" => Some(Dialect::TorchDist),
+            "torchtitan" => Some(Dialect::Torchtitan(Default::default())),
             _ => None,
         }
     }
@@ -59,7 +65,7 @@ impl Dialect {
     /// writes).
     pub fn shards_over_dp(self) -> bool {
         match self {
-            Dialect::FsdpDtensor => true,
+            Dialect::FsdpDtensor | Dialect::Torchtitan(_) => true,
             Dialect::TorchDist => false,
         }
     }
@@ -69,7 +75,7 @@ impl Dialect {
     /// id all zeros).
     pub fn balances_replicas(self) -> bool {
         match self {
-            Dialect::FsdpDtensor => true,
+            Dialect::FsdpDtensor | Dialect::Torchtitan(_) => true,
             Dialect::TorchDist => false,
         }
     }
@@ -78,7 +84,7 @@ impl Dialect {
     pub fn default_prefix(self) -> &'static str {
         match self {
             Dialect::FsdpDtensor => "model.module.",
-            Dialect::TorchDist => "",
+            Dialect::TorchDist | Dialect::Torchtitan(_) => "",
         }
     }
 }

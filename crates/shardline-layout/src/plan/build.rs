@@ -156,6 +156,9 @@ pub fn build_plan(
     mesh: Mesh,
     options: &PlanOptions,
 ) -> Result<Plan, Vec<LayoutError>> {
+    if let Dialect::Torchtitan(target) = options.dialect {
+        return super::torchtitan::build_torchtitan_plan(config, sources, mesh, target, options);
+    }
     let mut errors = check_mesh_for_model(config, &mesh);
     if !mesh.check().is_empty() {
         return Err(errors);

@@ -13,6 +13,7 @@ mod chunk;
 mod draft;
 mod gpt_oss;
 mod quant;
+mod torchtitan;
 
 use std::collections::BTreeMap;
 
@@ -26,6 +27,7 @@ pub use build::{build_plan, check_mesh_for_model};
 pub(crate) use chunk::chunk_draft;
 use chunk::with_rest;
 pub use chunk::{column_section_rows, fsdp_rows};
+pub use torchtitan::{TorchtitanTarget, TorchtitanVersion};
 
 /// A tensor of the release, as its header declares it.
 #[derive(Clone, Debug, PartialEq, Eq)]

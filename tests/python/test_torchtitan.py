@@ -1,0 +1,172 @@
+"""`convert --target torchtitan`: the seed checkpoint (`step-0/`) against torchtitan's own
+state-dict adapters (torchtitan 0.3.0's `from_hf`, see torchtitan_ref.py), key for key and byte for
+byte; loaded by gloo ranks with FSDP2's `Shard(0)`; and what it must refuse.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+import harness
+import reference as ref
+import torchtitan_worker
+from harness import FIXTURES, run_cli
+from torchtitan_ref import torchtitan_seed
+
+DP = 3
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory) -> dict[str, Path]:
+    """The tiny releases torchtitan has adapters for: llama (untied and tied), qwen3_moe, and a
+    dense qwen3 made from qwen3_moe's attention with a dense MLP of deterministic values."""
+    root = tmp_path_factory.mktemp("torchtitan-releases")
+    out = {"llama": FIXTURES / "llama", "qwen3_moe": FIXTURES / "qwen3_moe"}
+    out["llama_tied"] = harness.derive_fixture("tt_llama_tied", root, "llama", tied=True)
+    cfg = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
+    tensors = ref.load_hf_tensors(FIXTURES / "qwen3_moe")
+    dense = {k: v for k, v in tensors.items() if ".mlp." not in k}
+    gen = torch.Generator().manual_seed(7)
+    h, f = cfg["hidden_size"], cfg["intermediate_size"]
+    for layer in range(cfg["num_hidden_layers"]):
+        for name, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):
+            dense[f"model.layers.{layer}.mlp.{name}.weight"] = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    for k in ("num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+              "mlp_only_layers", "norm_topk_prob", "output_router_logits", "router_aux_loss_coef"):
+        cfg.pop(k, None)
+    cfg["model_type"], cfg["architectures"] = "qwen3", ["Qwen3ForCausalLM"]
+    qwen3 = root / "qwen3"
+    qwen3.mkdir()
+    (qwen3 / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(dense, str(qwen3 / "model.safetensors"), metadata={"format": "pt"})
+    out["qwen3"] = qwen3
+    return out
+
+
+def _convert(release: Path, out: Path, *extra: str) -> Path:
+    proc = run_cli(["convert", "--from", str(release), "--to", str(out), "--target", "torchtitan",
+                    "--dp", str(DP), *extra])
+    assert proc.returncode == 0, proc.stderr
+    return out / "step-0"
+
+
+def _load_full(seed: Path, want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    state = {k: harness.nan_like_spec(t.shape, t.dtype) for k, t in want.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+        dcp.load(state, checkpoint_id=str(seed))
+    return state
+
+
+def _check_seed(seed: Path, want: dict[str, torch.Tensor]) -> None:
+    md = dcp.FileSystemReader(str(seed)).read_metadata()
+    tensors = {k: m for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    assert set(tensors) == set(want), (sorted(set(tensors) ^ set(want)))
+    assert set(md.state_dict_metadata) == set(tensors), "a seed holds the model's tensors only"
+    for key, m in tensors.items():
+        # DCP casts on load: the stored dtype is checked here, not by the load.
+        assert m.properties.dtype == want[key].dtype, f"{key}: {m.properties.dtype}, torchtitan has {want[key].dtype}"
+        assert tuple(m.size) == tuple(want[key].shape), key
+        # FSDP2 Shard(0) over DP ranks: torch.chunk's pieces of dim 0, no empty extents.
+        rows = want[key].shape[0]
+        q = -(-rows // DP)
+        boxes = sorted((c.offsets[0], c.sizes[0]) for c in m.chunks)
+        expected = [(j * q, min(q, rows - j * q)) for j in range(DP) if j * q < rows]
+        assert boxes == expected, f"{key}: chunks {boxes}, FSDP2 places {expected}"
+        assert all(tuple(c.sizes[1:]) == tuple(want[key].shape[1:]) for c in m.chunks), key
+    got = _load_full(seed, want)
+    problems = [harness.describe_mismatch(k, got[k], want[k]) for k in sorted(want)
+                if not torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8))]
+    assert not problems, "\n".join(problems[:20])
+
+
+@pytest.mark.parametrize("model", ["llama", "llama_tied", "qwen3", "qwen3_moe"])
+def test_seed_equals_torchtitans_own_conversion(releases, tmp_path, model):
+    release = releases[model]
+    seed = _convert(release, tmp_path / "out")
+    want = torchtitan_seed(release)
+    if model == "llama":
+        # The RoPE permutation moved rows: a plain copy would not pass.
+        hf_q = ref.load_hf_tensors(release)["model.layers.0.self_attn.q_proj.weight"].float()
+        assert not torch.equal(want["layers.0.attention.qkv_linear.wq.weight"], hf_q)
+    if model == "llama_tied":
+        assert torch.equal(want["lm_head.weight"], want["tok_embeddings.weight"])
+    _check_seed(seed, want)
+    proc = run_cli(["validate", str(tmp_path / "out"), "--against", str(release)])
+    assert proc.returncode == 0 and proc.stdout.startswith("ok:"), proc.stdout + proc.stderr
+
+
+def test_bf16_seed_and_the_names_before_2026(releases, tmp_path):
+    release = releases["qwen3_moe"]
+    seed = _convert(release, tmp_path / "bf16", "--dtype", "bfloat16")
+    want = torchtitan_seed(release, torch.bfloat16)
+    # torchtitan keeps the load-balancing bias in fp32 whatever the parameters' dtype.
+    want = {k: (v.float() if k.endswith("expert_bias_E") else v) for k, v in want.items()}
+    _check_seed(seed, want)
+
+    # torchtitan before its 2026 renames (fsdp2-frameworks.md §2.2, at 36a4b6942).
+    renames = [(".attention.qkv_linear.", ".attention."), ("lm_head.weight", "output.weight"),
+               (".moe.routed_experts.inner_experts.w1_EFD", ".moe.experts.w1"),
+               (".moe.routed_experts.inner_experts.w2_EDF", ".moe.experts.w2"),
+               (".moe.routed_experts.inner_experts.w3_EFD", ".moe.experts.w3"),
+               (".moe.expert_bias_E", ".moe.expert_bias")]
+
+    def old(key: str) -> str:
+        for a, b in renames:
+            key = key.replace(a, b)
+        return key
+
+    seed = _convert(release, tmp_path / "old", "--torchtitan-version", "2025-12")
+    _check_seed(seed, {old(k): v for k, v in torchtitan_seed(release).items()})
+    proc = run_cli(["validate", str(seed), "--against", str(release)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_seed_loads_on_gloo_ranks_as_fsdp2_places_it(releases, tmp_path):
+    jobs = [(str(releases[m]), str(_convert(releases[m], tmp_path / m))) for m in ("llama", "qwen3_moe")]
+    port = harness.free_port()
+    ctx = mp.start_processes(torchtitan_worker.load_worker, args=(DP, port, jobs), nprocs=DP, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + 150
+    while not ctx.join(timeout=2):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            raise AssertionError(f"{DP}-rank load did not finish in 150s")
+
+
+@pytest.mark.parametrize("case", ["version", "model", "missing", "mesh", "optimizer"])
+def test_what_torchtitan_cannot_take_is_refused_and_nothing_is_written(releases, tmp_path, case):
+    out = tmp_path / "out"
+    release, extra, says = releases["llama"], [], ""
+    if case == "version":
+        extra, says = ["--torchtitan-version", "2026-05"], "unknown torchtitan version `2026-05` (known: main, 0.3.0, 2025-12)"
+    elif case == "model":
+        release, says = FIXTURES / "gpt_oss", "no torchtitan seed for `gpt_oss`"
+    elif case == "missing":
+        release = tmp_path / "missing"
+        release.mkdir()
+        tensors = ref.load_hf_tensors(FIXTURES / "llama")
+        tensors.pop("model.layers.1.mlp.up_proj.weight")
+        (release / "config.json").write_text((FIXTURES / "llama" / "config.json").read_text())
+        save_file(tensors, str(release / "model.safetensors"), metadata={"format": "pt"})
+        says = "release is missing `model.layers.1.mlp.up_proj.weight`"
+    elif case == "mesh":
+        extra, says = ["--tp", "2"], "data parallelism only"
+    elif case == "optimizer":
+        extra, says = ["--optimizer-state"], "--optimizer-state does not apply to --target torchtitan"
+    proc = run_cli(["convert", "--from", str(release), "--to", str(out), "--target", "torchtitan", *extra])
+    assert proc.returncode != 0
+    assert says in proc.stderr, proc.stderr
+    assert not out.exists() or not any(out.rglob("*")), sorted(out.rglob("*"))

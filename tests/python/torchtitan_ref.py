@@ -1,0 +1,68 @@
+"""torchtitan's own HF → native conversion, as the reference for `convert --target torchtitan`.
+
+The state-dict adapters of torchtitan 0.3.0 (installed by scripts/setup-python) run on the tiny
+releases: `from_hf` on the release's tensors gives the native state dict torchtitan builds its
+seed from (`scripts/checkpoint_conversion/convert_from_hf.py` does the same on a full model).
+The adapters read only a few numbers of the model config, given here as plain objects, so no
+torchtitan model (and no GPU) is built. What `from_hf` does not produce, the model's own
+buffers, is added as torchtitan's initialisation makes it: the load-balancing bias of routed
+experts, `expert_bias_E`, zeros in fp32 (torchtitan/models/common/moe.py).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+import reference as ref
+
+
+def adapter_for(release: Path):
+    """torchtitan's adapter for the release's model, configured from its config.json."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
+        from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+        from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    cfg = json.loads((release / "config.json").read_text())
+    model_type = cfg["model_type"]
+    if model_type == "llama":
+        adapter_cls, rope_cls = Llama3StateDictAdapter, ComplexRoPE.Config
+    elif model_type in ("qwen3", "qwen3_moe"):
+        adapter_cls, rope_cls = Qwen3StateDictAdapter, CosSinRoPE.Config
+    else:
+        raise ValueError(f"no torchtitan adapter for {model_type}")
+    heads = cfg["num_attention_heads"]
+    attention = SimpleNamespace(
+        n_heads=heads,
+        n_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        # The adapters check the RoPE flavour their permutation assumes; its fields are unused.
+        rope=object.__new__(rope_cls),
+    )
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    moe = SimpleNamespace(num_experts=experts) if experts else None
+    layers = [SimpleNamespace(attention=attention, moe=moe) for _ in range(cfg["num_hidden_layers"])]
+    config = SimpleNamespace(
+        layers=layers, dim=cfg["hidden_size"], enable_weight_tying=bool(cfg.get("tie_word_embeddings", False))
+    )
+    return adapter_cls(config, None), cfg
+
+
+def torchtitan_seed(release: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The native state dict of torchtitan's seed from `release`, in `dtype`."""
+    adapter, cfg = adapter_for(release)
+    hf = ref.load_hf_tensors(release)
+    native = adapter.from_hf(dict(hf))
+    out = {k: v.to(dtype).contiguous() for k, v in native.items()}
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if experts:
+        for layer in range(cfg["num_hidden_layers"]):
+            if f"model.layers.{layer}.mlp.gate.weight" in hf:
+                out[f"layers.{layer}.moe.expert_bias_E"] = torch.zeros(experts, dtype=torch.float32)
+    return out
