@@ -170,3 +170,19 @@ def test_what_torchtitan_cannot_take_is_refused_and_nothing_is_written(releases,
     assert proc.returncode != 0
     assert says in proc.stderr, proc.stderr
     assert not out.exists() or not any(out.rglob("*")), sorted(out.rglob("*"))
+
+
+@pytest.mark.parametrize("model,extra", [
+    ("llama", []), ("llama_tied", []), ("qwen3", ["--dtype", "bfloat16"]),
+    ("qwen3_moe", []), ("qwen3_moe", ["--torchtitan-version", "2025-12"]),
+])
+def test_export_gives_back_the_release_byte_for_byte(releases, tmp_path, model, extra):
+    release = releases[model]
+    _convert(release, tmp_path / "tt", *extra)
+    proc = run_cli(["export", str(tmp_path / "tt"), "--to", str(tmp_path / "hf"), "--like", str(release)])
+    assert proc.returncode == 0, proc.stderr
+    got, want = ref.load_hf_tensors(tmp_path / "hf"), ref.load_hf_tensors(release)
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    for key, t in want.items():
+        assert got[key].dtype == t.dtype and got[key].shape == t.shape, key
+        assert torch.equal(got[key].view(torch.uint8), t.view(torch.uint8)), harness.describe_mismatch(key, got[key], t)

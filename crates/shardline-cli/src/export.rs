@@ -80,10 +80,22 @@ pub fn run_export(args: ExportArgs) -> Result<ExitCode> {
     // The model's keys only: the optimizer's moments are not exported. A torch_dist checkpoint's
     // are read under the fsdp_dtensor names its keys stand for (layers and experts unstacked,
     // `[gate; up]` split), in place.
+    let torchtitan = !torch_dist
+        && shardline_formats::checkpoint::torchtitan_target_of(&dir)
+            .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?
+            .is_some();
     let (checkpoint, prefix) = if torch_dist {
         let c = TrainingCheckpoint::open_torch_dist_model(&args.ckpt)
             .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?;
         (c, "model.module.")
+    } else if torchtitan {
+        // Its model keys sit at the top level, beside nothing else in a seed; a training step's
+        // optimizer, scheduler, dataloader and train state are not exported.
+        let model =
+            |k: &str| !["optimizer.", "lr_scheduler.", "dataloader.", "train_state."].iter().any(|p| k.starts_with(p));
+        let c = open_checkpoint_keys(&args.ckpt, model)
+            .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?;
+        (c, "")
     } else {
         let c = open_checkpoint_keys(&args.ckpt, |k| k.starts_with(args.prefix.as_str()))
             .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?;

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -15,7 +15,7 @@ use shardline_formats::checkpoint::{scan_checkpoint, CheckpointFormat};
 use shardline_formats::execute::Progress;
 use shardline_formats::training::{summarize_training, TrainingSummary};
 use shardline_formats::verify::{verify_checkpoint, VerifyOptions};
-use shardline_layout::{Dialect, Mesh, PlanOptions, TorchtitanTarget, TorchtitanVersion};
+use shardline_layout::{Dialect, Mesh, PlanOptions};
 
 use crate::convert::plan_release;
 use crate::report::{bytes, peak_rss, Bar};
@@ -193,25 +193,14 @@ pub struct ValidateArgs {
     pub json: bool,
 }
 
-/// What a torchtitan checkpoint was written as, read off its keys: its model keys sit at the top
-/// level from `tok_embeddings.weight`; `qkv_linear` and `lm_head` are the names since 2026, `wq`
-/// and `output` those before; the dtype is its embedding's.
-fn torchtitan_target(dir: &Path) -> Result<Option<TorchtitanTarget>> {
-    let keep = |k: &str| k == "tok_embeddings.weight" || k == "lm_head.weight" || k.starts_with("layers.0.attention.");
-    let ckpt = shardline_formats::checkpoint::open_checkpoint_keys(dir, keep)
-        .with_context(|| format!("reading checkpoint {}", dir.display()))?;
-    let Some(embed) = ckpt.tensors.iter().find(|t| t.key == "tok_embeddings.weight") else { return Ok(None) };
-    let main = ckpt.tensors.iter().any(|t| t.key == "lm_head.weight" || t.key.contains(".qkv_linear."));
-    let version = if main { TorchtitanVersion::Main } else { TorchtitanVersion::V2025_12 };
-    Ok(Some(TorchtitanTarget { version, dtype: embed.dtype }))
-}
-
 pub fn run_validate(args: ValidateArgs) -> Result<ExitCode> {
     // A Megatron save directory: the checkpoint its tracker names.
     let ckpt = shardline_formats::checkpoint::resolve_checkpoint_dir(&args.ckpt)?;
     let dialect = if shardline_formats::training::common_state::is_torch_dist(&ckpt) {
         Dialect::TorchDist
-    } else if let Some(target) = torchtitan_target(&ckpt)? {
+    } else if let Some(target) = shardline_formats::checkpoint::torchtitan_target_of(&ckpt)
+        .with_context(|| format!("reading checkpoint {}", ckpt.display()))?
+    {
         Dialect::Torchtitan(target)
     } else {
         Dialect::FsdpDtensor

@@ -99,7 +99,12 @@ pub fn export_tensors(
         .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
         .collect();
     let mesh = Mesh { tp: 1, cp: 1, dp: etp, ep: 1, etp };
-    let options = PlanOptions { prefix: prefix.to_string(), vocab_divisible_by: 1, ..PlanOptions::default() };
+    // A torchtitan checkpoint is read back through the plan of its own version's names.
+    let (dialect, prefix) = match shardline_formats::checkpoint::torchtitan_target(checkpoint) {
+        Some(target) => (Dialect::Torchtitan(target), ""),
+        None => (Dialect::FsdpDtensor, prefix),
+    };
+    let options = PlanOptions { prefix: prefix.to_string(), vocab_divisible_by: 1, dialect, ..PlanOptions::default() };
     let forward = build_plan(&config, sources, mesh, &options).map_err(|errors| {
         let list: Vec<String> = errors.iter().map(|e| format!("  - {e}")).collect();
         format!("cannot plan `{}` for mesh {mesh}:\n{}", config.model_type, list.join("\n"))

@@ -7,7 +7,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use shardline_layout::DType;
+use shardline_layout::{DType, TorchtitanTarget, TorchtitanVersion};
 use thiserror::Error;
 
 use crate::dcp_metadata::{DcpMetadataError, PathElem};
@@ -142,6 +142,22 @@ pub fn resolve_checkpoint_dir(dir: &Path) -> Result<PathBuf, CheckpointError> {
         return Ok(d);
     }
     Ok(torchtitan_latest_step(dir).unwrap_or_else(|| dir.to_path_buf()))
+}
+
+/// What a torchtitan checkpoint was written as, read off its keys: its model keys sit at the top
+/// level from `tok_embeddings.weight`; `qkv_linear` and `lm_head` are the names since 2026, `wq`
+/// and `output` those before; the dtype is its embedding's. `None` for any other checkpoint.
+pub fn torchtitan_target(checkpoint: &Checkpoint) -> Option<TorchtitanTarget> {
+    let embed = checkpoint.tensors.iter().find(|t| t.key == "tok_embeddings.weight")?;
+    let main = checkpoint.tensors.iter().any(|t| t.key == "lm_head.weight" || t.key.contains(".qkv_linear."));
+    let version = if main { TorchtitanVersion::Main } else { TorchtitanVersion::V2025_12 };
+    Some(TorchtitanTarget { version, dtype: embed.dtype })
+}
+
+/// [`torchtitan_target`] of the checkpoint `dir` names, reading only the keys it looks at.
+pub fn torchtitan_target_of(dir: &Path) -> Result<Option<TorchtitanTarget>, CheckpointError> {
+    let keep = |k: &str| k == "tok_embeddings.weight" || k == "lm_head.weight" || k.starts_with("layers.0.attention.");
+    Ok(torchtitan_target(&open_checkpoint_keys(dir, keep)?))
 }
 
 /// The `step-N` of largest `N` under `dir` that holds a `.metadata` (torchtitan loads the latest
