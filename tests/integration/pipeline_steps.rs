@@ -96,3 +96,43 @@ fn the_torch_dist_example_writes_validates_and_uploads_a_save_directory() {
         assert!(&got[name] == w, "`{name}`: the exported tensor differs from the release's");
     }
 }
+
+/// `pipelines/torchtitan.yaml`: the shard step writes torchtitan's seed `step-0/` (4 FSDP2
+/// ranks), the validate step recognises it by its keys, the upload publishes it, and the export
+/// step gives the release back from it byte for byte.
+#[test]
+fn the_torchtitan_example_writes_validates_uploads_and_exports_a_seed() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let out = tmp.path().join("out");
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("pipelines/torchtitan.yaml");
+    let o = run(bin()
+        .current_dir(tmp.path())
+        .arg("run")
+        .arg(&spec)
+        .args(["--set", &format!("model={}", fixture("llama").display())])
+        .args(["--set", &format!("dest=file://{}", out.display())]));
+    assert!(o.status.success(), "run: {}{}", stdout(&o), stderr(&o));
+    let runs: Vec<_> = std::fs::read_dir(&out).expect("uploads").map(|e| e.expect("entry").path()).collect();
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    let seed = runs[0].join("torchtitan").join("step-0");
+    let mut names: Vec<String> = std::fs::read_dir(&seed)
+        .expect("step-0/")
+        .map(|e| e.expect("e").file_name().to_string_lossy().into())
+        .collect();
+    names.sort();
+    assert_eq!(names, [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]);
+    let o = run(bin().arg("inspect").arg("--json").arg(runs[0].join("torchtitan")));
+    assert!(o.status.success(), "inspect: {}", stderr(&o));
+    let listed = stdout(&o);
+    assert!(
+        listed.contains("\"layers.0.attention.qkv_linear.wq.weight\"") && listed.contains("\"lm_head.weight\""),
+        "{listed}"
+    );
+    let o = run(bin().arg("validate").arg(&seed).arg("--against").arg(fixture("llama")));
+    assert!(o.status.success(), "validate: {}{}", stdout(&o), stderr(&o));
+    let (want, got) = (tensors(&fixture("llama")), tensors(&runs[0].join("hf")));
+    assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
+    for (name, w) in &want {
+        assert!(&got[name] == w, "`{name}`: the exported tensor differs from the release's");
+    }
+}

@@ -9,6 +9,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use serde_json::json;
+use shardline_formats::checkpoint::TORCHTITAN_SEED_DIR;
 use shardline_formats::execute::{write_checkpoint_from, ExecuteOptions, OutputFormat, Progress, SourceMap};
 use shardline_formats::safetensors::Release;
 use shardline_formats::training::save_dir::{self, SeedArgs};
@@ -94,9 +95,6 @@ fn parse_seed_dtype(s: &str) -> Result<DType, String> {
         _ => Err(format!("`{s}`: the seed's dtype is float32 or bfloat16")),
     }
 }
-
-/// Where torchtitan finds its seed under `checkpoint.folder`: step 0, loaded model-only.
-pub const TORCHTITAN_SEED_DIR: &str = "step-0";
 
 /// The target mesh, shared by every command that plans.
 #[derive(Args, Clone, Debug)]

@@ -10,11 +10,14 @@ use std::sync::Arc;
 
 use serde_json::json;
 use sha2::{Digest, Sha256};
-use shardline_formats::checkpoint::{open_checkpoint, resolve_checkpoint_dir};
+use shardline_formats::checkpoint::{open_checkpoint, resolve_checkpoint_dir, TORCHTITAN_SEED_DIR};
 use shardline_formats::execute::{self, ExecuteOptions, OutputFormat, Progress};
 use shardline_formats::safetensors::Release;
 use shardline_formats::training::save_dir::{self, SeedArgs};
-use shardline_layout::{build_plan, validate_plan, Dialect, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
+use shardline_layout::{
+    build_plan, validate_plan, Dialect, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor, TorchtitanTarget,
+    TorchtitanVersion,
+};
 use thiserror::Error;
 
 use crate::checkpoints;
@@ -163,12 +166,21 @@ pub fn job_plan(job: &ShardJob, release: &Release) -> Result<Plan, StepError> {
     Ok(plan)
 }
 
-/// The dialect a job writes (`fsdp_dtensor` when the job names none).
+/// The dialect a job writes (`fsdp_dtensor` when the job names none; torchtitan's seed in fp32,
+/// of the version the job names).
 pub(crate) fn job_dialect(job: &ShardJob) -> Result<Dialect, StepError> {
     match job.target.as_str() {
         "" => Ok(Dialect::FsdpDtensor),
+        "torchtitan" => {
+            let version = match job.torchtitan_version.as_str() {
+                "" => TorchtitanVersion::Main,
+                v => TorchtitanVersion::parse(v)
+                    .ok_or_else(|| StepError::fatal(format!("unknown torchtitan version `{v}`")))?,
+            };
+            Ok(Dialect::Torchtitan(TorchtitanTarget { version, ..TorchtitanTarget::default() }))
+        }
         t => Dialect::parse(t)
-            .ok_or_else(|| StepError::fatal(format!("unknown target `{t}` (fsdp_dtensor, torch_dist)"))),
+            .ok_or_else(|| StepError::fatal(format!("unknown target `{t}` (fsdp_dtensor, torch_dist, torchtitan)"))),
     }
 }
 
@@ -243,10 +255,11 @@ fn staging_root(job: &ShardJob) -> PathBuf {
 }
 
 /// Where rank files are written: the staging root, or for torch_dist its checkpoint directory
-/// (the save directory's `release/`).
+/// (the save directory's `release/`), for torchtitan its `step-0/`.
 fn staging_dir(job: &ShardJob) -> PathBuf {
     match job_dialect(job) {
         Ok(Dialect::TorchDist) => save_dir::seed_dir(&staging_root(job)),
+        Ok(Dialect::Torchtitan(_)) => staging_root(job).join(TORCHTITAN_SEED_DIR),
         _ => staging_root(job),
     }
 }
@@ -383,10 +396,12 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
             None => checkpoints::export(job, ctx),
         },
         Payload::Plan { job } => {
-            if job.remote.is_some() && job_dialect(job)? == Dialect::TorchDist {
-                return Err(StepError::fatal(
-                    "`target: torch_dist` is written to local artifacts only for now; this server keeps its artifacts in an object store (run it without `--artifacts`, or use `target: fsdp_dtensor`)",
-                ));
+            let dialect = job_dialect(job)?;
+            if job.remote.is_some() && dialect != Dialect::FsdpDtensor {
+                return Err(StepError::fatal(format!(
+                    "`target: {}` is written to local artifacts only for now; this server keeps its artifacts in an object store (run it without `--artifacts`, or use `target: fsdp_dtensor`)",
+                    dialect.name()
+                )));
             }
             let plan = match job.remote {
                 Some(_) => crate::remote::plan(job, ctx)?,

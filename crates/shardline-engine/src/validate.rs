@@ -19,7 +19,7 @@ use serde_json::json;
 use shardline_artifacts::{Artifacts, ListedObject};
 use shardline_control::graph::part_files;
 use shardline_control::{BoxFingerprint, TaskOutput};
-use shardline_formats::checkpoint::resolve_checkpoint_dir;
+use shardline_formats::checkpoint::{resolve_checkpoint_dir, torchtitan_target_of};
 use shardline_formats::execute::SourceMap;
 use shardline_formats::safetensors::Release;
 use shardline_formats::training::common_state::is_torch_dist;
@@ -51,7 +51,14 @@ pub fn validate(
     // A Megatron save directory (torch_dist): the checkpoint its tracker names.
     let ckpt = resolve_checkpoint_dir(&dir).map_err(|e| StepError::fatal(e.to_string()))?;
     let release = open_release(&ctx.source_path(source_task)?)?;
-    let dialect = if is_torch_dist(&ckpt) { Dialect::TorchDist } else { Dialect::FsdpDtensor };
+    let dialect = if is_torch_dist(&ckpt) {
+        Dialect::TorchDist
+    } else {
+        match torchtitan_target_of(&ckpt).map_err(|e| StepError::fatal(e.to_string()))? {
+            Some(target) => Dialect::Torchtitan(target),
+            None => Dialect::FsdpDtensor,
+        }
+    };
     let reference = reference(&release, prefix, checkpoint_task, dialect, ctx)?;
     let report = verify(&ckpt, &release, &reference, Scope::Whole, ctx)?;
     (ctx.log)(format!("{} tensors, {} bytes reconstructed bit-exactly", report.tensors, report.bytes_checked));

@@ -265,7 +265,9 @@ pub fn read_manifest(dir: &Path) -> Result<Option<Manifest>, PublishError> {
 
 /// Files to publish from `src`, in publish order: the data by name, then the commit markers in
 /// their order (see [`commit::marker_order`]). The files of one directory; for a Megatron-LM save
-/// directory (its tracker at the top), the files under it too, by relative path.
+/// directory (its tracker at the top), the files under it too, by relative path; for a torchtitan
+/// checkpoint folder (`step-N/` directories and nothing else), every step's files, each step's
+/// `.metadata` last (torchtitan takes a step for complete when it has one).
 fn source_files(src: &Path) -> Result<Vec<String>, PublishError> {
     let mut names = Vec::new();
     match megatron_checkpoint(src)? {
@@ -274,7 +276,14 @@ fn source_files(src: &Path) -> Result<Vec<String>, PublishError> {
             names.push(commit::MEGATRON_TRACKER.to_string());
             list_files(&src.join(&named), &format!("{named}/"), true, &mut names)?;
         }
-        None => list_files(src, "", false, &mut names)?,
+        None => {
+            list_files(src, "", false, &mut names)?;
+            if names.is_empty() {
+                for step in torchtitan_steps(src)? {
+                    list_files(&src.join(&step), &format!("{step}/"), false, &mut names)?;
+                }
+            }
+        }
     }
     names.retain(|n| {
         let base = n.rsplit('/').next().unwrap_or(n);
@@ -304,6 +313,20 @@ fn megatron_checkpoint(src: &Path) -> Result<Option<String>, PublishError> {
         },
     };
     Ok(Some(named))
+}
+
+/// The `step-N` directories of a torchtitan checkpoint folder `src`.
+fn torchtitan_steps(src: &Path) -> Result<Vec<String>, PublishError> {
+    let mut steps = Vec::new();
+    for e in fs::read_dir(src).map_err(io_err(src, "list"))?.filter_map(|e| e.ok()) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let numbered = name.strip_prefix("step-").is_some_and(|n| n.parse::<u64>().is_ok());
+        if numbered && e.file_type().is_ok_and(|t| t.is_dir()) {
+            steps.push(name);
+        }
+    }
+    steps.sort();
+    Ok(steps)
 }
 
 /// Adds the files of `dir` (under the relative path `rel`) to `out`, and those of its
@@ -374,6 +397,32 @@ mod tests {
         fs::write(dir.join("__0_0.distcp"), b"rank zero").unwrap();
         fs::write(dir.join("__1_0.distcp"), b"rank one!").unwrap();
         fs::write(dir.join(".metadata"), b"meta").unwrap();
+    }
+
+    #[test]
+    fn a_torchtitan_folder_publishes_each_step_with_its_metadata_last() {
+        let tmp = tempfile::tempdir().unwrap();
+        let src = tmp.path().join("src");
+        make_src(&src.join("step-0"));
+        make_src(&src.join("step-10"));
+        fs::create_dir_all(src.join("notes")).unwrap();
+        fs::write(src.join("notes").join("x"), b"not a step").unwrap();
+        let names = source_files(&src).unwrap();
+        assert_eq!(
+            names,
+            [
+                "step-0/__0_0.distcp",
+                "step-0/__1_0.distcp",
+                "step-10/__0_0.distcp",
+                "step-10/__1_0.distcp",
+                "step-0/.metadata",
+                "step-10/.metadata"
+            ]
+        );
+        let dest = tmp.path().join("dest");
+        let (_, r) = publish_dir(&src, &dest, serde_json::json!({}), serde_json::json!({})).unwrap();
+        assert_eq!(r.copied.last().map(String::as_str), Some("step-10/.metadata"));
+        assert_eq!(fs::read(dest.join("step-10").join(".metadata")).unwrap(), b"meta");
     }
 
     #[test]

@@ -507,6 +507,10 @@ pub enum StepConfig {
         /// their step cache keys); read back as the default when absent.
         #[serde(default = "default_target", skip_serializing_if = "is_default_target")]
         target: String,
+        /// With `target: torchtitan`, the torchtitan version whose names are written (`main`
+        /// when empty); left out of the serialized form when empty, as `target` is.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        torchtitan_version: String,
         prefix: String,
         optimizer_state: bool,
         vocab_divisible_by: u64,

@@ -346,9 +346,13 @@ pub(crate) fn resolve_step(
             etp: uint(&w, "etp"),
             format: string(&w, "format").parse().unwrap_or(OutputFormatName::Dcp),
             target: string(&w, "target"),
+            torchtitan_version: w
+                .get("torchtitan_version")
+                .map(|_| string(&w, "torchtitan_version"))
+                .unwrap_or_default(),
             prefix: match w.get("prefix") {
                 Some(_) => string(&w, "prefix"),
-                None if string(&w, "target") == "torch_dist" => String::new(),
+                None if matches!(string(&w, "target").as_str(), "torch_dist" | "torchtitan") => String::new(),
                 None => "model.module.".to_string(),
             },
             optimizer_state: boolean(&w, "optimizer_state"),

@@ -172,8 +172,14 @@ const MEGATRON_SHARD: &[Field] = &[
     field("ep", POSITIVE, FieldDefault::UInt(1)),
     field("etp", POSITIVE, FieldDefault::SameAs("tp")),
     field("format", FieldType::Choice(OutputFormatName::NAMES), FieldDefault::Str("dcp")),
-    field("target", FieldType::Choice(&["fsdp_dtensor", "torch_dist"]), FieldDefault::Str("fsdp_dtensor")),
-    // `model.module.` for fsdp_dtensor, none for torch_dist.
+    field(
+        "target",
+        FieldType::Choice(&["fsdp_dtensor", "torch_dist", "torchtitan"]),
+        FieldDefault::Str("fsdp_dtensor"),
+    ),
+    // With `target: torchtitan`: whose names the seed is written with (`convert --torchtitan-version`).
+    field("torchtitan_version", FieldType::Choice(&["main", "0.3.0", "2025-12"]), FieldDefault::Optional),
+    // `model.module.` for fsdp_dtensor, none for torch_dist and torchtitan.
     field("prefix", FieldType::Str, FieldDefault::Optional),
     field("optimizer_state", FieldType::Bool, FieldDefault::Bool(false)),
     field("vocab_divisible_by", POSITIVE, FieldDefault::UInt(128)),

@@ -1,5 +1,5 @@
 //! Checks of a resolved pipeline that follow from a shard step's `target` (the checkpoint
-//! dialect): what a `torch_dist` shard cannot be combined with.
+//! dialect): what a `torch_dist` or `torchtitan` shard cannot be combined with.
 
 use std::collections::BTreeMap;
 
@@ -17,7 +17,7 @@ pub(crate) fn check_targets(
     file: &str,
     diags: &mut Vec<Diagnostic>,
 ) {
-    let torch_dist = |id: &str| matches!(resolved.get(id).map(|r| &r.config), Some(StepConfig::MegatronShard { target, .. }) if target == "torch_dist");
+    let keeps_whole = |id: &str| matches!(resolved.get(id).map(|r| &r.config), Some(StepConfig::MegatronShard { target, .. }) if target == "torch_dist" || target == "torchtitan");
     for (index, spec) in steps {
         let base = format!("steps[{index}]");
         let mut push = |field: &str, code: &str, message: String, hint: &str| {
@@ -48,11 +48,60 @@ pub(crate) fn check_targets(
                     );
                 }
             }
-            _ if spec.kind == StepKind::MegatronSplitFused && spec.needs.iter().any(|n| torch_dist(n)) => push(
+            Some(StepConfig::MegatronShard { target, format, optimizer_state, tp, cp, ep, etp, prefix, .. })
+                if target == "torchtitan" =>
+            {
+                if *format == OutputFormatName::DcpSafetensors {
+                    push(
+                        "with.format",
+                        "target",
+                        format!("step `{}`: `target: torchtitan` is a DCP checkpoint; `format: dcp-safetensors` does not apply", spec.id),
+                        "remove `format`",
+                    );
+                }
+                if *optimizer_state {
+                    push(
+                        "with.optimizer_state",
+                        "target",
+                        format!("step `{}`: torchtitan loads its seed `step-0` model-only", spec.id),
+                        "remove `optimizer_state`: torchtitan builds its optimizer fresh",
+                    );
+                }
+                if (*tp, *cp, *ep, *etp) != (1, 1, 1, 1) {
+                    push(
+                        "with",
+                        "target",
+                        format!(
+                            "step `{}`: `target: torchtitan` shards over data parallelism only (FSDP2 `Shard(0)` over dp); got tp {tp}, cp {cp}, ep {ep}, etp {etp}",
+                            spec.id
+                        ),
+                        "set tp, cp, ep and etp to 1: DCP reshards the seed onto torchtitan's TP and EP placements on load",
+                    );
+                }
+                if !prefix.is_empty() {
+                    push(
+                        "with.prefix",
+                        "target",
+                        format!("step `{}`: torchtitan's model keys sit at the top level; `prefix` does not apply", spec.id),
+                        "remove `prefix`",
+                    );
+                }
+            }
+            Some(StepConfig::MegatronShard { target, torchtitan_version, .. })
+                if target != "torchtitan" && !torchtitan_version.is_empty() =>
+            {
+                push(
+                    "with.torchtitan_version",
+                    "target",
+                    format!("step `{}`: `torchtitan_version` applies only to `target: torchtitan`", spec.id),
+                    "remove it, or set `target: torchtitan`",
+                );
+            }
+            _ if spec.kind == StepKind::MegatronSplitFused && spec.needs.iter().any(|n| keeps_whole(n)) => push(
                 "needs",
                 "target",
-                format!("step `{}`: `megatron.split_fused` follows a `target: torch_dist` shard, which keeps SwiGLU fc1 whole as `[gate; up]` by definition", spec.id),
-                "remove this step: torch_dist has nothing to split",
+                format!("step `{}`: `megatron.split_fused` follows a `target: torch_dist` or `target: torchtitan` shard, which has no fused parameters to split (torch_dist keeps SwiGLU fc1 whole as `[gate; up]`, torchtitan never fuses)", spec.id),
+                "remove this step: the shard step's output is final",
             ),
             _ => {}
         }

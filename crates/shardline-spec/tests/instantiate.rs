@@ -86,6 +86,7 @@ fn defaults_fill_every_field() {
             etp: 2,
             format: OutputFormatName::Dcp,
             target: "fsdp_dtensor".into(),
+            torchtitan_version: String::new(),
             prefix: "model.module.".into(),
             optimizer_state: false,
             vocab_divisible_by: 128,
@@ -664,4 +665,48 @@ steps:
     let targets: Vec<&str> = diags.iter().filter(|d| d.code == "target").map(|d| d.path.as_str()).collect();
     assert_eq!(targets, ["steps[1].with.format", "steps[1].with.optimizer_state", "steps[2].needs"], "{diags:#?}");
     assert!(diags.iter().any(|d| d.message.contains("`format: dcp-safetensors` does not apply")), "{diags:#?}");
+}
+
+#[test]
+fn a_torchtitan_shard_has_no_prefix_and_refuses_what_it_cannot_write() {
+    let spec = r#"
+apiVersion: shardline/v1
+kind: Pipeline
+name: tt
+steps:
+  - {id: download, uses: hf.download, with: {repo: org/model}}
+  - {id: shard, uses: megatron.shard, needs: [download], with: {tp: 1, dp: 4, target: torchtitan, torchtitan_version: 2025-12}}
+"#;
+    let run = pipeline(spec).instantiate(&[], "run-1").unwrap();
+    match &run.step("shard").unwrap().config {
+        StepConfig::MegatronShard { target, prefix, torchtitan_version, .. } => {
+            assert_eq!((target.as_str(), prefix.as_str(), torchtitan_version.as_str()), ("torchtitan", "", "2025-12"))
+        }
+        other => panic!("{other:?}"),
+    }
+    let bad = r#"
+apiVersion: shardline/v1
+kind: Pipeline
+name: tt
+steps:
+  - {id: download, uses: hf.download, with: {repo: org/model}}
+  - {id: shard, uses: megatron.shard, needs: [download], with: {tp: 2, dp: 1, target: torchtitan, format: dcp-safetensors, optimizer_state: true, prefix: x.}}
+  - {id: split, uses: megatron.split_fused, needs: [shard]}
+  - {id: other, uses: megatron.shard, needs: [download], with: {tp: 1, dp: 1, torchtitan_version: main}}
+"#;
+    let (_, diags) = lint("tt.yaml", bad, &common::disk_context());
+    let targets: Vec<&str> = diags.iter().filter(|d| d.code == "target").map(|d| d.path.as_str()).collect();
+    assert_eq!(
+        targets,
+        [
+            "steps[1].with",
+            "steps[1].with.format",
+            "steps[1].with.optimizer_state",
+            "steps[1].with.prefix",
+            "steps[2].needs",
+            "steps[3].with.torchtitan_version"
+        ],
+        "{diags:#?}"
+    );
+    assert!(diags.iter().any(|d| d.message.contains("data parallelism only")), "{diags:#?}");
 }

@@ -64,6 +64,9 @@ pub struct ShardJob {
     /// The checkpoint dialect, `fsdp_dtensor` or `torch_dist` (a Megatron save directory).
     #[serde(default = "fsdp_dtensor")]
     pub target: String,
+    /// With `target: torchtitan`: the version whose names are written (empty: `main`).
+    #[serde(default)]
+    pub torchtitan_version: String,
     /// Task whose output names the source release (`{"path": …}`).
     pub source_task: String,
     /// Where the checkpoint is committed; rank files are staged in `<out>.partial`.
@@ -486,6 +489,7 @@ pub fn tasks_for(
                 etp,
                 format,
                 target,
+                torchtitan_version,
                 prefix,
                 optimizer_state,
                 vocab_divisible_by,
@@ -506,6 +510,7 @@ pub fn tasks_for(
                     vocab_divisible_by: *vocab_divisible_by,
                     split_fused: shard_applies_split(p, &step.id),
                     target: target.clone(),
+                    torchtitan_version: torchtitan_version.clone(),
                     source_task: source_task_of(p, &step.id).ok_or_else(|| missing("hf.download"))?,
                     out: run_dir.join(&step.id).join("checkpoint"),
                     remote: remote_out(&step.id),

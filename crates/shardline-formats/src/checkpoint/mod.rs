@@ -160,6 +160,9 @@ pub fn torchtitan_target_of(dir: &Path) -> Result<Option<TorchtitanTarget>, Chec
     Ok(torchtitan_target(&open_checkpoint_keys(dir, keep)?))
 }
 
+/// Where torchtitan finds its seed under `checkpoint.folder`: step 0, which it loads model-only.
+pub const TORCHTITAN_SEED_DIR: &str = "step-0";
+
 /// The `step-N` of largest `N` under `dir` that holds a `.metadata` (torchtitan loads the latest
 /// step whose save completed).
 pub fn torchtitan_latest_step(dir: &Path) -> Option<PathBuf> {
