@@ -55,18 +55,23 @@ fn metric(addr: &str, series: &str) -> Option<f64> {
     body.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
 }
 
-#[test]
-fn a_full_disk_worker_takes_no_rank_task_and_the_run_says_why() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let server = spawn(dir.path(), "server", &["server", "--http", "127.0.0.1:0", "--public-reads"]);
-    let addr = server.wait_for_address();
+/// `disk.yaml` in `dir`: the tiny Qwen3-Next release downloaded and sharded for tp2·dp2.
+fn write_spec(dir: &std::path::Path) {
     let spec = format!(
         "apiVersion: shardline/v1\nkind: Pipeline\nname: disk\nsteps:\n\
          \x20 - {{id: download, uses: hf.download, with: {{path: \"{}\"}}}}\n\
          \x20 - {{id: shard, uses: megatron.shard, needs: [download], with: {{tp: 2, dp: 2}}}}\n",
         fixture("qwen3_next").display()
     );
-    std::fs::write(dir.path().join("disk.yaml"), spec).expect("spec");
+    std::fs::write(dir.join("disk.yaml"), spec).expect("spec");
+}
+
+#[test]
+fn a_full_disk_worker_takes_no_rank_task_and_the_run_says_why() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let server = spawn(dir.path(), "server", &["server", "--http", "127.0.0.1:0", "--public-reads"]);
+    let addr = server.wait_for_address();
+    write_spec(dir.path());
     let o = run(&mut cmd(dir.path(), &["submit", "disk.yaml"]));
     assert!(o.status.success(), "submit: {}", stderr(&o));
     let run_id: u64 = stdout(&o).trim().parse().expect("run id");
@@ -129,13 +134,7 @@ fn a_full_disk_worker_takes_no_rank_task_and_the_run_says_why() {
 #[test]
 fn a_one_shot_run_says_why_its_ranks_wait() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let spec = format!(
-        "apiVersion: shardline/v1\nkind: Pipeline\nname: disk\nsteps:\n\
-         \x20 - {{id: download, uses: hf.download, with: {{path: \"{}\"}}}}\n\
-         \x20 - {{id: shard, uses: megatron.shard, needs: [download], with: {{tp: 2, dp: 2}}}}\n",
-        fixture("qwen3_next").display()
-    );
-    std::fs::write(dir.path().join("disk.yaml"), spec).expect("spec");
+    write_spec(dir.path());
     let run = spawn(dir.path(), "run", &["run", "disk.yaml", "--workers", "1", "--scratch-reserve", "1PiB"]);
     let deadline = Instant::now() + WAIT;
     let log = dir.path().join("run.log");

@@ -183,3 +183,33 @@ def compare_state_dicts(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
                 msg += f"; it holds the reference value of {twin}"
             problems.append(msg)
     return problems
+
+
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """Joins this spawned rank to a gloo process group of `world` CPU ranks on loopback."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def spawn_ranks(fn, world: int, args: tuple, what: str, timeout_s: float = 150.0) -> None:
+    """Runs `fn(rank, world, port, *args)` on `world` spawned ranks; fails (stopping them) when they
+    do not finish within `timeout_s`, so a hung collective fails the test instead of the suite."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=2):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.terminate()
+            raise AssertionError(f"{world}-rank {what} did not finish in {timeout_s:.0f}s")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import traceback
 
 import torch
@@ -54,11 +53,7 @@ def reshard_worker(rank: int, world: int, port: int, jobs: list[tuple[str, str, 
 
     jobs: (label, storage kind "dcp" | "dcp-safetensors", checkpoint dir, model fixture, tp, etp).
     """
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    harness.join_gloo(rank, world, port)
     try:
         mesh = init_device_mesh("cpu", (world,))
         problems: list[str] = []

@@ -15,14 +15,12 @@ import json
 import math
 import re
 import subprocess
-import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from safetensors import safe_open
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -245,16 +243,7 @@ def test_rejects_mesh_megatron_would_reject(shardline, tmp_path, model, mesh, nu
 # ---------------------------------------------------------------------------------------------
 
 def _spawn(world: int, jobs, timeout_s: float = 150.0) -> None:
-    port = harness.free_port()
-    ctx = mp.start_processes(interop_worker.reshard_worker, args=(world, port, jobs), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            raise AssertionError(f"{world}-rank reshard did not finish in {timeout_s:.0f}s")
+    harness.spawn_ranks(interop_worker.reshard_worker, world, (jobs,), "reshard", timeout_s)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -6,14 +6,12 @@ byte; loaded by gloo ranks with FSDP2's `Shard(0)`; and what it must refuse.
 from __future__ import annotations
 
 import json
-import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -134,16 +132,7 @@ def test_bf16_seed_and_the_names_before_2026(releases, tmp_path):
 
 def test_seed_loads_on_gloo_ranks_as_fsdp2_places_it(releases, tmp_path):
     jobs = [(str(releases[m]), str(_convert(releases[m], tmp_path / m))) for m in ("llama", "qwen3_moe")]
-    port = harness.free_port()
-    ctx = mp.start_processes(torchtitan_worker.load_worker, args=(DP, port, jobs), nprocs=DP, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 150
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            raise AssertionError(f"{DP}-rank load did not finish in 150s")
+    harness.spawn_ranks(torchtitan_worker.load_worker, DP, (jobs,), "load")
 
 
 @pytest.mark.parametrize("case", ["version", "model", "missing", "mesh", "optimizer"])

@@ -4,7 +4,6 @@ Kept importable: mp.start_processes pickles by name."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 import traceback
 
@@ -20,11 +19,7 @@ from torchtitan_ref import torchtitan_seed
 
 def load_worker(rank: int, world: int, port: int, jobs: list[tuple[str, str]]) -> None:
     """jobs: (release dir, seed `step-0` dir)."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    harness.join_gloo(rank, world, port)
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
         problems: list[str] = []
