@@ -88,6 +88,11 @@ pub fn run_export(args: ExportArgs) -> Result<ExitCode> {
         let c = TrainingCheckpoint::open_torch_dist_model(&args.ckpt)
             .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?;
         (c, "model.module.")
+    } else if shardline_formats::checkpoint::automodel_model_dir(&args.ckpt)?.is_some() {
+        // NeMo Automodel's `model/`: the release's own names, every key is the model's.
+        let c = open_checkpoint_keys(&args.ckpt, |_| true)
+            .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?;
+        (c, "")
     } else if torchtitan {
         // Its model keys sit at the top level, beside nothing else in a seed; a training step's
         // optimizer, scheduler, dataloader and train state are not exported.

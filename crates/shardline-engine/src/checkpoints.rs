@@ -24,7 +24,7 @@ use shardline_formats::training::{
     rank_of_file, summarize_training, write_export, write_resharded, ExportOptions, TrainingCheckpoint, TrainingError,
 };
 use shardline_layout::dialect::Dialect;
-use shardline_layout::export::{plan_export, ExportTensor};
+use shardline_layout::export::{plan_export, plan_export_as_named, ExportTensor};
 use shardline_layout::reshard::{infer_mesh, plan_reshard, ReshardOptions, RngPolicy};
 use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, PlanOptions, Role, SourceTensor};
 
@@ -94,13 +94,24 @@ pub fn export_tensors(
     let release = Release::open(like).map_err(|e| format!("reading release {}: {e}", like.display()))?;
     let config = ModelConfig::from_json(release.config_json())
         .map_err(|e| format!("reading {}: {e}", like.join("config.json").display()))?;
-    let sources = release
+    let sources: Vec<SourceTensor> = release
         .tensors()
         .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
         .collect();
+    let shapes: BTreeMap<String, Vec<u64>> =
+        checkpoint.tensors.iter().map(|t| (t.key.clone(), t.shape.clone())).collect();
+    let torchtitan = shardline_formats::checkpoint::torchtitan_target(checkpoint);
+    // A checkpoint under the release's own names (NeMo Automodel's `model/`): each tensor whole.
+    // (`lm_head.weight` alone says nothing: torchtitan spells it so too.)
+    if torchtitan.is_none() && sources.iter().any(|s| s.name != "lm_head.weight" && shapes.contains_key(&s.name)) {
+        return plan_export_as_named(&sources, &shapes).map_err(|errors| {
+            let list: Vec<String> = errors.iter().map(|e| format!("  {e}")).collect();
+            format!("cannot export {} as {}:\n{}", checkpoint.dir.display(), like.display(), list.join("\n"))
+        });
+    }
     let mesh = Mesh { tp: 1, cp: 1, dp: etp, ep: 1, etp };
     // A torchtitan checkpoint is read back through the plan of its own version's names.
-    let (dialect, prefix) = match shardline_formats::checkpoint::torchtitan_target(checkpoint) {
+    let (dialect, prefix) = match torchtitan {
         Some(target) => (Dialect::Torchtitan(target), ""),
         None => (Dialect::FsdpDtensor, prefix),
     };
@@ -114,8 +125,6 @@ pub fn export_tensors(
         let list: Vec<String> = violations.iter().take(20).map(|v| format!("  - {v}")).collect();
         return Err(format!("the plan breaks {} invariant(s):\n{}", violations.len(), list.join("\n")));
     }
-    let shapes: BTreeMap<String, Vec<u64>> =
-        checkpoint.tensors.iter().map(|t| (t.key.clone(), t.shape.clone())).collect();
     plan_export(&forward, &shapes).map_err(|errors| {
         let list: Vec<String> = errors.iter().map(|e| format!("  {e}")).collect();
         format!("cannot export {} as {}:\n{}", checkpoint.dir.display(), like.display(), list.join("\n"))
@@ -419,7 +428,11 @@ pub fn export(job: &ExportJob, ctx: &StepContext) -> Result<TaskOutput, StepErro
             .map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
         (c, "model.module.")
     } else {
-        let c = open_checkpoint_keys(&dir, |k| k.starts_with(job.prefix.as_str()))
+        // NeMo Automodel's `model/` holds the release's own names: every key is the model's.
+        let automodel = shardline_formats::checkpoint::automodel_model_dir(&dir)
+            .map_err(|e| StepError::fatal(e.to_string()))?
+            .is_some();
+        let c = open_checkpoint_keys(&dir, |k| automodel || k.starts_with(job.prefix.as_str()))
             .map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
         (c, job.prefix.as_str())
     };

@@ -169,6 +169,48 @@ pub fn plan_export(
     }
 }
 
+/// Plans the export of a checkpoint that holds the release's tensors under their own names (NeMo
+/// Automodel's `model/`, HF-named however it is chunked): every release tensor is the checkpoint
+/// tensor of its name, whole, in the release's dtype. `sources` are the release's tensors.
+pub fn plan_export_as_named(
+    sources: &[crate::plan::SourceTensor],
+    checkpoint: &BTreeMap<String, Vec<u64>>,
+) -> Result<Vec<ExportTensor>, Vec<ExportError>> {
+    let mut errors = Vec::new();
+    let mut out = Vec::new();
+    for s in sources {
+        match checkpoint.get(&s.name) {
+            Some(shape) if *shape == s.shape => {
+                let block = ExportBlock {
+                    key: s.name.clone(),
+                    ckpt_row: 0,
+                    rows: rows_of(&s.shape),
+                    width: row_elems(&s.shape),
+                    place: Place::Rows { row: 0, stride: 1 },
+                    add_one: false,
+                };
+                out.push(ExportTensor {
+                    name: s.name.clone(),
+                    dtype: s.dtype,
+                    shape: s.shape.clone(),
+                    blocks: vec![block],
+                });
+            }
+            Some(shape) => errors.push(ExportError::Shape {
+                key: s.name.clone(),
+                actual: format!("{shape:?}"),
+                expected: format!("{:?} (the release's)", s.shape),
+            }),
+            None => errors.push(ExportError::Missing { name: s.name.clone(), keys: vec![s.name.clone()] }),
+        }
+    }
+    if errors.is_empty() {
+        Ok(out)
+    } else {
+        Err(errors)
+    }
+}
+
 fn irreversible(plan: &Plan, source: usize, how: &'static str) -> ExportError {
     ExportError::Irreversible { name: plan.sources[source].name.clone(), how }
 }

@@ -92,6 +92,10 @@ pub enum CheckpointError {
     ShardingInfo { file: String, message: String },
     #[error("{0}: names neither `release` nor an iteration number: {1:?}")]
     Tracker(PathBuf, String),
+    #[error(
+        "{0} is still being written (its `.incomplete` marker is there): a NeMo Automodel save that did not finish"
+    )]
+    Incomplete(PathBuf),
 }
 
 /// Megatron-LM's tracker file in a save directory.
@@ -141,7 +145,27 @@ pub fn resolve_checkpoint_dir(dir: &Path) -> Result<PathBuf, CheckpointError> {
     if let Some(d) = megatron_checkpoint_dir(dir)? {
         return Ok(d);
     }
+    if let Some(d) = automodel_model_dir(dir)? {
+        return Ok(d);
+    }
     Ok(torchtitan_latest_step(dir).unwrap_or_else(|| dir.to_path_buf()))
+}
+
+/// NeMo Automodel's save marker: present in `epoch_E_step_S/` while the save is written.
+pub const AUTOMODEL_INCOMPLETE: &str = ".incomplete";
+
+/// The model weights of a NeMo Automodel checkpoint `epoch_E_step_S/`: its `model/` directory
+/// (HF-named sharded safetensors, or DCP), when it has one; an error while `.incomplete` says
+/// the save did not finish.
+pub fn automodel_model_dir(dir: &Path) -> Result<Option<PathBuf>, CheckpointError> {
+    let model = dir.join("model");
+    if !model.is_dir() {
+        return Ok(None);
+    }
+    if dir.join(AUTOMODEL_INCOMPLETE).exists() {
+        return Err(CheckpointError::Incomplete(dir.to_path_buf()));
+    }
+    Ok(Some(model))
 }
 
 /// What a torchtitan checkpoint was written as, read off its keys: its model keys sit at the top

@@ -102,12 +102,8 @@ pub fn write_export(
             let stored = by_key[b.key.as_str()];
             let boxes: Vec<ChunkBox> =
                 stored.chunks.iter().map(|c| ChunkBox { offsets: c.offsets.clone(), sizes: c.sizes.clone() }).collect();
-            check_tiling(&stored.shape, &boxes).map_err(|problem| {
-                TrainingError::Reshard(shardline_layout::reshard::ReshardError::Tiling {
-                    key: stored.key.clone(),
-                    problem: problem.to_string(),
-                })
-            })?;
+            check_tiling(&stored.shape, &boxes)
+                .map_err(|problem| TrainingError::Tiling { key: stored.key.clone(), problem: problem.to_string() })?;
             if stored.dtype != t.dtype && !can_cast(stored.dtype, t.dtype) {
                 return Err(TrainingError::Write(ExecuteError::SourceMismatch {
                     name: stored.key.clone(),

@@ -45,6 +45,8 @@ pub enum TrainingError {
     Object { key: String, source: TorchSaveError },
     #[error("cannot reshard: {0}")]
     Reshard(#[from] ReshardError),
+    #[error("`{key}` cannot be read whole: {problem}")]
+    Tiling { key: String, problem: String },
     #[error(transparent)]
     Write(#[from] ExecuteError),
     #[error(transparent)]
