@@ -26,6 +26,7 @@ def adapter_for(release: Path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
+        from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
         from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
         from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
@@ -35,6 +36,8 @@ def adapter_for(release: Path):
         adapter_cls, rope_cls = Llama3StateDictAdapter, ComplexRoPE.Config
     elif model_type in ("qwen3", "qwen3_moe"):
         adapter_cls, rope_cls = Qwen3StateDictAdapter, CosSinRoPE.Config
+    elif model_type == "deepseek_v3":
+        adapter_cls, rope_cls = DeepSeekV3StateDictAdapter, ComplexRoPE.Config
     else:
         raise ValueError(f"no torchtitan adapter for {model_type}")
     heads = cfg["num_attention_heads"]
@@ -44,12 +47,14 @@ def adapter_for(release: Path):
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         # The adapters check the RoPE flavour their permutation assumes; its fields are unused.
         rope=object.__new__(rope_cls),
+        q_lora_rank=cfg.get("q_lora_rank") or 0,
     )
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     moe = SimpleNamespace(num_experts=experts) if experts else None
     layers = [SimpleNamespace(attention=attention, moe=moe) for _ in range(cfg["num_hidden_layers"])]
     config = SimpleNamespace(
-        layers=layers, dim=cfg["hidden_size"], enable_weight_tying=bool(cfg.get("tie_word_embeddings", False))
+        layers=layers, dim=cfg["hidden_size"], enable_weight_tying=bool(cfg.get("tie_word_embeddings", False)),
+        mtp_layers=[None] * (cfg.get("num_nextn_predict_layers") or 0),
     )
     return adapter_cls(config, None), cfg
 
@@ -58,11 +63,18 @@ def torchtitan_seed(release: Path, dtype: torch.dtype = torch.float32) -> dict[s
     """The native state dict of torchtitan's seed from `release`, in `dtype`."""
     adapter, cfg = adapter_for(release)
     hf = ref.load_hf_tensors(release)
-    native = adapter.from_hf(dict(hf))
-    out = {k: v.to(dtype).contiguous() for k, v in native.items()}
+    # An MTP layer's copies of the embedding and output projection: torchtitan's MTP shares the
+    # model's, its state dict has no key for them, so its loader never reads them.
+    main = cfg["num_hidden_layers"]
+    mtp_copies = {f"model.layers.{main + i}.{rest}" for i in range(cfg.get("num_nextn_predict_layers") or 0)
+                  for rest in ("embed_tokens.weight", "shared_head.head.weight")}
+    native = adapter.from_hf({k: v for k, v in hf.items() if k not in mtp_copies})
+    # torchtitan keeps the load-balancing bias in fp32 whatever the parameters' dtype.
+    out = {k: v.to(torch.float32 if k.endswith("expert_bias_E") else dtype).contiguous() for k, v in native.items()}
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     if experts:
-        for layer in range(cfg["num_hidden_layers"]):
-            if f"model.layers.{layer}.mlp.gate.weight" in hf:
-                out[f"layers.{layer}.moe.expert_bias_E"] = torch.zeros(experts, dtype=torch.float32)
+        for layer in range(main):
+            key = f"layers.{layer}.moe.expert_bias_E"
+            if f"model.layers.{layer}.mlp.gate.weight" in hf and key not in out:
+                out[key] = torch.zeros(experts, dtype=torch.float32)
     return out

@@ -79,6 +79,20 @@ impl TorchtitanVersion {
             Part::ExpertsW3 => "layers.{L}.moe.experts.w3",
             Part::ExpertBias if main => "layers.{L}.moe.expert_bias_E",
             Part::ExpertBias => "layers.{L}.moe.expert_bias",
+            // DeepSeek-V3 (torchtitan's `deepseek_v3` adapter, main only).
+            Part::MlaWq => "layers.{L}.attention.wq.weight",
+            Part::MlaWqA => "layers.{L}.attention.wq_a.weight",
+            Part::MlaWqB => "layers.{L}.attention.wq_b.weight",
+            Part::MlaWkvA => "layers.{L}.attention.wkv_a.weight",
+            Part::MlaKvNorm => "layers.{L}.attention.kv_norm.weight",
+            Part::MlaWkvB => "layers.{L}.attention.wkv_b.weight",
+            Part::SharedW1 => "layers.{L}.moe.shared_experts.w1.weight",
+            Part::SharedW2 => "layers.{L}.moe.shared_experts.w2.weight",
+            Part::SharedW3 => "layers.{L}.moe.shared_experts.w3.weight",
+            Part::Enorm => "layers.{L}.enorm.weight",
+            Part::Hnorm => "layers.{L}.hnorm.weight",
+            Part::EhProj => "layers.{L}.eh_proj.weight",
+            Part::MtpNorm => "layers.{L}.mtp_norm.weight",
         }
     }
 }
@@ -119,6 +133,27 @@ enum Part {
     ExpertsW2,
     ExpertsW3,
     ExpertBias,
+    MlaWq,
+    MlaWqA,
+    MlaWqB,
+    MlaWkvA,
+    MlaKvNorm,
+    MlaWkvB,
+    SharedW1,
+    SharedW2,
+    SharedW3,
+    Enorm,
+    Hnorm,
+    EhProj,
+    MtpNorm,
+}
+
+/// A decoder layer of the release: one of torchtitan's `layers`, or (DeepSeek-V3's layers after
+/// the decoder) one of its `mtp_layers`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Layer {
+    Main(u64),
+    Mtp(u64),
 }
 
 /// The families Shardline seeds torchtitan with, and the torchtitan model each becomes.
@@ -127,6 +162,7 @@ fn torchtitan_model(config: &ModelConfig) -> Option<&'static str> {
         (Family::Llama, "llama") => Some("llama3"),
         (Family::Qwen3, _) => Some("qwen3"),
         (Family::Qwen3Moe, _) => Some("qwen3 (MoE)"),
+        (Family::DeepseekV3, "deepseek_v3") => Some("deepseek_v3"),
         _ => None,
     }
 }
@@ -148,11 +184,17 @@ pub(super) fn build_torchtitan_plan(
     }
     let Some(_) = torchtitan_model(config) else {
         errors.push(LayoutError::Mesh(format!(
-            "--target torchtitan: no torchtitan seed for `{}` (Shardline writes llama, qwen3 and qwen3_moe)",
+            "--target torchtitan: no torchtitan seed for `{}` (Shardline writes llama, qwen3, qwen3_moe and deepseek_v3)",
             config.model_type
         )));
         return Err(errors);
     };
+    if config.family == Family::DeepseekV3 && target.version != TorchtitanVersion::Main {
+        errors.push(LayoutError::Mesh(format!(
+            "--target torchtitan: deepseek_v3 is written for torchtitan main only, not {}",
+            target.version.name()
+        )));
+    }
     if config.quantization.is_some() {
         errors.push(LayoutError::Mesh(
             "--target torchtitan: quantized releases are not dequantized for torchtitan yet".into(),
@@ -172,13 +214,14 @@ pub(super) fn build_torchtitan_plan(
         by_name: BTreeMap::new(),
         used: vec![false; sources.len()],
         tensors: Vec::new(),
+        unconverted: Vec::new(),
         errors,
     };
     for (i, s) in sources.iter().enumerate() {
         b.by_name.insert(s.name.as_str(), i);
     }
     b.plan_model();
-    let Builder { used, mut tensors, mut errors, .. } = b;
+    let Builder { used, mut tensors, mut errors, unconverted, .. } = b;
     let names: Vec<String> = sources
         .iter()
         .zip(&used)
@@ -192,14 +235,7 @@ pub(super) fn build_torchtitan_plan(
         return Err(errors);
     }
     tensors.sort_by(|a, b| a.key.cmp(&b.key));
-    Ok(Plan {
-        mesh,
-        options: options.clone(),
-        model_type: config.model_type.clone(),
-        sources,
-        tensors,
-        unconverted: Vec::new(),
-    })
+    Ok(Plan { mesh, options: options.clone(), model_type: config.model_type.clone(), sources, tensors, unconverted })
 }
 
 struct Builder<'a> {
@@ -210,19 +246,20 @@ struct Builder<'a> {
     by_name: BTreeMap<&'a str, usize>,
     used: Vec<bool>,
     tensors: Vec<OutputTensor>,
+    /// Release tensors consumed but not written: an MTP layer's copies of the embedding and
+    /// output layer, which torchtitan's MTP shares with the model.
+    unconverted: Vec<String>,
     errors: Vec<LayoutError>,
 }
 
 impl Builder<'_> {
     fn plan_model(&mut self) {
         let c = self.config;
-        let (h, hd) = (c.hidden_size, c.head_dim);
-        let (nh, nkv) = (c.num_attention_heads, c.num_query_groups);
-        let llama = c.family == Family::Llama;
-        if llama && !hd.is_multiple_of(2) {
+        let h = c.hidden_size;
+        if c.family == Family::Llama && !c.head_dim.is_multiple_of(2) {
             self.errors.push(LayoutError::Config {
                 field: "head_dim".into(),
-                message: format!("{hd} is odd: torchtitan's RoPE permutation pairs the rows of each head"),
+                message: format!("{} is odd: torchtitan's RoPE permutation pairs the rows of each head", c.head_dim),
             });
             return;
         }
@@ -235,66 +272,143 @@ impl Builder<'_> {
         };
         self.copy(Part::Output, None, output, &[c.vocab_size, h]);
         self.copy(Part::Norm, None, "model.norm.weight", &[h]);
-        for l in 0..c.num_layers {
-            let hf = |rest: &str| format!("model.layers.{l}.{rest}");
-            let (q, k) = (hf("self_attn.q_proj.weight"), hf("self_attn.k_proj.weight"));
-            if llama {
+        let mtp = (0..c.mtp_layers).map(Layer::Mtp);
+        for layer in (0..c.num_layers).map(Layer::Main).chain(mtp) {
+            self.decoder_layer(layer);
+        }
+    }
+
+    /// The HF name of `rest` in `layer` (MTP layers follow the decoder's in HF numbering).
+    fn hf(&self, layer: Layer, rest: &str) -> String {
+        let index = match layer {
+            Layer::Main(l) => l,
+            Layer::Mtp(i) => self.config.num_layers + i,
+        };
+        format!("model.layers.{index}.{rest}")
+    }
+
+    fn decoder_layer(&mut self, layer: Layer) {
+        let c = self.config;
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (nh, nkv) = (c.num_attention_heads, c.num_query_groups);
+        let l = Some(layer);
+        if c.family == Family::DeepseekV3 {
+            self.mla(layer);
+        } else {
+            let (q, k) = (self.hf(layer, "self_attn.q_proj.weight"), self.hf(layer, "self_attn.k_proj.weight"));
+            if c.family == Family::Llama {
                 // HF → torchtitan: `w.view(n, 2, hd/2, D).transpose(1, 2)` per head (the
                 // adapter's `_reverse_permute`), on the whole tensor.
-                self.rope_permuted(Part::Q, l, &q, nh, hd, h);
-                self.rope_permuted(Part::K, l, &k, nkv, hd, h);
+                self.rope_permuted(Part::Q, layer, &q, nh, hd, h);
+                self.rope_permuted(Part::K, layer, &k, nkv, hd, h);
             } else {
-                self.copy(Part::Q, Some(l), &q, &[nh * hd, h]);
-                self.copy(Part::K, Some(l), &k, &[nkv * hd, h]);
+                self.copy(Part::Q, l, &q, &[nh * hd, h]);
+                self.copy(Part::K, l, &k, &[nkv * hd, h]);
             }
-            self.copy(Part::V, Some(l), &hf("self_attn.v_proj.weight"), &[nkv * hd, h]);
-            self.copy(Part::O, Some(l), &hf("self_attn.o_proj.weight"), &[h, nh * hd]);
+            self.copy(Part::V, l, &self.hf(layer, "self_attn.v_proj.weight"), &[nkv * hd, h]);
+            self.copy(Part::O, l, &self.hf(layer, "self_attn.o_proj.weight"), &[h, nh * hd]);
             if matches!(c.family, Family::Qwen3 | Family::Qwen3Moe) {
-                self.copy(Part::QNorm, Some(l), &hf("self_attn.q_norm.weight"), &[hd]);
-                self.copy(Part::KNorm, Some(l), &hf("self_attn.k_norm.weight"), &[hd]);
+                self.copy(Part::QNorm, l, &self.hf(layer, "self_attn.q_norm.weight"), &[hd]);
+                self.copy(Part::KNorm, l, &self.hf(layer, "self_attn.k_norm.weight"), &[hd]);
             }
-            self.copy(Part::AttentionNorm, Some(l), &hf("input_layernorm.weight"), &[h]);
-            self.copy(Part::FfnNorm, Some(l), &hf("post_attention_layernorm.weight"), &[h]);
-            // A layer is sparse when the release holds its router (Qwen3-MoE's `mlp_only_layers`
-            // and `decoder_sparse_step` leave some layers dense).
-            if c.num_experts > 0 && self.by_name.contains_key(hf("mlp.gate.weight").as_str()) {
-                self.experts(l);
-            } else {
-                let f = c.ffn_hidden_size.unwrap_or(0);
-                self.copy(Part::W1, Some(l), &hf("mlp.gate_proj.weight"), &[f, h]);
-                self.copy(Part::W3, Some(l), &hf("mlp.up_proj.weight"), &[f, h]);
-                self.copy(Part::W2, Some(l), &hf("mlp.down_proj.weight"), &[h, f]);
+        }
+        self.copy(Part::AttentionNorm, l, &self.hf(layer, "input_layernorm.weight"), &[h]);
+        self.copy(Part::FfnNorm, l, &self.hf(layer, "post_attention_layernorm.weight"), &[h]);
+        // A layer is sparse when the release holds its router (Qwen3-MoE's `mlp_only_layers`,
+        // DeepSeek-V3's first dense layers).
+        if c.num_experts > 0 && self.by_name.contains_key(self.hf(layer, "mlp.gate.weight").as_str()) {
+            self.experts(layer);
+        } else {
+            let f = c.ffn_hidden_size.unwrap_or(0);
+            self.copy(Part::W1, l, &self.hf(layer, "mlp.gate_proj.weight"), &[f, h]);
+            self.copy(Part::W3, l, &self.hf(layer, "mlp.up_proj.weight"), &[f, h]);
+            self.copy(Part::W2, l, &self.hf(layer, "mlp.down_proj.weight"), &[h, f]);
+        }
+        if let Layer::Mtp(_) = layer {
+            self.copy(Part::Enorm, l, &self.hf(layer, "enorm.weight"), &[h]);
+            self.copy(Part::Hnorm, l, &self.hf(layer, "hnorm.weight"), &[h]);
+            self.copy(Part::EhProj, l, &self.hf(layer, "eh_proj.weight"), &[h, 2 * h]);
+            self.copy(Part::MtpNorm, l, &self.hf(layer, "shared_head.norm.weight"), &[h]);
+            // torchtitan's MTP shares the model's embedding and output projection.
+            for rest in ["embed_tokens.weight", "shared_head.head.weight"] {
+                let name = self.hf(layer, rest);
+                if let Some(&id) = self.by_name.get(name.as_str()) {
+                    self.used[id] = true;
+                    self.unconverted.push(name);
+                }
             }
         }
     }
 
-    /// Routed experts stacked on a leading expert axis, without transpose (`w1_EFD[e]` is
-    /// expert `e`'s `gate_proj`), the router, and the zero load-balancing bias torchtitan's
-    /// MoE keeps as a persistent fp32 buffer.
-    fn experts(&mut self, l: u64) {
+    /// DeepSeek-V3's multi-head latent attention, unfused and unpermuted (torchtitan's MLA
+    /// applies RoPE to the rope part of each head as HF stores it).
+    fn mla(&mut self, layer: Layer) {
         let c = self.config;
-        let (h, e) = (c.hidden_size, c.num_experts);
+        let Some(m) = c.mla.clone() else {
+            self.errors.push(LayoutError::Config { field: "kv_lora_rank".into(), message: "missing".into() });
+            return;
+        };
+        let (h, nh, l) = (c.hidden_size, c.num_attention_heads, Some(layer));
+        let q_rows = nh * (m.qk_nope_head_dim + m.qk_rope_head_dim);
+        match m.q_lora_rank {
+            Some(r) => {
+                self.copy(Part::MlaWqA, l, &self.hf(layer, "self_attn.q_a_proj.weight"), &[r, h]);
+                self.copy(Part::QNorm, l, &self.hf(layer, "self_attn.q_a_layernorm.weight"), &[r]);
+                self.copy(Part::MlaWqB, l, &self.hf(layer, "self_attn.q_b_proj.weight"), &[q_rows, r]);
+            }
+            None => self.copy(Part::MlaWq, l, &self.hf(layer, "self_attn.q_proj.weight"), &[q_rows, h]),
+        }
+        let kv = m.kv_lora_rank;
+        let kv_a = self.hf(layer, "self_attn.kv_a_proj_with_mqa.weight");
+        self.copy(Part::MlaWkvA, l, &kv_a, &[kv + m.qk_rope_head_dim, h]);
+        self.copy(Part::MlaKvNorm, l, &self.hf(layer, "self_attn.kv_a_layernorm.weight"), &[kv]);
+        let kv_b_rows = nh * (m.qk_nope_head_dim + m.v_head_dim);
+        self.copy(Part::MlaWkvB, l, &self.hf(layer, "self_attn.kv_b_proj.weight"), &[kv_b_rows, kv]);
+        self.copy(Part::O, l, &self.hf(layer, "self_attn.o_proj.weight"), &[h, nh * m.v_head_dim]);
+    }
+
+    /// Routed experts stacked on a leading expert axis, without transpose (`w1_EFD[e]` is
+    /// expert `e`'s `gate_proj`), the router, shared experts where the model has them, and the
+    /// load-balancing bias torchtitan's MoE keeps as a persistent fp32 buffer: DeepSeek-V3's
+    /// `e_score_correction_bias`, else zeros.
+    fn experts(&mut self, layer: Layer) {
+        let c = self.config;
+        let (h, e, l) = (c.hidden_size, c.num_experts, Some(layer));
         let f = c.moe_ffn_hidden_size.unwrap_or(0);
-        self.copy(Part::Router, Some(l), &format!("model.layers.{l}.mlp.gate.weight"), &[e, h]);
+        self.copy(Part::Router, l, &self.hf(layer, "mlp.gate.weight"), &[e, h]);
         for (part, proj, shape) in [
             (Part::ExpertsW1, "gate_proj", [f, h]),
             (Part::ExpertsW3, "up_proj", [f, h]),
             (Part::ExpertsW2, "down_proj", [h, f]),
         ] {
             let names: Vec<String> =
-                (0..e).map(|x| format!("model.layers.{l}.mlp.experts.{x}.{proj}.weight")).collect();
+                (0..e).map(|x| self.hf(layer, &format!("mlp.experts.{x}.{proj}.weight"))).collect();
             let Some(ids) = names.iter().map(|n| self.source(n, &shape)).collect::<Option<Vec<_>>>() else { continue };
             let Some(dtype) = self.out_dtype(ids[0]) else { continue };
             let recipe = ids.iter().map(|&id| self.block(id, 0, 1)).collect();
-            self.push(self.key(part, Some(l)), dtype, vec![e, shape[0], shape[1]], recipe);
+            self.push(self.key(part, l), dtype, vec![e, shape[0], shape[1]], recipe);
         }
-        let zeros = RowBlock { rows: e, source: None, transform: Transform::Identity, stride: 1 };
-        self.push(self.key(Part::ExpertBias, Some(l)), DType::F32, vec![e], vec![zeros]);
+        if let Some(fs) = c.shared_expert_ffn_hidden_size.filter(|_| c.family == Family::DeepseekV3) {
+            self.copy(Part::SharedW1, l, &self.hf(layer, "mlp.shared_experts.gate_proj.weight"), &[fs, h]);
+            self.copy(Part::SharedW3, l, &self.hf(layer, "mlp.shared_experts.up_proj.weight"), &[fs, h]);
+            self.copy(Part::SharedW2, l, &self.hf(layer, "mlp.shared_experts.down_proj.weight"), &[h, fs]);
+        }
+        let bias = self.hf(layer, "mlp.gate.e_score_correction_bias");
+        if c.family == Family::DeepseekV3 {
+            let Some(id) = self.source(&bias, &[e]) else { return };
+            let from = self.sources[id].dtype;
+            let transform = if from == DType::F32 { Transform::Identity } else { Transform::Cast(from) };
+            let block = RowBlock { transform, ..RowBlock::copy(id, 0, e) };
+            self.push(self.key(Part::ExpertBias, l), DType::F32, vec![e], vec![block]);
+        } else {
+            let zeros = RowBlock { rows: e, source: None, transform: Transform::Identity, stride: 1 };
+            self.push(self.key(Part::ExpertBias, l), DType::F32, vec![e], vec![zeros]);
+        }
     }
 
     /// Llama's q or k projection of `heads` heads of `hd` rows, its rows in torchtitan's order:
     /// row `2i + k` of a head is HF row `k·hd/2 + i` of it.
-    fn rope_permuted(&mut self, part: Part, l: u64, name: &str, heads: u64, hd: u64, h: u64) {
+    fn rope_permuted(&mut self, part: Part, layer: Layer, name: &str, heads: u64, hd: u64, h: u64) {
         let Some(id) = self.source(name, &[heads * hd, h]) else { return };
         let Some(dtype) = self.out_dtype(id) else { return };
         let half = hd / 2;
@@ -306,21 +420,23 @@ impl Builder<'_> {
                 }
             }
         }
-        self.push(self.key(part, Some(l)), dtype, vec![heads * hd, h], recipe);
+        self.push(self.key(part, Some(layer)), dtype, vec![heads * hd, h], recipe);
     }
 
     /// The release tensor `name` as a whole, under `part`'s name.
-    fn copy(&mut self, part: Part, layer: Option<u64>, name: &str, shape: &[u64]) {
+    fn copy(&mut self, part: Part, layer: Option<Layer>, name: &str, shape: &[u64]) {
         let Some(id) = self.source(name, shape) else { return };
         let Some(dtype) = self.out_dtype(id) else { return };
         let recipe = vec![self.block(id, 0, rows_of(shape))];
         self.push(self.key(part, layer), dtype, shape.to_vec(), recipe);
     }
 
-    fn key(&self, part: Part, layer: Option<u64>) -> String {
+    /// `part`'s native name in `layer` (an MTP layer's under `mtp_layers.`).
+    fn key(&self, part: Part, layer: Option<Layer>) -> String {
         let template = self.target.version.key(part);
         match layer {
-            Some(l) => template.replace("{L}", &l.to_string()),
+            Some(Layer::Main(l)) => template.replace("{L}", &l.to_string()),
+            Some(Layer::Mtp(i)) => template.replacen("layers.{L}.", &format!("mtp_layers.{i}."), 1),
             None => template.to_string(),
         }
     }
