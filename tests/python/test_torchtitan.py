@@ -30,7 +30,7 @@ def releases(tmp_path_factory) -> dict[str, Path]:
     """The tiny releases torchtitan has adapters for: llama (untied and tied), qwen3_moe, and a
     dense qwen3 made from qwen3_moe's attention with a dense MLP of deterministic values."""
     root = tmp_path_factory.mktemp("torchtitan-releases")
-    out = {m: FIXTURES / m for m in ("llama", "qwen3_moe", "deepseek_v3", "deepseek_v3_no_q_lora")}
+    out = {m: FIXTURES / m for m in ("llama", "qwen3_moe", "deepseek_v3", "deepseek_v3_no_q_lora", "deepseek_v3_fp8")}
     out["llama_tied"] = harness.derive_fixture("tt_llama_tied", root, "llama", tied=True)
     cfg = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
     tensors = ref.load_hf_tensors(FIXTURES / "qwen3_moe")
@@ -89,7 +89,8 @@ def _check_seed(seed: Path, want: dict[str, torch.Tensor]) -> None:
     assert not problems, "\n".join(problems[:20])
 
 
-@pytest.mark.parametrize("model", ["llama", "llama_tied", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_no_q_lora"])
+@pytest.mark.parametrize("model", ["llama", "llama_tied", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_no_q_lora",
+                                   "deepseek_v3_fp8"])
 def test_seed_equals_torchtitans_own_conversion(releases, tmp_path, model):
     release = releases[model]
     seed = _convert(release, tmp_path / "out")
@@ -101,6 +102,12 @@ def test_seed_equals_torchtitans_own_conversion(releases, tmp_path, model):
     if model == "llama_tied":
         assert torch.equal(want["lm_head.weight"], want["tok_embeddings.weight"])
     _check_seed(seed, want)
+    if model == "deepseek_v3_fp8":
+        # Dequantized in float32 as torch's quantized reader does: no bf16 rounding on the way.
+        seed16 = _convert(release, tmp_path / "bf16", "--dtype", "bfloat16")
+        _check_seed(seed16, torchtitan_seed(release, torch.bfloat16))
+        wq = "layers.0.attention.wq_b.weight"
+        assert not torch.equal(want[wq], want[wq].to(torch.bfloat16).float()), "the fp32 seed kept no more than bf16"
     proc = run_cli(["validate", str(tmp_path / "out"), "--against", str(release)])
     assert proc.returncode == 0 and proc.stdout.startswith("ok:"), proc.stdout + proc.stderr
 
@@ -133,7 +140,7 @@ def test_seed_loads_on_gloo_ranks_as_fsdp2_places_it(releases, tmp_path):
     harness.spawn_ranks(torchtitan_worker.load_worker, DP, (jobs,), "load")
 
 
-@pytest.mark.parametrize("case", ["version", "model", "fp8", "missing", "mesh", "optimizer"])
+@pytest.mark.parametrize("case", ["version", "model", "scheme", "missing", "mesh", "optimizer"])
 def test_what_torchtitan_cannot_take_is_refused_and_nothing_is_written(releases, tmp_path, case):
     out = tmp_path / "out"
     release, extra, says = releases["llama"], [], ""
@@ -141,8 +148,14 @@ def test_what_torchtitan_cannot_take_is_refused_and_nothing_is_written(releases,
         extra, says = ["--torchtitan-version", "2026-05"], "unknown torchtitan version `2026-05` (known: main, 0.3.0, 2025-12)"
     elif case == "model":
         release, says = FIXTURES / "gpt_oss", "no torchtitan seed for `gpt_oss`"
-    elif case == "fp8":
-        release, says = FIXTURES / "deepseek_v3_fp8", "quantized releases are not dequantized for torchtitan yet"
+    elif case == "scheme":
+        release = tmp_path / "gptq"
+        release.mkdir()
+        cfg = json.loads((FIXTURES / "llama" / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+        (release / "config.json").write_text(json.dumps(cfg))
+        save_file(ref.load_hf_tensors(FIXTURES / "llama"), str(release / "model.safetensors"), metadata={"format": "pt"})
+        says = "quantization `gptq` is not supported"
     elif case == "missing":
         release = tmp_path / "missing"
         release.mkdir()

@@ -59,10 +59,31 @@ def adapter_for(release: Path):
     return adapter_cls(config, None), cfg
 
 
+def _hf_tensors(release: Path, cfg: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The release's tensors as torchtitan reads them: a block-FP8 release through torch's
+    `QuantizedHuggingFaceStorageReader` (what torchtitan's DeepSeek-V3 adapter hands DCP), into
+    `dtype`, scales applied and not kept; any other as stored."""
+    hf = ref.load_hf_tensors(release)
+    quant = cfg.get("quantization_config") or {}
+    if quant.get("quant_method") != "fp8":
+        return hf
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
+
+    block = quant["weight_block_size"][0]
+    state = {k: torch.empty(v.shape, dtype=dtype if v.dtype == torch.float8_e4m3fn else v.dtype)
+             for k, v in hf.items() if not k.endswith("_scale_inv")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+        dcp.load(state, storage_reader=QuantizedHuggingFaceStorageReader(str(release), target_dtype=dtype,
+                                                                         block_size=block))
+    return state
+
+
 def torchtitan_seed(release: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """The native state dict of torchtitan's seed from `release`, in `dtype`."""
     adapter, cfg = adapter_for(release)
-    hf = ref.load_hf_tensors(release)
+    hf = _hf_tensors(release, cfg, dtype)
     # An MTP layer's copies of the embedding and output projection: torchtitan's MTP shares the
     # model's, its state dict has no key for them, so its loader never reads them.
     main = cfg["num_hidden_layers"]

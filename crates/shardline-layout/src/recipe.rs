@@ -19,9 +19,9 @@ pub enum Transform {
     /// Elements of the source are of this float dtype and are converted to the output's as
     /// `tensor.to(dtype)` does: exactly when the output is wider, else one round to nearest even.
     Cast(DType),
-    /// Block-scaled FP8 e4m3 → bf16: element `[r, c]` of the source (rows as long as the
-    /// output's) times `scale[r / rows, c / cols]` of the float32 source `scale`, one f32
-    /// multiply, then one round to bf16 (archs-2025.md §4.1).
+    /// Block-scaled FP8 e4m3 → the output's dtype (bf16 or f32): element `[r, c]` of the source
+    /// (rows as long as the output's) times `scale[r / rows, c / cols]` of the float32 source
+    /// `scale`, one f32 multiply, then for bf16 one round (archs-2025.md §4.1).
     DequantFp8 { scale: u32, rows: u32, cols: u32 },
     /// MXFP4 → bf16 (archs-2025.md §4.2): the source holds two FP4 E2M1 codes a byte, low
     /// nibble first; element `i` (row-major over the output's rows) is `FP4[code] ·
@@ -107,7 +107,8 @@ pub struct Fp8Scales<'a> {
 }
 
 /// Dequantizes FP8 e4m3 codes `src`, the first being element `first` of the weight (row-major),
-/// into bf16 `out` (two bytes per code), as `(w.float() * scale).to(torch.bfloat16)` does.
+/// into bf16 `out` (two bytes per code), as `(w.float() * scale).to(torch.bfloat16)` does; see
+/// [`dequant_fp8_f32_into`] for float32.
 ///
 /// A block has one scale, so each of its 256 possible codes has one result: for blocks of at
 /// least 1,024 elements the results are tabulated once per block (of the block row at hand) and
@@ -158,6 +159,28 @@ pub fn dequant_fp8_into(src: &[u8], first: u64, scales: &Fp8Scales<'_>, out: &mu
             for (code, o) in codes.iter().zip(dst.chunks_exact_mut(2)) {
                 o.copy_from_slice(&f32_to_bf16(lut[*code as usize] * s).to_le_bytes());
             }
+        }
+        i += run;
+    }
+}
+
+/// [`dequant_fp8_into`] into float32 `out` (four bytes per code), as `w.float() * scale` does
+/// (torch's `QuantizedHuggingFaceStorageReader` with `target_dtype=torch.float32`): the product,
+/// unrounded.
+pub fn dequant_fp8_f32_into(src: &[u8], first: u64, scales: &Fp8Scales<'_>, out: &mut [u8]) {
+    let (n, [b0, b1]) = (scales.row_elems.max(1), scales.block);
+    let (b0, b1) = (b0.max(1), b1.max(1));
+    let scale_cols = n.div_ceil(b1) as usize;
+    let lut = e4m3_table();
+    let count = src.len().min(out.len() / 4);
+    let mut i = 0usize;
+    while i < count {
+        let at = first + i as u64;
+        let (r, c) = (at / n, at % n);
+        let run = ((b1 - c % b1).min(n - c) as usize).min(count - i);
+        let s = scales.values.get((r / b0) as usize * scale_cols + (c / b1) as usize).copied().unwrap_or(f32::NAN);
+        for (code, o) in src[i..i + run].iter().zip(out[4 * i..4 * (i + run)].chunks_exact_mut(4)) {
+            o.copy_from_slice(&(lut[*code as usize] * s).to_le_bytes());
         }
         i += run;
     }
@@ -549,6 +572,24 @@ mod tests {
         assert_eq!(f8e4m3_to_f32(0x7E), 448.0);
         assert!(f8e4m3_to_f32(0x7F).is_nan() && f8e4m3_to_f32(0xFF).is_nan());
         assert_eq!(f8e4m3_to_f32(0x80).to_bits(), (-0.0f32).to_bits());
+    }
+
+    #[test]
+    fn fp8_dequantizes_to_f32_unrounded() {
+        // 2 × 4 codes in blocks of 1 × 2: four scales.
+        let codes = [0x38u8, 0x39, 0x3A, 0xB8, 0x40, 0x41, 0x00, 0x7E];
+        let values = [0.3f32, 1.0, 3.0e-3, -2.5];
+        let scales = Fp8Scales { values: &values, row_elems: 4, block: [1, 2] };
+        let mut out = [0u8; 32];
+        dequant_fp8_f32_into(&codes, 0, &scales, &mut out);
+        let got: Vec<f32> = out.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+        let want: Vec<f32> = codes.iter().enumerate().map(|(i, c)| f8e4m3_to_f32(*c) * values[i / 2]).collect();
+        assert_eq!(got, want);
+        assert_ne!(got[0], f32::from_bits(u32::from(f32_to_bf16(got[0])) << 16), "a value bf16 would round");
+        // From the middle of the weight: element 5 onwards.
+        let mut part = [0u8; 12];
+        dequant_fp8_f32_into(&codes[5..8], 5, &scales, &mut part);
+        assert_eq!(part[..], out[20..]);
     }
 
     #[test]

@@ -6,10 +6,10 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use shardline_layout::recipe::{
-    apply_transform, cast_into, dequant_fp8_into, dequant_mxfp4_into, row_elems, segments, Fp8Scales, Segment,
-    Transform, MXFP4_BLOCK, MXFP4_MAX_SCALE,
+    apply_transform, cast_into, dequant_fp8_f32_into, dequant_fp8_into, dequant_mxfp4_into, segments, Fp8Scales,
+    Segment, Transform, MXFP4_BLOCK, MXFP4_MAX_SCALE,
 };
-use shardline_layout::{Plan, TensorView};
+use shardline_layout::{DType, Plan, TensorView};
 
 use crate::safetensors::{Release, SourceLocations};
 
@@ -158,9 +158,15 @@ impl Converter {
                     Some((held, v)) if *held == scale => v,
                     _ => &self.scales.insert((scale, sources.read_f32s(scale as usize)?)).1,
                 };
-                let scales = Fp8Scales { values, row_elems: row_elems(t.shape), block: [rows.into(), cols.into()] };
+                // The scale grid is over the weight's matrix: rows as long as the output's last
+                // dim (a stacked `[E, F, D]` output takes each expert's `[F, D]` whole).
+                let row = t.shape.last().copied().unwrap_or(1);
+                let scales = Fp8Scales { values, row_elems: row, block: [rows.into(), cols.into()] };
                 // FP8 codes are one byte: the byte offset is the element index.
-                dequant_fp8_into(staging, offset, &scales, out);
+                match t.dtype {
+                    DType::F32 => dequant_fp8_f32_into(staging, offset, &scales, out),
+                    _ => dequant_fp8_into(staging, offset, &scales, out),
+                }
             }
             Transform::DequantMxfp4 { scales } => {
                 // Two codes a byte (a unit is a byte: two elements); one scale per 32 elements.

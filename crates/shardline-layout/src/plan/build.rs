@@ -30,7 +30,7 @@ pub(super) struct Inventory<'a> {
 }
 
 impl<'a> Inventory<'a> {
-    fn new(sources: &'a [SourceTensor], language_model_prefix: bool) -> Inventory<'a> {
+    pub(super) fn new(sources: &'a [SourceTensor], language_model_prefix: bool) -> Inventory<'a> {
         let mut by_name = HashMap::with_capacity(sources.len());
         for (i, s) in sources.iter().enumerate() {
             by_name.insert(normalise(&s.name, language_model_prefix), i);

@@ -72,6 +72,14 @@ impl Fp8Scales {
         Some(Fp8Scales { block, scale_of })
     }
 
+    /// The dequantizing transform of FP8 weight `id` and the id of its scales, when it is one.
+    pub(super) fn transform_of(&self, id: usize) -> Option<(Transform, usize)> {
+        let &scale = self.scale_of.get(&id)?;
+        // `find` checked that these fit.
+        let t = Transform::DequantFp8 { scale: scale as u32, rows: self.block[0] as u32, cols: self.block[1] as u32 };
+        Some((t, scale))
+    }
+
     /// Whether any of `ids` is a scaled FP8 weight.
     pub(super) fn any(&self, ids: &[usize]) -> bool {
         ids.iter().any(|id| self.scale_of.contains_key(id))

@@ -11,8 +11,10 @@
 
 use std::collections::BTreeMap;
 
+use super::build::Inventory;
+use super::quant::Fp8Scales;
 use super::*;
-use crate::config::{Family, ModelConfig};
+use crate::config::{Family, ModelConfig, Quantization};
 use crate::error::LayoutError;
 use crate::recipe::{can_cast, RowBlock, Transform};
 
@@ -195,9 +197,12 @@ pub(super) fn build_torchtitan_plan(
             target.version.name()
         )));
     }
-    if config.quantization.is_some() {
+    // Block-FP8 weights are dequantized (as torchtitan's quantized HF reader does); another
+    // scheme is an error naming it.
+    let fp8 = Fp8Scales::find(config, &Inventory::new(&sources, config.language_model_prefix), &mut errors);
+    if matches!(config.quantization, Some(Quantization::Mxfp4)) {
         errors.push(LayoutError::Mesh(
-            "--target torchtitan: quantized releases are not dequantized for torchtitan yet".into(),
+            "--target torchtitan: MXFP4 releases are not dequantized for torchtitan yet".into(),
         ));
     }
     if !can_cast(target.dtype, target.dtype) {
@@ -215,6 +220,7 @@ pub(super) fn build_torchtitan_plan(
         used: vec![false; sources.len()],
         tensors: Vec::new(),
         unconverted: Vec::new(),
+        fp8,
         errors,
     };
     for (i, s) in sources.iter().enumerate() {
@@ -249,6 +255,8 @@ struct Builder<'a> {
     /// Release tensors consumed but not written: an MTP layer's copies of the embedding and
     /// output layer, which torchtitan's MTP shares with the model.
     unconverted: Vec<String>,
+    /// A block-FP8 release's weights and their scales.
+    fp8: Option<Fp8Scales>,
     errors: Vec<LayoutError>,
 }
 
@@ -477,10 +485,18 @@ impl Builder<'_> {
         None
     }
 
-    /// `rows` rows of release tensor `id` from `first`, cast to the seed's dtype.
-    fn block(&self, id: usize, first: u64, rows: u64) -> RowBlock {
+    /// `rows` rows of release tensor `id` from `first`, cast (or, a block-FP8 weight,
+    /// dequantized, its scales then used too) to the seed's dtype.
+    fn block(&mut self, id: usize, first: u64, rows: u64) -> RowBlock {
         let from = self.sources[id].dtype;
-        let transform = if from == self.target.dtype { Transform::Identity } else { Transform::Cast(from) };
+        let transform = match self.fp8.as_ref().and_then(|f| f.transform_of(id)) {
+            Some((dequantize, scale)) => {
+                self.used[scale] = true;
+                dequantize
+            }
+            None if from == self.target.dtype => Transform::Identity,
+            None => Transform::Cast(from),
+        };
         RowBlock { transform, ..RowBlock::copy(id, first, rows) }
     }
 
