@@ -6,6 +6,7 @@ mod bench_s3;
 mod bench_training;
 mod convert;
 mod export;
+mod follow;
 mod gc;
 mod gpu;
 mod inspect;

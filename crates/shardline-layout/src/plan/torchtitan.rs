@@ -205,8 +205,11 @@ pub(super) fn build_torchtitan_plan(
             "--target torchtitan: MXFP4 releases are not dequantized for torchtitan yet".into(),
         ));
     }
-    if !can_cast(target.dtype, target.dtype) {
-        errors.push(LayoutError::Mesh(format!("--target torchtitan: cannot write parameters as {}", target.dtype)));
+    if !matches!(target.dtype, DType::F32 | DType::BF16) {
+        errors.push(LayoutError::Mesh(format!(
+            "--target torchtitan: parameters are written as float32 or bfloat16, not {}",
+            target.dtype
+        )));
     }
     if !errors.is_empty() {
         return Err(errors);
