@@ -62,7 +62,10 @@ class S3Proxy:
                         self.send_header("Content-Type", "application/xml")
                         self.send_header("Content-Length", str(len(body)))
                         self.end_headers()
-                        self.wfile.write(body)
+                        # A HEAD's answer has no body: bytes written anyway would stay on the
+                        # kept-alive connection and corrupt the client's next response there.
+                        if self.command != "HEAD":
+                            self.wfile.write(body)
                         return
                     # Stalled: held until released (the client is killed meanwhile).
                     proxy.release.wait(120)
