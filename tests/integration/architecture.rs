@@ -56,6 +56,10 @@ const ALLOWED: &[(&str, &[&str])] = &[
     // Delivers the store's outbox: reads runs and triggers, never submits or runs them.
     ("shardline-notify", &["shardline-spec", "shardline-store", "shardline-backoff"]),
     ("shardline-testdb", &["shardline-store"]),
+    // The operations every front end runs (convert, validate…), over the data plane alone.
+    ("shardline-ops", &["shardline-layout", "shardline-formats"]),
+    // The Python module: a shell over the operations and the checkpoint reader.
+    ("shardline-py", &["shardline-layout", "shardline-formats", "shardline-ops"]),
 ];
 
 /// The workspace's packages as `cargo metadata` describes them.

@@ -34,3 +34,22 @@ def shardline():
 @pytest.fixture(scope="session")
 def conversions(shardline, tmp_path_factory):
     return Conversions(tmp_path_factory.mktemp("converted"))
+
+
+@pytest.fixture(scope="session")
+def installed_wheel(tmp_path_factory):
+    """The built wheel (`SHARDLINE_WHEEL`, from scripts/build-wheel) installed into a fresh venv
+    by pip, with no Rust toolchain on PATH: what a user without cargo gets."""
+    import wheel_env
+
+    try:
+        return wheel_env.install(tmp_path_factory.mktemp("wheel-venv"))
+    except wheel_env.NoWheel as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def sl(installed_wheel):
+    """The `shardline` Python module, imported from the fresh venv (never from the source tree);
+    torch and numpy come from the suite's venv."""
+    return installed_wheel.import_module()

@@ -2,21 +2,17 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use serde_json::json;
-use shardline_formats::checkpoint::TORCHTITAN_SEED_DIR;
-use shardline_formats::execute::{write_checkpoint_from, ExecuteOptions, OutputFormat, Progress, SourceMap};
+use shardline_formats::execute::{ExecuteOptions, OutputFormat, Progress};
 use shardline_formats::safetensors::Release;
-use shardline_formats::training::save_dir::{self, SeedArgs};
-use shardline_layout::{
-    build_plan, validate_plan, DType, Dialect, Mesh, ModelConfig, Plan, PlanOptions, PlanTable, SourceTensor,
-    TorchtitanTarget, TorchtitanVersion,
-};
+use shardline_formats::training::save_dir;
+use shardline_layout::{DType, Dialect, Mesh, Plan, TorchtitanTarget, TorchtitanVersion};
+use shardline_ops::{convert, plan_release, ConvertRequest};
 
 use shardline_synth::{Arch as SynthArch, WeightFormat};
 
@@ -171,41 +167,6 @@ pub struct ConvertArgs {
     pub json: bool,
 }
 
-/// Opens a release and plans it; every planning error is reported at once.
-pub fn plan_release(from: &Path, mesh: Mesh, options: &PlanOptions) -> Result<(Release, Plan)> {
-    let release = open_release(from)?;
-    let config = read_config(&release, from)?;
-    let sources = release
-        .tensors()
-        .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
-        .collect();
-    let plan = plan_sources(&config, sources, mesh, options)?;
-    Ok((release, plan))
-}
-
-fn open_release(from: &Path) -> Result<Release> {
-    Release::open(from).with_context(|| format!("reading release {}", from.display()))
-}
-
-fn read_config(release: &Release, from: &Path) -> Result<ModelConfig> {
-    ModelConfig::from_json(release.config_json())
-        .with_context(|| format!("reading {}", from.join("config.json").display()))
-}
-
-/// Plans the release tensors `sources` and checks the plan against the invariants.
-fn plan_sources(config: &ModelConfig, sources: Vec<SourceTensor>, mesh: Mesh, options: &PlanOptions) -> Result<Plan> {
-    let plan = build_plan(config, sources, mesh, options).map_err(|errors| {
-        let list = errors.iter().map(|e| format!("  - {e}")).collect::<Vec<_>>().join("\n");
-        anyhow::anyhow!("cannot plan `{}` for mesh {mesh}:\n{list}", config.model_type)
-    })?;
-    let violations = validate_plan(&plan, config.num_experts, mesh.ep);
-    if !violations.is_empty() {
-        let list = violations.iter().take(20).map(|v| format!("  - {v}")).collect::<Vec<_>>().join("\n");
-        bail!("the plan breaks {} invariant(s); nothing was written:\n{list}", violations.len());
-    }
-    Ok(plan)
-}
-
 pub fn run(args: ConvertArgs) -> Result<ExitCode> {
     crate::malloc::map_large_buffers();
     let mesh = args.mesh.mesh();
@@ -213,136 +174,62 @@ pub fn run(args: ConvertArgs) -> Result<ExitCode> {
         Target::Torchtitan => Dialect::Torchtitan(args.torchtitan.target()),
         t => t.dialect(),
     };
-    if let Dialect::Torchtitan(_) = dialect {
-        if !matches!(args.format, Format::Dcp) {
-            bail!("--target torchtitan is a DCP checkpoint; --format dcp-safetensors does not apply");
-        }
-        if args.optimizer_state {
-            bail!(
-                "--optimizer-state does not apply to --target torchtitan: torchtitan loads `step-0` model-only, \
-                 and builds its optimizer fresh"
-            );
-        }
-        if args.prefix.is_some() {
-            bail!("--prefix does not apply to --target torchtitan: its model keys sit at the top level");
-        }
-    } else if args.torchtitan.given() {
+    if !matches!(dialect, Dialect::Torchtitan(_)) && args.torchtitan.given() {
         bail!("--dtype and --torchtitan-version apply only to --target torchtitan");
     }
-    if dialect == Dialect::TorchDist {
-        if !matches!(args.format, Format::Dcp) {
-            bail!("--target torch_dist is a DCP checkpoint; --format dcp-safetensors does not apply");
-        }
-        if args.optimizer_state {
-            bail!(
-                "--optimizer-state does not apply to --target torch_dist: Megatron-LM loads a seed (iteration 0) only as \
-                 `release`, and never reads optimizer state from a release checkpoint, so zero moments and fp32 \
-                 masters would never be read; the fresh optimizer it builds on load holds exactly those. Convert \
-                 without it, or use `reshard --target torch_dist` on a training checkpoint, which writes its state"
-            );
-        }
-    }
-    let options = PlanOptions {
-        prefix: args.prefix.clone().unwrap_or_else(|| dialect.default_prefix().to_string()),
+    let request = ConvertRequest {
         dialect,
-        vocab_divisible_by: args.vocab_divisible_by,
-        optimizer_state: args.optimizer_state,
-        ..PlanOptions::default()
-    };
-    let release = open_release(&args.from)?;
-    let config = read_config(&release, &args.from)?;
-    let source_bytes = release.total_bytes();
-    let seed_args = (dialect == Dialect::TorchDist)
-        .then(|| SeedArgs::for_model(&config, release.config_json(), mesh, options.vocab_divisible_by));
-    // The release's tensor descriptions move into the plan's sources: a release is described
-    // once while it is planned, and not at all while it is copied.
-    let (sources, locations) = release.into_sources();
-    let mut plan = plan_sources(&config, sources, mesh, &options)?;
-    if args.dry_run {
-        print_plan(&plan, args.json);
-        return Ok(ExitCode::SUCCESS);
-    }
-    let Some(root) = args.to.as_deref() else { bail!("--to is required unless --dry-run") };
-    // torch_dist: a save directory, the checkpoint in `release/`; torchtitan: `step-0/`, which
-    // it loads model-only.
-    let seed_dir = match dialect {
-        Dialect::TorchDist => Some(save_dir::seed_dir(root)),
-        Dialect::Torchtitan(_) => Some(root.join(TORCHTITAN_SEED_DIR)),
-        Dialect::FsdpDtensor => None,
-    };
-    let out = seed_dir.as_deref().unwrap_or(root);
-    if seed_args.is_some() {
-        if !args.overwrite && root.join(save_dir::TRACKER).exists() {
-            bail!(
-                "{} already holds a Megatron save directory (its tracker {}); pass --overwrite to replace it",
-                root.display(),
-                save_dir::TRACKER
-            );
-        }
-        // Never point at a checkpoint while it is rewritten.
-        save_dir::withdraw_tracker(root).with_context(|| format!("replacing {}", root.display()))?;
-    }
-    let exec = ExecuteOptions {
         format: match args.format {
             Format::Dcp => OutputFormat::Dcp,
             Format::DcpSafetensors => OutputFormat::DcpSafetensors,
         },
-        threads: args.threads.unwrap_or(ExecuteOptions::default().threads),
+        prefix: args.prefix.clone(),
+        vocab_divisible_by: args.vocab_divisible_by,
+        optimizer_state: args.optimizer_state,
         overwrite: args.overwrite,
+        threads: args.threads.unwrap_or(ExecuteOptions::default().threads),
         zip_crc32: args.zip_crc32,
-        ..ExecuteOptions::default()
+        ..ConvertRequest::new(args.from.clone(), args.to.clone().unwrap_or_default(), mesh)
     };
-    let total: u64 = plan.bytes_per_rank().iter().sum();
-    let progress = Arc::new(Progress::default());
-    let started = Instant::now();
-    let sources =
-        SourceMap::open(&plan, locations).with_context(|| format!("writing checkpoint to {}", out.display()))?;
-    // From here on the writers read through `sources` and a flat table of the plan. The plan's
-    // descriptions of the sources go first, so that the table is built in the room they and
-    // planning leave; then the plan goes, and the copy runs in the memory of the table and the
-    // I/O buffers alone.
-    drop(std::mem::take(&mut plan.sources));
-    crate::malloc::return_freed_memory();
-    let table = PlanTable::new(&plan);
-    let (model_type, unconverted) = (std::mem::take(&mut plan.model_type), std::mem::take(&mut plan.unconverted));
-    drop(plan);
-    crate::malloc::return_freed_memory();
-    let report = {
-        let p = progress.clone();
-        let _bar = Bar::start("convert", total, move || p.bytes_written.load(Ordering::Relaxed));
-        write_checkpoint_from(&table, &sources, out, &exec, &progress)
-            .with_context(|| format!("writing checkpoint to {}", out.display()))?
-    };
-    if let Some(seed) = &seed_args {
-        save_dir::finish_seed_save(root, seed)
-            .with_context(|| format!("completing the save directory {}", root.display()))?;
+    if args.dry_run {
+        let (_, plan) = plan_release(&args.from, mesh, &request.plan_options()?)?;
+        print_plan(&plan, args.json);
+        return Ok(ExitCode::SUCCESS);
     }
-    let secs = started.elapsed().as_secs_f64();
+    if args.to.is_none() {
+        bail!("--to is required unless --dry-run");
+    }
+    let progress = Arc::new(Progress::default());
+    let report = {
+        let _bar = Bar::follow("convert", progress.clone());
+        convert(&request, &progress, &crate::malloc::return_freed_memory)?
+    };
+    let (written, secs) = (&report.written, report.seconds);
     let rss = peak_rss().unwrap_or(0);
     if args.json {
         println!(
             "{}",
             json!({
-                "model_type": model_type, "mesh": mesh.to_string(), "world": table.world(),
-                "files": report.files.len(), "chunks": report.chunks, "tensor_bytes": report.tensor_bytes,
-                "file_bytes": report.file_bytes, "kernel_copy_bytes": report.kernel_copy_bytes,
+                "model_type": report.model_type, "mesh": mesh.to_string(), "world": report.world,
+                "files": written.files.len(), "chunks": written.chunks, "tensor_bytes": written.tensor_bytes,
+                "file_bytes": written.file_bytes, "kernel_copy_bytes": written.kernel_copy_bytes,
                 "seconds": secs, "peak_rss_bytes": rss,
-                "source_bytes": source_bytes, "unconverted": unconverted,
+                "source_bytes": report.source_bytes, "unconverted": report.unconverted,
             })
         );
     } else {
         println!(
             "wrote {} ({} chunks, {} files) for {} at {} in {:.2}s ({}/s), peak RSS {}",
-            bytes(report.file_bytes),
-            report.chunks,
-            report.files.len(),
+            bytes(written.file_bytes),
+            written.chunks,
+            written.files.len(),
             mesh,
-            out.display(),
+            report.out.display(),
             secs,
-            bytes((report.tensor_bytes as f64 / secs.max(1e-9)) as u64),
+            bytes((written.tensor_bytes as f64 / secs.max(1e-9)) as u64),
             bytes(rss)
         );
-        report_unconverted(&unconverted);
+        report_unconverted(&report.unconverted);
     }
     Ok(ExitCode::SUCCESS)
 }

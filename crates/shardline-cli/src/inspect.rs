@@ -4,7 +4,6 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -14,10 +13,8 @@ use serde_json::json;
 use shardline_formats::checkpoint::{scan_checkpoint, CheckpointFormat};
 use shardline_formats::execute::Progress;
 use shardline_formats::training::{summarize_training, TrainingSummary};
-use shardline_formats::verify::{verify_checkpoint, VerifyOptions};
-use shardline_layout::{Dialect, Mesh, PlanOptions};
+use shardline_ops::{validate, ValidateRequest};
 
-use crate::convert::plan_release;
 use crate::report::{bytes, peak_rss, Bar};
 
 #[derive(Args, Debug)]
@@ -194,45 +191,17 @@ pub struct ValidateArgs {
 }
 
 pub fn run_validate(args: ValidateArgs) -> Result<ExitCode> {
-    // A Megatron save directory: the checkpoint its tracker names.
-    let ckpt = shardline_formats::checkpoint::resolve_checkpoint_dir(&args.ckpt)?;
-    let dialect = if shardline_formats::training::common_state::is_torch_dist(&ckpt) {
-        Dialect::TorchDist
-    } else if let Some(target) = shardline_formats::checkpoint::torchtitan_target_of(&ckpt)
-        .with_context(|| format!("reading checkpoint {}", ckpt.display()))?
-    {
-        Dialect::Torchtitan(target)
-    } else {
-        Dialect::FsdpDtensor
+    let request = ValidateRequest {
+        ckpt: args.ckpt.clone(),
+        against: args.against.clone(),
+        prefix: args.prefix.clone(),
+        etp: args.etp,
     };
-    let defaults = PlanOptions::default();
-    let options = PlanOptions {
-        prefix: args.prefix.clone().unwrap_or_else(|| dialect.default_prefix().to_string()),
-        dialect,
-        // The optimizer state of torch_dist checkpoints is not compared yet: none is expected.
-        optimizer_state: dialect == Dialect::FsdpDtensor,
-        // Global tensors do not depend on the mesh but for vocab padding, which validation
-        // accepts as trailing zero rows.
-        vocab_divisible_by: 1,
-        ..defaults.clone()
-    };
-    // Any mesh gives the same global tensors but for what is fused per expert-TP rank.
-    let mesh = Mesh { tp: 1, cp: 1, dp: args.etp, ep: 1, etp: args.etp };
-    let (release, reference) = plan_release(&args.against, mesh, &options)?;
-    let total: u64 = reference.tensors.iter().map(|t| t.shape.iter().product::<u64>() * t.dtype.size() as u64).sum();
     let progress = Arc::new(Progress::default());
     let started = Instant::now();
-    let report = {
-        let p = progress.clone();
-        let _bar = Bar::start("validate", total, move || p.bytes_written.load(Ordering::Relaxed));
-        verify_checkpoint(
-            &ckpt,
-            &release,
-            &reference,
-            &VerifyOptions { optional_prefix: Some(&defaults.optimizer_prefix), ..VerifyOptions::default() },
-            &progress,
-        )
-        .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?
+    let (report, reference) = {
+        let _bar = Bar::follow("validate", progress.clone());
+        validate(&request, &progress)?
     };
     let secs = started.elapsed().as_secs_f64();
     if args.json {

@@ -127,7 +127,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", shardline_formats::error_message(e.as_ref()));
             ExitCode::from(2)
         }
     }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
+use shardline_formats::execute::Progress;
 
 /// Human-readable bytes (binary units).
 pub fn bytes(n: u64) -> String {
@@ -38,12 +39,27 @@ pub struct Bar {
 }
 
 impl Bar {
+    /// A bar over an operation's [`Progress`], its length the total the operation sets once
+    /// planned.
+    pub fn follow(label: &str, progress: Arc<Progress>) -> Bar {
+        let total = progress.clone();
+        Bar::draw(
+            label,
+            move || total.bytes_total.load(Ordering::Relaxed),
+            move || progress.bytes_written.load(Ordering::Relaxed),
+        )
+    }
+
     pub fn start(label: &str, total: u64, counter: impl Fn() -> u64 + Send + 'static) -> Bar {
+        Bar::draw(label, move || total, counter)
+    }
+
+    fn draw(label: &str, total: impl Fn() -> u64 + Send + 'static, counter: impl Fn() -> u64 + Send + 'static) -> Bar {
         let stop = Arc::new(AtomicBool::new(false));
         if !std::io::stderr().is_terminal() {
             return Bar { stop, handle: None };
         }
-        let pb = ProgressBar::new(total);
+        let pb = ProgressBar::new(total());
         if let Ok(style) =
             ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
         {
@@ -53,6 +69,7 @@ impl Bar {
         let s = stop.clone();
         let handle = std::thread::spawn(move || {
             while !s.load(Ordering::Relaxed) {
+                pb.set_length(total());
                 pb.set_position(counter());
                 std::thread::sleep(Duration::from_millis(100));
             }

@@ -16,9 +16,12 @@
 pub mod checkpoint;
 pub mod dcp_metadata;
 pub mod execute;
+mod message;
 pub mod out_dir;
 pub mod pickle;
 pub mod safetensors;
 pub mod torch_save;
 pub mod training;
 pub mod verify;
+
+pub use message::error_message;

@@ -184,12 +184,33 @@ pub(super) fn open_dcp(dir: &Path, keep: Option<&dyn Fn(&str) -> bool>) -> Resul
         let p = dir.join(&**name);
         open_files.push(File::open(&p).map_err(io_err(&p, "open rank file"))?);
     }
+    let mut file_sizes = Vec::with_capacity(open_files.len());
+    for (f, name) in open_files.iter().zip(&c.files) {
+        file_sizes.push(f.metadata().map_err(io_err(&dir.join(&**name), "stat rank file"))?.len());
+    }
+    // An item reaching past its file's end (a rank file cut short) is named as such, before its
+    // archive's framing is read, in the words `scan_checkpoint` uses.
+    let within = |key: &str, offsets: &[u64], at: &Located| -> Result<(), CheckpointError> {
+        let size = file_sizes[at.file as usize];
+        if at.offset.checked_add(at.length).is_none_or(|end| end > size) {
+            return Err(CheckpointError::Inconsistent {
+                key: key.to_string(),
+                offsets: offsets.to_vec(),
+                message: format!(
+                    "stored at bytes {}..+{} of {}, which has {size} bytes",
+                    at.offset, at.length, c.files[at.file as usize]
+                ),
+            });
+        }
+        Ok(())
+    };
     let readers: Vec<BlockReader<'_>> = open_files.iter().map(BlockReader::new).collect();
     let mut objects = Vec::with_capacity(c.objects.len());
     for (key, at) in c.objects {
         let Some(at) = at else {
             return Err(CheckpointError::MissingStorage { key, offsets: Vec::new() });
         };
+        within(&key, &[], &at)?;
         let file = c.files[at.file as usize].clone();
         // A bytes item must load too: its archive and pickle are read strictly.
         read_object_archive(&readers[at.file as usize], at.offset, at.length).map_err(|source| {
@@ -212,6 +233,7 @@ pub(super) fn open_dcp(dir: &Path, keep: Option<&dyn Fn(&str) -> bool>) -> Resul
             let Some(at) = at else {
                 return Err(CheckpointError::MissingStorage { key: t.key, offsets: chunk.offsets });
             };
+            within(&t.key, &chunk.offsets, &at)?;
             let file = &c.files[at.file as usize];
             let archive = read_tensor_archive_with(&readers[at.file as usize], at.offset, at.length, &mut specs)
                 .map_err(|source| CheckpointError::Item {

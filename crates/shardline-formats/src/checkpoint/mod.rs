@@ -307,9 +307,11 @@ mod blocks;
 mod dcp;
 mod ranges;
 mod scan;
+mod slices;
 pub use blocks::BlockReader;
 pub use ranges::storage_ranges;
 pub use scan::{scan_checkpoint, FileSummary, ScanSummary, TensorSummary};
+pub use slices::{read_box, SliceRead};
 
 #[cfg(test)]
 mod tests;

@@ -9,8 +9,9 @@ use std::path::Path;
 
 use shardline_layout::DType;
 
+use super::dcp::Stop;
 use super::{open_checkpoint, safe_name, CheckpointError, CheckpointFormat};
-use crate::dcp_metadata::{read_metadata_file, ChunkMeta, DcpMetadataError, EntryMeta, MetadataItem};
+use crate::dcp_metadata::{read_metadata_file, ChunkMeta, EntryMeta, MetadataItem};
 
 /// One tensor entry, as it streams past.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -69,7 +70,7 @@ pub fn scan_checkpoint(dir: &Path, mut on_tensor: impl FnMut(TensorSummary)) -> 
         return Ok(summary);
     }
     let mut sizes: BTreeMap<String, u64> = BTreeMap::new();
-    let tail = read_metadata_file(&md_path, |item| -> Result<(), CheckpointError> {
+    let mut on_item = |item| -> Result<(), CheckpointError> {
         match item {
             MetadataItem::Entry(key, EntryMeta::Bytes) => summary.bytes_items.push(key),
             MetadataItem::Entry(key, EntryMeta::Tensor { dtype, size, chunks }) => {
@@ -105,13 +106,11 @@ pub fn scan_checkpoint(dir: &Path, mut on_tensor: impl FnMut(TensorSummary)) -> 
             }
         }
         Ok(())
+    };
+    let tail = read_metadata_file(&md_path, |item| on_item(item).map_err(Stop::Checkpoint)).map_err(|e| match e {
+        Stop::Metadata(source) => CheckpointError::Metadata { path: md_path.clone(), source },
+        Stop::Checkpoint(e) => e,
     })?;
     summary.version = tail.version;
     Ok(summary)
-}
-
-impl From<DcpMetadataError> for CheckpointError {
-    fn from(source: DcpMetadataError) -> Self {
-        CheckpointError::Metadata { path: ".metadata".into(), source }
-    }
 }

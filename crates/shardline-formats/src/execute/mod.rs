@@ -149,6 +149,8 @@ pub(super) fn io_err<'a>(path: &'a Path, action: &'static str) -> impl FnOnce(io
 /// Counters a caller can watch while the executor runs (progress bars, task progress).
 #[derive(Debug, Default)]
 pub struct Progress {
+    /// The bytes the operation will move, once it is planned (0 until then).
+    pub bytes_total: AtomicU64,
     pub bytes_written: AtomicU64,
     pub chunks_written: AtomicU64,
     pub files_done: AtomicU64,
