@@ -36,6 +36,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
         &[
             "shardline-layout",
             "shardline-formats",
+            "shardline-ops",
             "shardline-publish",
             "shardline-artifacts",
             "shardline-hub",

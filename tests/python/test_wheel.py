@@ -317,3 +317,42 @@ def test_a_progress_callback_that_raises_cancels_and_leaves_no_checkpoint(sl, tm
     with pytest.raises(RuntimeError, match="stopped at"):
         sl.convert(harness.fixture_dir("qwen3_moe"), tmp_path / "out", dp=2, progress=stop)
     assert not (tmp_path / "out" / ".metadata").exists()
+
+
+def same_files(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir()), (a, b)
+    for name in names:
+        if (a / name).is_file():
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_reshard_and_export_from_python_write_what_the_cli_writes(sl, tmp_path):
+    release = harness.fixture_dir("qwen3_moe")
+    sl.convert(release, tmp_path / "trained", tp=2, dp=2, optimizer_state=True)
+    planned = sl.reshard(tmp_path / "trained", tp=1, dp=3, dry_run=True)
+    assert "out" not in planned and planned["optimizer_states"] > 0 and planned["to"].startswith("tp1")
+    done = sl.reshard(tmp_path / "trained", tmp_path / "api", tp=1, dp=3)
+    r = harness.run_cli(["reshard", str(tmp_path / "trained"), "--to", str(tmp_path / "cli"), "--tp", "1", "--dp", "3",
+                         "--json"])
+    assert r.returncode == 0, r.stderr
+    cli = json.loads(r.stdout)
+    for field in ("from", "to", "files", "tensor_bytes", "file_bytes", "chunks", "optimizer_states", "notes"):
+        assert done[field] == cli[field], field
+    same_files(tmp_path / "api", tmp_path / "cli")
+    # Back to the release: equal to its own tensors, read by the safetensors library.
+    exported = sl.export(tmp_path / "api", tmp_path / "hf", like=release, max_file_size=200_000)
+    assert exported["files"] and len(exported["files"]) > 1 and "config.json" in exported["copied"]
+    r = harness.run_cli(["export", str(tmp_path / "api"), "--to", str(tmp_path / "hf-cli"), "--like", str(release),
+                         "--max-file-size", "200000"])
+    assert r.returncode == 0, r.stderr
+    same_files(tmp_path / "hf", tmp_path / "hf-cli")
+    from safetensors.torch import load_file
+
+    def tensors(d: Path) -> dict[str, torch.Tensor]:
+        return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    want, got = tensors(release), tensors(tmp_path / "hf")
+    assert got.keys() == want.keys() and all(same(got[k], want[k]) for k in want)
+    with pytest.raises(sl.ShardlineError, match="cannot reshard|torchtitan"):
+        sl.reshard(tmp_path / "trained", tmp_path / "never", tp=3, dp=1)

@@ -2,18 +2,13 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use serde_json::json;
-use shardline_engine::checkpoints::{export_tensors, saved_etp};
-use shardline_formats::checkpoint::open_checkpoint_keys;
 use shardline_formats::execute::Progress;
-use shardline_formats::training::TrainingCheckpoint;
-use shardline_formats::training::{write_export, ExportOptions};
+use shardline_ops::{export, ExportRequest};
 
 use crate::report::{bytes, peak_rss, Bar};
 
@@ -64,9 +59,6 @@ fn release_of_manifest(ckpt: &Path) -> Option<PathBuf> {
 }
 
 pub fn run_export(args: ExportArgs) -> Result<ExitCode> {
-    let started = Instant::now();
-    let dir = shardline_formats::checkpoint::resolve_checkpoint_dir(&args.ckpt)?;
-    let torch_dist = shardline_formats::training::common_state::is_torch_dist(&dir);
     let Some(like) = args.like.clone().or_else(|| release_of_manifest(&args.ckpt)) else {
         bail!(
             "{} has no Shardline manifest naming a local release: pass --like HF_RELEASE (its config.json decides the names)",
@@ -75,49 +67,22 @@ pub fn run_export(args: ExportArgs) -> Result<ExitCode> {
     };
     let max_file_bytes = shardline_units::parse_size_lenient(&args.max_file_size)
         .map_err(|e| anyhow::anyhow!("--max-file-size: {e}"))?;
-    // A torch_dist checkpoint's fused parameters are read for expert-TP size 1 (`[gate; up]`).
-    let etp = if torch_dist { 1 } else { args.etp.or_else(|| saved_etp(&args.ckpt)).unwrap_or(1) };
-    // The model's keys only: the optimizer's moments are not exported. A torch_dist checkpoint's
-    // are read under the fsdp_dtensor names its keys stand for (layers and experts unstacked,
-    // `[gate; up]` split), in place.
-    let torchtitan = !torch_dist
-        && shardline_formats::checkpoint::torchtitan_target_of(&dir)
-            .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?
-            .is_some();
-    let (checkpoint, prefix) = if torch_dist {
-        let c = TrainingCheckpoint::open_torch_dist_model(&args.ckpt)
-            .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?;
-        (c, "model.module.")
-    } else if shardline_formats::checkpoint::automodel_model_dir(&args.ckpt)?.is_some() {
-        // NeMo Automodel's `model/`: the release's own names, every key is the model's.
-        let c = open_checkpoint_keys(&args.ckpt, |_| true)
-            .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?;
-        (c, "")
-    } else if torchtitan {
-        // Its model keys sit at the top level, beside nothing else in a seed; a training step's
-        // optimizer, scheduler, dataloader and train state are not exported.
-        let model =
-            |k: &str| !["optimizer.", "lr_scheduler.", "dataloader.", "train_state."].iter().any(|p| k.starts_with(p));
-        let c = open_checkpoint_keys(&args.ckpt, model)
-            .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?;
-        (c, "")
-    } else {
-        let c = open_checkpoint_keys(&args.ckpt, |k| k.starts_with(args.prefix.as_str()))
-            .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?;
-        (c, args.prefix.as_str())
+    let request = ExportRequest {
+        ckpt: args.ckpt.clone(),
+        to: args.to.clone(),
+        like: like.clone(),
+        prefix: args.prefix.clone(),
+        etp: args.etp,
+        max_file_bytes,
+        overwrite: args.overwrite,
+        threads: args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()).max(2)),
     };
-    let tensors = export_tensors(&checkpoint, &like, etp, prefix).map_err(|e| anyhow::anyhow!(e))?;
     let progress = Arc::new(Progress::default());
-    let total: u64 = tensors.iter().map(|t| t.shape.iter().product::<u64>() * t.dtype.size() as u64).sum();
-    let counter = Arc::clone(&progress);
-    let bar = (!args.json).then(|| Bar::start("export", total, move || counter.bytes_written.load(Ordering::Relaxed)));
-    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()).max(2));
-    let options = ExportOptions { max_file_bytes, threads, overwrite: args.overwrite };
-    let report = write_export(&checkpoint, &tensors, &like, &args.to, &options, &progress)
-        .with_context(|| format!("writing {}", args.to.display()));
-    drop(bar);
-    let report = report?;
-    let secs = started.elapsed().as_secs_f64();
+    let done = {
+        let _bar = (!args.json).then(|| Bar::follow("export", progress.clone()));
+        export(&request, &progress)?
+    };
+    let (report, secs) = (&done.written, done.seconds);
     if args.json {
         println!(
             "{}",

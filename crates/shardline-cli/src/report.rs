@@ -42,24 +42,11 @@ impl Bar {
     /// A bar over an operation's [`Progress`], its length the total the operation sets once
     /// planned.
     pub fn follow(label: &str, progress: Arc<Progress>) -> Bar {
-        let total = progress.clone();
-        Bar::draw(
-            label,
-            move || total.bytes_total.load(Ordering::Relaxed),
-            move || progress.bytes_written.load(Ordering::Relaxed),
-        )
-    }
-
-    pub fn start(label: &str, total: u64, counter: impl Fn() -> u64 + Send + 'static) -> Bar {
-        Bar::draw(label, move || total, counter)
-    }
-
-    fn draw(label: &str, total: impl Fn() -> u64 + Send + 'static, counter: impl Fn() -> u64 + Send + 'static) -> Bar {
         let stop = Arc::new(AtomicBool::new(false));
         if !std::io::stderr().is_terminal() {
             return Bar { stop, handle: None };
         }
-        let pb = ProgressBar::new(total());
+        let pb = ProgressBar::new(progress.bytes_total.load(Ordering::Relaxed));
         if let Ok(style) =
             ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
         {
@@ -69,11 +56,11 @@ impl Bar {
         let s = stop.clone();
         let handle = std::thread::spawn(move || {
             while !s.load(Ordering::Relaxed) {
-                pb.set_length(total());
-                pb.set_position(counter());
+                pb.set_length(progress.bytes_total.load(Ordering::Relaxed));
+                pb.set_position(progress.bytes_written.load(Ordering::Relaxed));
                 std::thread::sleep(Duration::from_millis(100));
             }
-            pb.set_position(counter());
+            pb.set_position(progress.bytes_written.load(Ordering::Relaxed));
             pb.finish_and_clear();
         });
         Bar { stop, handle: Some(handle) }

@@ -6,14 +6,13 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 use serde_json::json;
-use shardline_engine::checkpoints::{inferred_mesh, reshard_options, ReshardHints};
 use shardline_formats::execute::Progress;
-use shardline_formats::training::{write_resharded, TrainingCheckpoint};
-use shardline_layout::reshard::{plan_reshard, RngPolicy};
-use shardline_layout::{Dialect, Mesh};
+use shardline_layout::reshard::RngPolicy;
+use shardline_layout::Mesh;
+use shardline_ops::{plan_reshard_of, ReshardRequest};
 
 use crate::convert::{MeshArgs, Target};
 use crate::report::{bytes, peak_rss, Bar};
@@ -85,61 +84,41 @@ pub(crate) fn parse_mesh(s: &str) -> Result<Mesh> {
 
 pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
     let started = Instant::now();
-    let dir = shardline_formats::checkpoint::resolve_checkpoint_dir(&args.ckpt)?;
-    let source_dialect = match shardline_formats::training::common_state::is_torch_dist(&dir) {
-        true => Dialect::TorchDist,
-        false => Dialect::FsdpDtensor,
-    };
-    let dialect = args.target.map_or(source_dialect, Target::dialect);
-    let mut source = TrainingCheckpoint::open_for(&args.ckpt, Some(args.mesh.mesh().etp))
-        .with_context(|| format!("reading training checkpoint {}", args.ckpt.display()))?;
-    for note in &source.notes {
-        eprintln!("note: {note}");
-    }
-    let given = ReshardHints {
-        source_mesh: args.from_mesh.as_deref().map(parse_mesh).transpose()?,
+    let request = ReshardRequest {
+        ckpt: args.ckpt.clone(),
+        mesh: args.mesh.mesh(),
+        target: args.target.map(Target::dialect),
+        from_mesh: args.from_mesh.as_deref().map(parse_mesh).transpose()?,
+        rng: match args.rng {
+            Rng::FromRank0 => RngPolicy::FromRank0,
+            Rng::Drop => RngPolicy::Drop,
+        },
         vocab_size: args.vocab_size,
         vocab_divisible_by: args.vocab_divisible_by,
     };
-    let saved_mesh = source.args.as_ref().and_then(|a| a.mesh());
-    let (inferred, from_what) = match (given.source_mesh, saved_mesh) {
-        (Some(_), _) => (None, "--from-mesh"),
-        (None, Some(_)) => (None, "args"),
-        (None, None) => (inferred_mesh(&source), "chunk geometry; cp folded into dp"),
-    };
-    let rng = match args.rng {
-        Rng::FromRank0 => RngPolicy::FromRank0,
-        Rng::Drop => RngPolicy::Drop,
-    };
-    let fallback = ReshardHints { source_mesh: inferred, ..ReshardHints::default() };
-    let mut options = reshard_options(&source, args.mesh.mesh(), rng, given, fallback);
-    options.dialect = dialect;
-    if dialect == Dialect::TorchDist {
-        source.split_fused(options.source_mesh.map(|m| m.etp)).context("reading the fused expert fc1")?;
+    let planned = plan_reshard_of(&request)?;
+    for note in &planned.source.notes {
+        eprintln!("note: {note}");
     }
-    let source_mesh = options.source_mesh;
-    let plan = plan_reshard(&source.items, &options)
-        .with_context(|| format!("cannot reshard {} to {}", args.ckpt.display(), options.mesh))?;
+    let (plan, mesh) = (&planned.plan, planned.options.mesh);
     for note in &plan.notes {
         let note = note.strip_prefix("warning: ").unwrap_or(note);
         eprintln!("warning: {note}");
     }
-    let from =
-        source_mesh.map_or("unknown (no args; pass --from-mesh)".to_string(), |m| format!("{m}, from {from_what}"));
-    let moments =
-        plan.tensors.iter().filter(|t| matches!(t.out.role, shardline_layout::Role::OptimizerState { .. })).count();
+    let from = planned.source_mesh_said();
+    let moments = planned.optimizer_states();
     if args.dry_run {
         if args.json {
             println!(
                 "{}",
-                json!({"from": from, "to": options.mesh.to_string(), "tensors": plan.tensors.len(),
+                json!({"from": from, "to": mesh.to_string(), "tensors": plan.tensors.len(),
                        "optimizer_states": moments, "objects": plan.objects.len(), "notes": plan.notes})
             );
         } else {
             println!(
                 "reshard {} ({from}) → {}: {} tensors ({moments} optimizer states), {} bytes items; nothing written (--dry-run)",
                 args.ckpt.display(),
-                options.mesh,
+                mesh,
                 plan.tensors.len(),
                 plan.objects.len()
             );
@@ -148,14 +127,11 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
     }
     let Some(to) = &args.to else { bail!("--to is required") };
     let progress = Arc::new(Progress::default());
-    let total: u64 = plan.tensors.iter().map(|t| t.out.nbytes()).sum();
-    let counter = Arc::clone(&progress);
-    let bar = (!args.json).then(|| Bar::start("reshard", total, move || counter.bytes_written.load(Ordering::Relaxed)));
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()).max(2));
-    let report = write_resharded(&source, &plan, to, threads, args.overwrite, &progress)
-        .with_context(|| format!("writing {}", to.display()));
-    drop(bar);
-    let report = report?;
+    let report = {
+        let _bar = (!args.json).then(|| Bar::follow("reshard", progress.clone()));
+        planned.write(to, threads, args.overwrite, &progress)?
+    };
     if !report.args_missing.is_empty() {
         eprintln!("warning: `args` has no {}; left as they were", report.args_missing.join(", "));
     }
@@ -163,10 +139,10 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
     if args.json {
         println!(
             "{}",
-            json!({"from": from, "to": options.mesh.to_string(), "out": to, "files": report.files,
+            json!({"from": from, "to": mesh.to_string(), "out": to, "files": report.files,
                    "tensor_bytes": report.tensor_bytes, "file_bytes": report.file_bytes, "chunks": report.chunks,
-                   "optimizer_states": moments, "args_updated": report.args_set, "notes": plan.notes, "left_out": source.notes,
-                   "seconds": secs, "peak_rss_bytes": peak_rss(),
+                   "optimizer_states": moments, "args_updated": report.args_set, "notes": plan.notes,
+                   "left_out": planned.source.notes, "seconds": secs, "peak_rss_bytes": peak_rss(),
                    "bytes_written": progress.bytes_written.load(Ordering::Relaxed)})
         );
     } else {
@@ -174,7 +150,7 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
             "resharded {} ({from}) → {} ({}): {} rank files, {} tensors ({moments} optimizer states), {} in {:.2}s",
             args.ckpt.display(),
             to.display(),
-            options.mesh,
+            mesh,
             report.files,
             plan.tensors.len(),
             bytes(report.file_bytes),

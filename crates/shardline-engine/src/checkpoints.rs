@@ -1,8 +1,8 @@
 //! `checkpoint.reshard` and `checkpoint.export`: a checkpoint re-tiled for another mesh, and a
 //! checkpoint's model weights written back as the HF release they came from. The planning both
-//! need beyond the layout crate (the reshard options merged from the step, the checkpoint's
-//! `args` and what the pipeline knows; the export plan from the release's config and headers)
-//! lives here once, and `shardline reshard` / `shardline export` call it too.
+//! need beyond the layout crate (the reshard options merged from the checkpoint's `args` and its
+//! geometry, the export plan from the release's config and headers, how a checkpoint's model is
+//! opened for export) lives in `shardline-ops` once; here the steps add what the pipeline knows.
 //!
 //! A reshard is written into `<out>.partial` (`.metadata` last) and renamed to `<out>` once
 //! complete; an export is staged beside its directory and renamed by the writer. A killed worker
@@ -18,118 +18,17 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use shardline_control::graph::{ExportJob, ReshardJob, ReshardSource};
 use shardline_control::TaskOutput;
-use shardline_formats::checkpoint::{open_checkpoint, open_checkpoint_keys, Checkpoint};
+use shardline_formats::checkpoint::open_checkpoint;
 use shardline_formats::safetensors::Release;
-use shardline_formats::training::{
-    rank_of_file, summarize_training, write_export, write_resharded, ExportOptions, TrainingCheckpoint, TrainingError,
-};
+use shardline_formats::training::{write_export, write_resharded, ExportOptions, TrainingCheckpoint, TrainingError};
 use shardline_layout::dialect::Dialect;
-use shardline_layout::export::{plan_export, plan_export_as_named, ExportTensor};
-use shardline_layout::reshard::{infer_mesh, plan_reshard, ReshardOptions, RngPolicy};
-use shardline_layout::{build_plan, validate_plan, Mesh, ModelConfig, PlanOptions, Role, SourceTensor};
+use shardline_layout::reshard::{plan_reshard, RngPolicy};
+use shardline_layout::{Mesh, ModelConfig, Role};
+
+use shardline_formats::error_message;
+use shardline_ops::{export_tensors, inferred_mesh, open_model, reshard_options, saved_etp, ReshardHints};
 
 use crate::steps::{parse_mesh, StepContext, StepError};
-
-/// What a reshard knows of its source besides the checkpoint: each `None` when unknown.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ReshardHints {
-    pub source_mesh: Option<Mesh>,
-    /// The tokenizer's vocabulary size (unpadded).
-    pub vocab_size: Option<u64>,
-    pub vocab_divisible_by: Option<u64>,
-}
-
-/// The options of a reshard of `source` to `mesh`: each value as `given` says, else as the
-/// checkpoint's `args` say, else as `fallback` says (the vocab divisor, at last, 128).
-pub fn reshard_options(
-    source: &TrainingCheckpoint,
-    mesh: Mesh,
-    rng: RngPolicy,
-    given: ReshardHints,
-    fallback: ReshardHints,
-) -> ReshardOptions {
-    let saved = source.args.clone().unwrap_or_default();
-    // A translated checkpoint's fused parameters are in the layout it was read for.
-    let source_mesh = given.source_mesh.or(saved.mesh()).or(fallback.source_mesh);
-    let source_mesh = source_mesh.map(|m| Mesh { etp: source.fused_etp.unwrap_or(m.etp), ..m });
-    ReshardOptions {
-        mesh,
-        source_mesh,
-        vocab_size: given.vocab_size.or(saved.vocab_size).or(fallback.vocab_size),
-        vocab_divisible_by: given
-            .vocab_divisible_by
-            .or(saved.make_vocab_size_divisible_by)
-            .or(fallback.vocab_divisible_by)
-            .unwrap_or(128),
-        num_experts: saved.num_experts,
-        num_query_groups: saved.num_query_groups,
-        rng,
-        dialect: Dialect::FsdpDtensor,
-    }
-}
-
-/// The mesh a checkpoint was saved on, read from its chunk geometry (for a checkpoint without
-/// `args`: TP and expert-TP from how row-parallel weights split, the world from the rank files,
-/// EP from which ranks hold which experts; CP is folded into DP).
-pub fn inferred_mesh(source: &TrainingCheckpoint) -> Option<Mesh> {
-    let rank = |i: usize, c: usize| source.chunks_of(i).get(c).and_then(|s| rank_of_file(&s.file));
-    infer_mesh(&source.items, rank)
-}
-
-/// The expert-TP size a checkpoint was saved with, as its `args` say.
-pub fn saved_etp(dir: &Path) -> Option<u64> {
-    // From the bytes items alone: an export's copy of the checkpoint may hold only its model.
-    summarize_training(dir).ok().flatten().and_then(|s| s.mesh).map(|m| m.etp)
-}
-
-/// The export plan of `checkpoint` as the release `like`: the release's conversion plan for the
-/// mesh `{tp 1, dp etp, etp}` (global tensors depend on no mesh but for what is fused per
-/// expert-TP rank), inverted against the checkpoint's shapes.
-pub fn export_tensors(
-    checkpoint: &Checkpoint,
-    like: &Path,
-    etp: u64,
-    prefix: &str,
-) -> Result<Vec<ExportTensor>, String> {
-    let release = Release::open(like).map_err(|e| format!("reading release {}: {e}", like.display()))?;
-    let config = ModelConfig::from_json(release.config_json())
-        .map_err(|e| format!("reading {}: {e}", like.join("config.json").display()))?;
-    let sources: Vec<SourceTensor> = release
-        .tensors()
-        .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
-        .collect();
-    let shapes: BTreeMap<String, Vec<u64>> =
-        checkpoint.tensors.iter().map(|t| (t.key.clone(), t.shape.clone())).collect();
-    let torchtitan = shardline_formats::checkpoint::torchtitan_target(checkpoint);
-    // A checkpoint under the release's own names (NeMo Automodel's `model/`): each tensor whole.
-    // (`lm_head.weight` alone says nothing: torchtitan spells it so too.)
-    if torchtitan.is_none() && sources.iter().any(|s| s.name != "lm_head.weight" && shapes.contains_key(&s.name)) {
-        return plan_export_as_named(&sources, &shapes).map_err(|errors| {
-            let list: Vec<String> = errors.iter().map(|e| format!("  {e}")).collect();
-            format!("cannot export {} as {}:\n{}", checkpoint.dir.display(), like.display(), list.join("\n"))
-        });
-    }
-    let mesh = Mesh { tp: 1, cp: 1, dp: etp, ep: 1, etp };
-    // A torchtitan checkpoint is read back through the plan of its own version's names.
-    let (dialect, prefix) = match torchtitan {
-        Some(target) => (Dialect::Torchtitan(target), ""),
-        None => (Dialect::FsdpDtensor, prefix),
-    };
-    let options = PlanOptions { prefix: prefix.to_string(), vocab_divisible_by: 1, dialect, ..PlanOptions::default() };
-    let forward = build_plan(&config, sources, mesh, &options).map_err(|errors| {
-        let list: Vec<String> = errors.iter().map(|e| format!("  - {e}")).collect();
-        format!("cannot plan `{}` for mesh {mesh}:\n{}", config.model_type, list.join("\n"))
-    })?;
-    let violations = validate_plan(&forward, config.num_experts, mesh.ep);
-    if !violations.is_empty() {
-        let list: Vec<String> = violations.iter().take(20).map(|v| format!("  - {v}")).collect();
-        return Err(format!("the plan breaks {} invariant(s):\n{}", violations.len(), list.join("\n")));
-    }
-    plan_export(&forward, &shapes).map_err(|errors| {
-        let list: Vec<String> = errors.iter().map(|e| format!("  {e}")).collect();
-        format!("cannot export {} as {}:\n{}", checkpoint.dir.display(), like.display(), list.join("\n"))
-    })
-}
 
 /// Digest of a directory's entries (names, sizes, modification times; symlinks followed): what
 /// the step cache keys of reshards and exports read of their inputs. Cheap, and changes whenever
@@ -410,8 +309,9 @@ pub fn export(job: &ExportJob, ctx: &StepContext) -> Result<TaskOutput, StepErro
         StepError::fatal(format!("task `{}` did not report a checkpoint directory", job.checkpoint_task))
     })?;
     let like = export_like(job, ctx.outputs)?;
-    let torch_dist = shardline_formats::checkpoint::resolve_checkpoint_dir(&dir)
-        .is_ok_and(|d| shardline_formats::training::common_state::is_torch_dist(&d));
+    // The model's keys only, as every export opens them (`shardline_ops::open_model`).
+    let (checkpoint, prefix, torch_dist) =
+        open_model(&dir, &job.prefix).map_err(|e| StepError::fatal(error_message(&e)))?;
     // A torch_dist checkpoint's fused parameters are read for expert-TP size 1 (`[gate; up]`).
     let etp = match torch_dist {
         true => 1,
@@ -421,22 +321,7 @@ pub fn export(job: &ExportJob, ctx: &StepContext) -> Result<TaskOutput, StepErro
             .or_else(|| upstream.mesh.as_deref().and_then(parse_mesh).map(|m| m.etp))
             .unwrap_or(1),
     };
-    // The model's keys only: the optimizer's moments are not exported. A torch_dist checkpoint's
-    // are read under the fsdp_dtensor names its keys stand for, in place.
-    let (checkpoint, prefix) = if torch_dist {
-        let c = TrainingCheckpoint::open_torch_dist_model(&dir)
-            .map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
-        (c, "model.module.")
-    } else {
-        // NeMo Automodel's `model/` holds the release's own names: every key is the model's.
-        let automodel = shardline_formats::checkpoint::automodel_model_dir(&dir)
-            .map_err(|e| StepError::fatal(e.to_string()))?
-            .is_some();
-        let c = open_checkpoint_keys(&dir, |k| automodel || k.starts_with(job.prefix.as_str()))
-            .map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
-        (c, job.prefix.as_str())
-    };
-    let tensors = export_tensors(&checkpoint, &like, etp, prefix).map_err(StepError::fatal)?;
+    let tensors = export_tensors(&checkpoint, &like, etp, &prefix).map_err(|e| StepError::fatal(error_message(&e)))?;
     let total: u64 = tensors.iter().map(|t| t.shape.iter().product::<u64>() * t.dtype.size() as u64).sum();
     ctx.bytes_total.store(total, Ordering::Relaxed);
     (ctx.log)(format!(

@@ -128,13 +128,13 @@ fn open_release(from: &Path) -> Result<Release, OpsError> {
     Release::open(from).map_err(|source| OpsError::Release { path: from.to_path_buf(), source })
 }
 
-fn read_config(release: &Release, from: &Path) -> Result<ModelConfig, OpsError> {
+pub(crate) fn read_config(release: &Release, from: &Path) -> Result<ModelConfig, OpsError> {
     ModelConfig::from_json(release.config_json())
         .map_err(|source| OpsError::Config { path: from.join("config.json"), source })
 }
 
 /// Plans the release tensors `sources` and checks the plan against the invariants.
-fn plan_sources(
+pub(crate) fn plan_sources(
     config: &ModelConfig,
     sources: Vec<SourceTensor>,
     mesh: Mesh,

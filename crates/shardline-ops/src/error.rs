@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use shardline_formats::checkpoint::CheckpointError;
 use shardline_formats::execute::ExecuteError;
 use shardline_formats::safetensors::SafetensorsError;
+use shardline_formats::training::TrainingError;
 use shardline_formats::verify::VerifyError;
+use shardline_layout::reshard::ReshardError;
 use shardline_layout::LayoutError;
 use thiserror::Error;
 
@@ -34,6 +36,15 @@ pub enum OpsError {
     Checkpoint { path: PathBuf, source: CheckpointError },
     #[error("reading checkpoint {path}: {source}")]
     Verify { path: PathBuf, source: VerifyError },
+    #[error("reading checkpoint {path}: {source}")]
+    Training { path: PathBuf, source: TrainingError },
+    /// Release tensors the checkpoint cannot give back, each said.
+    #[error("cannot export {ckpt} as {like}:\n{}", .problems.iter().map(|p| format!("  {p}")).collect::<Vec<_>>().join("\n"))]
+    Export { ckpt: PathBuf, like: PathBuf, problems: Vec<String> },
+    #[error("cannot reshard {ckpt} to {mesh}: {source}")]
+    Reshard { ckpt: PathBuf, mesh: String, source: ReshardError },
+    #[error("writing {path}: {source}")]
+    Output { path: PathBuf, source: TrainingError },
 }
 
 fn list(items: &[String]) -> String {

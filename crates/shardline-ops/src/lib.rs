@@ -1,4 +1,5 @@
-//! The operations a person runs — `convert` (and the plan it would write), `validate` — as typed
+//! The operations a person runs — `convert` (and the plan it would write), `validate`,
+//! `reshard`, `export` — as typed
 //! requests in and typed reports out, shared by every front end: the `shardline` CLI prints
 //! their reports, the Python module (`shardline-py`) returns them. Nothing here parses
 //! arguments, prints, or knows of a terminal; what a combination of options means, and which
@@ -13,8 +14,12 @@
 
 mod convert;
 mod error;
+mod export;
+mod reshard;
 mod validate;
 
 pub use convert::{convert, plan_release, ConvertReport, ConvertRequest};
 pub use error::OpsError;
+pub use export::{export, export_tensors, open_model, saved_etp, ExportDone, ExportRequest};
+pub use reshard::{inferred_mesh, plan_reshard_of, reshard_options, PlannedReshard, ReshardHints, ReshardRequest};
 pub use validate::{detect_dialect, validate, ValidateRequest};

@@ -10,6 +10,7 @@
 mod objects;
 mod ops;
 mod reader;
+mod training;
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -38,5 +39,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::convert, m)?)?;
     m.add_function(wrap_pyfunction!(ops::plan, m)?)?;
     m.add_function(wrap_pyfunction!(ops::validate, m)?)?;
+    m.add_function(wrap_pyfunction!(training::reshard, m)?)?;
+    m.add_function(wrap_pyfunction!(training::export, m)?)?;
     Ok(())
 }

@@ -26,7 +26,7 @@ const FINISHED_POLL: Duration = Duration::from_millis(5);
 
 /// Runs `work` on a thread of its own with the GIL released, reporting to `callback` (and
 /// checking for signals) meanwhile; a callback's exception or a signal cancels the work.
-fn run_reporting<T: Send>(
+pub(crate) fn run_reporting<T: Send>(
     py: Python<'_>,
     callback: Option<&Py<PyAny>>,
     progress: &Progress,
@@ -132,7 +132,7 @@ fn request(
     })
 }
 
-fn mesh(tp: u64, cp: u64, dp: u64, ep: u64, etp: Option<u64>) -> PyResult<Mesh> {
+pub(crate) fn mesh(tp: u64, cp: u64, dp: u64, ep: u64, etp: Option<u64>) -> PyResult<Mesh> {
     if [tp, cp, dp, ep].contains(&0) || etp == Some(0) {
         return Err(PyValueError::new_err("tp, cp, dp, ep and etp are at least 1"));
     }

@@ -10,7 +10,17 @@ reader for any PyTorch DCP checkpoint.
 The `shardline` command-line tool is installed with this package.
 """
 
-from ._native import PickledObject, ShardlineError, ValidationReport, __version__, convert, plan, validate
+from ._native import (
+    PickledObject,
+    ShardlineError,
+    ValidationReport,
+    __version__,
+    convert,
+    export,
+    plan,
+    reshard,
+    validate,
+)
 from ._reader import Chunk, CheckpointReader, TensorMetadata, TensorSlice, open
 
 __all__ = [
@@ -23,7 +33,9 @@ __all__ = [
     "ValidationReport",
     "__version__",
     "convert",
+    "export",
     "open",
     "plan",
+    "reshard",
     "validate",
 ]

@@ -92,3 +92,38 @@ def validate(
     progress: _Progress = None,
 ) -> ValidationReport:
     """Checks a checkpoint against the release it came from, every byte (the CLI's `validate`)."""
+
+def reshard(
+    ckpt: _Path,
+    out: Optional[_Path] = None,
+    *,
+    tp: int = 1,
+    cp: int = 1,
+    dp: int = 1,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    target: Optional[str] = None,
+    from_mesh: Optional[str] = None,
+    rng: str = "from-rank0",
+    vocab_size: Optional[int] = None,
+    vocab_divisible_by: Optional[int] = None,
+    overwrite: bool = False,
+    threads: Optional[int] = None,
+    dry_run: bool = False,
+    progress: _Progress = None,
+) -> dict[str, Any]:
+    """Reshards a training checkpoint for another mesh, or translates its dialect (the CLI's `reshard`)."""
+
+def export(
+    ckpt: _Path,
+    out: _Path,
+    *,
+    like: _Path,
+    prefix: str = "model.module.",
+    etp: Optional[int] = None,
+    max_file_size: int = 5_000_000_000,
+    overwrite: bool = False,
+    threads: Optional[int] = None,
+    progress: _Progress = None,
+) -> dict[str, Any]:
+    """Writes a checkpoint's model weights back as the HF release `like` (the CLI's `export`)."""

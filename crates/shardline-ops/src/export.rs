@@ -1,0 +1,140 @@
+//! `export`: a checkpoint's model weights written back as the HF release they came from — for
+//! the CLI, the pipeline's `checkpoint.export` step and Python alike.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use shardline_formats::checkpoint::{
+    automodel_model_dir, open_checkpoint_keys, resolve_checkpoint_dir, torchtitan_target, torchtitan_target_of,
+    Checkpoint,
+};
+use shardline_formats::execute::Progress;
+use shardline_formats::safetensors::Release;
+use shardline_formats::training::common_state::is_torch_dist;
+use shardline_formats::training::{summarize_training, write_export, ExportOptions, ExportReport, TrainingCheckpoint};
+use shardline_layout::dialect::Dialect;
+use shardline_layout::export::{plan_export, plan_export_as_named, ExportTensor};
+use shardline_layout::{Mesh, ModelConfig, PlanOptions, SourceTensor};
+
+use crate::convert::{plan_sources, read_config};
+use crate::OpsError;
+
+/// What to export, as what, to where.
+#[derive(Clone, Debug)]
+pub struct ExportRequest {
+    /// The checkpoint: a DCP directory, a Megatron-LM save directory, a torchtitan folder, a
+    /// NeMo Automodel `epoch_E_step_S/`.
+    pub ckpt: PathBuf,
+    /// The HF directory to write.
+    pub to: PathBuf,
+    /// The release whose names, dtypes, shapes and files to reproduce.
+    pub like: PathBuf,
+    /// Prefix of the model keys of an `fsdp_dtensor` checkpoint.
+    pub prefix: String,
+    /// The expert-TP size it was saved with; `None`: its `args`', else 1.
+    pub etp: Option<u64>,
+    pub max_file_bytes: u64,
+    pub overwrite: bool,
+    pub threads: usize,
+}
+
+/// What an export wrote.
+#[derive(Clone, Debug)]
+pub struct ExportDone {
+    pub written: ExportReport,
+    pub etp: u64,
+    pub seconds: f64,
+}
+
+/// The expert-TP size a checkpoint was saved with, as its `args` say.
+pub fn saved_etp(dir: &Path) -> Option<u64> {
+    // From the bytes items alone: an export's copy of the checkpoint may hold only its model.
+    summarize_training(dir).ok().flatten().and_then(|s| s.mesh).map(|m| m.etp)
+}
+
+/// A checkpoint's model keys opened for export (never the optimizer's moments), the prefix they
+/// carry, and whether it is a `torch_dist` checkpoint. A torch_dist checkpoint's keys are read
+/// under the `fsdp_dtensor` names they stand for (layers and experts unstacked, `[gate; up]`
+/// split), in place; NeMo Automodel's `model/` holds the release's own names; a torchtitan
+/// checkpoint's model keys sit at the top level beside its optimizer, scheduler, dataloader and
+/// train state.
+pub fn open_model(ckpt: &Path, prefix: &str) -> Result<(Checkpoint, String, bool), OpsError> {
+    let checkpoint_error = |source| OpsError::Checkpoint { path: ckpt.to_path_buf(), source };
+    let dir = resolve_checkpoint_dir(ckpt).map_err(checkpoint_error)?;
+    if is_torch_dist(&dir) {
+        let c = TrainingCheckpoint::open_torch_dist_model(ckpt)
+            .map_err(|source| OpsError::Training { path: ckpt.to_path_buf(), source })?;
+        return Ok((c, "model.module.".to_string(), true));
+    }
+    if automodel_model_dir(ckpt).map_err(checkpoint_error)?.is_some() {
+        return Ok((open_checkpoint_keys(ckpt, |_| true).map_err(checkpoint_error)?, String::new(), false));
+    }
+    if torchtitan_target_of(&dir).map_err(checkpoint_error)?.is_some() {
+        let model =
+            |k: &str| !["optimizer.", "lr_scheduler.", "dataloader.", "train_state."].iter().any(|p| k.starts_with(p));
+        return Ok((open_checkpoint_keys(ckpt, model).map_err(checkpoint_error)?, String::new(), false));
+    }
+    let c = open_checkpoint_keys(ckpt, |k| k.starts_with(prefix)).map_err(checkpoint_error)?;
+    Ok((c, prefix.to_string(), false))
+}
+
+/// The export plan of `checkpoint` as the release `like`: the release's conversion plan for the
+/// mesh `{tp 1, dp etp, etp}` (global tensors depend on no mesh but for what is fused per
+/// expert-TP rank), inverted against the checkpoint's shapes.
+pub fn export_tensors(
+    checkpoint: &Checkpoint,
+    like: &Path,
+    etp: u64,
+    prefix: &str,
+) -> Result<Vec<ExportTensor>, OpsError> {
+    let release = Release::open(like).map_err(|source| OpsError::Release { path: like.to_path_buf(), source })?;
+    let config: ModelConfig = read_config(&release, like)?;
+    let sources: Vec<SourceTensor> = release
+        .tensors()
+        .map(|t| SourceTensor { name: t.info.name.clone(), dtype: t.info.dtype, shape: t.info.shape.clone() })
+        .collect();
+    let shapes: BTreeMap<String, Vec<u64>> =
+        checkpoint.tensors.iter().map(|t| (t.key.clone(), t.shape.clone())).collect();
+    let cannot = |errors: Vec<String>| OpsError::Export {
+        ckpt: checkpoint.dir.clone(),
+        like: like.to_path_buf(),
+        problems: errors,
+    };
+    let torchtitan = torchtitan_target(checkpoint);
+    // A checkpoint under the release's own names (NeMo Automodel's `model/`): each tensor whole.
+    // (`lm_head.weight` alone says nothing: torchtitan spells it so too.)
+    if torchtitan.is_none() && sources.iter().any(|s| s.name != "lm_head.weight" && shapes.contains_key(&s.name)) {
+        return plan_export_as_named(&sources, &shapes)
+            .map_err(|errors| cannot(errors.iter().map(|e| e.to_string()).collect()));
+    }
+    let mesh = Mesh { tp: 1, cp: 1, dp: etp, ep: 1, etp };
+    // A torchtitan checkpoint is read back through the plan of its own version's names.
+    let (dialect, prefix) = match torchtitan {
+        Some(target) => (Dialect::Torchtitan(target), ""),
+        None => (Dialect::FsdpDtensor, prefix),
+    };
+    let options = PlanOptions { prefix: prefix.to_string(), vocab_divisible_by: 1, dialect, ..PlanOptions::default() };
+    let forward = plan_sources(&config, sources, mesh, &options)?;
+    plan_export(&forward, &shapes).map_err(|errors| cannot(errors.iter().map(|e| e.to_string()).collect()))
+}
+
+/// Exports `request.ckpt` as `request.like` into `request.to`, counting bytes into `progress`.
+pub fn export(request: &ExportRequest, progress: &Progress) -> Result<ExportDone, OpsError> {
+    let started = Instant::now();
+    let (checkpoint, prefix, torch_dist) = open_model(&request.ckpt, &request.prefix)?;
+    // A torch_dist checkpoint's fused parameters are read for expert-TP size 1 (`[gate; up]`).
+    let etp = if torch_dist { 1 } else { request.etp.or_else(|| saved_etp(&request.ckpt)).unwrap_or(1) };
+    let tensors = export_tensors(&checkpoint, &request.like, etp, &prefix)?;
+    let total = tensors.iter().map(|t| t.shape.iter().product::<u64>() * t.dtype.size() as u64).sum();
+    progress.bytes_total.store(total, Ordering::Relaxed);
+    let options = ExportOptions {
+        max_file_bytes: request.max_file_bytes,
+        threads: request.threads.max(1),
+        overwrite: request.overwrite,
+    };
+    let written = write_export(&checkpoint, &tensors, &request.like, &request.to, &options, progress)
+        .map_err(|source| OpsError::Output { path: request.to.clone(), source })?;
+    Ok(ExportDone { written, etp, seconds: started.elapsed().as_secs_f64() })
+}
