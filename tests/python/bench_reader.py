@@ -2,16 +2,18 @@
 
     python tests/python/bench_reader.py WORK_DIR [--size 6GB] [--ranks 256]
 
-with a Python that has the wheel installed (or `shardline` importable) and numpy. It writes a
+with a Python that has the wheel installed (or `shardline` importable) and torch. It writes a
 synthetic llama release of `--size` and converts it for FSDP over `--ranks` ranks (kept in
 WORK_DIR for the next run), takes the largest tensor, and reads an eighth of its rows, the page
 cache warm, in a fresh process each:
 
 - through `shardline.open(...).get_slice(key)[rows]`, as a numpy array;
-- with plain `os.pread`s of exactly the bytes those rows are stored in (the floor).
+- with plain `os.preadv`s of exactly the bytes those rows are stored in, one file after the
+  other: into a buffer allocated beforehand (the copy alone), and into one allocated in the timed
+  region (what any reader returning a new array also pays: faulting its pages in).
 
 It prints both times, their ratio, the bytes each read, and the slice process's peak RSS above
-its baseline (the interpreter, numpy and shardline imported) as a multiple of the slice.
+its baseline (the interpreter, torch and shardline imported) as a multiple of the slice.
 """
 
 from __future__ import annotations
@@ -26,24 +28,27 @@ from pathlib import Path
 
 SLICE = r"""
 import json, resource, sys, time
-import numpy as np, shardline
+import torch, shardline
 ckpt, key, lo, hi = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-f = shardline.open(ckpt, framework="np")
+f = shardline.open(ckpt)
 f.metadata(key)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 t = time.perf_counter()
 got = f.get_slice(key)[lo:hi]
 seconds = time.perf_counter() - t
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"seconds": seconds, "bytes": got.nbytes, "read": f.last_read, "rss_above_base": peak - base}))
+print(json.dumps({"seconds": seconds, "bytes": got.numel() * got.element_size(), "read": f.last_read, "rss_above_base": peak - base}))
 """
 
 PREAD = r"""
 import json, os, sys, time
-ranges = json.loads(sys.argv[1])
-out = bytearray(sum(n for _, _, n in ranges))
-view, at = memoryview(out), 0
+ranges, allocate = json.loads(sys.argv[1]), sys.argv[2] == "allocate"
+size = sum(n for _, _, n in ranges)
+out = None if allocate else bytearray(size)
 t = time.perf_counter()
+if allocate:
+    out = bytearray(size)
+view, at = memoryview(out), 0
 for path, offset, n in ranges:
     fd = os.open(path, os.O_RDONLY)
     got = os.preadv(fd, [view[at:at + n]], offset)
@@ -99,13 +104,16 @@ def main() -> None:
             fh.seek(offset)
             fh.read(n)
     best = lambda code, *args: min((run(code, *args) for _ in range(3)), key=lambda r: r["seconds"])  # noqa: E731
-    sliced, floor = best(SLICE, ckpt, key, lo, hi), best(PREAD, json.dumps(ranges))
+    sliced = best(SLICE, ckpt, key, lo, hi)
+    copy, fresh = best(PREAD, json.dumps(ranges), "reuse"), best(PREAD, json.dumps(ranges), "allocate")
     total = md.shape[0] * md.shape[1] * elem
     print(f"tensor {key}: {list(md.shape)} {md.dtype}, {total / 2**30:.2f} GiB in {len(md.chunks)} chunks")
     print(f"slice rows {lo}:{hi}: {sliced['bytes'] / 2**20:.1f} MiB from {sliced['read']['chunks']} chunks, "
           f"{sliced['read']['reads']} reads, {sliced['read']['bytes_read'] / 2**20:.1f} MiB read")
-    print(f"shardline.open: {sliced['seconds'] * 1e3:.1f} ms; pread of the same bytes: {floor['seconds'] * 1e3:.1f} ms; "
-          f"ratio {sliced['seconds'] / floor['seconds']:.2f}")
+    print(f"shardline.open: {sliced['seconds'] * 1e3:.1f} ms")
+    print(f"preadv of the same bytes into a buffer allocated first: {copy['seconds'] * 1e3:.1f} ms "
+          f"(ratio {sliced['seconds'] / copy['seconds']:.2f}); into a new buffer: {fresh['seconds'] * 1e3:.1f} ms "
+          f"(ratio {sliced['seconds'] / fresh['seconds']:.2f})")
     print(f"peak RSS above the baseline: {sliced['rss_above_base'] / 2**20:.1f} MiB "
           f"= {sliced['rss_above_base'] / sliced['bytes']:.2f} x the slice")
 

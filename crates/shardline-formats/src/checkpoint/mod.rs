@@ -311,7 +311,7 @@ mod slices;
 pub use blocks::BlockReader;
 pub use ranges::storage_ranges;
 pub use scan::{scan_checkpoint, FileSummary, ScanSummary, TensorSummary};
-pub use slices::{read_box, SliceRead};
+pub use slices::{read_box, read_box_from, ChunkReadError, SliceRead};
 
 #[cfg(test)]
 mod tests;

@@ -16,7 +16,7 @@ use shardline_layout::recipe::{add_scalar, can_cast, cast_into, row_elems};
 use shardline_layout::reshard::{check_tiling, runs, ChunkBox};
 
 use super::TrainingError;
-use crate::checkpoint::{Checkpoint, StoredTensor};
+use crate::checkpoint::{read_box_from, Checkpoint, StoredTensor};
 use crate::execute::{for_each_unit, ExecuteError, Progress};
 use crate::out_dir;
 use crate::safetensors::{FileLayout, SafetensorsWriter};
@@ -233,7 +233,11 @@ impl RowReader<'_> {
             let Place::Rows { row, stride } = b.place else { continue };
             let out_row = b.width * t.dtype.size() as u64;
             let stored = self.by_key[b.key.as_str()];
-            if stride == 1 && !b.add_one && stored.dtype == t.dtype {
+            // Unchanged bytes from chunks holding whole rows: long runs, copied file to file.
+            // Chunks split along a later dimension (FSDP2's `Shard(1)`) give a short run per row
+            // and chunk; those go through a band, read a span per chunk and written once.
+            let whole_rows = stored.chunks.iter().all(|c| c.sizes.get(1..) == stored.shape.get(1..));
+            if stride == 1 && !b.add_one && stored.dtype == t.dtype && whole_rows {
                 self.copy_rows(b, row * out_row, stored, t, writer, &mut band.raw)?;
                 progress.bytes_written.fetch_add(b.rows * out_row, Ordering::Relaxed);
                 continue;
@@ -362,20 +366,15 @@ impl RowReader<'_> {
         Ok((n, &band.converted))
     }
 
-    /// Global rows `[row, row + rows)` of `stored`, whole, into `buf`.
+    /// Global rows `[row, row + rows)` of `stored`, whole, into `buf`: per chunk, the runs close
+    /// together in its file read with one `pread` (a band of a column-split chunk is one span);
+    /// on this thread, as tensors are written one per thread already.
     fn read_rows(&self, stored: &StoredTensor, row: u64, rows: u64, buf: &mut [u8]) -> Result<(), ExecuteError> {
-        let size = stored.dtype.size() as u64;
-        let target = row_box(stored, row, rows);
-        for c in &stored.chunks {
-            let source = ChunkBox { offsets: c.offsets.clone(), sizes: c.sizes.clone() };
-            let file = &self.inputs[&*c.file];
-            for r in runs(&target, &source) {
-                let (at, len) = ((r.target * size) as usize, (r.len * size) as usize);
-                file.read_exact_at(&mut buf[at..at + len], c.data_offset + r.source * size).map_err(|error| {
-                    ExecuteError::Io { path: self.checkpoint.dir.join(&*c.file), action: "read chunk", error }
-                })?;
-            }
-        }
+        read_box_from(self.inputs, stored, &row_box(stored, row, rows), buf, 1).map_err(|e| ExecuteError::Io {
+            path: self.checkpoint.dir.join(&*e.file),
+            action: "read chunk",
+            error: e.error,
+        })?;
         Ok(())
     }
 }
