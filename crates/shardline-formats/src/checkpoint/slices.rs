@@ -310,7 +310,10 @@ mod tests {
         out
     }
 
-    fn case() -> impl Strategy<Value = (Vec<u64>, Vec<Vec<u64>>, Vec<(u64, u64)>)> {
+    /// A shape, the cut points of each dimension, and a box (offset, size per dimension).
+    type Case = (Vec<u64>, Vec<Vec<u64>>, Vec<(u64, u64)>);
+
+    fn case() -> impl Strategy<Value = Case> {
         prop::collection::vec(1u64..9, 1..4).prop_flat_map(|shape| {
             let cuts: Vec<_> = shape
                 .iter()
