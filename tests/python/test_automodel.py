@@ -16,6 +16,7 @@ import reference as ref
 from harness import FIXTURES, run_cli
 
 WORLD = 3
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
 
 
 def _automodel_checkpoint(root: Path, release: Path, fmt: str, dtype: str = "") -> Path:
@@ -25,9 +26,17 @@ def _automodel_checkpoint(root: Path, release: Path, fmt: str, dtype: str = "") 
     model = step / "model"
     model.mkdir(parents=True)
     harness.spawn_ranks(automodel_writer.save_worker, WORLD, (str(release), str(model), fmt, dtype), "Automodel save")
+    # What Automodel's ConsolidatedHFAddon keeps of the release (fsdp2-frameworks.md §1): its
+    # config, each tensor's 1-based file number from the release's index, and its original dtype
+    # as safetensors spells it.
     meta = model / ".hf_metadata"
     meta.mkdir()
     (meta / "config.json").write_text((release / "config.json").read_text())
+    weight_map = json.loads((release / "model.safetensors.index.json").read_text())["weight_map"]
+    numbers = {k: int(f.split("-")[1]) for k, f in weight_map.items()}
+    (meta / "fqn_to_file_index_mapping.json").write_text(json.dumps(numbers, indent=2, sort_keys=True))
+    dtypes = {k: SAFETENSORS_DTYPES[t.dtype] for k, t in ref.load_hf_tensors(release).items()}
+    (meta / "fqn_to_dtype_mapping.json").write_text(json.dumps(dtypes, indent=2, sort_keys=True))
     (step / "config.yaml").write_text("step_scheduler: {global_batch_size: 8}\n")
     (step / "losses.json").write_text(json.dumps({"train_loss": 1.0}))
     return step
@@ -57,6 +66,28 @@ def test_export_consolidates_the_release_byte_for_byte(tmp_path, model, fmt, dty
     for key, t in want.items():
         assert got[key].dtype == t.dtype and got[key].shape == t.shape, key
         assert torch.equal(got[key].view(torch.uint8), t.view(torch.uint8)), harness.describe_mismatch(key, got[key], t)
+
+
+def test_a_save_exports_as_the_release_its_hf_metadata_describes(tmp_path):
+    # No --like: the names and global shapes are the checkpoint's, each tensor's dtype and file
+    # Automodel's records; the release's files come back file for file.
+    release = FIXTURES / "qwen3_moe"
+    step = _automodel_checkpoint(tmp_path / "ckpt", release, "safetensors", "float32")
+    proc = run_cli(["export", str(step), "--to", str(tmp_path / "hf")])
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "hf"
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in release.iterdir())
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == json.loads((release / "model.safetensors.index.json").read_text())["weight_map"]
+    got, want = ref.load_hf_tensors(out), ref.load_hf_tensors(release)
+    assert set(got) == set(want)
+    for key, t in want.items():
+        assert got[key].dtype == t.dtype and torch.equal(got[key].view(torch.uint8), t.view(torch.uint8)), key
+    # Without those records and without --like, nothing says what the release was.
+    (step / "model" / ".hf_metadata" / "fqn_to_file_index_mapping.json").unlink()
+    proc = run_cli(["export", str(step), "--to", str(tmp_path / "none")])
+    assert proc.returncode == 2 and "pass --like" in proc.stderr, proc.stderr
+    assert not (tmp_path / "none").exists()
 
 
 def test_an_unfinished_save_is_refused_and_nothing_is_written(tmp_path):

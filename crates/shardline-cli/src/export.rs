@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::Args;
 use serde_json::json;
 use shardline_formats::execute::Progress;
@@ -21,7 +21,8 @@ pub struct ExportArgs {
     pub to: PathBuf,
     /// The HF release whose names, dtypes, shapes and files to reproduce (its `config.json`,
     /// tokenizer files and safetensors headers are read; its weights are not). Default: the
-    /// local release the checkpoint's Shardline manifest names.
+    /// local release the checkpoint's Shardline manifest names; for a NeMo Automodel save, the
+    /// release its `model/.hf_metadata/` describes (its files, each tensor's file and dtype).
     #[arg(long, value_name = "HF_RELEASE")]
     pub like: Option<PathBuf>,
     /// Prefix of model keys in the checkpoint.
@@ -59,18 +60,15 @@ fn release_of_manifest(ckpt: &Path) -> Option<PathBuf> {
 }
 
 pub fn run_export(args: ExportArgs) -> Result<ExitCode> {
-    let Some(like) = args.like.clone().or_else(|| release_of_manifest(&args.ckpt)) else {
-        bail!(
-            "{} has no Shardline manifest naming a local release: pass --like HF_RELEASE (its config.json decides the names)",
-            args.ckpt.display()
-        );
-    };
+    // Without --like: the release a Shardline manifest names, else (a NeMo Automodel save) the
+    // one its `.hf_metadata/` describes.
+    let like = args.like.clone().or_else(|| release_of_manifest(&args.ckpt));
     let max_file_bytes = shardline_units::parse_size_lenient(&args.max_file_size)
         .map_err(|e| anyhow::anyhow!("--max-file-size: {e}"))?;
     let request = ExportRequest {
         ckpt: args.ckpt.clone(),
         to: args.to.clone(),
-        like: like.clone(),
+        like,
         prefix: args.prefix.clone(),
         etp: args.etp,
         max_file_bytes,
@@ -86,7 +84,7 @@ pub fn run_export(args: ExportArgs) -> Result<ExitCode> {
     if args.json {
         println!(
             "{}",
-            json!({"out": args.to, "like": like, "files": report.files, "tensors": report.tensors,
+            json!({"out": args.to, "like": done.like, "files": report.files, "tensors": report.tensors,
                    "bytes": report.bytes, "copied": report.copied, "seconds": secs, "peak_rss_bytes": peak_rss()})
         );
     } else {
@@ -98,7 +96,7 @@ pub fn run_export(args: ExportArgs) -> Result<ExitCode> {
             bytes(report.bytes),
             report.files.len(),
             report.copied.join(", "),
-            like.display()
+            done.like.display()
         );
     }
     Ok(ExitCode::SUCCESS)

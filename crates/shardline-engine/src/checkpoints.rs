@@ -334,7 +334,8 @@ pub fn export(job: &ExportJob, ctx: &StepContext) -> Result<TaskOutput, StepErro
     if let Some(parent) = job.out.parent() {
         fs::create_dir_all(parent).map_err(|e| StepError::transient(format!("{}: {e}", parent.display())))?;
     }
-    let options = ExportOptions { max_file_bytes: job.max_file_size, threads: threads(ctx), overwrite: true };
+    let options =
+        ExportOptions { max_file_bytes: job.max_file_size, file_numbers: None, threads: threads(ctx), overwrite: true };
     let report = write_export(&checkpoint, &tensors, &like, &job.out, &options, ctx.progress).map_err(write_error)?;
     (ctx.log)(format!(
         "exported {} tensors, {} bytes in {} file(s) into {}; copied from the release: {}",

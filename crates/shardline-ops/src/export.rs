@@ -1,7 +1,7 @@
 //! `export`: a checkpoint's model weights written back as the HF release they came from — for
 //! the CLI, the pipeline's `checkpoint.export` step and Python alike.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -16,7 +16,7 @@ use shardline_formats::training::common_state::is_torch_dist;
 use shardline_formats::training::{summarize_training, write_export, ExportOptions, ExportReport, TrainingCheckpoint};
 use shardline_layout::dialect::Dialect;
 use shardline_layout::export::{plan_export, plan_export_as_named, ExportTensor};
-use shardline_layout::{Mesh, ModelConfig, PlanOptions, SourceTensor};
+use shardline_layout::{DType, Mesh, ModelConfig, PlanOptions, SourceTensor};
 
 use crate::convert::{plan_sources, read_config};
 use crate::OpsError;
@@ -29,8 +29,9 @@ pub struct ExportRequest {
     pub ckpt: PathBuf,
     /// The HF directory to write.
     pub to: PathBuf,
-    /// The release whose names, dtypes, shapes and files to reproduce.
-    pub like: PathBuf,
+    /// The release whose names, dtypes, shapes and files to reproduce; `None` for a NeMo
+    /// Automodel save: its `model/.hf_metadata/` (see [`automodel_release`]).
+    pub like: Option<PathBuf>,
     /// Prefix of the model keys of an `fsdp_dtensor` checkpoint.
     pub prefix: String,
     /// The expert-TP size it was saved with; `None`: its `args`', else 1.
@@ -44,8 +45,82 @@ pub struct ExportRequest {
 #[derive(Clone, Debug)]
 pub struct ExportDone {
     pub written: ExportReport,
+    /// Where the release's other files (and, without `like`, its description) came from.
+    pub like: PathBuf,
     pub etp: u64,
     pub seconds: f64,
+}
+
+/// What NeMo Automodel keeps of the release it trained from, in `model/.hf_metadata/`: the
+/// release's `config.json`, tokenizer files and generation config, each tensor's file number
+/// (`fqn_to_file_index_mapping.json`) and original dtype (`fqn_to_dtype_mapping.json`, as
+/// safetensors spells dtypes). With the checkpoint's own names and global shapes, that is the
+/// release's description, so such a save exports without the release at hand.
+pub struct AutomodelRelease {
+    pub dir: PathBuf,
+    pub file_numbers: HashMap<String, u64>,
+    pub dtypes: HashMap<String, DType>,
+}
+
+/// The `.hf_metadata/` of the NeMo Automodel save `ckpt`, when it has one with the file numbering.
+pub fn automodel_release(ckpt: &Path) -> Result<Option<AutomodelRelease>, OpsError> {
+    let model =
+        automodel_model_dir(ckpt).map_err(|source| OpsError::Checkpoint { path: ckpt.to_path_buf(), source })?;
+    let Some(dir) = model.map(|m| m.join(".hf_metadata")) else { return Ok(None) };
+    let numbers = dir.join("fqn_to_file_index_mapping.json");
+    if !numbers.is_file() {
+        return Ok(None);
+    }
+    let read = |path: &Path| -> Result<Option<String>, OpsError> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => Ok(Some(text)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(OpsError::Refused(format!("{}: {e}", path.display()))),
+        }
+    };
+    let bad = |path: &Path, e: serde_json::Error| OpsError::Refused(format!("{}: {e}", path.display()));
+    let file_numbers: HashMap<String, u64> = match read(&numbers)? {
+        Some(text) => serde_json::from_str(&text).map_err(|e| bad(&numbers, e))?,
+        None => return Ok(None),
+    };
+    let dtype_path = dir.join("fqn_to_dtype_mapping.json");
+    let names: HashMap<String, String> = match read(&dtype_path)? {
+        Some(text) => serde_json::from_str(&text).map_err(|e| bad(&dtype_path, e))?,
+        None => HashMap::new(),
+    };
+    let mut dtypes = HashMap::new();
+    for (key, name) in names {
+        let dtype = DType::from_safetensors_name(&name).ok_or_else(|| {
+            OpsError::Refused(format!(
+                "{}: `{key}` has the dtype `{name}`, which is not a safetensors dtype",
+                dtype_path.display()
+            ))
+        })?;
+        dtypes.insert(key, dtype);
+    }
+    Ok(Some(AutomodelRelease { dir, file_numbers, dtypes }))
+}
+
+/// The export plan of an Automodel save as the release its `.hf_metadata/` describes: every
+/// model tensor whole under its own name, in its original dtype, in the release's file order.
+fn automodel_export(checkpoint: &Checkpoint, release: &AutomodelRelease) -> Result<Vec<ExportTensor>, OpsError> {
+    let mut sources: Vec<SourceTensor> = checkpoint
+        .tensors
+        .iter()
+        .map(|t| SourceTensor {
+            name: t.key.clone(),
+            dtype: release.dtypes.get(&t.key).copied().unwrap_or(t.dtype),
+            shape: t.shape.clone(),
+        })
+        .collect();
+    sources.sort_by_key(|s| (release.file_numbers.get(&s.name).copied().unwrap_or(0), s.name.clone()));
+    let shapes: BTreeMap<String, Vec<u64>> =
+        checkpoint.tensors.iter().map(|t| (t.key.clone(), t.shape.clone())).collect();
+    plan_export_as_named(&sources, &shapes).map_err(|errors| OpsError::Export {
+        ckpt: checkpoint.dir.clone(),
+        like: release.dir.clone(),
+        problems: errors.iter().map(|e| e.to_string()).collect(),
+    })
 }
 
 /// The expert-TP size a checkpoint was saved with, as its `args` say.
@@ -120,21 +195,35 @@ pub fn export_tensors(
     plan_export(&forward, &shapes).map_err(|errors| cannot(errors.iter().map(|e| e.to_string()).collect()))
 }
 
-/// Exports `request.ckpt` as `request.like` into `request.to`, counting bytes into `progress`.
+/// Exports `request.ckpt` as `request.like` (or, for an Automodel save, the release its
+/// `.hf_metadata/` describes) into `request.to`, counting bytes into `progress`.
 pub fn export(request: &ExportRequest, progress: &Progress) -> Result<ExportDone, OpsError> {
     let started = Instant::now();
     let (checkpoint, prefix, torch_dist) = open_model(&request.ckpt, &request.prefix)?;
     // A torch_dist checkpoint's fused parameters are read for expert-TP size 1 (`[gate; up]`).
     let etp = if torch_dist { 1 } else { request.etp.or_else(|| saved_etp(&request.ckpt)).unwrap_or(1) };
-    let tensors = export_tensors(&checkpoint, &request.like, etp, &prefix)?;
+    let (tensors, like, file_numbers) = match &request.like {
+        Some(like) => (export_tensors(&checkpoint, like, etp, &prefix)?, like.clone(), None),
+        None => match automodel_release(&request.ckpt)? {
+            Some(release) => (automodel_export(&checkpoint, &release)?, release.dir, Some(release.file_numbers)),
+            None => {
+                return Err(OpsError::Refused(format!(
+                    "{} names no release: pass --like HF_RELEASE (its config.json decides the names); a NeMo \
+                     Automodel save describes its own in model/.hf_metadata/",
+                    request.ckpt.display()
+                )))
+            }
+        },
+    };
     let total = tensors.iter().map(|t| t.shape.iter().product::<u64>() * t.dtype.size() as u64).sum();
     progress.bytes_total.store(total, Ordering::Relaxed);
     let options = ExportOptions {
         max_file_bytes: request.max_file_bytes,
+        file_numbers,
         threads: request.threads.max(1),
         overwrite: request.overwrite,
     };
-    let written = write_export(&checkpoint, &tensors, &request.like, &request.to, &options, progress)
+    let written = write_export(&checkpoint, &tensors, &like, &request.to, &options, progress)
         .map_err(|source| OpsError::Output { path: request.to.clone(), source })?;
-    Ok(ExportDone { written, etp, seconds: started.elapsed().as_secs_f64() })
+    Ok(ExportDone { written, like, etp, seconds: started.elapsed().as_secs_f64() })
 }

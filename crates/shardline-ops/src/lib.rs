@@ -20,6 +20,8 @@ mod validate;
 
 pub use convert::{convert, plan_release, ConvertReport, ConvertRequest};
 pub use error::OpsError;
-pub use export::{export, export_tensors, open_model, saved_etp, ExportDone, ExportRequest};
+pub use export::{
+    automodel_release, export, export_tensors, open_model, saved_etp, AutomodelRelease, ExportDone, ExportRequest,
+};
 pub use reshard::{inferred_mesh, plan_reshard_of, reshard_options, PlannedReshard, ReshardHints, ReshardRequest};
 pub use validate::{detect_dialect, validate, ValidateRequest};

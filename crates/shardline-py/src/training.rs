@@ -103,17 +103,18 @@ pub fn reshard<'py>(
 }
 
 /// Writes the model weights of the checkpoint `ckpt` back as the HF release `like` into `out`:
-/// the release's names, dtypes, shapes and files (the CLI's `export`). Returns `{"out", "like",
+/// the release's names, dtypes, shapes and files (the CLI's `export`). Without `like`, a NeMo
+/// Automodel save exports as the release its `model/.hf_metadata/` describes. Returns `{"out", "like",
 /// "files", "tensors", "bytes", "copied", "etp", "seconds"}`.
 #[pyfunction]
-#[pyo3(signature = (ckpt, out, *, like, prefix="model.module.", etp=None, max_file_size=5_000_000_000,
+#[pyo3(signature = (ckpt, out, *, like=None, prefix="model.module.", etp=None, max_file_size=5_000_000_000,
     overwrite=false, threads=None, progress=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn export<'py>(
     py: Python<'py>,
     ckpt: PathBuf,
     out: PathBuf,
-    like: PathBuf,
+    like: Option<PathBuf>,
     prefix: &str,
     etp: Option<u64>,
     max_file_size: u64,
@@ -138,7 +139,7 @@ pub fn export<'py>(
     let done = run_reporting(py, progress.as_ref(), &counters, || shardline_ops::export(&request, &counters))?;
     let d = PyDict::new(py);
     d.set_item("out", &request.to)?;
-    d.set_item("like", &request.like)?;
+    d.set_item("like", &done.like)?;
     d.set_item("files", &done.written.files)?;
     d.set_item("tensors", done.written.tensors)?;
     d.set_item("bytes", done.written.bytes)?;

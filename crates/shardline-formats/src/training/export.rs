@@ -32,6 +32,10 @@ pub struct ExportOptions {
     /// Largest safetensors file (HF's `max_shard_size`, 5 GB by default); a larger tensor gets a
     /// file of its own.
     pub max_file_bytes: u64,
+    /// Instead, the release's own files: each tensor's 1-based file number
+    /// (`model-0000i-of-0000N.safetensors`, N the largest), the tensors given in file order (as
+    /// NeMo Automodel records them in `fqn_to_file_index_mapping.json`).
+    pub file_numbers: Option<HashMap<String, u64>>,
     pub threads: usize,
     /// Replace an existing directory at the output path.
     pub overwrite: bool,
@@ -80,6 +84,33 @@ fn cut_files(tensors: &[ExportTensor], max: u64) -> Vec<(String, std::ops::Range
             (name, r)
         })
         .collect()
+}
+
+/// The files the release's own numbering gives `tensors` (in file order): runs of one number.
+fn numbered_files(
+    tensors: &[ExportTensor],
+    numbers: &HashMap<String, u64>,
+) -> Result<Vec<(String, std::ops::Range<usize>)>, TrainingError> {
+    let count = numbers.values().copied().max().unwrap_or(1);
+    let mut files: Vec<(String, std::ops::Range<usize>)> = Vec::new();
+    let mut previous = 0;
+    for (i, t) in tensors.iter().enumerate() {
+        let Some(&n) = numbers.get(&t.name).filter(|&&n| n >= 1) else {
+            return Err(TrainingError::FileNumbers(format!("`{}` has no file number (numbers start at 1)", t.name)));
+        };
+        if n == previous {
+            if let Some(last) = files.last_mut() {
+                last.1.end = i + 1;
+            }
+            continue;
+        }
+        if n < previous {
+            return Err(TrainingError::FileNumbers(format!("`{}`: tensors are not given in file order", t.name)));
+        }
+        files.push((format!("model-{n:05}-of-{count:05}.safetensors"), i..i + 1));
+        previous = n;
+    }
+    Ok(files)
 }
 
 /// Writes `tensors` of `checkpoint` into the HF directory `out`, with the release `like`'s other
@@ -154,7 +185,10 @@ fn write_staged(
             }
         }
     }
-    let files = cut_files(tensors, options.max_file_bytes.max(1));
+    let files = match &options.file_numbers {
+        Some(numbers) => numbered_files(tensors, numbers)?,
+        None => cut_files(tensors, options.max_file_bytes.max(1)),
+    };
     let mut weight_map = BTreeMap::new();
     let mut total = 0u64;
     let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
@@ -170,7 +204,9 @@ fn write_staged(
             total += t.shape.iter().product::<u64>() * t.dtype.size() as u64;
         }
     }
-    if files.len() > 1 {
+    // An index whenever the weights are not one `model.safetensors`: transformers finds
+    // `model-00001-of-00001.safetensors` only through it.
+    if files.len() > 1 || files.first().is_some_and(|(name, _)| name != "model.safetensors") {
         let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
         let p = staging.join("model.safetensors.index.json");
         fs::write(&p, serde_json::to_vec_pretty(&index).unwrap_or_default()).map_err(io_err(&p, "write index"))?;
@@ -192,8 +228,10 @@ fn copy_release_files(like: &Path, staging: &Path) -> Result<Vec<String>, Traini
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         let weights = name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json");
+        // NeMo Automodel's own records in `.hf_metadata/`, not part of a release.
+        let records = name == "fqn_to_file_index_mapping.json" || name == "fqn_to_dtype_mapping.json";
         // Regular files and links to them (an HF cache snapshot links its files).
-        if weights || name.starts_with('.') || !e.path().is_file() {
+        if weights || records || name.starts_with('.') || !e.path().is_file() {
             continue;
         }
         let to = staging.join(&name);

@@ -47,6 +47,9 @@ pub enum TrainingError {
     Reshard(#[from] ReshardError),
     #[error("`{key}` cannot be read whole: {problem}")]
     Tiling { key: String, problem: String },
+    /// The release's file numbering (`fqn_to_file_index_mapping.json`) does not cover the export.
+    #[error("the release's file numbering: {0}")]
+    FileNumbers(String),
     #[error(transparent)]
     Write(#[from] ExecuteError),
     #[error(transparent)]

@@ -118,7 +118,7 @@ def export(
     ckpt: _Path,
     out: _Path,
     *,
-    like: _Path,
+    like: Optional[_Path] = None,
     prefix: str = "model.module.",
     etp: Optional[int] = None,
     max_file_size: int = 5_000_000_000,
@@ -126,4 +126,5 @@ def export(
     threads: Optional[int] = None,
     progress: _Progress = None,
 ) -> dict[str, Any]:
-    """Writes a checkpoint's model weights back as the HF release `like` (the CLI's `export`)."""
+    """Writes a checkpoint's model weights back as the HF release `like` (the CLI's `export`);
+    without `like`, a NeMo Automodel save as the release its `model/.hf_metadata/` describes."""
