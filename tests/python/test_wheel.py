@@ -1,7 +1,9 @@
 """The `shardline` wheel as a user installs it (pip, a fresh venv, no Rust toolchain): its CLI is
-the workspace's, and `shardline.open` reads checkpoints written by torch itself (several ranks,
-uneven shards, torch 2.15 and 2.5) and by Shardline equal to what `dcp.load` returns, whole and in
-random slices, reading only the chunks a slice meets; a corrupt checkpoint raises the CLI's message.
+the workspace's; `shardline.open` reads checkpoints written by torch itself (several ranks, uneven
+shards, torch 2.15 and 2.5), by Shardline in every dialect and by NeMo Automodel's writer equal to
+what `dcp.load` returns, whole and in random slices, reading only the chunks a slice meets; a
+corrupt checkpoint raises the CLI's message; convert, plan, validate, reshard and export from
+Python write what the CLI writes.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+import automodel_writer
 import dcp_writer
 import harness
+import reference as ref
 from harness import Mesh
 
 WRITER = Path(dcp_writer.__file__)
@@ -356,3 +360,25 @@ def test_reshard_and_export_from_python_write_what_the_cli_writes(sl, tmp_path):
     assert got.keys() == want.keys() and all(same(got[k], want[k]) for k in want)
     with pytest.raises(sl.ShardlineError, match="cannot reshard|torchtitan"):
         sl.reshard(tmp_path / "trained", tmp_path / "never", tp=3, dp=1)
+
+
+def test_open_reads_a_torchtitan_folder_and_an_automodel_save(sl, conversions, tmp_path):
+    # A torchtitan checkpoint folder stands for its latest complete step-N.
+    titan = conversions.get("qwen3_moe", Mesh(1, 1, 3, 1), extra=("--target", "torchtitan"))
+    want = dcp_load(titan / "step-0")
+    with sl.open(titan) as f:
+        assert Path(f.path) == titan / "step-0" and f.keys() == sorted(want)
+        for key, w in want.items():
+            assert same(f.get_tensor(key), w), key
+    # A NeMo Automodel save stands for its model/: HF-named safetensors with DCP_SHARDING_INFO,
+    # written by torch's HuggingFaceStorageWriter from 3 gloo ranks.
+    release = harness.fixture_dir("llama")
+    model = tmp_path / "epoch_0_step_1" / "model"
+    model.mkdir(parents=True)
+    harness.spawn_ranks(automodel_writer.save_worker, 3, (str(release), str(model), "safetensors", ""), "Automodel save")
+    want = ref.load_hf_tensors(release)
+    with sl.open(tmp_path / "epoch_0_step_1") as f:
+        assert f.format == "dcp-safetensors" and f.keys() == sorted(want)
+        for key, w in want.items():
+            assert same(f.get_tensor(key), w), key
+            assert len(f.metadata(key).chunks) >= 1
