@@ -118,15 +118,16 @@ pub fn read_box_from(
     out: &mut [u8],
     threads: usize,
 ) -> Result<SliceRead, ChunkReadError> {
+    let rows = want.sizes.first().copied().unwrap_or(1);
+    if threads < 2 || (out.len() as u64) < PARALLEL_BYTES || rows < 2 {
+        return read_box_serial(files, tensor, want, out);
+    }
+    // Bands count a chunk once each they meet; the box meets it once.
     let chunks = tensor
         .chunks
         .iter()
         .filter(|c| runs(want, &ChunkBox { offsets: c.offsets.clone(), sizes: c.sizes.clone() }).next().is_some())
         .count();
-    let rows = want.sizes.first().copied().unwrap_or(1);
-    if threads < 2 || (out.len() as u64) < PARALLEL_BYTES || rows < 2 {
-        return Ok(SliceRead { chunks, ..read_box_serial(files, tensor, want, out)? });
-    }
     Ok(SliceRead { chunks, ..read_in_bands(files, tensor, want, out, threads)? })
 }
 
@@ -178,6 +179,7 @@ fn read_box_serial(
         }
         let failed = |error| ChunkReadError { file: chunk.file.clone(), error };
         let file = files.get(&*chunk.file).ok_or_else(|| failed(io::Error::from(io::ErrorKind::NotFound)))?;
+        stats.chunks += 1;
         for group in run_groups(&chunk_runs, elem) {
             if let [run] = group {
                 // One run: straight into its place.
