@@ -14,11 +14,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 import harness
 import reference as ref
+import torchtitan_training
 import torchtitan_worker
+import training_read as tc
 from harness import FIXTURES, run_cli
 from torchtitan_ref import torchtitan_seed
 
@@ -194,3 +196,104 @@ def test_export_gives_back_the_release_byte_for_byte(releases, tmp_path, model, 
             assert torch.equal(got[key], got[main]), f"{key} is not the exported {main}"
             continue
         assert torch.equal(got[key].view(torch.uint8), t.view(torch.uint8)), harness.describe_mismatch(key, got[key], t)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training checkpoints: saved by torch on 4 gloo ranks (torchtitan_training.py), resharded over DP
+# ---------------------------------------------------------------------------------------------
+
+SAVED_DP = 4
+
+
+@pytest.fixture(scope="module")
+def training(releases, tmp_path_factory) -> dict[str, Path]:
+    """`step-2/` of a dense (llama, fused QKV) and an MoE (qwen3_moe) run, each after two AdamW
+    steps on `SAVED_DP` ranks."""
+    root = tmp_path_factory.mktemp("torchtitan-training")
+    out = {}
+    for model in ("llama", "qwen3_moe"):
+        step = root / model / "step-2"
+        harness.spawn_ranks(torchtitan_training.save_worker, SAVED_DP, (str(releases[model]), str(step)),
+                            "torchtitan training save")
+        out[model] = step
+    return out
+
+
+def _reshard(step: Path, out: Path, dp: int):
+    return run_cli(["reshard", str(step), "--to", str(out), "--dp", str(dp)])
+
+
+def _fsdp2_pieces(key: str, shape: tuple[int, ...], world: int) -> tuple[int, list[tuple[int, int]]] | None:
+    """torchtitan's FSDP2 placement of `key` on `world` ranks as `(dim, torch.chunk pieces)`, or
+    None for what is written whole: scalars, buffers, and the fused-QKV model keys its save hook
+    gathers to Replicate."""
+    if not shape or torchtitan_training.is_buffer(key) or re.search(r"\.qkv_linear\.w[qkv]\.weight$", key):
+        return None
+    name = key.removeprefix("optimizer.state.").rsplit(".", 1)[0] if key.startswith("optimizer.") else key
+    dim = torchtitan_training.placement(name, torch.Size(shape), world).dim
+    q = -(-shape[dim] // world)
+    return dim, [(j * q, min(q, shape[dim] - j * q)) for j in range(world) if j * q < shape[dim]]
+
+
+def _check_placements(step: Path, world: int) -> None:
+    """Every chunk is the piece FSDP2 gives a rank, stored in that rank's file."""
+    md = dcp.FileSystemReader(str(step)).read_metadata()
+    problems = []
+    for key, m in md.state_dict_metadata.items():
+        if not isinstance(m, TensorStorageMetadata):
+            continue
+        shape = tuple(m.size)
+        placed = _fsdp2_pieces(key, shape, world)
+        got = sorted((tuple(c.offsets), tuple(c.sizes), md.storage_data[MetadataIndex(key, c.offsets)].relative_path)
+                     for c in m.chunks)
+        if placed is None:
+            want = [((0,) * len(shape), shape, "__0_0.distcp")]
+        else:
+            dim, pieces = placed
+            want = sorted((tuple(o if d == dim else 0 for d in range(len(shape))),
+                           tuple(s if d == dim else shape[d] for d in range(len(shape))), f"__{j}_0.distcp")
+                          for j, (o, s) in enumerate(pieces))
+        if got != want:
+            problems.append(f"{key}: {got[:4]}, FSDP2 places {want[:4]}")
+    assert not problems, "\n".join(problems[:20])
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
+def test_a_training_checkpoint_reshards_over_dp_and_loads_as_torch_reshards_it(releases, training, tmp_path, model):
+    source = training[model]
+    ours = tmp_path / "dp3" / "step-2"
+    proc = _reshard(source, ours, 3)
+    assert proc.returncode == 0, proc.stderr
+    assert "dataloader state of 4 data-parallel ranks is left out" in proc.stderr, proc.stderr
+    _check_placements(ours, 3)
+    # Loaded on 3 ranks as torchtitan resumes (dataloader excluded), ours equals torch's own
+    # load-time resharding of the source, shard by shard, and torchtitan's optimizer takes it.
+    harness.spawn_ranks(torchtitan_training.load_worker, 3, (str(releases[model]), str(source), str(ours), False),
+                        "torchtitan training load")
+
+    # A -> B -> A: the source's keys (less the dataloader), chunks and bytes, and its values.
+    back = tmp_path / "dp4" / "step-2"
+    proc = _reshard(ours, back, SAVED_DP)
+    assert proc.returncode == 0, proc.stderr
+    md_a, md_b = tc.read_metadata(source), tc.read_metadata(back)
+    kept = {k for k in md_a.state_dict_metadata if not k.startswith("dataloader.")}
+    assert set(md_b.state_dict_metadata) == kept, sorted(set(md_b.state_dict_metadata) ^ kept)
+    ta, tb = tc.tensor_keys(md_a), tc.tensor_keys(md_b)
+    for key in ta:
+        boxes = lambda m: sorted((tuple(c.offsets), tuple(c.sizes)) for c in m.chunks)
+        assert boxes(tb[key]) == boxes(ta[key]), key
+    a, b = tc.load_full(source), tc.load_full(back)
+    problems = [harness.describe_mismatch(k, b[k], a[k]) for k in sorted(a)
+                if not torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))]
+    assert not problems, "\n".join(problems[:20])
+    items_a, items_b = tc.read_bytes_items(source), tc.read_bytes_items(back)
+    assert {k: tc.canon(v) for k, v in items_b.items()} == {k: tc.canon(v) for k, v in items_a.items() if k in kept}
+
+
+def test_at_its_own_degree_the_dataloader_state_is_kept(releases, training, tmp_path):
+    ours = tmp_path / "same" / "step-2"
+    proc = _reshard(training["llama"], ours, SAVED_DP)
+    assert proc.returncode == 0 and "dataloader" not in proc.stderr, proc.stderr
+    _check_placements(ours, SAVED_DP)
+    harness.spawn_ranks(torchtitan_training.load_worker, SAVED_DP,
+                        (str(releases["llama"]), str(training["llama"]), str(ours), True), "torchtitan training load")

@@ -2,15 +2,18 @@
 //! options a reshard takes from what it is told, the checkpoint's `args` and its chunk geometry
 //! are merged here once, for the CLI, the pipeline's `checkpoint.reshard` step and Python.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 
-use shardline_formats::checkpoint::resolve_checkpoint_dir;
+use shardline_formats::checkpoint::{resolve_checkpoint_dir, torchtitan_target};
 use shardline_formats::execute::Progress;
 use shardline_formats::training::common_state::is_torch_dist;
 use shardline_formats::training::{rank_of_file, write_resharded, ReshardReport, TrainingCheckpoint};
 use shardline_layout::dialect::Dialect;
-use shardline_layout::reshard::{infer_mesh, plan_reshard, ReshardOptions, ReshardPlan, RngPolicy};
+use shardline_layout::reshard::{
+    infer_mesh, plan_fsdp2_reshard, plan_reshard, Fsdp2Options, ReshardError, ReshardOptions, ReshardPlan, RngPolicy,
+};
 use shardline_layout::{Mesh, Role};
 
 use crate::OpsError;
@@ -125,6 +128,9 @@ pub fn plan_reshard_of(request: &ReshardRequest) -> Result<PlannedReshard, OpsEr
     let dialect = request.target.unwrap_or(source_dialect);
     let training = |source| OpsError::Training { path: ckpt.clone(), source };
     let mut source = TrainingCheckpoint::open_for(ckpt, Some(request.mesh.etp)).map_err(training)?;
+    if let Some(target) = torchtitan_target(&source.checkpoint) {
+        return plan_fsdp2_of(request, source, Dialect::Torchtitan(target));
+    }
     let given = ReshardHints {
         source_mesh: request.from_mesh,
         vocab_size: request.vocab_size,
@@ -148,4 +154,46 @@ pub fn plan_reshard_of(request: &ReshardRequest) -> Result<PlannedReshard, OpsEr
         source,
     })?;
     Ok(PlannedReshard { source, plan, options, source_mesh_from })
+}
+
+/// An FSDP2 framework's training checkpoint (torchtitan's `step-N/`), re-tiled over the target's
+/// data-parallel degree as the framework places it (`reshard::fsdp2`).
+fn plan_fsdp2_of(
+    request: &ReshardRequest,
+    source: TrainingCheckpoint,
+    dialect: Dialect,
+) -> Result<PlannedReshard, OpsError> {
+    let refuse =
+        |source: ReshardError| OpsError::Reshard { ckpt: request.ckpt.clone(), mesh: request.mesh.to_string(), source };
+    let m = request.mesh;
+    if (m.tp, m.cp, m.ep, m.etp) != (1, 1, 1, 1) {
+        return Err(refuse(ReshardError::Mesh(format!(
+            "a {} checkpoint is resharded over data parallelism (--dp) only; its tensor-, context- and \
+             expert-parallel placements are not written yet",
+            dialect.name()
+        ))));
+    }
+    if let Some(target) = request.target.filter(|t| t.name() != dialect.name()) {
+        return Err(refuse(ReshardError::Mesh(format!(
+            "a {} checkpoint is not translated to {} yet",
+            dialect.name(),
+            target.name()
+        ))));
+    }
+    let files = source.checkpoint.tensors.iter().flat_map(|t| t.chunks.iter().map(|c| &c.file));
+    let files = files.chain(source.checkpoint.objects.iter().map(|o| &o.file));
+    let source_ranks = files.collect::<BTreeSet<_>>().len() as u64;
+    let options = Fsdp2Options { dialect, dp: m.dp, source_ranks };
+    let plan = plan_fsdp2_reshard(&source.items, &options).map_err(refuse)?;
+    let options = ReshardOptions {
+        mesh: plan.mesh,
+        source_mesh: Some(Mesh { dp: source_ranks, ..Mesh::new(1, 1, 1, 1) }),
+        vocab_size: None,
+        vocab_divisible_by: 1,
+        num_experts: None,
+        num_query_groups: None,
+        rng: request.rng,
+        dialect,
+    };
+    Ok(PlannedReshard { source, plan, options, source_mesh_from: "its rank files" })
 }

@@ -107,7 +107,8 @@ pub(crate) fn chunk_draft(
         } else {
             Box::default()
         };
-        let numbers = FsdpNumbers { fsdp_size: dsize, local_rows, section_start: a_c, section_rows: n_c, dp_writer };
+        let numbers =
+            FsdpNumbers { fsdp_size: dsize, local_rows, section_start: a_c, section_rows: n_c, dp_writer, dim: 0 };
         let tiling = FsdpTiling { numbers, writers };
         // Sized exactly: a plan keeps every key for the whole conversion.
         let mut key = String::with_capacity(options.prefix.len() + d.name.len() + suffix.len());

@@ -145,6 +145,10 @@ pub struct FsdpNumbers {
     /// sharding (`fsdp_size` 1): `torch_dist` spreads whole tensors over the DP replicas, as
     /// Megatron-Core's fully parallel save does. 0 under FSDP.
     pub dp_writer: u64,
+    /// The dim FSDP shards (TP-replicated tensors only): 0 under Megatron-FSDP and FSDP2's
+    /// default; FSDP2's `shard_placement_fn` may pick another (`Shard(1)` for grouped experts
+    /// when there are more ranks than experts). `section_rows` is that dim's size.
+    pub dim: u8,
 }
 
 /// Where a split section comes from: the fused parameter's name (a byte range of the key, so a
@@ -369,9 +373,16 @@ fn fsdp_chunk(t: TensorView<'_>, f: FsdpNumbers, writers: &[u32], mesh: &Mesh, i
             (off, sz)
         }
         TpMode::Replicated if t.shape.is_empty() => (vec![], vec![]),
-        TpMode::Replicated => {
+        TpMode::Replicated if f.dim == 0 => {
             let (lo, hi) = fsdp_rows(f.section_rows, f.fsdp_size, j);
             (with_rest(lo, rest, true), with_rest(hi - lo, rest, false))
+        }
+        TpMode::Replicated => {
+            let (lo, hi) = fsdp_rows(f.section_rows, f.fsdp_size, j);
+            let dim = usize::from(f.dim);
+            let offsets = (0..t.shape.len()).map(|d| if d == dim { lo } else { 0 }).collect();
+            let sizes = t.shape.iter().enumerate().map(|(d, &n)| if d == dim { hi - lo } else { n }).collect();
+            (offsets, sizes)
         }
     };
     let numel: u64 = sizes.iter().product();

@@ -505,8 +505,14 @@ impl Builder<'_> {
 
     fn push(&mut self, key: String, dtype: DType, shape: Vec<u64>, recipe: Vec<RowBlock>) {
         let rows = rows_of(&shape);
-        let numbers =
-            FsdpNumbers { fsdp_size: self.dp, local_rows: rows, section_start: 0, section_rows: rows, dp_writer: 0 };
+        let numbers = FsdpNumbers {
+            fsdp_size: self.dp,
+            local_rows: rows,
+            section_start: 0,
+            section_rows: rows,
+            dp_writer: 0,
+            dim: 0,
+        };
         self.tensors.push(OutputTensor {
             key,
             dtype,

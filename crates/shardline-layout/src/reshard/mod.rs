@@ -6,6 +6,7 @@
 //! (`plan`). Pure: the I/O shell (`shardline-formats`) reads and writes what this decides.
 
 mod boxes;
+mod fsdp2;
 mod infer;
 mod keys;
 mod params;
@@ -15,6 +16,7 @@ mod target;
 use thiserror::Error;
 
 pub use boxes::{check_tiling, runs, ChunkBox, Run, Runs, TilingProblem};
+pub use fsdp2::{classify_fsdp2, plan_fsdp2_reshard, source_placement, Fsdp2Item, Fsdp2Options, Placement};
 pub use infer::infer_mesh;
 pub use keys::{
     classify, classify_torch_dist, flat_key, parse_rng_rank, rng_rank_part, strip_modules, ItemKind, PathElem,

@@ -1,0 +1,286 @@
+//! Resharding an FSDP2 framework's training checkpoint (torchtitan's `step-N/`) over another
+//! data-parallel degree.
+//!
+//! FSDP2 shards a parameter, and its optimizer moments with it, along one dim in `torch.chunk`
+//! pieces (`Shard(d)`: rank `j` of `D` holds `[j·q, (j+1)·q)` clipped, `q = ceil(n / D)`); what
+//! is replicated (buffers, scalars, torchtitan's fused-QKV model keys) DCP writes once, whole.
+//! The target keeps each tensor's placement as its chunks show it and changes the degree, except
+//! where the framework's own rule depends on the degree or the source cannot show it:
+//! torchtitan's grouped experts take `Shard(1)` once there are more ranks than experts, and a
+//! one-rank save (every tensor whole) is sharded as FSDP2 shards parameters, `Shard(0)`.
+//!
+//! Bytes items are carried, except per-DP-rank dataloader state at another degree, which
+//! torchtitan refuses to load (`dp_world_size` must match): it is left out, with a note.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::boxes::{check_tiling, ChunkBox};
+use super::keys::PathElem;
+use super::plan::{ReshardPlan, SourceItem, SourceTensorMeta, TargetObject, TargetTensor};
+use super::ReshardError;
+use crate::arch::TpMode;
+use crate::dialect::{Dialect, DiskLayout};
+use crate::mesh::Mesh;
+use crate::plan::{FsdpNumbers, FsdpTiling, Group, OutputTensor, Role, Tiling};
+use crate::recipe::RowBlock;
+
+/// What an FSDP2 reshard is asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fsdp2Options {
+    /// The framework that wrote the checkpoint and will load the target (its placement rules).
+    pub dialect: Dialect,
+    /// The target's data-parallel (FSDP shard) degree.
+    pub dp: u64,
+    /// Rank files of the source: a one-rank save holds every tensor whole, which says nothing of
+    /// how FSDP2 places it.
+    pub source_ranks: u64,
+}
+
+/// How a tensor lies over the data-parallel ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// Written once, whole (a replicated tensor, or a 0-d one).
+    Whole,
+    /// `Shard(dim)`: `torch.chunk` pieces along `dim`, rank `j` holding piece `j`.
+    Shard(u8),
+}
+
+/// What an item of an FSDP2 framework's checkpoint is, from its `planner_data` path: model keys
+/// at the top level, the optimizer's flat state (`state.<fqn>.<state>`, `param_groups.<fqn>.<k>`)
+/// under `optimizer` (torchtitan) or `optim` (Automodel).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Fsdp2Item {
+    Param {
+        name: String,
+    },
+    State {
+        name: String,
+        state: String,
+    },
+    /// `dataloader.dp_rank_<d>`: one data-parallel rank's dataloader state.
+    DataloaderRank(u64),
+    /// Another `dataloader` item (torchtitan's `world_size`).
+    Dataloader,
+    /// Everything else: parameter groups, the LR scheduler, the train state.
+    Other,
+}
+
+/// What the item at `path` is.
+pub fn classify_fsdp2(path: &[PathElem]) -> Fsdp2Item {
+    let key = |i: usize| match path.get(i) {
+        Some(PathElem::Key(k)) => Some(k.as_str()),
+        _ => None,
+    };
+    match (key(0), key(1), path.len()) {
+        (Some("optimizer" | "optim"), Some(flat), 2) => {
+            match flat.strip_prefix("state.").and_then(|r| r.rsplit_once('.')) {
+                Some((name, state)) => Fsdp2Item::State { name: name.to_string(), state: state.to_string() },
+                None => Fsdp2Item::Other,
+            }
+        }
+        (Some("dataloader"), Some(k), 2) => k
+            .strip_prefix("dp_rank_")
+            .and_then(|d| d.parse().ok())
+            .map_or(Fsdp2Item::Dataloader, Fsdp2Item::DataloaderRank),
+        (Some("optimizer" | "optim" | "dataloader" | "lr_scheduler" | "train_state" | "sched"), _, _) => {
+            Fsdp2Item::Other
+        }
+        (Some(name), None, 1) => Fsdp2Item::Param { name: name.to_string() },
+        _ => Fsdp2Item::Other,
+    }
+}
+
+/// The placement a source tensor's chunks show, or why they are not FSDP2's.
+pub fn source_placement(shape: &[u64], chunks: &[ChunkBox]) -> Result<Placement, String> {
+    let stored: Vec<&ChunkBox> = chunks.iter().filter(|c| c.numel() > 0 || shape.is_empty()).collect();
+    let split: Vec<usize> = (0..shape.len()).filter(|&d| stored.iter().any(|c| c.sizes[d] != shape[d])).collect();
+    match split[..] {
+        [] => Ok(Placement::Whole),
+        [d] => {
+            let mut along: Vec<(u64, u64)> = stored.iter().map(|c| (c.offsets[d], c.sizes[d])).collect();
+            along.sort_unstable();
+            let (n, q) = (shape[d], along[0].1);
+            let pieces = along.iter().enumerate().all(|(k, &(off, size))| {
+                let k = k as u64;
+                off == k * q && size == q.min(n - k * q)
+            });
+            if pieces {
+                u8::try_from(d).map(Placement::Shard).map_err(|_| format!("dim {d} is past any tensor's rank"))
+            } else {
+                Err(format!(
+                    "its chunks along dim {d} (offset, size) {along:?} are not `torch.chunk` pieces, as FSDP2's \
+                     `Shard({d})` makes them"
+                ))
+            }
+        }
+        _ => Err(format!(
+            "it is split along dims {split:?}: a tensor- or expert-parallel placement; Shardline reshards FSDP2 \
+             checkpoints over data parallelism only"
+        )),
+    }
+}
+
+/// The framework's rule for a tensor, where it does not simply keep what the source shows.
+fn rule(dialect: Dialect, key: &str, shape: &[u64], dp: u64, fused_qkv: &BTreeSet<&str>) -> Option<Placement> {
+    if shape.is_empty() {
+        return Some(Placement::Whole);
+    }
+    let Dialect::Torchtitan(_) = dialect else { return None };
+    // Persistent buffers are not FSDP2 parameters: replicated, written once.
+    if key.ends_with(".expert_bias_E") || key.ends_with(".moe.expert_bias") {
+        return Some(Placement::Whole);
+    }
+    // The fused-QKV model keys: the save hook splits `wqkv` after redistributing it to Replicate.
+    if let Some(module) = key.strip_suffix(".weight").and_then(|k| k.rsplit_once('.')).map(|(m, _)| m) {
+        if module.ends_with(".qkv_linear") && fused_qkv.contains(module) {
+            return Some(Placement::Whole);
+        }
+    }
+    // Grouped experts `[E, …]`: `Shard(0)` over the expert-FSDP mesh, `Shard(1)` once it has more
+    // ranks than experts (torchtitan/distributed/fsdp.py).
+    if shape.len() == 3 && (key.contains(".routed_experts.") || key.contains(".moe.experts.")) {
+        return Some(Placement::Shard(u8::from(dp > shape[0])));
+    }
+    None
+}
+
+/// Plans the target checkpoint of `items` at data-parallel degree `options.dp`.
+pub fn plan_fsdp2_reshard(items: &[SourceItem], options: &Fsdp2Options) -> Result<ReshardPlan, ReshardError> {
+    let dp = options.dp;
+    let mesh = Mesh { tp: 1, cp: 1, dp, ep: 1, etp: 1 };
+    let mut errors: Vec<ReshardError> = mesh.check().into_iter().map(|e| ReshardError::Mesh(e.to_string())).collect();
+    let kinds: Vec<Fsdp2Item> = items.iter().map(|i| classify_fsdp2(&i.path)).collect();
+    let params: BTreeMap<&str, &SourceTensorMeta> = items
+        .iter()
+        .zip(&kinds)
+        .filter_map(|(item, kind)| match (kind, &item.tensor) {
+            (Fsdp2Item::Param { name }, Some(t)) => Some((name.as_str(), t)),
+            _ => None,
+        })
+        .collect();
+    let fused_qkv: BTreeSet<&str> = kinds
+        .iter()
+        .filter_map(|k| match k {
+            Fsdp2Item::State { name, .. } => name.strip_suffix(".wqkv.weight"),
+            _ => None,
+        })
+        .collect();
+    // Each DP rank writes its own dataloader key: their count is the source's degree.
+    let source_dp = kinds.iter().filter(|k| matches!(k, Fsdp2Item::DataloaderRank(_))).count() as u64;
+    let drop_dataloader = source_dp > 0 && source_dp != dp;
+
+    let mut tensors = Vec::new();
+    let mut objects = Vec::new();
+    let mut notes = Vec::new();
+    for (i, (item, kind)) in items.iter().zip(&kinds).enumerate() {
+        if drop_dataloader && matches!(kind, Fsdp2Item::DataloaderRank(_) | Fsdp2Item::Dataloader) {
+            continue;
+        }
+        let Some(t) = &item.tensor else {
+            objects.push(TargetObject { key: item.key.clone(), path: item.path.clone(), source: i, is_args: false });
+            continue;
+        };
+        if let Err(problem) = check_tiling(&t.shape, &t.chunks) {
+            errors.push(ReshardError::Tiling { key: item.key.clone(), problem: problem.to_string() });
+            continue;
+        }
+        let shown = match source_placement(&t.shape, &t.chunks) {
+            Ok(p) => p,
+            Err(problem) => {
+                errors.push(ReshardError::Tiling { key: item.key.clone(), problem });
+                continue;
+            }
+        };
+        let role = match kind {
+            Fsdp2Item::State { name, state } => {
+                if let Some(problem) = params.get(name.as_str()).and_then(|p| state_mismatch(p, t)) {
+                    errors.push(ReshardError::StateMismatch { key: item.key.clone(), param: name.clone(), problem });
+                    continue;
+                }
+                Role::OptimizerState { param_key: name.clone(), state: state_name(state) }
+            }
+            _ => Role::Param,
+        };
+        let placement = rule(options.dialect, &item.key, &t.shape, dp, &fused_qkv).unwrap_or(match shown {
+            Placement::Whole if options.source_ranks <= 1 => Placement::Shard(0),
+            p => p,
+        });
+        tensors.push(target_tensor(item, t, i, placement, dp, role));
+    }
+    if drop_dataloader {
+        notes.push(format!(
+            "the dataloader state of {source_dp} data-parallel ranks is left out: torchtitan refuses it at another \
+             degree ({dp}); resume with `--checkpoint.exclude_from_loading dataloader` (the data order restarts)"
+        ));
+    }
+    if !errors.is_empty() {
+        return Err(ReshardError::Many(errors));
+    }
+    tensors.sort_by(|a, b| a.out.key.cmp(&b.out.key));
+    objects.sort_by(|a, b| a.key.cmp(&b.key));
+    Ok(ReshardPlan {
+        mesh,
+        tensors,
+        objects,
+        padded_vocab: None,
+        notes,
+        dialect: options.dialect,
+        disk: DiskLayout::AsPlanned,
+        group_meta: Vec::new(),
+    })
+}
+
+/// The optimizer state names `Role` knows; others are still re-tiled, under a generic name.
+fn state_name(state: &str) -> &'static str {
+    const KNOWN: &[&str] = &["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "step"];
+    KNOWN.iter().find(|k| **k == state).copied().unwrap_or("state")
+}
+
+/// Why a moment cannot follow its parameter: FSDP2 shards it exactly like the parameter.
+fn state_mismatch(param: &SourceTensorMeta, state: &SourceTensorMeta) -> Option<String> {
+    if state.shape.is_empty() {
+        return None;
+    }
+    if param.shape != state.shape {
+        return Some(format!("global shape {:?}, its parameter's {:?}", state.shape, param.shape));
+    }
+    let boxes = |t: &SourceTensorMeta| t.chunks.iter().filter(|c| c.numel() > 0).cloned().collect::<BTreeSet<_>>();
+    (boxes(param) != boxes(state))
+        .then(|| "its chunks are not its parameter's (FSDP2 shards a moment like its parameter)".into())
+}
+
+fn target_tensor(
+    item: &SourceItem,
+    t: &SourceTensorMeta,
+    source: usize,
+    placement: Placement,
+    dp: u64,
+    role: Role,
+) -> TargetTensor {
+    let (dim, fsdp_size) = match placement {
+        Placement::Whole => (0, 1),
+        Placement::Shard(d) => (d, dp),
+    };
+    let size = t.shape.get(usize::from(dim)).copied().unwrap_or(1);
+    let numbers = FsdpNumbers { fsdp_size, local_rows: size, section_start: 0, section_rows: size, dp_writer: 0, dim };
+    let rows = t.shape.first().copied().unwrap_or(1);
+    TargetTensor {
+        out: OutputTensor {
+            key: item.key.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            recipe: vec![RowBlock::copy(source, 0, rows)],
+            tp_mode: TpMode::Replicated,
+            tp: 1,
+            group: Group::Dense,
+            split: None,
+            role,
+            tiling: Tiling::Fsdp(FsdpTiling { numbers, writers: Box::new([]) }),
+        },
+        path: item.path.clone(),
+        source,
+    }
+}
+
+#[cfg(test)]
+mod tests;
