@@ -99,7 +99,8 @@ fn the_torch_dist_example_writes_validates_and_uploads_a_save_directory() {
 
 /// `pipelines/torchtitan.yaml`: the shard step writes torchtitan's seed `step-0/` (4 FSDP2
 /// ranks), the validate step recognises it by its keys, the upload publishes it, and the export
-/// step gives the release back from it byte for byte.
+/// step gives the release back from it byte for byte; the reshard step re-tiles it for 3 ranks
+/// under the same `step-0/`, which validates against the release too.
 #[test]
 fn the_torchtitan_example_writes_validates_uploads_and_exports_a_seed() {
     let tmp = tempfile::tempdir().expect("tempdir");
@@ -129,6 +130,15 @@ fn the_torchtitan_example_writes_validates_uploads_and_exports_a_seed() {
         "{listed}"
     );
     let o = run(bin().arg("validate").arg(&seed).arg("--against").arg(fixture("llama")));
+    assert!(o.status.success(), "validate: {}{}", stdout(&o), stderr(&o));
+    let resharded = runs[0].join("torchtitan-dp3").join("step-0");
+    let mut names: Vec<String> = std::fs::read_dir(&resharded)
+        .expect("the resharded step-0/")
+        .map(|e| e.expect("e").file_name().to_string_lossy().into())
+        .collect();
+    names.sort();
+    assert_eq!(names, [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]);
+    let o = run(bin().arg("validate").arg(&resharded).arg("--against").arg(fixture("llama")));
     assert!(o.status.success(), "validate: {}{}", stdout(&o), stderr(&o));
     let (want, got) = (tensors(&fixture("llama")), tensors(&runs[0].join("hf")));
     assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());

@@ -290,6 +290,21 @@ def test_a_training_checkpoint_reshards_over_dp_and_loads_as_torch_reshards_it(r
     assert {k: tc.canon(v) for k, v in items_b.items()} == {k: tc.canon(v) for k, v in items_a.items() if k in kept}
 
 
+def test_inspect_reports_the_training_state(training):
+    proc = run_cli(["inspect", "--json", str(training["qwen3_moe"].parent)])
+    assert proc.returncode == 0, proc.stderr
+    t = json.loads(proc.stdout)["training"]
+    md = tc.read_metadata(training["qwen3_moe"])
+    states = [k for k in md.state_dict_metadata if k.startswith("optimizer.state.") and k.endswith(".exp_avg")]
+    assert t["framework"] == "torchtitan" and t["iteration"] == str(torchtitan_training.STEPS), t
+    assert t["data_parallel"] == str(SAVED_DP) and t["dataloader_ranks"] == list(range(SAVED_DP)), t
+    assert t["optimizer_states"]["exp_avg"]["tensors"] == len(states) == t["optimizer_states"]["exp_avg_sq"]["tensors"]
+    assert t["adam_steps"] == {f"{float(torchtitan_training.STEPS)}": len(states)}, t["adam_steps"]
+    settings = {(g["setting"], g["value"]): g["parameters"] for g in t["group_settings"]}
+    assert settings[("lr", "0.01")] == len(states) and settings[("betas", "(0.9, 0.95)")] == len(states), settings
+    assert t["objects"]["train_state.ntokens_seen"] == str(4096 * torchtitan_training.STEPS), t["objects"]
+
+
 def test_at_its_own_degree_the_dataloader_state_is_kept(releases, training, tmp_path):
     ours = tmp_path / "same" / "step-2"
     proc = _reshard(training["llama"], ours, SAVED_DP)

@@ -79,7 +79,7 @@ def _grad(key: str, step: int, shape) -> torch.Tensor:
 
 def build(release: Path, world: int, mesh, fill: str):
     """Parameters on `mesh` (the release's values, or NaN when `fill` is "nan") and an AdamW over
-    them with its state created."""
+    them (its state created for a load, by torchtitan's `init_optim_state`)."""
     tt = _torchtitan()
     params, buffers = native_params(release)
     dist_params = {}
@@ -88,7 +88,8 @@ def build(release: Path, world: int, mesh, fill: str):
         dist_params[key] = torch.nn.Parameter(distribute_tensor(value, mesh, [placement(key, t.shape, world)],
                                                                 src_data_rank=None))
     opt = torch.optim.AdamW(list(dist_params.items()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-    tt.init(opt)
+    if fill == "nan":
+        tt.init(opt)
     return dist_params, buffers, opt
 
 

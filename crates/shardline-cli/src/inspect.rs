@@ -126,11 +126,16 @@ fn training_json(t: &TrainingSummary) -> serde_json::Value {
            "parameters": {"tensors": t.params.0, "bytes": t.params.1}, "optimizer_states": moments,
            "adam_steps": t.adam_steps, "adam_steps_by_group": t.adam_steps_by_group, "rng_ranks": t.rng_ranks.iter().map(|(p, r)| [p, r]).collect::<Vec<_>>(),
            "objects": objects, "unknown": t.unknown,
-           "common": t.common.iter().cloned().collect::<BTreeMap<_, _>>()})
+           "common": t.common.iter().cloned().collect::<BTreeMap<_, _>>(),
+           "framework": t.framework, "data_parallel": t.data_parallel, "dataloader_ranks": t.dataloader_ranks,
+           "group_settings": t.group_settings.iter().map(|((k, v), n)| json!({"setting": k, "value": v, "parameters": n})).collect::<Vec<_>>()})
 }
 
 /// The training section of `inspect`: what a job resuming from this checkpoint gets.
 fn write_training(out: &mut impl Write, t: &TrainingSummary) -> std::io::Result<()> {
+    if let Some(framework) = t.framework {
+        return write_fsdp2_training(out, framework, t);
+    }
     writeln!(out, "\ntraining checkpoint")?;
     let mesh = match (&t.mesh, &t.args) {
         (Some(m), _) => m.to_string(),
@@ -163,6 +168,40 @@ fn write_training(out: &mut impl Write, t: &TrainingSummary) -> std::io::Result<
         for (k, v) in &t.common {
             writeln!(out, "    {k} = {v}")?;
         }
+    }
+    writeln!(out, "  bytes items ({}):", t.objects.len())?;
+    for (k, v) in &t.objects {
+        writeln!(out, "    {k} = {v}")?;
+    }
+    Ok(())
+}
+
+/// The training section of an FSDP2 framework's checkpoint (torchtitan's).
+fn write_fsdp2_training(out: &mut impl Write, framework: &str, t: &TrainingSummary) -> std::io::Result<()> {
+    writeln!(out, "\ntraining checkpoint ({framework})")?;
+    writeln!(out, "  step:               {}", t.iteration.as_deref().unwrap_or("—"))?;
+    let ranks = match (t.dataloader_ranks.first(), t.dataloader_ranks.last()) {
+        (Some(a), Some(b)) => format!(" (dataloader state of DP ranks {a}–{b})"),
+        _ => " (no dataloader state)".to_string(),
+    };
+    writeln!(out, "  data parallel:      {}{ranks}", t.data_parallel.as_deref().unwrap_or("—"))?;
+    writeln!(out, "  parameters:         {} tensors, {}", t.params.0, bytes(t.params.1))?;
+    for (state, (n, b)) in &t.moments {
+        writeln!(out, "  {:<20}{n} tensors, {}", format!("optimizer {state}:"), bytes(*b))?;
+    }
+    if t.moments.is_empty() {
+        writeln!(out, "  optimizer state:    none")?;
+    }
+    let steps: Vec<String> = t.adam_steps.iter().map(|(s, n)| format!("{s} ({n} parameters)")).collect();
+    writeln!(out, "  Adam step:          {}", if steps.is_empty() { "—".to_string() } else { steps.join(", ") })?;
+    if !t.group_settings.is_empty() {
+        writeln!(out, "  parameter groups:")?;
+        for ((k, v), n) in &t.group_settings {
+            writeln!(out, "    {k} = {v} ({n} parameters)")?;
+        }
+    }
+    if !t.unknown.is_empty() {
+        writeln!(out, "  other tensors (carried by reshard): {}", t.unknown.join(", "))?;
     }
     writeln!(out, "  bytes items ({}):", t.objects.len())?;
     for (k, v) in &t.objects {

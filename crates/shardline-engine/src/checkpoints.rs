@@ -22,11 +22,13 @@ use shardline_formats::checkpoint::open_checkpoint;
 use shardline_formats::safetensors::Release;
 use shardline_formats::training::{write_export, write_resharded, ExportOptions, TrainingCheckpoint, TrainingError};
 use shardline_layout::dialect::Dialect;
-use shardline_layout::reshard::{plan_reshard, RngPolicy};
+use shardline_layout::reshard::{plan_reshard, ReshardPlan, RngPolicy};
 use shardline_layout::{Mesh, ModelConfig, Role};
 
 use shardline_formats::error_message;
-use shardline_ops::{export_tensors, inferred_mesh, open_model, reshard_options, saved_etp, ReshardHints};
+use shardline_ops::{
+    export_tensors, fsdp2_dialect, inferred_mesh, open_model, plan_fsdp2, reshard_options, saved_etp, ReshardHints,
+};
 
 use crate::steps::{parse_mesh, StepContext, StepError};
 
@@ -171,53 +173,29 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
         ReshardSource::Task { task } => ctx.outputs.get(task),
         ReshardSource::Local { .. } => None,
     };
-    let torch_dist = shardline_formats::checkpoint::resolve_checkpoint_dir(&dir)
-        .is_ok_and(|d| shardline_formats::training::common_state::is_torch_dist(&d));
-    // The source's dialect unless the step names another (translation either way).
-    let dialect = match job.target.as_deref() {
-        None => match torch_dist {
-            true => Dialect::TorchDist,
-            false => Dialect::FsdpDtensor,
-        },
-        Some(t) => Dialect::parse(t)
-            .ok_or_else(|| StepError::fatal(format!("unknown target `{t}` (fsdp_dtensor, torch_dist)")))?,
-    };
-    // torch_dist keeps SwiGLU fc1 whole and the translation splits it.
-    if !torch_dist && upstream.and_then(|o| o.split_fused) == Some(false) {
-        return Err(StepError::fatal(format!(
-            "{} keeps fused projections (no `megatron.split_fused` step follows its shard step); a reshard reads the \
-             split form Megatron-FSDP saves: add a `megatron.split_fused` step and reshard its output",
-            dir.display()
-        )));
-    }
     let mesh = Mesh { tp: job.tp, cp: job.cp, dp: job.dp, ep: job.ep, etp: job.etp };
-    let mut source = TrainingCheckpoint::open_for(&dir, Some(mesh.etp))
-        .map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
-    let given = ReshardHints {
-        source_mesh: match &job.from_mesh {
-            Some(m) => Some(Mesh::parse_assignments(m).map_err(|e| StepError::fatal(format!("from_mesh: {e}")))?),
+    let target =
+        match job.target.as_deref() {
             None => None,
-        },
-        vocab_size: job.vocab_size,
-        vocab_divisible_by: None,
+            Some(t) => Some(Dialect::parse(t).ok_or_else(|| {
+                StepError::fatal(format!("unknown target `{t}` (fsdp_dtensor, torch_dist, torchtitan)"))
+            })?),
+        };
+    let source = TrainingCheckpoint::open_for(&dir, Some(mesh.etp))
+        .map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
+    let (source, plan, from, dialect) = match fsdp2_dialect(&source) {
+        Some(dialect) => {
+            let planned = plan_fsdp2(&dir, source, dialect, mesh, target, rng_policy(&job.rng)?)
+                .map_err(|e| StepError::fatal(e.to_string()))?;
+            (planned.source, planned.plan, planned.options.source_mesh, dialect)
+        }
+        None => plan_megatron(ctx, job, &dir, source, mesh, target, upstream)?,
     };
-    let fallback = ReshardHints {
-        // The mesh the upstream step wrote, else the chunk geometry's.
-        source_mesh: upstream.and_then(|o| o.mesh.as_deref()).and_then(parse_mesh).or_else(|| inferred_mesh(&source)),
-        vocab_size: release_vocab(ctx, job.release_task.as_deref()),
-        vocab_divisible_by: job.vocab_divisible_by,
-    };
-    let mut options = reshard_options(&source, mesh, rng_policy(&job.rng)?, given, fallback);
-    options.dialect = dialect;
-    if dialect == Dialect::TorchDist {
-        source.split_fused(options.source_mesh.map(|m| m.etp)).map_err(|e| StepError::fatal(e.to_string()))?;
-    }
-    let plan = plan_reshard(&source.items, &options)
-        .map_err(|e| StepError::fatal(format!("cannot reshard {} to {mesh}: {e}", dir.display())))?;
+    let mesh = plan.mesh;
     for note in &plan.notes {
         (ctx.log)(format!("warning: {}", note.strip_prefix("warning: ").unwrap_or(note)));
     }
-    let from = options.source_mesh.map_or_else(|| "unknown".to_string(), |m| m.to_string());
+    let from = from.map_or_else(|| "unknown".to_string(), |m| m.to_string());
     let total: u64 = plan.tensors.iter().map(|t| t.out.nbytes()).sum();
     ctx.bytes_total.store(total, Ordering::Relaxed);
     let moments = plan.tensors.iter().filter(|t| matches!(t.out.role, Role::OptimizerState { .. })).count();
@@ -241,7 +219,14 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
         if let Some(parent) = staged.parent() {
             fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
         }
-        let report = write_resharded(&source, &plan, &staged, threads(ctx), true, ctx.progress).map_err(write_error)?;
+        // torchtitan loads the latest `step-N/` of its checkpoint folder: the step keeps its name.
+        let step = match dialect {
+            Dialect::Torchtitan(_) => torchtitan_step_name(&source.checkpoint.dir),
+            _ => None,
+        };
+        let write_to = step.map_or_else(|| staged.clone(), |s| staged.join(s));
+        let report =
+            write_resharded(&source, &plan, &write_to, threads(ctx), true, ctx.progress).map_err(write_error)?;
         if !report.args_missing.is_empty() {
             (ctx.log)(format!("warning: `args` has no {}; left as they were", report.args_missing.join(", ")));
         }
@@ -358,4 +343,58 @@ pub fn export(job: &ExportJob, ctx: &StepContext) -> Result<TaskOutput, StepErro
     .with("etp", json!(etp))
     .with("weights", json!(report.files))
     .with("copied", json!(report.copied)))
+}
+
+/// The reshard plan of a Megatron checkpoint (`fsdp_dtensor` or `torch_dist`, either translated
+/// to the other when `target` says so), with its source mesh and the dialect written.
+fn plan_megatron(
+    ctx: &StepContext<'_>,
+    job: &ReshardJob,
+    dir: &Path,
+    mut source: TrainingCheckpoint,
+    mesh: Mesh,
+    target: Option<Dialect>,
+    upstream: Option<&TaskOutput>,
+) -> Result<(TrainingCheckpoint, ReshardPlan, Option<Mesh>, Dialect), StepError> {
+    let torch_dist = shardline_formats::checkpoint::resolve_checkpoint_dir(dir)
+        .is_ok_and(|d| shardline_formats::training::common_state::is_torch_dist(&d));
+    // The source's dialect unless the step names another (translation either way).
+    let dialect = target.unwrap_or(if torch_dist { Dialect::TorchDist } else { Dialect::FsdpDtensor });
+    // torch_dist keeps SwiGLU fc1 whole and the translation splits it.
+    if !torch_dist && upstream.and_then(|o| o.split_fused) == Some(false) {
+        return Err(StepError::fatal(format!(
+            "{} keeps fused projections (no `megatron.split_fused` step follows its shard step); a reshard reads the \
+             split form Megatron-FSDP saves: add a `megatron.split_fused` step and reshard its output",
+            dir.display()
+        )));
+    }
+    let given = ReshardHints {
+        source_mesh: match &job.from_mesh {
+            Some(m) => Some(Mesh::parse_assignments(m).map_err(|e| StepError::fatal(format!("from_mesh: {e}")))?),
+            None => None,
+        },
+        vocab_size: job.vocab_size,
+        vocab_divisible_by: None,
+    };
+    let fallback = ReshardHints {
+        // The mesh the upstream step wrote, else the chunk geometry's.
+        source_mesh: upstream.and_then(|o| o.mesh.as_deref()).and_then(parse_mesh).or_else(|| inferred_mesh(&source)),
+        vocab_size: release_vocab(ctx, job.release_task.as_deref()),
+        vocab_divisible_by: job.vocab_divisible_by,
+    };
+    let mut options = reshard_options(&source, mesh, rng_policy(&job.rng)?, given, fallback);
+    options.dialect = dialect;
+    if dialect == Dialect::TorchDist {
+        source.split_fused(options.source_mesh.map(|m| m.etp)).map_err(|e| StepError::fatal(e.to_string()))?;
+    }
+    let plan = plan_reshard(&source.items, &options)
+        .map_err(|e| StepError::fatal(format!("cannot reshard {} to {mesh}: {e}", dir.display())))?;
+    Ok((source, plan, options.source_mesh, dialect))
+}
+
+/// The `step-N` name of a torchtitan checkpoint directory, when it has one.
+fn torchtitan_step_name(dir: &Path) -> Option<std::ffi::OsString> {
+    let name = dir.file_name()?;
+    name.to_str()?.strip_prefix("step-")?.parse::<u64>().ok()?;
+    Some(name.to_os_string())
 }

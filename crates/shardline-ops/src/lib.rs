@@ -23,5 +23,8 @@ pub use error::OpsError;
 pub use export::{
     automodel_release, export, export_tensors, open_model, saved_etp, AutomodelRelease, ExportDone, ExportRequest,
 };
-pub use reshard::{inferred_mesh, plan_reshard_of, reshard_options, PlannedReshard, ReshardHints, ReshardRequest};
+pub use reshard::{
+    fsdp2_dialect, inferred_mesh, plan_fsdp2, plan_reshard_of, reshard_options, PlannedReshard, ReshardHints,
+    ReshardRequest,
+};
 pub use validate::{detect_dialect, validate, ValidateRequest};

@@ -128,8 +128,8 @@ pub fn plan_reshard_of(request: &ReshardRequest) -> Result<PlannedReshard, OpsEr
     let dialect = request.target.unwrap_or(source_dialect);
     let training = |source| OpsError::Training { path: ckpt.clone(), source };
     let mut source = TrainingCheckpoint::open_for(ckpt, Some(request.mesh.etp)).map_err(training)?;
-    if let Some(target) = torchtitan_target(&source.checkpoint) {
-        return plan_fsdp2_of(request, source, Dialect::Torchtitan(target));
+    if let Some(dialect) = fsdp2_dialect(&source) {
+        return plan_fsdp2(ckpt, source, dialect, request.mesh, request.target, request.rng);
     }
     let given = ReshardHints {
         source_mesh: request.from_mesh,
@@ -156,16 +156,24 @@ pub fn plan_reshard_of(request: &ReshardRequest) -> Result<PlannedReshard, OpsEr
     Ok(PlannedReshard { source, plan, options, source_mesh_from })
 }
 
-/// An FSDP2 framework's training checkpoint (torchtitan's `step-N/`), re-tiled over the target's
-/// data-parallel degree as the framework places it (`reshard::fsdp2`).
-fn plan_fsdp2_of(
-    request: &ReshardRequest,
+/// The FSDP2 framework whose checkpoint `source` is (torchtitan's, by its keys), if it is one.
+pub fn fsdp2_dialect(source: &TrainingCheckpoint) -> Option<Dialect> {
+    torchtitan_target(&source.checkpoint).map(Dialect::Torchtitan)
+}
+
+/// An FSDP2 framework's training checkpoint (torchtitan's `step-N/`) re-tiled over the data-parallel
+/// degree of `mesh` as the framework places it (`reshard::fsdp2`); `target`, when given, must be
+/// its own dialect.
+pub fn plan_fsdp2(
+    ckpt: &Path,
     source: TrainingCheckpoint,
     dialect: Dialect,
+    mesh: Mesh,
+    target: Option<Dialect>,
+    rng: RngPolicy,
 ) -> Result<PlannedReshard, OpsError> {
-    let refuse =
-        |source: ReshardError| OpsError::Reshard { ckpt: request.ckpt.clone(), mesh: request.mesh.to_string(), source };
-    let m = request.mesh;
+    let refuse = |source: ReshardError| OpsError::Reshard { ckpt: ckpt.to_path_buf(), mesh: mesh.to_string(), source };
+    let m = mesh;
     if (m.tp, m.cp, m.ep, m.etp) != (1, 1, 1, 1) {
         return Err(refuse(ReshardError::Mesh(format!(
             "a {} checkpoint is resharded over data parallelism (--dp) only; its tensor-, context- and \
@@ -173,7 +181,7 @@ fn plan_fsdp2_of(
             dialect.name()
         ))));
     }
-    if let Some(target) = request.target.filter(|t| t.name() != dialect.name()) {
+    if let Some(target) = target.filter(|t| t.name() != dialect.name()) {
         return Err(refuse(ReshardError::Mesh(format!(
             "a {} checkpoint is not translated to {} yet",
             dialect.name(),
@@ -192,7 +200,7 @@ fn plan_fsdp2_of(
         vocab_divisible_by: 1,
         num_experts: None,
         num_query_groups: None,
-        rng: request.rng,
+        rng,
         dialect,
     };
     Ok(PlannedReshard { source, plan, options, source_mesh_from: "its rank files" })

@@ -3,9 +3,11 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use shardline_layout::reshard::{classify, classify_torch_dist, ItemKind};
+use shardline_layout::reshard::{classify, classify_fsdp2, classify_torch_dist, Fsdp2Item, ItemKind};
+use shardline_layout::DType;
 use shardline_layout::Mesh;
 
 use super::common_state::{common_entries, common_entry, is_torch_dist, read_common_pt};
@@ -14,7 +16,7 @@ use super::{TrainingArgs, TrainingError};
 use crate::checkpoint::CheckpointError;
 use crate::dcp_metadata::{read_metadata_file, DcpMetadataError, EntryMeta, MetadataItem, PathElem};
 use crate::pickle::Value;
-use crate::torch_save::read_object_archive;
+use crate::torch_save::{read_object_archive, read_tensor_archive};
 
 /// Characters of a bytes item's rendered value.
 const REPR_CHARS: usize = 160;
@@ -45,6 +47,14 @@ pub struct TrainingSummary {
     pub unknown: Vec<String>,
     /// `torch_dist`: the common state's entries (`common.pt` or the `common_state` item), rendered.
     pub common: Vec<(String, String)>,
+    /// The FSDP2 framework that wrote it (`torchtitan`), when it is not Megatron.
+    pub framework: Option<&'static str>,
+    /// The data-parallel degree its dataloader state was saved for (torchtitan's
+    /// `dataloader.world_size`), and the DP ranks with a dataloader state.
+    pub data_parallel: Option<String>,
+    pub dataloader_ranks: Vec<u64>,
+    /// FSDP2 frameworks' per-parameter group settings, folded: `(setting, value)` → parameters.
+    pub group_settings: BTreeMap<(String, String), u64>,
 }
 
 /// A key of `.metadata` as the summary keeps it: one record per key, never one per chunk.
@@ -52,7 +62,7 @@ struct Key {
     /// Bytes of the tensor; `None` for a bytes item.
     tensor_bytes: Option<u64>,
     path: Option<Vec<PathElem>>,
-    /// Where a bytes item is: `(file, offset, length)`.
+    /// Where a bytes item (or a 0-d tensor) is: `(file, offset, length)`.
     storage: Option<(String, u64, u64)>,
 }
 
@@ -78,7 +88,7 @@ pub fn summarize_training(dir: &Path) -> Result<Option<TrainingSummary>, Trainin
                     keys[i].1.path = Some(path);
                 }
             }
-            MetadataItem::Storage(k, info) if k.offset.is_none() => {
+            MetadataItem::Storage(k, info) if k.offset.as_ref().is_none_or(Vec::is_empty) => {
                 if let Some(&i) = index.get(&k.fqn) {
                     keys[i].1.storage = Some((info.relative_path, info.offset, info.length));
                 }
@@ -88,6 +98,12 @@ pub fn summarize_training(dir: &Path) -> Result<Option<TrainingSummary>, Trainin
         Ok(())
     })
     .map_err(|source| CheckpointError::Metadata { path: md_path.clone(), source })?;
+    // torchtitan keeps its model keys at the top level, beside `optimizer`, `lr_scheduler`, …
+    let torchtitan =
+        keys.iter().any(|(k, key)| k == "tok_embeddings.weight" && key.path.as_ref().is_some_and(|p| p.len() == 1));
+    if torchtitan {
+        return summarize_fsdp2(dir, &keys, "torchtitan").map(Some);
+    }
     let mut s = TrainingSummary::default();
     let mut training = false;
     // Megatron-Core's `torch_dist` names items by their own keys and records no planner paths.
@@ -157,6 +173,89 @@ pub fn summarize_training(dir: &Path) -> Result<Option<TrainingSummary>, Trainin
     s.rng_ranks.sort_unstable();
     s.rng_ranks.dedup();
     Ok(training.then_some(s))
+}
+
+/// An FSDP2 framework's checkpoint (`framework`): parameters and moments by `classify_fsdp2`,
+/// Adam's per-parameter `step` tensors read, the parameter groups' settings folded, the
+/// dataloader's degree and ranks, and the train state's step as the iteration.
+fn summarize_fsdp2(
+    dir: &Path,
+    keys: &[(String, Key)],
+    framework: &'static str,
+) -> Result<TrainingSummary, TrainingError> {
+    let mut s = TrainingSummary { framework: Some(framework), ..TrainingSummary::default() };
+    for (key, k) in keys {
+        let kind = k.path.as_deref().map_or(Fsdp2Item::Other, classify_fsdp2);
+        let value = match k.storage.clone() {
+            Some((file, offset, length)) => {
+                let path = dir.join(&file);
+                let f =
+                    File::open(&path).map_err(|error| CheckpointError::Io { path, action: "open rank file", error })?;
+                let object = || -> Result<String, TrainingError> {
+                    let v = read_object_archive(&f, offset, length)
+                        .map_err(|source| TrainingError::Object { key: key.clone(), source })?;
+                    Ok(v.repr(REPR_CHARS))
+                };
+                match k.tensor_bytes {
+                    Some(_) => Some(scalar(&f, &dir.join(&file), offset, length, key)?),
+                    None => Some(object()?),
+                }
+            }
+            None => None,
+        };
+        match (kind, k.tensor_bytes) {
+            (Fsdp2Item::Param { .. }, Some(nbytes)) => {
+                s.params.0 += 1;
+                s.params.1 += nbytes;
+            }
+            (Fsdp2Item::State { state, .. }, Some(nbytes)) => {
+                if state == "step" {
+                    *s.adam_steps.entry(value.unwrap_or_default()).or_default() += 1;
+                } else {
+                    let m = s.moments.entry(state).or_default();
+                    m.0 += 1;
+                    m.1 += nbytes;
+                }
+            }
+            (Fsdp2Item::DataloaderRank(d), _) => s.dataloader_ranks.push(d),
+            (_, Some(_)) => s.unknown.push(key.clone()),
+            (_, None) => {
+                let shown = value.unwrap_or_default();
+                let setting = key.strip_prefix("optimizer.param_groups.").or(key.strip_prefix("optim.param_groups."));
+                match setting.and_then(|r| r.rsplit_once('.')) {
+                    Some((_, name)) => *s.group_settings.entry((name.to_string(), shown)).or_default() += 1,
+                    None => {
+                        match key.as_str() {
+                            "train_state.step" => s.iteration = Some(shown.clone()),
+                            "dataloader.world_size" => s.data_parallel = Some(shown.clone()),
+                            _ => {}
+                        }
+                        s.objects.push((key.clone(), shown));
+                    }
+                }
+            }
+        }
+    }
+    s.dataloader_ranks.sort_unstable();
+    Ok(s)
+}
+
+/// The value of a 0-d tensor item (Adam's `step`), as Python prints it.
+fn scalar(f: &File, path: &Path, offset: u64, length: u64, key: &str) -> Result<String, TrainingError> {
+    let t = read_tensor_archive(f, offset, length)
+        .map_err(|source| TrainingError::Object { key: key.to_string(), source })?;
+    let mut bytes = vec![0u8; t.data_len.min(8) as usize];
+    f.read_exact_at(&mut bytes, offset + t.data_offset_in_item).map_err(|error| CheckpointError::Io {
+        path: path.to_path_buf(),
+        action: "read a scalar",
+        error,
+    })?;
+    Ok(match (t.dtype, bytes.as_slice()) {
+        (DType::F32, &[a, b, c, d]) => format!("{:?}", f32::from_le_bytes([a, b, c, d])),
+        (DType::F64, b) if b.len() == 8 => format!("{:?}", f64::from_le_bytes(b.try_into().unwrap_or_default())),
+        (DType::I64, b) if b.len() == 8 => format!("{}", i64::from_le_bytes(b.try_into().unwrap_or_default())),
+        (dtype, _) => format!("a {} scalar", dtype.safetensors_name()),
+    })
 }
 
 /// What the `torch_dist` common state says: the job's `args` (and so its mesh), `iteration`,
