@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import automodel_writer
 import harness
 import reference as ref
+import training_read as tc
 from harness import FIXTURES, run_cli
 
 WORLD = 3
@@ -105,3 +107,116 @@ def test_an_unfinished_save_is_refused_and_nothing_is_written(tmp_path):
     proc = _export(step, release, out)
     assert proc.returncode != 0 and "cannot be read whole" in proc.stderr and "a chunk is missing" in proc.stderr, proc.stderr
     assert not out.exists() or not any(out.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------
+# Training saves resharded: `model/` and `optim/` re-tiled, per-rank files for the new world
+# ---------------------------------------------------------------------------------------------
+
+def _training_save(root: Path, release: Path, fmt: str, dtype: str = "bfloat16") -> Path:
+    """`root/epoch_0_step_2/` after two AdamW steps on `WORLD` ranks, with the files Automodel
+    writes around the tensors."""
+    step = root / "epoch_0_step_2"
+    harness.spawn_ranks(automodel_writer.save_training_worker, WORLD, (str(release), str(step), fmt, dtype),
+                        "Automodel training save")
+    meta = step / "model" / ".hf_metadata"
+    meta.mkdir()
+    (meta / "config.json").write_text((release / "config.json").read_text())
+    (step / "config.yaml").write_text("distributed: {dp_size: 3}\nstep_scheduler: {global_batch_size: 8}\n")
+    (step / "losses.json").write_text(json.dumps({"train_loss": 1.0}))
+    return step
+
+
+def _native_pieces(key: str, shape: tuple[int, ...], world: int, optim: bool) -> tuple[int, list[tuple[int, int]]]:
+    """Automodel's FSDP2 placement of `key` on `world` ranks: `(dim, torch.chunk pieces)`."""
+    if optim:
+        name = key.removeprefix("optim.state.").rsplit(".", 1)[0]
+        dim = 1 if name.endswith(("gate_and_up_projs", "down_projs")) and len(shape) == 3 else 0
+    else:
+        dim = 1 if ".mlp.experts." in key and len(shape) == 2 else 0
+    q = -(-shape[dim] // world)
+    return dim, [(j * q, min(q, shape[dim] - j * q)) for j in range(world) if j * q < shape[dim]]
+
+
+def _check_placements(step: Path, world: int, fmt: str) -> None:
+    """Every chunk of `model/` and `optim/` is the piece FSDP2 gives a rank, in that rank's file."""
+    from safetensors import safe_open
+
+    problems = []
+
+    def expect(key, shape, optim):
+        if not shape:
+            return [((), (), 0)]
+        dim, pieces = _native_pieces(key, shape, world, optim)
+        return sorted((tuple(o if d == dim else 0 for d in range(len(shape))),
+                       tuple(s if d == dim else shape[d] for d in range(len(shape))), j) for j, (o, s) in enumerate(pieces))
+
+    parts = [("optim", True)] + ([("model", False)] if fmt != "safetensors" else [])
+    for part, optim in parts:
+        md = tc.read_metadata(step / part)
+        for key, m in tc.tensor_keys(md).items():
+            got = sorted((tuple(c.offsets), tuple(c.sizes),
+                          int(md.storage_data[MetadataIndex(key, c.offsets)].relative_path.split("_")[2]))
+                         for c in m.chunks)
+            if got != expect(key, tuple(m.size), optim):
+                problems.append(f"{part}/{key}: {got[:3]}, FSDP2 places {expect(key, tuple(m.size), optim)[:3]}")
+    if fmt == "safetensors":
+        shapes, boxes = {}, {}
+        for rank in range(world):
+            path = step / "model" / f"shard-{rank + 1:05}-model-00001-of-00001.safetensors"
+            with safe_open(str(path), framework="pt") as f:
+                info = json.loads(f.metadata()["DCP_SHARDING_INFO"])
+                assert sorted(info) == sorted(f.keys()), path
+                for key in f.keys():
+                    size = tuple(f.get_slice(key).get_shape())
+                    off = tuple(info[key]["saved_offsets"])
+                    boxes.setdefault(key, []).append((off, size, rank))
+                    shape = shapes.setdefault(key, [0] * len(size))
+                    for d, (o, s) in enumerate(zip(off, size)):
+                        shape[d] = max(shape[d], o + s)
+        for key, got in boxes.items():
+            if sorted(got) != expect(key, tuple(shapes[key]), False):
+                problems.append(f"model/{key}: {sorted(got)[:3]}, FSDP2 places {expect(key, tuple(shapes[key]), False)[:3]}")
+    assert not problems, "\n".join(problems[:20])
+
+
+@pytest.mark.parametrize("model,fmt", [("qwen3_moe", "safetensors"), ("llama", "torch_save")])
+def test_a_training_save_reshards_and_loads_as_torch_reshards_it(tmp_path, model, fmt):
+    release = FIXTURES / model
+    source = _training_save(tmp_path / "ckpt", release, fmt)
+    ours = tmp_path / "dp2" / "epoch_0_step_2"
+    proc = run_cli(["reshard", str(source), "--to", str(ours), "--dp", "2"])
+    assert proc.returncode == 0, proc.stderr
+    names = sorted(str(p.relative_to(ours)) for p in ours.rglob("*") if p.is_file())
+    model_files = ([f"model/shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)] if fmt == "safetensors"
+                   else ["model/.metadata", "model/__0_0.distcp", "model/__1_0.distcp"])
+    assert names == sorted(["config.yaml", "losses.json", "step_scheduler.pt", "model/.hf_metadata/config.json",
+                            *model_files, "optim/.metadata", "optim/__0_0.distcp", "optim/__1_0.distcp",
+                            "rng/rng_global_rank_0.pt", "rng/rng_global_rank_1.pt",
+                            "dataloader/dataloader_dp_rank_0.pt", "dataloader/dataloader_dp_rank_1.pt"]), names
+    for rel in ("config.yaml", "losses.json", "step_scheduler.pt", "rng/rng_global_rank_1.pt"):
+        assert (ours / rel).read_bytes() == (source / rel).read_bytes(), rel
+    _check_placements(ours, 2, fmt)
+    harness.spawn_ranks(automodel_writer.load_training_worker, 2,
+                        (str(release), str(source), str(ours), fmt, "bfloat16"), "Automodel training load")
+    # To more ranks than saved: the new rank starts from rank 0's per-rank states.
+    more = tmp_path / "dp4" / "epoch_0_step_2"
+    proc = run_cli(["reshard", str(source), "--to", str(more), "--dp", "4"])
+    assert proc.returncode == 0, proc.stderr
+    assert "1 of 4 ranks start from rank 0's state" in proc.stderr, proc.stderr
+    assert (more / "rng" / "rng_global_rank_3.pt").read_bytes() == (source / "rng" / "rng_global_rank_0.pt").read_bytes()
+    _check_placements(more, 4, fmt)
+    # A -> B -> A: every tensor of `model/` and `optim/` back in its chunks, byte for byte.
+    back = tmp_path / "dp3" / "epoch_0_step_2"
+    proc = run_cli(["reshard", str(ours), "--to", str(back), "--dp", str(WORLD)])
+    assert proc.returncode == 0, proc.stderr
+    _check_placements(back, WORLD, fmt)
+    harness.spawn_ranks(automodel_writer.load_training_worker, WORLD,
+                        (str(release), str(source), str(back), fmt, "bfloat16"), "Automodel training load")
+    # The resharded save consolidates to the same release as the source.
+    a, b = tmp_path / "hf-a", tmp_path / "hf-b"
+    assert _export(source, release, a).returncode == 0
+    proc = _export(ours, release, b)
+    assert proc.returncode == 0, proc.stderr
+    ta, tb = ref.load_hf_tensors(a), ref.load_hf_tensors(b)
+    assert set(ta) == set(tb) and all(torch.equal(ta[k].view(torch.uint8), tb[k].view(torch.uint8)) for k in ta)

@@ -111,7 +111,7 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
         if args.json {
             println!(
                 "{}",
-                json!({"from": from, "to": mesh.to_string(), "tensors": plan.tensors.len(),
+                json!({"from": from, "to": mesh.to_string(), "tensors": planned.tensor_count(),
                        "optimizer_states": moments, "objects": plan.objects.len(), "notes": plan.notes})
             );
         } else {
@@ -119,7 +119,7 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
                 "reshard {} ({from}) → {}: {} tensors ({moments} optimizer states), {} bytes items; nothing written (--dry-run)",
                 args.ckpt.display(),
                 mesh,
-                plan.tensors.len(),
+                planned.tensor_count(),
                 plan.objects.len()
             );
         }
@@ -152,7 +152,7 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
             to.display(),
             mesh,
             report.files,
-            plan.tensors.len(),
+            planned.tensor_count(),
             bytes(report.file_bytes),
             secs
         );

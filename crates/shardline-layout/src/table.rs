@@ -67,7 +67,7 @@ impl PlanTable {
         let mut table = PlanTable {
             mesh: plan.mesh,
             disk: match plan.options.dialect {
-                Dialect::FsdpDtensor | Dialect::Torchtitan(_) => DiskLayout::AsPlanned,
+                Dialect::FsdpDtensor | Dialect::Torchtitan(_) | Dialect::Automodel => DiskLayout::AsPlanned,
                 Dialect::TorchDist => {
                     DiskLayout::TorchDist(TorchDistLayout::new(&plan.views().collect::<Vec<_>>(), &plan.mesh))
                 }

@@ -103,6 +103,13 @@ impl ConvertRequest {
                     );
                 }
             }
+            Dialect::Automodel => {
+                return refuse(
+                    "there is no NeMo Automodel checkpoint to convert a release to: Automodel reads HF releases \
+                     directly (point its model at the release); Shardline reshards and exports its training \
+                     checkpoints",
+                )
+            }
             Dialect::FsdpDtensor => {}
         }
         Ok(())
@@ -192,7 +199,7 @@ pub fn convert(
     let out = match dialect {
         Dialect::TorchDist => save_dir::seed_dir(root),
         Dialect::Torchtitan(_) => root.join(TORCHTITAN_SEED_DIR),
-        Dialect::FsdpDtensor => root.to_path_buf(),
+        Dialect::FsdpDtensor | Dialect::Automodel => root.to_path_buf(),
     };
     if seed_args.is_some() {
         if !request.overwrite && root.join(save_dir::TRACKER).exists() {

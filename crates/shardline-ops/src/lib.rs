@@ -15,6 +15,7 @@
 mod convert;
 mod error;
 mod export;
+mod fsdp2;
 mod reshard;
 mod validate;
 
@@ -23,8 +24,8 @@ pub use error::OpsError;
 pub use export::{
     automodel_release, export, export_tensors, open_model, saved_etp, AutomodelRelease, ExportDone, ExportRequest,
 };
+pub use fsdp2::{fsdp2_dialect, plan_automodel, plan_fsdp2};
 pub use reshard::{
-    fsdp2_dialect, inferred_mesh, plan_fsdp2, plan_reshard_of, reshard_options, PlannedReshard, ReshardHints,
-    ReshardRequest,
+    inferred_mesh, plan_reshard_of, reshard_options, AutomodelReshard, PlannedReshard, ReshardHints, ReshardRequest,
 };
 pub use validate::{detect_dialect, validate, ValidateRequest};

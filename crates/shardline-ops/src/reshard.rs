@@ -2,20 +2,19 @@
 //! options a reshard takes from what it is told, the checkpoint's `args` and its chunk geometry
 //! are merged here once, for the CLI, the pipeline's `checkpoint.reshard` step and Python.
 
-use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 
-use shardline_formats::checkpoint::{resolve_checkpoint_dir, torchtitan_target};
+use shardline_formats::checkpoint::resolve_checkpoint_dir;
 use shardline_formats::execute::Progress;
+use shardline_formats::training::automodel::{write_automodel, AutomodelPlans, AutomodelSave};
 use shardline_formats::training::common_state::is_torch_dist;
 use shardline_formats::training::{rank_of_file, write_resharded, ReshardReport, TrainingCheckpoint};
 use shardline_layout::dialect::Dialect;
-use shardline_layout::reshard::{
-    infer_mesh, plan_fsdp2_reshard, plan_reshard, Fsdp2Options, ReshardError, ReshardOptions, ReshardPlan, RngPolicy,
-};
+use shardline_layout::reshard::{infer_mesh, plan_reshard, ReshardOptions, ReshardPlan, RngPolicy, TargetTensor};
 use shardline_layout::{Mesh, Role};
 
+use crate::fsdp2::{fsdp2_dialect, plan_automodel, plan_fsdp2};
 use crate::OpsError;
 
 /// What a reshard knows of its source besides the checkpoint: each `None` when unknown.
@@ -85,17 +84,42 @@ pub struct PlannedReshard {
     pub options: ReshardOptions,
     /// Where the source mesh came from: `--from-mesh`, `args`, or the chunk geometry.
     pub source_mesh_from: &'static str,
+    /// A NeMo Automodel save: `source` and `plan` are its `model/`, this the rest of it.
+    pub automodel: Option<AutomodelReshard>,
+}
+
+/// What an Automodel save adds to its `model/`'s plan: `optim/`, and its per-rank files.
+pub struct AutomodelReshard {
+    pub save: AutomodelSave,
+    pub optim: Option<(TrainingCheckpoint, ReshardPlan)>,
+    /// Which source rank's file each target rank takes, per state ([`AutomodelSave::rank_files`]).
+    pub rank_files: Vec<(usize, Vec<(u64, u64)>)>,
 }
 
 impl PlannedReshard {
+    fn plans(&self) -> impl Iterator<Item = &ReshardPlan> {
+        let optim = self.automodel.as_ref().and_then(|a| a.optim.as_ref()).map(|(_, p)| p);
+        std::iter::once(&self.plan).chain(optim)
+    }
+
     /// The bytes of the tensors it writes.
     pub fn total_bytes(&self) -> u64 {
-        self.plan.tensors.iter().map(|t| t.out.nbytes()).sum()
+        self.plans().flat_map(|p| &p.tensors).map(|t| t.out.nbytes()).sum()
+    }
+
+    /// How many tensors it writes.
+    pub fn tensor_count(&self) -> usize {
+        self.plans().map(|p| p.tensors.len()).sum()
     }
 
     /// How many of its tensors are optimizer state.
     pub fn optimizer_states(&self) -> usize {
-        self.plan.tensors.iter().filter(|t| matches!(t.out.role, Role::OptimizerState { .. })).count()
+        let moment = |t: &&TargetTensor| match &t.out.role {
+            Role::OptimizerState { state, .. } => *state != "step",
+            Role::Param => false,
+        };
+        let optim_dir = self.automodel.as_ref().and_then(|a| a.optim.as_ref()).map_or(0, |(_, p)| p.tensors.len());
+        self.plan.tensors.iter().filter(moment).count() + optim_dir
     }
 
     /// The source mesh and where it came from, or that it is unknown.
@@ -114,8 +138,18 @@ impl PlannedReshard {
         progress: &Progress,
     ) -> Result<ReshardReport, OpsError> {
         progress.bytes_total.store(self.total_bytes(), Ordering::Relaxed);
-        write_resharded(&self.source, &self.plan, to, threads.max(1), overwrite, progress)
-            .map_err(|source| OpsError::Output { path: to.to_path_buf(), source })
+        let written = match &self.automodel {
+            Some(a) => {
+                let plans = AutomodelPlans {
+                    model: (&self.source, &self.plan),
+                    optim: a.optim.as_ref().map(|(s, p)| (s, p)),
+                    rank_files: &a.rank_files,
+                };
+                write_automodel(&a.save, &plans, to, threads.max(1), overwrite, progress)
+            }
+            None => write_resharded(&self.source, &self.plan, to, threads.max(1), overwrite, progress),
+        };
+        written.map_err(|source| OpsError::Output { path: to.to_path_buf(), source })
     }
 }
 
@@ -123,10 +157,13 @@ impl PlannedReshard {
 /// items carried without being understood) and the source's (what it leaves out) are in it.
 pub fn plan_reshard_of(request: &ReshardRequest) -> Result<PlannedReshard, OpsError> {
     let ckpt = &request.ckpt;
+    let training = |source| OpsError::Training { path: ckpt.clone(), source };
+    if let Some(save) = AutomodelSave::open(ckpt).map_err(training)? {
+        return plan_automodel(ckpt, save, request.mesh, request.target, request.rng);
+    }
     let dir = resolve_checkpoint_dir(ckpt).map_err(|source| OpsError::Checkpoint { path: ckpt.clone(), source })?;
     let source_dialect = if is_torch_dist(&dir) { Dialect::TorchDist } else { Dialect::FsdpDtensor };
     let dialect = request.target.unwrap_or(source_dialect);
-    let training = |source| OpsError::Training { path: ckpt.clone(), source };
     let mut source = TrainingCheckpoint::open_for(ckpt, Some(request.mesh.etp)).map_err(training)?;
     if let Some(dialect) = fsdp2_dialect(&source) {
         return plan_fsdp2(ckpt, source, dialect, request.mesh, request.target, request.rng);
@@ -153,55 +190,5 @@ pub fn plan_reshard_of(request: &ReshardRequest) -> Result<PlannedReshard, OpsEr
         mesh: options.mesh.to_string(),
         source,
     })?;
-    Ok(PlannedReshard { source, plan, options, source_mesh_from })
-}
-
-/// The FSDP2 framework whose checkpoint `source` is (torchtitan's, by its keys), if it is one.
-pub fn fsdp2_dialect(source: &TrainingCheckpoint) -> Option<Dialect> {
-    torchtitan_target(&source.checkpoint).map(Dialect::Torchtitan)
-}
-
-/// An FSDP2 framework's training checkpoint (torchtitan's `step-N/`) re-tiled over the data-parallel
-/// degree of `mesh` as the framework places it (`reshard::fsdp2`); `target`, when given, must be
-/// its own dialect.
-pub fn plan_fsdp2(
-    ckpt: &Path,
-    source: TrainingCheckpoint,
-    dialect: Dialect,
-    mesh: Mesh,
-    target: Option<Dialect>,
-    rng: RngPolicy,
-) -> Result<PlannedReshard, OpsError> {
-    let refuse = |source: ReshardError| OpsError::Reshard { ckpt: ckpt.to_path_buf(), mesh: mesh.to_string(), source };
-    let m = mesh;
-    if (m.tp, m.cp, m.ep, m.etp) != (1, 1, 1, 1) {
-        return Err(refuse(ReshardError::Mesh(format!(
-            "a {} checkpoint is resharded over data parallelism (--dp) only; its tensor-, context- and \
-             expert-parallel placements are not written yet",
-            dialect.name()
-        ))));
-    }
-    if let Some(target) = target.filter(|t| t.name() != dialect.name()) {
-        return Err(refuse(ReshardError::Mesh(format!(
-            "a {} checkpoint is not translated to {} yet",
-            dialect.name(),
-            target.name()
-        ))));
-    }
-    let files = source.checkpoint.tensors.iter().flat_map(|t| t.chunks.iter().map(|c| &c.file));
-    let files = files.chain(source.checkpoint.objects.iter().map(|o| &o.file));
-    let source_ranks = files.collect::<BTreeSet<_>>().len() as u64;
-    let options = Fsdp2Options { dialect, dp: m.dp, source_ranks };
-    let plan = plan_fsdp2_reshard(&source.items, &options).map_err(refuse)?;
-    let options = ReshardOptions {
-        mesh: plan.mesh,
-        source_mesh: Some(Mesh { dp: source_ranks, ..Mesh::new(1, 1, 1, 1) }),
-        vocab_size: None,
-        vocab_divisible_by: 1,
-        num_experts: None,
-        num_query_groups: None,
-        rng,
-        dialect,
-    };
-    Ok(PlannedReshard { source, plan, options, source_mesh_from: "its rank files" })
+    Ok(PlannedReshard { source, plan, options, source_mesh_from, automodel: None })
 }

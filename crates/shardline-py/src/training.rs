@@ -86,7 +86,7 @@ pub fn reshard<'py>(
     let d = PyDict::new(py);
     d.set_item("from", planned.source_mesh_said())?;
     d.set_item("to", planned.options.mesh.to_string())?;
-    d.set_item("tensors", planned.plan.tensors.len())?;
+    d.set_item("tensors", planned.tensor_count())?;
     d.set_item("optimizer_states", planned.optimizer_states())?;
     d.set_item("objects", planned.plan.objects.len())?;
     d.set_item("notes", &planned.plan.notes)?;

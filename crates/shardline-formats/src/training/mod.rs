@@ -3,6 +3,7 @@
 //! items (`open`), what its `args` says (`args`), and written again for another mesh (`write`).
 
 mod args;
+pub mod automodel;
 pub mod common_state;
 mod export;
 mod fused;
@@ -12,17 +13,19 @@ mod summary;
 mod torch_dist_save;
 mod translate;
 mod write;
+mod write_hf;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use shardline_layout::reshard::{ChunkBox, ReshardError, SourceItem, SourceTensorMeta};
+use shardline_layout::reshard::{ChunkBox, PathElem, ReshardError, SourceItem, SourceTensorMeta};
 use thiserror::Error;
 
 pub use args::TrainingArgs;
 pub use export::{write_export, ExportOptions, ExportReport};
 pub use summary::{summarize_training, TrainingSummary};
 pub use write::{write_resharded, ReshardReport};
+pub use write_hf::write_resharded_hf_storage;
 
 use crate::checkpoint::{open_checkpoint, Checkpoint, CheckpointError, CheckpointFormat, StoredChunk};
 use crate::execute::ExecuteError;
@@ -143,6 +146,40 @@ impl TrainingCheckpoint {
             data.push(ItemData::Object(i));
         }
         Ok(TrainingCheckpoint { checkpoint, items, data, args, inline: Vec::new(), notes: Vec::new(), fused_etp: None })
+    }
+
+    /// An HF-storage checkpoint (sharded safetensors with `DCP_SHARDING_INFO`, as NeMo Automodel
+    /// saves `model/`) as the reshard core's items: these files record no planner paths, so each
+    /// tensor's path is its name alone, a top-level key.
+    pub fn open_hf_storage(dir: &Path) -> Result<TrainingCheckpoint, TrainingError> {
+        let checkpoint = open_checkpoint(dir)?;
+        let items = checkpoint
+            .tensors
+            .iter()
+            .map(|t| SourceItem {
+                key: t.key.clone(),
+                path: vec![PathElem::Key(t.key.clone())],
+                tensor: Some(SourceTensorMeta {
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    chunks: t
+                        .chunks
+                        .iter()
+                        .map(|c| ChunkBox { offsets: c.offsets.clone(), sizes: c.sizes.clone() })
+                        .collect(),
+                }),
+            })
+            .collect();
+        let data = (0..checkpoint.tensors.len()).map(ItemData::Tensor).collect();
+        Ok(TrainingCheckpoint {
+            checkpoint,
+            items,
+            data,
+            args: None,
+            inline: Vec::new(),
+            notes: Vec::new(),
+            fused_etp: None,
+        })
     }
 
     /// The model parameters of a Megatron-Core `torch_dist` checkpoint (or save directory) under

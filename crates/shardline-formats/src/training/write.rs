@@ -52,23 +52,17 @@ pub struct ReshardReport {
 }
 
 /// One item of a target rank file and where it goes.
-enum OutItem {
-    Chunk {
-        tensor: usize,
-        chunk: Chunk,
-        offset: u64,
-        archive: TensorArchive,
-    },
+pub(super) enum OutItem {
+    /// A chunk as DCP stores it: a `torch.save` archive of the tensor.
+    Chunk { tensor: usize, chunk: Chunk, offset: u64, archive: TensorArchive },
+    /// A chunk's bytes alone (a safetensors file's data section), `len` bytes at `offset`.
+    Raw { tensor: usize, chunk: Chunk, offset: u64, len: u64 },
     /// `object` indexes the plan's objects (an RNG state copied for a new TP rank shares its
     /// source with the original but is an item of its own).
-    Object {
-        object: usize,
-        offset: u64,
-        length: u64,
-    },
+    Object { object: usize, offset: u64, length: u64 },
 }
 
-fn io_err<'p>(path: &'p Path, action: &'static str) -> impl FnOnce(io::Error) -> ExecuteError + 'p {
+pub(super) fn io_err<'p>(path: &'p Path, action: &'static str) -> impl FnOnce(io::Error) -> ExecuteError + 'p {
     move |error| ExecuteError::Io { path: path.to_path_buf(), action, error }
 }
 
@@ -260,7 +254,7 @@ fn rank_items<'p>(
                 *offset = end;
                 end += archive.total_len();
             }
-            OutItem::Object { offset, length, .. } => {
+            OutItem::Object { offset, length, .. } | OutItem::Raw { offset, len: length, .. } => {
                 *offset = end;
                 end += *length;
             }
@@ -271,21 +265,30 @@ fn rank_items<'p>(
 
 /// What one rank file holds: its length, chunks and tensor bytes.
 #[derive(Clone, Copy, Default)]
-struct FileTotals {
-    len: u64,
-    chunks: u64,
-    tensor_bytes: u64,
+pub(super) struct FileTotals {
+    pub len: u64,
+    pub chunks: u64,
+    pub tensor_bytes: u64,
 }
 
-fn write_all(
+/// One output file: where it goes, the bytes it starts with (a safetensors header), its items.
+pub(super) struct OutFile {
+    pub path: PathBuf,
+    pub header: Vec<u8>,
+    pub items: Vec<OutItem>,
+}
+
+/// Writes the `files` of `plan` from `source`, `threads` at a time, each made durable by a sync
+/// thread as it grows; `file(i)` lays out file `i` (of `count`) when its writer starts.
+pub(super) fn write_files(
     source: &TrainingCheckpoint,
     plan: &ReshardPlan,
-    out: &Path,
+    count: usize,
     threads: usize,
     progress: &Progress,
     edited: &HashMap<usize, Vec<u8>>,
-) -> Result<(u64, u64, u64, u64), TrainingError> {
-    let world = plan.mesh.world();
+    file: impl Fn(usize) -> Result<OutFile, ExecuteError> + Sync,
+) -> Result<Vec<FileTotals>, TrainingError> {
     let mut inputs: HashMap<&str, File> = HashMap::new();
     let chunk_files = source.checkpoint.tensors.iter().flat_map(|t| t.chunks.iter().map(|c| &*c.file));
     for name in chunk_files.chain(source.checkpoint.objects.iter().map(|o| &*o.file)) {
@@ -300,18 +303,19 @@ fn write_all(
     let (totals, synced) = std::thread::scope(|s| {
         let syncer = s.spawn(move || run_syncer(sync_rx));
         let tx = sync_tx; // dropped when the writers are done, which ends the sync thread
-        let totals = for_each_unit(world as usize, threads, progress, |rank| {
-            let path = out.join(dcp_rank_file(rank as u64));
+        let totals = for_each_unit(count, threads, progress, |i| {
+            let f = file(i)?;
             let w =
                 RankWriter { kernel_copy: &kernel_copy, source, plan, inputs: &inputs, edited, progress, syncer: &tx };
-            let items: Vec<OutItem> = rank_items(source, plan, edited, rank as u64).collect();
-            let len = w.write(&path, &items)?;
+            let len = w.write(&f.path, &f.header, &f.items)?;
             let (mut chunks, mut tensor_bytes) = (0, 0);
-            for item in &items {
-                if let OutItem::Chunk { archive, .. } = item {
-                    chunks += 1;
-                    tensor_bytes += archive.data_len();
+            for item in &f.items {
+                match item {
+                    OutItem::Chunk { archive, .. } => tensor_bytes += archive.data_len(),
+                    OutItem::Raw { len, .. } => tensor_bytes += len,
+                    OutItem::Object { .. } => continue,
                 }
+                chunks += 1;
             }
             Ok(FileTotals { len, chunks, tensor_bytes })
         });
@@ -320,24 +324,37 @@ fn write_all(
     });
     let totals = totals?;
     match synced {
-        Ok(Ok(n)) if n == world as usize => {}
-        Ok(Err(e)) => return Err(e.into()),
-        _ => {
-            return Err(ExecuteError::Io {
-                path: out.to_path_buf(),
-                action: "sync rank files",
-                error: io::Error::other("the sync thread stopped early"),
-            }
-            .into())
+        Ok(Ok(n)) if n == count => Ok(totals),
+        Ok(Err(e)) => Err(e.into()),
+        _ => Err(ExecuteError::Io {
+            path: source.checkpoint.dir.clone(),
+            action: "sync rank files",
+            error: io::Error::other("the sync thread stopped early"),
         }
+        .into()),
     }
+}
+
+fn write_all(
+    source: &TrainingCheckpoint,
+    plan: &ReshardPlan,
+    out: &Path,
+    threads: usize,
+    progress: &Progress,
+    edited: &HashMap<usize, Vec<u8>>,
+) -> Result<(u64, u64, u64, u64), TrainingError> {
+    let world = plan.mesh.world();
+    let totals = write_files(source, plan, world as usize, threads, progress, edited, |rank| {
+        let items = rank_items(source, plan, edited, rank as u64).collect();
+        Ok(OutFile { path: out.join(dcp_rank_file(rank as u64)), header: Vec::new(), items })
+    })?;
     // A dialect's objects (`torch_dist`'s `_extra_state`s) in a second file per rank, as convert
     // writes them.
     write_object_files(plan.disk.objects(), out)?;
     let tmp = out.join(".metadata.tmp");
     let f = File::create(&tmp).map_err(io_err(&tmp, "create .metadata.tmp"))?;
     let f = match plan.dialect {
-        Dialect::FsdpDtensor | Dialect::Torchtitan(_) => write_metadata(source, plan, edited, f),
+        Dialect::FsdpDtensor | Dialect::Torchtitan(_) | Dialect::Automodel => write_metadata(source, plan, edited, f),
         Dialect::TorchDist => torch_dist_save::write_placed_metadata(
             plan,
             |rank| rank_items(source, plan, edited, rank).map(|item| stored_of(plan, item)),
@@ -363,6 +380,12 @@ fn stored_of(plan: &ReshardPlan, item: OutItem) -> torch_dist_save::Stored<'_> {
         OutItem::Object { object, offset, length } => {
             torch_dist_save::Stored { fqn: Cow::Borrowed(&plan.objects[object].key), offsets: None, offset, length }
         }
+        OutItem::Raw { tensor, chunk, offset, len } => torch_dist_save::Stored {
+            fqn: Cow::Borrowed(&plan.tensors[tensor].out.key),
+            offsets: Some(chunk.offsets),
+            offset,
+            length: len,
+        },
     }
 }
 
@@ -405,6 +428,9 @@ fn write_metadata<W: io::Write>(
                 OutItem::Object { object, offset, length } => {
                     (plan.objects[*object].key.as_str(), None, *offset, *length)
                 }
+                OutItem::Raw { tensor, chunk, offset, len } => {
+                    (plan.tensors[*tensor].out.key.as_str(), Some(chunk.offsets.as_slice()), *offset, *len)
+                }
             };
             e.storage(&StorageRef {
                 fqn,
@@ -421,7 +447,7 @@ fn write_metadata<W: io::Write>(
 }
 
 /// Writes one rank file.
-struct RankWriter<'a> {
+pub(super) struct RankWriter<'a> {
     /// Where a writer asks for its file's writeback as it grows, and its final sync.
     syncer: &'a mpsc::Sender<SyncJob>,
     /// Cleared for every writer the first time the kernel refuses `copy_file_range`.
@@ -434,7 +460,7 @@ struct RankWriter<'a> {
 }
 
 impl<'a> RankWriter<'a> {
-    fn write(&self, path: &'a Path, items: &[OutItem]) -> Result<u64, ExecuteError> {
+    fn write(&self, path: &Path, header: &[u8], items: &[OutItem]) -> Result<u64, ExecuteError> {
         let file = Arc::new(
             OpenOptions::new()
                 .write(true)
@@ -448,17 +474,19 @@ impl<'a> RankWriter<'a> {
             let _ = self.syncer.send(SyncJob { file: Arc::clone(&file), path: path.to_path_buf(), last });
         };
         let mut sync_requested = 0u64;
-        let len = items.last().map_or(0, |i| match i {
+        let len = items.last().map_or(header.len() as u64, |i| match i {
             OutItem::Chunk { offset, archive, .. } => offset + archive.total_len(),
             OutItem::Object { offset, length, .. } => offset + length,
+            OutItem::Raw { offset, len, .. } => offset + len,
         });
         let mut copier = Copier::new(&file, path, self.kernel_copy);
+        copier.put(header, 0)?;
         for item in items {
             if self.progress.cancel.load(Ordering::Relaxed) {
                 return Err(ExecuteError::Cancelled);
             }
             let at = match item {
-                OutItem::Chunk { offset, .. } | OutItem::Object { offset, .. } => *offset,
+                OutItem::Chunk { offset, .. } | OutItem::Object { offset, .. } | OutItem::Raw { offset, .. } => *offset,
             };
             if at - sync_requested >= SYNC_EVERY {
                 sync_requested = at;
@@ -474,6 +502,11 @@ impl<'a> RankWriter<'a> {
                     copier.put(&archive.suffix(0), data_at + archive.data_len())?;
                     self.progress.chunks_written.fetch_add(1, Ordering::Relaxed);
                     self.progress.bytes_written.fetch_add(archive.data_len(), Ordering::Relaxed);
+                }
+                OutItem::Raw { tensor, chunk, offset, len } => {
+                    self.fill(&mut copier, *tensor, chunk, *offset)?;
+                    self.progress.chunks_written.fetch_add(1, Ordering::Relaxed);
+                    self.progress.bytes_written.fetch_add(*len, Ordering::Relaxed);
                 }
                 OutItem::Object { object, offset, .. } => {
                     let source_item = self.plan.objects[*object].source;

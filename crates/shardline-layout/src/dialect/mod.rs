@@ -39,6 +39,11 @@ pub enum Dialect {
     /// q/k/v and the MLP unfused, routed experts stacked, FSDP2 `Shard(0)` over dp; planned from
     /// the release directly (`plan::torchtitan`), not from Megatron's per-module form.
     Torchtitan(crate::plan::TorchtitanTarget),
+    /// NeMo Automodel's training checkpoint (`epoch_E_step_S/`): `model/` under the release's HF
+    /// names (HF-storage safetensors or DCP), `optim/` (DCP) under its native names, FSDP2
+    /// placements as its parallelizer gives them. Automodel reads releases directly, so nothing
+    /// converts to it; it is resharded (`reshard::fsdp2`) and exported.
+    Automodel,
 }
 
 impl Dialect {
@@ -48,6 +53,7 @@ impl Dialect {
             Dialect::FsdpDtensor => "fsdp_dtensor",
             Dialect::TorchDist => "torch_dist",
             Dialect::Torchtitan(_) => "torchtitan",
+            Dialect::Automodel => "automodel",
         }
     }
 
@@ -57,6 +63,7 @@ impl Dialect {
             "fsdp_dtensor" => Some(Dialect::FsdpDtensor),
             "torch_dist" => Some(Dialect::TorchDist),
             "torchtitan" => Some(Dialect::Torchtitan(Default::default())),
+            "automodel" => Some(Dialect::Automodel),
             _ => None,
         }
     }
@@ -65,7 +72,7 @@ impl Dialect {
     /// writes).
     pub fn shards_over_dp(self) -> bool {
         match self {
-            Dialect::FsdpDtensor | Dialect::Torchtitan(_) => true,
+            Dialect::FsdpDtensor | Dialect::Torchtitan(_) | Dialect::Automodel => true,
             Dialect::TorchDist => false,
         }
     }
@@ -75,7 +82,7 @@ impl Dialect {
     /// id all zeros).
     pub fn balances_replicas(self) -> bool {
         match self {
-            Dialect::FsdpDtensor | Dialect::Torchtitan(_) => true,
+            Dialect::FsdpDtensor | Dialect::Torchtitan(_) | Dialect::Automodel => true,
             Dialect::TorchDist => false,
         }
     }
@@ -84,7 +91,7 @@ impl Dialect {
     pub fn default_prefix(self) -> &'static str {
         match self {
             Dialect::FsdpDtensor => "model.module.",
-            Dialect::TorchDist | Dialect::Torchtitan(_) => "",
+            Dialect::TorchDist | Dialect::Torchtitan(_) | Dialect::Automodel => "",
         }
     }
 }

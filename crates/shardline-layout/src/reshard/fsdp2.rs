@@ -230,6 +230,15 @@ pub fn plan_fsdp2_reshard(items: &[SourceItem], options: &Fsdp2Options) -> Resul
     })
 }
 
+/// Which source rank's per-rank state file each rank of a world of `n` takes: its own where the
+/// source has one (`ranks`, ascending), else the lowest rank's. Every rank of an FSDP2 job has
+/// stepped as often as every other, so a rank's position in its data or RNG stream carries; the
+/// streams themselves differ from an uninterrupted run at another degree.
+pub fn per_rank_sources(ranks: &[u64], n: u64) -> Vec<(u64, u64)> {
+    let Some(&first) = ranks.first() else { return Vec::new() };
+    (0..n).map(|r| (r, if ranks.binary_search(&r).is_ok() { r } else { first })).collect()
+}
+
 /// The optimizer state names `Role` knows; others are still re-tiled, under a generic name.
 fn state_name(state: &str) -> &'static str {
     const KNOWN: &[&str] = &["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "step"];

@@ -16,7 +16,9 @@ mod target;
 use thiserror::Error;
 
 pub use boxes::{check_tiling, runs, ChunkBox, Run, Runs, TilingProblem};
-pub use fsdp2::{classify_fsdp2, plan_fsdp2_reshard, source_placement, Fsdp2Item, Fsdp2Options, Placement};
+pub use fsdp2::{
+    classify_fsdp2, per_rank_sources, plan_fsdp2_reshard, source_placement, Fsdp2Item, Fsdp2Options, Placement,
+};
 pub use infer::infer_mesh;
 pub use keys::{
     classify, classify_torch_dist, flat_key, parse_rng_rank, rng_rank_part, strip_modules, ItemKind, PathElem,

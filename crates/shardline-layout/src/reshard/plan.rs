@@ -137,11 +137,11 @@ struct Tiled<'a> {
 /// Plans the target checkpoint of `items` on `options.mesh`.
 pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<ReshardPlan, ReshardError> {
     let mesh = options.mesh;
-    if let Dialect::Torchtitan(_) = options.dialect {
-        return Err(ReshardError::Mesh(
-            "training checkpoints are not resharded to torchtitan yet (`convert --target torchtitan` writes its seed)"
-                .into(),
-        ));
+    if let Dialect::Torchtitan(_) | Dialect::Automodel = options.dialect {
+        return Err(ReshardError::Mesh(format!(
+            "a Megatron training checkpoint is not translated to {} yet",
+            options.dialect.name()
+        )));
     }
     let mut errors: Vec<ReshardError> = mesh.check().into_iter().map(|e| ReshardError::Mesh(e.to_string())).collect();
     let mut notes = Vec::new();
@@ -261,7 +261,7 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
     }
     let mut group_meta = Vec::new();
     match options.dialect {
-        Dialect::FsdpDtensor | Dialect::Torchtitan(_) => {
+        Dialect::FsdpDtensor | Dialect::Torchtitan(_) | Dialect::Automodel => {
             rng_items(items, &rng, options, &mut tensors, &mut objects, &mut notes)
         }
         Dialect::TorchDist => {
@@ -282,7 +282,7 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
     objects.sort_by(|a, b| a.key.cmp(&b.key));
     check_unique(&tensors, &objects)?;
     let disk = match options.dialect {
-        Dialect::FsdpDtensor | Dialect::Torchtitan(_) => DiskLayout::AsPlanned,
+        Dialect::FsdpDtensor | Dialect::Torchtitan(_) | Dialect::Automodel => DiskLayout::AsPlanned,
         Dialect::TorchDist => {
             let views: Vec<_> = tensors.iter().map(|t| t.out.view()).collect();
             DiskLayout::TorchDist(TorchDistLayout::new(&views, &mesh))
