@@ -220,3 +220,52 @@ def test_a_training_save_reshards_and_loads_as_torch_reshards_it(tmp_path, model
     assert proc.returncode == 0, proc.stderr
     ta, tb = ref.load_hf_tensors(a), ref.load_hf_tensors(b)
     assert set(ta) == set(tb) and all(torch.equal(ta[k].view(torch.uint8), tb[k].view(torch.uint8)) for k in ta)
+
+
+def test_what_cannot_be_resharded_is_refused_and_nothing_is_written(tmp_path):
+    release = FIXTURES / "llama"
+    source = _training_save(tmp_path / "ckpt", release, "safetensors")
+    out = tmp_path / "out" / "epoch_0_step_2"
+
+    def refused(*needles: str) -> None:
+        proc = run_cli(["reshard", str(source), "--to", str(out), "--dp", "2"])
+        assert proc.returncode != 0, proc.stdout
+        for needle in needles:
+            assert needle in proc.stderr, proc.stderr
+        assert not out.parent.exists(), sorted(out.parent.rglob("*"))
+
+    # An unfinished save.
+    (source / ".incomplete").write_text("")
+    refused("still being written")
+    (source / ".incomplete").unlink()
+    # Tensor or expert parallelism asked for, and --rng drop, which Automodel cannot take.
+    proc = run_cli(["reshard", str(source), "--to", str(out), "--dp", "2", "--tp", "2"])
+    assert proc.returncode != 0 and "data parallelism (--dp) only" in proc.stderr, proc.stderr
+    proc = run_cli(["reshard", str(source), "--to", str(out), "--dp", "2", "--rng", "drop"])
+    assert proc.returncode != 0 and "has no option to skip it" in proc.stderr, proc.stderr
+    assert not out.parent.exists()
+    # A truncated model shard.
+    shard = source / "model" / "shard-00002-model-00001-of-00001.safetensors"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) - 64])
+    refused("shard-00002-model-00001-of-00001.safetensors")
+    shard.write_bytes(whole)
+    # A missing optimizer rank file: a tensor without all of its chunks.
+    optim_file = source / "optim" / "__1_0.distcp"
+    kept = optim_file.read_bytes()
+    optim_file.unlink()
+    refused("__1_0.distcp")
+    optim_file.write_bytes(kept)
+    # An optimizer state whose geometry is not its parameter's: optim/ saved again with a norm's
+    # moment of another length.
+    import shutil
+    import torch.distributed.checkpoint as dcp_
+    shutil.rmtree(source / "optim")
+    bad = {"optim": {"state.model.norm.weight.exp_avg": torch.zeros(5), "state.model.norm.weight.step": torch.tensor(2.0)},
+           "sched": automodel_writer.sched_state(2)}
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_.save(bad, checkpoint_id=str(source / "optim"), no_dist=True)
+    refused("`optim.state.model.norm.weight.exp_avg` cannot be resharded like its parameter `model.norm.weight`",
+            "global shape [5]")

@@ -10,7 +10,7 @@ use shardline_formats::training::automodel::AutomodelSave;
 use shardline_formats::training::TrainingCheckpoint;
 use shardline_layout::dialect::Dialect;
 use shardline_layout::reshard::{
-    plan_fsdp2_reshard, Fsdp2Options, ReshardError, ReshardOptions, ReshardPlan, RngPolicy,
+    mismatched_states, plan_fsdp2_reshard, Fsdp2Options, ReshardError, ReshardOptions, ReshardPlan, RngPolicy,
 };
 use shardline_layout::Mesh;
 
@@ -118,6 +118,10 @@ pub fn plan_automodel(
     let (mut plan, source_ranks) = plan_dir(&model, dialect, mesh.dp).map_err(refuse)?;
     let optim = match optim {
         Some(o) => {
+            let mismatched = mismatched_states(&model.items, &o.items);
+            if !mismatched.is_empty() {
+                return Err(refuse(ReshardError::Many(mismatched)));
+            }
             let (p, _) = plan_dir(&o, dialect, mesh.dp).map_err(refuse)?;
             plan.notes.extend(p.notes.iter().cloned());
             Some((o, p))

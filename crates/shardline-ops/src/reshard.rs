@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 
 use shardline_formats::checkpoint::resolve_checkpoint_dir;
 use shardline_formats::execute::Progress;
-use shardline_formats::training::automodel::{write_automodel, AutomodelPlans, AutomodelSave};
+use shardline_formats::training::automodel::{write_automodel, AutomodelPlans, AutomodelSave, RankFileCopies};
 use shardline_formats::training::common_state::is_torch_dist;
 use shardline_formats::training::{rank_of_file, write_resharded, ReshardReport, TrainingCheckpoint};
 use shardline_layout::dialect::Dialect;
@@ -93,7 +93,7 @@ pub struct AutomodelReshard {
     pub save: AutomodelSave,
     pub optim: Option<(TrainingCheckpoint, ReshardPlan)>,
     /// Which source rank's file each target rank takes, per state ([`AutomodelSave::rank_files`]).
-    pub rank_files: Vec<(usize, Vec<(u64, u64)>)>,
+    pub rank_files: Vec<RankFileCopies>,
 }
 
 impl PlannedReshard {

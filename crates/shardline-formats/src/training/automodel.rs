@@ -48,6 +48,15 @@ impl PerRankState {
     }
 }
 
+/// Which source rank's file each rank of the new world takes, for one per-rank state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankFileCopies {
+    /// Index into [`AutomodelSave::per_rank`].
+    pub state: usize,
+    /// `(target rank, source rank)`.
+    pub pairs: Vec<(u64, u64)>,
+}
+
 /// An Automodel save as the reshard reads it: its parts besides the tensors.
 #[derive(Clone, Debug)]
 pub struct AutomodelSave {
@@ -96,7 +105,7 @@ impl AutomodelSave {
 
     /// For each per-rank state, `(target rank, source rank)` of every rank of a world of `world`
     /// ranks and `dp` data-parallel ranks, and what the user should know of it.
-    pub fn rank_files(&self, world: u64, dp: u64) -> (Vec<(usize, Vec<(u64, u64)>)>, Vec<String>) {
+    pub fn rank_files(&self, world: u64, dp: u64) -> (Vec<RankFileCopies>, Vec<String>) {
         let mut notes = Vec::new();
         let plans = self
             .per_rank
@@ -116,7 +125,7 @@ impl AutomodelSave {
                         s.name, s.ranks[0]
                     ));
                 }
-                (i, pairs)
+                RankFileCopies { state: i, pairs }
             })
             .collect();
         (plans, notes)
@@ -128,7 +137,7 @@ pub struct AutomodelPlans<'a> {
     pub model: (&'a TrainingCheckpoint, &'a ReshardPlan),
     pub optim: Option<(&'a TrainingCheckpoint, &'a ReshardPlan)>,
     /// From [`AutomodelSave::rank_files`].
-    pub rank_files: &'a [(usize, Vec<(u64, u64)>)],
+    pub rank_files: &'a [RankFileCopies],
 }
 
 /// Writes the resharded save into `out` (a new `epoch_E_step_S/`): `.incomplete` first, then
@@ -182,11 +191,11 @@ fn write_parts(
         report.file_bytes += r.file_bytes;
         report.chunks += r.chunks;
     }
-    for (i, pairs) in plans.rank_files {
-        let state = &save.per_rank[*i];
+    for copies in plans.rank_files {
+        let state = &save.per_rank[copies.state];
         let dir = out.join(&state.name);
         fs::create_dir_all(&dir).map_err(io_err(&dir, "create directory"))?;
-        for (target, from) in pairs {
+        for (target, from) in &copies.pairs {
             copy(&save.dir.join(state.file(*from)), &out.join(state.file(*target)))?;
         }
     }

@@ -230,6 +230,22 @@ pub fn plan_fsdp2_reshard(items: &[SourceItem], options: &Fsdp2Options) -> Resul
     })
 }
 
+/// The optimizer moments of `states` (a separate directory, as NeMo Automodel's `optim/`) that
+/// cannot follow the parameter of the same name in `params` (its `model/`): another global shape,
+/// or other chunks. Grouped native parameters with no such name are not compared.
+pub fn mismatched_states(params: &[SourceItem], states: &[SourceItem]) -> Vec<ReshardError> {
+    let by_name: BTreeMap<&str, &SourceTensorMeta> =
+        params.iter().filter_map(|p| Some((p.key.as_str(), p.tensor.as_ref()?))).collect();
+    states
+        .iter()
+        .filter_map(|item| {
+            let Fsdp2Item::State { name, .. } = classify_fsdp2(&item.path) else { return None };
+            let problem = state_mismatch(by_name.get(name.as_str())?, item.tensor.as_ref()?)?;
+            Some(ReshardError::StateMismatch { key: item.key.clone(), param: name, problem })
+        })
+        .collect()
+}
+
 /// Which source rank's per-rank state file each rank of a world of `n` takes: its own where the
 /// source has one (`ranks`, ascending), else the lowest rank's. Every rank of an FSDP2 job has
 /// stepped as often as every other, so a rank's position in its data or RNG stream carries; the
