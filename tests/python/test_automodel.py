@@ -269,3 +269,37 @@ def test_what_cannot_be_resharded_is_refused_and_nothing_is_written(tmp_path):
         dcp_.save(bad, checkpoint_id=str(source / "optim"), no_dist=True)
     refused("`optim.state.model.norm.weight.exp_avg` cannot be resharded like its parameter `model.norm.weight`",
             "global shape [5]")
+
+
+def test_a_pipeline_reshards_a_save_and_publishes_its_release(tmp_path):
+    # The nightly job's shape: reshard a training save for another DP degree, export the
+    # resharded save to HF, upload both.
+    import subprocess
+
+    release = FIXTURES / "qwen3_moe"
+    source = _training_save(tmp_path / "ckpt", release, "safetensors")
+    out = tmp_path / "published"
+    spec = tmp_path / "automodel.yaml"
+    spec.write_text(f"""apiVersion: shardline/v1
+kind: Pipeline
+name: automodel-nightly
+steps:
+  - {{id: reshard, uses: checkpoint.reshard, with: {{path: "{source}", tp: 1, dp: 2}}}}
+  - {{id: export, uses: checkpoint.export, needs: [reshard], with: {{like: "{release}"}}}}
+  - {{id: upload-ckpt, uses: store.upload, needs: [reshard], with: {{to: "file://{out}/ckpt"}}}}
+  - {{id: upload-hf, uses: store.upload, needs: [export], with: {{to: "file://{out}/hf"}}}}
+""")
+    proc = subprocess.run([str(harness.shardline_bin()), "run", str(spec), "--state-dir", str(tmp_path / "state")],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ckpt = out / "ckpt"
+    assert sorted(p.name for p in (ckpt / "model").glob("*.safetensors")) == [
+        f"shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)]
+    assert sorted(p.name for p in (ckpt / "rng").iterdir()) == ["rng_global_rank_0.pt", "rng_global_rank_1.pt"]
+    assert not (ckpt / ".incomplete").exists()
+    _check_placements(ckpt, 2, "safetensors")
+    # The export is the release the source consolidates to.
+    want = tmp_path / "hf-source"
+    assert _export(source, release, want).returncode == 0
+    a, b = ref.load_hf_tensors(want), ref.load_hf_tensors(out / "hf")
+    assert set(a) == set(b) and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)

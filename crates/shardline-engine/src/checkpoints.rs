@@ -20,14 +20,16 @@ use shardline_control::graph::{ExportJob, ReshardJob, ReshardSource};
 use shardline_control::TaskOutput;
 use shardline_formats::checkpoint::open_checkpoint;
 use shardline_formats::safetensors::Release;
-use shardline_formats::training::{write_export, write_resharded, ExportOptions, TrainingCheckpoint, TrainingError};
+use shardline_formats::training::automodel::AutomodelSave;
+use shardline_formats::training::{write_export, ExportOptions, TrainingCheckpoint, TrainingError};
 use shardline_layout::dialect::Dialect;
-use shardline_layout::reshard::{plan_reshard, ReshardPlan, RngPolicy};
-use shardline_layout::{Mesh, ModelConfig, Role};
+use shardline_layout::reshard::{plan_reshard, RngPolicy};
+use shardline_layout::{Mesh, ModelConfig};
 
 use shardline_formats::error_message;
 use shardline_ops::{
-    export_tensors, fsdp2_dialect, inferred_mesh, open_model, plan_fsdp2, reshard_options, saved_etp, ReshardHints,
+    export_tensors, fsdp2_dialect, inferred_mesh, open_model, plan_automodel, plan_fsdp2, reshard_options, saved_etp,
+    OpsError, PlannedReshard, ReshardHints,
 };
 
 use crate::steps::{parse_mesh, StepContext, StepError};
@@ -181,28 +183,34 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
                 StepError::fatal(format!("unknown target `{t}` (fsdp_dtensor, torch_dist, torchtitan)"))
             })?),
         };
-    let source = TrainingCheckpoint::open_for(&dir, Some(mesh.etp))
-        .map_err(|e| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display())))?;
-    let (source, plan, from, dialect) = match fsdp2_dialect(&source) {
-        Some(dialect) => {
-            let planned = plan_fsdp2(&dir, source, dialect, mesh, target, rng_policy(&job.rng)?)
-                .map_err(|e| StepError::fatal(e.to_string()))?;
-            (planned.source, planned.plan, planned.options.source_mesh, dialect)
+    let reading = |e: &dyn std::fmt::Display| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display()));
+    let rng = rng_policy(&job.rng)?;
+    let planned = match AutomodelSave::open(&dir).map_err(|e| reading(&e))? {
+        Some(save) => plan_automodel(&dir, save, mesh, target, rng).map_err(|e| StepError::fatal(e.to_string()))?,
+        None => {
+            let source = TrainingCheckpoint::open_for(&dir, Some(mesh.etp)).map_err(|e| reading(&e))?;
+            match fsdp2_dialect(&source) {
+                Some(dialect) => {
+                    plan_fsdp2(&dir, source, dialect, mesh, target, rng).map_err(|e| StepError::fatal(e.to_string()))?
+                }
+                None => plan_megatron(ctx, job, &dir, source, mesh, target, upstream)?,
+            }
         }
-        None => plan_megatron(ctx, job, &dir, source, mesh, target, upstream)?,
     };
+    let (plan, dialect) = (&planned.plan, planned.options.dialect);
     let mesh = plan.mesh;
     for note in &plan.notes {
         (ctx.log)(format!("warning: {}", note.strip_prefix("warning: ").unwrap_or(note)));
     }
+    let from = planned.options.source_mesh;
     let from = from.map_or_else(|| "unknown".to_string(), |m| m.to_string());
-    let total: u64 = plan.tensors.iter().map(|t| t.out.nbytes()).sum();
+    let total = planned.total_bytes();
     ctx.bytes_total.store(total, Ordering::Relaxed);
-    let moments = plan.tensors.iter().filter(|t| matches!(t.out.role, Role::OptimizerState { .. })).count();
+    let moments = planned.optimizer_states();
     (ctx.log)(format!(
         "resharding {} ({from}) → {mesh}: {} tensors ({moments} optimizer states), {} bytes items, {total} bytes",
         dir.display(),
-        plan.tensors.len(),
+        planned.tensor_count(),
         plan.objects.len()
     ));
     let out = &job.out;
@@ -221,12 +229,14 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
         }
         // torchtitan loads the latest `step-N/` of its checkpoint folder: the step keeps its name.
         let step = match dialect {
-            Dialect::Torchtitan(_) => torchtitan_step_name(&source.checkpoint.dir),
+            Dialect::Torchtitan(_) => torchtitan_step_name(&planned.source.checkpoint.dir),
             _ => None,
         };
         let write_to = step.map_or_else(|| staged.clone(), |s| staged.join(s));
-        let report =
-            write_resharded(&source, &plan, &write_to, threads(ctx), true, ctx.progress).map_err(write_error)?;
+        let report = planned.write(&write_to, threads(ctx), true, ctx.progress).map_err(|e| match e {
+            OpsError::Output { source, .. } => write_error(source),
+            other => StepError::fatal(other.to_string()),
+        })?;
         if !report.args_missing.is_empty() {
             (ctx.log)(format!("warning: `args` has no {}; left as they were", report.args_missing.join(", ")));
         }
@@ -265,7 +275,7 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
         dir: Some(out.clone()),
         mesh: Some(mesh.to_string()),
         world: Some(mesh.world()),
-        keys: Some(plan.tensors.len() as u64),
+        keys: Some(planned.tensor_count() as u64),
         bytes: Some(bytes),
         split_fused: Some(true),
         source: (!source_record.is_null()).then_some(source_record),
@@ -355,7 +365,7 @@ fn plan_megatron(
     mesh: Mesh,
     target: Option<Dialect>,
     upstream: Option<&TaskOutput>,
-) -> Result<(TrainingCheckpoint, ReshardPlan, Option<Mesh>, Dialect), StepError> {
+) -> Result<PlannedReshard, StepError> {
     let torch_dist = shardline_formats::checkpoint::resolve_checkpoint_dir(dir)
         .is_ok_and(|d| shardline_formats::training::common_state::is_torch_dist(&d));
     // The source's dialect unless the step names another (translation either way).
@@ -389,7 +399,7 @@ fn plan_megatron(
     }
     let plan = plan_reshard(&source.items, &options)
         .map_err(|e| StepError::fatal(format!("cannot reshard {} to {mesh}: {e}", dir.display())))?;
-    Ok((source, plan, options.source_mesh, dialect))
+    Ok(PlannedReshard { source, plan, options, source_mesh_from: "the upstream step or args", automodel: None })
 }
 
 /// The `step-N` name of a torchtitan checkpoint directory, when it has one.

@@ -14,6 +14,9 @@
 //!   (invisible: an upload is no object until completed) until every file's bytes are up; then
 //!   all are completed together, so the completions are the commit. Before an overwrite every
 //!   `*.safetensors` of the old checkpoint is withdrawn, so old and new never mix.
+//! - **Both** (a NeMo Automodel save: `model/` as DCP-safetensors, `optim/.metadata`): the
+//!   safetensors files are completed together, then the markers are written; Automodel loads
+//!   both parts, so until the last marker a reader fails instead of loading a part.
 
 use std::collections::BTreeSet;
 
@@ -36,6 +39,9 @@ pub enum CommitRule {
     Markers(Vec<String>),
     /// Every `*.safetensors` file is read by the reader: they are completed together, last.
     AllSafetensors,
+    /// DCP-safetensors files beside commit markers: the files are completed together, then the
+    /// markers are written (in this order).
+    SafetensorsThenMarkers(Vec<String>),
     /// No reader-visible commit (anything else): the manifest alone commits.
     ManifestOnly,
 }
@@ -46,9 +52,13 @@ impl CommitRule {
         let mut markers: Vec<&String> = names.iter().filter(|n| marker_order(n).is_some()).collect();
         markers.sort_by_key(|n| (marker_order(n), n.as_str()));
         let markers: Vec<String> = markers.into_iter().cloned().collect();
-        if !markers.is_empty() {
+        let safetensors = names.iter().any(|n| n.ends_with(SAFETENSORS));
+        // An index names the safetensors files it commits; without one, each is read as found.
+        if !markers.is_empty() && safetensors && !markers.iter().any(|m| m == HF_INDEX) {
+            CommitRule::SafetensorsThenMarkers(markers)
+        } else if !markers.is_empty() {
             CommitRule::Markers(markers)
-        } else if names.iter().any(|n| n.ends_with(SAFETENSORS)) {
+        } else if safetensors {
             CommitRule::AllSafetensors
         } else {
             CommitRule::ManifestOnly
@@ -57,12 +67,16 @@ impl CommitRule {
 
     /// Whether `name` is written in the commit phase, after the data.
     pub fn is_marker(&self, name: &str) -> bool {
-        matches!(self, CommitRule::Markers(m) if m.iter().any(|x| x == name))
+        matches!(self, CommitRule::Markers(m) | CommitRule::SafetensorsThenMarkers(m) if m.iter().any(|x| x == name))
     }
 
     /// Whether `name`'s upload stays open until every file's bytes are up.
     pub fn completes_together(&self, name: &str) -> bool {
-        *self == CommitRule::AllSafetensors && name.ends_with(SAFETENSORS)
+        self.safetensors_commit() && name.ends_with(SAFETENSORS)
+    }
+
+    fn safetensors_commit(&self) -> bool {
+        matches!(self, CommitRule::AllSafetensors | CommitRule::SafetensorsThenMarkers(_))
     }
 
     /// What must be deleted, before anything else is touched, so that no reader takes the
@@ -80,7 +94,7 @@ impl CommitRule {
         markers.sort_by_key(|n| (std::cmp::Reverse(marker_order(n)), n.as_str()));
         markers.dedup();
         ordered.extend(markers.into_iter().cloned());
-        if *self == CommitRule::AllSafetensors {
+        if self.safetensors_commit() {
             let files: BTreeSet<&String> = either().filter(|n| n.ends_with(SAFETENSORS)).collect();
             ordered.extend(files.into_iter().cloned());
         }
@@ -143,6 +157,14 @@ mod tests {
         assert_eq!(rule, CommitRule::AllSafetensors);
         assert!(rule.completes_together(&st[0]));
         assert_eq!(CommitRule::of(&names(&["notes.txt"])), CommitRule::ManifestOnly);
+        // An Automodel save: model/ as DCP-safetensors, optim/ as DCP.
+        let save =
+            names(&["model/shard-00001-model-00001-of-00001.safetensors", "optim/.metadata", "optim/__0_0.distcp"]);
+        let rule = CommitRule::of(&save);
+        assert_eq!(rule, CommitRule::SafetensorsThenMarkers(names(&["optim/.metadata"])));
+        assert!(rule.completes_together(&save[0]) && rule.is_marker(&save[1]) && !rule.is_marker(&save[2]));
+        let w = rule.withdrawn(&save, [].iter());
+        assert_eq!(w, names(&[MANIFEST, "optim/.metadata", "model/shard-00001-model-00001-of-00001.safetensors"]));
     }
 
     #[test]

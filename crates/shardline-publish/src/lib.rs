@@ -267,10 +267,21 @@ pub fn read_manifest(dir: &Path) -> Result<Option<Manifest>, PublishError> {
 /// their order (see [`commit::marker_order`]). The files of one directory; for a Megatron-LM save
 /// directory (its tracker at the top), the files under it too, by relative path; for a torchtitan
 /// checkpoint folder (`step-N/` directories and nothing else), every step's files, each step's
-/// `.metadata` last (torchtitan takes a step for complete when it has one).
+/// `.metadata` last (torchtitan takes a step for complete when it has one); for a NeMo Automodel
+/// save (`model/` beside the rest), every file under it.
 fn source_files(src: &Path) -> Result<Vec<String>, PublishError> {
     let mut names = Vec::new();
+    if src.join("model").is_dir() {
+        if src.join(AUTOMODEL_INCOMPLETE).exists() {
+            return Err(PublishError::Config(format!(
+                "{} is marked `{AUTOMODEL_INCOMPLETE}`: a NeMo Automodel save that did not finish",
+                src.display()
+            )));
+        }
+        list_files(src, "", true, &mut names)?;
+    }
     match megatron_checkpoint(src)? {
+        _ if !names.is_empty() => {}
         // A save directory: its tracker and the checkpoint it names (older iterations stay).
         Some(named) => {
             names.push(commit::MEGATRON_TRACKER.to_string());
@@ -295,6 +306,9 @@ fn source_files(src: &Path) -> Result<Vec<String>, PublishError> {
     }
     Ok(names)
 }
+
+/// NeMo Automodel's marker of a save still being written.
+const AUTOMODEL_INCOMPLETE: &str = ".incomplete";
 
 /// The checkpoint directory a Megatron-LM save directory's tracker names (`release`,
 /// `iter_NNNNNNN`), when `src` is one.

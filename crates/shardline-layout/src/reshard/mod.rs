@@ -17,8 +17,8 @@ use thiserror::Error;
 
 pub use boxes::{check_tiling, runs, ChunkBox, Run, Runs, TilingProblem};
 pub use fsdp2::{
-    classify_fsdp2, mismatched_states, per_rank_sources, plan_fsdp2_reshard, source_placement, Fsdp2Item,
-    Fsdp2Options, Placement,
+    classify_fsdp2, mismatched_states, per_rank_sources, plan_fsdp2_reshard, source_placement, Fsdp2Item, Fsdp2Options,
+    Placement,
 };
 pub use infer::infer_mesh;
 pub use keys::{
