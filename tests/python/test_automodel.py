@@ -197,6 +197,16 @@ def test_a_training_save_reshards_and_loads_as_torch_reshards_it(tmp_path, model
     for rel in ("config.yaml", "losses.json", "step_scheduler.pt", "rng/rng_global_rank_1.pt"):
         assert (ours / rel).read_bytes() == (source / rel).read_bytes(), rel
     _check_placements(ours, 2, fmt)
+    proc = run_cli(["inspect", "--json", "--summary", str(ours)])
+    assert proc.returncode == 0, proc.stderr
+    t = json.loads(proc.stdout)["training"]
+    exp_avg = [k for k in tc.read_metadata(ours / "optim").state_dict_metadata if k.endswith(".exp_avg")]
+    assert t["framework"] == "NeMo Automodel" and t["iteration"] == "2 (epoch 0)", t
+    assert t["data_parallel"].startswith("2 ") and t["dataloader_ranks"] == [0, 1], t
+    assert t["optimizer_states"]["exp_avg"]["tensors"] == len(exp_avg) and t["adam_steps"] == {"2.0": len(exp_avg)}, t
+    assert t["objects"]["sched.lr_decay_style"] == '"cosine"', t["objects"]
+    assert t["files"]["rng/"].startswith("2 files, one per global rank"), t["files"]
+    assert t["parameters"]["tensors"] == len(ref.load_hf_tensors(release)), t["parameters"]
     harness.spawn_ranks(automodel_writer.load_training_worker, 2,
                         (str(release), str(source), str(ours), fmt, "bfloat16"), "Automodel training load")
     # To more ranks than saved: the new rank starts from rank 0's per-rank states.

@@ -12,7 +12,8 @@ use clap::Args;
 use serde_json::json;
 use shardline_formats::checkpoint::{scan_checkpoint, CheckpointFormat};
 use shardline_formats::execute::Progress;
-use shardline_formats::training::{summarize_training, TrainingSummary};
+use shardline_formats::training::automodel::AutomodelSave;
+use shardline_formats::training::{summarize_automodel, summarize_training, TrainingSummary};
 use shardline_ops::{validate, ValidateRequest};
 
 use crate::report::{bytes, peak_rss, Bar};
@@ -37,6 +38,8 @@ fn format_name(f: CheckpointFormat) -> &'static str {
 }
 
 pub fn run_inspect(mut args: InspectArgs) -> Result<ExitCode> {
+    // A NeMo Automodel save: its `model/` listed, its `optim/` and files summarised.
+    let automodel = AutomodelSave::open(&args.ckpt).with_context(|| format!("reading {}", args.ckpt.display()))?;
     // A Megatron-LM save directory: the checkpoint its tracker names.
     args.ckpt = shardline_formats::checkpoint::resolve_checkpoint_dir(&args.ckpt)
         .with_context(|| format!("reading checkpoint {}", args.ckpt.display()))?;
@@ -80,6 +83,18 @@ pub fn run_inspect(mut args: InspectArgs) -> Result<ExitCode> {
     let files: BTreeMap<_, _> =
         summary.files.iter().map(|(f, s)| (f.clone(), json!({"items": s.items, "bytes": s.bytes}))).collect();
     let training = match summary.format {
+        _ if automodel.is_some() => {
+            let mut t = automodel
+                .as_ref()
+                .map(summarize_automodel)
+                .transpose()
+                .with_context(|| format!("reading the training state of {}", args.ckpt.display()))?;
+            // The parameters are `model/`'s, listed above.
+            if let Some(t) = t.as_mut() {
+                t.params = (summary.tensors, summary.files.values().map(|f| f.bytes).sum());
+            }
+            t
+        }
         CheckpointFormat::Dcp if optimizer_state || !summary.bytes_items.is_empty() => {
             summarize_training(&args.ckpt)
                 .with_context(|| format!("reading the training state of {}", args.ckpt.display()))?
@@ -128,6 +143,7 @@ fn training_json(t: &TrainingSummary) -> serde_json::Value {
            "objects": objects, "unknown": t.unknown,
            "common": t.common.iter().cloned().collect::<BTreeMap<_, _>>(),
            "framework": t.framework, "data_parallel": t.data_parallel, "dataloader_ranks": t.dataloader_ranks,
+           "files": t.files.iter().cloned().collect::<BTreeMap<_, _>>(),
            "group_settings": t.group_settings.iter().map(|((k, v), n)| json!({"setting": k, "value": v, "parameters": n})).collect::<Vec<_>>()})
 }
 
@@ -206,6 +222,12 @@ fn write_fsdp2_training(out: &mut impl Write, framework: &str, t: &TrainingSumma
     writeln!(out, "  bytes items ({}):", t.objects.len())?;
     for (k, v) in &t.objects {
         writeln!(out, "    {k} = {v}")?;
+    }
+    if !t.files.is_empty() {
+        writeln!(out, "  files ({}):", t.files.len())?;
+        for (k, v) in &t.files {
+            writeln!(out, "    {k}: {v}")?;
+        }
     }
     Ok(())
 }

@@ -23,7 +23,7 @@ use thiserror::Error;
 
 pub use args::TrainingArgs;
 pub use export::{write_export, ExportOptions, ExportReport};
-pub use summary::{summarize_training, TrainingSummary};
+pub use summary::{summarize_automodel, summarize_training, TrainingSummary};
 pub use write::{write_resharded, ReshardReport};
 pub use write_hf::write_resharded_hf_storage;
 

@@ -10,6 +10,7 @@ use shardline_layout::reshard::{classify, classify_fsdp2, classify_torch_dist, F
 use shardline_layout::DType;
 use shardline_layout::Mesh;
 
+use super::automodel::AutomodelSave;
 use super::common_state::{common_entries, common_entry, is_torch_dist, read_common_pt};
 use super::param_groups::saved_groups;
 use super::{TrainingArgs, TrainingError};
@@ -55,6 +56,8 @@ pub struct TrainingSummary {
     pub dataloader_ranks: Vec<u64>,
     /// FSDP2 frameworks' per-parameter group settings, folded: `(setting, value)` → parameters.
     pub group_settings: BTreeMap<(String, String), u64>,
+    /// Files beside the tensors (NeMo Automodel's per-rank states, recipe config, …): what each is.
+    pub files: Vec<(String, String)>,
 }
 
 /// A key of `.metadata` as the summary keeps it: one record per key, never one per chunk.
@@ -70,34 +73,7 @@ struct Key {
 /// not its chunks); `None` when it holds no training state (no optimizer moments and no bytes
 /// items: a converted checkpoint of weights only).
 pub fn summarize_training(dir: &Path) -> Result<Option<TrainingSummary>, TrainingError> {
-    let md_path = dir.join(".metadata");
-    let mut keys: Vec<(String, Key)> = Vec::new();
-    let mut index: HashMap<String, usize> = HashMap::new();
-    read_metadata_file(&md_path, |item| -> Result<(), DcpMetadataError> {
-        match item {
-            MetadataItem::Entry(key, entry) => {
-                let tensor_bytes = match entry {
-                    EntryMeta::Tensor { dtype, size, .. } => Some(size.iter().product::<u64>() * dtype.size() as u64),
-                    EntryMeta::Bytes => None,
-                };
-                index.insert(key.clone(), keys.len());
-                keys.push((key, Key { tensor_bytes, path: None, storage: None }));
-            }
-            MetadataItem::PlannerPath(key, path) => {
-                if let Some(&i) = index.get(&key) {
-                    keys[i].1.path = Some(path);
-                }
-            }
-            MetadataItem::Storage(k, info) if k.offset.as_ref().is_none_or(Vec::is_empty) => {
-                if let Some(&i) = index.get(&k.fqn) {
-                    keys[i].1.storage = Some((info.relative_path, info.offset, info.length));
-                }
-            }
-            MetadataItem::Storage(..) => {}
-        }
-        Ok(())
-    })
-    .map_err(|source| CheckpointError::Metadata { path: md_path.clone(), source })?;
+    let keys = read_keys(dir)?;
     // torchtitan keeps its model keys at the top level, beside `optimizer`, `lr_scheduler`, …
     let torchtitan =
         keys.iter().any(|(k, key)| k == "tok_embeddings.weight" && key.path.as_ref().is_some_and(|p| p.len() == 1));
@@ -175,6 +151,39 @@ pub fn summarize_training(dir: &Path) -> Result<Option<TrainingSummary>, Trainin
     Ok(training.then_some(s))
 }
 
+/// Every key of `dir`'s `.metadata`, streamed: one record per key, never one per chunk.
+fn read_keys(dir: &Path) -> Result<Vec<(String, Key)>, TrainingError> {
+    let md_path = dir.join(".metadata");
+    let mut keys: Vec<(String, Key)> = Vec::new();
+    let mut index: HashMap<String, usize> = HashMap::new();
+    read_metadata_file(&md_path, |item| -> Result<(), DcpMetadataError> {
+        match item {
+            MetadataItem::Entry(key, entry) => {
+                let tensor_bytes = match entry {
+                    EntryMeta::Tensor { dtype, size, .. } => Some(size.iter().product::<u64>() * dtype.size() as u64),
+                    EntryMeta::Bytes => None,
+                };
+                index.insert(key.clone(), keys.len());
+                keys.push((key, Key { tensor_bytes, path: None, storage: None }));
+            }
+            MetadataItem::PlannerPath(key, path) => {
+                if let Some(&i) = index.get(&key) {
+                    keys[i].1.path = Some(path);
+                }
+            }
+            MetadataItem::Storage(k, info) if k.offset.as_ref().is_none_or(Vec::is_empty) => {
+                if let Some(&i) = index.get(&k.fqn) {
+                    keys[i].1.storage = Some((info.relative_path, info.offset, info.length));
+                }
+            }
+            MetadataItem::Storage(..) => {}
+        }
+        Ok(())
+    })
+    .map_err(|source| CheckpointError::Metadata { path: md_path.clone(), source })?;
+    Ok(keys)
+}
+
 /// An FSDP2 framework's checkpoint (`framework`): parameters and moments by `classify_fsdp2`,
 /// Adam's per-parameter `step` tensors read, the parameter groups' settings folded, the
 /// dataloader's degree and ranks, and the train state's step as the iteration.
@@ -237,6 +246,43 @@ fn summarize_fsdp2(
         }
     }
     s.dataloader_ranks.sort_unstable();
+    Ok(s)
+}
+
+/// A NeMo Automodel save `epoch_E_step_S/`: its `optim/` as an FSDP2 checkpoint's training
+/// state, the step from the directory's name, the data-parallel degree from `model/`'s rank
+/// files, and the files beside them.
+pub fn summarize_automodel(save: &AutomodelSave) -> Result<TrainingSummary, TrainingError> {
+    let optim = save.dir.join("optim");
+    let mut s = match save.has_optim {
+        true => summarize_fsdp2(&optim, &read_keys(&optim)?, "NeMo Automodel")?,
+        false => TrainingSummary { framework: Some("NeMo Automodel"), ..TrainingSummary::default() },
+    };
+    let name = save.dir.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    s.iteration =
+        name.strip_prefix("epoch_").and_then(|r| r.split_once("_step_")).map(|(e, st)| format!("{st} (epoch {e})"));
+    let model = save.dir.join("model");
+    let ranks = std::fs::read_dir(&model)
+        .map_err(|error| CheckpointError::Io { path: model.clone(), action: "list", error })?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_str().is_some_and(|n| n.ends_with(".safetensors") || n.ends_with(".distcp")))
+        .count();
+    s.data_parallel = Some(format!("{ranks} (model/'s rank files)"));
+    for state in &save.per_rank {
+        let key = match state.key {
+            super::automodel::RankKey::Global => "global rank",
+            super::automodel::RankKey::DataParallel => "DP rank",
+        };
+        let (first, last) = (state.ranks.first().copied().unwrap_or(0), state.ranks.last().copied().unwrap_or(0));
+        s.files
+            .push((format!("{}/", state.name), format!("{} files, one per {key} ({first}–{last})", state.ranks.len())));
+        if state.name == "dataloader" {
+            s.dataloader_ranks = state.ranks.clone();
+        }
+    }
+    for rel in &save.copied {
+        s.files.push((rel.display().to_string(), "copied as it is by reshard".into()));
+    }
     Ok(s)
 }
 
