@@ -312,3 +312,27 @@ def test_at_its_own_degree_the_dataloader_state_is_kept(releases, training, tmp_
     _check_placements(ours, SAVED_DP)
     harness.spawn_ranks(torchtitan_training.load_worker, SAVED_DP,
                         (str(releases["llama"]), str(training["llama"]), str(ours), True), "torchtitan training load")
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
+def test_export_of_a_trained_step_is_torchtitans_own_to_hf(releases, training, tmp_path, model):
+    # The trained model keys, read back by torch, through torchtitan's adapter `to_hf` (Llama's
+    # RoPE permutation undone, experts unstacked), cast to the release's dtypes: what `export`
+    # must write from the training checkpoint.
+    from torchtitan_ref import adapter_for
+
+    release, step = releases[model], training[model]
+    md = tc.read_metadata(step)
+    native = {k: m for k, m in tc.tensor_keys(md).items() if not k.startswith("optimizer.")}
+    full = tc.load_full(step, {k: (tuple(m.size), m.properties.dtype) for k, m in native.items()})
+    adapter, _ = adapter_for(release)
+    want_dtypes = {k: t.dtype for k, t in ref.load_hf_tensors(release).items()}
+    want = {k: v.to(want_dtypes[k]) for k, v in adapter.to_hf(full).items() if k in want_dtypes}
+    proc = run_cli(["export", str(step.parent), "--to", str(tmp_path / "hf"), "--like", str(release)])
+    assert proc.returncode == 0, proc.stderr
+    got = ref.load_hf_tensors(tmp_path / "hf")
+    assert set(got) == set(want_dtypes), sorted(set(got) ^ set(want_dtypes))
+    assert set(want) == set(want_dtypes), sorted(set(want) ^ set(want_dtypes))
+    problems = [harness.describe_mismatch(k, got[k], w) for k, w in sorted(want.items())
+                if got[k].dtype != w.dtype or not torch.equal(got[k].view(torch.uint8), w.view(torch.uint8))]
+    assert not problems, "\n".join(problems[:20])
