@@ -97,6 +97,29 @@ def hf_from_native(native: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return hf
 
 
+def hf_grouped_from_native(native: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Step3p5's adapter `to_hf` (fsdp2-frameworks.md §1.3): grouped experts stay grouped on
+    disk, `moe.{gate,up}_proj.weight [E, I, H]` and `moe.down_proj.weight [E, H, I]`, each a
+    `transpose(1, 2)` of the native tensor."""
+    hf = {}
+    for key, t in native.items():
+        if key.endswith(".mlp.experts.gate_and_up_projs"):
+            base, inter = key[: -len(".mlp.experts.gate_and_up_projs")], t.shape[-1] // 2
+            hf[f"{base}.moe.gate_proj.weight"] = t[..., :inter].transpose(1, 2).contiguous()
+            hf[f"{base}.moe.up_proj.weight"] = t[..., inter:].transpose(1, 2).contiguous()
+        elif key.endswith(".mlp.experts.down_projs"):
+            hf[f"{key[: -len('.mlp.experts.down_projs')]}.moe.down_proj.weight"] = t.transpose(1, 2).contiguous()
+        else:
+            hf[key] = t
+    return hf
+
+
+def grouped_placement(key: str, t: torch.Tensor):
+    """The placement of a Step3p5 HF tensor: the native `Shard(1)` of grouped experts moved to
+    dim 2 by the transpose — the swap PR #1691 added (field report 004) — else `Shard(0)`."""
+    return Shard(2) if ".moe." in key and t.dim() == 3 else Shard(0)
+
+
 def native_placement(key: str, t: torch.Tensor):
     """FSDP2's placement of a native parameter: grouped experts `Shard(1)` on the `ep_shard`
     mesh (`_moe_shard_placement`), the rest `Shard(0)`."""
@@ -144,8 +167,10 @@ def sched_state(step: int) -> dict:
             "wd_incr_steps": 100}
 
 
-def save_training_worker(rank: int, world: int, port: int, release: str, step_dir: str, fmt: str, dtype: str) -> None:
-    """Two AdamW steps on `world` ranks, then the save's tensor parts and per-rank files."""
+def save_training_worker(rank: int, world: int, port: int, release: str, step_dir: str, fmt: str, dtype: str,
+                         grouped: bool = False) -> None:
+    """Two AdamW steps on `world` ranks, then the save's tensor parts and per-rank files;
+    `grouped`: `model/` as Step3p5's adapter writes it (grouped experts, transposed)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     harness.join_gloo(rank, world, port)
@@ -160,7 +185,8 @@ def save_training_worker(rank: int, world: int, port: int, release: str, step_di
         flat = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
         dcp.save({"optim": flat, "sched": sched_state(STEPS)}, checkpoint_id=str(step / "optim"))
         full = {k: p.detach().full_tensor() for k, p in params.items()}
-        hf = {k: distribute_tensor(t, mesh, [placement(k, t)]) for k, t in hf_from_native(full).items()}
+        to_hf, place = (hf_grouped_from_native, grouped_placement) if grouped else (hf_from_native, placement)
+        hf = {k: distribute_tensor(t, mesh, [place(k, t)]) for k, t in to_hf(full).items()}
         if fmt == "safetensors":
             dcp.save(hf, storage_writer=dcp.HuggingFaceStorageWriter(path=str(step / "model"), save_distributed=True))
         else:
@@ -179,7 +205,7 @@ def save_training_worker(rank: int, world: int, port: int, release: str, step_di
 
 
 def load_training_worker(rank: int, world: int, port: int, release: str, source: str, ours: str, fmt: str,
-                         dtype: str) -> None:
+                         dtype: str, grouped: bool = False) -> None:
     """Loads `source` (torch's own load-time resharding) and `ours` on `world` ranks with
     Automodel's placements — `model/` through torch's HF storage reader (or DCP), `optim/` as
     `{"optim", "sched"}` — compares every local shard and value, and hands our optimizer state to
@@ -199,8 +225,9 @@ def load_training_worker(rank: int, world: int, port: int, release: str, source:
             opt.step()
             state = {"optim": get_optimizer_state_dict(model, opt, options=options), "sched": sched_state(0)}
             dcp.load(state, checkpoint_id=str(step / "optim"))
-            hf_full = hf_from_native({k: torch.zeros(p.shape, dtype=p.dtype) for k, p in params.items()})
-            hf = {k: distribute_tensor(torch.full(t.shape, float("nan"), dtype=t.dtype), mesh, [placement(k, t)],
+            to_hf, place = (hf_grouped_from_native, grouped_placement) if grouped else (hf_from_native, placement)
+            hf_full = to_hf({k: torch.zeros(p.shape, dtype=p.dtype) for k, p in params.items()})
+            hf = {k: distribute_tensor(torch.full(t.shape, float("nan"), dtype=t.dtype), mesh, [place(k, t)],
                                        src_data_rank=None) for k, t in hf_full.items()}
             if fmt == "safetensors":
                 dcp.load(hf, storage_reader=dcp.HuggingFaceStorageReader(path=str(step / "model")))

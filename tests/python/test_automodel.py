@@ -313,3 +313,36 @@ steps:
     assert _export(source, release, want).returncode == 0
     a, b = ref.load_hf_tensors(want), ref.load_hf_tensors(out / "hf")
     assert set(a) == set(b) and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+
+
+def test_field_report_004_transposed_grouped_experts_keep_their_swapped_placement(tmp_path):
+    # Step3p5's adapter keeps experts grouped on disk, transposed from the native layout; since
+    # Automodel PR #1691 (field report 004) the native `Shard(1)` moves to dim 2 with the
+    # transpose. A reshard must keep each tensor on the dim its chunks show — dim 2 here — and
+    # the result must load where those DTensors (global [E, H, I], not [E, H·S, I/S]) expect it.
+    release = FIXTURES / "qwen3_moe"
+    step = tmp_path / "ckpt" / "epoch_0_step_2"
+    harness.spawn_ranks(automodel_writer.save_training_worker, WORLD,
+                        (str(release), str(step), "safetensors", "bfloat16", True), "Step3p5-layout save")
+    ours = tmp_path / "dp2" / "epoch_0_step_2"
+    proc = run_cli(["reshard", str(step), "--to", str(ours), "--dp", "2"])
+    assert proc.returncode == 0, proc.stderr
+    from safetensors import safe_open
+
+    cfg = json.loads((release / "config.json").read_text())
+    experts, hidden, inter = cfg["num_local_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
+    q = -(-inter // 2)
+    seen = 0
+    for rank in range(2):
+        path = ours / "model" / f"shard-{rank + 1:05}-model-00001-of-00001.safetensors"
+        with safe_open(str(path), framework="pt") as f:
+            info = json.loads(f.metadata()["DCP_SHARDING_INFO"])
+            for key in f.keys():
+                if key.endswith("moe.down_proj.weight"):
+                    seen += 1
+                    rows = min(q, inter - rank * q)
+                    assert tuple(f.get_slice(key).get_shape()) == (experts, hidden, rows), key
+                    assert info[key]["saved_offsets"] == [0, 0, rank * q], (key, info[key])
+    assert seen == 2 * cfg["num_hidden_layers"], seen
+    harness.spawn_ranks(automodel_writer.load_training_worker, 2,
+                        (str(release), str(step), str(ours), "safetensors", "bfloat16", True), "Step3p5-layout load")
