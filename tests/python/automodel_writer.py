@@ -146,18 +146,56 @@ def _grad(key: str, step: int, shape) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(f"{key}@{step}".encode())))
 
 
-def trained(release: Path, world: int, mesh, fill: str, dtype):
-    """The native parameters on `mesh` (the release's, cast to `dtype`; NaN for a load
+class Meshes:
+    """Automodel's meshes on `world` ranks (fsdp2-frameworks.md §1.5): the dense FSDP mesh of every
+    rank and, under expert parallelism, the MoE mesh `(ep_shard, ep)`, `ep` the inner,
+    contiguous-rank axis, on which grouped experts are `[Shard(1), Shard(0)]` and an expert's
+    own HF tensor is `Shard(1)` over its EP rank's `ep_shard` group."""
+
+    def __init__(self, world: int, ep: int):
+        self.world, self.ep = world, ep
+        self.dense = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))
+        self.moe = (init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("ep_shard", "ep"))
+                    if ep > 1 else None)
+
+    def native(self, key: str, value: torch.Tensor):
+        if self.moe is not None and key.endswith(("gate_and_up_projs", "down_projs")):
+            return distribute_tensor(value, self.moe, [Shard(1), Shard(0)], src_data_rank=None)
+        return distribute_tensor(value, self.dense, [native_placement(key, value)], src_data_rank=None)
+
+    def hf(self, key: str, value: torch.Tensor, place, experts: int):
+        """The HF tensor as this rank saves it, or None when another EP rank owns it."""
+        m = EXPERTS.match(key)
+        if self.moe is None or not m:
+            return distribute_tensor(value, self.dense, [place(key, value)], src_data_rank=None)
+        if int(m["e"]) // (experts // self.ep) != dist.get_rank() % self.ep:
+            return None
+        return distribute_tensor(value, self.moe["ep_shard"], [Shard(1)], src_data_rank=None)
+
+
+def trained(release: Path, meshes: Meshes, fill: str, dtype):
+    """The native parameters on `meshes` (the release's, cast to `dtype`; NaN for a load
     template) in a module, and its AdamW."""
     native = native_from_hf(ref.load_hf_tensors(release))
     params = {}
     for key, t in sorted(native.items()):
         t = t.to(dtype)
         value = t if fill == "release" else torch.full(t.shape, float("nan"), dtype=t.dtype)
-        params[key] = torch.nn.Parameter(distribute_tensor(value, mesh, [native_placement(key, t)], src_data_rank=None))
+        params[key] = torch.nn.Parameter(meshes.native(key, value))
     model = module_of(params)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    # One tensor at a time: the parameters live on two meshes.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
     return model, params, opt
+
+
+def _hf_state(meshes: Meshes, hf_full: dict[str, torch.Tensor], place, fill) -> dict:
+    experts = max((int(m["e"]) + 1 for k in hf_full if (m := EXPERTS.match(k))), default=0)
+    out = {}
+    for key, t in hf_full.items():
+        d = meshes.hf(key, t if fill is None else torch.full(t.shape, fill, dtype=t.dtype), place, experts)
+        if d is not None:
+            out[key] = d
+    return out
 
 
 def sched_state(step: int) -> dict:
@@ -168,7 +206,7 @@ def sched_state(step: int) -> dict:
 
 
 def save_training_worker(rank: int, world: int, port: int, release: str, step_dir: str, fmt: str, dtype: str,
-                         grouped: bool = False) -> None:
+                         grouped: bool = False, ep: int = 1) -> None:
     """Two AdamW steps on `world` ranks, then the save's tensor parts and per-rank files;
     `grouped`: `model/` as Step3p5's adapter writes it (grouped experts, transposed)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -176,17 +214,18 @@ def save_training_worker(rank: int, world: int, port: int, release: str, step_di
     harness.join_gloo(rank, world, port)
     try:
         step = Path(step_dir)
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))
-        model, params, opt = trained(Path(release), world, mesh, "release", getattr(torch, dtype))
+        meshes = Meshes(world, ep)
+        model, params, opt = trained(Path(release), meshes, "release", getattr(torch, dtype))
         for s in range(1, STEPS + 1):
             for key, p in params.items():
-                p.grad = distribute_tensor(_grad(key, s, p.shape).to(p.dtype), mesh, p.placements)
+                p.grad = distribute_tensor(_grad(key, s, p.shape).to(p.dtype), p.device_mesh, p.placements,
+                                           src_data_rank=None)
             opt.step()
         flat = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
         dcp.save({"optim": flat, "sched": sched_state(STEPS)}, checkpoint_id=str(step / "optim"))
         full = {k: p.detach().full_tensor() for k, p in params.items()}
         to_hf, place = (hf_grouped_from_native, grouped_placement) if grouped else (hf_from_native, placement)
-        hf = {k: distribute_tensor(t, mesh, [place(k, t)]) for k, t in to_hf(full).items()}
+        hf = _hf_state(meshes, to_hf(full), place, None)
         if fmt == "safetensors":
             dcp.save(hf, storage_writer=dcp.HuggingFaceStorageWriter(path=str(step / "model"), save_distributed=True))
         else:
@@ -205,7 +244,7 @@ def save_training_worker(rank: int, world: int, port: int, release: str, step_di
 
 
 def load_training_worker(rank: int, world: int, port: int, release: str, source: str, ours: str, fmt: str,
-                         dtype: str, grouped: bool = False) -> None:
+                         dtype: str, grouped: bool = False, ep: int = 1) -> None:
     """Loads `source` (torch's own load-time resharding) and `ours` on `world` ranks with
     Automodel's placements — `model/` through torch's HF storage reader (or DCP), `optim/` as
     `{"optim", "sched"}` — compares every local shard and value, and hands our optimizer state to
@@ -215,11 +254,11 @@ def load_training_worker(rank: int, world: int, port: int, release: str, source:
 
     harness.join_gloo(rank, world, port)
     try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))
+        meshes = Meshes(world, ep)
         options = StateDictOptions(flatten_optimizer_state_dict=True)
         loaded = []
         for step in (Path(source), Path(ours)):
-            model, params, opt = trained(Path(release), world, mesh, "nan", getattr(torch, dtype))
+            model, params, opt = trained(Path(release), meshes, "nan", getattr(torch, dtype))
             for p in params.values():  # creates AdamW's state for the template
                 p.grad = torch.zeros_like(p)
             opt.step()
@@ -227,8 +266,7 @@ def load_training_worker(rank: int, world: int, port: int, release: str, source:
             dcp.load(state, checkpoint_id=str(step / "optim"))
             to_hf, place = (hf_grouped_from_native, grouped_placement) if grouped else (hf_from_native, placement)
             hf_full = to_hf({k: torch.zeros(p.shape, dtype=p.dtype) for k, p in params.items()})
-            hf = {k: distribute_tensor(torch.full(t.shape, float("nan"), dtype=t.dtype), mesh, [place(k, t)],
-                                       src_data_rank=None) for k, t in hf_full.items()}
+            hf = _hf_state(meshes, hf_full, place, float("nan"))
             if fmt == "safetensors":
                 dcp.load(hf, storage_reader=dcp.HuggingFaceStorageReader(path=str(step / "model")))
             else:

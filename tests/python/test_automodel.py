@@ -127,39 +127,60 @@ def _training_save(root: Path, release: Path, fmt: str, dtype: str = "bfloat16")
     return step
 
 
-def _native_pieces(key: str, shape: tuple[int, ...], world: int, optim: bool) -> tuple[int, list[tuple[int, int]]]:
-    """Automodel's FSDP2 placement of `key` on `world` ranks: `(dim, torch.chunk pieces)`."""
-    if optim:
-        name = key.removeprefix("optim.state.").rsplit(".", 1)[0]
-        dim = 1 if name.endswith(("gate_and_up_projs", "down_projs")) and len(shape) == 3 else 0
+def _expected_boxes(key: str, shape: tuple[int, ...], world: int, optim: bool, ep: int = 1, experts: int = 0):
+    """Automodel's FSDP2 placement of `key` on `world` ranks with `ep` expert-parallel ranks, as
+    sorted `(offsets, sizes, rank)`: grouped native experts `[Shard(1), Shard(0)]` on
+    `(ep_shard, ep)`, an expert's own HF key `Shard(1)` over its EP rank's `ep_shard` group (rank
+    `s·ep + p`), the rest `Shard(0)` over every rank (fsdp2-frameworks.md §1.5)."""
+    if not shape:
+        return [((), (), 0)]
+    name = key.removeprefix("optim.state.").rsplit(".", 1)[0] if optim else key
+    grouped = optim and name.endswith(("gate_and_up_projs", "down_projs")) and len(shape) == 3
+    m = automodel_writer.EXPERTS.match(key)
+    shards = world // ep
+
+    def pieces(n, parts):
+        q = -(-n // parts)
+        return [(j * q, min(q, n - j * q)) for j in range(parts) if j * q < n]
+
+    out = []
+    if grouped:
+        slab = shape[0] // ep
+        for g in range(world):
+            s, p = divmod(g, ep)
+            for j, (o, n) in enumerate(pieces(shape[1], shards)):
+                if j == s:
+                    out.append(((p * slab, o, 0), (slab, n, shape[2]), g))
+    elif m and not optim and len(shape) == 2:
+        owner = int(m["e"]) // (experts // ep) if ep > 1 else 0
+        for s, (o, n) in enumerate(pieces(shape[1], shards)):
+            out.append(((0, o), (shape[0], n), s * ep + owner))
     else:
-        dim = 1 if ".mlp.experts." in key and len(shape) == 2 else 0
-    q = -(-shape[dim] // world)
-    return dim, [(j * q, min(q, shape[dim] - j * q)) for j in range(world) if j * q < shape[dim]]
+        for g, (o, n) in enumerate(pieces(shape[0], world)):
+            out.append(((o,) + (0,) * (len(shape) - 1), (n,) + tuple(shape[1:]), g))
+    return sorted(out)
 
 
-def _check_placements(step: Path, world: int, fmt: str) -> None:
+def _check_placements(step: Path, world: int, fmt: str, ep: int = 1, experts: int = 0) -> None:
     """Every chunk of `model/` and `optim/` is the piece FSDP2 gives a rank, in that rank's file."""
     from safetensors import safe_open
 
     problems = []
 
-    def expect(key, shape, optim):
-        if not shape:
-            return [((), (), 0)]
-        dim, pieces = _native_pieces(key, shape, world, optim)
-        return sorted((tuple(o if d == dim else 0 for d in range(len(shape))),
-                       tuple(s if d == dim else shape[d] for d in range(len(shape))), j) for j, (o, s) in enumerate(pieces))
+    def check(part, key, shape, got, optim):
+        want = _expected_boxes(key, shape, world, optim, ep, experts)
+        if not shape:  # a replica: DCP's save plan puts it on any rank
+            got, want = [g[:2] for g in got], [w[:2] for w in want]
+        if sorted(got) != want:
+            problems.append(f"{part}/{key}: {sorted(got)[:3]}, FSDP2 places {want[:3]}")
 
     parts = [("optim", True)] + ([("model", False)] if fmt != "safetensors" else [])
     for part, optim in parts:
         md = tc.read_metadata(step / part)
         for key, m in tc.tensor_keys(md).items():
-            got = sorted((tuple(c.offsets), tuple(c.sizes),
-                          int(md.storage_data[MetadataIndex(key, c.offsets)].relative_path.split("_")[2]))
-                         for c in m.chunks)
-            if got != expect(key, tuple(m.size), optim):
-                problems.append(f"{part}/{key}: {got[:3]}, FSDP2 places {expect(key, tuple(m.size), optim)[:3]}")
+            got = [(tuple(c.offsets), tuple(c.sizes),
+                    int(md.storage_data[MetadataIndex(key, c.offsets)].relative_path.split("_")[2])) for c in m.chunks]
+            check(part, key, tuple(m.size), got, optim)
     if fmt == "safetensors":
         shapes, boxes = {}, {}
         for rank in range(world):
@@ -175,8 +196,7 @@ def _check_placements(step: Path, world: int, fmt: str) -> None:
                     for d, (o, s) in enumerate(zip(off, size)):
                         shape[d] = max(shape[d], o + s)
         for key, got in boxes.items():
-            if sorted(got) != expect(key, tuple(shapes[key]), False):
-                problems.append(f"model/{key}: {sorted(got)[:3]}, FSDP2 places {expect(key, tuple(shapes[key]), False)[:3]}")
+            check("model", key, tuple(shapes[key]), got, False)
     assert not problems, "\n".join(problems[:20])
 
 
@@ -250,7 +270,7 @@ def test_what_cannot_be_resharded_is_refused_and_nothing_is_written(tmp_path):
     (source / ".incomplete").unlink()
     # Tensor or expert parallelism asked for, and --rng drop, which Automodel cannot take.
     proc = run_cli(["reshard", str(source), "--to", str(out), "--dp", "2", "--tp", "2"])
-    assert proc.returncode != 0 and "data parallelism (--dp) only" in proc.stderr, proc.stderr
+    assert proc.returncode != 0 and "data and expert parallelism (--dp, --ep) only" in proc.stderr, proc.stderr
     proc = run_cli(["reshard", str(source), "--to", str(out), "--dp", "2", "--rng", "drop"])
     assert proc.returncode != 0 and "has no option to skip it" in proc.stderr, proc.stderr
     assert not out.parent.exists()
@@ -346,3 +366,32 @@ def test_field_report_004_transposed_grouped_experts_keep_their_swapped_placemen
     assert seen == 2 * cfg["num_hidden_layers"], seen
     harness.spawn_ranks(automodel_writer.load_training_worker, 2,
                         (str(release), str(step), str(ours), "safetensors", "bfloat16", True), "Step3p5-layout load")
+
+
+def test_expert_parallel_saves_reshard_between_ep_meshes_and_load(tmp_path):
+    # Saved on 4 ranks as (ep_shard 2, ep 2): grouped native experts `[Shard(1), Shard(0)]`,
+    # each expert's HF key on its EP rank's two ranks. To (ep_shard 1, ep 2) on 2 ranks, to no
+    # expert parallelism on 3, and back.
+    release = FIXTURES / "qwen3_moe"
+    experts = json.loads((release / "config.json").read_text())["num_local_experts"]
+    step = tmp_path / "ckpt" / "epoch_0_step_2"
+    harness.spawn_ranks(automodel_writer.save_training_worker, 4,
+                        (str(release), str(step), "safetensors", "bfloat16", False, 2), "Automodel EP save")
+    _check_placements(step, 4, "safetensors", ep=2, experts=experts)  # the harness saves as Automodel does
+    for name, dp, ep in (("dp2-ep2", 2, 2), ("dp3", 3, 1)):
+        ours = tmp_path / name / "epoch_0_step_2"
+        proc = run_cli(["reshard", str(step), "--to", str(ours), "--dp", str(dp), "--ep", str(ep)])
+        assert proc.returncode == 0, proc.stderr
+        _check_placements(ours, dp, "safetensors", ep=ep, experts=experts)
+        harness.spawn_ranks(automodel_writer.load_training_worker, dp,
+                            (str(release), str(step), str(ours), "safetensors", "bfloat16", False, ep),
+                            f"Automodel {name} load")
+    back = tmp_path / "back" / "epoch_0_step_2"
+    proc = run_cli(["reshard", str(tmp_path / "dp3" / "epoch_0_step_2"), "--to", str(back), "--dp", "4", "--ep", "2"])
+    assert proc.returncode == 0, proc.stderr
+    _check_placements(back, 4, "safetensors", ep=2, experts=experts)
+    harness.spawn_ranks(automodel_writer.load_training_worker, 4,
+                        (str(release), str(step), str(back), "safetensors", "bfloat16", False, 2), "Automodel back load")
+    proc = run_cli(["reshard", str(step), "--to", str(tmp_path / "bad"), "--dp", "3", "--ep", "3"])
+    assert proc.returncode != 0 and "does not divide" in proc.stderr, proc.stderr
+    assert not (tmp_path / "bad").exists()

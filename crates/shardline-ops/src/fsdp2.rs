@@ -25,30 +25,29 @@ pub fn fsdp2_dialect(source: &TrainingCheckpoint) -> Option<Dialect> {
 /// What an FSDP2 reshard can be asked for: another data-parallel degree, in the source's own
 /// dialect.
 fn check_request(dialect: Dialect, mesh: Mesh, target: Option<Dialect>) -> Result<(), ReshardError> {
-    if (mesh.tp, mesh.cp, mesh.ep, mesh.etp) != (1, 1, 1, 1) {
+    let what = match dialect {
+        Dialect::Automodel => "a NeMo Automodel save",
+        _ => "a torchtitan checkpoint",
+    };
+    if (mesh.tp, mesh.cp, mesh.etp) != (1, 1, 1) {
         return Err(ReshardError::Mesh(format!(
-            "a {} checkpoint is resharded over data parallelism (--dp) only; its tensor-, context- and \
-             expert-parallel placements are not written yet",
-            dialect.name()
+            "{what} is resharded over data and expert parallelism (--dp, --ep) only; its tensor- and \
+             context-parallel placements are not written yet"
         )));
     }
     match target.filter(|t| t.name() != dialect.name()) {
-        Some(target) => Err(ReshardError::Mesh(format!(
-            "a {} checkpoint is not translated to {} yet",
-            dialect.name(),
-            target.name()
-        ))),
+        Some(target) => Err(ReshardError::Mesh(format!("{what} is not translated to {} yet", target.name()))),
         None => Ok(()),
     }
 }
 
 /// The plan of one DCP (or HF-storage) directory of an FSDP2 checkpoint, and its source's rank
 /// file count.
-fn plan_dir(source: &TrainingCheckpoint, dialect: Dialect, dp: u64) -> Result<(ReshardPlan, u64), ReshardError> {
+fn plan_dir(source: &TrainingCheckpoint, dialect: Dialect, mesh: Mesh) -> Result<(ReshardPlan, u64), ReshardError> {
     let files = source.checkpoint.tensors.iter().flat_map(|t| t.chunks.iter().map(|c| &c.file));
     let files = files.chain(source.checkpoint.objects.iter().map(|o| &o.file));
     let source_ranks = files.collect::<BTreeSet<_>>().len() as u64;
-    let plan = plan_fsdp2_reshard(&source.items, &Fsdp2Options { dialect, dp, source_ranks })?;
+    let plan = plan_fsdp2_reshard(&source.items, &Fsdp2Options { dialect, dp: mesh.dp, ep: mesh.ep, source_ranks })?;
     Ok((plan, source_ranks))
 }
 
@@ -77,7 +76,7 @@ pub fn plan_fsdp2(
 ) -> Result<PlannedReshard, OpsError> {
     let refuse = |source: ReshardError| OpsError::Reshard { ckpt: ckpt.to_path_buf(), mesh: mesh.to_string(), source };
     check_request(dialect, mesh, target).map_err(refuse)?;
-    let (plan, source_ranks) = plan_dir(&source, dialect, mesh.dp).map_err(refuse)?;
+    let (plan, source_ranks) = plan_dir(&source, dialect, mesh).map_err(refuse)?;
     let options = options(dialect, &plan, source_ranks, rng);
     Ok(PlannedReshard { source, plan, options, source_mesh_from: "its rank files", automodel: None })
 }
@@ -115,14 +114,14 @@ pub fn plan_automodel(
         true => Some(TrainingCheckpoint::open(&save.dir.join("optim")).map_err(training)?),
         false => None,
     };
-    let (mut plan, source_ranks) = plan_dir(&model, dialect, mesh.dp).map_err(refuse)?;
+    let (mut plan, source_ranks) = plan_dir(&model, dialect, mesh).map_err(refuse)?;
     let optim = match optim {
         Some(o) => {
             let mismatched = mismatched_states(&model.items, &o.items);
             if !mismatched.is_empty() {
                 return Err(refuse(ReshardError::Many(mismatched)));
             }
-            let (p, _) = plan_dir(&o, dialect, mesh.dp).map_err(refuse)?;
+            let (p, _) = plan_dir(&o, dialect, mesh).map_err(refuse)?;
             plan.notes.extend(p.notes.iter().cloned());
             Some((o, p))
         }

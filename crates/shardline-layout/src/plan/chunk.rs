@@ -107,8 +107,15 @@ pub(crate) fn chunk_draft(
         } else {
             Box::default()
         };
-        let numbers =
-            FsdpNumbers { fsdp_size: dsize, local_rows, section_start: a_c, section_rows: n_c, dp_writer, dim: 0 };
+        let numbers = FsdpNumbers {
+            fsdp_size: dsize,
+            local_rows,
+            section_start: a_c,
+            section_rows: n_c,
+            dp_writer,
+            dim: 0,
+            slabs: 1,
+        };
         let tiling = FsdpTiling { numbers, writers };
         // Sized exactly: a plan keeps every key for the whole conversion.
         let mut key = String::with_capacity(options.prefix.len() + d.name.len() + suffix.len());

@@ -149,6 +149,11 @@ pub struct FsdpNumbers {
     /// default; FSDP2's `shard_placement_fn` may pick another (`Shard(1)` for grouped experts
     /// when there are more ranks than experts). `section_rows` is that dim's size.
     pub dim: u8,
+    /// Grouped experts `[E, …]` under expert parallelism (FSDP2 frameworks): dim 0 is cut into
+    /// this many slabs of `E / slabs` experts, chunk `i` (on rank `i`, expert-parallel rank fastest)
+    /// holding slab `i mod slabs` cut along `dim` over the `fsdp_size / slabs` FSDP ranks — within
+    /// the slab when `dim` is 0, as torchtitan's `_StridedShard(0)` does. 1 otherwise.
+    pub slabs: u64,
 }
 
 /// Where a split section comes from: the fused parameter's name (a byte range of the key, so a
@@ -373,6 +378,7 @@ fn fsdp_chunk(t: TensorView<'_>, f: FsdpNumbers, writers: &[u32], mesh: &Mesh, i
             (off, sz)
         }
         TpMode::Replicated if t.shape.is_empty() => (vec![], vec![]),
+        TpMode::Replicated if f.slabs > 1 => grouped_box(t.shape, f, j),
         TpMode::Replicated if f.dim == 0 => {
             let (lo, hi) = fsdp_rows(f.section_rows, f.fsdp_size, j);
             (with_rest(lo, rest, true), with_rest(hi - lo, rest, false))
@@ -391,6 +397,23 @@ fn fsdp_chunk(t: TensorView<'_>, f: FsdpNumbers, writers: &[u32], mesh: &Mesh, i
     let writer = writers.get(j as usize).is_none_or(|&w| u64::from(w) == r);
     let rank = t.chunk_rank(mesh, i as usize);
     Chunk { rank, tp_rank: r, fsdp_rank: j, offsets, sizes, written: numel > 0 && !zero_d_extra && writer }
+}
+
+/// Chunk `i` of grouped experts cut into expert-parallel slabs (see [`FsdpNumbers::slabs`]).
+fn grouped_box(shape: &[u64], f: FsdpNumbers, i: u64) -> (Vec<u64>, Vec<u64>) {
+    let (slab, j) = (i % f.slabs, i / f.slabs);
+    let per_slab = shape.first().copied().unwrap_or(0) / f.slabs;
+    let dim = usize::from(f.dim);
+    let mut offsets = vec![0; shape.len()];
+    let mut sizes = shape.to_vec();
+    if let (Some(o), Some(s)) = (offsets.first_mut(), sizes.first_mut()) {
+        (*o, *s) = (slab * per_slab, per_slab);
+    }
+    if let (Some(o), Some(s)) = (offsets.get_mut(dim), sizes.get_mut(dim)) {
+        let (lo, hi) = fsdp_rows(*s, f.fsdp_size / f.slabs, j);
+        (*o, *s) = (*o + lo, hi - lo);
+    }
+    (offsets, sizes)
 }
 
 /// A conversion plan.

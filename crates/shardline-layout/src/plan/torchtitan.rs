@@ -512,6 +512,7 @@ impl Builder<'_> {
             section_rows: rows,
             dp_writer: 0,
             dim: 0,
+            slabs: 1,
         };
         self.tensors.push(OutputTensor {
             key,

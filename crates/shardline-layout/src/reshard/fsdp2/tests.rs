@@ -4,7 +4,7 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::reshard::flat_key;
+use crate::reshard::{flat_key, ChunkBox};
 use crate::DType;
 
 fn key_path(parts: &[&str]) -> Vec<PathElem> {
@@ -46,7 +46,7 @@ fn object(parts: &[&str]) -> SourceItem {
 }
 
 fn options(dp: u64) -> Fsdp2Options {
-    Fsdp2Options { dialect: Dialect::Torchtitan(Default::default()), dp, source_ranks: 4 }
+    Fsdp2Options { dialect: Dialect::Torchtitan(Default::default()), dp, ep: 1, source_ranks: 4 }
 }
 
 /// `(rank, offsets, sizes)` of every written chunk of the target tensor `key`.
@@ -233,4 +233,76 @@ proptest! {
         let boxes: Vec<ChunkBox> = got.into_iter().map(|(_, offsets, sizes)| ChunkBox { offsets, sizes }).collect();
         prop_assert!(check_tiling(&shape, &boxes).is_ok());
     }
+}
+
+/// A tensor saved with explicit boxes `(offsets, sizes)`.
+fn boxed(parts: &[&str], shape: &[u64], boxes: &[(Vec<u64>, Vec<u64>)]) -> SourceItem {
+    let path = key_path(parts);
+    SourceItem {
+        key: flat_key(&path),
+        path,
+        tensor: Some(SourceTensorMeta {
+            dtype: DType::F32,
+            shape: shape.to_vec(),
+            chunks: boxes.iter().map(|(o, s)| ChunkBox { offsets: o.clone(), sizes: s.clone() }).collect(),
+        }),
+    }
+}
+
+fn automodel(dp: u64, ep: u64) -> Fsdp2Options {
+    Fsdp2Options { dialect: Dialect::Automodel, dp, ep, source_ranks: 4 }
+}
+
+#[test]
+fn automodel_experts_move_between_expert_parallel_meshes() {
+    // Saved on 4 ranks as (ep_shard 2, ep 2): grouped `[6, 6, 8]` as `[Shard(1), Shard(0)]`, rank
+    // (s, p) holding experts [3p, 3p + 3) and rows [3s, 3s + 3) of dim 1.
+    let grouped: Vec<(Vec<u64>, Vec<u64>)> =
+        (0..4).map(|g| (vec![3 * (g % 2), 3 * (g / 2), 0], vec![3, 3, 8])).collect();
+    let mut items =
+        vec![boxed(&["optim", "state.model.layers.0.mlp.experts.down_projs.exp_avg"], &[6, 6, 8], &grouped)];
+    assert_eq!(
+        source_placement(&[6, 6, 8], &items[0].tensor.as_ref().unwrap().chunks),
+        Ok(Placement::Grouped { dim: 1 })
+    );
+    // An expert's own HF key `[4, 6]`, `Shard(1)` over its EP rank's 2 expert-FSDP ranks.
+    for e in 0..6 {
+        let key = format!("model.layers.0.mlp.experts.{e}.gate_proj.weight");
+        items.push(saved(&[key.as_str()], &[4, 6], 1, 2));
+    }
+    // To 6 ranks as (ep_shard 2, ep 3): slabs of 2 experts, rank g = 3f + p.
+    let plan = plan_fsdp2_reshard(&items, &automodel(6, 3)).unwrap();
+    let want: Vec<(u64, Vec<u64>, Vec<u64>)> =
+        (0..6).map(|g| (g, vec![2 * (g % 3), 3 * (g / 3), 0], vec![2, 3, 8])).collect();
+    assert_eq!(chunks_of(&plan, "optim.state.model.layers.0.mlp.experts.down_projs.exp_avg"), want);
+    // Expert 3 belongs to EP rank 1: ranks 1 and 4 hold its halves.
+    assert_eq!(
+        chunks_of(&plan, "model.layers.0.mlp.experts.3.gate_proj.weight"),
+        vec![(1, vec![0, 0], vec![4, 3]), (4, vec![0, 3], vec![4, 3])]
+    );
+    // Without expert parallelism they are FSDP2 `Shard(1)` over every rank.
+    let plan = plan_fsdp2_reshard(&items, &automodel(3, 1)).unwrap();
+    assert_eq!(
+        chunks_of(&plan, "optim.state.model.layers.0.mlp.experts.down_projs.exp_avg"),
+        (0..3).map(|g| (g, vec![0, 2 * g, 0], vec![6, 2, 8])).collect::<Vec<_>>()
+    );
+    // An EP degree that does not divide the experts is refused.
+    let err = plan_fsdp2_reshard(&items, &automodel(4, 4)).unwrap_err().to_string();
+    assert!(err.contains("ep = 4 does not divide its 6 experts"), "{err}");
+}
+
+#[test]
+fn torchtitan_routed_experts_are_strided_within_their_expert_parallel_slab() {
+    let items = vec![saved(&["layers.0.moe.routed_experts.inner_experts.w1_EFD"], &[8, 4, 6], 0, 4)];
+    let plan = plan_fsdp2_reshard(&items, &Fsdp2Options { ep: 2, ..options(4) }).unwrap();
+    // Rank g = 2f + p holds block 2p + f of 2 experts: `[_StridedShard(0), Shard(0)]`.
+    let want: Vec<(u64, Vec<u64>, Vec<u64>)> =
+        (0..4).map(|g| (g, vec![2 * (2 * (g % 2) + g / 2), 0, 0], vec![2, 4, 6])).collect();
+    assert_eq!(chunks_of(&plan, "layers.0.moe.routed_experts.inner_experts.w1_EFD"), want);
+    // More ranks than experts: `Shard(1)` within each slab.
+    let plan = plan_fsdp2_reshard(&items, &Fsdp2Options { ep: 2, ..options(12) }).unwrap();
+    let got = chunks_of(&plan, "layers.0.moe.routed_experts.inner_experts.w1_EFD");
+    assert_eq!(got.len(), 8, "{got:?}"); // 6 expert-FSDP ranks cut 4 rows: 4 pieces per slab
+    assert_eq!(got[0], (0, vec![0, 0, 0], vec![4, 1, 6]));
+    assert_eq!(got[1], (1, vec![4, 0, 0], vec![4, 1, 6]));
 }

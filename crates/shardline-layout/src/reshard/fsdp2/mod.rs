@@ -1,5 +1,5 @@
-//! Resharding an FSDP2 framework's training checkpoint (torchtitan's `step-N/`) over another
-//! data-parallel degree.
+//! Resharding an FSDP2 framework's training checkpoint (torchtitan's `step-N/`, NeMo Automodel's
+//! `model/` and `optim/`) over another data- and expert-parallel mesh.
 //!
 //! FSDP2 shards a parameter, and its optimizer moments with it, along one dim in `torch.chunk`
 //! pieces (`Shard(d)`: rank `j` of `D` holds `[j·q, (j+1)·q)` clipped, `q = ceil(n / D)`); what
@@ -7,14 +7,16 @@
 //! The target keeps each tensor's placement as its chunks show it and changes the degree, except
 //! where the framework's own rule depends on the degree or the source cannot show it:
 //! torchtitan's grouped experts take `Shard(1)` once there are more ranks than experts, and a
-//! one-rank save (every tensor whole) is sharded as FSDP2 shards parameters, `Shard(0)`.
+//! one-rank save (every tensor whole) is sharded as FSDP2 shards parameters, `Shard(0)`. Under
+//! expert parallelism grouped experts are cut into one slab per EP rank first, and an expert's
+//! own tensor lives on its EP rank's expert-FSDP group (`placement`).
 //!
 //! Bytes items are carried, except per-DP-rank dataloader state at another degree, which
 //! torchtitan refuses to load (`dp_world_size` must match): it is left out, with a note.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::boxes::{check_tiling, ChunkBox};
+use super::boxes::check_tiling;
 use super::keys::PathElem;
 use super::plan::{ReshardPlan, SourceItem, SourceTensorMeta, TargetObject, TargetTensor};
 use super::ReshardError;
@@ -24,25 +26,24 @@ use crate::mesh::Mesh;
 use crate::plan::{FsdpNumbers, FsdpTiling, Group, OutputTensor, Role, Tiling};
 use crate::recipe::RowBlock;
 
+mod placement;
+
+use placement::Target;
+pub use placement::{source_placement, ExpertKeys, Placement};
+
 /// What an FSDP2 reshard is asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Fsdp2Options {
     /// The framework that wrote the checkpoint and will load the target (its placement rules).
     pub dialect: Dialect,
-    /// The target's data-parallel (FSDP shard) degree.
+    /// The target's data-parallel (FSDP shard) degree: every rank, as tensor and context
+    /// parallelism are 1.
     pub dp: u64,
+    /// The target's expert-parallel degree (1: none).
+    pub ep: u64,
     /// Rank files of the source: a one-rank save holds every tensor whole, which says nothing of
     /// how FSDP2 places it.
     pub source_ranks: u64,
-}
-
-/// How a tensor lies over the data-parallel ranks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Placement {
-    /// Written once, whole (a replicated tensor, or a 0-d one).
-    Whole,
-    /// `Shard(dim)`: `torch.chunk` pieces along `dim`, rank `j` holding piece `j`.
-    Shard(u8),
 }
 
 /// What an item of an FSDP2 framework's checkpoint is, from its `planner_data` path: model keys
@@ -90,64 +91,10 @@ pub fn classify_fsdp2(path: &[PathElem]) -> Fsdp2Item {
     }
 }
 
-/// The placement a source tensor's chunks show, or why they are not FSDP2's.
-pub fn source_placement(shape: &[u64], chunks: &[ChunkBox]) -> Result<Placement, String> {
-    let stored: Vec<&ChunkBox> = chunks.iter().filter(|c| c.numel() > 0 || shape.is_empty()).collect();
-    let split: Vec<usize> = (0..shape.len()).filter(|&d| stored.iter().any(|c| c.sizes[d] != shape[d])).collect();
-    match split[..] {
-        [] => Ok(Placement::Whole),
-        [d] => {
-            let mut along: Vec<(u64, u64)> = stored.iter().map(|c| (c.offsets[d], c.sizes[d])).collect();
-            along.sort_unstable();
-            let (n, q) = (shape[d], along[0].1);
-            let pieces = along.iter().enumerate().all(|(k, &(off, size))| {
-                let k = k as u64;
-                off == k * q && size == q.min(n - k * q)
-            });
-            if pieces {
-                u8::try_from(d).map(Placement::Shard).map_err(|_| format!("dim {d} is past any tensor's rank"))
-            } else {
-                Err(format!(
-                    "its chunks along dim {d} (offset, size) {along:?} are not `torch.chunk` pieces, as FSDP2's \
-                     `Shard({d})` makes them"
-                ))
-            }
-        }
-        _ => Err(format!(
-            "it is split along dims {split:?}: a tensor- or expert-parallel placement; Shardline reshards FSDP2 \
-             checkpoints over data parallelism only"
-        )),
-    }
-}
-
-/// The framework's rule for a tensor, where it does not simply keep what the source shows.
-fn rule(dialect: Dialect, key: &str, shape: &[u64], dp: u64, fused_qkv: &BTreeSet<&str>) -> Option<Placement> {
-    if shape.is_empty() {
-        return Some(Placement::Whole);
-    }
-    let Dialect::Torchtitan(_) = dialect else { return None };
-    // Persistent buffers are not FSDP2 parameters: replicated, written once.
-    if key.ends_with(".expert_bias_E") || key.ends_with(".moe.expert_bias") {
-        return Some(Placement::Whole);
-    }
-    // The fused-QKV model keys: the save hook splits `wqkv` after redistributing it to Replicate.
-    if let Some(module) = key.strip_suffix(".weight").and_then(|k| k.rsplit_once('.')).map(|(m, _)| m) {
-        if module.ends_with(".qkv_linear") && fused_qkv.contains(module) {
-            return Some(Placement::Whole);
-        }
-    }
-    // Grouped experts `[E, …]`: `Shard(0)` over the expert-FSDP mesh, `Shard(1)` once it has more
-    // ranks than experts (torchtitan/distributed/fsdp.py).
-    if shape.len() == 3 && (key.contains(".routed_experts.") || key.contains(".moe.experts.")) {
-        return Some(Placement::Shard(u8::from(dp > shape[0])));
-    }
-    None
-}
-
 /// Plans the target checkpoint of `items` at data-parallel degree `options.dp`.
 pub fn plan_fsdp2_reshard(items: &[SourceItem], options: &Fsdp2Options) -> Result<ReshardPlan, ReshardError> {
     let dp = options.dp;
-    let mesh = Mesh { tp: 1, cp: 1, dp, ep: 1, etp: 1 };
+    let mesh = Mesh { tp: 1, cp: 1, dp, ep: options.ep, etp: 1 };
     let mut errors: Vec<ReshardError> = mesh.check().into_iter().map(|e| ReshardError::Mesh(e.to_string())).collect();
     let kinds: Vec<Fsdp2Item> = items.iter().map(|i| classify_fsdp2(&i.path)).collect();
     let params: BTreeMap<&str, &SourceTensorMeta> = items
@@ -165,6 +112,15 @@ pub fn plan_fsdp2_reshard(items: &[SourceItem], options: &Fsdp2Options) -> Resul
             _ => None,
         })
         .collect();
+    let experts = ExpertKeys::new(items.iter().map(|i| i.key.as_str()));
+    let target = Target {
+        dialect: options.dialect,
+        world: mesh.world(),
+        ep: options.ep,
+        source_ranks: options.source_ranks,
+        fused_qkv: &fused_qkv,
+        experts: &experts,
+    };
     // Each DP rank writes its own dataloader key: their count is the source's degree.
     let source_dp = kinds.iter().filter(|k| matches!(k, Fsdp2Item::DataloaderRank(_))).count() as u64;
     let drop_dataloader = source_dp > 0 && source_dp != dp;
@@ -201,11 +157,10 @@ pub fn plan_fsdp2_reshard(items: &[SourceItem], options: &Fsdp2Options) -> Resul
             }
             _ => Role::Param,
         };
-        let placement = rule(options.dialect, &item.key, &t.shape, dp, &fused_qkv).unwrap_or(match shown {
-            Placement::Whole if options.source_ranks <= 1 => Placement::Shard(0),
-            p => p,
-        });
-        tensors.push(target_tensor(item, t, i, placement, dp, role));
+        match target.placement(&item.key, &t.shape, shown) {
+            Ok(placement) => tensors.push(target_tensor(item, t, i, placement, &mesh, role)),
+            Err(problem) => errors.push(ReshardError::Tiling { key: item.key.clone(), problem }),
+        }
     }
     if drop_dataloader {
         notes.push(format!(
@@ -279,15 +234,22 @@ fn target_tensor(
     t: &SourceTensorMeta,
     source: usize,
     placement: Placement,
-    dp: u64,
+    mesh: &Mesh,
     role: Role,
 ) -> TargetTensor {
-    let (dim, fsdp_size) = match placement {
-        Placement::Whole => (0, 1),
-        Placement::Shard(d) => (d, dp),
+    let world = mesh.world();
+    let (dim, fsdp_size, slabs, group) = match placement {
+        Placement::Whole => (0, 1, 1, Group::Dense),
+        Placement::Shard(d) => (d, world, 1, Group::Dense),
+        Placement::Grouped { dim } => (dim, world, mesh.ep, Group::Dense),
+        Placement::OfExpert { expert, experts, dim } => {
+            let ep_rank = expert / (experts / mesh.ep).max(1);
+            (dim, mesh.expert_dp_size(), 1, Group::Expert { expert, ep_rank })
+        }
     };
     let size = t.shape.get(usize::from(dim)).copied().unwrap_or(1);
-    let numbers = FsdpNumbers { fsdp_size, local_rows: size, section_start: 0, section_rows: size, dp_writer: 0, dim };
+    let numbers =
+        FsdpNumbers { fsdp_size, local_rows: size, section_start: 0, section_rows: size, dp_writer: 0, dim, slabs };
     let rows = t.shape.first().copied().unwrap_or(1);
     TargetTensor {
         out: OutputTensor {
@@ -297,7 +259,7 @@ fn target_tensor(
             recipe: vec![RowBlock::copy(source, 0, rows)],
             tp_mode: TpMode::Replicated,
             tp: 1,
-            group: Group::Dense,
+            group,
             split: None,
             role,
             tiling: Tiling::Fsdp(FsdpTiling { numbers, writers: Box::new([]) }),
