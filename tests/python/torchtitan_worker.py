@@ -42,3 +42,81 @@ def load_worker(rank: int, world: int, port: int, jobs: list[tuple[str, str]]) -
         raise RuntimeError(f"rank {rank}/{world} failed:\n{traceback.format_exc()}") from None
     finally:
         dist.destroy_process_group()
+
+
+def _routed(key: str, shape) -> bool:
+    return len(shape) == 3 and (".routed_experts." in key or ".moe.experts." in key)
+
+
+def load_ep_worker(rank: int, world: int, port: int, release: str, seed: str, ep: int) -> None:
+    """Loads a seed written with `--ep` as torchtitan places it: routed experts on the sparse
+    mesh `(efsdp, ep)` (ep the inner, contiguous-rank axis) as `[_StridedShard(0, split_factor=ep),
+    Shard(0)]` — `[Shard(1), Shard(0)]` once the mesh has more ranks than experts — and the rest
+    `Shard(0)` over every rank. Each local shard must be the expected slice (block `efsdp·p + f` of
+    the experts, fsdp2-frameworks.md §2.3), torch's placement must say the same, and `.metadata`
+    must store that very box in this rank's file."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    harness.join_gloo(rank, world, port)
+    try:
+        dense = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        sparse = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        md = dcp.FileSystemReader(seed).read_metadata()
+        want = torchtitan_seed(Path(release))
+        f, p = divmod(rank, ep)
+        efsdp = world // ep
+        state, boxes = {}, {}
+        for key, t in want.items():
+            if _routed(key, t.shape):
+                strided = world <= t.shape[0]
+                placements = [_StridedShard(0, split_factor=ep) if strided else Shard(1), Shard(0)]
+                local_shape, offset = compute_local_shape_and_global_offset(t.shape, sparse, placements)
+                slab = t.shape[0] // ep
+                if strided:
+                    # Evenly divided (torchtitan's adapter requires it): block `efsdp·p + f`.
+                    block = slab // efsdp
+                    expect = ((efsdp * p + f) * block, 0, 0), (block, t.shape[1], t.shape[2])
+                else:
+                    q = -(-t.shape[1] // efsdp)
+                    rows = max(0, min(q, t.shape[1] - f * q))
+                    expect = (p * slab, min(f * q, t.shape[1]), 0), (slab, rows, t.shape[2])
+                if (tuple(offset), tuple(local_shape)) != expect:
+                    raise AssertionError(f"{key}: torch places rank {rank} at {tuple(offset)} {tuple(local_shape)}, "
+                                         f"torchtitan's blocks say {expect}")
+                local = harness.nan_like_spec(local_shape, t.dtype)
+                state[key] = DTensor.from_local(local, sparse, placements, shape=t.shape, stride=t.stride())
+                boxes[key] = (tuple(offset), tuple(local_shape))
+            else:
+                state[key] = distribute_tensor(harness.nan_like_spec(t.shape, t.dtype), dense, [Shard(0)],
+                                               src_data_rank=None)
+        dcp.load(state, checkpoint_id=seed)
+        problems = []
+        for key, (offset, size) in boxes.items():
+            expect = want[key][tuple(slice(o, o + s) for o, s in zip(offset, size))]
+            local = state[key].to_local()
+            if not torch.equal(local, expect):
+                problems.append(f"rank {rank}: " + harness.describe_mismatch(key, local, expect))
+            chunks = {(tuple(c.offsets), tuple(c.sizes)) for c in md.state_dict_metadata[key].chunks}
+            from torch.distributed.checkpoint.metadata import MetadataIndex
+            if size and all(size) and (offset, size) not in chunks:
+                problems.append(f"{key}: no chunk at {offset} {size} for rank {rank}")
+            elif size and all(size):
+                stored = md.storage_data[MetadataIndex(key, torch.Size(offset))].relative_path
+                if stored != f"__{rank}_0.distcp":
+                    problems.append(f"{key}: rank {rank}'s block is stored in {stored}")
+        for key, t in want.items():
+            if key not in boxes:
+                pieces = torch.chunk(t, world, 0)
+                expect = pieces[rank] if rank < len(pieces) else t.narrow(0, t.shape[0], 0)
+                if not torch.equal(state[key].to_local(), expect):
+                    problems.append(f"rank {rank}: " + harness.describe_mismatch(key, state[key].to_local(), expect))
+        if problems:
+            raise AssertionError("\n".join(problems[:20]))
+    except AssertionError:
+        raise
+    except BaseException:
+        raise RuntimeError(f"rank {rank}/{world} failed:\n{traceback.format_exc()}") from None
+    finally:
+        dist.destroy_process_group()

@@ -67,15 +67,15 @@ pub(crate) fn check_targets(
                         "remove `optimizer_state`: torchtitan builds its optimizer fresh",
                     );
                 }
-                if (*tp, *cp, *ep, *etp) != (1, 1, 1, 1) {
+                if (*tp, *cp, *etp) != (1, 1, 1) {
                     push(
                         "with",
                         "target",
                         format!(
-                            "step `{}`: `target: torchtitan` shards over data parallelism only (FSDP2 `Shard(0)` over dp); got tp {tp}, cp {cp}, ep {ep}, etp {etp}",
+                            "step `{}`: `target: torchtitan` shards over data and expert parallelism only (FSDP2 over dp, routed experts over ep); got tp {tp}, cp {cp}, etp {etp}",
                             spec.id
                         ),
-                        "set tp, cp, ep and etp to 1: DCP reshards the seed onto torchtitan's TP and EP placements on load",
+                        "set tp, cp and etp to 1: DCP reshards the seed onto torchtitan's TP placements on load",
                     );
                 }
                 if !prefix.is_empty() {

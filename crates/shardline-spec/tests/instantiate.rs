@@ -708,5 +708,5 @@ steps:
         ],
         "{diags:#?}"
     );
-    assert!(diags.iter().any(|d| d.message.contains("data parallelism only")), "{diags:#?}");
+    assert!(diags.iter().any(|d| d.message.contains("data and expert parallelism only")), "{diags:#?}");
 }

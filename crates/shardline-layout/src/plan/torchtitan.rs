@@ -178,10 +178,16 @@ pub(super) fn build_torchtitan_plan(
     options: &PlanOptions,
 ) -> Result<Plan, Vec<LayoutError>> {
     let mut errors = mesh.check();
-    if mesh.tp > 1 || mesh.cp > 1 || mesh.ep > 1 || mesh.etp > 1 {
+    if mesh.tp > 1 || mesh.cp > 1 || mesh.etp > 1 {
         errors.push(LayoutError::Mesh(format!(
-            "--target torchtitan shards over data parallelism only (FSDP2 `Shard(0)` over dp); got {mesh}: \
-             torchtitan's TP and EP placements are not written yet, and DCP reshards a dp-only seed on load"
+            "--target torchtitan shards over data and expert parallelism only (FSDP2 over dp, routed experts over \
+             ep); got {mesh}: torchtitan's TP placements are not written yet, and DCP reshards the seed on load"
+        )));
+    }
+    if mesh.ep > 1 && !config.num_experts.is_multiple_of(mesh.ep) {
+        errors.push(LayoutError::Mesh(format!(
+            "--target torchtitan: ep = {} does not divide the model's {} routed experts",
+            mesh.ep, config.num_experts
         )));
     }
     let Some(_) = torchtitan_model(config) else {
@@ -219,6 +225,7 @@ pub(super) fn build_torchtitan_plan(
         sources: &sources,
         target,
         dp: mesh.dp,
+        ep: mesh.ep,
         by_name: BTreeMap::new(),
         used: vec![false; sources.len()],
         tensors: Vec::new(),
@@ -252,6 +259,7 @@ struct Builder<'a> {
     sources: &'a [SourceTensor],
     target: TorchtitanTarget,
     dp: u64,
+    ep: u64,
     by_name: BTreeMap<&'a str, usize>,
     used: Vec<bool>,
     tensors: Vec<OutputTensor>,
@@ -398,6 +406,7 @@ impl Builder<'_> {
             let Some(dtype) = self.out_dtype(ids[0]) else { continue };
             let recipe = ids.iter().map(|&id| self.block(id, 0, 1)).collect();
             self.push(self.key(part, l), dtype, vec![e, shape[0], shape[1]], recipe);
+            self.place_routed_experts();
         }
         if let Some(fs) = c.shared_expert_ffn_hidden_size.filter(|_| c.family == Family::DeepseekV3) {
             self.copy(Part::SharedW1, l, &self.hf(layer, "mlp.shared_experts.gate_proj.weight"), &[fs, h]);
@@ -501,6 +510,18 @@ impl Builder<'_> {
             None => Transform::Cast(from),
         };
         RowBlock { transform, ..RowBlock::copy(id, first, rows) }
+    }
+
+    /// The routed experts just pushed, on torchtitan's sparse mesh `(efsdp, ep)`: one slab of
+    /// `E / ep` experts per EP rank, cut over its expert-FSDP ranks along dim 0
+    /// (`[_StridedShard(0), Shard(0)]`), or along dim 1 once the mesh has more ranks than experts
+    /// (torchtitan/distributed/fsdp.py).
+    fn place_routed_experts(&mut self) {
+        let Some(t) = self.tensors.last_mut() else { return };
+        let Tiling::Fsdp(f) = &mut t.tiling else { return };
+        let dim = u8::from(self.dp > t.shape[0]);
+        let n = t.shape[usize::from(dim)];
+        f.numbers = FsdpNumbers { dim, slabs: self.ep, local_rows: n, section_rows: n, ..f.numbers };
     }
 
     fn push(&mut self, key: String, dtype: DType, shape: Vec<u64>, recipe: Vec<RowBlock>) {
@@ -630,6 +651,6 @@ mod tests {
         assert!(errors.iter().any(|e| e.to_string().contains("q_proj.bias")), "{errors:?}");
         let errors =
             build_plan(&config, sources, Mesh { tp: 2, cp: 1, dp: 1, ep: 1, etp: 2 }, &options).expect_err("tp");
-        assert!(errors.iter().any(|e| e.to_string().contains("data parallelism only")), "{errors:?}");
+        assert!(errors.iter().any(|e| e.to_string().contains("data and expert parallelism only")), "{errors:?}");
     }
 }
