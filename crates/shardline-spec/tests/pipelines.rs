@@ -74,8 +74,18 @@ fn every_example_pipeline_is_clean() {
                 CheckpointValidate,
             ]
         } else if name == "torchtitan.yaml" {
-            // torchtitan never fuses: nothing to split; the seed is also exported back.
-            vec![HfDownload, MegatronShard, CheckpointValidate, StoreUpload, CheckpointExport, StoreUpload]
+            // torchtitan never fuses: nothing to split; the seed is also resharded for another DP
+            // degree (validated and uploaded) and exported back.
+            vec![
+                HfDownload,
+                MegatronShard,
+                CheckpointValidate,
+                CheckpointReshard,
+                CheckpointValidate,
+                StoreUpload,
+                CheckpointExport,
+                StoreUpload,
+            ]
         } else if name == "load-check.yaml" {
             vec![HfDownload, MegatronShard, MegatronSplitFused, CheckpointValidate, StoreUpload, Command]
         } else {

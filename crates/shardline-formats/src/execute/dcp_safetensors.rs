@@ -1,5 +1,6 @@
 //! DCP-safetensors: one safetensors file per rank, with `DCP_SHARDING_INFO`.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -23,17 +24,7 @@ pub(super) fn write_safetensors_rank(
     let world = plan.world() as usize;
     let name = dcp_safetensors_rank_file(rank as u64, world as u64);
     let items: Vec<(usize, Chunk)> = plan.rank_chunks(rank as u64).map(|(ti, _, c)| (ti, c)).collect();
-    let sharding: serde_json::Map<String, serde_json::Value> = items
-        .iter()
-        .map(|(ti, c)| (plan.tensor(*ti).key.to_string(), serde_json::json!({ "saved_offsets": c.offsets })))
-        .collect();
-    let metadata = [
-        ("DCP_SHARDING_INFO".to_string(), serde_json::Value::Object(sharding).to_string()),
-        ("DCP_VERSION".to_string(), "1.0".to_string()),
-        ("format".to_string(), "pt".to_string()),
-    ]
-    .into_iter()
-    .collect();
+    let metadata = sharding_metadata(items.iter().map(|(ti, c)| (plan.tensor(*ti).key, c.offsets.as_slice())));
     let layout = FileLayout::new(
         items.iter().map(|(ti, c)| {
             let t = plan.tensor(*ti);
@@ -65,6 +56,20 @@ pub(super) fn write_safetensors_rank(
     let path = writer.finish()?;
     let len = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
     Ok((path, len, items.len() as u64))
+}
+
+/// The `__metadata__` of a DCP-safetensors rank file holding `chunks` (`(key, offsets)`): torch's
+/// `HuggingFaceStorageWriter` records each chunk's offsets in `DCP_SHARDING_INFO`.
+pub fn sharding_metadata<'a>(chunks: impl Iterator<Item = (&'a str, &'a [u64])>) -> BTreeMap<String, String> {
+    let sharding: serde_json::Map<String, serde_json::Value> =
+        chunks.map(|(key, offsets)| (key.to_string(), serde_json::json!({ "saved_offsets": offsets }))).collect();
+    [
+        ("DCP_SHARDING_INFO".to_string(), serde_json::Value::Object(sharding).to_string()),
+        ("DCP_VERSION".to_string(), "1.0".to_string()),
+        ("format".to_string(), "pt".to_string()),
+    ]
+    .into_iter()
+    .collect()
 }
 
 /// Where a whole DCP-safetensors checkpoint is written before its files take their names: torch's

@@ -44,7 +44,7 @@ mod threads;
 mod tests;
 
 pub(crate) use dcp::publish_metadata;
-pub use dcp_safetensors::SAFETENSORS_STAGING;
+pub use dcp_safetensors::{sharding_metadata, SAFETENSORS_STAGING};
 pub use entry::{
     commit_checkpoint, rank_files, rank_item_spans, write_checkpoint, write_checkpoint_from, write_metadata_alone,
     write_rank_file, write_rank_section,

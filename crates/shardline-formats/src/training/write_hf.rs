@@ -6,7 +6,7 @@
 //! finds — so the files are written in a staging directory and take their names once all are
 //! complete.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::fs;
 use std::path::Path;
 
@@ -15,7 +15,7 @@ use shardline_layout::Chunk;
 
 use super::write::{io_err, write_files, OutFile, OutItem};
 use super::{ReshardReport, TrainingCheckpoint, TrainingError};
-use crate::execute::{dcp_safetensors_rank_file, ExecuteError, Progress, SAFETENSORS_STAGING};
+use crate::execute::{dcp_safetensors_rank_file, sharding_metadata, ExecuteError, Progress, SAFETENSORS_STAGING};
 use crate::safetensors::FileLayout;
 
 /// Writes `plan` of `source` into `out` as HF-storage safetensors (created; safetensors files
@@ -82,17 +82,8 @@ fn rank_file(plan: &ReshardPlan, rank: u64, dir: &Path) -> Result<OutFile, Execu
         .flat_map(|(ti, t)| t.out.chunks_of_rank(mesh, rank).map(move |ci| (ti, t.out.chunk(mesh, ci))))
         .filter(|(_, c)| c.written && c.numel() > 0)
         .collect();
-    let sharding: serde_json::Map<String, serde_json::Value> = chunks
-        .iter()
-        .map(|(ti, c)| (plan.tensors[*ti].out.key.clone(), serde_json::json!({ "saved_offsets": c.offsets })))
-        .collect();
-    let metadata: BTreeMap<String, String> = [
-        ("DCP_SHARDING_INFO".to_string(), serde_json::Value::Object(sharding).to_string()),
-        ("DCP_VERSION".to_string(), "1.0".to_string()),
-        ("format".to_string(), "pt".to_string()),
-    ]
-    .into_iter()
-    .collect();
+    let metadata =
+        sharding_metadata(chunks.iter().map(|(ti, c)| (plan.tensors[*ti].out.key.as_str(), c.offsets.as_slice())));
     let layout = FileLayout::new(
         chunks.iter().map(|(ti, c)| {
             let t = &plan.tensors[*ti].out;
