@@ -22,7 +22,11 @@ use shardline_testdb::TestDb;
 use crate::orchestrator::synth;
 use crate::{bin, fixture, run, stderr, stdout};
 
-const WAIT: Duration = Duration::from_secs(180);
+/// How long a run may take before a test gives up on it: a backstop against a hung run, never
+/// what a test waits for (it waits for the run's state). Generous, because these runs move
+/// hundreds of megabytes through the S3 test server with several workers on a machine that may
+/// be running the rest of the suite too (a run of the ranged-read test took 185 s there).
+const WAIT: Duration = Duration::from_secs(600);
 const ARTIFACTS: &str = "artifacts";
 const CHECKPOINTS: &str = "checkpoints";
 const REPO: &str = "acme/tiny-qwen3-next";
