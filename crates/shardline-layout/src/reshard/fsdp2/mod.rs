@@ -96,6 +96,10 @@ pub fn plan_fsdp2_reshard(items: &[SourceItem], options: &Fsdp2Options) -> Resul
     let dp = options.dp;
     let mesh = Mesh { tp: 1, cp: 1, dp, ep: options.ep, etp: 1 };
     let mut errors: Vec<ReshardError> = mesh.check().into_iter().map(|e| ReshardError::Mesh(e.to_string())).collect();
+    // The placements below divide by the mesh's sizes.
+    if !errors.is_empty() {
+        return Err(ReshardError::Many(errors));
+    }
     let kinds: Vec<Fsdp2Item> = items.iter().map(|i| classify_fsdp2(&i.path)).collect();
     let params: BTreeMap<&str, &SourceTensorMeta> = items
         .iter()

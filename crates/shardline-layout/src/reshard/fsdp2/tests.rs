@@ -197,6 +197,10 @@ fn what_cannot_be_resharded_is_refused_with_every_reason() {
     assert!(err.contains("`tp.weight`: it is split along dims [0, 1]"), "{err}");
     assert!(err.contains("`gap.weight`: chunks hold 4 of its 6 elements"), "{err}");
     assert!(plan_fsdp2_reshard(&[], &options(0)).unwrap_err().to_string().contains("at least 1"));
+    // An expert degree of 0 is refused before any placement divides by it.
+    let grouped = saved(&["layers.0.moe.routed_experts.inner_experts.w1_EFD"], &[4, 2, 2], 0, 2);
+    let err = plan_fsdp2_reshard(&[grouped], &Fsdp2Options { ep: 0, ..options(2) }).unwrap_err().to_string();
+    assert!(err.contains("`ep` must be at least 1"), "{err}");
 }
 
 proptest! {
