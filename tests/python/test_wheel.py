@@ -362,6 +362,20 @@ def test_reshard_and_export_from_python_write_what_the_cli_writes(sl, tmp_path):
         sl.reshard(tmp_path / "trained", tmp_path / "never", tp=3, dp=1)
 
 
+def test_a_torchtitan_checkpoint_reshards_from_python_as_from_the_cli(sl, conversions, tmp_path):
+    # The FSDP2 planner behind both: a torchtitan folder, resharded for (dp 4, ep 2).
+    titan = conversions.get("qwen3_moe", Mesh(1, 1, 3, 1), extra=("--target", "torchtitan"))
+    done = sl.reshard(titan, tmp_path / "api" / "step-0", dp=4, ep=2)
+    r = harness.run_cli(["reshard", str(titan), "--to", str(tmp_path / "cli" / "step-0"), "--dp", "4", "--ep", "2",
+                         "--json"])
+    assert r.returncode == 0, r.stderr
+    cli = json.loads(r.stdout)
+    for field in ("from", "to", "files", "tensor_bytes", "file_bytes", "chunks", "notes"):
+        assert done[field] == cli[field], field
+    assert done["files"] == 4 and done["to"].startswith("tp1·cp1·dp4·ep2"), done
+    same_files(tmp_path / "api" / "step-0", tmp_path / "cli" / "step-0")
+
+
 def test_open_reads_a_torchtitan_folder_and_an_automodel_save(sl, conversions, tmp_path):
     # A torchtitan checkpoint folder stands for its latest complete step-N.
     titan = conversions.get("qwen3_moe", Mesh(1, 1, 3, 1), extra=("--target", "torchtitan"))
