@@ -20,7 +20,6 @@ use shardline_control::graph::{ExportJob, ReshardJob, ReshardSource};
 use shardline_control::TaskOutput;
 use shardline_formats::checkpoint::open_checkpoint;
 use shardline_formats::safetensors::Release;
-use shardline_formats::training::automodel::AutomodelSave;
 use shardline_formats::training::{write_export, ExportOptions, TrainingCheckpoint, TrainingError};
 use shardline_layout::dialect::Dialect;
 use shardline_layout::reshard::{plan_reshard, RngPolicy};
@@ -28,8 +27,8 @@ use shardline_layout::{Mesh, ModelConfig};
 
 use shardline_formats::error_message;
 use shardline_ops::{
-    export_tensors, fsdp2_dialect, inferred_mesh, open_model, plan_automodel, plan_fsdp2, reshard_options, saved_etp,
-    OpsError, PlannedReshard, ReshardHints,
+    export_tensors, inferred_mesh, open_model, reshard_options, saved_etp, OpenedCheckpoint, OpsError, PlannedReshard,
+    ReshardHints,
 };
 
 use crate::steps::{parse_mesh, StepContext, StepError};
@@ -183,19 +182,11 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
                 StepError::fatal(format!("unknown target `{t}` (fsdp_dtensor, torch_dist, torchtitan)"))
             })?),
         };
-    let reading = |e: &dyn std::fmt::Display| StepError::fatal(format!("reading checkpoint {}: {e}", dir.display()));
     let rng = rng_policy(&job.rng)?;
-    let planned = match AutomodelSave::open(&dir).map_err(|e| reading(&e))? {
-        Some(save) => plan_automodel(&dir, save, mesh, target, rng).map_err(|e| StepError::fatal(e.to_string()))?,
-        None => {
-            let source = TrainingCheckpoint::open_for(&dir, Some(mesh.etp)).map_err(|e| reading(&e))?;
-            match fsdp2_dialect(&source) {
-                Some(dialect) => {
-                    plan_fsdp2(&dir, source, dialect, mesh, target, rng).map_err(|e| StepError::fatal(e.to_string()))?
-                }
-                None => plan_megatron(ctx, job, &dir, source, mesh, target, upstream)?,
-            }
-        }
+    let opened = OpenedCheckpoint::open(&dir, mesh.etp).map_err(|e| StepError::fatal(error_message(&e)))?;
+    let planned = match opened.plan_fsdp2(&dir, mesh, target, rng).map_err(|e| StepError::fatal(e.to_string()))? {
+        Ok(planned) => planned,
+        Err(megatron) => plan_megatron(ctx, job, &dir, megatron, mesh, target, upstream)?,
     };
     let (plan, dialect) = (&planned.plan, planned.options.dialect);
     let mesh = plan.mesh;

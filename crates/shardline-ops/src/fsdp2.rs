@@ -17,9 +17,47 @@ use shardline_layout::Mesh;
 use crate::reshard::{AutomodelReshard, PlannedReshard};
 use crate::OpsError;
 
-/// The FSDP2 framework whose checkpoint `source` is (torchtitan's, by its keys), if it is one.
-pub fn fsdp2_dialect(source: &TrainingCheckpoint) -> Option<Dialect> {
-    torchtitan_target(&source.checkpoint).map(Dialect::Torchtitan)
+/// A reshard's source, opened: which kind of checkpoint it is decides who plans it.
+pub enum OpenedCheckpoint {
+    /// A NeMo Automodel save `epoch_E_step_S/`.
+    Automodel(AutomodelSave),
+    /// A torchtitan checkpoint (known by its keys).
+    Torchtitan(TrainingCheckpoint, Dialect),
+    /// A Megatron training checkpoint, `fsdp_dtensor` or `torch_dist` (read for expert-TP size
+    /// `etp`).
+    Megatron(TrainingCheckpoint),
+}
+
+impl OpenedCheckpoint {
+    /// Opens `ckpt`, for a target of expert-TP size `etp`.
+    pub fn open(ckpt: &Path, etp: u64) -> Result<OpenedCheckpoint, OpsError> {
+        let training = |source| OpsError::Training { path: ckpt.to_path_buf(), source };
+        if let Some(save) = AutomodelSave::open(ckpt).map_err(training)? {
+            return Ok(OpenedCheckpoint::Automodel(save));
+        }
+        let source = TrainingCheckpoint::open_for(ckpt, Some(etp)).map_err(training)?;
+        Ok(match torchtitan_target(&source.checkpoint) {
+            Some(target) => OpenedCheckpoint::Torchtitan(source, Dialect::Torchtitan(target)),
+            None => OpenedCheckpoint::Megatron(source),
+        })
+    }
+
+    /// The plan of an FSDP2 framework's source, or the Megatron checkpoint for the caller to plan.
+    pub fn plan_fsdp2(
+        self,
+        ckpt: &Path,
+        mesh: Mesh,
+        target: Option<Dialect>,
+        rng: RngPolicy,
+    ) -> Result<Result<PlannedReshard, TrainingCheckpoint>, OpsError> {
+        match self {
+            OpenedCheckpoint::Automodel(save) => plan_automodel(ckpt, save, mesh, target, rng).map(Ok),
+            OpenedCheckpoint::Torchtitan(source, dialect) => {
+                plan_torchtitan(ckpt, source, dialect, mesh, target, rng).map(Ok)
+            }
+            OpenedCheckpoint::Megatron(source) => Ok(Err(source)),
+        }
+    }
 }
 
 /// What an FSDP2 reshard can be asked for: another data-parallel degree, in the source's own
@@ -66,7 +104,7 @@ fn options(dialect: Dialect, plan: &ReshardPlan, source_ranks: u64, rng: RngPoli
 
 /// A torchtitan training checkpoint re-tiled over the data-parallel degree of `mesh` as torchtitan
 /// places it; `target`, when given, must be its own dialect.
-pub fn plan_fsdp2(
+fn plan_torchtitan(
     ckpt: &Path,
     source: TrainingCheckpoint,
     dialect: Dialect,
@@ -84,7 +122,7 @@ pub fn plan_fsdp2(
 /// A NeMo Automodel save re-tiled over the data-parallel degree of `mesh`: `model/` and `optim/`
 /// keep each tensor's placement, every per-rank state file is given to each new rank (its own, or
 /// the lowest rank's).
-pub fn plan_automodel(
+fn plan_automodel(
     ckpt: &Path,
     save: AutomodelSave,
     mesh: Mesh,

@@ -24,7 +24,7 @@ pub use error::OpsError;
 pub use export::{
     automodel_release, export, export_tensors, open_model, saved_etp, AutomodelRelease, ExportDone, ExportRequest,
 };
-pub use fsdp2::{fsdp2_dialect, plan_automodel, plan_fsdp2};
+pub use fsdp2::OpenedCheckpoint;
 pub use reshard::{
     inferred_mesh, plan_reshard_of, reshard_options, AutomodelReshard, PlannedReshard, ReshardHints, ReshardRequest,
 };

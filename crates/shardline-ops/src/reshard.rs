@@ -14,7 +14,7 @@ use shardline_layout::dialect::Dialect;
 use shardline_layout::reshard::{infer_mesh, plan_reshard, ReshardOptions, ReshardPlan, RngPolicy, TargetTensor};
 use shardline_layout::{Mesh, Role};
 
-use crate::fsdp2::{fsdp2_dialect, plan_automodel, plan_fsdp2};
+use crate::fsdp2::OpenedCheckpoint;
 use crate::OpsError;
 
 /// What a reshard knows of its source besides the checkpoint: each `None` when unknown.
@@ -158,16 +158,14 @@ impl PlannedReshard {
 pub fn plan_reshard_of(request: &ReshardRequest) -> Result<PlannedReshard, OpsError> {
     let ckpt = &request.ckpt;
     let training = |source| OpsError::Training { path: ckpt.clone(), source };
-    if let Some(save) = AutomodelSave::open(ckpt).map_err(training)? {
-        return plan_automodel(ckpt, save, request.mesh, request.target, request.rng);
-    }
+    let opened = OpenedCheckpoint::open(ckpt, request.mesh.etp)?;
+    let mut source = match opened.plan_fsdp2(ckpt, request.mesh, request.target, request.rng)? {
+        Ok(planned) => return Ok(planned),
+        Err(megatron) => megatron,
+    };
     let dir = resolve_checkpoint_dir(ckpt).map_err(|source| OpsError::Checkpoint { path: ckpt.clone(), source })?;
     let source_dialect = if is_torch_dist(&dir) { Dialect::TorchDist } else { Dialect::FsdpDtensor };
     let dialect = request.target.unwrap_or(source_dialect);
-    let mut source = TrainingCheckpoint::open_for(ckpt, Some(request.mesh.etp)).map_err(training)?;
-    if let Some(dialect) = fsdp2_dialect(&source) {
-        return plan_fsdp2(ckpt, source, dialect, request.mesh, request.target, request.rng);
-    }
     let given = ReshardHints {
         source_mesh: request.from_mesh,
         vocab_size: request.vocab_size,
