@@ -142,7 +142,7 @@ def test_seed_loads_on_gloo_ranks_as_fsdp2_places_it(releases, tmp_path):
     harness.spawn_ranks(torchtitan_worker.load_worker, DP, (jobs,), "load")
 
 
-@pytest.mark.parametrize("case", ["version", "model", "scheme", "missing", "mesh", "optimizer"])
+@pytest.mark.parametrize("case", ["version", "model", "scheme", "missing", "mesh", "cp", "optimizer"])
 def test_what_torchtitan_cannot_take_is_refused_and_nothing_is_written(releases, tmp_path, case):
     out = tmp_path / "out"
     release, extra, says = releases["llama"], [], ""
@@ -167,7 +167,9 @@ def test_what_torchtitan_cannot_take_is_refused_and_nothing_is_written(releases,
         save_file(tensors, str(release / "model.safetensors"), metadata={"format": "pt"})
         says = "release is missing `model.layers.1.mlp.up_proj.weight`"
     elif case == "mesh":
-        extra, says = ["--tp", "2"], "data and expert parallelism only"
+        extra, says = ["--tp", "3"], "tp = 3 does not divide dim 0 of `tok_embeddings.weight` [256, 64]"
+    elif case == "cp":
+        extra, says = ["--cp", "2"], "cp = 2: context parallelism keeps no parameter shard of its own"
     elif case == "optimizer":
         extra, says = ["--optimizer-state"], "--optimizer-state does not apply to --target torchtitan"
     proc = run_cli(["convert", "--from", str(release), "--to", str(out), "--target", "torchtitan", *extra])
@@ -349,5 +351,25 @@ def test_a_seed_with_expert_parallelism_loads_as_torchtitan_places_routed_expert
                     "--dp", str(dp), "--ep", str(ep)])
     assert proc.returncode == 0, proc.stderr
     harness.spawn_ranks(torchtitan_worker.load_ep_worker, dp, (str(release), str(out / "step-0"), ep), "EP load")
+    proc = run_cli(["validate", str(out / "step-0"), "--against", str(release)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("model,dp,tp,ep", [("llama", 2, 2, 1), ("qwen3", 1, 4, 1), ("qwen3_moe", 2, 2, 1),
+                                            ("qwen3_moe", 2, 2, 2), ("deepseek_v3", 2, 2, 1),
+                                            ("deepseek_v3_fp8", 2, 2, 1)])
+def test_a_seed_with_tensor_parallelism_loads_where_fsdp2_over_tp_places_each_shard(releases, tmp_path, model, dp, tp,
+                                                                                     ep):
+    # Parameters are placed by torch itself (`distribute_tensor` over TP by torchtitan's sharding
+    # configs, then `fully_shard`), so the strided `[_StridedShard(0), Shard(0)]` of colwise
+    # weights, `[Shard(0), Shard(1)]` of rowwise ones, routed experts split on dims 1 and 2
+    # without EP and on the sparse mesh under it all come from torch, not from the planner.
+    release = releases[model]
+    out = tmp_path / "tt"
+    proc = run_cli(["convert", "--from", str(release), "--to", str(out), "--target", "torchtitan",
+                    "--dp", str(dp), "--tp", str(tp), "--ep", str(ep)])
+    assert proc.returncode == 0, proc.stderr
+    harness.spawn_ranks(torchtitan_worker.load_tp_worker, dp * tp, (str(release), str(out / "step-0"), tp, ep),
+                        "TP load")
     proc = run_cli(["validate", str(out / "step-0"), "--against", str(release)])
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -120,3 +120,97 @@ def load_ep_worker(rank: int, world: int, port: int, release: str, seed: str, ep
         raise RuntimeError(f"rank {rank}/{world} failed:\n{traceback.format_exc()}") from None
     finally:
         dist.destroy_process_group()
+
+
+# The dim torchtitan's tensor parallelism splits each parameter along, from its sharding configs
+# (torchtitan main, models/common/decoder_sharding.py: colwise `S(0)`, rowwise `S(1)`;
+# models/common/moe_sharding.py: routed experts without EP `S(1)` colwise, `S(2)` rowwise, the
+# router and expert bias replicated; deepseek_v3/sharding.py: MLA's up-projections colwise, its
+# low-rank projections and norms replicated, MTP's `eh_proj` replicated).
+_TP_COLWISE = ("tok_embeddings.weight", "lm_head.weight", ".wq.weight", ".wk.weight", ".wv.weight", ".wq_b.weight",
+               ".wkv_b.weight", "feed_forward.w1.weight", "feed_forward.w3.weight", "shared_experts.w1.weight",
+               "shared_experts.w3.weight")
+_TP_ROWWISE = (".wo.weight", "feed_forward.w2.weight", "shared_experts.w2.weight")
+
+
+def _tp_placement(key: str, ep: int):
+    from torch.distributed.tensor import Replicate
+
+    if _routed(key, (0, 0, 0)):
+        if ep > 1:
+            return None  # on the sparse mesh, out of TP
+        return Shard(2) if key.endswith(("w2_EDF", ".w2")) else Shard(1)
+    if key.endswith(_TP_COLWISE):
+        return Shard(0)
+    if key.endswith(_TP_ROWWISE):
+        return Shard(1)
+    return Replicate()
+
+
+def load_tp_worker(rank: int, world: int, port: int, release: str, seed: str, tp: int, ep: int) -> None:
+    """Loads a seed written with `--tp` into parameters placed by torch itself as torchtitan
+    parallelizes: each distributed over TP by torchtitan's sharding configs, then `fully_shard`
+    over the data-parallel mesh (routed experts under EP: `Shard(0)` over `ep`, then `fully_shard`
+    over `efsdp` of the sparse mesh that spans every rank). Each rank's loaded shard must be the
+    slice of the reference torch's placement gives it, stored in this rank's file (a TP replica in
+    the file of a rank of its FSDP row), and the whole tensors must equal the reference."""
+    import torch.nn as nn
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    harness.join_gloo(rank, world, port)
+    try:
+        dense = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("fsdp", "tp"))
+        sparse = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep")) if ep > 1 else None
+        want = torchtitan_seed(Path(release))
+        md = dcp.FileSystemReader(seed).read_metadata()
+        dense_root, sparse_root = nn.Module(), nn.Module()
+        names = {}
+        for i, (key, t) in enumerate(sorted(want.items())):
+            placement = _tp_placement(key, ep)
+            if placement is None:
+                param = distribute_tensor(harness.nan_like_spec(t.shape, t.dtype), sparse["ep"], [Shard(0)],
+                                          src_data_rank=None)
+                sparse_root.register_parameter(f"p{i}", nn.Parameter(param, requires_grad=False))
+            else:
+                param = distribute_tensor(harness.nan_like_spec(t.shape, t.dtype), dense["tp"], [placement],
+                                          src_data_rank=None)
+                dense_root.register_parameter(f"p{i}", nn.Parameter(param, requires_grad=False))
+            names[f"p{i}"] = key
+        fully_shard(dense_root, mesh=dense["fsdp"])
+        if sparse is not None:
+            fully_shard(sparse_root, mesh=sparse["efsdp"])
+        params = dict(dense_root.named_parameters())
+        params.update(sparse_root.named_parameters())
+        state = {names[n]: p for n, p in params.items()}
+        dcp.load(state, checkpoint_id=seed)
+        problems = []
+        for key, t in sorted(want.items()):
+            param = state[key]
+            local_shape, offset = compute_local_shape_and_global_offset(t.shape, param.device_mesh, param.placements)
+            expect = t[tuple(slice(o, o + s) for o, s in zip(offset, local_shape))]
+            if not torch.equal(param.to_local(), expect):
+                problems.append(f"rank {rank} {param.placements}: "
+                                + harness.describe_mismatch(key, param.to_local(), expect))
+            if all(local_shape):
+                index = MetadataIndex(key, torch.Size(offset))
+                chunks = {(tuple(c.offsets), tuple(c.sizes)) for c in md.state_dict_metadata[key].chunks}
+                if (tuple(offset), tuple(local_shape)) not in chunks:
+                    problems.append(f"{key}: no chunk at {tuple(offset)} {tuple(local_shape)} for rank {rank}")
+                    continue
+                stored = int(md.storage_data[index].relative_path.split("_")[2])
+                replicated = _tp_placement(key, ep) is not None and param.placements[-1].is_replicate()
+                if stored != rank and not (replicated and stored // tp == rank // tp):
+                    problems.append(f"{key}: rank {rank}'s block {param.placements} is stored in rank {stored}'s file")
+            full = param.full_tensor()
+            if rank == 0 and not torch.equal(full, t):
+                problems.append("whole: " + harness.describe_mismatch(key, full, t))
+        if problems:
+            raise AssertionError("\n".join(problems[:20]))
+    except AssertionError:
+        raise
+    except BaseException:
+        raise RuntimeError(f"rank {rank}/{world} failed:\n{traceback.format_exc()}") from None
+    finally:
+        dist.destroy_process_group()

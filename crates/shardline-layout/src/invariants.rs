@@ -38,6 +38,9 @@ pub struct WriteItem<'a> {
     pub expected_global: Cow<'a, [u64]>,
     /// For optimizer states, the parameter key they belong to.
     pub param_key: Option<Cow<'a, str>>,
+    /// Whether chunks must be whole rows of the local tensor: Megatron's flat buffers shard by
+    /// rows, while FSDP2 cuts any dim (`Shard(1)` experts, EP slabs, TP splits of dims 1 and 2).
+    pub whole_rows: bool,
 }
 
 /// Everything one rank would write, in its order.
@@ -121,6 +124,7 @@ fn lower_tensor<'a>(plan: &'a Plan, t: &'a OutputTensor) -> impl Iterator<Item =
                 Role::Param => None,
                 Role::OptimizerState { param_key, .. } => Some(Cow::Borrowed(param_key)),
             },
+            whole_rows: !plan.options.dialect.is_fsdp2(),
         };
         (c.rank, item)
     })
@@ -287,7 +291,7 @@ fn check_key(key: &str, items: &[(u64, &WriteItem)], v: &mut Vec<Violation>) {
             continue;
         }
         // 7. row alignment: whole rows of the local tensor (a stripe for row-parallel)
-        if !it.sizes.is_empty() && it.sizes.iter().product::<u64>() > 0 {
+        if it.whole_rows && !it.sizes.is_empty() && it.sizes.iter().product::<u64>() > 0 {
             let aligned = it.sizes.iter().enumerate().skip(1).all(|(d, s)| it.local_shape.get(d) == Some(s));
             if !aligned {
                 push(

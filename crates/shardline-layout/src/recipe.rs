@@ -290,13 +290,12 @@ pub fn row_elems(shape: &[u64]) -> u64 {
 pub fn segments(shape: &[u64], dtype: DType, recipe: &[RowBlock], offsets: &[u64], sizes: &[u64]) -> Vec<Segment> {
     let item = dtype.size() as u64;
     let elems_per_row = row_elems(shape);
-    // Box along dim 0, and along dim 1 (column stripe) when the tensor has one; further dims are whole.
+    // Box along dim 0; within each row, the runs the box's other dims cut out of it.
     let (row0, nrows) = (offsets.first().copied().unwrap_or(0), sizes.first().copied().unwrap_or(1));
-    let inner: u64 = shape.iter().skip(2).product();
-    let (col0, ncols) = if shape.len() >= 2 { (offsets[1], sizes[1]) } else { (0, 1) };
-    let full_width = shape.len() < 2 || (col0 == 0 && ncols == shape[1]);
-    let stripe_len = if shape.len() >= 2 { ncols * inner * item } else { item };
+    let runs = row_runs(shape, offsets, sizes);
+    let full_width = runs.as_slice() == [(0, elems_per_row.max(1))];
     let row_bytes = elems_per_row.max(1) * item;
+    let box_row_bytes: u64 = runs.iter().map(|&(_, n)| n * item).sum();
 
     let mut out: Vec<Segment> = Vec::new();
     let mut push = |seg: Segment| {
@@ -326,15 +325,20 @@ pub fn segments(shape: &[u64], dtype: DType, recipe: &[RowBlock], offsets: &[u64
         let hi = (row0 + nrows).min(block_end);
         if lo < hi {
             match block.source {
-                None => push(Segment { source: None, len: (hi - lo) * stripe_len, transform: block.transform }),
+                None => push(Segment { source: None, len: (hi - lo) * box_row_bytes, transform: block.transform }),
                 Some((id, first)) if matches!(block.transform, Transform::Transpose { .. }) => {
                     // `first` is an element offset; output row k is source column first + k·stride,
-                    // its column c0 the source's row c0.
+                    // its element c the source's row c.
                     let Transform::Transpose { src_cols, col_stride } = block.transform else { continue };
-                    let (len, c0) = if full_width { (row_bytes, 0) } else { (stripe_len, col0 * inner) };
                     for k in (lo - block_start)..(hi - block_start) {
-                        let elem = first + k * u64::from(col_stride) + c0 * u64::from(src_cols);
-                        push(Segment { source: Some((id, elem * item)), len, transform: block.transform });
+                        for &(c0, n) in &runs {
+                            let elem = first + k * u64::from(col_stride) + c0 * u64::from(src_cols);
+                            push(Segment {
+                                source: Some((id, elem * item)),
+                                len: n * item,
+                                transform: block.transform,
+                            });
+                        }
                     }
                 }
                 Some((id, first)) => {
@@ -350,14 +354,14 @@ pub fn segments(shape: &[u64], dtype: DType, recipe: &[RowBlock], offsets: &[u64
                             transform: block.transform,
                         });
                     } else {
-                        let (offset, len) =
-                            if full_width { (0, row_bytes) } else { (src_bytes(col0 * inner), stripe_len) };
                         for k in 0..(hi - lo) {
-                            push(Segment {
-                                source: Some((id, (src_row + k * stride) * src_row_bytes + offset)),
-                                len,
-                                transform: block.transform,
-                            });
+                            for &(c0, n) in &runs {
+                                push(Segment {
+                                    source: Some((id, (src_row + k * stride) * src_row_bytes + src_bytes(c0))),
+                                    len: n * item,
+                                    transform: block.transform,
+                                });
+                            }
                         }
                     }
                 }
@@ -366,6 +370,34 @@ pub fn segments(shape: &[u64], dtype: DType, recipe: &[RowBlock], offsets: &[u64
         block_start = block_end;
     }
     out
+}
+
+/// The runs `(first element, elements)` of one dim-0 row that the box `offsets/sizes` covers,
+/// in C order: one run for a whole row or a column stripe (dim 1), one per index of the dims
+/// before the last cut one otherwise (an FSDP2 or TP cut of dim 2 of stacked experts).
+fn row_runs(shape: &[u64], offsets: &[u64], sizes: &[u64]) -> Vec<(u64, u64)> {
+    if shape.len() < 2 {
+        return vec![(0, 1)];
+    }
+    let dims = shape.len();
+    // Elements per step of each dim, within a row (dim d ≥ 1).
+    let step = |d: usize| shape[d + 1..].iter().product::<u64>();
+    let cut = (1..dims).rev().find(|&d| offsets[d] != 0 || sizes[d] != shape[d]);
+    let Some(last) = cut else { return vec![(0, row_elems(shape))] };
+    let run = sizes[last] * step(last);
+    // Every index of dims 1..last within the box, in C order.
+    let mut runs = Vec::new();
+    let outer: Vec<usize> = (1..last).collect();
+    let count: u64 = outer.iter().map(|&d| sizes[d]).product();
+    for mut i in 0..count {
+        let mut start = offsets[last] * step(last);
+        for &d in outer.iter().rev() {
+            start += (offsets[d] + i % sizes[d]) * step(d);
+            i /= sizes[d];
+        }
+        runs.push((start, run));
+    }
+    runs
 }
 
 /// Adds `delta` in place to every little-endian float of `dtype` in `bytes`, as torch does
@@ -717,5 +749,43 @@ mod tests {
         let segs = segments(&[4, 6], DType::BF16, &recipe, &[0, 3], &[2, 3]);
         assert_eq!(segs.len(), 2);
         assert_eq!(segs[1], Segment { source: Some((0, 12 + 6)), len: 6, transform: Transform::Identity });
+    }
+
+    /// Every box of a few 3-D and 4-D tensors, whichever dims it cuts: the segments read exactly
+    /// the box's elements, in C order.
+    #[test]
+    fn segments_of_any_box_are_its_elements_in_c_order() {
+        for shape in [vec![2u64, 3, 4], vec![2, 2, 3, 2], vec![3, 1, 5]] {
+            let strides: Vec<u64> = (0..shape.len()).map(|d| shape[d + 1..].iter().product()).collect();
+            let ranges: Vec<Vec<(u64, u64)>> =
+                shape.iter().map(|&n| (0..n).flat_map(|o| (1..=n - o).map(move |s| (o, s))).collect()).collect();
+            let mut boxes: Vec<Vec<(u64, u64)>> = vec![vec![]];
+            for options in &ranges {
+                boxes =
+                    boxes.iter().flat_map(|b| options.iter().map(move |&r| [b.clone(), vec![r]].concat())).collect();
+            }
+            let recipe = [RowBlock::copy(0, 0, shape[0])];
+            for b in boxes {
+                let (offsets, sizes): (Vec<u64>, Vec<u64>) = b.iter().copied().unzip();
+                let mut want = Vec::new();
+                let count: u64 = sizes.iter().product();
+                for mut i in 0..count {
+                    let mut flat = 0;
+                    for d in (0..shape.len()).rev() {
+                        flat += (offsets[d] + i % sizes[d]) * strides[d];
+                        i /= sizes[d];
+                    }
+                    want.push(flat);
+                }
+                let got: Vec<u64> = segments(&shape, DType::F32, &recipe, &offsets, &sizes)
+                    .iter()
+                    .flat_map(|s| {
+                        let (_, at) = s.source.expect("copied");
+                        (at / 4..(at + s.len) / 4).collect::<Vec<_>>()
+                    })
+                    .collect();
+                assert_eq!(got, want, "shape {shape:?} box {offsets:?} {sizes:?}");
+            }
+        }
     }
 }

@@ -154,6 +154,7 @@ fn t1_buggy_items() -> Vec<shardline_layout::RankPlan<'static>> {
                     content: tp_rank * 1000 + j,
                     expected_global: vec![*global, 1, 4].into(),
                     param_key: None,
+                    whole_rows: true,
                 });
             }
             items.sort_by(|a, b| a.key.cmp(&b.key));
@@ -258,6 +259,7 @@ fn t3_items(global: Vec<u64>, place_dim: usize) -> Vec<shardline_layout::RankPla
                     content: ep * 2 + s,
                     expected_global: permuted(&[4, 6, 8], &[0, 2, 1]).into(),
                     param_key: None,
+                    whole_rows: true,
                 }],
             });
         }

@@ -67,15 +67,15 @@ pub(crate) fn check_targets(
                         "remove `optimizer_state`: torchtitan builds its optimizer fresh",
                     );
                 }
-                if (*tp, *cp, *etp) != (1, 1, 1) {
+                if *cp != 1 || (*etp != 1 && etp != tp) {
                     push(
                         "with",
                         "target",
                         format!(
-                            "step `{}`: `target: torchtitan` shards over data and expert parallelism only (FSDP2 over dp, routed experts over ep); got tp {tp}, cp {cp}, etp {etp}",
+                            "step `{}`: `target: torchtitan` shards over data, tensor and expert parallelism (FSDP2 over dp, TP over tp, routed experts over ep); got cp {cp}, etp {etp}: torchtitan has no expert tensor parallelism, and context parallelism keeps no parameter shard of its own",
                             spec.id
                         ),
-                        "set tp, cp and etp to 1: DCP reshards the seed onto torchtitan's TP placements on load",
+                        "set cp to 1 and leave etp out: DCP reshards the seed onto a CP mesh on load",
                     );
                 }
                 if !prefix.is_empty() {

@@ -690,7 +690,7 @@ kind: Pipeline
 name: tt
 steps:
   - {id: download, uses: hf.download, with: {repo: org/model}}
-  - {id: shard, uses: megatron.shard, needs: [download], with: {tp: 2, dp: 1, target: torchtitan, format: dcp-safetensors, optimizer_state: true, prefix: x.}}
+  - {id: shard, uses: megatron.shard, needs: [download], with: {tp: 2, cp: 2, dp: 1, target: torchtitan, format: dcp-safetensors, optimizer_state: true, prefix: x.}}
   - {id: split, uses: megatron.split_fused, needs: [shard]}
   - {id: other, uses: megatron.shard, needs: [download], with: {tp: 1, dp: 1, torchtitan_version: main}}
 "#;
@@ -708,5 +708,8 @@ steps:
         ],
         "{diags:#?}"
     );
-    assert!(diags.iter().any(|d| d.message.contains("data and expert parallelism only")), "{diags:#?}");
+    assert!(
+        diags.iter().any(|d| d.message.contains("got cp 2, etp 2: torchtitan has no expert tensor parallelism")),
+        "{diags:#?}"
+    );
 }

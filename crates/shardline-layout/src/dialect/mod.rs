@@ -87,6 +87,12 @@ impl Dialect {
         }
     }
 
+    /// Whether the dialect is an FSDP2 framework's, whose placements may cut any dim of a
+    /// tensor (Megatron's dialects cut rows of the TP-local tensor only).
+    pub fn is_fsdp2(self) -> bool {
+        matches!(self, Dialect::Torchtitan(_) | Dialect::Automodel)
+    }
+
     /// The prefix of model keys in this dialect.
     pub fn default_prefix(self) -> &'static str {
         match self {

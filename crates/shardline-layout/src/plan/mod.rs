@@ -151,7 +151,7 @@ pub struct FsdpNumbers {
     pub dim: u8,
     /// Grouped experts `[E, …]` under expert parallelism (FSDP2 frameworks): dim 0 is cut into
     /// this many slabs of `E / slabs` experts, chunk `i` (on rank `i`, expert-parallel rank fastest)
-    /// holding slab `i mod slabs` cut along `dim` over the `fsdp_size / slabs` FSDP ranks — within
+    /// holding slab `i mod slabs` cut along `dim` over the `fsdp_size · tp / slabs` ranks — within
     /// the slab when `dim` is 0, as torchtitan's `_StridedShard(0)` does. 1 otherwise.
     pub slabs: u64,
 }
@@ -378,7 +378,7 @@ fn fsdp_chunk(t: TensorView<'_>, f: FsdpNumbers, writers: &[u32], mesh: &Mesh, i
             (off, sz)
         }
         TpMode::Replicated if t.shape.is_empty() => (vec![], vec![]),
-        TpMode::Replicated if f.slabs > 1 => grouped_box(t.shape, f, j),
+        TpMode::Replicated if f.slabs > 1 => grouped_box(t.shape, f, t.tp, i),
         TpMode::Replicated if f.dim == 0 => {
             let (lo, hi) = fsdp_rows(f.section_rows, f.fsdp_size, j);
             (with_rest(lo, rest, true), with_rest(hi - lo, rest, false))
@@ -399,8 +399,9 @@ fn fsdp_chunk(t: TensorView<'_>, f: FsdpNumbers, writers: &[u32], mesh: &Mesh, i
     Chunk { rank, tp_rank: r, fsdp_rank: j, offsets, sizes, written: numel > 0 && !zero_d_extra && writer }
 }
 
-/// Chunk `i` of grouped experts cut into expert-parallel slabs (see [`FsdpNumbers::slabs`]).
-fn grouped_box(shape: &[u64], f: FsdpNumbers, i: u64) -> (Vec<u64>, Vec<u64>) {
+/// Chunk `i` of grouped experts cut into expert-parallel slabs (see [`FsdpNumbers::slabs`]) over
+/// the `fsdp_size · tp` ranks of the mesh (torchtitan's sparse mesh takes the TP ranks too).
+fn grouped_box(shape: &[u64], f: FsdpNumbers, tp: u64, i: u64) -> (Vec<u64>, Vec<u64>) {
     let (slab, j) = (i % f.slabs, i / f.slabs);
     let per_slab = shape.first().copied().unwrap_or(0) / f.slabs;
     let dim = usize::from(f.dim);
@@ -410,7 +411,7 @@ fn grouped_box(shape: &[u64], f: FsdpNumbers, i: u64) -> (Vec<u64>, Vec<u64>) {
         (*o, *s) = (slab * per_slab, per_slab);
     }
     if let (Some(o), Some(s)) = (offsets.get_mut(dim), sizes.get_mut(dim)) {
-        let (lo, hi) = fsdp_rows(*s, f.fsdp_size / f.slabs, j);
+        let (lo, hi) = fsdp_rows(*s, f.fsdp_size * tp / f.slabs, j);
         (*o, *s) = (*o + lo, hi - lo);
     }
     (offsets, sizes)

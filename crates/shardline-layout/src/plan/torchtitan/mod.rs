@@ -177,13 +177,25 @@ pub(super) fn build_torchtitan_plan(
     target: TorchtitanTarget,
     options: &PlanOptions,
 ) -> Result<Plan, Vec<LayoutError>> {
-    let mut errors = mesh.check();
-    if mesh.tp > 1 || mesh.cp > 1 || mesh.etp > 1 {
+    // torchtitan has no expert tensor parallelism: under EP its routed experts leave TP, and
+    // its sparse mesh `(efsdp, ep)` spans every rank, so `ep` divides `dp·tp` (parallel_dims.py).
+    let mut errors = Vec::new();
+    if mesh.cp > 1 {
         errors.push(LayoutError::Mesh(format!(
-            "--target torchtitan shards over data and expert parallelism only (FSDP2 over dp, routed experts over \
-             ep); got {mesh}: torchtitan's TP placements are not written yet, and DCP reshards the seed on load"
+            "--target torchtitan: cp = {}: context parallelism keeps no parameter shard of its own (FSDP2 shards \
+             over dp, TP over tp, routed experts over ep); write the seed without it, DCP places it on load",
+            mesh.cp
         )));
     }
+    if mesh.etp != 1 && mesh.etp != mesh.tp {
+        errors.push(LayoutError::Mesh(format!(
+            "--target torchtitan: etp = {}: torchtitan has no expert tensor parallelism (routed experts are \
+             TP-split with the dense layers without EP, and leave TP under EP); leave --etp out",
+            mesh.etp
+        )));
+    }
+    let mesh = Mesh { etp: 1, ..mesh };
+    errors.extend(mesh.check());
     if mesh.ep > 1 && !config.num_experts.is_multiple_of(mesh.ep) {
         errors.push(LayoutError::Mesh(format!(
             "--target torchtitan: ep = {} does not divide the model's {} routed experts",
@@ -224,8 +236,8 @@ pub(super) fn build_torchtitan_plan(
         config,
         sources: &sources,
         target,
-        dp: mesh.dp,
-        ep: mesh.ep,
+        mesh,
+        rank_bytes: vec![0; usize::try_from(mesh.world()).unwrap_or(0)],
         by_name: BTreeMap::new(),
         used: vec![false; sources.len()],
         tensors: Vec::new(),
@@ -258,8 +270,9 @@ struct Builder<'a> {
     config: &'a ModelConfig,
     sources: &'a [SourceTensor],
     target: TorchtitanTarget,
-    dp: u64,
-    ep: u64,
+    mesh: Mesh,
+    /// Bytes planned per rank so far, to spread the writing of TP replicas.
+    rank_bytes: Vec<u64>,
     by_name: BTreeMap<&'a str, usize>,
     used: Vec<bool>,
     tensors: Vec<OutputTensor>,
@@ -405,8 +418,7 @@ impl Builder<'_> {
             let Some(ids) = names.iter().map(|n| self.source(n, &shape)).collect::<Option<Vec<_>>>() else { continue };
             let Some(dtype) = self.out_dtype(ids[0]) else { continue };
             let recipe = ids.iter().map(|&id| self.block(id, 0, 1)).collect();
-            self.push(self.key(part, l), dtype, vec![e, shape[0], shape[1]], recipe);
-            self.place_routed_experts();
+            self.push_routed_experts(part, l, dtype, vec![e, shape[0], shape[1]], recipe);
         }
         if let Some(fs) = c.shared_expert_ffn_hidden_size.filter(|_| c.family == Family::DeepseekV3) {
             self.copy(Part::SharedW1, l, &self.hf(layer, "mlp.shared_experts.gate_proj.weight"), &[fs, h]);
@@ -419,10 +431,10 @@ impl Builder<'_> {
             let from = self.sources[id].dtype;
             let transform = if from == DType::F32 { Transform::Identity } else { Transform::Cast(from) };
             let block = RowBlock { transform, ..RowBlock::copy(id, 0, e) };
-            self.push(self.key(Part::ExpertBias, l), DType::F32, vec![e], vec![block]);
+            self.push(Part::ExpertBias, l, DType::F32, vec![e], vec![block]);
         } else {
             let zeros = RowBlock { rows: e, source: None, transform: Transform::Identity, stride: 1 };
-            self.push(self.key(Part::ExpertBias, l), DType::F32, vec![e], vec![zeros]);
+            self.push(Part::ExpertBias, l, DType::F32, vec![e], vec![zeros]);
         }
     }
 
@@ -440,7 +452,7 @@ impl Builder<'_> {
                 }
             }
         }
-        self.push(self.key(part, Some(layer)), dtype, vec![heads * hd, h], recipe);
+        self.push(part, Some(layer), dtype, vec![heads * hd, h], recipe);
     }
 
     /// The release tensor `name` as a whole, under `part`'s name.
@@ -448,7 +460,7 @@ impl Builder<'_> {
         let Some(id) = self.source(name, shape) else { return };
         let Some(dtype) = self.out_dtype(id) else { return };
         let recipe = vec![self.block(id, 0, rows_of(shape))];
-        self.push(self.key(part, layer), dtype, shape.to_vec(), recipe);
+        self.push(part, layer, dtype, shape.to_vec(), recipe);
     }
 
     /// `part`'s native name in `layer` (an MTP layer's under `mtp_layers.`).
@@ -512,145 +524,183 @@ impl Builder<'_> {
         RowBlock { transform, ..RowBlock::copy(id, first, rows) }
     }
 
-    /// The routed experts just pushed, on torchtitan's sparse mesh `(efsdp, ep)`: one slab of
-    /// `E / ep` experts per EP rank, cut over its expert-FSDP ranks along dim 0
-    /// (`[_StridedShard(0), Shard(0)]`), or along dim 1 once the mesh has more ranks than experts
-    /// (torchtitan/distributed/fsdp.py).
-    fn place_routed_experts(&mut self) {
-        let Some(t) = self.tensors.last_mut() else { return };
-        let Tiling::Fsdp(f) = &mut t.tiling else { return };
-        let dim = u8::from(self.dp > t.shape[0]);
-        let n = t.shape[usize::from(dim)];
-        f.numbers = FsdpNumbers { dim, slabs: self.ep, local_rows: n, section_rows: n, ..f.numbers };
-    }
-
-    fn push(&mut self, key: String, dtype: DType, shape: Vec<u64>, recipe: Vec<RowBlock>) {
+    /// `part` of `layer` on the dense mesh `(dp, tp)`: split by TP as torchtitan's sharding
+    /// configs put it ([`tp_dim`]), the TP-local tensor then FSDP2's `Shard(0)` over dp (a TP
+    /// `Shard(0)` becomes `[_StridedShard(0), Shard(0)]`: Megatron-FSDP's column tiling; a TP
+    /// `Shard(1)`, `[Shard(0), Shard(1)]`: its row tiling). A TP replica is written by the TP
+    /// rank with the fewest bytes so far, as DCP's save plan spreads replicas.
+    fn push(&mut self, part: Part, layer: Option<Layer>, dtype: DType, shape: Vec<u64>, recipe: Vec<RowBlock>) {
+        let key = self.key(part, layer);
+        let (tp, dp) = (self.mesh.tp, self.mesh.dp);
         let rows = rows_of(&shape);
+        let split = tp_dim(part).filter(|_| tp > 1);
+        if !self.tp_divides(&key, &shape, split) {
+            return;
+        }
+        let (tp_mode, local_rows) = match split {
+            Some(0) => (TpMode::Column, rows / tp),
+            Some(_) => (TpMode::Row, rows),
+            None => (TpMode::Replicated, rows),
+        };
+        let writers: Box<[u32]> = if tp_mode == TpMode::Replicated && tp > 1 {
+            let bytes = |r: u64, j: u64| self.rank_bytes[self.mesh.dense_rank(r, j) as usize];
+            (0..dp)
+                .map(|j| (0..tp).min_by_key(|&r| (bytes(r, j), r)).map_or(0, |r| u32::try_from(r).unwrap_or(0)))
+                .collect()
+        } else {
+            Box::default()
+        };
         let numbers = FsdpNumbers {
-            fsdp_size: self.dp,
-            local_rows: rows,
+            fsdp_size: dp,
+            local_rows,
             section_start: 0,
-            section_rows: rows,
+            section_rows: local_rows,
             dp_writer: 0,
             dim: 0,
             slabs: 1,
         };
-        self.tensors.push(OutputTensor {
+        let tiling = Tiling::Fsdp(FsdpTiling { numbers, writers });
+        self.push_tiled(key, dtype, shape, recipe, tp_mode, tiling);
+    }
+
+    /// Routed experts `[E, …]`. Under EP, on torchtitan's sparse mesh `(efsdp, ep)` over every
+    /// rank, out of TP: one slab of `E / ep` experts per EP rank, cut over its `efsdp` ranks along
+    /// dim 0 (`[_StridedShard(0), Shard(0)]`). Without EP, on the dense mesh: TP splits them as
+    /// [`tp_dim`] says and FSDP2 cuts the TP-local tensor along dim 0. Either way FSDP2 cuts
+    /// dim 1 instead once its mesh has more ranks than experts (torchtitan/distributed/fsdp.py).
+    fn push_routed_experts(
+        &mut self,
+        part: Part,
+        layer: Option<Layer>,
+        dtype: DType,
+        shape: Vec<u64>,
+        recipe: Vec<RowBlock>,
+    ) {
+        let key = self.key(part, layer);
+        let Mesh { tp, dp, ep, .. } = self.mesh;
+        let experts = shape[0];
+        if ep > 1 {
+            // Chunk `i = j·tp + r` is on rank `i`; `grouped_box` cuts slab `i mod ep`.
+            let dim = u8::from(dp * tp > experts);
+            let n = shape[usize::from(dim)];
+            let numbers = FsdpNumbers {
+                fsdp_size: dp,
+                local_rows: n,
+                section_start: 0,
+                section_rows: n,
+                dp_writer: 0,
+                dim,
+                slabs: ep,
+            };
+            let tiling = Tiling::Fsdp(FsdpTiling { numbers, writers: Box::default() });
+            return self.push_tiled(key, dtype, shape, recipe, TpMode::Replicated, tiling);
+        }
+        let split = tp_dim(part).filter(|_| tp > 1);
+        if !self.tp_divides(&key, &shape, split) {
+            return;
+        }
+        let fsdp_dim = usize::from(dp > experts);
+        let chunks = (0..dp)
+            .flat_map(|j| (0..tp).map(move |r| (j, r)))
+            .map(|(j, r)| {
+                let (offsets, sizes) = tp_fsdp_box(&shape, split.map(|d| (d, tp, r)), fsdp_dim, dp, j);
+                let written = sizes.iter().all(|&n| n > 0);
+                Chunk { rank: self.mesh.dense_rank(r, j), tp_rank: r, fsdp_rank: j, offsets, sizes, written }
+            })
+            .collect();
+        // Megatron's tilings have no TP split of dim 1 or 2, so the chunks are listed: a few per
+        // rank and expert tensor.
+        self.push_tiled(key, dtype, shape, recipe, TpMode::Replicated, Tiling::Listed(chunks));
+    }
+
+    /// Whether `tp` divides the dim TP splits (Shardline writes even TP shards only).
+    fn tp_divides(&mut self, key: &str, shape: &[u64], split: Option<usize>) -> bool {
+        let Some(d) = split else { return true };
+        if shape.get(d).is_some_and(|n| n.is_multiple_of(self.mesh.tp)) {
+            return true;
+        }
+        self.errors.push(LayoutError::Mesh(format!(
+            "--target torchtitan: tp = {} does not divide dim {d} of `{key}` {shape:?}, which torchtitan's tensor \
+             parallelism splits",
+            self.mesh.tp
+        )));
+        false
+    }
+
+    fn push_tiled(
+        &mut self,
+        key: String,
+        dtype: DType,
+        shape: Vec<u64>,
+        recipe: Vec<RowBlock>,
+        tp_mode: TpMode,
+        tiling: Tiling,
+    ) {
+        let tensor = OutputTensor {
             key,
             dtype,
             shape,
             recipe,
-            tp_mode: TpMode::Replicated,
-            tp: 1,
+            tp_mode,
+            tp: self.mesh.tp,
             group: Group::Dense,
             split: None,
             role: Role::Param,
-            tiling: Tiling::Fsdp(FsdpTiling { numbers, writers: Box::new([]) }),
-        });
+            tiling,
+        };
+        for c in tensor.chunks(&self.mesh).filter(|c| c.written) {
+            if let Some(b) = self.rank_bytes.get_mut(c.rank as usize) {
+                *b += c.numel() * dtype.size() as u64;
+            }
+        }
+        self.tensors.push(tensor);
     }
+}
+
+/// The dim torchtitan's tensor parallelism splits `part` along, from its sharding configs
+/// (models/common/decoder_sharding.py, moe_sharding.py, deepseek_v3/sharding.py): colwise
+/// `Shard(0)` (embedding, `lm_head`, q/k/v, `w1`/`w3`, MLA's up-projections), rowwise
+/// `Shard(1)` (`wo`, `w2`), routed experts without EP `Shard(1)` (`w1_EFD`, `w3_EFD`) and
+/// `Shard(2)` (`w2_EDF`); `None` where TP replicates it (norms, router, expert bias, MLA's
+/// low-rank projections, MTP's `eh_proj`).
+fn tp_dim(part: Part) -> Option<usize> {
+    match part {
+        Part::Embed
+        | Part::Output
+        | Part::Q
+        | Part::K
+        | Part::V
+        | Part::W1
+        | Part::W3
+        | Part::MlaWq
+        | Part::MlaWqB
+        | Part::MlaWkvB
+        | Part::SharedW1
+        | Part::SharedW3 => Some(0),
+        Part::O | Part::W2 | Part::SharedW2 | Part::ExpertsW1 | Part::ExpertsW3 => Some(1),
+        Part::ExpertsW2 => Some(2),
+        _ => None,
+    }
+}
+
+/// The box of dense-mesh rank `(j, r)`: TP rank `r`'s even block of dim `d` when `tp` is
+/// `Some((d, tp, r))`, then `torch.chunk` piece `j` of `dp` of the TP-local tensor along
+/// `fsdp_dim` (strided within the TP block when the dims agree, as FSDP2 places it).
+fn tp_fsdp_box(shape: &[u64], tp: Option<(usize, u64, u64)>, fsdp_dim: usize, dp: u64, j: u64) -> (Vec<u64>, Vec<u64>) {
+    let mut offsets = vec![0; shape.len()];
+    let mut sizes = shape.to_vec();
+    if let Some((d, tp, r)) = tp {
+        if let (Some(o), Some(s)) = (offsets.get_mut(d), sizes.get_mut(d)) {
+            *s /= tp;
+            *o = r * *s;
+        }
+    }
+    if let (Some(o), Some(s)) = (offsets.get_mut(fsdp_dim), sizes.get_mut(fsdp_dim)) {
+        let (lo, hi) = fsdp_rows(*s, dp, j);
+        (*o, *s) = (*o + lo, hi - lo);
+    }
+    (offsets, sizes)
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn llama(tied: bool) -> (ModelConfig, Vec<SourceTensor>) {
-        let config = ModelConfig::from_json(&format!(
-            r#"{{"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
-                "num_key_value_heads": 1, "head_dim": 4, "intermediate_size": 12, "vocab_size": 10,
-                "tie_word_embeddings": {tied}}}"#
-        ))
-        .expect("config");
-        let t =
-            |name: &str, shape: &[u64]| SourceTensor { name: name.into(), dtype: DType::BF16, shape: shape.to_vec() };
-        let mut sources = vec![
-            t("model.embed_tokens.weight", &[10, 8]),
-            t("model.norm.weight", &[8]),
-            t("model.layers.0.self_attn.q_proj.weight", &[8, 8]),
-            t("model.layers.0.self_attn.k_proj.weight", &[4, 8]),
-            t("model.layers.0.self_attn.v_proj.weight", &[4, 8]),
-            t("model.layers.0.self_attn.o_proj.weight", &[8, 8]),
-            t("model.layers.0.mlp.gate_proj.weight", &[12, 8]),
-            t("model.layers.0.mlp.up_proj.weight", &[12, 8]),
-            t("model.layers.0.mlp.down_proj.weight", &[8, 12]),
-            t("model.layers.0.input_layernorm.weight", &[8]),
-            t("model.layers.0.post_attention_layernorm.weight", &[8]),
-        ];
-        if !tied {
-            sources.push(t("lm_head.weight", &[10, 8]));
-        }
-        (config, sources)
-    }
-
-    fn plan(config: &ModelConfig, sources: Vec<SourceTensor>, dp: u64, version: TorchtitanVersion) -> Plan {
-        let target = TorchtitanTarget { version, dtype: DType::F32 };
-        let options = PlanOptions { prefix: String::new(), dialect: Dialect::Torchtitan(target), ..Default::default() };
-        build_plan(config, sources, Mesh { tp: 1, cp: 1, dp, ep: 1, etp: 1 }, &options).expect("plan")
-    }
-
-    #[test]
-    fn llama_keys_are_torchtitan_s_and_q_k_rows_are_rope_permuted() {
-        let (config, sources) = llama(false);
-        let p = plan(&config, sources, 3, TorchtitanVersion::Main);
-        let keys: Vec<&str> = p.tensors.iter().map(|t| t.key.as_str()).collect();
-        assert_eq!(
-            keys,
-            [
-                "layers.0.attention.qkv_linear.wk.weight",
-                "layers.0.attention.qkv_linear.wq.weight",
-                "layers.0.attention.qkv_linear.wv.weight",
-                "layers.0.attention.wo.weight",
-                "layers.0.attention_norm.weight",
-                "layers.0.feed_forward.w1.weight",
-                "layers.0.feed_forward.w2.weight",
-                "layers.0.feed_forward.w3.weight",
-                "layers.0.ffn_norm.weight",
-                "lm_head.weight",
-                "norm.weight",
-                "tok_embeddings.weight",
-            ]
-        );
-        assert!(p.tensors.iter().all(|t| t.dtype == DType::F32));
-        // q: 2 heads of 4 rows, half 2: torchtitan rows (0,1,2,3) are HF rows (0,2,1,3) per head.
-        let q = p.tensors.iter().find(|t| t.key.ends_with("wq.weight")).expect("wq");
-        let rows: Vec<u64> = q.recipe.iter().map(|b| b.source.expect("source").1).collect();
-        assert_eq!(rows, [0, 2, 1, 3, 4, 6, 5, 7]);
-        assert!(q.recipe.iter().all(|b| b.transform == Transform::Cast(DType::BF16) && b.rows == 1));
-        // FSDP2 Shard(0) over 3 ranks: torch.chunk's ceil-sized pieces, the last short.
-        let w1 = p.tensors.iter().find(|t| t.key.ends_with("w1.weight")).expect("w1");
-        let pieces: Vec<(u64, u64, Vec<u64>)> =
-            w1.chunks(&p.mesh).map(|c| (c.rank, c.offsets[0], c.sizes.clone())).collect();
-        assert_eq!(pieces, [(0, 0, vec![4, 8]), (1, 4, vec![4, 8]), (2, 8, vec![4, 8])]);
-        let norm = p.tensors.iter().find(|t| t.key == "norm.weight").expect("norm");
-        let sizes: Vec<u64> = norm.chunks(&p.mesh).map(|c| c.sizes[0]).collect();
-        assert_eq!(sizes, [3, 3, 2]);
-    }
-
-    #[test]
-    fn tied_embeddings_give_the_output_projection_the_embedding_and_old_names_are_kept() {
-        let (config, sources) = llama(true);
-        let p = plan(&config, sources, 1, TorchtitanVersion::V2025_12);
-        let output = p.tensors.iter().find(|t| t.key == "output.weight").expect("output");
-        let embed = p.tensors.iter().find(|t| t.key == "tok_embeddings.weight").expect("embed");
-        assert_eq!(output.recipe, embed.recipe);
-        assert!(p.tensors.iter().any(|t| t.key == "layers.0.attention.wq.weight"));
-    }
-
-    #[test]
-    fn what_torchtitan_cannot_take_is_refused_with_the_reason() {
-        let (config, mut sources) = llama(false);
-        sources.push(SourceTensor {
-            name: "model.layers.0.self_attn.q_proj.bias".into(),
-            dtype: DType::BF16,
-            shape: vec![8],
-        });
-        let target = Dialect::Torchtitan(TorchtitanTarget::default());
-        let options = PlanOptions { dialect: target, ..Default::default() };
-        let errors = build_plan(&config, sources.clone(), Mesh { tp: 1, cp: 1, dp: 2, ep: 1, etp: 1 }, &options)
-            .expect_err("a bias torchtitan's llama3 has no place for");
-        assert!(errors.iter().any(|e| e.to_string().contains("q_proj.bias")), "{errors:?}");
-        let errors =
-            build_plan(&config, sources, Mesh { tp: 2, cp: 1, dp: 1, ep: 1, etp: 2 }, &options).expect_err("tp");
-        assert!(errors.iter().any(|e| e.to_string().contains("data and expert parallelism only")), "{errors:?}");
-    }
-}
+mod tests;
