@@ -114,27 +114,54 @@ def test_seed_equals_torchtitans_own_conversion(releases, tmp_path, model):
     assert proc.returncode == 0 and proc.stdout.startswith("ok:"), proc.stdout + proc.stderr
 
 
-def test_bf16_seed_and_the_names_before_2026(releases, tmp_path):
+def test_bf16_seed(releases, tmp_path):
     release = releases["qwen3_moe"]
     seed = _convert(release, tmp_path / "bf16", "--dtype", "bfloat16")
     _check_seed(seed, torchtitan_seed(release, torch.bfloat16))
 
-    # torchtitan before its 2026 renames (fsdp2-frameworks.md §2.2, at 36a4b6942).
-    renames = [(".attention.qkv_linear.", ".attention."), ("lm_head.weight", "output.weight"),
-               (".moe.routed_experts.inner_experts.w1_EFD", ".moe.experts.w1"),
-               (".moe.routed_experts.inner_experts.w2_EDF", ".moe.experts.w2"),
-               (".moe.routed_experts.inner_experts.w3_EFD", ".moe.experts.w3"),
-               (".moe.expert_bias_E", ".moe.expert_bias")]
+
+# torchtitan's 2026 renames of model keys, newest first, each as (version, the renames that undo
+# it), read off the model code of the commit named (torchtitan/models/common/{attention,decoder,
+# moe}.py): a torchtitan older than a row writes that row's names and every older row's.
+UNDONE_RENAMES = [
+    # 3101b42f9 (2026-07-16): routed experts moved under `routed_experts.inner_experts`.
+    ("2026-05-27", [(".moe.routed_experts.inner_experts.", ".moe.experts.")]),
+    # 200100e7d (2026-05-27): shape suffixes on the experts' parameters and buffers.
+    ("2026-04-27", [(".moe.experts.w1_EFD", ".moe.experts.w1"), (".moe.experts.w2_EDF", ".moe.experts.w2"),
+                    (".moe.experts.w3_EFD", ".moe.experts.w3"), (".moe.expert_bias_E", ".moe.expert_bias")]),
+    # 786e26f8e (2026-04-27): the output projection became `lm_head`.
+    ("2026-04-16", [("lm_head.weight", "output.weight")]),
+    # ad7a86533 (2026-04-16): q/k/v moved under `attention.qkv_linear` (fusion off by default).
+    ("2025-12", [(".attention.qkv_linear.", ".attention.")]),
+]
+
+
+@pytest.mark.parametrize("version", [v for v, _ in UNDONE_RENAMES] + ["0.2.2", "200100e7d"])
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
+def test_each_2026_rename_is_a_version_and_exports_back(releases, tmp_path, version, model):
+    row = {"0.2.2": "2025-12", "200100e7d": "2026-05-27"}.get(version, version)
+    renames = []
+    for name, undo in UNDONE_RENAMES:
+        renames += undo
+        if name == row:
+            break
 
     def old(key: str) -> str:
         for a, b in renames:
             key = key.replace(a, b)
         return key
 
-    seed = _convert(release, tmp_path / "old", "--torchtitan-version", "2025-12")
+    release = releases[model]
+    seed = _convert(release, tmp_path / "tt", "--torchtitan-version", version)
     _check_seed(seed, {old(k): v for k, v in torchtitan_seed(release).items()})
     proc = run_cli(["validate", str(seed), "--against", str(release)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Export reads the version off the keys and gives the release back.
+    proc = run_cli(["export", str(tmp_path / "tt"), "--to", str(tmp_path / "hf"), "--like", str(release)])
+    assert proc.returncode == 0, proc.stderr
+    got, want = ref.load_hf_tensors(tmp_path / "hf"), ref.load_hf_tensors(release)
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    assert all(torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)) for k, t in want.items())
 
 
 def test_seed_loads_on_gloo_ranks_as_fsdp2_places_it(releases, tmp_path):
@@ -147,7 +174,7 @@ def test_what_torchtitan_cannot_take_is_refused_and_nothing_is_written(releases,
     out = tmp_path / "out"
     release, extra, says = releases["llama"], [], ""
     if case == "version":
-        extra, says = ["--torchtitan-version", "2026-05"], "unknown torchtitan version `2026-05` (known: main, 0.3.0, 2025-12)"
+        extra, says = ["--torchtitan-version", "2026-05"], "unknown torchtitan version `2026-05` (known: main, 0.3.0, 2026-07-16"
     elif case == "model":
         release, says = FIXTURES / "gpt_oss", "no torchtitan seed for `gpt_oss`"
     elif case == "scheme":

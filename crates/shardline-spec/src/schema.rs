@@ -153,6 +153,22 @@ const U32_POSITIVE: FieldType = FieldType::UInt { min: 1, max: u32::MAX as u64 }
 const U32: FieldType = FieldType::UInt { min: 0, max: u32::MAX as u64 };
 
 /// Exactly one of `repo` and `path` is written (lint checks it); the others go with `repo`.
+/// The spellings of `torchtitan_version`: `TorchtitanVersion::NAMES`' (a test keeps them equal).
+const TORCHTITAN_VERSIONS: &[&str] = &[
+    "main",
+    "0.3.0",
+    "2026-07-16",
+    "3101b42f9",
+    "2026-05-27",
+    "200100e7d",
+    "2026-04-27",
+    "786e26f8e",
+    "2026-04-16",
+    "ad7a86533",
+    "2025-12",
+    "0.2.2",
+];
+
 const HF_DOWNLOAD: &[Field] = &[
     field("repo", FieldType::RepoId, FieldDefault::Optional),
     field("path", FieldType::Path, FieldDefault::Optional),
@@ -178,7 +194,7 @@ const MEGATRON_SHARD: &[Field] = &[
         FieldDefault::Str("fsdp_dtensor"),
     ),
     // With `target: torchtitan`: whose names the seed is written with (`convert --torchtitan-version`).
-    field("torchtitan_version", FieldType::Choice(&["main", "0.3.0", "2025-12"]), FieldDefault::Optional),
+    field("torchtitan_version", FieldType::Choice(TORCHTITAN_VERSIONS), FieldDefault::Optional),
     // `model.module.` for fsdp_dtensor, none for torch_dist and torchtitan.
     field("prefix", FieldType::Str, FieldDefault::Optional),
     field("optimizer_state", FieldType::Bool, FieldDefault::Bool(false)),
@@ -659,5 +675,14 @@ pub(crate) fn param_from_text(ty: ParamType, t: &str) -> Result<ParamValue, Mism
         ParamType::Duration => parse_duration(t)
             .map(ParamValue::Duration)
             .map_err(|e| invalid(format!("invalid duration {}: {e}", quote(t)), Some(e.hint(false)))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn torchtitan_versions_are_the_planners() {
+        let planner: Vec<&str> = shardline_layout::TorchtitanVersion::NAMES.iter().map(|(n, _)| *n).collect();
+        assert_eq!(super::TORCHTITAN_VERSIONS, planner.as_slice());
     }
 }

@@ -169,18 +169,42 @@ pub fn automodel_model_dir(dir: &Path) -> Result<Option<PathBuf>, CheckpointErro
 }
 
 /// What a torchtitan checkpoint was written as, read off its keys: its model keys sit at the top
-/// level from `tok_embeddings.weight`; `qkv_linear` and `lm_head` are the names since 2026, `wq`
-/// and `output` those before; the dtype is its embedding's. `None` for any other checkpoint.
+/// level from `tok_embeddings.weight`; the dtype is its embedding's. The version is the oldest
+/// whose names it holds (`TorchtitanVersion`'s rows): `routed_experts` is main's, the shape
+/// suffixes `w1_EFD` 2026-05-27's, `lm_head` 2026-04-27's, `qkv_linear` 2026-04-16's. Rows whose
+/// names a model does not use (a dense model's experts) name it alike, and give the same plan.
+/// `None` for any other checkpoint.
 pub fn torchtitan_target(checkpoint: &Checkpoint) -> Option<TorchtitanTarget> {
     let embed = checkpoint.tensors.iter().find(|t| t.key == "tok_embeddings.weight")?;
-    let main = checkpoint.tensors.iter().any(|t| t.key == "lm_head.weight" || t.key.contains(".qkv_linear."));
-    let version = if main { TorchtitanVersion::Main } else { TorchtitanVersion::V2025_12 };
+    let has = |f: &dyn Fn(&str) -> bool| checkpoint.tensors.iter().any(|t| f(&t.key));
+    let version = if has(&|k| k.contains(".moe.routed_experts.")) {
+        TorchtitanVersion::Main
+    } else if has(&|k| k.contains(".moe.experts.w1_EFD")) {
+        TorchtitanVersion::V2026_05_27
+    } else if has(&|k| k == "lm_head.weight") {
+        // Main when the model has no routed experts to tell the rows since apart.
+        let old_experts = has(&|k| k.contains(".moe.experts."));
+        if old_experts {
+            TorchtitanVersion::V2026_04_27
+        } else {
+            TorchtitanVersion::Main
+        }
+    } else if has(&|k| k.contains(".qkv_linear.")) {
+        TorchtitanVersion::V2026_04_16
+    } else {
+        TorchtitanVersion::V2025_12
+    };
     Some(TorchtitanTarget { version, dtype: embed.dtype })
 }
 
 /// [`torchtitan_target`] of the checkpoint `dir` names, reading only the keys it looks at.
 pub fn torchtitan_target_of(dir: &Path) -> Result<Option<TorchtitanTarget>, CheckpointError> {
-    let keep = |k: &str| k == "tok_embeddings.weight" || k == "lm_head.weight" || k.starts_with("layers.0.attention.");
+    let keep = |k: &str| {
+        k == "tok_embeddings.weight"
+            || k == "lm_head.weight"
+            || k.starts_with("layers.0.attention.")
+            || (k.starts_with("layers.") && k.contains(".moe.") && k.contains("experts."))
+    };
     Ok(torchtitan_target(&open_checkpoint_keys(dir, keep)?))
 }
 

@@ -19,24 +19,45 @@ use crate::error::LayoutError;
 use crate::recipe::{can_cast, RowBlock, Transform};
 
 /// Which torchtitan's names a seed is written for: its native key names changed three times in
-/// 2026 (fsdp2-frameworks.md §2.2).
+/// 2026 (fsdp2-frameworks.md §2.2). Each row is the torchtitan of a commit that renamed model
+/// keys, read off that commit's model code (`torchtitan/models/common/`); a torchtitan between
+/// two rows writes the earlier row's names.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum TorchtitanVersion {
     /// torchtitan since 3101b42f9 (2026-07-16, `routed_experts.inner_experts`), torchtitan 0.3.0:
     /// `qkv_linear.{wq,wk,wv}`, `lm_head`, `w1_EFD`/`w3_EFD`/`w2_EDF`, `expert_bias_E`.
     #[default]
     Main,
-    /// torchtitan before its 2026 renames (36a4b6942, 2025-12-17): `attention.{wq,wk,wv}`,
-    /// `output`, `moe.experts.{w1,w2,w3}`, `moe.expert_bias`.
+    /// 200100e7d (2026-05-27, shape suffixes): `moe.experts.{w1_EFD,w2_EDF,w3_EFD}`,
+    /// `moe.expert_bias_E`.
+    V2026_05_27,
+    /// 786e26f8e (2026-04-27, chunked loss): `output` became `lm_head`.
+    V2026_04_27,
+    /// ad7a86533 (2026-04-16, fused-QKV attention): `attention.{wq,wk,wv}` moved under
+    /// `attention.qkv_linear` (fusion was off by default until after its save hooks split the
+    /// model keys again, so default models kept three keys).
+    V2026_04_16,
+    /// torchtitan before its 2026 renames (36a4b6942, 2025-12-17; torchtitan 0.2.2):
+    /// `attention.{wq,wk,wv}`, `output`, `moe.experts.{w1,w2,w3}`, `moe.expert_bias`.
     V2025_12,
 }
 
 impl TorchtitanVersion {
-    /// The spellings `--torchtitan-version` accepts, with what each means.
+    /// The spellings `--torchtitan-version` accepts, with what each means: the row's date, the
+    /// commit that made it, or a torchtitan release with its names.
     pub const NAMES: &'static [(&'static str, TorchtitanVersion)] = &[
         ("main", TorchtitanVersion::Main),
         ("0.3.0", TorchtitanVersion::Main),
+        ("2026-07-16", TorchtitanVersion::Main),
+        ("3101b42f9", TorchtitanVersion::Main),
+        ("2026-05-27", TorchtitanVersion::V2026_05_27),
+        ("200100e7d", TorchtitanVersion::V2026_05_27),
+        ("2026-04-27", TorchtitanVersion::V2026_04_27),
+        ("786e26f8e", TorchtitanVersion::V2026_04_27),
+        ("2026-04-16", TorchtitanVersion::V2026_04_16),
+        ("ad7a86533", TorchtitanVersion::V2026_04_16),
         ("2025-12", TorchtitanVersion::V2025_12),
+        ("0.2.2", TorchtitanVersion::V2025_12),
     ];
 
     pub fn parse(name: &str) -> Option<TorchtitanVersion> {
@@ -46,21 +67,37 @@ impl TorchtitanVersion {
     pub fn name(self) -> &'static str {
         match self {
             TorchtitanVersion::Main => "main",
+            TorchtitanVersion::V2026_05_27 => "2026-05-27",
+            TorchtitanVersion::V2026_04_27 => "2026-04-27",
+            TorchtitanVersion::V2026_04_16 => "2026-04-16",
             TorchtitanVersion::V2025_12 => "2025-12",
         }
     }
 
+    /// Whether this torchtitan has the rename of `row` (rows are ordered by date).
+    fn since(self, row: TorchtitanVersion) -> bool {
+        let date = |v: TorchtitanVersion| match v {
+            TorchtitanVersion::Main => 5,
+            TorchtitanVersion::V2026_05_27 => 4,
+            TorchtitanVersion::V2026_04_27 => 3,
+            TorchtitanVersion::V2026_04_16 => 2,
+            TorchtitanVersion::V2025_12 => 1,
+        };
+        date(self) >= date(row)
+    }
+
     /// The native name of `part` of layer `{L}`, or of the model.
     fn key(self, part: Part) -> &'static str {
-        let main = self == TorchtitanVersion::Main;
+        use TorchtitanVersion as V;
+        let main = self == V::Main;
         match part {
             Part::Embed => "tok_embeddings.weight",
-            Part::Output if main => "lm_head.weight",
+            Part::Output if self.since(V::V2026_04_27) => "lm_head.weight",
             Part::Output => "output.weight",
             Part::Norm => "norm.weight",
-            Part::Q if main => "layers.{L}.attention.qkv_linear.wq.weight",
-            Part::K if main => "layers.{L}.attention.qkv_linear.wk.weight",
-            Part::V if main => "layers.{L}.attention.qkv_linear.wv.weight",
+            Part::Q if self.since(V::V2026_04_16) => "layers.{L}.attention.qkv_linear.wq.weight",
+            Part::K if self.since(V::V2026_04_16) => "layers.{L}.attention.qkv_linear.wk.weight",
+            Part::V if self.since(V::V2026_04_16) => "layers.{L}.attention.qkv_linear.wv.weight",
             Part::Q => "layers.{L}.attention.wq.weight",
             Part::K => "layers.{L}.attention.wk.weight",
             Part::V => "layers.{L}.attention.wv.weight",
@@ -76,10 +113,13 @@ impl TorchtitanVersion {
             Part::ExpertsW1 if main => "layers.{L}.moe.routed_experts.inner_experts.w1_EFD",
             Part::ExpertsW2 if main => "layers.{L}.moe.routed_experts.inner_experts.w2_EDF",
             Part::ExpertsW3 if main => "layers.{L}.moe.routed_experts.inner_experts.w3_EFD",
+            Part::ExpertsW1 if self.since(V::V2026_05_27) => "layers.{L}.moe.experts.w1_EFD",
+            Part::ExpertsW2 if self.since(V::V2026_05_27) => "layers.{L}.moe.experts.w2_EDF",
+            Part::ExpertsW3 if self.since(V::V2026_05_27) => "layers.{L}.moe.experts.w3_EFD",
             Part::ExpertsW1 => "layers.{L}.moe.experts.w1",
             Part::ExpertsW2 => "layers.{L}.moe.experts.w2",
             Part::ExpertsW3 => "layers.{L}.moe.experts.w3",
-            Part::ExpertBias if main => "layers.{L}.moe.expert_bias_E",
+            Part::ExpertBias if self.since(V::V2026_05_27) => "layers.{L}.moe.expert_bias_E",
             Part::ExpertBias => "layers.{L}.moe.expert_bias",
             // DeepSeek-V3 (torchtitan's `deepseek_v3` adapter, main only).
             Part::MlaWq => "layers.{L}.attention.wq.weight",
