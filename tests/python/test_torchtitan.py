@@ -194,7 +194,7 @@ def test_what_torchtitan_cannot_take_is_refused_and_nothing_is_written(releases,
         save_file(tensors, str(release / "model.safetensors"), metadata={"format": "pt"})
         says = "release is missing `model.layers.1.mlp.up_proj.weight`"
     elif case == "mesh":
-        extra, says = ["--tp", "3"], "tp = 3 does not divide dim 0 of `tok_embeddings.weight` [256, 64]"
+        extra, says = ["--tp", "3"], "`tok_embeddings.weight`: tp = 3 does not divide dim 0 of [256, 64]"
     elif case == "cp":
         extra, says = ["--cp", "2"], "cp = 2: context parallelism keeps no parameter shard of its own"
     elif case == "optimizer":
@@ -304,6 +304,27 @@ def test_a_training_checkpoint_reshards_over_dp_and_loads_as_torch_reshards_it(r
     back = tmp_path / "dp4" / "step-2"
     proc = _reshard(ours, back, SAVED_DP)
     assert proc.returncode == 0, proc.stderr
+    _same_as_source(source, back)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
+def test_a_training_checkpoint_reshards_onto_tensor_parallelism_and_back(releases, training, tmp_path, model):
+    # dp 4 -> (dp 2, tp 2): loaded into parameters torch places as torchtitan parallelizes them
+    # (TP by its sharding configs, the fused `wqkv` colwise, then `fully_shard`), ours equals
+    # torch's own load-time resharding of the source; then back from the TP save to dp 4.
+    source = training[model]
+    ours = tmp_path / "tp2" / "step-2"
+    proc = run_cli(["reshard", str(source), "--to", str(ours), "--dp", "2", "--tp", "2"])
+    assert proc.returncode == 0, proc.stderr
+    harness.spawn_ranks(torchtitan_training.load_worker, 4,
+                        (str(releases[model]), str(source), str(ours), False, 2), "torchtitan TP load")
+    back = tmp_path / "dp4" / "step-2"
+    proc = _reshard(ours, back, SAVED_DP)
+    assert proc.returncode == 0, proc.stderr
+    _same_as_source(source, back)
+
+
+def _same_as_source(source: Path, back: Path) -> None:
     md_a, md_b = tc.read_metadata(source), tc.read_metadata(back)
     kept = {k for k in md_a.state_dict_metadata if not k.startswith("dataloader.")}
     assert set(md_b.state_dict_metadata) == kept, sorted(set(md_b.state_dict_metadata) ^ kept)

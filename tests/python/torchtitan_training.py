@@ -93,6 +93,33 @@ def build(release: Path, world: int, mesh, fill: str):
     return dist_params, buffers, opt
 
 
+def build_tp(release: Path, dp: int, tp: int):
+    """Parameters (NaN) placed by torch itself as torchtitan parallelizes them on `(dp, tp)`:
+    distributed over TP by its sharding configs (the fused `wqkv` colwise), then `fully_shard`
+    over the data-parallel mesh; and an AdamW over them with its state created for a load."""
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+
+    from torchtitan_worker import _tp_placement
+
+    tt = _torchtitan()
+    params, buffers = native_params(release)
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("fsdp", "tp"))
+    root, names = nn.Module(), {}
+    for i, (key, t) in enumerate(sorted(params.items())):
+        value = distribute_tensor(harness.nan_like_spec(t.shape, t.dtype), mesh["tp"], [_tp_placement(key, 1)],
+                                  src_data_rank=None)
+        root.register_parameter(f"p{i}", torch.nn.Parameter(value))
+        names[f"p{i}"] = key
+    by_param = {p: names[n] for n, p in root.named_parameters()}
+    fully_shard(root, mesh=mesh["fsdp"],
+                shard_placement_fn=lambda p: placement(by_param[p], p.shape, dp))
+    dist_params = {names[n]: p for n, p in root.named_parameters()}
+    opt = torch.optim.AdamW(list(dist_params.items()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    tt.init(opt)
+    return dist_params, buffers, opt
+
+
 def state_dict(release: Path, params, buffers, opt, rank: int, world: int) -> dict:
     """What torchtitan's checkpointer saves: model keys at the top (the fused q/k/v split again by
     `FusedQKVLinear`'s save hook), then `optimizer`, `lr_scheduler`, `dataloader`, `train_state`."""
@@ -140,19 +167,23 @@ def _describe(key: str, got, want) -> str | None:
 
 
 def load_worker(rank: int, world: int, port: int, release: str, source: str, ours: str,
-                keep_dataloader: bool) -> None:
+                keep_dataloader: bool, tp: int = 1) -> None:
     """Loads `source` (torch's own load-time resharding) and `ours` (Shardline's reshard) into the
-    same state on `world` ranks, as torchtitan resumes — the dataloader excluded when the degree
-    changed — and compares every local shard and value; then hands our optimizer state to
-    torchtitan's `load_flat_optim_state_dict`."""
+    same state on `world` ranks (`world / tp` data-parallel ranks of `tp` tensor-parallel ones), as
+    torchtitan resumes — the dataloader excluded when the degree changed — and compares every
+    local shard and value; then hands our optimizer state to torchtitan's
+    `load_flat_optim_state_dict`."""
     harness.join_gloo(rank, world, port)
     try:
         tt = _torchtitan()
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",)) if tp == 1 else None
         loaded = []
         for ckpt in (source, ours):
-            params, buffers, opt = build(Path(release), world, mesh, "nan")
-            state = state_dict(Path(release), params, buffers, opt, rank, world)
+            if tp == 1:
+                params, buffers, opt = build(Path(release), world, mesh, "nan")
+            else:
+                params, buffers, opt = build_tp(Path(release), world // tp, tp)
+            state = state_dict(Path(release), params, buffers, opt, rank // tp, world // tp)
             if not keep_dataloader:
                 state.pop("dataloader")  # torchtitan: --checkpoint.exclude_from_loading dataloader
             dcp.load(state, checkpoint_id=ckpt)
@@ -165,6 +196,15 @@ def load_worker(rank: int, world: int, port: int, release: str, source: str, our
         problems += [f"rank {rank}: {p}" for k in sorted(want) if (p := _describe(k, got[k], want[k]))]
         if problems:
             raise AssertionError("\n".join(problems[:20]))
+        if tp > 1:
+            # Each rank's parameters and moments are chunks of its own file.
+            from torchtitan_worker import stored_where_placed
+
+            md = dcp.FileSystemReader(ours).read_metadata()
+            problems = [p for k, v in got.items() if isinstance(v, DTensor)
+                        and (p := stored_where_placed(md, k, v, rank, tp))]
+            if problems:
+                raise AssertionError("\n".join(problems[:20]))
         tt.load(opt, {k[len("optimizer."):]: v for k, v in got.items() if k.startswith("optimizer.")})
         for key, p in params.items():
             for s in ("exp_avg", "exp_avg_sq"):

@@ -127,7 +127,8 @@ def load_ep_worker(rank: int, world: int, port: int, release: str, seed: str, ep
 # models/common/moe_sharding.py: routed experts without EP `S(1)` colwise, `S(2)` rowwise, the
 # router and expert bias replicated; deepseek_v3/sharding.py: MLA's up-projections colwise, its
 # low-rank projections and norms replicated, MTP's `eh_proj` replicated).
-_TP_COLWISE = ("tok_embeddings.weight", "lm_head.weight", ".wq.weight", ".wk.weight", ".wv.weight", ".wq_b.weight",
+_TP_COLWISE = ("tok_embeddings.weight", "lm_head.weight", ".wq.weight", ".wk.weight", ".wv.weight", ".wqkv.weight",
+               ".wq_b.weight",
                ".wkv_b.weight", "feed_forward.w1.weight", "feed_forward.w3.weight", "shared_experts.w1.weight",
                "shared_experts.w3.weight")
 _TP_ROWWISE = (".wo.weight", "feed_forward.w2.weight", "shared_experts.w2.weight")
@@ -155,7 +156,6 @@ def load_tp_worker(rank: int, world: int, port: int, release: str, seed: str, tp
     slice of the reference torch's placement gives it, stored in this rank's file (a TP replica in
     the file of a rank of its FSDP row), and the whole tensors must equal the reference."""
     import torch.nn as nn
-    from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -193,16 +193,8 @@ def load_tp_worker(rank: int, world: int, port: int, release: str, seed: str, tp
             if not torch.equal(param.to_local(), expect):
                 problems.append(f"rank {rank} {param.placements}: "
                                 + harness.describe_mismatch(key, param.to_local(), expect))
-            if all(local_shape):
-                index = MetadataIndex(key, torch.Size(offset))
-                chunks = {(tuple(c.offsets), tuple(c.sizes)) for c in md.state_dict_metadata[key].chunks}
-                if (tuple(offset), tuple(local_shape)) not in chunks:
-                    problems.append(f"{key}: no chunk at {tuple(offset)} {tuple(local_shape)} for rank {rank}")
-                    continue
-                stored = int(md.storage_data[index].relative_path.split("_")[2])
-                replicated = _tp_placement(key, ep) is not None and param.placements[-1].is_replicate()
-                if stored != rank and not (replicated and stored // tp == rank // tp):
-                    problems.append(f"{key}: rank {rank}'s block {param.placements} is stored in rank {stored}'s file")
+            if problem := stored_where_placed(md, key, param, rank, tp):
+                problems.append(problem)
             full = param.full_tensor()
             if rank == 0 and not torch.equal(full, t):
                 problems.append("whole: " + harness.describe_mismatch(key, full, t))
@@ -214,3 +206,23 @@ def load_tp_worker(rank: int, world: int, port: int, release: str, seed: str, tp
         raise RuntimeError(f"rank {rank}/{world} failed:\n{traceback.format_exc()}") from None
     finally:
         dist.destroy_process_group()
+
+
+def stored_where_placed(md, key: str, param, rank: int, tp: int) -> str | None:
+    """Why the DTensor `param`'s local box on `rank` is not a chunk stored in that rank's file —
+    or, replicated over TP, in the file of a rank of its FSDP row — if it is not: each rank of a
+    job on torchtitan's placements reads only its own part."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if not all(shape) or all(p.is_replicate() for p in param.placements):
+        return None  # empty, or whole on every rank and written once (fused-QKV model keys)
+    chunks = {(tuple(c.offsets), tuple(c.sizes)) for c in md.state_dict_metadata[key].chunks}
+    if (tuple(offset), tuple(shape)) not in chunks:
+        return f"{key}: no chunk at {tuple(offset)} {tuple(shape)} for rank {rank} ({param.placements})"
+    stored = int(md.storage_data[MetadataIndex(key, torch.Size(offset))].relative_path.split("_")[2])
+    replicated = param.placements[-1].is_replicate()
+    if stored != rank and not (replicated and stored // tp == rank // tp):
+        return f"{key}: rank {rank}'s block {param.placements} is stored in rank {stored}'s file"
+    return None

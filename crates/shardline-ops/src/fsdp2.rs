@@ -67,7 +67,15 @@ fn check_request(dialect: Dialect, mesh: Mesh, target: Option<Dialect>) -> Resul
         Dialect::Automodel => "a NeMo Automodel save",
         _ => "a torchtitan checkpoint",
     };
-    if (mesh.tp, mesh.cp, mesh.etp) != (1, 1, 1) {
+    if let Dialect::Torchtitan(_) = dialect {
+        // torchtitan has no expert tensor parallelism (the CLI's default etp is tp).
+        if mesh.cp != 1 || (mesh.etp != 1 && mesh.etp != mesh.tp) {
+            return Err(ReshardError::Mesh(format!(
+                "{what} is resharded over data, tensor and expert parallelism (--dp, --tp, --ep): context \
+                 parallelism keeps no parameter shard, and torchtitan has no expert tensor parallelism (leave --etp out)"
+            )));
+        }
+    } else if (mesh.tp, mesh.cp, mesh.etp) != (1, 1, 1) {
         return Err(ReshardError::Mesh(format!(
             "{what} is resharded over data and expert parallelism (--dp, --ep) only; its tensor- and \
              context-parallel placements are not written yet"
@@ -85,7 +93,8 @@ fn plan_dir(source: &TrainingCheckpoint, dialect: Dialect, mesh: Mesh) -> Result
     let files = source.checkpoint.tensors.iter().flat_map(|t| t.chunks.iter().map(|c| &c.file));
     let files = files.chain(source.checkpoint.objects.iter().map(|o| &o.file));
     let source_ranks = files.collect::<BTreeSet<_>>().len() as u64;
-    let plan = plan_fsdp2_reshard(&source.items, &Fsdp2Options { dialect, dp: mesh.dp, ep: mesh.ep, source_ranks })?;
+    let options = Fsdp2Options { dialect, dp: mesh.dp, tp: mesh.tp, ep: mesh.ep, source_ranks };
+    let plan = plan_fsdp2_reshard(&source.items, &options)?;
     Ok((plan, source_ranks))
 }
 

@@ -27,6 +27,7 @@ pub use build::{build_plan, check_mesh_for_model};
 pub(crate) use chunk::chunk_draft;
 use chunk::with_rest;
 pub use chunk::{column_section_rows, fsdp_rows};
+pub(crate) use torchtitan::{dense_mesh_tiling, is_routed_experts, sparse_mesh_tiling, tp_split, uneven_split};
 pub use torchtitan::{TorchtitanTarget, TorchtitanVersion};
 
 /// A tensor of the release, as its header declares it.

@@ -18,6 +18,10 @@ use crate::config::{Family, ModelConfig, Quantization};
 use crate::error::LayoutError;
 use crate::recipe::{can_cast, RowBlock, Transform};
 
+mod tp;
+
+pub(crate) use tp::{dense_mesh_tiling, is_routed_experts, sparse_mesh_tiling, tp_split, uneven_split};
+
 /// Which torchtitan's names a seed is written for: its native key names changed three times in
 /// 2026 (fsdp2-frameworks.md §2.2). Each row is the torchtitan of a commit that renamed model
 /// keys, read off that commit's model code (`torchtitan/models/common/`); a torchtitan between
@@ -564,50 +568,42 @@ impl Builder<'_> {
         RowBlock { transform, ..RowBlock::copy(id, first, rows) }
     }
 
-    /// `part` of `layer` on the dense mesh `(dp, tp)`: split by TP as torchtitan's sharding
-    /// configs put it ([`tp_dim`]), the TP-local tensor then FSDP2's `Shard(0)` over dp (a TP
-    /// `Shard(0)` becomes `[_StridedShard(0), Shard(0)]`: Megatron-FSDP's column tiling; a TP
-    /// `Shard(1)`, `[Shard(0), Shard(1)]`: its row tiling). A TP replica is written by the TP
-    /// rank with the fewest bytes so far, as DCP's save plan spreads replicas.
+    /// `part` of `layer` on the dense mesh `(dp, tp)` ([`tp::dense_mesh_tiling`]): split by TP as
+    /// torchtitan's sharding configs put it, the TP-local tensor then FSDP2's `Shard(0)` over dp.
+    /// A TP replica is written by the TP rank with the fewest bytes so far, as DCP's save plan
+    /// spreads replicas.
     fn push(&mut self, part: Part, layer: Option<Layer>, dtype: DType, shape: Vec<u64>, recipe: Vec<RowBlock>) {
         let key = self.key(part, layer);
-        let (tp, dp) = (self.mesh.tp, self.mesh.dp);
-        let rows = rows_of(&shape);
-        let split = tp_dim(part).filter(|_| tp > 1);
-        if !self.tp_divides(&key, &shape, split) {
+        self.push_on_dense_mesh(key, 0, dtype, shape, recipe);
+    }
+
+    fn push_on_dense_mesh(
+        &mut self,
+        key: String,
+        fsdp_dim: usize,
+        dtype: DType,
+        shape: Vec<u64>,
+        recipe: Vec<RowBlock>,
+    ) {
+        let split = tp::tp_split(&key);
+        if let Some(why) = uneven_split(&shape, split.filter(|_| self.mesh.tp > 1), self.mesh.tp) {
+            self.errors.push(LayoutError::Mesh(format!("--target torchtitan: `{key}`: {why}")));
             return;
         }
-        let (tp_mode, local_rows) = match split {
-            Some(0) => (TpMode::Column, rows / tp),
-            Some(_) => (TpMode::Row, rows),
-            None => (TpMode::Replicated, rows),
+        let mesh = self.mesh;
+        let bytes = |r: u64, j: u64| self.rank_bytes.get(mesh.dense_rank(r, j) as usize).copied().unwrap_or(0);
+        let writer = |j: u64| {
+            let r = (0..mesh.tp).min_by_key(|&r| (bytes(r, j), r)).unwrap_or(0);
+            u32::try_from(r).unwrap_or(0)
         };
-        let writers: Box<[u32]> = if tp_mode == TpMode::Replicated && tp > 1 {
-            let bytes = |r: u64, j: u64| self.rank_bytes[self.mesh.dense_rank(r, j) as usize];
-            (0..dp)
-                .map(|j| (0..tp).min_by_key(|&r| (bytes(r, j), r)).map_or(0, |r| u32::try_from(r).unwrap_or(0)))
-                .collect()
-        } else {
-            Box::default()
-        };
-        let numbers = FsdpNumbers {
-            fsdp_size: dp,
-            local_rows,
-            section_start: 0,
-            section_rows: local_rows,
-            dp_writer: 0,
-            dim: 0,
-            slabs: 1,
-        };
-        let tiling = Tiling::Fsdp(FsdpTiling { numbers, writers });
+        let (tp_mode, tiling) = tp::dense_mesh_tiling(&shape, split, fsdp_dim, &mesh, writer);
         self.push_tiled(key, dtype, shape, recipe, tp_mode, tiling);
     }
 
-    /// Routed experts `[E, …]`. Under EP, on torchtitan's sparse mesh `(efsdp, ep)` over every
-    /// rank, out of TP: one slab of `E / ep` experts per EP rank, cut over its `efsdp` ranks along
-    /// dim 0 (`[_StridedShard(0), Shard(0)]`). Without EP, on the dense mesh: TP splits them as
-    /// [`tp_dim`] says and FSDP2 cuts the TP-local tensor along dim 0. Either way FSDP2 cuts
-    /// dim 1 instead once its mesh has more ranks than experts (torchtitan/distributed/fsdp.py).
+    /// Routed experts `[E, …]`. Under EP, on torchtitan's sparse mesh over every rank, out of TP
+    /// ([`tp::sparse_mesh_tiling`]); without it, on the dense mesh, TP-split as the dense layers
+    /// are. FSDP2 cuts dim 1 instead of 0 once its mesh has more ranks than experts
+    /// (torchtitan/distributed/fsdp.py): the sparse mesh's `dp·tp`, or the dense mesh's `dp`.
     fn push_routed_experts(
         &mut self,
         part: Part,
@@ -620,51 +616,10 @@ impl Builder<'_> {
         let Mesh { tp, dp, ep, .. } = self.mesh;
         let experts = shape[0];
         if ep > 1 {
-            // Chunk `i = j·tp + r` is on rank `i`; `grouped_box` cuts slab `i mod ep`.
-            let dim = u8::from(dp * tp > experts);
-            let n = shape[usize::from(dim)];
-            let numbers = FsdpNumbers {
-                fsdp_size: dp,
-                local_rows: n,
-                section_start: 0,
-                section_rows: n,
-                dp_writer: 0,
-                dim,
-                slabs: ep,
-            };
-            let tiling = Tiling::Fsdp(FsdpTiling { numbers, writers: Box::default() });
+            let tiling = tp::sparse_mesh_tiling(&shape, u8::from(dp * tp > experts), &self.mesh);
             return self.push_tiled(key, dtype, shape, recipe, TpMode::Replicated, tiling);
         }
-        let split = tp_dim(part).filter(|_| tp > 1);
-        if !self.tp_divides(&key, &shape, split) {
-            return;
-        }
-        let fsdp_dim = usize::from(dp > experts);
-        let chunks = (0..dp)
-            .flat_map(|j| (0..tp).map(move |r| (j, r)))
-            .map(|(j, r)| {
-                let (offsets, sizes) = tp_fsdp_box(&shape, split.map(|d| (d, tp, r)), fsdp_dim, dp, j);
-                let written = sizes.iter().all(|&n| n > 0);
-                Chunk { rank: self.mesh.dense_rank(r, j), tp_rank: r, fsdp_rank: j, offsets, sizes, written }
-            })
-            .collect();
-        // Megatron's tilings have no TP split of dim 1 or 2, so the chunks are listed: a few per
-        // rank and expert tensor.
-        self.push_tiled(key, dtype, shape, recipe, TpMode::Replicated, Tiling::Listed(chunks));
-    }
-
-    /// Whether `tp` divides the dim TP splits (Shardline writes even TP shards only).
-    fn tp_divides(&mut self, key: &str, shape: &[u64], split: Option<usize>) -> bool {
-        let Some(d) = split else { return true };
-        if shape.get(d).is_some_and(|n| n.is_multiple_of(self.mesh.tp)) {
-            return true;
-        }
-        self.errors.push(LayoutError::Mesh(format!(
-            "--target torchtitan: tp = {} does not divide dim {d} of `{key}` {shape:?}, which torchtitan's tensor \
-             parallelism splits",
-            self.mesh.tp
-        )));
-        false
+        self.push_on_dense_mesh(key, usize::from(dp > experts), dtype, shape, recipe);
     }
 
     fn push_tiled(
@@ -695,51 +650,6 @@ impl Builder<'_> {
         }
         self.tensors.push(tensor);
     }
-}
-
-/// The dim torchtitan's tensor parallelism splits `part` along, from its sharding configs
-/// (models/common/decoder_sharding.py, moe_sharding.py, deepseek_v3/sharding.py): colwise
-/// `Shard(0)` (embedding, `lm_head`, q/k/v, `w1`/`w3`, MLA's up-projections), rowwise
-/// `Shard(1)` (`wo`, `w2`), routed experts without EP `Shard(1)` (`w1_EFD`, `w3_EFD`) and
-/// `Shard(2)` (`w2_EDF`); `None` where TP replicates it (norms, router, expert bias, MLA's
-/// low-rank projections, MTP's `eh_proj`).
-fn tp_dim(part: Part) -> Option<usize> {
-    match part {
-        Part::Embed
-        | Part::Output
-        | Part::Q
-        | Part::K
-        | Part::V
-        | Part::W1
-        | Part::W3
-        | Part::MlaWq
-        | Part::MlaWqB
-        | Part::MlaWkvB
-        | Part::SharedW1
-        | Part::SharedW3 => Some(0),
-        Part::O | Part::W2 | Part::SharedW2 | Part::ExpertsW1 | Part::ExpertsW3 => Some(1),
-        Part::ExpertsW2 => Some(2),
-        _ => None,
-    }
-}
-
-/// The box of dense-mesh rank `(j, r)`: TP rank `r`'s even block of dim `d` when `tp` is
-/// `Some((d, tp, r))`, then `torch.chunk` piece `j` of `dp` of the TP-local tensor along
-/// `fsdp_dim` (strided within the TP block when the dims agree, as FSDP2 places it).
-fn tp_fsdp_box(shape: &[u64], tp: Option<(usize, u64, u64)>, fsdp_dim: usize, dp: u64, j: u64) -> (Vec<u64>, Vec<u64>) {
-    let mut offsets = vec![0; shape.len()];
-    let mut sizes = shape.to_vec();
-    if let Some((d, tp, r)) = tp {
-        if let (Some(o), Some(s)) = (offsets.get_mut(d), sizes.get_mut(d)) {
-            *s /= tp;
-            *o = r * *s;
-        }
-    }
-    if let (Some(o), Some(s)) = (offsets.get_mut(fsdp_dim), sizes.get_mut(fsdp_dim)) {
-        let (lo, hi) = fsdp_rows(*s, dp, j);
-        (*o, *s) = (*o + lo, hi - lo);
-    }
-    (offsets, sizes)
 }
 
 #[cfg(test)]

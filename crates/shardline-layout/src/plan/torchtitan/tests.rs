@@ -105,7 +105,12 @@ fn what_torchtitan_cannot_take_is_refused_with_the_reason() {
     );
     // 3 does not divide the vocabulary (10 rows) TP splits.
     let errors = build_plan(&config, sources, Mesh { tp: 3, cp: 1, dp: 1, ep: 1, etp: 3 }, &options).expect_err("tp");
-    assert!(errors.iter().any(|e| e.to_string().contains("dim 0 of `tok_embeddings.weight`")), "{errors:?}");
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.to_string().contains("`tok_embeddings.weight`: tp = 3 does not divide dim 0 of [10, 8]")),
+        "{errors:?}"
+    );
 }
 
 /// `(rank, offsets, sizes)` of `key`'s written chunks, by rank.

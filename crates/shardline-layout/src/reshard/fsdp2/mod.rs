@@ -23,7 +23,7 @@ use super::ReshardError;
 use crate::arch::TpMode;
 use crate::dialect::{Dialect, DiskLayout};
 use crate::mesh::Mesh;
-use crate::plan::{FsdpNumbers, FsdpTiling, Group, OutputTensor, Role, Tiling};
+use crate::plan::{dense_mesh_tiling, sparse_mesh_tiling, FsdpNumbers, FsdpTiling, Group, OutputTensor, Role, Tiling};
 use crate::recipe::RowBlock;
 
 mod placement;
@@ -36,9 +36,10 @@ pub use placement::{source_placement, ExpertKeys, Placement};
 pub struct Fsdp2Options {
     /// The framework that wrote the checkpoint and will load the target (its placement rules).
     pub dialect: Dialect,
-    /// The target's data-parallel (FSDP shard) degree: every rank, as tensor and context
-    /// parallelism are 1.
+    /// The target's data-parallel (FSDP shard) degree.
     pub dp: u64,
+    /// The target's tensor-parallel degree (torchtitan only; 1: none).
+    pub tp: u64,
     /// The target's expert-parallel degree (1: none).
     pub ep: u64,
     /// Rank files of the source: a one-rank save holds every tensor whole, which says nothing of
@@ -94,7 +95,7 @@ pub fn classify_fsdp2(path: &[PathElem]) -> Fsdp2Item {
 /// Plans the target checkpoint of `items` at data-parallel degree `options.dp`.
 pub fn plan_fsdp2_reshard(items: &[SourceItem], options: &Fsdp2Options) -> Result<ReshardPlan, ReshardError> {
     let dp = options.dp;
-    let mesh = Mesh { tp: 1, cp: 1, dp, ep: options.ep, etp: 1 };
+    let mesh = Mesh { tp: options.tp, cp: 1, dp, ep: options.ep, etp: 1 };
     let mut errors: Vec<ReshardError> = mesh.check().into_iter().map(|e| ReshardError::Mesh(e.to_string())).collect();
     // The placements below divide by the mesh's sizes.
     if !errors.is_empty() {
@@ -119,7 +120,8 @@ pub fn plan_fsdp2_reshard(items: &[SourceItem], options: &Fsdp2Options) -> Resul
     let experts = ExpertKeys::new(items.iter().map(|i| i.key.as_str()));
     let target = Target {
         dialect: options.dialect,
-        world: mesh.world(),
+        dp,
+        tp: options.tp,
         ep: options.ep,
         source_ranks: options.source_ranks,
         fused_qkv: &fused_qkv,
@@ -144,13 +146,7 @@ pub fn plan_fsdp2_reshard(items: &[SourceItem], options: &Fsdp2Options) -> Resul
             errors.push(ReshardError::Tiling { key: item.key.clone(), problem: problem.to_string() });
             continue;
         }
-        let shown = match source_placement(&t.shape, &t.chunks) {
-            Ok(p) => p,
-            Err(problem) => {
-                errors.push(ReshardError::Tiling { key: item.key.clone(), problem });
-                continue;
-            }
-        };
+        let shown = source_placement(&t.shape, &t.chunks);
         let role = match kind {
             Fsdp2Item::State { name, state } => {
                 if let Some(problem) = params.get(name.as_str()).and_then(|p| state_mismatch(p, t)) {
@@ -161,7 +157,11 @@ pub fn plan_fsdp2_reshard(items: &[SourceItem], options: &Fsdp2Options) -> Resul
             }
             _ => Role::Param,
         };
-        match target.placement(&item.key, &t.shape, shown) {
+        let param = match kind {
+            Fsdp2Item::State { name, .. } | Fsdp2Item::Param { name } => name.as_str(),
+            _ => item.key.as_str(),
+        };
+        match target.placement(&item.key, param, &t.shape, shown) {
             Ok(placement) => tensors.push(target_tensor(item, t, i, placement, &mesh, role)),
             Err(problem) => errors.push(ReshardError::Tiling { key: item.key.clone(), problem }),
         }
@@ -242,18 +242,37 @@ fn target_tensor(
     role: Role,
 ) -> TargetTensor {
     let world = mesh.world();
-    let (dim, fsdp_size, slabs, group) = match placement {
-        Placement::Whole => (0, 1, 1, Group::Dense),
-        Placement::Shard(d) => (d, world, 1, Group::Dense),
-        Placement::Grouped { dim } => (dim, world, mesh.ep, Group::Dense),
+    let fsdp = |dim: u8, fsdp_size: u64, group: Group| {
+        let size = t.shape.get(usize::from(dim)).copied().unwrap_or(1);
+        let numbers = FsdpNumbers {
+            fsdp_size,
+            local_rows: size,
+            section_start: 0,
+            section_rows: size,
+            dp_writer: 0,
+            dim,
+            slabs: 1,
+        };
+        (TpMode::Replicated, 1, group, Tiling::Fsdp(FsdpTiling { numbers, writers: Box::new([]) }))
+    };
+    let (tp_mode, tp, group, tiling) = match placement {
+        Placement::Whole => fsdp(0, 1, Group::Dense),
+        Placement::Shard(d) => fsdp(d, world, Group::Dense),
         Placement::OfExpert { expert, experts, dim } => {
             let ep_rank = expert / (experts / mesh.ep).max(1);
-            (dim, mesh.expert_dp_size(), 1, Group::Expert { expert, ep_rank })
+            fsdp(dim, mesh.expert_dp_size(), Group::Expert { expert, ep_rank })
+        }
+        // Chunk `i` on rank `i` over the whole mesh: the tensor spans the TP ranks too.
+        Placement::Grouped { dim } => {
+            (TpMode::Replicated, mesh.tp, Group::Dense, sparse_mesh_tiling(&t.shape, dim, mesh))
+        }
+        Placement::DenseMesh { split, dim } => {
+            // A TP replica's FSDP piece `j` is written by TP rank `j mod tp`, spreading them.
+            let writer = |j: u64| u32::try_from(j % mesh.tp).unwrap_or(0);
+            let (mode, tiling) = dense_mesh_tiling(&t.shape, split.map(usize::from), usize::from(dim), mesh, writer);
+            (mode, mesh.tp, Group::Dense, tiling)
         }
     };
-    let size = t.shape.get(usize::from(dim)).copied().unwrap_or(1);
-    let numbers =
-        FsdpNumbers { fsdp_size, local_rows: size, section_start: 0, section_rows: size, dp_writer: 0, dim, slabs };
     let rows = t.shape.first().copied().unwrap_or(1);
     TargetTensor {
         out: OutputTensor {
@@ -261,12 +280,12 @@ fn target_tensor(
             dtype: t.dtype,
             shape: t.shape.clone(),
             recipe: vec![RowBlock::copy(source, 0, rows)],
-            tp_mode: TpMode::Replicated,
-            tp: 1,
+            tp_mode,
+            tp,
             group,
             split: None,
             role,
-            tiling: Tiling::Fsdp(FsdpTiling { numbers, writers: Box::new([]) }),
+            tiling,
         },
         path: item.path.clone(),
         source,

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::super::boxes::ChunkBox;
 use crate::dialect::Dialect;
+use crate::plan::{is_routed_experts, tp_split, uneven_split};
 
 /// How a tensor lies over the ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,6 +22,10 @@ pub enum Placement {
     /// One expert's own tensor (NeMo Automodel's per-expert HF keys): held by the EP rank that
     /// owns expert `expert` of `experts`, `Shard(dim)` over that rank's expert-FSDP group.
     OfExpert { expert: u64, experts: u64, dim: u8 },
+    /// On torchtitan's dense mesh `(dp, tp)`: TP rank `r`'s even block of dim `split` (none:
+    /// replicated over TP), cut along `dim` of that block over the DP ranks (`plan::torchtitan`'s
+    /// `dense_mesh_tiling`).
+    DenseMesh { split: Option<u8>, dim: u8 },
 }
 
 /// Whether `along` (offset, size) pairs, sorted, are `torch.chunk`'s pieces of `n`.
@@ -119,8 +124,9 @@ impl<'a> ExpertKeys<'a> {
 /// What the target takes for a tensor of `shape` whose source shows `shown`.
 pub struct Target<'a> {
     pub dialect: Dialect,
-    /// Every rank of the target, and its expert-parallel ranks.
-    pub world: u64,
+    /// The target's data-, tensor- and expert-parallel degrees (every rank: `dp·tp`).
+    pub dp: u64,
+    pub tp: u64,
     pub ep: u64,
     pub source_ranks: u64,
     pub fused_qkv: &'a BTreeSet<&'a str>,
@@ -128,15 +134,25 @@ pub struct Target<'a> {
 }
 
 impl Target<'_> {
-    pub fn placement(&self, key: &str, shape: &[u64], shown: Placement) -> Result<Placement, String> {
+    /// The target placement of the tensor `key` of `shape`, an optimizer state of the parameter
+    /// `param` (else `param` is `key`), whose source chunks show `shown` (or why they show no
+    /// FSDP2 placement).
+    pub fn placement(
+        &self,
+        key: &str,
+        param: &str,
+        shape: &[u64],
+        shown: Result<Placement, String>,
+    ) -> Result<Placement, String> {
         if shape.is_empty() {
             return Ok(Placement::Whole);
         }
         if let Dialect::Torchtitan(_) = self.dialect {
-            if let Some(p) = self.torchtitan(key, shape) {
+            if let Some(p) = self.torchtitan(key, param, shape, &shown)? {
                 return self.grouped_fits(p, shape);
             }
         }
+        let shown = shown?;
         let grouped_key = shape.len() == 3 && (key.contains(".experts.") || key.contains(".moe."));
         let placement = match shown {
             Placement::Grouped { dim } if self.ep > 1 => Placement::Grouped { dim },
@@ -153,24 +169,48 @@ impl Target<'_> {
         self.grouped_fits(placement, shape)
     }
 
-    /// torchtitan's rules (torchtitan/distributed/fsdp.py, models/common/attention.py).
-    fn torchtitan(&self, key: &str, shape: &[u64]) -> Option<Placement> {
+    /// torchtitan's rules (torchtitan/distributed/fsdp.py, models/common/attention.py, its sharding
+    /// configs), where they decide; `None` where the source's placement is kept.
+    fn torchtitan(
+        &self,
+        key: &str,
+        param: &str,
+        shape: &[u64],
+        shown: &Result<Placement, String>,
+    ) -> Result<Option<Placement>, String> {
         // Persistent buffers are not FSDP2 parameters: replicated, written once.
         if key.ends_with(".expert_bias_E") || key.ends_with(".moe.expert_bias") {
-            return Some(Placement::Whole);
+            return Ok(Some(Placement::Whole));
         }
         // The fused-QKV model keys: the save hook splits `wqkv` after redistributing it to Replicate.
         let module = key.strip_suffix(".weight").and_then(|k| k.rsplit_once('.')).map(|(m, _)| m);
         if module.is_some_and(|m| m.ends_with(".qkv_linear") && self.fused_qkv.contains(m)) {
-            return Some(Placement::Whole);
+            return Ok(Some(Placement::Whole));
         }
-        // Routed experts `[E, …]`: `Shard(0)` over the expert-FSDP mesh (strided within each EP
-        // slab), `Shard(1)` once the sparse mesh has more ranks than experts.
-        if shape.len() == 3 && (key.contains(".routed_experts.") || key.contains(".moe.experts.")) {
-            let dim = u8::from(self.world > shape[0]);
-            return Some(if self.ep > 1 { Placement::Grouped { dim } } else { Placement::Shard(dim) });
+        let split = tp_split(param).filter(|_| self.tp > 1);
+        if let Some(why) = uneven_split(shape, split, self.tp) {
+            return Err(why);
         }
-        None
+        let split = split.and_then(|d| u8::try_from(d).ok());
+        // Routed experts `[E, …]`: under EP on the sparse mesh over every rank (`[_StridedShard(0),
+        // Shard(0)]` within each EP slab), else on the dense mesh, TP-split; FSDP2 cuts dim 1 once
+        // its mesh has more ranks than experts.
+        if shape.len() == 3 && is_routed_experts(param) {
+            return Ok(Some(if self.ep > 1 {
+                Placement::Grouped { dim: u8::from(self.dp * self.tp > shape[0]) }
+            } else {
+                Placement::DenseMesh { split, dim: u8::from(self.dp > shape[0]) }
+            }));
+        }
+        // Under TP, or from a source saved with it (whose chunks show no one-dim placement), every
+        // parameter and moment is placed by the sharding configs, FSDP2's `Shard(0)` after.
+        if self.tp > 1 || shown.is_err() {
+            if *shown == Ok(Placement::Whole) && self.source_ranks > 1 {
+                return Ok(Some(Placement::Whole));
+            }
+            return Ok(Some(Placement::DenseMesh { split, dim: 0 }));
+        }
+        Ok(None)
     }
 
     /// Expert parallelism must give each EP rank whole experts.

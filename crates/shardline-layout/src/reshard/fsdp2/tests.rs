@@ -46,7 +46,7 @@ fn object(parts: &[&str]) -> SourceItem {
 }
 
 fn options(dp: u64) -> Fsdp2Options {
-    Fsdp2Options { dialect: Dialect::Torchtitan(Default::default()), dp, ep: 1, source_ranks: 4 }
+    Fsdp2Options { dialect: Dialect::Torchtitan(Default::default()), dp, tp: 1, ep: 1, source_ranks: 4 }
 }
 
 /// `(rank, offsets, sizes)` of every written chunk of the target tensor `key`.
@@ -194,8 +194,11 @@ fn what_cannot_be_resharded_is_refused_with_every_reason() {
     ];
     let err = plan_fsdp2_reshard(&items, &options(2)).unwrap_err().to_string();
     assert!(err.contains("`optimizer.state.norm.weight.exp_avg` cannot be resharded like its parameter `norm.weight`: its chunks are not its parameter's"), "{err}");
-    assert!(err.contains("`tp.weight`: it is split along dims [0, 1]"), "{err}");
     assert!(err.contains("`gap.weight`: chunks hold 4 of its 6 elements"), "{err}");
+    // A TP split is torchtitan's (its sharding configs place the target), not Automodel's.
+    assert!(!err.contains("tp.weight"), "{err}");
+    let err = plan_fsdp2_reshard(&items[2..3], &automodel(2, 1)).unwrap_err().to_string();
+    assert!(err.contains("`tp.weight`: it is split along dims [0, 1]"), "{err}");
     assert!(plan_fsdp2_reshard(&[], &options(0)).unwrap_err().to_string().contains("at least 1"));
     // An expert degree of 0 is refused before any placement divides by it.
     let grouped = saved(&["layers.0.moe.routed_experts.inner_experts.w1_EFD"], &[4, 2, 2], 0, 2);
@@ -254,7 +257,7 @@ fn boxed(parts: &[&str], shape: &[u64], boxes: &[(Vec<u64>, Vec<u64>)]) -> Sourc
 }
 
 fn automodel(dp: u64, ep: u64) -> Fsdp2Options {
-    Fsdp2Options { dialect: Dialect::Automodel, dp, ep, source_ranks: 4 }
+    Fsdp2Options { dialect: Dialect::Automodel, dp, tp: 1, ep, source_ranks: 4 }
 }
 
 #[test]
@@ -309,4 +312,53 @@ fn torchtitan_routed_experts_are_strided_within_their_expert_parallel_slab() {
     assert_eq!(got.len(), 8, "{got:?}"); // 6 expert-FSDP ranks cut 4 rows: 4 pieces per slab
     assert_eq!(got[0], (0, vec![0, 0, 0], vec![4, 1, 6]));
     assert_eq!(got[1], (1, vec![4, 0, 0], vec![4, 1, 6]));
+}
+
+/// A torchtitan save on `(dp 2, tp 2)` — q colwise `[_StridedShard(0), Shard(0)]`, `wo` rowwise
+/// `[Shard(0), Shard(1)]`, a norm replicated over TP — resharded to `(dp 3, tp 1)` and to
+/// `(dp 1, tp 4)`: every piece where torchtitan's placements put it, moments with their parameter.
+#[test]
+fn a_torchtitan_save_with_tp_reshards_to_other_tp_and_dp() {
+    let boxes = |b: &[([u64; 2], [u64; 2])]| -> Vec<ChunkBox> {
+        b.iter().map(|(o, s)| ChunkBox { offsets: o.to_vec(), sizes: s.to_vec() }).collect()
+    };
+    let item = |parts: &[&str], chunks: Vec<ChunkBox>| {
+        let path = key_path(parts);
+        SourceItem {
+            key: flat_key(&path),
+            path,
+            tensor: Some(SourceTensorMeta { dtype: DType::F32, shape: vec![8, 8], chunks }),
+        }
+    };
+    // (dp 2, tp 2): q's TP block r of 4 rows, piece j of 2; wo's rows piece j, columns block r.
+    let q = boxes(&[([0, 0], [2, 8]), ([4, 0], [2, 8]), ([2, 0], [2, 8]), ([6, 0], [2, 8])]);
+    let wo = boxes(&[([0, 0], [4, 4]), ([0, 4], [4, 4]), ([4, 0], [4, 4]), ([4, 4], [4, 4])]);
+    let items = vec![
+        item(&["layers.0.attention.qkv_linear.wq.weight"], q.clone()),
+        item(&["optimizer", "state.layers.0.attention.qkv_linear.wq.weight.exp_avg"], q),
+        item(&["layers.0.attention.wo.weight"], wo),
+        saved(&["layers.0.attention_norm.weight"], &[8], 0, 2),
+    ];
+    let plan = plan_fsdp2_reshard(&items, &options(3)).unwrap();
+    let rows = |key: &str| chunks_of(&plan, key).into_iter().map(|(r, o, s)| (r, o[0], s[0])).collect::<Vec<_>>();
+    assert_eq!(rows("layers.0.attention.qkv_linear.wq.weight"), [(0, 0, 3), (1, 3, 3), (2, 6, 2)]);
+    assert_eq!(
+        rows("optimizer.state.layers.0.attention.qkv_linear.wq.weight.exp_avg"),
+        [(0, 0, 3), (1, 3, 3), (2, 6, 2)]
+    );
+    assert_eq!(chunks_of(&plan, "layers.0.attention.wo.weight")[2], (2, vec![6, 0], vec![2, 8]));
+    let plan = plan_fsdp2_reshard(&items, &Fsdp2Options { tp: 4, ..options(1) }).unwrap();
+    assert_eq!(plan.mesh.world(), 4);
+    let q = chunks_of(&plan, "layers.0.attention.qkv_linear.wq.weight");
+    assert_eq!(q.iter().map(|(r, o, _)| (*r, o[0])).collect::<Vec<_>>(), [(0, 0), (1, 2), (2, 4), (3, 6)]);
+    let wo = chunks_of(&plan, "layers.0.attention.wo.weight");
+    assert_eq!(
+        wo.iter().map(|(r, o, s)| (*r, o[1], s[1])).collect::<Vec<_>>(),
+        [(0, 0, 2), (1, 2, 2), (2, 4, 2), (3, 6, 2)]
+    );
+    // The norm is replicated over TP: written once, whole, by one of the four.
+    assert_eq!(chunks_of(&plan, "layers.0.attention_norm.weight").len(), 1);
+    // tp = 3 does not divide q's 8 rows.
+    let err = plan_fsdp2_reshard(&items, &Fsdp2Options { tp: 3, ..options(1) }).unwrap_err().to_string();
+    assert!(err.contains("tp = 3 does not divide dim 0 of [8, 8]"), "{err}");
 }
