@@ -33,6 +33,7 @@ def releases(tmp_path_factory) -> dict[str, Path]:
     dense qwen3 made from qwen3_moe's attention with a dense MLP of deterministic values."""
     root = tmp_path_factory.mktemp("torchtitan-releases")
     out = {m: FIXTURES / m for m in ("llama", "qwen3_moe", "deepseek_v3", "deepseek_v3_no_q_lora", "deepseek_v3_fp8")}
+    out["gpt_oss"] = FIXTURES / "gpt_oss"
     out["llama_tied"] = harness.derive_fixture("tt_llama_tied", root, "llama", tied=True)
     cfg = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
     tensors = ref.load_hf_tensors(FIXTURES / "qwen3_moe")
@@ -92,7 +93,7 @@ def _check_seed(seed: Path, want: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize("model", ["llama", "llama_tied", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_no_q_lora",
-                                   "deepseek_v3_fp8"])
+                                   "deepseek_v3_fp8", "gpt_oss"])
 def test_seed_equals_torchtitans_own_conversion(releases, tmp_path, model):
     release = releases[model]
     seed = _convert(release, tmp_path / "out")
@@ -110,6 +111,11 @@ def test_seed_equals_torchtitans_own_conversion(releases, tmp_path, model):
         _check_seed(seed16, torchtitan_seed(release, torch.bfloat16))
         wq = "layers.0.attention.wq_b.weight"
         assert not torch.equal(want[wq], want[wq].to(torch.bfloat16).float()), "the fp32 seed kept no more than bf16"
+    if model == "gpt_oss":
+        # The MXFP4 experts dequantized whole, in the model's names (not its adapter's).
+        assert want["layers.0.moe.routed_experts.inner_experts.mlp1_weight_EGD"].shape == (4, 192, 64)
+        seed16 = _convert(release, tmp_path / "bf16", "--dtype", "bfloat16")
+        _check_seed(seed16, torchtitan_seed(release, torch.bfloat16))
     proc = run_cli(["validate", str(tmp_path / "out"), "--against", str(release)])
     assert proc.returncode == 0 and proc.stdout.startswith("ok:"), proc.stdout + proc.stderr
 
@@ -176,7 +182,7 @@ def test_what_torchtitan_cannot_take_is_refused_and_nothing_is_written(releases,
     if case == "version":
         extra, says = ["--torchtitan-version", "2026-05"], "unknown torchtitan version `2026-05` (known: main, 0.3.0, 2026-07-16"
     elif case == "model":
-        release, says = FIXTURES / "gpt_oss", "no torchtitan seed for `gpt_oss`"
+        release, says = FIXTURES / "glm4_moe", "no torchtitan seed for `glm4_moe`"
     elif case == "scheme":
         release = tmp_path / "gptq"
         release.mkdir()
@@ -404,7 +410,7 @@ def test_a_seed_with_expert_parallelism_loads_as_torchtitan_places_routed_expert
 
 
 @pytest.mark.parametrize("model,dp,tp,ep", [("llama", 2, 2, 1), ("qwen3", 1, 4, 1), ("qwen3_moe", 2, 2, 1),
-                                            ("qwen3_moe", 2, 2, 2), ("deepseek_v3", 2, 2, 1),
+                                            ("qwen3_moe", 2, 2, 2), ("deepseek_v3", 2, 2, 1), ("gpt_oss", 2, 2, 1),
                                             ("deepseek_v3_fp8", 2, 2, 1)])
 def test_a_seed_with_tensor_parallelism_loads_where_fsdp2_over_tp_places_each_shard(releases, tmp_path, model, dp, tp,
                                                                                      ep):

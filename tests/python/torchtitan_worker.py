@@ -128,7 +128,7 @@ def load_ep_worker(rank: int, world: int, port: int, release: str, seed: str, ep
 # router and expert bias replicated; deepseek_v3/sharding.py: MLA's up-projections colwise, its
 # low-rank projections and norms replicated, MTP's `eh_proj` replicated).
 _TP_COLWISE = ("tok_embeddings.weight", "lm_head.weight", ".wq.weight", ".wk.weight", ".wv.weight", ".wqkv.weight",
-               ".wq_b.weight",
+               ".wq.bias", ".wk.bias", ".wv.bias", "attention.sinks", ".wq_b.weight",
                ".wkv_b.weight", "feed_forward.w1.weight", "feed_forward.w3.weight", "shared_experts.w1.weight",
                "shared_experts.w3.weight")
 _TP_ROWWISE = (".wo.weight", "feed_forward.w2.weight", "shared_experts.w2.weight")
@@ -137,10 +137,13 @@ _TP_ROWWISE = (".wo.weight", "feed_forward.w2.weight", "shared_experts.w2.weight
 def _tp_placement(key: str, ep: int):
     from torch.distributed.tensor import Replicate
 
-    if _routed(key, (0, 0, 0)):
+    if ".routed_experts." in key or ".moe.experts." in key:
         if ep > 1:
             return None  # on the sparse mesh, out of TP
-        return Shard(2) if key.endswith(("w2_EDF", ".w2")) else Shard(1)
+        # gpt_oss/sharding.py: mlp1 and its bias colwise, mlp2 rowwise, its bias replicated.
+        if key.endswith("mlp2_bias_ED"):
+            return Replicate()
+        return Shard(2) if key.endswith(("w2_EDF", ".w2", "mlp2_weight_EDF")) else Shard(1)
     if key.endswith(_TP_COLWISE):
         return Shard(0)
     if key.endswith(_TP_ROWWISE):

@@ -85,13 +85,26 @@ pub const MXFP4_MAX_SCALE: u8 = 252;
 /// elements `[32·(base_block + k), …)`. Exact: every product is a bf16 value for scales up to
 /// [`MXFP4_MAX_SCALE`] (larger ones give ±inf; the caller rejects them first).
 pub fn dequant_mxfp4_into(src: &[u8], first: u64, scales: &[u8], base_block: u64, out: &mut [u8]) {
-    for (k, o) in out.chunks_exact_mut(2).enumerate() {
+    dequant_mxfp4_as(DType::BF16, src, first, scales, base_block, out);
+}
+
+/// [`dequant_mxfp4_into`] into `out` elements of `dtype`: bfloat16, or float32 (a code times a
+/// power of two is exact in either, as torch's `QuantizedHuggingFaceStorageReader` computes it
+/// with `ldexp` in its target dtype).
+pub fn dequant_mxfp4_as(dtype: DType, src: &[u8], first: u64, scales: &[u8], base_block: u64, out: &mut [u8]) {
+    let size = if dtype == DType::F32 { 4 } else { 2 };
+    for (k, o) in out.chunks_exact_mut(size).enumerate() {
         let i = first + k as u64;
-        let byte = src.get(k / 2).copied().unwrap_or(0);
+        // Element `i`'s byte, counted from element `first`'s (which may hold its high nibble).
+        let byte = src.get(((first % 2 + k as u64) / 2) as usize).copied().unwrap_or(0);
         let code = if i.is_multiple_of(2) { byte & 0x0F } else { byte >> 4 };
         let e = scales.get((i / MXFP4_BLOCK - base_block) as usize).copied().unwrap_or(255);
         let v = if e == 255 { f32::NAN } else { FP4_E2M1[code as usize] * 2f32.powi(i32::from(e) - 127) };
-        o.copy_from_slice(&f32_to_bf16(v).to_le_bytes());
+        if dtype == DType::F32 {
+            o.copy_from_slice(&v.to_le_bytes());
+        } else {
+            o.copy_from_slice(&f32_to_bf16(v).to_le_bytes());
+        }
     }
 }
 

@@ -6,8 +6,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use shardline_layout::recipe::{
-    apply_transform, cast_into, dequant_fp8_f32_into, dequant_fp8_into, dequant_mxfp4_into, segments, Fp8Scales,
-    Segment, Transform, MXFP4_BLOCK, MXFP4_MAX_SCALE,
+    apply_transform, cast_into, dequant_fp8_f32_into, dequant_fp8_into, dequant_mxfp4_as, segments, Fp8Scales, Segment,
+    Transform, MXFP4_BLOCK, MXFP4_MAX_SCALE,
 };
 use shardline_layout::{DType, Plan, TensorView};
 
@@ -182,7 +182,7 @@ impl Converter {
                         max: MXFP4_MAX_SCALE,
                     });
                 }
-                dequant_mxfp4_into(staging, first, &self.block_scales, lo, out);
+                dequant_mxfp4_as(t.dtype, staging, first, &self.block_scales, lo, out);
             }
             _ => out.fill(0),
         }

@@ -16,7 +16,7 @@ use super::quant::Fp8Scales;
 use super::*;
 use crate::config::{Family, ModelConfig, Quantization};
 use crate::error::LayoutError;
-use crate::recipe::{can_cast, RowBlock, Transform};
+use crate::recipe::{can_cast, RowBlock, Transform, MXFP4_BLOCK};
 
 mod tp;
 
@@ -139,6 +139,17 @@ impl TorchtitanVersion {
             Part::Hnorm => "layers.{L}.hnorm.weight",
             Part::EhProj => "layers.{L}.eh_proj.weight",
             Part::MtpNorm => "layers.{L}.mtp_norm.weight",
+            // gpt-oss (torchtitan's `gpt_oss` model, main only).
+            Part::QBias => "layers.{L}.attention.qkv_linear.wq.bias",
+            Part::KBias => "layers.{L}.attention.qkv_linear.wk.bias",
+            Part::VBias => "layers.{L}.attention.qkv_linear.wv.bias",
+            Part::OBias => "layers.{L}.attention.wo.bias",
+            Part::Sinks => "layers.{L}.attention.sinks",
+            Part::RouterBias => "layers.{L}.moe.router.gate.bias",
+            Part::Mlp1Weight => "layers.{L}.moe.routed_experts.inner_experts.mlp1_weight_EGD",
+            Part::Mlp1Bias => "layers.{L}.moe.routed_experts.inner_experts.mlp1_bias_EG",
+            Part::Mlp2Weight => "layers.{L}.moe.routed_experts.inner_experts.mlp2_weight_EDF",
+            Part::Mlp2Bias => "layers.{L}.moe.routed_experts.inner_experts.mlp2_bias_ED",
         }
     }
 }
@@ -192,6 +203,16 @@ enum Part {
     Hnorm,
     EhProj,
     MtpNorm,
+    QBias,
+    KBias,
+    VBias,
+    OBias,
+    Sinks,
+    RouterBias,
+    Mlp1Weight,
+    Mlp1Bias,
+    Mlp2Weight,
+    Mlp2Bias,
 }
 
 /// A decoder layer of the release: one of torchtitan's `layers`, or (DeepSeek-V3's layers after
@@ -209,6 +230,7 @@ fn torchtitan_model(config: &ModelConfig) -> Option<&'static str> {
         (Family::Qwen3, _) => Some("qwen3"),
         (Family::Qwen3Moe, _) => Some("qwen3 (MoE)"),
         (Family::DeepseekV3, "deepseek_v3") => Some("deepseek_v3"),
+        (Family::GptOss, _) => Some("gpt_oss"),
         _ => None,
     }
 }
@@ -248,24 +270,36 @@ pub(super) fn build_torchtitan_plan(
     }
     let Some(_) = torchtitan_model(config) else {
         errors.push(LayoutError::Mesh(format!(
-            "--target torchtitan: no torchtitan seed for `{}` (Shardline writes llama, qwen3, qwen3_moe and deepseek_v3)",
+            "--target torchtitan: no torchtitan seed for `{}` (Shardline writes llama, qwen3, qwen3_moe, deepseek_v3 and \
+             gpt_oss)",
             config.model_type
         )));
         return Err(errors);
     };
-    if config.family == Family::DeepseekV3 && target.version != TorchtitanVersion::Main {
+    if matches!(config.family, Family::DeepseekV3 | Family::GptOss) && target.version != TorchtitanVersion::Main {
         errors.push(LayoutError::Mesh(format!(
-            "--target torchtitan: deepseek_v3 is written for torchtitan main only, not {}",
+            "--target torchtitan: {} is written for torchtitan main only, not {}",
+            config.model_type,
             target.version.name()
         )));
     }
     // Block-FP8 weights are dequantized (as torchtitan's quantized HF reader does); another
     // scheme is an error naming it.
     let fp8 = Fp8Scales::find(config, &Inventory::new(&sources, config.language_model_prefix), &mut errors);
-    if matches!(config.quantization, Some(Quantization::Mxfp4)) {
-        errors.push(LayoutError::Mesh(
-            "--target torchtitan: MXFP4 releases are not dequantized for torchtitan yet".into(),
-        ));
+    // torchtitan reads gpt-oss's MXFP4 experts through torch's quantized HF reader (its adapter
+    // maps the `*_blocks` keys only): dequantized, as here.
+    match (&config.quantization, config.family) {
+        (Some(Quantization::Mxfp4), Family::GptOss) => {}
+        (Some(Quantization::Mxfp4), _) => errors.push(LayoutError::Mesh(format!(
+            "--target torchtitan: an MXFP4 `{}` release has no torchtitan reader",
+            config.model_type
+        ))),
+        (_, Family::GptOss) => errors.push(LayoutError::Mesh(
+            "--target torchtitan: torchtitan's gpt_oss reads the MXFP4 release (its adapter maps the experts' \
+             `*_blocks`, dequantized on load); convert that one"
+                .into(),
+        )),
+        _ => {}
     }
     if !matches!(target.dtype, DType::F32 | DType::BF16) {
         errors.push(LayoutError::Mesh(format!(
@@ -383,6 +417,17 @@ impl Builder<'_> {
             }
             self.copy(Part::V, l, &self.hf(layer, "self_attn.v_proj.weight"), &[nkv * hd, h]);
             self.copy(Part::O, l, &self.hf(layer, "self_attn.o_proj.weight"), &[h, nh * hd]);
+            if c.family == Family::GptOss {
+                for (part, name, n) in [
+                    (Part::QBias, "self_attn.q_proj.bias", nh * hd),
+                    (Part::KBias, "self_attn.k_proj.bias", nkv * hd),
+                    (Part::VBias, "self_attn.v_proj.bias", nkv * hd),
+                    (Part::OBias, "self_attn.o_proj.bias", h),
+                    (Part::Sinks, "self_attn.sinks", nh),
+                ] {
+                    self.copy(part, l, &self.hf(layer, name), &[n]);
+                }
+            }
             if matches!(c.family, Family::Qwen3 | Family::Qwen3Moe) {
                 self.copy(Part::QNorm, l, &self.hf(layer, "self_attn.q_norm.weight"), &[hd]);
                 self.copy(Part::KNorm, l, &self.hf(layer, "self_attn.k_norm.weight"), &[hd]);
@@ -392,7 +437,9 @@ impl Builder<'_> {
         self.copy(Part::FfnNorm, l, &self.hf(layer, "post_attention_layernorm.weight"), &[h]);
         // A layer is sparse when the release holds its router (Qwen3-MoE's `mlp_only_layers`,
         // DeepSeek-V3's first dense layers).
-        if c.num_experts > 0 && self.by_name.contains_key(self.hf(layer, "mlp.gate.weight").as_str()) {
+        if c.family == Family::GptOss {
+            self.gpt_oss_experts(layer);
+        } else if c.num_experts > 0 && self.by_name.contains_key(self.hf(layer, "mlp.gate.weight").as_str()) {
             self.experts(layer);
         } else {
             let f = c.ffn_hidden_size.unwrap_or(0);
@@ -480,6 +527,51 @@ impl Builder<'_> {
             let zeros = RowBlock { rows: e, source: None, transform: Transform::Identity, stride: 1 };
             self.push(Part::ExpertBias, l, DType::F32, vec![e], vec![zeros]);
         }
+    }
+
+    /// gpt-oss's MoE (torchtitan's `GptOssGroupedExperts`): the biased router, the experts'
+    /// MXFP4 `gate_up_proj` and `down_proj` dequantized whole as `mlp1_weight_EGD [E, 2F, D]` and
+    /// `mlp2_weight_EDF [E, D, F]` (the release's layout: gate and up rows stay interleaved), their
+    /// packed biases, and the zero load-balancing bias torchtitan's MoE keeps.
+    fn gpt_oss_experts(&mut self, layer: Layer) {
+        let c = self.config;
+        let (h, e, l) = (c.hidden_size, c.num_experts, Some(layer));
+        let f = c.moe_ffn_hidden_size.unwrap_or(0);
+        self.copy(Part::Router, l, &self.hf(layer, "mlp.router.weight"), &[e, h]);
+        self.copy(Part::RouterBias, l, &self.hf(layer, "mlp.router.bias"), &[e]);
+        for (part, proj, rows, cols) in
+            [(Part::Mlp1Weight, "gate_up_proj", 2 * f, h), (Part::Mlp2Weight, "down_proj", h, f)]
+        {
+            let blocks = self.hf(layer, &format!("mlp.experts.{proj}_blocks"));
+            let scales = self.hf(layer, &format!("mlp.experts.{proj}_scales"));
+            let groups = cols / MXFP4_BLOCK;
+            if !cols.is_multiple_of(MXFP4_BLOCK) {
+                self.errors.push(LayoutError::Config {
+                    field: "hidden_size".into(),
+                    message: format!("{cols} is not a whole number of MXFP4 blocks of {MXFP4_BLOCK}"),
+                });
+                continue;
+            }
+            let (Some(b), Some(s)) =
+                (self.source(&blocks, &[e, rows, groups, MXFP4_BLOCK / 2]), self.source(&scales, &[e, rows, groups]))
+            else {
+                continue;
+            };
+            // Output row `x` (expert `x`) is source row `x` of the blocks: `rows·cols / 2` bytes.
+            let dequant =
+                RowBlock { transform: Transform::DequantMxfp4 { scales: s as u32 }, ..RowBlock::copy(b, 0, e) };
+            let key = self.key(part, l);
+            self.push_routed_experts_keyed(key, self.target.dtype, vec![e, rows, cols], vec![dequant]);
+        }
+        for (part, proj, n) in [(Part::Mlp1Bias, "gate_up_proj_bias", 2 * f), (Part::Mlp2Bias, "down_proj_bias", h)] {
+            let Some(id) = self.source(&self.hf(layer, &format!("mlp.experts.{proj}")), &[e, n]) else { continue };
+            let Some(dtype) = self.out_dtype(id) else { continue };
+            let recipe = vec![self.block(id, 0, e)];
+            let key = self.key(part, l);
+            self.push_routed_experts_keyed(key, dtype, vec![e, n], recipe);
+        }
+        let zeros = RowBlock { rows: e, source: None, transform: Transform::Identity, stride: 1 };
+        self.push(Part::ExpertBias, l, DType::F32, vec![e], vec![zeros]);
     }
 
     /// Llama's q or k projection of `heads` heads of `hd` rows, its rows in torchtitan's order:
@@ -613,6 +705,10 @@ impl Builder<'_> {
         recipe: Vec<RowBlock>,
     ) {
         let key = self.key(part, layer);
+        self.push_routed_experts_keyed(key, dtype, shape, recipe);
+    }
+
+    fn push_routed_experts_keyed(&mut self, key: String, dtype: DType, shape: Vec<u64>, recipe: Vec<RowBlock>) {
         let Mesh { tp, dp, ep, .. } = self.mesh;
         let experts = shape[0];
         if ep > 1 {

@@ -226,3 +226,34 @@ fn routed_experts_are_tp_split_on_dims_1_and_2_without_ep_and_leave_tp_under_ep(
     let total: u64 = p.bytes_per_rank().iter().sum();
     assert_eq!(total, p.tensors.iter().map(OutputTensor::nbytes).sum::<u64>());
 }
+
+#[test]
+fn tp_splits_follow_torchtitan_s_sharding_configs_under_every_version_s_names() {
+    use super::tp::tp_split;
+    for (key, split) in [
+        ("tok_embeddings.weight", Some(0)),
+        ("output.weight", Some(0)),
+        ("layers.3.attention.wq.weight", Some(0)),
+        ("layers.3.attention.qkv_linear.wk.weight", Some(0)),
+        ("layers.3.attention.qkv_linear.wqkv.weight", Some(0)),
+        ("layers.3.attention.wq_a.weight", None),
+        ("layers.3.attention.wkv_b.weight", Some(0)),
+        ("layers.3.attention.wo.weight", Some(1)),
+        ("layers.3.attention.wo.bias", None),
+        ("layers.3.attention.qkv_linear.wv.bias", Some(0)),
+        ("layers.3.attention.sinks", Some(0)),
+        ("layers.3.attention_norm.weight", None),
+        ("layers.3.feed_forward.w2.weight", Some(1)),
+        ("layers.3.moe.router.gate.weight", None),
+        ("layers.3.moe.experts.w1", Some(1)),
+        ("layers.3.moe.experts.w2_EDF", Some(2)),
+        ("layers.3.moe.routed_experts.inner_experts.w3_EFD", Some(1)),
+        ("layers.3.moe.routed_experts.inner_experts.mlp1_bias_EG", Some(1)),
+        ("layers.3.moe.routed_experts.inner_experts.mlp2_weight_EDF", Some(2)),
+        ("layers.3.moe.routed_experts.inner_experts.mlp2_bias_ED", None),
+        ("layers.3.moe.shared_experts.w2.weight", Some(1)),
+        ("layers.3.moe.expert_bias_E", None),
+    ] {
+        assert_eq!(tp_split(key), split, "{key}");
+    }
+}

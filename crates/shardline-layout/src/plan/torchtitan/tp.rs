@@ -15,9 +15,11 @@ pub(crate) fn is_routed_experts(key: &str) -> bool {
 /// The dim torchtitan's tensor parallelism splits the parameter `key` along, from its sharding
 /// configs (models/common/decoder_sharding.py, moe_sharding.py, deepseek_v3/sharding.py):
 /// colwise `Shard(0)` (embedding, output projection, q/k/v and fused `wqkv`, `w1`/`w3`, MLA's
-/// up-projections), rowwise `Shard(1)` (`wo`, `w2`), routed experts without EP `Shard(1)`
-/// (`w1`, `w3`) and `Shard(2)` (`w2`); `None` where TP replicates it (norms, router, expert bias,
-/// MLA's low-rank projections, MTP's `eh_proj`). Names of every torchtitan version match.
+/// up-projections; gpt-oss's q/k/v biases and attention sinks), rowwise `Shard(1)` (`wo`, `w2`),
+/// routed experts without EP `Shard(1)` (`w1`, `w3`; gpt-oss's `mlp1` and its bias) and
+/// `Shard(2)` (`w2`, gpt-oss's `mlp2`); `None` where TP replicates it (norms, router, biases of
+/// rowwise layers, expert bias, MLA's low-rank projections, MTP's `eh_proj`). Names of every
+/// torchtitan version match (gpt_oss/sharding.py for gpt-oss).
 pub(crate) fn tp_split(key: &str) -> Option<usize> {
     const COLWISE: &[&str] = &[
         "tok_embeddings.weight",
@@ -27,6 +29,10 @@ pub(crate) fn tp_split(key: &str) -> Option<usize> {
         ".wk.weight",
         ".wv.weight",
         ".wqkv.weight",
+        ".wq.bias",
+        ".wk.bias",
+        ".wv.bias",
+        "attention.sinks",
         ".wq_b.weight",
         ".wkv_b.weight",
         "feed_forward.w1.weight",
@@ -37,8 +43,8 @@ pub(crate) fn tp_split(key: &str) -> Option<usize> {
     const ROWWISE: &[&str] = &[".wo.weight", "feed_forward.w2.weight", "shared_experts.w2.weight"];
     if is_routed_experts(key) {
         return match key.rsplit('.').next() {
-            Some("w1_EFD" | "w3_EFD" | "w1" | "w3") => Some(1),
-            Some("w2_EDF" | "w2") => Some(2),
+            Some("w1_EFD" | "w3_EFD" | "w1" | "w3" | "mlp1_weight_EGD" | "mlp1_bias_EG") => Some(1),
+            Some("w2_EDF" | "w2" | "mlp2_weight_EDF") => Some(2),
             _ => None,
         };
     }
