@@ -14,7 +14,7 @@ use crate::report::bytes;
 use crate::reshard::parse_mesh;
 
 /// Bytes of the regular files under `dir`, subdirectories included (a save directory).
-fn dir_bytes(dir: &Path) -> u64 {
+pub(crate) fn dir_bytes(dir: &Path) -> u64 {
     let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
     entries
         .flatten()
@@ -26,7 +26,7 @@ fn dir_bytes(dir: &Path) -> u64 {
 }
 
 /// Best of `repeat` runs of `cp -r SRC COPY` and of the same made durable: `(cp, cp + fsync)`.
-fn time_copies(src: &Path, copy: &Path, repeat: usize) -> Result<(f64, f64)> {
+pub(crate) fn time_copies(src: &Path, copy: &Path, repeat: usize) -> Result<(f64, f64)> {
     let (mut cp, mut cp_sync) = (f64::MAX, f64::MAX);
     for _ in 0..repeat {
         let _ = std::fs::remove_dir_all(copy);

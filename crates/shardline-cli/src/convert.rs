@@ -8,13 +8,14 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use serde_json::json;
+use shardline_formats::checkpoint::TORCHTITAN_SEED_DIR;
 use shardline_formats::execute::{ExecuteOptions, OutputFormat, Progress};
 use shardline_formats::safetensors::Release;
 use shardline_formats::training::save_dir;
 use shardline_layout::{DType, Dialect, Mesh, Plan, TorchtitanTarget, TorchtitanVersion};
 use shardline_ops::{convert, plan_release, ConvertRequest};
 
-use shardline_synth::{Arch as SynthArch, WeightFormat};
+use shardline_synth::{Arch as SynthArch, SynthModel, WeightFormat};
 
 use crate::report::{bytes, peak_rss, Bar};
 
@@ -51,9 +52,11 @@ impl Target {
 /// What `--target torchtitan` writes for.
 #[derive(Args, Clone, Debug)]
 pub struct TorchtitanArgs {
-    /// The torchtitan whose native key names to write: `main` (also `0.3.0`: `qkv_linear`,
-    /// `lm_head`, `routed_experts.inner_experts.w1_EFD`) or `2025-12` (before its 2026 renames:
-    /// `attention.wq`, `output`, `moe.experts.w1`). Default: main.
+    /// The torchtitan whose native key names to write, a row per 2026 rename, by date or commit:
+    /// `main` (also `0.3.0`, 3101b42f9: `routed_experts.inner_experts.w1_EFD`), `2026-05-27`
+    /// (200100e7d: `moe.experts.w1_EFD`, `expert_bias_E`), `2026-04-27` (786e26f8e: `lm_head`),
+    /// `2026-04-16` (ad7a86533: `qkv_linear`) or `2025-12` (also `0.2.2`: `attention.wq`,
+    /// `output`, `moe.experts.w1`). Default: main.
     #[arg(long, value_parser = parse_torchtitan_version)]
     pub torchtitan_version: Option<TorchtitanVersion>,
     /// The parameters' dtype with --target torchtitan: float32 (torchtitan's training and seed
@@ -285,16 +288,22 @@ fn print_plan(plan: &Plan, as_json: bool) {
 #[derive(Args, Debug)]
 pub struct SynthArgs {
     /// Architecture (config `model_type`), e.g. qwen3_moe.
-    #[arg(long)]
-    pub arch: String,
+    #[arg(long, required_unless_present = "config")]
+    pub arch: Option<String>,
     /// Approximate release size in bf16, e.g. 4GB, 512MiB.
-    #[arg(long)]
-    pub size: String,
+    #[arg(long, required_unless_present = "config")]
+    pub size: Option<String>,
     /// Block-FP8 weights, as DeepSeek-V3 is published (only with --arch deepseek_v3): the model
     /// --size fits in bf16, its layers' projections e4m3 with 128×128 block scales, in about half
     /// the bytes.
     #[arg(long)]
     pub fp8: bool,
+    /// Instead of --arch and --size: the model this `config.json` describes, with exactly its
+    /// dimensions (`model_type`, `hidden_size`, `num_hidden_layers`, heads, `head_dim`, MLP and
+    /// expert widths, `vocab_size`; block FP8 if it has a `quantization_config`), e.g. a real
+    /// release's. The release always stores its own `lm_head.weight`.
+    #[arg(long, value_name = "CONFIG_JSON", conflicts_with_all = ["arch", "size", "fp8"])]
+    pub config: Option<PathBuf>,
     /// Seed of the deterministic data.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -318,18 +327,27 @@ fn weight_format(arch: &str, fp8: bool) -> Result<WeightFormat> {
 }
 
 pub fn run_synth(args: SynthArgs) -> Result<ExitCode> {
-    let format = weight_format(&args.arch, args.fp8)?;
-    let target = shardline_units::parse_size_lenient(&args.size)
-        .map_err(|e| anyhow::anyhow!("{e} ({})", shardline_units::LENIENT_SIZE_FORMS))
-        .with_context(|| format!("--size {}", args.size))?;
     let started = Instant::now();
-    let report =
-        shardline_synth::synth_as(&args.arch, format, target, &args.out, args.seed, &Default::default(), &|_| {})
-            .with_context(|| format!("writing synthetic {} release to {}", args.arch, args.out.display()))?;
+    let model = match (&args.config, &args.arch, &args.size) {
+        (Some(path), _, _) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            SynthModel::from_config_json(&text).with_context(|| format!("--config {}", path.display()))?
+        }
+        (None, Some(arch), Some(size)) => {
+            let format = weight_format(arch, args.fp8)?;
+            let target = shardline_units::parse_size_lenient(size)
+                .map_err(|e| anyhow::anyhow!("{e} ({})", shardline_units::LENIENT_SIZE_FORMS))
+                .with_context(|| format!("--size {size}"))?;
+            SynthModel::for_target_as(arch.parse()?, format, target)?
+        }
+        _ => bail!("give --arch and --size, or --config"),
+    };
+    let arch = model.arch();
+    let report = shardline_synth::write_release(&model, &args.out, args.seed, &Default::default(), &|_| {})
+        .with_context(|| format!("writing synthetic {arch} release to {}", args.out.display()))?;
     println!(
-        "wrote synthetic {}{} release ({}) to {} in {:.2}s",
-        args.arch,
-        if args.fp8 { " FP8" } else { "" },
+        "wrote synthetic {arch}{} release ({}) to {} in {:.2}s",
+        if model.format() == WeightFormat::Bf16 { "" } else { " FP8" },
         bytes(report.total_bytes),
         args.out.display(),
         started.elapsed().as_secs_f64()
@@ -361,13 +379,28 @@ pub struct BenchArgs {
     #[arg(long)]
     pub zip_crc32: bool,
     /// The dialect to convert to (as `convert --target`). With `--training`, `torch_dist` also
-    /// times the training checkpoint's translation to a torch_dist save directory and back.
+    /// times the training checkpoint's translation to a torch_dist save directory and back;
+    /// `torchtitan` also times the conversion against `cp -r` of its output (the float32 seed
+    /// `step-0/`, twice a bf16 release's bytes).
     #[arg(long, value_enum, default_value = "fsdp_dtensor")]
     pub target: Target,
     /// Also time torch's `FileSystemReader(CKPT).read_metadata()` with this Python (one that has
-    /// torch), next to `validate` and `inspect`.
+    /// torch), next to `validate` and `inspect`; with --model-flavor, the Python with torchtitan.
     #[arg(long, value_name = "PYTHON")]
     pub torch_python: Option<PathBuf>,
+    /// Instead of --arch and --size: the release of this torchtitan model flavor (`qwen3:1.7B`,
+    /// `llama3:8B`: a dense flavor of `torchtitan.models.qwen3` or `.llama3`), with exactly the
+    /// dimensions the torchtitan of --torch-python gives it (read from the flavor built on the
+    /// meta device, and checked against the tensors its state-dict adapter loads).
+    #[arg(long, value_name = "NAME:FLAVOR", value_parser = crate::bench_torchtitan::parse_model_flavor,
+          requires = "torch_python", conflicts_with_all = ["arch", "sizes", "fp8"])]
+    pub model_flavor: Option<crate::bench_torchtitan::ModelFlavor>,
+    /// Side by side with torchtitan's own converter: this `convert_from_hf.py` (from
+    /// `scripts/checkpoint_conversion/` of a torchtitan checkout matching the installed one), run
+    /// by --torch-python on the same release with --model-flavor; its time and peak RSS. Only
+    /// with --target torchtitan.
+    #[arg(long, value_name = "PATH", requires = "model_flavor")]
+    pub reference_script: Option<PathBuf>,
     /// Measure `reshard` and `export` instead: the release converted with optimizer state on the
     /// mesh, resharded to this one (`tp=1,dp=3,…`), and exported back to HF.
     #[arg(long, value_name = "MESH")]
@@ -417,24 +450,44 @@ pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
     if let Some(url) = &args.s3 {
         return crate::bench_s3::run_s3_bench(&args, url);
     }
-    weight_format(&args.arch, args.fp8)?;
+    if args.reference_script.is_some() && args.target != Target::Torchtitan {
+        bail!("--reference-script is torchtitan's converter: use it with --target torchtitan");
+    }
+    if args.model_flavor.is_none() {
+        weight_format(&args.arch, args.fp8)?;
+    }
     let exe = std::env::current_exe().context("locating the shardline binary")?;
     let mesh = args.mesh.mesh();
     std::fs::create_dir_all(&args.work).with_context(|| format!("creating {}", args.work.display()))?;
-    let label = if args.fp8 { format!("{} FP8", args.arch) } else { args.arch.clone() };
+    let (label, releases) = match &args.model_flavor {
+        Some(flavor) => {
+            let src = crate::bench_torchtitan::flavor_release(&exe, &args, flavor)?;
+            (flavor.model_type().to_string(), vec![(flavor.flavor.clone(), src)])
+        }
+        None => {
+            let label = if args.fp8 { format!("{} FP8", args.arch) } else { args.arch.clone() };
+            (
+                label,
+                args.sizes
+                    .iter()
+                    .map(|size| Ok((size.clone(), bench_release(&exe, &args, size)?)))
+                    .collect::<Result<_>>()?,
+            )
+        }
+    };
     let mut rows = Vec::new();
-    for size in &args.sizes {
-        let src = bench_release(&exe, &args, size)?;
-        let release = Release::open(&src)?;
+    for (size, src) in &releases {
+        let release = Release::open(src)?;
         let input = release.total_bytes();
         let copy = args.work.join("cp-copy");
         let out = args.work.join("converted");
         let (mut best_cp, mut best_cp_sync, mut best_conv) = (f64::MAX, f64::MAX, f64::MAX);
         let (mut rss, mut output) = (0u64, 0u64);
         let mut readers = ReaderTimes::default();
+        let mut output_copies = crate::bench_torchtitan::OutputCopies::default();
         for _ in 0..args.repeat.max(1) {
             let _ = std::fs::remove_dir_all(&copy);
-            let (t, _) = time_command(Command::new("cp").arg("-r").arg(&src).arg(&copy))?;
+            let (t, _) = time_command(Command::new("cp").arg("-r").arg(src).arg(&copy))?;
             best_cp = best_cp.min(t);
             let _ = std::fs::remove_dir_all(&copy);
             // The same copy made durable, as convert makes its output durable before committing.
@@ -447,7 +500,7 @@ pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
             let (t, stdout) = time_command(
                 Command::new(&exe)
                     .args(["convert", "--json", "--from"])
-                    .arg(&src)
+                    .arg(src)
                     .arg("--to")
                     .arg(&out)
                     .args(["--tp", &mesh.tp.to_string(), "--cp", &mesh.cp.to_string()])
@@ -460,12 +513,26 @@ pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
             let v: serde_json::Value = serde_json::from_str(stdout.trim()).context("parsing convert --json")?;
             rss = rss.max(v["peak_rss_bytes"].as_u64().unwrap_or(0));
             output = v["tensor_bytes"].as_u64().unwrap_or(0);
-            let dcp_dir = if args.target == Target::TorchDist { save_dir::seed_dir(&out) } else { out.clone() };
-            readers.measure(&exe, &out, &dcp_dir, &src, args.torch_python.as_deref())?;
+            output_copies.measure(args.target, &out, &copy)?;
+            let dcp_dir = match args.target {
+                Target::TorchDist => save_dir::seed_dir(&out),
+                Target::Torchtitan => out.join(TORCHTITAN_SEED_DIR),
+                Target::FsdpDtensor => out.clone(),
+            };
+            readers.measure(&exe, &out, &dcp_dir, src, args.torch_python.as_deref())?;
             let _ = std::fs::remove_dir_all(&out);
         }
-        rows.push(json!({
-            "arch": args.arch, "fp8": args.fp8, "size": size, "target": args.target.dialect().name(), "input_bytes": input, "output_bytes": output,
+        // torchtitan's converter on the same release, once ours is removed (disk).
+        let reference = match (&args.reference_script, &args.model_flavor) {
+            (Some(script), Some(flavor)) => {
+                Some((script, flavor, crate::bench_torchtitan::Reference::run(&args, script, flavor, src)?))
+            }
+            _ => None,
+        };
+        let mut row = json!({
+            "arch": args.model_flavor.as_ref().map_or(args.arch.as_str(), |f| f.model_type()), "fp8": args.fp8,
+            "size": size, "model_flavor": args.model_flavor.as_ref().map(|f| f.to_string()),
+            "target": args.target.dialect().name(), "input_bytes": input, "output_bytes": output,
             "mesh": mesh.to_string(),
             "cp_seconds": best_cp, "cp_sync_seconds": best_cp_sync, "convert_seconds": best_conv,
             "ratio_to_cp": best_conv / best_cp, "ratio_to_cp_sync": best_conv / best_cp_sync,
@@ -473,7 +540,14 @@ pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
             "validate_seconds": readers.validate.0, "validate_peak_rss_bytes": readers.validate.1,
             "inspect_seconds": readers.inspect.0, "inspect_peak_rss_bytes": readers.inspect.1,
             "torch_read_metadata_seconds": readers.torch,
-        }));
+        });
+        if let Some(fields) = row.as_object_mut() {
+            fields.extend(output_copies.fields(best_conv));
+            if let Some((script, flavor, r)) = &reference {
+                fields.extend(r.fields(script, flavor, best_conv));
+            }
+        }
+        rows.push(row);
         if !args.json {
             println!(
                 "{label} {size} ({} → {}) on {mesh} as {}: cp -r {best_cp:.2}s, cp -r + fsync {best_cp_sync:.2}s, convert \
@@ -495,6 +569,10 @@ pub fn run_bench(args: BenchArgs) -> Result<ExitCode> {
                 bytes(readers.inspect.1),
                 readers.torch.map(|t| format!("; torch read_metadata {t:.2}s")).unwrap_or_default()
             );
+            output_copies.print(best_conv);
+            if let Some((script, flavor, r)) = &reference {
+                r.print(script, flavor, best_conv);
+            }
         }
     }
     if args.json {

@@ -3,6 +3,7 @@
 
 mod archs;
 mod bench_s3;
+mod bench_torchtitan;
 mod bench_training;
 mod convert;
 mod export;

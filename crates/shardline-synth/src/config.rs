@@ -193,3 +193,60 @@ fn deepseek_v3_config(d: &ModelDims, format: WeightFormat) -> Value {
     }
     Value::Object(c)
 }
+
+/// The dimensions a `config.json` gives, read as `transformers` reads them: the expert count under
+/// any of its names (`num_experts`, `num_local_experts`, `n_routed_experts`), `head_dim`
+/// defaulting to `hidden_size / num_attention_heads` and `num_key_value_heads` to
+/// `num_attention_heads`. Missing fields are 0, which [`SynthModel::with_format`] refuses where
+/// the architecture needs them.
+pub(crate) fn dims_from_config(c: &Map<String, Value>) -> ModelDims {
+    let get = |k: &str| c.get(k).and_then(Value::as_u64).unwrap_or(0);
+    let heads = get("num_attention_heads");
+    let head_dim = match get("head_dim") {
+        0 => get("hidden_size").checked_div(heads).unwrap_or(0),
+        d => d,
+    };
+    ModelDims {
+        hidden_size: get("hidden_size"),
+        num_layers: get("num_hidden_layers"),
+        num_attention_heads: heads,
+        num_key_value_heads: c.get("num_key_value_heads").and_then(Value::as_u64).unwrap_or(heads),
+        head_dim,
+        intermediate_size: get("intermediate_size"),
+        vocab_size: get("vocab_size"),
+        num_experts: get("num_experts").max(get("num_local_experts")).max(get("n_routed_experts")),
+        moe_intermediate_size: get("moe_intermediate_size"),
+        shared_expert_intermediate_size: get("shared_expert_intermediate_size")
+            .max(get("n_shared_experts").saturating_mul(get("moe_intermediate_size"))),
+        linear: c.contains_key("linear_num_key_heads").then(|| LinearAttentionDims {
+            num_key_heads: get("linear_num_key_heads"),
+            num_value_heads: get("linear_num_value_heads"),
+            key_head_dim: get("linear_key_head_dim"),
+            value_head_dim: get("linear_value_head_dim"),
+            conv_kernel: get("linear_conv_kernel_dim"),
+        }),
+        mla: c.contains_key("kv_lora_rank").then(|| LatentAttentionDims {
+            q_lora_rank: get("q_lora_rank"),
+            kv_lora_rank: get("kv_lora_rank"),
+            qk_nope_head_dim: get("qk_nope_head_dim"),
+            qk_rope_head_dim: get("qk_rope_head_dim"),
+            v_head_dim: get("v_head_dim"),
+        }),
+        first_dense_layers: get("first_k_dense_replace"),
+        mtp_layers: get("num_nextn_predict_layers"),
+    }
+}
+
+/// The weight format a `config.json` declares: block FP8 when its `quantization_config` has a
+/// `weight_block_size`, else bf16.
+pub(crate) fn format_from_config(c: &Map<String, Value>) -> Result<WeightFormat, SynthError> {
+    let Some(block) = c.get("quantization_config").and_then(|q| q.get("weight_block_size")) else {
+        return Ok(WeightFormat::Bf16);
+    };
+    match block.as_array().map(|b| b.iter().map(Value::as_u64).collect::<Vec<_>>()).as_deref() {
+        Some([Some(rows), Some(cols)]) => Ok(WeightFormat::Fp8Block { block: [*rows, *cols] }),
+        _ => Err(SynthError::InvalidConfig(format!(
+            "`quantization_config.weight_block_size` is {block}, not [rows, cols]"
+        ))),
+    }
+}

@@ -21,6 +21,8 @@
 //!   in each tensor's own dtype. Small targets get narrow models: 1 MB gives `hidden_size` 64 and
 //!   a handful of layers. DeepSeek-V3 scales the real model's shape to the width (see
 //!   `Width::dims`); its fits keep at least one layer with experts after the dense ones.
+//!   [`SynthModel::from_config_json`] instead takes the dimensions of a `config.json` as they are
+//!   (a real release's, or a training framework's model flavor: `shardline bench --model-flavor`).
 //! * **Data.** Every tensor has its own pseudo-random stream (wyrand seeded from the seed and the
 //!   tensor's name), so a tensor's bytes do not depend on the shard size, on the piece size or on
 //!   the thread writing it. Each 64-bit draw gives four bf16 values through a 65 536-entry table of
@@ -41,8 +43,8 @@
 //! [`SafetensorsWriter::write_next`]: shardline_formats::safetensors::SafetensorsWriter::write_next
 //!
 //! Modules: `arch` (architectures, dimensions, the ladder of widths), `model` (a model's tensors
-//! and the fit to a target size), `config` (`config.json`), `data` (the pseudo-random streams),
-//! `write` (the release on disk).
+//! and the fit to a target size), `config` (`config.json`, written and read), `data` (the
+//! pseudo-random streams), `write` (the release on disk).
 //!
 //! **Owns:** the synthetic releases of `shardline synth` and `shardline bench` and of the scale
 //! tests. **Must not depend on:** any workspace crate but `shardline-layout` and
@@ -130,6 +132,9 @@ pub enum SynthError {
 
     #[error("invalid option: {0}")]
     InvalidOption(String),
+
+    #[error("invalid config.json: {0}")]
+    InvalidConfig(String),
 
     #[error(
         "{}: already holds a release ({file}); remove it or overwrite it",

@@ -248,6 +248,24 @@ impl SynthModel {
         Ok(SynthModel { arch, dims, format, tensors, total_bytes, total_parameters })
     }
 
+    /// The model a `config.json` describes (its `model_type`, dimensions and, for an FP8
+    /// release, `quantization_config`), with exactly its dimensions: a synthetic release shaped
+    /// like a real model, or like a framework's model flavor. The written `config.json` is
+    /// [`SynthModel::config_json`]'s, which keeps the dimensions and sets the rest as
+    /// `transformers` does (an output head of its own: `tie_word_embeddings` false).
+    pub fn from_config_json(text: &str) -> Result<SynthModel, SynthError> {
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| SynthError::InvalidConfig(e.to_string()))?;
+        let Some(config) = value.as_object() else {
+            return Err(SynthError::InvalidConfig("not a JSON object".to_string()));
+        };
+        let Some(model_type) = config.get("model_type").and_then(serde_json::Value::as_str) else {
+            return Err(SynthError::InvalidConfig("no `model_type`".to_string()));
+        };
+        let arch: Arch = model_type.parse()?;
+        SynthModel::with_format(arch, dims_from_config(config), format_from_config(config)?)
+    }
+
     /// A bf16 model of `arch` whose tensor bytes are within [`SIZE_TOLERANCE`] of
     /// `target_bytes`.
     ///

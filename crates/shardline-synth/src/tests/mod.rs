@@ -227,48 +227,6 @@ fn unknown_arch_lists_the_supported_ones() {
 
 // ---- against the releases transformers wrote ----
 
-/// The fixture's dimensions, read from its config.json.
-fn fixture_dims(config: &Value) -> ModelDims {
-    let get = |k: &str| config.get(k).and_then(Value::as_u64).unwrap_or(0);
-    ModelDims {
-        hidden_size: get("hidden_size"),
-        num_layers: get("num_hidden_layers"),
-        num_attention_heads: get("num_attention_heads"),
-        num_key_value_heads: get("num_key_value_heads"),
-        head_dim: get("head_dim"),
-        intermediate_size: get("intermediate_size"),
-        vocab_size: get("vocab_size"),
-        num_experts: get("num_experts").max(get("num_local_experts")).max(get("n_routed_experts")),
-        moe_intermediate_size: get("moe_intermediate_size"),
-        shared_expert_intermediate_size: get("shared_expert_intermediate_size")
-            .max(get("n_shared_experts") * get("moe_intermediate_size")),
-        linear: config.get("linear_num_key_heads").map(|_| LinearAttentionDims {
-            num_key_heads: get("linear_num_key_heads"),
-            num_value_heads: get("linear_num_value_heads"),
-            key_head_dim: get("linear_key_head_dim"),
-            value_head_dim: get("linear_value_head_dim"),
-            conv_kernel: get("linear_conv_kernel_dim"),
-        }),
-        mla: config.get("kv_lora_rank").map(|_| LatentAttentionDims {
-            q_lora_rank: get("q_lora_rank"),
-            kv_lora_rank: get("kv_lora_rank"),
-            qk_nope_head_dim: get("qk_nope_head_dim"),
-            qk_rope_head_dim: get("qk_rope_head_dim"),
-            v_head_dim: get("v_head_dim"),
-        }),
-        first_dense_layers: get("first_k_dense_replace"),
-        mtp_layers: get("num_nextn_predict_layers"),
-    }
-}
-
-/// The fixture's weight format, read from its config.json.
-fn fixture_format(config: &Value) -> WeightFormat {
-    match config["quantization_config"]["weight_block_size"].as_array() {
-        Some(block) => WeightFormat::Fp8Block { block: [block[0].as_u64().unwrap(), block[1].as_u64().unwrap()] },
-        None => WeightFormat::Bf16,
-    }
-}
-
 #[test]
 fn names_shapes_and_config_match_the_transformers_fixtures() {
     for (name, arch) in [
@@ -280,7 +238,8 @@ fn names_shapes_and_config_match_the_transformers_fixtures() {
     ] {
         let release = Release::open(fixture(name)).unwrap();
         let config: Value = serde_json::from_str(release.config_json()).unwrap();
-        let model = SynthModel::with_format(arch, fixture_dims(&config), fixture_format(&config)).unwrap();
+        let model = SynthModel::from_config_json(release.config_json()).unwrap();
+        assert_eq!(model.arch(), arch, "{name}");
 
         let theirs: BTreeMap<&str, (DType, &[u64])> =
             release.tensors().map(|t| (t.info.name.as_str(), (t.info.dtype, t.info.shape.as_slice()))).collect();
@@ -310,6 +269,44 @@ fn names_shapes_and_config_match_the_transformers_fixtures() {
             ModelConfig::from_json(release.config_json()).unwrap(),
             "{name}"
         );
+    }
+}
+
+#[test]
+fn a_models_own_config_gives_the_same_model() {
+    for arch in Arch::ALL {
+        for target in [1_000_000, 300_000_000] {
+            let model = SynthModel::for_target(arch, target).unwrap();
+            let again = SynthModel::from_config_json(&model.config_json()).unwrap();
+            // Dimensions the architecture does not use are not in its config: compare what is.
+            assert_eq!((again.arch(), again.format()), (arch, model.format()), "{arch}");
+            assert_eq!(again.tensors(), model.tensors(), "{arch}");
+            assert_eq!(again.config_json(), model.config_json(), "{arch}");
+        }
+    }
+    let fp8 = SynthModel::for_target_as(Arch::DeepseekV3, WeightFormat::FP8, 10_000_000).unwrap();
+    assert_eq!(SynthModel::from_config_json(&fp8.config_json()).unwrap().format(), WeightFormat::FP8);
+}
+
+#[test]
+fn configs_without_head_dim_or_kv_heads_read_as_transformers_reads_them() {
+    let config = json!({"model_type": "qwen2", "hidden_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 8, "intermediate_size": 512, "vocab_size": 1024});
+    let model = SynthModel::from_config_json(&config.to_string()).unwrap();
+    assert_eq!((model.dims().head_dim, model.dims().num_key_value_heads), (32, 8));
+    for (bad, why) in [
+        ("[1]".to_string(), "not a JSON object"),
+        ("{".to_string(), "EOF"),
+        (json!({"hidden_size": 8}).to_string(), "model_type"),
+        (json!({"model_type": "gpt2"}).to_string(), "unknown architecture"),
+        (json!({"model_type": "qwen3", "hidden_size": 64}).to_string(), "must be positive"),
+        (
+            json!({"model_type": "deepseek_v3", "quantization_config": {"weight_block_size": [128]}}).to_string(),
+            "weight_block_size",
+        ),
+    ] {
+        let err = SynthModel::from_config_json(&bad).unwrap_err().to_string();
+        assert!(err.contains(why), "{bad}: {err}");
     }
 }
 
