@@ -184,6 +184,35 @@ pub(super) fn write_dcp_rank_items(
     Ok((start, file.finish()?))
 }
 
+/// With fewer rank files than writers, each file cut into sections of its items of about equal
+/// bytes, `threads / world` of them (rounded up), so that every writer has work: a file's layout
+/// is known before any byte is written, and a section is written at its offset. Empty otherwise
+/// (a rank file is then written whole by one writer).
+pub(super) fn sections(plan: &PlanTable, layout: &DcpLayout, threads: usize) -> Vec<(usize, std::ops::Range<usize>)> {
+    let world = layout.world();
+    if world == 0 || world >= threads {
+        return Vec::new();
+    }
+    let per_file = threads.div_ceil(world) as u64;
+    let mut out = Vec::new();
+    for rank in 0..world {
+        let target = layout.file_len(rank).div_ceil(per_file).max(1);
+        let (mut first, mut next_cut, mut count) = (0usize, target, 0usize);
+        for (i, item) in layout.rank(plan, rank).enumerate() {
+            count = i + 1;
+            if item.offset + item.length >= next_cut {
+                out.push((rank, first..i + 1));
+                first = i + 1;
+                next_cut = item.offset + item.length + target;
+            }
+        }
+        if first < count {
+            out.push((rank, first..count));
+        }
+    }
+    out
+}
+
 /// DCP: rank files written by `options.threads` writers and synced by the sync thread while
 /// another thread encodes and stages `.metadata`; the rename that commits comes after every sync.
 pub(super) fn write_dcp(
@@ -197,21 +226,39 @@ pub(super) fn write_dcp(
     let stripes = StripeSets::new(plan, options.threads);
     let world = plan.world() as usize;
     let data = DataPath::new(sources, options);
+    let sections = if stripes.shared { Vec::new() } else { sections(plan, &layout, options.threads) };
+    if !sections.is_empty() {
+        for rank in 0..world {
+            let path = out.join(dcp_rank_file(rank as u64));
+            File::create(&path).map_err(io_err(&path, "create rank file"))?;
+        }
+    }
+    // One final sync per rank file, or per section of one.
+    let files = if sections.is_empty() { world } else { sections.len() };
     let (sync_tx, sync_rx) = mpsc::channel();
     let (written, synced, staged) = std::thread::scope(|s| {
         let syncer = s.spawn(move || run_syncer(sync_rx));
         let metadata = s.spawn(|| stage_metadata(out, &layout, plan));
         let written = {
             let tx = sync_tx; // dropped when the writers are done, which ends the sync thread
-            for_each_unit(stripes.units.len(), options.threads, progress, |u| {
-                write_dcp_unit(plan, &layout, &stripes, &stripes.units[u], out, &data, &tx, progress)
-            })
+            if sections.is_empty() {
+                for_each_unit(stripes.units.len(), options.threads, progress, |u| {
+                    write_dcp_unit(plan, &layout, &stripes, &stripes.units[u], out, &data, &tx, progress)
+                })
+            } else {
+                for_each_unit(sections.len(), options.threads, progress, |u| {
+                    let (rank, items) = sections[u].clone();
+                    let path = out.join(dcp_rank_file(rank as u64));
+                    let (_, end) = write_dcp_rank_items(plan, &layout, rank, items, path, &data, &tx, progress)?;
+                    Ok(vec![(rank, end)])
+                })
+            }
         };
         (written, syncer.join(), metadata.join())
     });
     let mut lengths = vec![0u64; world];
     for (rank, len) in written?.into_iter().flatten() {
-        lengths[rank] = len;
+        lengths[rank] = lengths[rank].max(len);
     }
     let stopped = || ExecuteError::Io {
         path: out.to_path_buf(),
@@ -219,7 +266,7 @@ pub(super) fn write_dcp(
         error: io::Error::other("the sync thread stopped early"),
     };
     match synced {
-        Ok(Ok(n)) if n == world => {}
+        Ok(Ok(n)) if n == files => {}
         Ok(Err(e)) => return Err(e),
         _ => return Err(stopped()),
     }

@@ -96,31 +96,32 @@ impl<'a> RankFile<'a> {
         data: &'a DataPath<'a>,
         syncer: &'a mpsc::Sender<SyncJob>,
     ) -> Result<RankFile<'a>, ExecuteError> {
-        Self::open(path, 0, data, syncer)
+        Self::open(path, 0, true, data, syncer)
     }
 
-    /// Continues the rank file at `path` from byte `offset`, leaving what is before it as it is
-    /// (a rank file written a section at a time).
+    /// Continues the rank file at `path` from byte `offset`, leaving the rest of it as it is (a
+    /// rank file written a section at a time, the sections perhaps side by side).
     pub(super) fn resume(
         path: PathBuf,
         offset: u64,
         data: &'a DataPath<'a>,
         syncer: &'a mpsc::Sender<SyncJob>,
     ) -> Result<RankFile<'a>, ExecuteError> {
-        Self::open(path, offset, data, syncer)
+        Self::open(path, offset, false, data, syncer)
     }
 
-    /// Opens the file for writing from `offset`; from 0, anything it held is dropped.
+    /// Opens the file for writing from `offset`, dropping what it held when `truncate`.
     fn open(
         path: PathBuf,
         offset: u64,
+        truncate: bool,
         data: &'a DataPath<'a>,
         syncer: &'a mpsc::Sender<SyncJob>,
     ) -> Result<RankFile<'a>, ExecuteError> {
         let file = OpenOptions::new()
             .write(true)
             .create(true)
-            .truncate(offset == 0)
+            .truncate(truncate)
             .open(&path)
             .map_err(io_err(&path, "open rank file"))?;
         Ok(RankFile {

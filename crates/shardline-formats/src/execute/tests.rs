@@ -171,6 +171,30 @@ fn kernel_copy_and_read_paths_write_identical_bytes() {
     }
 }
 
+/// With fewer rank files than writers, files are written in sections side by side: the same
+/// bytes as one writer per file.
+#[test]
+fn rank_files_written_in_sections_side_by_side_equal_one_writer_each() {
+    for (name, dp) in [("llama", 1), ("qwen3_moe", 1), ("qwen3_moe", 2)] {
+        let release = Release::open(fixture(name)).unwrap();
+        let plan = plan(&release, Mesh { tp: 1, cp: 1, dp, ep: 1, etp: 1 }, true);
+        let base = ExecuteOptions { threads: 1, ..ExecuteOptions::default() };
+        let (want, _) = convert(&release, &plan, &base);
+        for options in [
+            ExecuteOptions { threads: 4, ..base.clone() },
+            ExecuteOptions { threads: 7, buffer_bytes: 4099, copy_file_range: false, ..base.clone() },
+        ] {
+            let layout = DcpLayout::new(&PlanTable::new(&plan));
+            assert!(sections(&PlanTable::new(&plan), &layout, options.threads).len() > dp as usize, "{name}");
+            let (got, _) = convert(&release, &plan, &options);
+            assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{name}");
+            for (file, bytes) in &want {
+                assert!(got[file] == *bytes, "{name} dp {dp}: {file} differs with {options:?}");
+            }
+        }
+    }
+}
+
 #[test]
 fn column_stripes_of_tp_peers_are_written_together() {
     let release = Release::open(fixture("qwen3_moe")).unwrap();
