@@ -151,56 +151,21 @@ def _tp_placement(key: str, ep: int):
     return Replicate()
 
 
-def load_tp_worker(rank: int, world: int, port: int, release: str, seed: str, tp: int, ep: int) -> None:
-    """Loads a seed written with `--tp` into parameters placed by torch itself as torchtitan
-    parallelizes: each distributed over TP by torchtitan's sharding configs, then `fully_shard`
-    over the data-parallel mesh (routed experts under EP: `Shard(0)` over `ep`, then `fully_shard`
-    over `efsdp` of the sparse mesh that spans every rank). Each rank's loaded shard must be the
-    slice of the reference torch's placement gives it, stored in this rank's file (a TP replica in
-    the file of a rank of its FSDP row), and the whole tensors must equal the reference."""
-    import torch.nn as nn
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
+def load_tp_worker(rank: int, world: int, port: int, jobs: list[tuple[str, str]], tp: int, ep: int) -> None:
+    """jobs: (release dir, seed `step-0` dir), each written with `--tp tp --ep ep`. Loads each seed
+    into parameters placed by torch itself as torchtitan parallelizes: each distributed over TP by
+    torchtitan's sharding configs, then `fully_shard` over the data-parallel mesh (routed experts
+    under EP: `Shard(0)` over `ep`, then `fully_shard` over `efsdp` of the sparse mesh that spans
+    every rank). Each rank's loaded shard must be the slice of the reference torch's placement
+    gives it, stored in this rank's file (a TP replica in the file of a rank of its FSDP row), and
+    the whole tensors must equal the reference."""
     harness.join_gloo(rank, world, port)
     try:
         dense = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("fsdp", "tp"))
         sparse = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep")) if ep > 1 else None
-        want = torchtitan_seed(Path(release))
-        md = dcp.FileSystemReader(seed).read_metadata()
-        dense_root, sparse_root = nn.Module(), nn.Module()
-        names = {}
-        for i, (key, t) in enumerate(sorted(want.items())):
-            placement = _tp_placement(key, ep)
-            if placement is None:
-                param = distribute_tensor(harness.nan_like_spec(t.shape, t.dtype), sparse["ep"], [Shard(0)],
-                                          src_data_rank=None)
-                sparse_root.register_parameter(f"p{i}", nn.Parameter(param, requires_grad=False))
-            else:
-                param = distribute_tensor(harness.nan_like_spec(t.shape, t.dtype), dense["tp"], [placement],
-                                          src_data_rank=None)
-                dense_root.register_parameter(f"p{i}", nn.Parameter(param, requires_grad=False))
-            names[f"p{i}"] = key
-        fully_shard(dense_root, mesh=dense["fsdp"])
-        if sparse is not None:
-            fully_shard(sparse_root, mesh=sparse["efsdp"])
-        params = dict(dense_root.named_parameters())
-        params.update(sparse_root.named_parameters())
-        state = {names[n]: p for n, p in params.items()}
-        dcp.load(state, checkpoint_id=seed)
         problems = []
-        for key, t in sorted(want.items()):
-            param = state[key]
-            local_shape, offset = compute_local_shape_and_global_offset(t.shape, param.device_mesh, param.placements)
-            expect = t[tuple(slice(o, o + s) for o, s in zip(offset, local_shape))]
-            if not torch.equal(param.to_local(), expect):
-                problems.append(f"rank {rank} {param.placements}: "
-                                + harness.describe_mismatch(key, param.to_local(), expect))
-            if problem := stored_where_placed(md, key, param, rank, tp):
-                problems.append(problem)
-            full = param.full_tensor()
-            if rank == 0 and not torch.equal(full, t):
-                problems.append("whole: " + harness.describe_mismatch(key, full, t))
+        for release, seed in jobs:
+            problems += [f"{Path(release).name}: {p}" for p in _load_tp(rank, tp, ep, dense, sparse, release, seed)]
         if problems:
             raise AssertionError("\n".join(problems[:20]))
     except AssertionError:
@@ -209,6 +174,49 @@ def load_tp_worker(rank: int, world: int, port: int, release: str, seed: str, tp
         raise RuntimeError(f"rank {rank}/{world} failed:\n{traceback.format_exc()}") from None
     finally:
         dist.destroy_process_group()
+
+
+def _load_tp(rank: int, tp: int, ep: int, dense, sparse, release: str, seed: str) -> list[str]:
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    want = torchtitan_seed(Path(release))
+    md = dcp.FileSystemReader(seed).read_metadata()
+    dense_root, sparse_root = nn.Module(), nn.Module()
+    names = {}
+    for i, (key, t) in enumerate(sorted(want.items())):
+        placement = _tp_placement(key, ep)
+        if placement is None:
+            param = distribute_tensor(harness.nan_like_spec(t.shape, t.dtype), sparse["ep"], [Shard(0)],
+                                      src_data_rank=None)
+            sparse_root.register_parameter(f"p{i}", nn.Parameter(param, requires_grad=False))
+        else:
+            param = distribute_tensor(harness.nan_like_spec(t.shape, t.dtype), dense["tp"], [placement],
+                                      src_data_rank=None)
+            dense_root.register_parameter(f"p{i}", nn.Parameter(param, requires_grad=False))
+        names[f"p{i}"] = key
+    fully_shard(dense_root, mesh=dense["fsdp"])
+    if sparse is not None:
+        fully_shard(sparse_root, mesh=sparse["efsdp"])
+    params = dict(dense_root.named_parameters())
+    params.update(sparse_root.named_parameters())
+    state = {names[n]: p for n, p in params.items()}
+    dcp.load(state, checkpoint_id=seed)
+    problems = []
+    for key, t in sorted(want.items()):
+        param = state[key]
+        local_shape, offset = compute_local_shape_and_global_offset(t.shape, param.device_mesh, param.placements)
+        expect = t[tuple(slice(o, o + s) for o, s in zip(offset, local_shape))]
+        if not torch.equal(param.to_local(), expect):
+            problems.append(f"rank {rank} {param.placements}: "
+                            + harness.describe_mismatch(key, param.to_local(), expect))
+        if problem := stored_where_placed(md, key, param, rank, tp):
+            problems.append(problem)
+        full = param.full_tensor()
+        if rank == 0 and not torch.equal(full, t):
+            problems.append("whole: " + harness.describe_mismatch(key, full, t))
+    return problems
 
 
 def stored_where_placed(md, key: str, param, rank: int, tp: int) -> str | None:
