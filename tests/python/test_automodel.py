@@ -28,17 +28,7 @@ def _automodel_checkpoint(root: Path, release: Path, fmt: str, dtype: str = "") 
     model = step / "model"
     model.mkdir(parents=True)
     harness.spawn_ranks(automodel_writer.save_worker, WORLD, (str(release), str(model), fmt, dtype), "Automodel save")
-    # What Automodel's ConsolidatedHFAddon keeps of the release (fsdp2-frameworks.md §1): its
-    # config, each tensor's 1-based file number from the release's index, and its original dtype
-    # as safetensors spells it.
-    meta = model / ".hf_metadata"
-    meta.mkdir()
-    (meta / "config.json").write_text((release / "config.json").read_text())
-    weight_map = json.loads((release / "model.safetensors.index.json").read_text())["weight_map"]
-    numbers = {k: int(f.split("-")[1]) for k, f in weight_map.items()}
-    (meta / "fqn_to_file_index_mapping.json").write_text(json.dumps(numbers, indent=2, sort_keys=True))
-    dtypes = {k: SAFETENSORS_DTYPES[t.dtype] for k, t in ref.load_hf_tensors(release).items()}
-    (meta / "fqn_to_dtype_mapping.json").write_text(json.dumps(dtypes, indent=2, sort_keys=True))
+    _hf_metadata(model, release)
     (step / "config.yaml").write_text("step_scheduler: {global_batch_size: 8}\n")
     (step / "losses.json").write_text(json.dumps({"train_loss": 1.0}))
     return step
@@ -113,15 +103,27 @@ def test_an_unfinished_save_is_refused_and_nothing_is_written(tmp_path):
 # Training saves resharded: `model/` and `optim/` re-tiled, per-rank files for the new world
 # ---------------------------------------------------------------------------------------------
 
+def _hf_metadata(model: Path, release: Path) -> None:
+    """What Automodel's ConsolidatedHFAddon keeps of the release in `model/.hf_metadata/`
+    (fsdp2-frameworks.md §1): its config, each tensor's 1-based file number from the release's
+    index, and its original dtype as safetensors spells it."""
+    meta = model / ".hf_metadata"
+    meta.mkdir()
+    (meta / "config.json").write_text((release / "config.json").read_text())
+    weight_map = json.loads((release / "model.safetensors.index.json").read_text())["weight_map"]
+    numbers = {k: int(f.split("-")[1]) for k, f in weight_map.items()}
+    (meta / "fqn_to_file_index_mapping.json").write_text(json.dumps(numbers, indent=2, sort_keys=True))
+    dtypes = {k: SAFETENSORS_DTYPES[t.dtype] for k, t in ref.load_hf_tensors(release).items()}
+    (meta / "fqn_to_dtype_mapping.json").write_text(json.dumps(dtypes, indent=2, sort_keys=True))
+
+
 def _training_save(root: Path, release: Path, fmt: str, dtype: str = "bfloat16") -> Path:
     """`root/epoch_0_step_2/` after two AdamW steps on `WORLD` ranks, with the files Automodel
     writes around the tensors."""
     step = root / "epoch_0_step_2"
     harness.spawn_ranks(automodel_writer.save_training_worker, WORLD, (str(release), str(step), fmt, dtype),
                         "Automodel training save")
-    meta = step / "model" / ".hf_metadata"
-    meta.mkdir()
-    (meta / "config.json").write_text((release / "config.json").read_text())
+    _hf_metadata(step / "model", release)
     (step / "config.yaml").write_text("distributed: {dp_size: 3}\nstep_scheduler: {global_batch_size: 8}\n")
     (step / "losses.json").write_text(json.dumps({"train_loss": 1.0}))
     return step
@@ -210,7 +212,9 @@ def test_a_training_save_reshards_and_loads_as_torch_reshards_it(tmp_path, model
     names = sorted(str(p.relative_to(ours)) for p in ours.rglob("*") if p.is_file())
     model_files = ([f"model/shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)] if fmt == "safetensors"
                    else ["model/.metadata", "model/__0_0.distcp", "model/__1_0.distcp"])
-    assert names == sorted(["config.yaml", "losses.json", "step_scheduler.pt", "model/.hf_metadata/config.json",
+    hf_metadata = [f"model/.hf_metadata/{f}" for f in ("config.json", "fqn_to_dtype_mapping.json",
+                                                        "fqn_to_file_index_mapping.json")]
+    assert names == sorted(["config.yaml", "losses.json", "step_scheduler.pt", *hf_metadata,
                             *model_files, "optim/.metadata", "optim/__0_0.distcp", "optim/__1_0.distcp",
                             "rng/rng_global_rank_0.pt", "rng/rng_global_rank_1.pt",
                             "dataloader/dataloader_dp_rank_0.pt", "dataloader/dataloader_dp_rank_1.pt"]), names
@@ -303,7 +307,8 @@ def test_what_cannot_be_resharded_is_refused_and_nothing_is_written(tmp_path):
 
 def test_a_pipeline_reshards_a_save_and_publishes_its_release(tmp_path):
     # The nightly job's shape: reshard a training save for another DP degree, export the
-    # resharded save to HF, upload both.
+    # resharded save to HF as the release its `model/.hf_metadata/` describes (no `like`),
+    # upload both.
     import subprocess
 
     release = FIXTURES / "qwen3_moe"
@@ -315,7 +320,7 @@ kind: Pipeline
 name: automodel-nightly
 steps:
   - {{id: reshard, uses: checkpoint.reshard, with: {{path: "{source}", tp: 1, dp: 2}}}}
-  - {{id: export, uses: checkpoint.export, needs: [reshard], with: {{like: "{release}"}}}}
+  - {{id: export, uses: checkpoint.export, needs: [reshard]}}
   - {{id: upload-ckpt, uses: store.upload, needs: [reshard], with: {{to: "file://{out}/ckpt"}}}}
   - {{id: upload-hf, uses: store.upload, needs: [export], with: {{to: "file://{out}/hf"}}}}
 """)

@@ -27,8 +27,8 @@ use shardline_layout::{Mesh, ModelConfig};
 
 use shardline_formats::error_message;
 use shardline_ops::{
-    export_tensors, inferred_mesh, open_model, reshard_options, saved_etp, OpenedCheckpoint, OpsError, PlannedReshard,
-    ReshardHints,
+    automodel_release, export_tensors, inferred_mesh, open_model, reshard_options, saved_etp, ExportRequest,
+    OpenedCheckpoint, OpsError, PlannedReshard, ReshardHints,
 };
 
 use crate::steps::{parse_mesh, StepContext, StepError};
@@ -116,17 +116,19 @@ pub fn export_cache_key(job: &ExportJob, checkpoint_digest: &str, like_digest: &
     hex::encode(h.finalize())
 }
 
-/// The release an export reproduces: its `like`, else the upstream download's directory.
-pub fn export_like(job: &ExportJob, outputs: &BTreeMap<String, TaskOutput>) -> Result<PathBuf, StepError> {
+/// The release an export reproduces: its `like`, else the upstream download's directory; `None`
+/// when the checkpoint has to describe its own (a NeMo Automodel save's `model/.hf_metadata/`).
+pub fn export_like(job: &ExportJob, outputs: &BTreeMap<String, TaskOutput>) -> Result<Option<PathBuf>, StepError> {
     if let Some(like) = &job.like {
-        return Ok(like.clone());
+        return Ok(Some(like.clone()));
     }
-    let task = job.release_task.as_deref().ok_or_else(|| StepError::fatal("no `like` and no upstream download"))?;
+    let Some(task) = job.release_task.as_deref() else { return Ok(None) };
     outputs
         .get(task)
         .ok_or_else(|| StepError::transient(format!("output of task `{task}` is not available")))?
         .path
         .clone()
+        .map(Some)
         .ok_or_else(|| StepError::fatal(format!("task `{task}` did not report a source path")))
 }
 
@@ -294,7 +296,7 @@ pub fn export(job: &ExportJob, ctx: &StepContext) -> Result<TaskOutput, StepErro
     let dir = upstream.dir.clone().ok_or_else(|| {
         StepError::fatal(format!("task `{}` did not report a checkpoint directory", job.checkpoint_task))
     })?;
-    let like = export_like(job, ctx.outputs)?;
+    let Some(like) = export_like(job, ctx.outputs)? else { return export_as_saved(job, ctx, &dir, upstream) };
     // The model's keys only, as every export opens them (`shardline_ops::open_model`).
     let (checkpoint, prefix, torch_dist) =
         open_model(&dir, &job.prefix).map_err(|e| StepError::fatal(error_message(&e)))?;
@@ -342,6 +344,59 @@ pub fn export(job: &ExportJob, ctx: &StepContext) -> Result<TaskOutput, StepErro
     .with("format", json!("hf"))
     .with("like", json!(like))
     .with("etp", json!(etp))
+    .with("weights", json!(report.files))
+    .with("copied", json!(report.copied)))
+}
+
+/// A `checkpoint.export` with no release to follow: the checkpoint describes its own (a NeMo
+/// Automodel save's `model/.hf_metadata/`), as `shardline export` without `--like` reads it.
+fn export_as_saved(
+    job: &ExportJob,
+    ctx: &StepContext,
+    dir: &Path,
+    upstream: &TaskOutput,
+) -> Result<TaskOutput, StepError> {
+    if automodel_release(dir).map_err(|e| StepError::fatal(error_message(&e)))?.is_none() {
+        return Err(StepError::fatal(format!(
+            "{} describes no release (no NeMo Automodel `model/.hf_metadata/`), and the step has no `like` and no \
+             upstream download: set `with.like` to the HF release it came from",
+            dir.display()
+        )));
+    }
+    if let Some(parent) = job.out.parent() {
+        fs::create_dir_all(parent).map_err(|e| StepError::transient(format!("{}: {e}", parent.display())))?;
+    }
+    let request = ExportRequest {
+        ckpt: dir.to_path_buf(),
+        to: job.out.clone(),
+        like: None,
+        prefix: job.prefix.clone(),
+        etp: job.etp,
+        max_file_bytes: job.max_file_size,
+        overwrite: true,
+        threads: threads(ctx),
+    };
+    (ctx.log)(format!("exporting {} as the release its model/.hf_metadata/ describes", dir.display()));
+    let done = shardline_ops::export(&request, ctx.progress).map_err(|e| StepError::fatal(error_message(&e)))?;
+    let report = done.written;
+    (ctx.log)(format!(
+        "exported {} tensors, {} bytes in {} file(s) into {}",
+        report.tensors,
+        report.bytes,
+        report.files.len(),
+        job.out.display()
+    ));
+    Ok(TaskOutput {
+        dir: Some(job.out.clone()),
+        bytes: Some(report.bytes),
+        files: Some(report.files.len() as u64),
+        keys: Some(report.tensors as u64),
+        source: upstream.source.clone(),
+        ..TaskOutput::default()
+    }
+    .with("format", json!("hf"))
+    .with("like", json!(done.like))
+    .with("etp", json!(done.etp))
     .with("weights", json!(report.files))
     .with("copied", json!(report.copied)))
 }

@@ -434,7 +434,9 @@ async fn check_cache(
             let digests = checkpoints::export_like(job, outputs).and_then(|like| {
                 let checkpoint =
                     checkpoint.ok_or_else(|| StepError::fatal("the checkpoint's task reports no directory"))?;
-                Ok((checkpoints::dir_digest(&checkpoint)?, checkpoints::dir_digest(&like)?))
+                // Without a release, the checkpoint's own description (inside it) is the release.
+                let like = like.map(|l| checkpoints::dir_digest(&l)).transpose()?.unwrap_or_default();
+                Ok((checkpoints::dir_digest(&checkpoint)?, like))
             });
             let key = match digests {
                 Ok((c, l)) => checkpoints::export_cache_key(job, &c, &l),

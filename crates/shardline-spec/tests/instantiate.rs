@@ -713,3 +713,27 @@ steps:
         "{diags:#?}"
     );
 }
+
+#[test]
+fn an_export_of_a_resharded_automodel_save_needs_no_like_when_the_save_describes_its_release() {
+    let base = std::env::temp_dir().join(format!("shardline-lint-automodel-{}", std::process::id()));
+    let save = base.join("epoch_0_step_2");
+    let spec = |path: &str| {
+        format!(
+            "apiVersion: shardline/v1\nkind: Pipeline\nname: am\nsteps:\n  - {{id: reshard, uses: checkpoint.reshard, \
+             with: {{path: {path}, tp: 1, dp: 2}}}}\n  - {{id: export, uses: checkpoint.export, needs: [reshard]}}\n"
+        )
+    };
+    let missing = |text: &str| {
+        let (_, diags) = lint("am.yaml", text, &LintContext::new().with_base_dir(&base));
+        diags.iter().filter(|d| d.code == "missing-source").count()
+    };
+    // Not there, or there without `model/.hf_metadata/`: no release to follow.
+    std::fs::create_dir_all(save.join("model")).unwrap();
+    assert_eq!(missing(&spec("epoch_0_step_2")), 1);
+    std::fs::create_dir_all(save.join("model/.hf_metadata")).unwrap();
+    std::fs::write(save.join("model/.hf_metadata/fqn_to_file_index_mapping.json"), "{}").unwrap();
+    assert_eq!(missing(&spec("epoch_0_step_2")), 0);
+    assert_eq!(missing(&spec("elsewhere")), 1);
+    std::fs::remove_dir_all(&base).unwrap();
+}

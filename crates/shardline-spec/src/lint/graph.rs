@@ -7,10 +7,42 @@ use crate::graph::{Graph, MAX_DOWNLOADS};
 use crate::model::StepKind;
 use crate::suggest::{did_you_mean, list};
 
-use super::{join, Draft, Linter};
+use super::{join, Draft, LintContext, Linter};
+use crate::model::SpecValue;
+
+/// Whether the checkpoint an export of step `v` reads may describe its own release: a NeMo
+/// Automodel save (its `model/.hf_metadata/`) that an upstream `checkpoint.reshard` reads from
+/// a local `with.path` holding that description, or from a templated path the run resolves
+/// (and then checks, naming what is missing).
+fn may_describe_its_release(graph: &Graph<'_>, named: &[&Draft], v: usize, ctx: &LintContext) -> bool {
+    let mut seen = vec![false; graph.len()];
+    let mut queue: VecDeque<usize> = graph.needs[v].iter().copied().collect();
+    while let Some(w) = queue.pop_front() {
+        if std::mem::replace(&mut seen[w], true) {
+            continue;
+        }
+        queue.extend(graph.needs[w].iter().copied());
+        if graph.kinds[w] != Some(StepKind::CheckpointReshard) {
+            continue;
+        }
+        let path = named[w].spec.as_ref().and_then(|s| s.with.get("path"));
+        let described = match path {
+            Some(SpecValue::String(p)) => ctx
+                .source_path(std::path::Path::new(p))
+                .join("model/.hf_metadata/fqn_to_file_index_mapping.json")
+                .is_file(),
+            Some(SpecValue::Template(_)) => true,
+            _ => false,
+        };
+        if described {
+            return true;
+        }
+    }
+    false
+}
 
 impl Linter<'_> {
-    pub(super) fn graph(&mut self, drafts: &[Draft]) {
+    pub(super) fn graph(&mut self, drafts: &[Draft], ctx: &LintContext) {
         let named: Vec<&Draft> = drafts.iter().filter(|d| d.id.is_some()).collect();
         let graph = Graph::new(
             named
@@ -155,7 +187,11 @@ impl Linter<'_> {
                     };
                     self.push(diag.with_hint(hint));
                 }
-                StepKind::CheckpointExport if up.downloads.is_empty() && !self.written(&base, "like") => {
+                StepKind::CheckpointExport
+                    if up.downloads.is_empty()
+                        && !self.written(&base, "like")
+                        && !may_describe_its_release(&graph, &named, v, ctx) =>
+                {
                     let diag = self.at(
                         needs_span,
                         &needs_path,
@@ -167,7 +203,8 @@ impl Linter<'_> {
                     );
                     self.push(diag.with_hint(
                         "set `with.like` to the local HF release the checkpoint came from (its config.json, tokenizer \
-                         files and safetensors headers are read)",
+                         files and safetensors headers are read); a NeMo Automodel save resharded from `with.path` \
+                         describes its own (`model/.hf_metadata/`)",
                     ));
                 }
                 StepKind::MegatronShard if up.downloads.is_empty() => {

@@ -122,7 +122,7 @@ impl Linter<'_> {
         };
 
         // Graph and order rules.
-        self.graph(&drafts);
+        self.graph(&drafts, ctx);
 
         // Values with the params' defaults, then meshes.
         let defaults: BTreeMap<String, ParamValue> =
