@@ -20,7 +20,7 @@ use shardline_control::graph::{ExportJob, ReshardJob, ReshardSource};
 use shardline_control::TaskOutput;
 use shardline_formats::checkpoint::open_checkpoint;
 use shardline_formats::safetensors::Release;
-use shardline_formats::training::{write_export, ExportOptions, TrainingCheckpoint, TrainingError};
+use shardline_formats::training::{write_export, ExportOptions, ExportReport, TrainingCheckpoint, TrainingError};
 use shardline_layout::dialect::Dialect;
 use shardline_layout::reshard::{plan_reshard, RngPolicy};
 use shardline_layout::{Mesh, ModelConfig};
@@ -333,7 +333,12 @@ pub fn export(job: &ExportJob, ctx: &StepContext) -> Result<TaskOutput, StepErro
         job.out.display(),
         if report.copied.is_empty() { "nothing".to_string() } else { report.copied.join(", ") }
     ));
-    Ok(TaskOutput {
+    Ok(export_output(job, upstream, report, &like, etp))
+}
+
+/// What an export task reports: the HF directory, its files, and the release it followed.
+fn export_output(job: &ExportJob, upstream: &TaskOutput, report: ExportReport, like: &Path, etp: u64) -> TaskOutput {
+    TaskOutput {
         dir: Some(job.out.clone()),
         bytes: Some(report.bytes),
         files: Some(report.files.len() as u64),
@@ -345,7 +350,7 @@ pub fn export(job: &ExportJob, ctx: &StepContext) -> Result<TaskOutput, StepErro
     .with("like", json!(like))
     .with("etp", json!(etp))
     .with("weights", json!(report.files))
-    .with("copied", json!(report.copied)))
+    .with("copied", json!(report.copied))
 }
 
 /// A `checkpoint.export` with no release to follow: the checkpoint describes its own (a NeMo
@@ -386,19 +391,7 @@ fn export_as_saved(
         report.files.len(),
         job.out.display()
     ));
-    Ok(TaskOutput {
-        dir: Some(job.out.clone()),
-        bytes: Some(report.bytes),
-        files: Some(report.files.len() as u64),
-        keys: Some(report.tensors as u64),
-        source: upstream.source.clone(),
-        ..TaskOutput::default()
-    }
-    .with("format", json!("hf"))
-    .with("like", json!(done.like))
-    .with("etp", json!(done.etp))
-    .with("weights", json!(report.files))
-    .with("copied", json!(report.copied)))
+    Ok(export_output(job, upstream, report, &done.like, done.etp))
 }
 
 /// The reshard plan of a Megatron checkpoint (`fsdp_dtensor` or `torch_dist`, either translated
