@@ -84,8 +84,8 @@ pub fn source_placement(shape: &[u64], chunks: &[ChunkBox]) -> Result<Placement,
             }
         }
         _ => Err(format!(
-            "it is split along dims {split:?}: a tensor-parallel placement; Shardline reshards FSDP2 checkpoints over \
-             data and expert parallelism only"
+            "it is split along dims {split:?}: a tensor-parallel placement, which Shardline reads in torchtitan's \
+             checkpoints only (by its sharding configs)"
         )),
     }
 }
