@@ -10,6 +10,7 @@
 //! | `{skip_locked}` | `FOR UPDATE SKIP LOCKED` | nothing: writers are serialized |
 //! | `{for_update}` / `{for_share}` | `FOR UPDATE` / `FOR SHARE` | nothing |
 //! | `{ids:X}` | `(SELECT jsonb_array_elements_text(X)::bigint)` | `(SELECT value FROM json_each(X))` |
+//! | `{lock:T}` (a statement) | `LOCK TABLE T IN SHARE ROW EXCLUSIVE MODE` | `SELECT 1`: writers are serialized |
 //! | `{strs:X}` | `(SELECT jsonb_array_elements_text(X))` | `(SELECT value FROM json_each(X))` |
 //!
 //! Rows decode through `sqlx::FromRow` into records that work for both backends: integers are
@@ -97,6 +98,9 @@ fn render(text: &str, backend: Backend) -> String {
             ("for_update", None, true) => "FOR UPDATE".to_string(),
             ("for_share", None, true) => "FOR SHARE".to_string(),
             ("skip_locked" | "for_update" | "for_share", None, false) => String::new(),
+            // Serializes the transactions that replace a table's rows; readers are not blocked.
+            ("lock", Some(t), true) => format!("LOCK TABLE {t} IN SHARE ROW EXCLUSIVE MODE"),
+            ("lock", Some(_), false) => "SELECT 1".to_string(),
             ("ids", Some(x), true) => format!("(SELECT jsonb_array_elements_text({x})::bigint)"),
             ("strs", Some(x), true) => format!("(SELECT jsonb_array_elements_text({x}))"),
             ("ids" | "strs", Some(x), false) => format!("(SELECT value FROM json_each({x}))"),

@@ -172,6 +172,9 @@ impl Store {
             let mut tx = self.pool().begin().await?;
             let result = async {
                 let mut c = tx.conn();
+                // Servers starting together each replace the defaults: one after the other, else
+                // the second's inserts meet the first's rows its delete did not see.
+                c.exec(sql!("{lock:notify_defaults}"), args![]).await?;
                 c.exec(sql!("DELETE FROM notify_defaults"), args![]).await?;
                 for (i, t) in targets.iter().enumerate() {
                     c.exec(
@@ -205,6 +208,7 @@ impl Store {
             let mut tx = self.pool().begin().await?;
             let result = async {
                 let mut c = tx.conn();
+                c.exec(sql!("{lock:pipeline_notify_targets}"), args![]).await?;
                 c.exec(sql!("DELETE FROM pipeline_notify_targets WHERE pipeline = $1"), args![pipeline]).await?;
                 for (i, t) in targets.iter().enumerate() {
                     c.exec(

@@ -15,6 +15,7 @@ shardline_testdb::on_both_databases!(
     finishing_enqueues_once_per_target_and_event,
     cancel_is_sent_only_when_asked,
     server_defaults_apply_and_share_urls_with_specs,
+    servers_starting_together_replace_the_defaults_one_after_the_other,
     claims_lease_and_fence_deliveries,
     trigger_errors_notify_once_per_streak,
 );
@@ -111,6 +112,32 @@ async fn server_defaults_apply_and_share_urls_with_specs(db: &TestDb) {
     let got: Vec<(&str, NotifyFormat)> = n.iter().map(|n| (n.url.as_str(), n.format)).collect();
     // One per URL: the spec's and the server's `http://h/shared` are one notification.
     assert_eq!(got, [("http://h/shared", NotifyFormat::Json), ("http://h/slack", NotifyFormat::Slack)]);
+}
+
+/// Field failure: two servers started against one database each replaced the defaults, and the
+/// second failed on the first's rows (`notify_defaults_pkey`). Every replacement now succeeds and
+/// the defaults are one server's whole list, never a mix.
+async fn servers_starting_together_replace_the_defaults_one_after_the_other(db: &TestDb) {
+    let cancelled = &[NotifyEvent::Cancelled];
+    let a: Vec<NotifyTarget> = (0..3).map(|i| target(&format!("http://h/a{i}"), cancelled)).collect();
+    let b = vec![target("http://h/b0", cancelled)];
+    for _ in 0..12 {
+        let mut servers = tokio::task::JoinSet::new();
+        for i in 0..6 {
+            let store = db.store().await;
+            let targets = if i % 2 == 0 { a.clone() } else { b.clone() };
+            servers.spawn(async move { store.set_default_notify_targets(&targets).await });
+        }
+        while let Some(result) = servers.join_next().await {
+            result.expect("joined").expect("every server records its defaults");
+        }
+        let store = db.store().await;
+        let run = run_with(&store, Vec::new(), &["a"]).await;
+        store.cancel_run(run, "user:test").await.expect("cancel");
+        let urls: Vec<String> = store.run_notifications(run).await.expect("list").into_iter().map(|n| n.url).collect();
+        let whole = |t: &[NotifyTarget]| t.iter().map(|t| t.url.clone()).collect::<Vec<_>>();
+        assert!(urls == whole(&a) || urls == whole(&b), "a mix of two servers' defaults: {urls:?}");
+    }
 }
 
 async fn claims_lease_and_fence_deliveries(db: &TestDb) {
