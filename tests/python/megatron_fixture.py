@@ -135,8 +135,17 @@ def mlm_args(hf_dir, tp: int, ep: int = 1, etp: int | None = None) -> Namespace:
         skipped_train_samples=0, consumed_valid_samples=0, transformer_impl="local")
 
 
+def rng_state_list(tp_rank: int) -> list[dict]:
+    """What Megatron-LM's `get_rng_state` returns for one rank (`data_parallel_random_init` off):
+    a one-element list of the rank's states, here made deterministic per TP rank
+    (training_ckpt.rng_entry: python, numpy, torch, the CUDA state and the three trackers)."""
+    import training_ckpt as tc
+
+    return [tc.rng_entry(tp_rank)]
+
+
 def _worker(rank: int, world: int, port: int, out: str, hf_dir: str, arch: str, tp: int, ep: int,
-            etp: int) -> None:
+            etp: int, iteration: int, rng: bool) -> None:
     ml.quiet_megatron()
     ml.init_gloo(rank, world, port)
     try:
@@ -158,16 +167,27 @@ def _worker(rank: int, world: int, port: int, out: str, hf_dir: str, arch: str, 
                     raise AssertionError(f"{name}: mapped {tuple(value.shape)} {value.dtype}, "
                                          f"parameter {tuple(param.shape)} {param.dtype}")
                 param.copy_(value)
+        args = mlm_args(hf_dir, tp, ep, etp)
+        args.iteration, args.no_save_rng = iteration, not rng
         state_dict = {
-            "args": mlm_args(hf_dir, tp, ep, etp),
+            "args": args,
             "checkpoint_version": 3.0,
-            "iteration": 0,
+            "iteration": iteration,
             "num_floating_point_operations_so_far": 0,
             "model": ml.sharded_request(model),
         }
+        if rng:
+            # Megatron-LM's `get_rng_state` for torch_dist (checkpointing.py): a ShardedObject of
+            # global shape (PP, TP) at (pp_rank, tp_rank), replicated over data-parallel ranks.
+            from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+            tp_rank = ps.get_tensor_model_parallel_rank()
+            state_dict["rng_state"] = ShardedObject(
+                "rng_state", rng_state_list(tp_rank), (1, tp), (0, tp_rank),
+                replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
         strategy = FullyParallelSaveStrategyWrapper(
             get_default_save_sharded_strategy("torch_dist"), ps.get_data_parallel_group(with_context_parallel=True))
-        ckpt_dir = Path(out) / "release"
+        ckpt_dir = Path(out) / (f"iter_{iteration:07d}" if iteration else "release")
         if rank == 0:
             ckpt_dir.mkdir(parents=True, exist_ok=False)
         torch.distributed.barrier()
@@ -175,14 +195,15 @@ def _worker(rank: int, world: int, port: int, out: str, hf_dir: str, arch: str, 
                                 content_metadata=dict(ml.CONTENT_METADATA))
         torch.distributed.barrier()
         if rank == 0:
-            (Path(out) / ml.TRACKER).write_text("release")
+            (Path(out) / ml.TRACKER).write_text(str(iteration) if iteration else "release")
     finally:
         torch.distributed.destroy_process_group()
 
 
 def write_fixture(out: Path, hf_dir=HF_DIR, arch: str | None = None, tp: int = TP, ep: int = 1,
-                  etp: int | None = None) -> Path:
-    """Megatron-Core saves the release at (tp, ep, etp) into the save root `out` (replaced)."""
+                  etp: int | None = None, iteration: int = 0, rng: bool = False) -> Path:
+    """Megatron-Core saves the release at (tp, ep, etp) into the save root `out` (replaced); with
+    an `iteration`, as `iter_NNNNNNN/`, and with `rng`, each rank's RNG states too."""
     import torch.multiprocessing as mp
 
     out = Path(out)
@@ -192,7 +213,8 @@ def write_fixture(out: Path, hf_dir=HF_DIR, arch: str | None = None, tp: int = T
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    mp.spawn(_worker, args=(world, free_port(), str(out), str(hf_dir), arch, tp, ep, etp), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), str(out), str(hf_dir), arch, tp, ep, etp, iteration, rng),
+             nprocs=world, join=True)
     return out
 
 

@@ -25,6 +25,7 @@ import pickle
 import re
 import shutil
 import subprocess
+import sys
 import zipfile
 from collections import defaultdict
 from dataclasses import dataclass
@@ -651,7 +652,7 @@ def test_translates_to_torch_dist_with_fully_reshardable_optimizer_state(reshard
     assert (root / "latest_checkpointed_iteration.txt").read_text() == str(tc.ITERATION)
     ckpt = root / f"iter_{tc.ITERATION:07d}"
     assert json.loads((ckpt / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
-    assert re.search(r"RNG states of 1 \(pp, tp\) ranks left out", r.output), r.output
+    assert re.search(r"RNG states re-keyed for the target TP grid", r.output), r.output
 
     ref = tc.reference_tensors(TORCH_DIST_MESH.tp, "fused_adam")
     model, states = {}, {"param": {}, "exp_avg": {}, "exp_avg_sq": {}}
@@ -672,15 +673,22 @@ def test_translates_to_torch_dist_with_fully_reshardable_optimizer_state(reshard
     assert sorted(tensors) == sorted(want)
     bad = [k for k, t in want.items() if tensors[k].dtype != t.dtype or not torch.equal(tensors[k], t)]
     assert not bad, f"{len(bad)} tensors differ from the reference, e.g. {bad[:5]}"
-    others = sorted(k for k in got if k not in tensors)
+    others = sorted(k for k in got if k not in tensors and not k.startswith("rng_state/"))
     assert others and all(k.endswith(("._extra_state/shard_0_1",)) or "._extra_state/shard_" in k for k in others), others
+    # One RNG ShardedObject per TP rank of the target, Megatron's rng_state_list: S1's (0, 0)
+    # kept, the new TP rank given a copy of it (`--rng from-rank0`).
+    tp = TORCH_DIST_MESH.tp
+    assert sorted(k for k in got if k.startswith("rng_state/")) == [f"rng_state/shard_0.{t}_1.{tp}" for t in range(tp)]
+    for t in range(tp):
+        # Megatron-Core's torch strategy stores a ShardedObject's data as `[data]`.
+        _assert_same_rng(got[f"rng_state/shard_0.{t}_1.{tp}"], [[tc.rng_entry(0)]])
 
     import megatron.core.safe_globals  # noqa: F401  (Megatron-Core's safe globals for weights_only)
     common = torch.load(ckpt / "common.pt", weights_only=True)
     args = common["args"]
     for field, value in mesh_args(TORCH_DIST_MESH).items():
         assert getattr(args, field) == value, field
-    assert (args.no_save_rng, args.no_save_optim, args.ckpt_format) == (True, False, "torch_dist")
+    assert (args.no_save_rng, args.no_save_optim, args.ckpt_format) == (False, False, "torch_dist")
     assert common["iteration"] == tc.ITERATION and common["checkpoint_version"] == 3.0
     assert common["opt_param_scheduler"] == tc.scheduler_state()
     assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
@@ -697,6 +705,75 @@ def test_translates_to_torch_dist_with_fully_reshardable_optimizer_state(reshard
     # inspect finds Adam's step in the param_groups (the step is not the iteration).
     training = json.loads(harness.run_cli(["inspect", str(root), "--json"]).stdout)["training"]
     assert training["adam_steps"] == {str(tc.ADAM_STEP): 3} and training["adam_steps_by_group"], training
+
+
+def _assert_same_rng(got, want) -> None:
+    """Two RNG state lists equal leaf by leaf (tensors by value and dtype, numpy arrays by value)."""
+    import numpy as np
+
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and sorted(got) == sorted(want), (list(got), list(want))
+        for k in want:
+            _assert_same_rng(got[k], want[k])
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), (type(got), type(want))
+        for a, b in zip(got, want):
+            _assert_same_rng(a, b)
+    elif isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
+    elif isinstance(want, np.ndarray):
+        assert isinstance(got, np.ndarray) and got.dtype == want.dtype and np.array_equal(got, want)
+    else:
+        assert got == want, (got, want)
+
+
+def test_megatron_core_loads_and_restores_the_translated_rng_states(reshards, sources, tmp_path):
+    """The RNG ShardedObjects of S1 → torch_dist are what Megatron-LM's load_checkpoint asks for:
+    Megatron-Core's `dist_checkpointing.load` of `ShardedObject('rng_state', (PP, TP), (pp, tp))`
+    finds each, and random / numpy / torch take the states back (megatron_rng.py)."""
+    root = reshards.run(sources["S1"], TORCH_DIST_MESH, ("--target", "torch_dist"), name="torch-dist").require()
+    loaded = _megatron_rng(root / f"iter_{tc.ITERATION:07d}", TORCH_DIST_MESH.tp, tmp_path)
+    assert len(loaded) == TORCH_DIST_MESH.tp
+    for state in loaded:
+        _assert_same_rng(state, [tc.rng_entry(0)])
+
+
+def _megatron_rng(ckpt: Path, tp: int, tmp_path: Path) -> list:
+    """What megatron_rng.py loads and restores from `ckpt` with Megatron-Core, per TP rank."""
+    out = tmp_path / f"rng-{ckpt.parent.name}.pt"
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "megatron_rng.py"), str(ckpt), str(tp), str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return torch.load(out, weights_only=False)
+
+
+def test_megatron_written_rng_states_translate_both_ways_and_megatron_core_restores_them(shardline, tmp_path):
+    """A torch_dist checkpoint Megatron-Core saved itself with RNG states, made as Megatron-LM's
+    `get_rng_state` makes them (a ShardedObject per TP rank, megatron_fixture.py --rng) →
+    fsdp_dtensor: each TP rank's states under `rng_state.(0, t)`, as Megatron-FSDP keeps them,
+    equal to what was saved; → torch_dist again: Megatron-Core loads them and random / numpy /
+    torch take them back, equal."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import megatron_fixture as mf
+
+    tp, iteration = 2, 7
+    saved = mf.write_fixture(tmp_path / "mcore", tp=tp, iteration=iteration, rng=True)
+    mesh = Mesh(tp, 1, 1, 1)
+    fsdp, back = tmp_path / "fsdp", tmp_path / "back"
+    for src, out, target in ((saved, fsdp, "fsdp_dtensor"), (fsdp, back, "torch_dist")):
+        proc = harness.run_cli(["reshard", str(src), "--to", str(out), *mesh.cli_args(), "--target", target],
+                               timeout=RESHARD_TIMEOUT_S)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "RNG" not in proc.stderr, proc.stderr
+    dcp_to_torch_save(fsdp, tmp_path / "fsdp.pt")
+    state = torch.load(tmp_path / "fsdp.pt", weights_only=False)
+    assert sorted(state["rng_state"]) == [f"(0, {t})" for t in range(tp)]
+    for t in range(tp):
+        _assert_same_rng(state["rng_state"][f"(0, {t})"], mf.rng_state_list(t))
+    loaded = _megatron_rng(back / f"iter_{iteration:07d}", tp, tmp_path)
+    for t in range(tp):
+        _assert_same_rng(loaded[t], mf.rng_state_list(t))
 
 
 def test_torch_adamw_steps_are_refused_for_torch_dist(shardline, sources, tmp_path):
@@ -722,8 +799,8 @@ def _flat_items(d, p: str = "") -> dict:
 
 def test_torch_dist_translates_back_to_the_same_training_state(reshards, sources, tmp_path):
     """S1 → torch_dist (another mesh) → fsdp_dtensor on S1's mesh: torch's DCP reader finds every
-    parameter (from the fp32 masters), moment, param_to_group_meta field, scheduler value and
-    counter of S1, equal; only the RNG states (not written to torch_dist) are gone."""
+    parameter (from the fp32 masters), moment, param_to_group_meta field, scheduler value,
+    counter and RNG state of S1, equal: nothing is lost."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     there = reshards.run(sources["S1"], TORCH_DIST_MESH, ("--target", "torch_dist"), name="torch-dist").require()
@@ -734,12 +811,19 @@ def test_torch_dist_translates_back_to_the_same_training_state(reshards, sources
         return _flat_items(torch.load(tmp_path / f"{path.name}.pt", weights_only=False))
 
     src, got = items(sources["S1"]), items(back)
-    assert sorted(set(src) - set(got)) == sorted(k for k in src if k.startswith("rng_state."))
-    assert not set(got) - set(src)
+    assert sorted(set(src) ^ set(got)) == []
+    assert sum(k.startswith("rng_state.") for k in got) == 7
     bad = []
     for k in sorted(set(src) & set(got)):
         a, b = src[k], got[k]
-        same = (a.dtype == b.dtype and torch.equal(a, b)) if isinstance(a, torch.Tensor) else (k == "args" or a == b)
+        if k.startswith("rng_state."):
+            try:
+                _assert_same_rng(b, a)
+                same = True
+            except AssertionError:
+                same = False
+        else:
+            same = (a.dtype == b.dtype and torch.equal(a, b)) if isinstance(a, torch.Tensor) else (k == "args" or a == b)
         if not same:
             bad.append(k)
     assert not bad, f"{len(bad)} items changed, e.g. {bad[:5]}"

@@ -34,13 +34,15 @@ pub struct ReshardArgs {
     pub ckpt: PathBuf,
     /// The dialect to write (default: the source's). `fsdp_dtensor` from a `torch_dist` source
     /// translates it: layers and experts unstacked, SwiGLU fc1 split where the model's layers are
-    /// SwiGLU, `args` and the common state carried as top-level items; what Megatron-FSDP does not
+    /// SwiGLU, `args` and the common state carried as top-level items, each RNG `ShardedObject` as
+    /// the `rng_state.(pp, tp)` items; what Megatron-FSDP does not
     /// save (`_extra_state`, the rerun state) is left out, and said so. `torch_dist` writes a
     /// Megatron-LM save directory (`iter_%07d/` of the source's iteration, or `release/`, then
     /// the tracker): layers stacked, experts and `[gate; up]` joined, an `_extra_state` per
     /// Transformer Engine module, the bytes items as the common state `common.pt`, optimizer
     /// moments as `fully_reshardable` state with the fp32 masters as `optimizer.state.param.*`
-    /// and the parameter groups as `param_groups`; RNG states are left out (`no_save_rng`).
+    /// and the parameter groups as `param_groups`, the RNG states of each TP rank as one
+    /// `ShardedObject` `rng_state` (`no_save_rng` only when there are none).
     #[arg(long, value_enum)]
     pub target: Option<crate::convert::Target>,
     /// Output checkpoint directory.

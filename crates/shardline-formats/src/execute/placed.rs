@@ -77,13 +77,14 @@ pub struct Planned<'a> {
 
 /// The entries of a placed layout and their flat planner paths (Megatron-Core saves a flat dict
 /// of its keys): each on-disk key once, with the placed written chunks of every planned tensor in
-/// it (`chunks(i)`: tensor `i`'s, in its own coordinates), then the layout's objects. The
-/// encoder is left at the storage data.
+/// it (`chunks(i)`: tensor `i`'s, in its own coordinates), then the layout's objects and the
+/// bytes items `more_objects` (a reshard's RNG states). The encoder is left at the storage data.
 pub fn placed_entries<W: io::Write, C: Iterator<Item = Chunk>>(
     e: &mut MetadataEncoder<W>,
     disk: &DiskLayout,
     tensors: &[Planned<'_>],
     chunks: impl Fn(usize) -> C,
+    more_objects: &[&str],
 ) -> io::Result<()> {
     let mut keys: BTreeMap<String, DiskKey> = BTreeMap::new();
     for (i, t) in tensors.iter().enumerate() {
@@ -114,12 +115,13 @@ pub fn placed_entries<W: io::Write, C: Iterator<Item = Chunk>>(
         let chunks = listed.iter().map(|(_, o, s)| (o.as_slice(), s.as_slice()));
         e.entry(key, EntryRef::Tensor { dtype: k.dtype, size: &k.shape, chunks })?;
     }
-    for o in disk.objects() {
-        e.entry(&o.key, EntryRef::<std::iter::Empty<(&[u64], &[u64])>>::Bytes)?;
+    let objects = || disk.objects().iter().map(|o| o.key.as_str()).chain(more_objects.iter().copied());
+    for key in objects() {
+        e.entry(key, EntryRef::<std::iter::Empty<(&[u64], &[u64])>>::Bytes)?;
     }
     e.begin_planner_data();
-    for key in keys.keys().chain(disk.objects().iter().map(|o| &o.key)) {
-        e.planner_path(key, &[PathElem::Key(key.clone())])?;
+    for key in keys.keys().map(String::as_str).chain(objects()) {
+        e.planner_path(key, &[PathElem::Key(key.to_string())])?;
     }
     e.begin_storage_data();
     Ok(())
@@ -145,7 +147,7 @@ pub(super) fn write_placed_metadata<W: io::Write>(layout: &DcpLayout, plan: &Pla
     let tensors: Vec<Planned<'_>> =
         plan.tensors().map(|t| Planned { key: t.key, dtype: t.dtype, shape: t.shape }).collect();
     let mut e = MetadataEncoder::new(sink);
-    placed_entries(&mut e, &plan.disk, &tensors, |i| plan.tensor(i).chunks(&plan.mesh))?;
+    placed_entries(&mut e, &plan.disk, &tensors, |i| plan.tensor(i).chunks(&plan.mesh), &[])?;
     for rank in 0..layout.world() {
         let name = dcp_rank_file(rank as u64);
         for item in layout.rank(plan, rank) {

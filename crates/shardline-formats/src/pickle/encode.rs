@@ -1,6 +1,7 @@
 //! A read [`Value`] pickled again (protocol 2): what a checkpoint's common state holds, carried
-//! item by item into another container. Values that refer to tensor storage or hold raw bytes
-//! are refused: they are not plain Python values.
+//! item by item into another container. Raw bytes and sets are refused: they are not values a
+//! checkpoint's state holds. Persistent ids (tensor storages) are written as ids; the archive
+//! that holds the pickle must hold the storages they name.
 
 use super::{PickleWriter, Value};
 
@@ -105,6 +106,12 @@ fn write(w: &mut PickleWriter, value: &Value) -> Result<(), String> {
             w.newobj();
             write_after(w, state, list_items, dict_items)?;
         }
+        // A tensor's storage (`torch.save`'s `('storage', type, key, location, numel)`): the
+        // caller writes the storage entries the ids name.
+        Value::PersistentId(id) => {
+            write(w, id)?;
+            w.binpersid();
+        }
         other => return Err(format!("{} cannot be carried (not a plain Python value)", kind(other))),
     }
     Ok(())
@@ -115,7 +122,7 @@ fn kind(v: &Value) -> &'static str {
         Value::Bytes(_) => "a bytes value",
         Value::Set(_) | Value::FrozenSet(_) => "a set",
         Value::Object { .. } => "an object made with keyword arguments",
-        _ => "a tensor or storage reference",
+        _ => "this value",
     }
 }
 

@@ -620,6 +620,29 @@ pub fn read_tensor_archive_with<R: ReadAt + ?Sized>(
             spec
         }
     };
+    locate(&ar, spec)
+}
+
+/// Whether `v` is a tensor as `torch.save` pickles one (`_rebuild_tensor_v2` of a storage).
+pub fn is_tensor_value(v: &Value) -> bool {
+    tensor_spec(v).is_ok()
+}
+
+/// The tensor `tensor` (a value of the unpickled `data.pkl`, see [`is_tensor_value`]) of the
+/// object archive at `[offset, offset + length)` of `src`, located in its storage entry: how a
+/// bytes item holding tensors (a Megatron-Core `ShardedObject` of RNG states) is read in place.
+pub fn locate_object_tensor<R: ReadAt + ?Sized>(
+    src: &R,
+    offset: u64,
+    length: u64,
+    tensor: &Value,
+) -> Result<ArchivedTensor, TorchSaveError> {
+    let ar = Archive::open(src, offset, length)?;
+    locate(&ar, tensor_spec(tensor)?)
+}
+
+/// Where `spec`'s bytes are in `ar`, checked to be contiguous and inside its storage entry.
+fn locate<R: ReadAt + ?Sized>(ar: &Archive<'_, R>, spec: TensorSpec) -> Result<ArchivedTensor, TorchSaveError> {
     if !is_contiguous(&spec.shape, &spec.strides) {
         return Err(TorchSaveError::NonContiguous { shape: spec.shape, strides: spec.strides });
     }

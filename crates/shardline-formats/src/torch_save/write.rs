@@ -438,9 +438,27 @@ pub fn encode_object_archive(value: &PyObject) -> Vec<u8> {
 
 /// The `torch.save` archive of an object whose pickle (`data.pkl`, no tensors) is `pkl`.
 pub fn encode_pickle_archive(pkl: &[u8]) -> Vec<u8> {
+    encode_archive_with_storages(pkl, &[])
+}
+
+/// The `torch.save` archive of an object whose pickle `pkl` refers to the storages `storages`
+/// (`(key, bytes)`: the pickle's persistent ids name them by key, each stored as `data/<key>`).
+pub fn encode_archive_with_storages(pkl: &[u8], storages: &[(String, Vec<u8>)]) -> Vec<u8> {
     let mut out = Vec::new();
     let mut entries = Vec::new();
     push_entry(&mut out, &mut entries, format!("{ARCHIVE_DIR}/data.pkl"), pkl);
+    for (key, bytes) in storages {
+        // Storage data aligned as torch aligns it (and the strict reader requires).
+        let entry = EntryRecord {
+            name: format!("{ARCHIVE_DIR}/data/{key}"),
+            crc32: crc32fast::hash(bytes),
+            size: bytes.len() as u64,
+            local_header_offset: out.len() as u64,
+        };
+        out.extend_from_slice(&local_header(&entry, entry.local_header_offset, DATA_ALIGNMENT));
+        out.extend_from_slice(bytes);
+        entries.push(entry);
+    }
     push_entry(&mut out, &mut entries, format!("{ARCHIVE_DIR}/byteorder"), b"little");
     push_entry(&mut out, &mut entries, format!("{ARCHIVE_DIR}/version"), b"3\n");
     let cd = central_directory(&entries, out.len() as u64);

@@ -8,6 +8,7 @@ pub mod common_state;
 mod export;
 mod fused;
 mod param_groups;
+mod rng;
 pub mod save_dir;
 mod summary;
 mod torch_dist_save;

@@ -6,7 +6,8 @@
 //!
 //! The common state: every carried bytes item at its path (`args`, `iteration`,
 //! `opt_param_scheduler`, …); `args` with the target mesh, `ckpt_format` `torch_dist`,
-//! `no_save_rng` (RNG states are not written) and `no_save_optim` unless optimizer state is;
+//! `no_save_rng` unless RNG states are written (as `ShardedObject`s, see `rng`) and
+//! `no_save_optim` unless optimizer state is;
 //! `content_metadata` saying `fully_reshardable` when it is (on load it, not the job's flags,
 //! decides the optimizer's layout, torch-dist.md §1.3); and the optimizer's `param_groups` —
 //! the distinct settings of `param_to_group_meta`, without `params`, split into the dense and the
@@ -41,7 +42,7 @@ fn s(v: &str) -> Value {
 }
 
 /// The value of the bytes item `item` of `source`.
-fn item_value(source: &TrainingCheckpoint, item: usize) -> Result<Value, TrainingError> {
+pub(super) fn item_value(source: &TrainingCheckpoint, item: usize) -> Result<Value, TrainingError> {
     let key = &source.items[item].key;
     match source.data[item] {
         ItemData::Object(i) => read_object(&source.checkpoint, i),
@@ -171,7 +172,7 @@ pub(super) fn common_state(source: &TrainingCheckpoint, plan: &ReshardPlan) -> R
                 set(fields, name, Value::Int(v));
             }
             set(fields, "ckpt_format", s("torch_dist"));
-            set(fields, "no_save_rng", Value::Bool(true));
+            set(fields, "no_save_rng", Value::Bool(plan.rng_objects.is_empty()));
             set(fields, "no_save_optim", Value::Bool(!with_optimizer));
             if with_optimizer {
                 set(fields, "dist_ckpt_optim_fully_reshardable", Value::Bool(true));
@@ -208,17 +209,69 @@ pub(super) struct Stored<'a> {
     pub length: u64,
 }
 
+/// The RNG `ShardedObject`s of `plan`, built from `source` (see `rng`), each with the rank
+/// whose file holds it.
+pub(super) fn rng_objects(source: &TrainingCheckpoint, plan: &ReshardPlan) -> Result<Vec<RngArchive>, TrainingError> {
+    plan.rng_objects
+        .iter()
+        .map(|o| Ok(RngArchive { key: o.key.clone(), rank: o.rank, archive: super::rng::rng_archive(source, o)? }))
+        .collect()
+}
+
+/// An RNG `ShardedObject`, ready to write.
+pub(super) struct RngArchive {
+    pub key: String,
+    pub rank: u64,
+    pub archive: Vec<u8>,
+}
+
+/// The file of `rank`'s RNG objects (beside its `_extra_state` objects' file).
+pub(super) fn rng_file(rank: u64) -> String {
+    format!("__{rank}_2.distcp")
+}
+
+/// Where each RNG object is stored: `(object, file, offset)`.
+fn rng_storage(rng: &[RngArchive]) -> impl Iterator<Item = (&RngArchive, String, u64)> {
+    let mut at: BTreeMap<u64, u64> = BTreeMap::new();
+    rng.iter().map(move |o| {
+        let offset = at.entry(o.rank).or_default();
+        let here = *offset;
+        *offset += o.archive.len() as u64;
+        (o, rng_file(o.rank), here)
+    })
+}
+
+/// Writes and syncs the RNG objects' files into `dir`.
+pub(super) fn write_rng_files(rng: &[RngArchive], dir: &Path) -> Result<(), TrainingError> {
+    let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    for (o, file, _) in rng_storage(rng) {
+        files.entry(file).or_default().extend_from_slice(&o.archive);
+    }
+    for (name, bytes) in files {
+        let path = dir.join(name);
+        let write = || -> io::Result<()> {
+            let mut f = std::fs::File::create(&path)?;
+            io::Write::write_all(&mut f, &bytes)?;
+            f.sync_all()
+        };
+        write().map_err(super::write::io_err(&path, "write RNG objects"))?;
+    }
+    Ok(())
+}
+
 /// `.metadata` of a placed layout (see `execute::placed_entries`), the rank files' items as
-/// `stored(rank)` lists them, then the `_extra_state` objects.
+/// `stored(rank)` lists them, then the `_extra_state` objects and the RNG objects `rng`.
 pub(super) fn write_placed_metadata<'a, W: io::Write, I: Iterator<Item = Stored<'a>>>(
     plan: &'a ReshardPlan,
+    rng: &[RngArchive],
     stored: impl Fn(u64) -> I,
     sink: W,
 ) -> io::Result<W> {
     let tensors: Vec<Planned<'_>> =
         plan.tensors.iter().map(|t| Planned { key: &t.out.key, dtype: t.out.dtype, shape: &t.out.shape }).collect();
     let mut e = MetadataEncoder::new(sink);
-    placed_entries(&mut e, &plan.disk, &tensors, |i| plan.written_chunks(i))?;
+    let rng_keys: Vec<&str> = rng.iter().map(|o| o.key.as_str()).collect();
+    placed_entries(&mut e, &plan.disk, &tensors, |i| plan.written_chunks(i), &rng_keys)?;
     for rank in 0..plan.mesh.world() {
         let name = crate::execute::dcp_rank_file(rank);
         for item in stored(rank) {
@@ -233,6 +286,16 @@ pub(super) fn write_placed_metadata<'a, W: io::Write, I: Iterator<Item = Stored<
         }
     }
     object_storage_entries(&mut e, plan.disk.objects())?;
+    for (o, file, offset) in rng_storage(rng) {
+        e.storage(&StorageRef {
+            fqn: &o.key,
+            chunk_offset: None,
+            relative_path: &file,
+            offset,
+            length: o.archive.len() as u64,
+            transform_descriptors: None,
+        })?;
+    }
     e.finish(None)
 }
 

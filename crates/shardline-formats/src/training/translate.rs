@@ -6,22 +6,24 @@
 //! dims), so it is read in place: no byte is copied to translate.
 //!
 //! The common state (`common.pt`, or the `common_state` item) becomes the top-level items an
-//! `fsdp_dtensor` checkpoint holds (`args`, `iteration`, …), each pickled again; what
-//! Megatron-FSDP does not save (`_extra_state`, the rerun state, `content_metadata`) is left
-//! out, and said so.
+//! `fsdp_dtensor` checkpoint holds (`args`, `iteration`, …), each pickled again; each RNG
+//! `ShardedObject` becomes the items of `rng_state.(pp, tp)` (see `rng`); what Megatron-FSDP
+//! does not save (`_extra_state`, the rerun state, `content_metadata`) is left out, and said so.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 
 use shardline_layout::dialect::{share_of_box, unplace};
 use shardline_layout::reshard::{
-    classify_torch_dist, flat_key, param_layout, ChunkBox, ItemKind, PathElem, SourceItem, SourceTensorMeta,
+    classify_torch_dist, flat_key, param_layout, rng_rank_part, ChunkBox, ItemKind, PathElem, SourceItem,
+    SourceTensorMeta,
 };
 
 use super::common_state::{common_entries, read_common_pt};
 use super::fused::{fused, fused_rows, marks_fused_experts};
 use super::param_groups::{group_of, saved_groups};
-use super::{ItemData, TrainingArgs, TrainingError};
+use super::rng::{read_rng_object, RngLeaf};
+use super::{read_object, ItemData, TrainingArgs, TrainingError};
 use crate::checkpoint::{Checkpoint, StoredChunk, StoredTensor};
 use crate::pickle::{dumps, Value};
 use crate::torch_save::{encode_pickle_archive, read_object_archive};
@@ -150,6 +152,8 @@ pub(super) fn translate(
     // are left out.
     let mut common: Option<Value> = read_common_pt(&checkpoint.dir)?;
     let mut dropped: BTreeMap<&str, u64> = BTreeMap::new();
+    // Each (pp, tp) rank's RNG `ShardedObject`, unpickled: its leaves become items.
+    let mut rng_values: Vec<(usize, String, Value)> = Vec::new();
     for (i, o) in checkpoint.objects.iter().enumerate() {
         let base = o.key.split_once("/shard_").map_or(o.key.as_str(), |(k, _)| k);
         if base == "common_state" {
@@ -165,10 +169,17 @@ pub(super) fn translate(
             }
             continue;
         }
+        if base == "rng_state" && !model_only {
+            let ItemKind::Rng { pp, tp } = classify_torch_dist(&o.key) else {
+                return Err(refuse(&o.key, "an RNG state whose key does not say its (pp, tp) rank"));
+            };
+            rng_values.push((i, rng_rank_part(pp, tp), read_object(&checkpoint, i)?));
+            continue;
+        }
         let what = if base.ends_with("._extra_state") {
             "`_extra_state` objects"
-        } else if base.starts_with("rng_state") {
-            "RNG states"
+        } else if base == "rng_state" {
+            continue;
         } else if base.starts_with("rerun_state_machine") {
             "rerun states"
         } else {
@@ -224,6 +235,25 @@ pub(super) fn translate(
             push(path, leaf, &mut inline)?;
         }
     }
+    // RNG states, as Megatron-FSDP keeps them: a tensor item or a bytes item per leaf.
+    let mut rng_paths: BTreeMap<String, Vec<PathElem>> = BTreeMap::new();
+    for (i, rank_part, value) in &rng_values {
+        let o = &checkpoint.objects[*i];
+        let path = checkpoint.dir.join(&*o.file);
+        let f = File::open(&path).map_err(|error| {
+            TrainingError::Checkpoint(crate::checkpoint::CheckpointError::Io { path, action: "open", error })
+        })?;
+        for (path, leaf) in read_rng_object(o, &f, value, rank_part)? {
+            match leaf {
+                RngLeaf::Tensor(t) => {
+                    rng_paths.insert(t.key.clone(), path);
+                    tensors.push(t);
+                }
+                RngLeaf::Value(v) => push(path, v, &mut inline)?,
+            }
+        }
+    }
+    tensors.sort_by(|a, b| a.key.cmp(&b.key));
     if !optimized.is_empty() && !entries.iter().any(|(k, _)| k.as_str() == Some("optimizer")) {
         // As `reshard --target torch_dist` writes moments that came without group settings.
         notes.push(
@@ -239,7 +269,7 @@ pub(super) fn translate(
         let chunks = t.chunks.iter().map(|c| ChunkBox { offsets: c.offsets.clone(), sizes: c.sizes.clone() }).collect();
         items.push(SourceItem {
             key: t.key.clone(),
-            path: tensor_path(&t.key),
+            path: rng_paths.remove(&t.key).unwrap_or_else(|| tensor_path(&t.key)),
             tensor: Some(SourceTensorMeta { dtype: t.dtype, shape: t.shape.clone(), chunks }),
         });
         data.push(ItemData::Tensor(i));

@@ -95,7 +95,7 @@ pub fn write_resharded(
     let (edited, args_set, args_missing) = edit_args(source, plan)?;
     let created = crate::out_dir::create(out).map_err(io_err(out, "create output directory"))?;
     withdraw_old_checkpoint(out)?;
-    let result = write_all(source, plan, out, threads, progress, &edited);
+    let result = write_all(source, plan, out, threads, progress, &edited, &[]);
     match result {
         Ok((files, tensor_bytes, file_bytes, chunks)) => {
             Ok(ReshardReport { files, tensor_bytes, file_bytes, chunks, args_set, args_missing })
@@ -112,6 +112,7 @@ fn remove_partial(dir: &Path, plan: &ReshardPlan) {
     for rank in 0..plan.mesh.world() {
         let _ = fs::remove_file(dir.join(dcp_rank_file(rank)));
         let _ = fs::remove_file(dir.join(object_file(rank)));
+        let _ = fs::remove_file(dir.join(torch_dist_save::rng_file(rank)));
     }
     let _ = fs::remove_file(dir.join(".metadata.tmp"));
 }
@@ -131,13 +132,14 @@ fn write_torch_dist(
         return Err(ExecuteError::Exists(root.to_path_buf(), save_dir::TRACKER).into());
     }
     let common = torch_dist_save::common_state(source, plan)?;
+    let rng = torch_dist_save::rng_objects(source, plan)?;
     let dir = torch_dist_save::checkpoint_dir(root, &common);
     let created_root = crate::out_dir::create(root).map_err(io_err(root, "create output directory"))?;
     save_dir::withdraw_tracker(root)?;
     let created = crate::out_dir::create(&dir).map_err(io_err(&dir, "create checkpoint directory"))?;
     withdraw_old_checkpoint(&dir)?;
     let edited = HashMap::new();
-    let result = write_all(source, plan, &dir, threads, progress, &edited).and_then(|totals| {
+    let result = write_all(source, plan, &dir, threads, progress, &edited, &rng).and_then(|totals| {
         save_dir::finish_save(root, &common.dir_name, &common.archive)?;
         Ok(totals)
     });
@@ -342,6 +344,7 @@ fn write_all(
     threads: usize,
     progress: &Progress,
     edited: &HashMap<usize, Vec<u8>>,
+    rng: &[torch_dist_save::RngArchive],
 ) -> Result<(u64, u64, u64, u64), TrainingError> {
     let world = plan.mesh.world();
     let totals = write_files(source, plan, world as usize, threads, progress, edited, |rank| {
@@ -351,12 +354,14 @@ fn write_all(
     // A dialect's objects (`torch_dist`'s `_extra_state`s) in a second file per rank, as convert
     // writes them.
     write_object_files(plan.disk.objects(), out)?;
+    torch_dist_save::write_rng_files(rng, out)?;
     let tmp = out.join(".metadata.tmp");
     let f = File::create(&tmp).map_err(io_err(&tmp, "create .metadata.tmp"))?;
     let f = match plan.dialect {
         Dialect::FsdpDtensor | Dialect::Torchtitan(_) | Dialect::Automodel => write_metadata(source, plan, edited, f),
         Dialect::TorchDist => torch_dist_save::write_placed_metadata(
             plan,
+            rng,
             |rank| rank_items(source, plan, edited, rank).map(|item| stored_of(plan, item)),
             f,
         ),

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::boxes::{check_tiling, ChunkBox};
 use super::keys::{classify, flat_key, rng_rank_part, ItemKind, PathElem};
+use super::target::RngObject;
 use super::params::{is_buffer, param_layout, vision_table, ParamLayout};
 use super::ReshardError;
 use crate::arch::TpMode;
@@ -98,6 +99,9 @@ pub struct ReshardPlan {
     /// `torch_dist`: the source items of the parameter groups' settings, which become the
     /// optimizer's `param_groups` in the common state (in `fsdp_dtensor` they are `objects`).
     pub group_meta: Vec<usize>,
+    /// `torch_dist`: the RNG states, one `ShardedObject` per (pp, tp) rank of the target (in
+    /// `fsdp_dtensor` they are `tensors` and `objects` under `rng_state.(pp, tp).…`).
+    pub rng_objects: Vec<RngObject>,
 }
 
 impl ReshardPlan {
@@ -260,20 +264,11 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
         tensors.push(carried_tensor(t, i, items[i].key.clone(), items[i].path.clone()));
     }
     let mut group_meta = Vec::new();
-    match options.dialect {
-        Dialect::FsdpDtensor | Dialect::Torchtitan(_) | Dialect::Automodel => {
-            rng_items(items, &rng, options, &mut tensors, &mut objects, &mut notes)
-        }
-        Dialect::TorchDist => {
-            if !rng.is_empty() {
-                notes.push(format!(
-                    "warning: the RNG states of {} (pp, tp) ranks left out (torch_dist's RNG objects are not written); \
-                     `args.no_save_rng` is set, so Megatron-LM does not ask for them",
-                    rng.len()
-                ));
-            }
-            group_meta = super::target::to_torch_dist(&kinds, &mut tensors, &mut objects, &mut notes, &mut errors);
-        }
+    let mut rng_objects = Vec::new();
+    rng_items(items, &rng, options, &mut tensors, &mut objects, &mut notes);
+    if options.dialect == Dialect::TorchDist {
+        rng_objects = super::target::rng_objects(&kinds, &mesh, &mut tensors, &mut objects);
+        group_meta = super::target::to_torch_dist(&kinds, &mut tensors, &mut objects, &mut notes, &mut errors);
     }
     if !errors.is_empty() {
         return Err(ReshardError::Many(errors));
@@ -288,7 +283,17 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
             DiskLayout::TorchDist(TorchDistLayout::new(&views, &mesh))
         }
     };
-    let plan = ReshardPlan { mesh, tensors, objects, padded_vocab, notes, dialect: options.dialect, disk, group_meta };
+    let plan = ReshardPlan {
+        mesh,
+        tensors,
+        objects,
+        padded_vocab,
+        notes,
+        dialect: options.dialect,
+        disk,
+        group_meta,
+        rng_objects,
+    };
     validate(&plan, options)?;
     Ok(plan)
 }

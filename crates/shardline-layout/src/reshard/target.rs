@@ -8,17 +8,72 @@
 //! experts, `[gate; up]`) is the dialect's placement, not this module's.
 //!
 //! What `torch_dist` keeps outside its tensors: the bytes items become the common state (the
-//! writer's business); RNG states are left out (their per-rank `ShardedObject` form is not
-//! written yet), and `args` then says `no_save_rng`; the parameter groups' settings
-//! (`param_to_group_meta`) become the optimizer's `param_groups`.
+//! writer's business); the RNG states of each (pp, tp) rank become one `ShardedObject` (see
+//! [`rng_objects`]); the parameter groups' settings (`param_to_group_meta`) become the
+//! optimizer's `param_groups`.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
-use super::keys::{ItemKind, PathElem};
+use super::keys::{parse_rng_rank, ItemKind, PathElem};
 use super::plan::{TargetObject, TargetTensor};
 use super::ReshardError;
 use crate::dialect::state_key;
+use crate::mesh::Mesh;
 use crate::plan::{Role, Tiling};
+
+/// One (pp, tp) rank's RNG states as Megatron-Core's `torch_dist` keeps them (torch-dist.md
+/// §1.3): a `ShardedObject` `rng_state` of global shape `(PP, TP)` at `(pp, tp)`, replicated
+/// over DP, whose payload is Megatron's `rng_state_list` — in `fsdp_dtensor` the same list sits
+/// under `rng_state.(pp, tp)`, one item per leaf.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RngObject {
+    /// `rng_state/shard_<pp>.<tp>_<PP>.<TP>`.
+    pub key: String,
+    /// The rank whose file holds it: the main replica, DP rank 0 of that TP rank.
+    pub rank: u64,
+    /// The payload's leaves in item order: each one's path inside `rng_state_list` (its list
+    /// index first) and the source item holding it, a tensor or a bytes item.
+    pub leaves: Vec<(Vec<PathElem>, usize)>,
+}
+
+/// Takes the RNG states (already re-keyed for the target grid) out of `tensors` and `objects`
+/// and groups them into one [`RngObject`] per (pp, tp) rank.
+pub(super) fn rng_objects(
+    kinds: &[ItemKind],
+    mesh: &Mesh,
+    tensors: &mut Vec<TargetTensor>,
+    objects: &mut Vec<TargetObject>,
+) -> Vec<RngObject> {
+    let mut by_rank: BTreeMap<(u64, u64), Vec<(Vec<PathElem>, usize)>> = BTreeMap::new();
+    // The target's (pp, tp) is in the path (a copied state keeps its source's kind).
+    let mut take = |source: usize, path: &[PathElem]| -> bool {
+        let rank = match (&kinds[source], path.get(1)) {
+            (ItemKind::Rng { .. }, Some(PathElem::Key(part))) => parse_rng_rank(part),
+            _ => None,
+        };
+        match rank {
+            Some(rank) => {
+                by_rank.entry(rank).or_default().push((path[2..].to_vec(), source));
+                true
+            }
+            None => false,
+        }
+    };
+    tensors.retain(|t| !take(t.source, &t.path));
+    objects.retain(|o| !take(o.source, &o.path));
+    // A reshard's target has no pipeline parallelism: PP is 1.
+    by_rank
+        .into_iter()
+        .map(|((pp, tp), mut leaves)| {
+            leaves.sort();
+            RngObject {
+                key: format!("rng_state/shard_{pp}.{tp}_1.{}", mesh.tp),
+                rank: mesh.dense_rank(tp, 0),
+                leaves,
+            }
+        })
+        .collect()
+}
 
 /// What becomes of a plan's items in `torch_dist`: the tensors re-keyed in place, and the
 /// source items of the parameter-group settings (empty when there is no optimizer state).

@@ -186,6 +186,7 @@ pub fn plan_fsdp2_reshard(items: &[SourceItem], options: &Fsdp2Options) -> Resul
         dialect: options.dialect,
         disk: DiskLayout::AsPlanned,
         group_meta: Vec::new(),
+        rng_objects: Vec::new(),
     })
 }
 
