@@ -436,6 +436,66 @@ fn reshard_and_export_run_on_the_artifact_store() {
     }
 }
 
+/// `pipelines/torch-dist.yaml` with the artifact store as the only shared medium: the seed's
+/// rank tasks upload `release/__R_0.distcp` of a Megatron-LM save directory and its commit
+/// completes them, then writes the `_extra_state` objects, `.metadata`, `common.pt`,
+/// `metadata.json` and the tracker last; validation is split by rank file of the checkpoint the
+/// tracker names; the export, the translation to fsdp_dtensor and the one back to a torch_dist
+/// save directory read and write the store. What was published validates bit-exact, and the
+/// export is the release.
+#[test]
+fn a_torch_dist_pipeline_runs_on_the_artifact_store() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let moto = Moto::start(tmp.path());
+    moto.create_bucket(ARTIFACTS);
+    let hosts = Hosts::started(&moto, None, &["host-a", "host-b"]);
+    let out = tmp.path().join("out");
+    let spec = repo_root().join("pipelines/torch-dist.yaml");
+    let run = hosts.submit(
+        &spec,
+        &[format!("model={}", fixture("qwen3_moe").display()), format!("dest=file://{}", out.display())],
+    );
+    let row = hosts.wait_run(run);
+    assert_eq!(row.state, RunState::Succeeded, "{:?}", row.error);
+    let name = row.options.name.clone().expect("run name");
+    let keys = |step: &str| moto.list_keys(ARTIFACTS, &format!("shardline/runs/{name}/{step}/checkpoint/"));
+    let names = |step: &str| -> BTreeSet<String> {
+        keys(step).iter().filter_map(|k| k.split_once("/checkpoint/").map(|(_, n)| n.to_string())).collect()
+    };
+    let mut seed: BTreeSet<String> = (0..4).map(|r| format!("release/__{r}_0.distcp")).collect();
+    seed.extend(
+        ["latest_checkpointed_iteration.txt", "release/.metadata", "release/common.pt", "release/metadata.json"]
+            .map(String::from),
+    );
+    let shard = names("shard");
+    assert!(seed.is_subset(&shard), "the seed's save directory in the store: {shard:?}");
+    assert!(shard.iter().any(|n| n.starts_with("release/") && n.ends_with("_1.distcp")), "{shard:?}");
+    assert!(names("translate").contains(".metadata"), "{:?}", names("translate"));
+    let back = names("back");
+    assert!(back.contains("latest_checkpointed_iteration.txt"), "{back:?}");
+    assert!(back.iter().any(|n| n.ends_with("/.metadata") && n.starts_with("release/")), "{back:?}");
+    assert_eq!(moto.open_multipart_uploads(ARTIFACTS), 0);
+    let tasks = hosts.rt.block_on(hosts.store.run_tasks(run)).expect("tasks");
+    let parts = tasks.iter().filter(|t| t.name.starts_with("validate/part-")).count();
+    assert_eq!(parts, 4, "one validation part per rank file of the seed");
+    for step in ["validate", "validate-translated", "validate-back"] {
+        let t = tasks.iter().find(|t| t.name == step).unwrap_or_else(|| panic!("no task {step}"));
+        assert_eq!(t.output.as_ref().expect("output")["ok"], true, "{step}");
+    }
+
+    // What was published: the save directory validates bit-exact; the export is the release.
+    let published = out.join(&name).join("megatron");
+    assert!(published.join("latest_checkpointed_iteration.txt").is_file());
+    let o = run_validate(&published);
+    assert!(o.status.success(), "validate: {}{}", stdout(&o), stderr(&o));
+    let (want, got) =
+        (crate::release_tensors(&fixture("qwen3_moe")), crate::release_tensors(&out.join(&name).join("hf")));
+    assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
+    for (tensor, w) in &want {
+        assert!(&got[tensor] == w, "`{tensor}`: the exported tensor differs from the release's");
+    }
+}
+
 fn run_validate(ckpt: &Path) -> std::process::Output {
     crate::run(bin().arg("validate").arg(ckpt).arg("--against").arg(fixture("qwen3_moe")).args(["--etp", "1"]))
 }

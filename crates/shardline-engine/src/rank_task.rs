@@ -63,7 +63,7 @@ pub fn rank(job: &ShardJob, plan_task: &str, rank: u64, ctx: &StepContext) -> Re
     let out = ctx.scratch.join("out");
     fs::create_dir_all(&out).map_err(|e| transient(format!("{}: {e}", out.display())))?;
     let path = out.join(&name);
-    let artifacts = open_artifacts(remote, ctx)?;
+    let artifacts = open_artifacts(&crate::remote::dcp_prefix(job, remote)?, ctx)?;
     let ledger = ledger(ctx)?;
     let mut upload = ctx
         .runtime

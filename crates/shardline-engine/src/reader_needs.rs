@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use shardline_artifacts::{Artifacts, ListedObject};
 use shardline_control::graph::{part_files, Payload, ReshardSource};
 use shardline_control::TaskOutput;
-use shardline_formats::checkpoint::storage_ranges;
+use shardline_formats::checkpoint::{storage_ranges, tracked_dir, MEGATRON_TRACKER};
 use shardline_store::{RunId, ScratchNeed, Store};
 
 /// The needs of the tasks of `run` that read the checkpoint `task` recorded in `output` (itself,
@@ -54,6 +54,17 @@ pub async fn checkpoint_reader_needs(
         return Vec::new();
     }
     let Ok(artifacts) = Artifacts::open(url, options) else { return Vec::new() };
+    // A Megatron-LM save directory: the checkpoint directory its tracker names is what is read.
+    let tracked = match artifacts.read_small(MEGATRON_TRACKER, 1 << 10).await {
+        Ok(Some(text)) => tracked_dir(&String::from_utf8_lossy(&text)),
+        _ => None,
+    };
+    let save_dir = tracked.is_some();
+    let artifacts = match tracked.map(|d| Artifacts::open(&format!("{}/{d}", url.trim_end_matches('/')), options)) {
+        Some(Ok(a)) => a,
+        Some(Err(_)) => return Vec::new(),
+        None => artifacts,
+    };
     let Ok(listing) = artifacts.list().await else { return Vec::new() };
     let checkpoint = Listed::new(&listing);
     let mut needs = Vec::new();
@@ -64,7 +75,7 @@ pub async fn checkpoint_reader_needs(
                 checkpoint.metadata + 2 * files.iter().map(|f| checkpoint.size(f)).sum::<u64>()
             }
             Payload::Reshard { .. } => 2 * checkpoint.total,
-            Payload::Export { job } => match model_bytes(&artifacts, &job.prefix, scratch_dir).await {
+            Payload::Export { job } => match model_bytes(&artifacts, &job.prefix, save_dir, scratch_dir).await {
                 Some(model) => checkpoint.metadata + 2 * model,
                 None => continue,
             },
@@ -99,19 +110,22 @@ impl<'a> Listed<'a> {
     }
 }
 
-/// The bytes of the items of keys under `prefix` (and of the bytes items): what an export
-/// fetches, from the checkpoint's `.metadata` read into a temporary file under `scratch_dir`.
-async fn model_bytes(artifacts: &Artifacts, prefix: &str, scratch_dir: &Path) -> Option<u64> {
+/// The bytes of the items of keys under `prefix` (a save directory's: every key but the
+/// optimizer's) and of the bytes items: what an export fetches, from the checkpoint's `.metadata`
+/// read into a temporary file under `scratch_dir`.
+async fn model_bytes(artifacts: &Artifacts, prefix: &str, save_dir: bool, scratch_dir: &Path) -> Option<u64> {
     static SEQ: AtomicU64 = AtomicU64::new(0);
     let dir = scratch_dir.join(format!("needs-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed)));
     std::fs::create_dir_all(&dir).ok()?;
     let path = dir.join(".metadata");
     let prefix = prefix.to_string();
     let ranges = match artifacts.fetch_whole(".metadata", None, &path).await {
-        Ok(_) => tokio::task::spawn_blocking(move || storage_ranges(&path, |k| k.starts_with(&prefix)).ok())
-            .await
-            .ok()
-            .flatten(),
+        Ok(_) => tokio::task::spawn_blocking(move || {
+            storage_ranges(&path, |k| if save_dir { !k.starts_with("optimizer.") } else { k.starts_with(&prefix) }).ok()
+        })
+        .await
+        .ok()
+        .flatten(),
         Err(_) => None,
     };
     let _ = std::fs::remove_dir_all(&dir);

@@ -29,9 +29,12 @@ use sha2::{Digest, Sha256};
 use shardline_artifacts::{Artifacts, ListedObject, Upload};
 use shardline_control::graph::ShardJob;
 use shardline_control::{ListedFile, TaskOutput};
+use shardline_formats::checkpoint::{tracked_dir, MEGATRON_TRACKER};
 use shardline_formats::execute;
 use shardline_formats::safetensors::Release;
-use shardline_layout::Plan;
+use shardline_formats::training::common_state::{COMMON_PT, METADATA_JSON};
+use shardline_formats::training::save_dir::{finish_seed_save, seed_dir, SeedArgs, RELEASE_DIR};
+use shardline_layout::{Dialect, ModelConfig, Plan};
 use shardline_store::{Lease, Store, UploadEnd};
 
 use crate::steps::{job_plan, plan_digest, StepContext, StepError};
@@ -230,7 +233,13 @@ fn listing_digest(listing: &[ListedObject]) -> String {
 /// The [`listing_digest`] of the checkpoint under `url`, when it is there (its `.metadata` listed).
 pub async fn checkpoint_digest(url: &str, settings: &crate::objects::ObjectSourceSettings) -> Option<String> {
     let listing = Artifacts::open(url, &settings.store_options).ok()?.list().await.ok()?;
-    listing.iter().any(|o| o.name == ".metadata").then(|| listing_digest(&listing))
+    listing.iter().any(|o| is_checkpoint_marker(&o.name)).then(|| listing_digest(&listing))
+}
+
+/// Whether an object is what makes a prefix a checkpoint for its readers: a DCP `.metadata`, or
+/// a Megatron-LM save directory's tracker.
+fn is_checkpoint_marker(name: &str) -> bool {
+    name == ".metadata" || name == MEGATRON_TRACKER
 }
 
 /// An object-store source read in place: listed (pinning every object's ETag), never downloaded.
@@ -384,12 +393,37 @@ pub fn plan(job: &ShardJob, ctx: &StepContext) -> Result<Plan, StepError> {
     Ok(staged_plan(ctx, job, None, ctx.scratch)?.1)
 }
 
-/// A commit task: every rank's upload checked against the plan and completed, then `.metadata`.
+/// Where a shard job's DCP files go under its artifact prefix `remote`: the prefix itself, or,
+/// for a `torch_dist` save directory, its checkpoint directory `release/`.
+pub(crate) fn dcp_prefix(job: &ShardJob, remote: &str) -> Result<String, StepError> {
+    Ok(match crate::steps::job_dialect(job)? {
+        Dialect::TorchDist => format!("{}/{RELEASE_DIR}", remote.trim_end_matches('/')),
+        _ => remote.to_string(),
+    })
+}
+
+/// The checkpoint under the artifact prefix `url`: the prefix itself, or, for a Megatron-LM save
+/// directory (`torch_dist`), the checkpoint directory its tracker names. Returns its URL and
+/// whether it is a save directory's.
+pub(crate) fn checkpoint_in(url: &str, ctx: &StepContext) -> Result<(String, bool), StepError> {
+    let artifacts = open_artifacts(url, ctx)?;
+    let tracker = ctx.runtime.block_on(artifacts.read_small(MEGATRON_TRACKER, 1 << 10)).map_err(transient)?;
+    let Some(text) = tracker else { return Ok((url.to_string(), false)) };
+    let text = String::from_utf8_lossy(&text);
+    let dir = tracked_dir(&text)
+        .ok_or_else(|| StepError::fatal(format!("{url}/{MEGATRON_TRACKER} names no checkpoint: `{}`", text.trim())))?;
+    Ok((format!("{}/{dir}", url.trim_end_matches('/')), true))
+}
+
+/// A commit task: every rank's upload checked against the plan and completed, then `.metadata`
+/// (for a `torch_dist` save directory: its `_extra_state` objects, `.metadata`, `common.pt` and
+/// `metadata.json` in `release/`, then the tracker).
 pub fn commit(job: &ShardJob, plan_task: &str, ctx: &StepContext) -> Result<TaskOutput, StepError> {
     let remote = job.remote.as_deref().ok_or_else(|| StepError::fatal("no artifact prefix for the checkpoint"))?;
-    let (_staged, plan) = staged_plan(ctx, job, Some(plan_task), ctx.scratch)?;
+    let (staged, plan) = staged_plan(ctx, job, Some(plan_task), ctx.scratch)?;
     let options = crate::steps::exec_options(job);
-    let artifacts = open_artifacts(remote, ctx)?;
+    let torch_dist = crate::steps::job_dialect(job)? == Dialect::TorchDist;
+    let artifacts = open_artifacts(&dcp_prefix(job, remote)?, ctx)?;
     let mut uploads = Vec::new();
     for (rank, (name, len)) in execute::rank_files(&plan, options.format).into_iter().enumerate() {
         let task = format!("{plan_task}/rank-{rank}");
@@ -408,15 +442,29 @@ pub fn commit(job: &ShardJob, plan_task: &str, ctx: &StepContext) -> Result<Task
         }
         uploads.push(Upload { name: u.name, upload_id: u.upload_id, parts: u.parts, size: u.size });
     }
+    let meta = ctx.scratch.join("meta");
     let metadata = match options.format {
         execute::OutputFormat::Dcp => Some(
-            execute::write_metadata_alone(&plan, &ctx.scratch.join("meta"))
-                .map_err(|e| StepError::transient(e.to_string()))?,
+            execute::write_metadata_alone(&plan, &seed_dir(&meta)).map_err(|e| StepError::transient(e.to_string()))?,
         ),
         execute::OutputFormat::DcpSafetensors => None,
     };
+    // A torch_dist save directory: what completes it, written here and put after `.metadata`.
+    let save = if torch_dist {
+        let config =
+            ModelConfig::from_json(staged.release.config_json()).map_err(|e| StepError::fatal(e.to_string()))?;
+        let args = SeedArgs::for_model(&config, staged.release.config_json(), plan.mesh, job.vocab_divisible_by);
+        finish_seed_save(&meta, &args).map_err(|e| StepError::transient(e.to_string()))?;
+        Some(open_artifacts(remote, ctx)?)
+    } else {
+        None
+    };
     let ledger = ledger(ctx)?;
     ctx.runtime.block_on(async {
+        if let Some(root) = &save {
+            // A tracker an earlier attempt put there is withdrawn first.
+            root.delete(MEGATRON_TRACKER).await.map_err(transient)?;
+        }
         // Completing an upload can take a while (a store may assemble its parts then): several
         // at a time, `.metadata` only once all are done.
         futures_util::stream::iter(&uploads)
@@ -432,11 +480,26 @@ pub fn commit(job: &ShardJob, plan_task: &str, ctx: &StepContext) -> Result<Task
             .try_collect::<Vec<()>>()
             .await?;
         if let Some(path) = &metadata {
+            let dir = seed_dir(&meta);
+            // The `_extra_state` objects' files before the `.metadata` that names them.
+            for (name, _) in dir_files(&dir, false)?.iter().filter(|(n, _)| n.ends_with(".distcp")) {
+                put_file(&artifacts, name, &dir.join(name), ctx).await?;
+            }
             put_file(&artifacts, ".metadata", path, ctx).await?;
+        }
+        if let Some(root) = &save {
+            for name in [COMMON_PT, METADATA_JSON] {
+                put_file(&artifacts, name, &seed_dir(&meta).join(name), ctx).await?;
+            }
+            put_file(root, MEGATRON_TRACKER, &meta.join(MEGATRON_TRACKER), ctx).await?;
         }
         Ok::<(), StepError>(())
     })?;
-    (ctx.log)(format!("committed {remote}: {} rank files completed, then .metadata", uploads.len()));
+    (ctx.log)(format!(
+        "committed {remote}: {} rank files completed, then .metadata{}",
+        uploads.len(),
+        if torch_dist { ", common.pt, metadata.json and the tracker" } else { "" }
+    ));
     let world = plan.world();
     Ok(TaskOutput {
         artifact: Some(remote.to_string()),
@@ -466,7 +529,7 @@ pub async fn checkpoint_listed(output: &TaskOutput, settings: &crate::objects::O
     let Ok(artifacts) = Artifacts::open(url, &settings.store_options) else { return false };
     let Ok(listing) = artifacts.list().await else { return false };
     let files = listing.iter().filter(|o| o.name.ends_with(".safetensors")).count() as u64;
-    listing.iter().any(|o| o.name == ".metadata") || output.world.is_some_and(|w| w > 0 && files == w)
+    listing.iter().any(|o| is_checkpoint_marker(&o.name)) || output.world.is_some_and(|w| w > 0 && files == w)
 }
 
 /// Aborts an upload a failed attempt left open and records it.
@@ -488,7 +551,9 @@ pub fn clean(dir: &Path) {
 /// An object-store checkpoint a reshard reads, only listed (it must have its `.metadata`): the
 /// reshard reads it back into its worker's object cache.
 pub fn list_checkpoint(url: &str, ctx: &StepContext) -> Result<TaskOutput, StepError> {
-    let (artifacts, listing, digest) = listed_in_place(url, ".metadata", "a checkpoint", ctx)?;
+    let (_, save_dir) = checkpoint_in(url, ctx)?;
+    let marker = if save_dir { MEGATRON_TRACKER } else { ".metadata" };
+    let (artifacts, listing, digest) = listed_in_place(url, marker, "a checkpoint", ctx)?;
     (ctx.log)(format!("{url}: {} objects, read by the reshard", listing.len()));
     Ok(TaskOutput {
         artifact: Some(artifacts.url().to_string()),
@@ -531,8 +596,11 @@ pub fn staged_step(
     let mut output = run(&local_ctx, out.clone())?;
     let artifacts = open_artifacts(remote, ctx)?;
     let mut files = dir_files(&out, true)?;
-    // The marker last: a reader that finds it finds everything else.
-    files.sort_by_key(|(name, _)| name == last);
+    // A Megatron-LM save directory's marker is its tracker, whatever the step's.
+    let last = if out.join(MEGATRON_TRACKER).is_file() { MEGATRON_TRACKER } else { last };
+    // The marker last, and a DCP checkpoint's `.metadata` after its rank files: a reader that
+    // finds either finds everything it names.
+    files.sort_by_key(|(name, _)| (name == last, name == ".metadata" || name.ends_with("/.metadata")));
     let total = ctx.runtime.block_on(async {
         // A marker an earlier attempt put there is withdrawn before its files are written again.
         artifacts.delete(last).await.map_err(transient)?;

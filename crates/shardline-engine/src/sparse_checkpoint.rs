@@ -10,7 +10,9 @@ use std::sync::Arc;
 
 use shardline_formats::checkpoint::storage_ranges;
 
-use crate::remote::{open_artifacts, transient};
+use shardline_formats::training::common_state::{COMMON_PT, METADATA_JSON};
+
+use crate::remote::{checkpoint_in, open_artifacts, transient};
 use crate::steps::{StepContext, StepError};
 
 /// Reads the checkpoint under `url` into `dir` (created; the task's scratch), keeping the bytes
@@ -21,8 +23,20 @@ pub fn fetch_sparse(
     dir: &Path,
     ctx: &StepContext,
 ) -> Result<PathBuf, StepError> {
+    // A Megatron-LM save directory: the checkpoint its tracker names, whose model keys are bare
+    // (everything but `optimizer.…`), and its `metadata.json` and `common.pt` that say what it is.
+    let (url, save_dir) = checkpoint_in(url, ctx)?;
+    let url = url.as_str();
+    let keep = |k: &str| if save_dir { !k.starts_with("optimizer.") } else { keep(k) };
     let artifacts = open_artifacts(url, ctx)?;
     fs::create_dir_all(dir).map_err(|e| transient(format!("{}: {e}", dir.display())))?;
+    ctx.runtime.block_on(async {
+        let listing = artifacts.list().await.map_err(transient)?;
+        for o in listing.iter().filter(|o| save_dir && (o.name == METADATA_JSON || o.name == COMMON_PT)) {
+            artifacts.fetch_whole(&o.name, o.e_tag.as_deref(), &dir.join(&o.name)).await.map_err(transient)?;
+        }
+        Ok::<(), StepError>(())
+    })?;
     ctx.runtime.block_on(async {
         let listing = artifacts.list().await.map_err(transient)?;
         let listed = |name: &str| listing.iter().find(|o| o.name == name);

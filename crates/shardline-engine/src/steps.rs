@@ -349,10 +349,6 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
             Ok(output)
         }
         Payload::Reshard { job } => match &job.remote {
-            Some(_) if job.target.as_deref() == Some("torch_dist") => Err(StepError::fatal(
-                "`target: torch_dist` is written to local artifacts only for now; this server keeps its artifacts in \
-                 an object store (run it without `--artifacts`, or use `target: fsdp_dtensor`)",
-            )),
             Some(remote) => {
                 let needs: Vec<&str> = match &job.source {
                     shardline_control::graph::ReshardSource::Task { task } => vec![task.as_str()],
@@ -397,9 +393,9 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
         },
         Payload::Plan { job } => {
             let dialect = job_dialect(job)?;
-            if job.remote.is_some() && dialect != Dialect::FsdpDtensor {
+            if job.remote.is_some() && !matches!(dialect, Dialect::FsdpDtensor | Dialect::TorchDist) {
                 return Err(StepError::fatal(format!(
-                    "`target: {}` is written to local artifacts only for now; this server keeps its artifacts in an object store (run it without `--artifacts`, or use `target: fsdp_dtensor`)",
+                    "`target: {}` is written to local artifacts only for now; this server keeps its artifacts in an object store (run it without `--artifacts`, or use `target: fsdp_dtensor` or `torch_dist`)",
                     dialect.name()
                 )));
             }

@@ -29,7 +29,7 @@ use shardline_formats::verify::{
 use shardline_layout::{build_plan, Dialect, Mesh, ModelConfig, Plan, PlanOptions, SourceTensor};
 
 use crate::rank_task::{read_whole_files, SparseRelease};
-use crate::remote::{open_artifacts, stage_release, transient};
+use crate::remote::{checkpoint_in, open_artifacts, stage_release, transient};
 use crate::steps::{checkpoint_dir, open_release, parse_mesh, StepContext, StepError};
 
 /// Bytes a first read of a safetensors header takes (most headers of rank files are shorter).
@@ -75,11 +75,11 @@ pub fn part(
     (part, parts): (u64, u64),
     ctx: &StepContext,
 ) -> Result<TaskOutput, StepError> {
-    let url = checkpoint_url(checkpoint_task, ctx)?;
+    let (url, dialect) = checkpoint_url(checkpoint_task, ctx)?;
     let release_dir = ctx.scratch.join("release");
     let staged = stage_release(ctx.output(source_task)?, &release_dir, ctx)?;
-    let reference = reference(&staged.release, prefix, checkpoint_task, Dialect::FsdpDtensor, ctx)?;
-    let checkpoint = open_artifacts(url, ctx)?;
+    let reference = reference(&staged.release, prefix, checkpoint_task, dialect, ctx)?;
+    let checkpoint = open_artifacts(&url, ctx)?;
     let listing = ctx.runtime.block_on(checkpoint.list()).map_err(transient)?;
     let names: Vec<String> = listing.iter().map(|o| o.name.clone()).collect();
     let files: BTreeSet<String> = part_files(&names, part, parts).into_iter().collect();
@@ -115,11 +115,11 @@ fn declared(
     parts: &[String],
     ctx: &StepContext,
 ) -> Result<TaskOutput, StepError> {
-    let url = checkpoint_url(checkpoint_task, ctx)?;
+    let (url, dialect) = checkpoint_url(checkpoint_task, ctx)?;
     let staged = stage_release(ctx.output(source_task)?, &ctx.scratch.join("release"), ctx)?;
-    let reference = reference(&staged.release, prefix, checkpoint_task, Dialect::FsdpDtensor, ctx)?;
+    let reference = reference(&staged.release, prefix, checkpoint_task, dialect, ctx)?;
     let dir = ctx.scratch.join("checkpoint");
-    let checkpoint = open_artifacts(url, ctx)?;
+    let checkpoint = open_artifacts(&url, ctx)?;
     ctx.runtime.block_on(async {
         let listing = checkpoint.list().await.map_err(transient)?;
         fetch_checkpoint(&checkpoint, &listing, &BTreeSet::new(), &dir).await
@@ -145,7 +145,8 @@ fn declared(
         bytes_checked,
         parts.len()
     ));
-    Ok(TaskOutput { artifact: Some(url.to_string()), bytes_checked: Some(bytes_checked), ..TaskOutput::default() }
+    let artifact = ctx.output(checkpoint_task)?.artifact.clone();
+    Ok(TaskOutput { artifact, bytes_checked: Some(bytes_checked), ..TaskOutput::default() }
         .with("ok", json!(true))
         .with("tensors", json!(report.tensors)))
 }
@@ -196,11 +197,16 @@ async fn fetch_header(checkpoint: &Artifacts, object: &ListedObject, path: &Path
     Ok(fetched)
 }
 
-fn checkpoint_url<'a>(task: &str, ctx: &'a StepContext) -> Result<&'a str, StepError> {
-    ctx.output(task)?
+/// The checkpoint the task `task` recorded in the artifact store, and its dialect: a Megatron-LM
+/// save directory's (`torch_dist`) is the checkpoint directory its tracker names.
+fn checkpoint_url(task: &str, ctx: &StepContext) -> Result<(String, Dialect), StepError> {
+    let url = ctx
+        .output(task)?
         .artifact
         .as_deref()
-        .ok_or_else(|| StepError::fatal(format!("task `{task}` recorded no artifact prefix to validate")))
+        .ok_or_else(|| StepError::fatal(format!("task `{task}` recorded no artifact prefix to validate")))?;
+    let (url, save_dir) = checkpoint_in(url, ctx)?;
+    Ok((url, if save_dir { Dialect::TorchDist } else { Dialect::FsdpDtensor }))
 }
 
 /// The release's tensors as the checkpoint of `checkpoint_task` must hold them.

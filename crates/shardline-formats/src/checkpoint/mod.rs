@@ -110,14 +110,20 @@ pub fn megatron_checkpoint_dir(dir: &Path) -> Result<Option<PathBuf>, Checkpoint
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(CheckpointError::Io { path: tracker, action: "read", error: e }),
     };
+    match tracked_dir(&text) {
+        Some(name) => Ok(Some(dir.join(name))),
+        None => Err(CheckpointError::Tracker(tracker, text.trim().chars().take(40).collect())),
+    }
+}
+
+/// The checkpoint directory a Megatron-LM tracker's text names: `release`, or `iter_%07d` of
+/// the iteration it holds.
+pub fn tracked_dir(text: &str) -> Option<String> {
     let text = text.trim();
     if text == "release" {
-        return Ok(Some(dir.join("release")));
+        return Some(text.to_string());
     }
-    match text.parse::<u64>() {
-        Ok(n) => Ok(Some(dir.join(format!("iter_{n:07}")))),
-        Err(_) => Err(CheckpointError::Tracker(tracker, text.chars().take(40).collect())),
-    }
+    text.parse::<u64>().ok().map(|n| format!("iter_{n:07}"))
 }
 
 fn io_err<'a>(path: &'a Path, action: &'static str) -> impl FnOnce(io::Error) -> CheckpointError + 'a {

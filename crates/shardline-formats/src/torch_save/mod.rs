@@ -27,8 +27,8 @@ use thiserror::Error;
 use crate::pickle::PickleError;
 
 pub use read::{
-    edit_object_archive, is_tensor_value, list_archive, locate_object_tensor, read_object_archive, read_tensor_archive, read_tensor_archive_with,
-    ArchiveEntry, ArchivedTensor, ReadAt, SpecCache,
+    edit_object_archive, is_tensor_value, list_archive, locate_object_tensor, read_object_archive, read_tensor_archive,
+    read_tensor_archive_with, ArchiveEntry, ArchivedTensor, ReadAt, SpecCache,
 };
 pub use write::*;
 

@@ -243,10 +243,7 @@ mod tests {
     fn leaves_are_put_back_where_dcp_flattened_them() {
         let mut root = Value::List(Vec::new());
         let p = |parts: &[&str]| -> Vec<PathElem> {
-            parts
-                .iter()
-                .map(|s| s.parse::<u64>().map_or(PathElem::Key(s.to_string()), PathElem::Index))
-                .collect()
+            parts.iter().map(|s| s.parse::<u64>().map_or(PathElem::Key(s.to_string()), PathElem::Index)).collect()
         };
         insert(&mut root, &p(&["0", "random_rng_state"]), Value::Int(1)).unwrap();
         insert(&mut root, &p(&["0", "rng_tracker_states", "model-parallel-rng"]), Value::Int(2)).unwrap();

@@ -24,11 +24,11 @@ pub use infer::infer_mesh;
 pub use keys::{
     classify, classify_torch_dist, flat_key, parse_rng_rank, rng_rank_part, strip_modules, ItemKind, PathElem,
 };
-pub use target::RngObject;
 pub use params::{is_buffer, param_layout, vision_table, ParamLayout};
 pub use plan::{
     plan_reshard, ReshardOptions, ReshardPlan, RngPolicy, SourceItem, SourceTensorMeta, TargetObject, TargetTensor,
 };
+pub use target::RngObject;
 
 /// Why a checkpoint cannot be resharded as asked. Every problem is found before a byte is written.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]

@@ -6,8 +6,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::boxes::{check_tiling, ChunkBox};
 use super::keys::{classify, flat_key, rng_rank_part, ItemKind, PathElem};
-use super::target::RngObject;
 use super::params::{is_buffer, param_layout, vision_table, ParamLayout};
+use super::target::RngObject;
 use super::ReshardError;
 use crate::arch::TpMode;
 use crate::dialect::{Dialect, DiskLayout, TorchDistLayout};

@@ -66,11 +66,7 @@ pub(super) fn rng_objects(
         .into_iter()
         .map(|((pp, tp), mut leaves)| {
             leaves.sort();
-            RngObject {
-                key: format!("rng_state/shard_{pp}.{tp}_1.{}", mesh.tp),
-                rank: mesh.dense_rank(tp, 0),
-                leaves,
-            }
+            RngObject { key: format!("rng_state/shard_{pp}.{tp}_1.{}", mesh.tp), rank: mesh.dense_rank(tp, 0), leaves }
         })
         .collect()
 }
