@@ -642,7 +642,8 @@ def torch_dist_form(flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def test_translates_to_torch_dist_with_fully_reshardable_optimizer_state(reshards, sources, tmp_path):
     """S1 (Megatron-FSDP, TE FusedAdam) → `reshard --target torch_dist` on another mesh: a Megatron
     save directory at the source's iteration whose every tensor equals the reference in torch_dist's
-    form — the model, `optimizer.state.param.*` (the fp32 masters), the moments — read back by
+    form — the model (in the job's bf16, rounded from its masters), `optimizer.state.param.*` (the
+    fp32 masters), the moments — read back by
     torch's own DCP reader; a common.pt with args for the target mesh, the scheduler, and the
     optimizer's param_groups (dense and expert-parallel sub-optimizers) as `fully_reshardable`."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -658,7 +659,9 @@ def test_translates_to_torch_dist_with_fully_reshardable_optimizer_state(reshard
     model, states = {}, {"param": {}, "exp_avg": {}, "exp_avg_sq": {}}
     for p in tc.params():
         for name, _ in p.sections:
-            model[name] = ref[tc.model_key(name)]
+            # The model's own copy in the job's dtype (`args.bf16`), rounded from its fp32 master
+            # as Megatron-Core keeps and saves it; buffers as they are.
+            model[name] = ref[tc.model_key(name)].to(torch.bfloat16) if p.optimized else ref[tc.model_key(name)]
             if p.optimized:
                 states["param"][name] = ref[tc.model_key(name)]
                 for s in ("exp_avg", "exp_avg_sq"):

@@ -479,6 +479,7 @@ fn reshard_options(config: &ModelConfig, c: &Case, mesh: Mesh, dialect: Dialect)
         num_query_groups: Some(config.num_query_groups),
         rng: RngPolicy::FromRank0,
         dialect,
+        model_dtype: None,
     }
 }
 

@@ -108,6 +108,7 @@ fn options(dialect: Dialect, plan: &ReshardPlan, source_ranks: u64, rng: RngPoli
         num_query_groups: None,
         rng,
         dialect,
+        model_dtype: None,
     }
 }
 

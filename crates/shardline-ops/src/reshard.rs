@@ -52,6 +52,7 @@ pub fn reshard_options(
         num_query_groups: saved.num_query_groups,
         rng,
         dialect: Dialect::FsdpDtensor,
+        model_dtype: saved.params_dtype,
     }
 }
 

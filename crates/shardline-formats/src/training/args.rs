@@ -1,7 +1,7 @@
 //! What a training job's `args` (a pickled `argparse.Namespace`) says about the mesh and the
 //! model, read leniently: a field that is absent, `None` or not an int is unknown.
 
-use shardline_layout::Mesh;
+use shardline_layout::{DType, Mesh};
 
 use crate::pickle::Value;
 
@@ -22,6 +22,8 @@ pub struct TrainingArgs {
     pub num_query_groups: Option<u64>,
     pub num_attention_heads: Option<u64>,
     pub iteration: Option<u64>,
+    /// The dtype the job keeps its model weights in (`--bf16`, `--fp16`; fp32 otherwise).
+    pub params_dtype: Option<DType>,
 }
 
 /// The attribute dict of an object (a `Namespace`'s `BUILD` state), or a plain dict.
@@ -60,6 +62,15 @@ impl TrainingArgs {
             num_query_groups: get("num_query_groups").or(get("num_attention_heads")),
             num_attention_heads: get("num_attention_heads"),
             iteration: get("iteration"),
+            params_dtype: {
+                let flag = |name: &str| items.iter().rev().find(|(k, _)| k.as_str() == Some(name)).map(|(_, v)| v);
+                match (flag("bf16"), flag("fp16")) {
+                    (Some(Value::Bool(true)), _) => Some(DType::BF16),
+                    (_, Some(Value::Bool(true))) => Some(DType::F16),
+                    (Some(Value::Bool(false)), _) | (_, Some(Value::Bool(false))) => Some(DType::F32),
+                    _ => None,
+                }
+            },
         }
     }
 

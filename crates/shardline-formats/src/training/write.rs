@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 
 use shardline_layout::dialect::Dialect;
+use shardline_layout::recipe::cast_into;
 use shardline_layout::reshard::{runs, ChunkBox, ReshardPlan};
 use shardline_layout::Chunk;
 
@@ -451,6 +452,9 @@ fn write_metadata<W: io::Write>(
     e.finish(None)
 }
 
+/// Elements cast at a time (4 MiB of fp32).
+const CAST_PIECE_ELEMS: u64 = 1 << 20;
+
 /// Writes one rank file.
 pub(super) struct RankWriter<'a> {
     /// Where a writer asks for its file's writeback as it grows, and its final sync.
@@ -546,16 +550,43 @@ impl<'a> RankWriter<'a> {
         })
     }
 
-    /// Copies every run of the source chunks that meet `chunk` into its data at `data_at`.
+    /// Copies every run of the source chunks that meet `chunk` into its data at `data_at`, cast
+    /// where the target keeps another dtype (a `torch_dist` model weight rounded from its master).
     fn fill(&self, copier: &mut Copier<'a>, tensor: usize, chunk: &Chunk, data_at: u64) -> Result<(), ExecuteError> {
         let t = &self.plan.tensors[tensor];
         let size = t.out.dtype.size() as u64;
+        let from = self.source.items[t.source].tensor.as_ref().map_or(t.out.dtype, |m| m.dtype);
         let target = ChunkBox { offsets: chunk.offsets.clone(), sizes: chunk.sizes.clone() };
         for sc in self.source.chunks_of(t.source) {
             let source = ChunkBox { offsets: sc.offsets.clone(), sizes: sc.sizes.clone() };
             let input = self.input(&sc.file)?;
             for run in runs(&target, &source) {
-                copier.copy(input, sc.data_offset + run.source * size, data_at + run.target * size, run.len * size)?;
+                if from == t.out.dtype {
+                    copier.copy(
+                        input,
+                        sc.data_offset + run.source * size,
+                        data_at + run.target * size,
+                        run.len * size,
+                    )?;
+                    continue;
+                }
+                let from_size = from.size() as u64;
+                // A run at a time, a bounded piece at a time.
+                let mut done = 0;
+                while done < run.len {
+                    let n = (run.len - done).min(CAST_PIECE_ELEMS);
+                    let mut src = vec![0u8; (n * from_size) as usize];
+                    let at = sc.data_offset + (run.source + done) * from_size;
+                    input.read_exact_at(&mut src, at).map_err(|error| ExecuteError::Io {
+                        path: self.source.checkpoint.dir.join(&*sc.file),
+                        action: "read source rank file",
+                        error,
+                    })?;
+                    let mut out = vec![0u8; (n * size) as usize];
+                    cast_into(from, t.out.dtype, &src, &mut out);
+                    copier.put(&out, data_at + (run.target + done) * size)?;
+                    done += n;
+                }
             }
         }
         Ok(())

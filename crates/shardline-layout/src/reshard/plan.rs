@@ -59,6 +59,9 @@ pub struct ReshardOptions {
     pub rng: RngPolicy,
     /// The dialect to write (the source is read as `fsdp_dtensor`).
     pub dialect: Dialect,
+    /// `torch_dist`: the dtype the job keeps its model weights in (`args`' `--bf16`), which
+    /// Megatron-Core saves them in beside their fp32 masters; `None` keeps the masters' dtype.
+    pub model_dtype: Option<DType>,
 }
 
 /// A tensor of the target checkpoint: its key, chunks and role as a plan tensor, its path, and
@@ -268,7 +271,14 @@ pub fn plan_reshard(items: &[SourceItem], options: &ReshardOptions) -> Result<Re
     rng_items(items, &rng, options, &mut tensors, &mut objects, &mut notes);
     if options.dialect == Dialect::TorchDist {
         rng_objects = super::target::rng_objects(&kinds, &mesh, &mut tensors, &mut objects);
-        group_meta = super::target::to_torch_dist(&kinds, &mut tensors, &mut objects, &mut notes, &mut errors);
+        group_meta = super::target::to_torch_dist(
+            &kinds,
+            options.model_dtype,
+            &mut tensors,
+            &mut objects,
+            &mut notes,
+            &mut errors,
+        );
     }
     if !errors.is_empty() {
         return Err(ReshardError::Many(errors));

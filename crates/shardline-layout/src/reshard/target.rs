@@ -4,7 +4,8 @@
 //! distributed optimizer (torch-dist.md §3.2): a model parameter under its bare name, each moment
 //! as `optimizer.state.<state>.<name>`, and, when the checkpoint has optimizer state, the fp32
 //! master `optimizer.state.param.<name>` — in Megatron-FSDP the master *is* the model tensor, so
-//! it is the same source item written a second time. Where the keys land on disk (stacks,
+//! it is the same source item written a second time, the model's own copy then rounded to the
+//! job's dtype (`--bf16`) as Megatron-Core keeps and saves it. Where the keys land on disk (stacks,
 //! experts, `[gate; up]`) is the dialect's placement, not this module's.
 //!
 //! What `torch_dist` keeps outside its tensors: the bytes items become the common state (the
@@ -18,6 +19,7 @@ use super::keys::{parse_rng_rank, ItemKind, PathElem};
 use super::plan::{TargetObject, TargetTensor};
 use super::ReshardError;
 use crate::dialect::state_key;
+use crate::dtype::DType;
 use crate::mesh::Mesh;
 use crate::plan::{Role, Tiling};
 
@@ -75,6 +77,7 @@ pub(super) fn rng_objects(
 /// source items of the parameter-group settings (empty when there is no optimizer state).
 pub(super) fn to_torch_dist(
     kinds: &[ItemKind],
+    model_dtype: Option<DType>,
     tensors: &mut Vec<TargetTensor>,
     objects: &mut Vec<TargetObject>,
     notes: &mut Vec<String>,
@@ -99,6 +102,11 @@ pub(super) fn to_torch_dist(
                     master.out.role = Role::OptimizerState { param_key: name.clone(), state: "param" };
                     master.path = vec![PathElem::Key(master.out.key.clone())];
                     masters.push(master);
+                    // The model's own copy in the job's dtype, as Megatron-Core saves it: the
+                    // master rounded (never widened).
+                    if let Some(d) = model_dtype.filter(|d| d.size() < t.out.dtype.size()) {
+                        t.out.dtype = d;
+                    }
                 }
                 name.clone()
             }

@@ -35,6 +35,7 @@ fn options(mesh: Mesh) -> ReshardOptions {
         num_query_groups: None,
         rng: RngPolicy::FromRank0,
         dialect: crate::dialect::Dialect::FsdpDtensor,
+        model_dtype: None,
     }
 }
 
@@ -106,6 +107,36 @@ fn rng_states_follow_the_target_tp_grid_by_policy() {
     let plan = plan_reshard(&items, &drop).unwrap();
     assert!(plan.objects.is_empty());
     assert!(plan.notes.iter().any(|n| n.contains("--no-load-rng")), "{:?}", plan.notes);
+}
+
+#[test]
+fn torch_dist_keeps_each_tp_ranks_rng_states_as_one_object_and_the_model_in_the_jobs_dtype() {
+    let mut items = vec![
+        tensor(&["model", NORM], &[4], &[(&[0], &[4])]),
+        tensor(&["optimizer", "state", OPT_NORM, "exp_avg"], &[4], &[(&[0], &[4])]),
+        tensor(&["optimizer", "state", OPT_NORM, "exp_avg_sq"], &[4], &[(&[0], &[4])]),
+    ];
+    items.extend(rng(0));
+    let mut to = options(Mesh::new(2, 1, 1, 1));
+    to.dialect = crate::dialect::Dialect::TorchDist;
+    to.model_dtype = Some(DType::BF16);
+    let plan = plan_reshard(&items, &to).unwrap();
+    // (0, 0)'s states for TP rank 0, a copy for TP rank 1: one ShardedObject each, on DP rank 0
+    // of its TP rank, its leaves under their list index.
+    let rng: Vec<(&str, u64, usize)> =
+        plan.rng_objects.iter().map(|o| (o.key.as_str(), o.rank, o.leaves.len())).collect();
+    assert_eq!(rng, [("rng_state/shard_0.0_1.2", 0, 2), ("rng_state/shard_0.1_1.2", 1, 2)]);
+    let leaf = &plan.rng_objects[1].leaves[0];
+    assert_eq!(leaf.0, vec![PathElem::Index(0), PathElem::Key("np_rng_state".into())]);
+    assert_eq!(leaf.1, 4, "the copy reads (0, 0)'s item");
+    assert!(plan.objects.is_empty() && plan.tensors.iter().all(|t| !t.out.key.starts_with("rng_state")));
+    // The model's copy in bf16, its master and moments in fp32.
+    let dtype = |k: &str| plan.tensors.iter().find(|t| t.out.key == k).map(|t| t.out.dtype);
+    let name = NORM.strip_prefix("module.").unwrap();
+    assert_eq!(dtype(name), Some(DType::BF16));
+    for state in ["param", "exp_avg", "exp_avg_sq"] {
+        assert_eq!(dtype(&format!("optimizer.state.{state}.{name}")), Some(DType::F32), "{state}");
+    }
 }
 
 #[test]
