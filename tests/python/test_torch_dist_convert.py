@@ -232,12 +232,12 @@ def test_megatron_core_distributed_optimizer_restores_the_optimizer_state_at_ano
     model = {k for k in tensors if not k.startswith("optimizer.")}
     states = ("param", "exp_avg", "exp_avg_sq")
     # Megatron-Core requests each parameter's three states under the parameter's key, with its
-    # global shape; the moments are float32 on disk (the master is the release's weight, stored in
-    # the release's dtype when the source held no fp32 master: the load's copy casts it exactly).
+    # global shape; all three are float32 on disk, as its distributed optimizer keeps them (the
+    # master is the release's bf16 weight widened, exactly: the source held no fp32 master).
     assert set(tensors) - model == {f"optimizer.state.{s}.{k}" for s in states for k in model}
     for k in model:
         assert all(tensors[f"optimizer.state.{s}.{k}"][0] == tensors[k][0] for s in states), k
-        assert all(tensors[f"optimizer.state.{s}.{k}"][1] == "float32" for s in ("exp_avg", "exp_avg_sq")), k
+        assert all(tensors[f"optimizer.state.{s}.{k}"][1] == "float32" for s in states), k
     # Three optimizer shards for every model shard (all of them parameters), each compared.
     model_shards = rep.tensors_checked + rep.factories_checked - rep.optimizer_shards_checked
     assert rep.optimizer_shards_checked == 3 * model_shards > 0

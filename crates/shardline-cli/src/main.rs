@@ -17,6 +17,7 @@ mod orchestrate;
 mod publish;
 mod report;
 mod reshard;
+mod reshard_sim;
 mod serve;
 mod triggers;
 

@@ -31,7 +31,14 @@ pub enum Rng {
 pub struct ReshardArgs {
     /// Training checkpoint directory (DCP, as Megatron-FSDP's `fsdp_dtensor` format saves it), or
     /// a Megatron-Core `torch_dist` checkpoint or save directory (with `--target fsdp_dtensor`).
-    pub ckpt: PathBuf,
+    #[arg(required_unless_present = "simulate")]
+    pub ckpt: Option<PathBuf>,
+    /// Plan and cost the reshard of a checkpoint that is not here: the one Megatron-FSDP saves
+    /// for the model this HF `config.json` describes on `--from-mesh` (parameters in fp32 and
+    /// both Adam moments), reported per target rank file (bytes written and read, ranged reads,
+    /// source files) with the planning time and peak memory; nothing is read or written.
+    #[arg(long, value_name = "CONFIG_JSON", conflicts_with_all = ["ckpt", "to"], requires = "from_mesh")]
+    pub simulate: Option<PathBuf>,
     /// The dialect to write (default: the source's). `fsdp_dtensor` from a `torch_dist` source
     /// translates it: layers and experts unstacked, SwiGLU fc1 split where the model's layers are
     /// SwiGLU, `args` and the common state carried as top-level items, each RNG `ShardedObject` as
@@ -46,7 +53,7 @@ pub struct ReshardArgs {
     #[arg(long, value_enum)]
     pub target: Option<crate::convert::Target>,
     /// Output checkpoint directory.
-    #[arg(long = "to", value_name = "OUT_DIR", required_unless_present = "dry_run")]
+    #[arg(long = "to", value_name = "OUT_DIR", required_unless_present_any = ["dry_run", "simulate"])]
     pub to: Option<PathBuf>,
     /// The target mesh.
     #[command(flatten)]
@@ -85,9 +92,13 @@ pub(crate) fn parse_mesh(s: &str) -> Result<Mesh> {
 }
 
 pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
+    if let Some(config) = &args.simulate {
+        return crate::reshard_sim::run_simulated(config, &args);
+    }
+    let Some(ckpt) = args.ckpt.clone() else { bail!("a checkpoint to reshard is required") };
     let started = Instant::now();
     let request = ReshardRequest {
-        ckpt: args.ckpt.clone(),
+        ckpt: ckpt.clone(),
         mesh: args.mesh.mesh(),
         target: args.target.map(Target::dialect),
         from_mesh: args.from_mesh.as_deref().map(parse_mesh).transpose()?,
@@ -119,7 +130,7 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
         } else {
             println!(
                 "reshard {} ({from}) → {}: {} tensors ({moments} optimizer states), {} bytes items; nothing written (--dry-run)",
-                args.ckpt.display(),
+                ckpt.display(),
                 mesh,
                 planned.tensor_count(),
                 plan.objects.len()
@@ -150,7 +161,7 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
     } else {
         println!(
             "resharded {} ({from}) → {} ({}): {} rank files, {} tensors ({moments} optimizer states), {} in {:.2}s",
-            args.ckpt.display(),
+            ckpt.display(),
             to.display(),
             mesh,
             report.files,

@@ -17,6 +17,7 @@ mod error;
 mod export;
 mod fsdp2;
 mod reshard;
+mod simulate;
 mod validate;
 
 pub use convert::{convert, plan_release, ConvertReport, ConvertRequest};
@@ -28,4 +29,5 @@ pub use fsdp2::OpenedCheckpoint;
 pub use reshard::{
     inferred_mesh, plan_reshard_of, reshard_options, AutomodelReshard, PlannedReshard, ReshardHints, ReshardRequest,
 };
+pub use simulate::{simulate_reshard, SimulatedReshard};
 pub use validate::{detect_dialect, validate, ValidateRequest};

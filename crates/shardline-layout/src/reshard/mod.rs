@@ -6,6 +6,7 @@
 //! (`plan`). Pure: the I/O shell (`shardline-formats`) reads and writes what this decides.
 
 mod boxes;
+mod cost;
 mod fsdp2;
 mod infer;
 mod keys;
@@ -16,6 +17,7 @@ mod target;
 use thiserror::Error;
 
 pub use boxes::{check_tiling, runs, ChunkBox, Run, Runs, TilingProblem};
+pub use cost::{reshard_cost, RankCost, ReshardCost};
 pub use fsdp2::{
     classify_fsdp2, mismatched_states, per_rank_sources, plan_fsdp2_reshard, source_placement, Fsdp2Item, Fsdp2Options,
     Placement,

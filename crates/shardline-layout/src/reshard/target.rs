@@ -98,6 +98,11 @@ pub(super) fn to_torch_dist(
             ItemKind::Model { name } => {
                 if optimized.contains(name.as_str()) && matches!(t.out.tiling, Tiling::Fsdp(_)) {
                     let mut master = t.clone();
+                    // fp32, as Megatron-Core's distributed optimizer keeps its masters: a job
+                    // that kept them in bf16 has them widened, exactly.
+                    if master.out.dtype.size() < DType::F32.size() && master.out.dtype.is_float() {
+                        master.out.dtype = DType::F32;
+                    }
                     master.out.key = state_key("param", name);
                     master.out.role = Role::OptimizerState { param_key: name.clone(), state: "param" };
                     master.path = vec![PathElem::Key(master.out.key.clone())];

@@ -212,3 +212,38 @@ fn the_source_mesh_is_read_from_chunk_geometry() {
     // Without a row-parallel weight TP cannot be told.
     assert_eq!(infer_mesh(&items[1..1], |_, _| Some(0)), None);
 }
+
+#[test]
+fn each_target_rank_file_costs_the_source_runs_it_reads() {
+    // 6 rows of fp32: source rows 0..3 in rank file 0, rows 3..6 in rank file 1; the target cuts
+    // them over 4 FSDP ranks as 2, 2, 2 and nothing.
+    let items = vec![tensor(&["model", NORM], &[6], &[(&[0], &[3]), (&[3], &[3])])];
+    let files = vec![vec![0, 1]];
+    let plan = plan_reshard(&items, &options(Mesh::new(1, 1, 4, 1))).unwrap();
+    let cost = reshard_cost(&items, &files, &plan);
+    let got: Vec<(u64, u64, u64, u64, u64)> =
+        cost.ranks.iter().map(|r| (r.chunks, r.bytes_written, r.bytes_read, r.reads, r.source_files)).collect();
+    // Rank 1's rows 2 and 3 straddle the two source files: two reads.
+    assert_eq!(got, [(1, 8, 8, 1, 1), (1, 8, 8, 2, 2), (1, 8, 8, 1, 1), (0, 0, 0, 0, 0)]);
+    assert_eq!((cost.source_bytes, cost.source_chunks), (24, 2));
+    assert_eq!((cost.max(|r| r.reads), cost.total(|r| r.bytes_read)), (2, 24));
+}
+
+#[test]
+fn torch_dist_masters_are_fp32_even_when_the_job_kept_them_in_bf16() {
+    let mut items = vec![
+        tensor(&["model", NORM], &[4], &[(&[0], &[4])]),
+        tensor(&["optimizer", "state", OPT_NORM, "exp_avg"], &[4], &[(&[0], &[4])]),
+        tensor(&["optimizer", "state", OPT_NORM, "exp_avg_sq"], &[4], &[(&[0], &[4])]),
+    ];
+    if let Some(t) = items[0].tensor.as_mut() {
+        t.dtype = DType::BF16;
+    }
+    let mut to = options(Mesh::new(1, 1, 2, 1));
+    to.dialect = crate::dialect::Dialect::TorchDist;
+    let plan = plan_reshard(&items, &to).unwrap();
+    let dtype = |k: &str| plan.tensors.iter().find(|t| t.out.key == k).map(|t| t.out.dtype);
+    let name = NORM.strip_prefix("module.").unwrap();
+    assert_eq!(dtype(name), Some(DType::BF16));
+    assert_eq!(dtype(&format!("optimizer.state.param.{name}")), Some(DType::F32), "widened, exactly");
+}
