@@ -208,3 +208,38 @@ fn a_failed_overwrite_leaves_no_old_metadata_over_new_rank_files() {
     let left: Vec<_> = std::fs::read_dir(&out).expect("out").flatten().map(|e| e.file_name()).collect();
     assert!(left.is_empty(), "{left:?}");
 }
+
+/// `reshard --simulate` plans from the model's `config.json` alone what a real reshard of the
+/// checkpoint `convert --optimizer-state` writes for it does: the same source and target tensor
+/// bytes as that checkpoint and its reshard report, the same number of rank files; each target
+/// file reads at least what it writes (padding aside) and from at most every source file.
+#[test]
+fn a_simulated_reshard_costs_what_the_real_one_writes() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (from, to): (Mesh, Mesh) = ((1, 1, 4, 2, 1), (2, 1, 3, 2, 1));
+    let (src, out) = (tmp.path().join("src"), tmp.path().join("out"));
+    convert_at("qwen3_moe", &src, from);
+    let o = reshard(&src, &out, to, &["--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let real: Value = serde_json::from_str(stdout(&o).trim()).expect("reshard json");
+    let config = fixture("qwen3_moe").join("config.json");
+    let o = run(bin()
+        .arg("reshard")
+        .arg("--simulate")
+        .arg(&config)
+        .args(["--from-mesh", "tp=1,dp=4,ep=2,etp=1", "--json"])
+        .args(mesh_args(to)));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let sim: Value = serde_json::from_str(stdout(&o).trim()).expect("simulate json");
+    let per = &sim["per_rank_file"];
+    assert_eq!(sim["rank_files"], real["files"], "{sim}");
+    assert_eq!(per["bytes_written"]["total"], real["tensor_bytes"], "{sim}");
+    assert_eq!(per["chunks"]["total"], real["chunks"], "{sim}");
+    let o = run(bin().arg("inspect").arg(&src).args(["--json", "--summary"]));
+    let inspected: Value = serde_json::from_str(stdout(&o).trim()).expect("inspect json");
+    assert_eq!(sim["source_tensors"], inspected["tensor_count"], "{sim}");
+    assert_eq!(sim["source_chunks"], inspected["chunk_count"], "{sim}");
+    assert!(per["bytes_read"]["total"].as_u64() <= per["bytes_written"]["total"].as_u64(), "{sim}");
+    assert!(per["source_files"]["max"].as_u64() <= Some(from.2 * from.0), "{sim}");
+    assert!(per["reads"]["max"].as_u64() > Some(0), "{sim}");
+}
