@@ -46,7 +46,7 @@ pub fn fetch_sparse(
             .fetch_whole(".metadata", metadata.e_tag.as_deref(), &dir.join(".metadata"))
             .await
             .map_err(transient)?;
-        let ranges = storage_ranges(&dir.join(".metadata"), &keep)
+        let ranges = storage_ranges(&dir.join(".metadata"), keep)
             .map_err(|e| StepError::fatal(format!("reading {url}/.metadata: {e}")))?;
         let (mut fetched, mut total) = (0u64, 0u64);
         for (name, wanted) in &ranges {

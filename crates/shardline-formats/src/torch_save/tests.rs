@@ -1,7 +1,7 @@
 //! Archives written here and by torch, read back; corruptions refused.
 
 use super::read::{le32, Archive};
-use super::write::{central_directory, local_header, push_entry, tensor_pickle, EntryRecord, LOCAL_CRC_FIELD};
+use super::write::{central_directory, push_entry, push_storage_entry, tensor_pickle, LOCAL_CRC_FIELD};
 use super::*;
 use crate::pickle::{self, PickleWriter, Value};
 
@@ -302,15 +302,7 @@ fn custom_archive(dir: &str, pkl: &[u8], storage: &[u8]) -> Vec<u8> {
     push_entry(&mut out, &mut entries, format!("{dir}data.pkl"), pkl);
     push_entry(&mut out, &mut entries, format!("{dir}version"), b"3\n");
     // The storage record starts 64-byte aligned, as torch writes it.
-    let entry = EntryRecord {
-        name: format!("{dir}data/0"),
-        crc32: crc32fast::hash(storage),
-        size: storage.len() as u64,
-        local_header_offset: out.len() as u64,
-    };
-    out.extend_from_slice(&local_header(&entry, entry.local_header_offset, DATA_ALIGNMENT));
-    out.extend_from_slice(storage);
-    entries.push(entry);
+    push_storage_entry(&mut out, &mut entries, format!("{dir}data/0"), storage);
     let cd = central_directory(&entries, out.len() as u64);
     out.extend_from_slice(&cd);
     out

@@ -97,6 +97,20 @@ pub(super) fn push_entry(out: &mut Vec<u8>, entries: &mut Vec<EntryRecord>, name
     entries.push(entry);
 }
 
+/// Appends a storage entry, its data 64-byte aligned as torch aligns it (and the strict reader
+/// requires).
+pub(super) fn push_storage_entry(out: &mut Vec<u8>, entries: &mut Vec<EntryRecord>, name: String, body: &[u8]) {
+    let entry = EntryRecord {
+        name,
+        crc32: crc32fast::hash(body),
+        size: body.len() as u64,
+        local_header_offset: out.len() as u64,
+    };
+    out.extend_from_slice(&local_header(&entry, entry.local_header_offset, DATA_ALIGNMENT));
+    out.extend_from_slice(body);
+    entries.push(entry);
+}
+
 /// The central directory starting at `cd_offset`, then the zip64 end records if needed, then
 /// the end-of-central-directory record.
 pub(super) fn central_directory(entries: &[EntryRecord], cd_offset: u64) -> Vec<u8> {
@@ -448,16 +462,7 @@ pub fn encode_archive_with_storages(pkl: &[u8], storages: &[(String, Vec<u8>)]) 
     let mut entries = Vec::new();
     push_entry(&mut out, &mut entries, format!("{ARCHIVE_DIR}/data.pkl"), pkl);
     for (key, bytes) in storages {
-        // Storage data aligned as torch aligns it (and the strict reader requires).
-        let entry = EntryRecord {
-            name: format!("{ARCHIVE_DIR}/data/{key}"),
-            crc32: crc32fast::hash(bytes),
-            size: bytes.len() as u64,
-            local_header_offset: out.len() as u64,
-        };
-        out.extend_from_slice(&local_header(&entry, entry.local_header_offset, DATA_ALIGNMENT));
-        out.extend_from_slice(bytes);
-        entries.push(entry);
+        push_storage_entry(&mut out, &mut entries, format!("{ARCHIVE_DIR}/data/{key}"), bytes);
     }
     push_entry(&mut out, &mut entries, format!("{ARCHIVE_DIR}/byteorder"), b"little");
     push_entry(&mut out, &mut entries, format!("{ARCHIVE_DIR}/version"), b"3\n");

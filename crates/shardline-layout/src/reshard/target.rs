@@ -33,10 +33,13 @@ pub struct RngObject {
     pub key: String,
     /// The rank whose file holds it: the main replica, DP rank 0 of that TP rank.
     pub rank: u64,
-    /// The payload's leaves in item order: each one's path inside `rng_state_list` (its list
-    /// index first) and the source item holding it, a tensor or a bytes item.
-    pub leaves: Vec<(Vec<PathElem>, usize)>,
+    /// The payload's leaves in item order.
+    pub leaves: Vec<RngLeaf>,
 }
+
+/// A leaf of an RNG payload: its path inside `rng_state_list` (its list index first) and the
+/// source item holding it, a tensor or a bytes item.
+pub type RngLeaf = (Vec<PathElem>, usize);
 
 /// Takes the RNG states (already re-keyed for the target grid) out of `tensors` and `objects`
 /// and groups them into one [`RngObject`] per (pp, tp) rank.
@@ -46,7 +49,7 @@ pub(super) fn rng_objects(
     tensors: &mut Vec<TargetTensor>,
     objects: &mut Vec<TargetObject>,
 ) -> Vec<RngObject> {
-    let mut by_rank: BTreeMap<(u64, u64), Vec<(Vec<PathElem>, usize)>> = BTreeMap::new();
+    let mut by_rank: BTreeMap<(u64, u64), Vec<RngLeaf>> = BTreeMap::new();
     // The target's (pp, tp) is in the path (a copied state keeps its source's kind).
     let mut take = |source: usize, path: &[PathElem]| -> bool {
         let rank = match (&kinds[source], path.get(1)) {
