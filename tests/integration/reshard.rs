@@ -211,8 +211,8 @@ fn a_failed_overwrite_leaves_no_old_metadata_over_new_rank_files() {
 
 /// `reshard --simulate` plans from the model's `config.json` alone what a real reshard of the
 /// checkpoint `convert --optimizer-state` writes for it does: the same source and target tensor
-/// bytes as that checkpoint and its reshard report, the same number of rank files; each target
-/// file reads at least what it writes (padding aside) and from at most every source file.
+/// bytes as that checkpoint and its reshard report, the same number of rank files, and each
+/// target rank file's cost as the real checkpoint's `--dry-run` reports it.
 #[test]
 fn a_simulated_reshard_costs_what_the_real_one_writes() {
     let tmp = tempfile::tempdir().expect("tempdir");
@@ -240,6 +240,12 @@ fn a_simulated_reshard_costs_what_the_real_one_writes() {
     assert_eq!(sim["source_tensors"], inspected["tensor_count"], "{sim}");
     assert_eq!(sim["source_chunks"], inspected["chunk_count"], "{sim}");
     assert!(per["bytes_read"]["total"].as_u64() <= per["bytes_written"]["total"].as_u64(), "{sim}");
+    // The real checkpoint's dry run costs each target rank file the same: the simulated chunks
+    // are where convert wrote them.
+    let o = run(bin().arg("reshard").arg(&src).args(["--dry-run", "--json"]).args(mesh_args(to)));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let dry: Value = serde_json::from_str(stdout(&o).trim()).expect("dry-run json");
+    assert_eq!(dry["per_rank_file"], sim["per_rank_file"], "{dry}\n{sim}");
     assert!(per["source_files"]["max"].as_u64() <= Some(from.2 * from.0), "{sim}");
     assert!(per["reads"]["max"].as_u64() > Some(0), "{sim}");
 }

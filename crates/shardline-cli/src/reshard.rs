@@ -10,7 +10,7 @@ use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 use serde_json::json;
 use shardline_formats::execute::Progress;
-use shardline_layout::reshard::RngPolicy;
+use shardline_layout::reshard::{RankCost, RngPolicy};
 use shardline_layout::Mesh;
 use shardline_ops::{plan_reshard_of, ReshardRequest};
 
@@ -121,11 +121,17 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
     let from = planned.source_mesh_said();
     let moments = planned.optimizer_states();
     if args.dry_run {
+        let cost = planned.cost();
+        let world = cost.ranks.len().max(1) as u64;
         if args.json {
+            let stat = |f: fn(&RankCost) -> u64| json!({"max": cost.max(f), "mean": cost.total(f) / world, "total": cost.total(f)});
             println!(
                 "{}",
                 json!({"from": from, "to": mesh.to_string(), "tensors": planned.tensor_count(),
-                       "optimizer_states": moments, "objects": plan.objects.len(), "notes": plan.notes})
+                       "optimizer_states": moments, "objects": plan.objects.len(), "notes": plan.notes,
+                       "per_rank_file": {"chunks": stat(|r| r.chunks), "bytes_written": stat(|r| r.bytes_written),
+                                         "bytes_read": stat(|r| r.bytes_read), "reads": stat(|r| r.reads),
+                                         "source_files": stat(|r| r.source_files)}})
             );
         } else {
             println!(
@@ -134,6 +140,17 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
                 mesh,
                 planned.tensor_count(),
                 plan.objects.len()
+            );
+            println!(
+                "  per rank file (max / mean): writes {} / {}; reads {} / {} in {} / {} ranged reads from {} / {} source files",
+                bytes(cost.max(|r| r.bytes_written)),
+                bytes(cost.total(|r| r.bytes_written) / world),
+                bytes(cost.max(|r| r.bytes_read)),
+                bytes(cost.total(|r| r.bytes_read) / world),
+                cost.max(|r| r.reads),
+                cost.total(|r| r.reads) / world,
+                cost.max(|r| r.source_files),
+                cost.total(|r| r.source_files) / world,
             );
         }
         return Ok(ExitCode::SUCCESS);

@@ -11,7 +11,9 @@ use shardline_formats::training::automodel::{write_automodel, AutomodelPlans, Au
 use shardline_formats::training::common_state::is_torch_dist;
 use shardline_formats::training::{rank_of_file, write_resharded, ReshardReport, TrainingCheckpoint};
 use shardline_layout::dialect::Dialect;
-use shardline_layout::reshard::{infer_mesh, plan_reshard, ReshardOptions, ReshardPlan, RngPolicy, TargetTensor};
+use shardline_layout::reshard::{
+    infer_mesh, plan_reshard, reshard_cost, ReshardCost, ReshardOptions, ReshardPlan, RngPolicy, TargetTensor,
+};
 use shardline_layout::{Mesh, Role};
 
 use crate::fsdp2::OpenedCheckpoint;
@@ -121,6 +123,43 @@ impl PlannedReshard {
         };
         let optim_dir = self.automodel.as_ref().and_then(|a| a.optim.as_ref()).map_or(0, |(_, p)| p.tensors.len());
         self.plan.tensors.iter().filter(moment).count() + optim_dir
+    }
+
+    /// What each target rank file costs (see `reshard::cost`): summed over `model/` and `optim/`
+    /// for a NeMo Automodel save, whose rank files hold both.
+    pub fn cost(&self) -> ReshardCost {
+        let optim = self.automodel.as_ref().and_then(|a| a.optim.as_ref());
+        let parts = std::iter::once((&self.source, &self.plan)).chain(optim.map(|(s, p)| (s, p)));
+        let mut total = ReshardCost::default();
+        for (source, plan) in parts {
+            // The file of every stored chunk, numbered by name.
+            let mut numbers: std::collections::HashMap<&str, u64> = std::collections::HashMap::new();
+            let files: Vec<Vec<u64>> = (0..source.items.len())
+                .map(|i| {
+                    let chunks = source.chunks_of(i);
+                    chunks
+                        .iter()
+                        .map(|c| {
+                            let next = numbers.len() as u64;
+                            *numbers.entry(&*c.file).or_insert(next)
+                        })
+                        .collect()
+                })
+                .collect();
+            let cost = reshard_cost(&source.items, &files, plan);
+            total.source_bytes += cost.source_bytes;
+            total.source_chunks += cost.source_chunks;
+            total.ranks.resize(total.ranks.len().max(cost.ranks.len()), Default::default());
+            for (t, c) in total.ranks.iter_mut().zip(cost.ranks) {
+                t.chunks += c.chunks;
+                t.bytes_written += c.bytes_written;
+                t.bytes_read += c.bytes_read;
+                t.reads += c.reads;
+                // `model/` and `optim/` are files of their own.
+                t.source_files += c.source_files;
+            }
+        }
+        total
     }
 
     /// The source mesh and where it came from, or that it is unknown.
