@@ -25,7 +25,6 @@ import pickle
 import re
 import shutil
 import subprocess
-import sys
 import zipfile
 from collections import defaultdict
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorStorageMetadata)
 
 import harness
+import rng_check
 import training_ckpt as tc
 from harness import Mesh
 
@@ -684,7 +684,7 @@ def test_translates_to_torch_dist_with_fully_reshardable_optimizer_state(reshard
     assert sorted(k for k in got if k.startswith("rng_state/")) == [f"rng_state/shard_0.{t}_1.{tp}" for t in range(tp)]
     for t in range(tp):
         # Megatron-Core's torch strategy stores a ShardedObject's data as `[data]`.
-        _assert_same_rng(got[f"rng_state/shard_0.{t}_1.{tp}"], [[tc.rng_entry(0)]])
+        rng_check.assert_same_rng(got[f"rng_state/shard_0.{t}_1.{tp}"], [[tc.rng_entry(0)]])
 
     import megatron.core.safe_globals  # noqa: F401  (Megatron-Core's safe globals for weights_only)
     common = torch.load(ckpt / "common.pt", weights_only=True)
@@ -710,73 +710,15 @@ def test_translates_to_torch_dist_with_fully_reshardable_optimizer_state(reshard
     assert training["adam_steps"] == {str(tc.ADAM_STEP): 3} and training["adam_steps_by_group"], training
 
 
-def _assert_same_rng(got, want) -> None:
-    """Two RNG state lists equal leaf by leaf (tensors by value and dtype, numpy arrays by value)."""
-    import numpy as np
-
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and sorted(got) == sorted(want), (list(got), list(want))
-        for k in want:
-            _assert_same_rng(got[k], want[k])
-    elif isinstance(want, (list, tuple)):
-        assert type(got) is type(want) and len(got) == len(want), (type(got), type(want))
-        for a, b in zip(got, want):
-            _assert_same_rng(a, b)
-    elif isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
-    elif isinstance(want, np.ndarray):
-        assert isinstance(got, np.ndarray) and got.dtype == want.dtype and np.array_equal(got, want)
-    else:
-        assert got == want, (got, want)
-
-
 def test_megatron_core_loads_and_restores_the_translated_rng_states(reshards, sources, tmp_path):
     """The RNG ShardedObjects of S1 → torch_dist are what Megatron-LM's load_checkpoint asks for:
     Megatron-Core's `dist_checkpointing.load` of `ShardedObject('rng_state', (PP, TP), (pp, tp))`
     finds each, and random / numpy / torch take the states back (megatron_rng.py)."""
     root = reshards.run(sources["S1"], TORCH_DIST_MESH, ("--target", "torch_dist"), name="torch-dist").require()
-    loaded = _megatron_rng(root / f"iter_{tc.ITERATION:07d}", TORCH_DIST_MESH.tp, tmp_path)
+    loaded = rng_check.megatron_rng(root / f"iter_{tc.ITERATION:07d}", TORCH_DIST_MESH.tp, tmp_path)
     assert len(loaded) == TORCH_DIST_MESH.tp
     for state in loaded:
-        _assert_same_rng(state, [tc.rng_entry(0)])
-
-
-def _megatron_rng(ckpt: Path, tp: int, tmp_path: Path) -> list:
-    """What megatron_rng.py loads and restores from `ckpt` with Megatron-Core, per TP rank."""
-    out = tmp_path / f"rng-{ckpt.parent.name}.pt"
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "megatron_rng.py"), str(ckpt), str(tp), str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return torch.load(out, weights_only=False)
-
-
-def test_megatron_written_rng_states_translate_both_ways_and_megatron_core_restores_them(shardline, tmp_path):
-    """A torch_dist checkpoint Megatron-Core saved itself with RNG states, made as Megatron-LM's
-    `get_rng_state` makes them (a ShardedObject per TP rank, megatron_fixture.py --rng) →
-    fsdp_dtensor: each TP rank's states under `rng_state.(0, t)`, as Megatron-FSDP keeps them,
-    equal to what was saved; → torch_dist again: Megatron-Core loads them and random / numpy /
-    torch take them back, equal."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    import megatron_fixture as mf
-
-    tp, iteration = 2, 7
-    saved = mf.write_fixture(tmp_path / "mcore", tp=tp, iteration=iteration, rng=True)
-    mesh = Mesh(tp, 1, 1, 1)
-    fsdp, back = tmp_path / "fsdp", tmp_path / "back"
-    for src, out, target in ((saved, fsdp, "fsdp_dtensor"), (fsdp, back, "torch_dist")):
-        proc = harness.run_cli(["reshard", str(src), "--to", str(out), *mesh.cli_args(), "--target", target],
-                               timeout=RESHARD_TIMEOUT_S)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert "RNG" not in proc.stderr, proc.stderr
-    dcp_to_torch_save(fsdp, tmp_path / "fsdp.pt")
-    state = torch.load(tmp_path / "fsdp.pt", weights_only=False)
-    assert sorted(state["rng_state"]) == [f"(0, {t})" for t in range(tp)]
-    for t in range(tp):
-        _assert_same_rng(state["rng_state"][f"(0, {t})"], mf.rng_state_list(t))
-    loaded = _megatron_rng(back / f"iter_{iteration:07d}", tp, tmp_path)
-    for t in range(tp):
-        _assert_same_rng(loaded[t], mf.rng_state_list(t))
+        rng_check.assert_same_rng(state, [tc.rng_entry(0)])
 
 
 def test_torch_adamw_steps_are_refused_for_torch_dist(shardline, sources, tmp_path):
@@ -821,7 +763,7 @@ def test_torch_dist_translates_back_to_the_same_training_state(reshards, sources
         a, b = src[k], got[k]
         if k.startswith("rng_state."):
             try:
-                _assert_same_rng(b, a)
+                rng_check.assert_same_rng(b, a)
                 same = True
             except AssertionError:
                 same = False
