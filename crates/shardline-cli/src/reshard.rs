@@ -10,12 +10,13 @@ use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 use serde_json::json;
 use shardline_formats::execute::Progress;
-use shardline_layout::reshard::{RankCost, RngPolicy};
+use shardline_layout::reshard::RngPolicy;
 use shardline_layout::Mesh;
 use shardline_ops::{plan_reshard_of, ReshardRequest};
 
 use crate::convert::{MeshArgs, Target};
 use crate::report::{bytes, peak_rss, Bar};
+use crate::reshard_sim::{per_rank_file_json, per_rank_file_line};
 
 /// What happens to the per-(pp, tp) RNG states when the TP grid changes.
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -122,16 +123,12 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
     let moments = planned.optimizer_states();
     if args.dry_run {
         let cost = planned.cost();
-        let world = cost.ranks.len().max(1) as u64;
         if args.json {
-            let stat = |f: fn(&RankCost) -> u64| json!({"max": cost.max(f), "mean": cost.total(f) / world, "total": cost.total(f)});
             println!(
                 "{}",
                 json!({"from": from, "to": mesh.to_string(), "tensors": planned.tensor_count(),
                        "optimizer_states": moments, "objects": plan.objects.len(), "notes": plan.notes,
-                       "per_rank_file": {"chunks": stat(|r| r.chunks), "bytes_written": stat(|r| r.bytes_written),
-                                         "bytes_read": stat(|r| r.bytes_read), "reads": stat(|r| r.reads),
-                                         "source_files": stat(|r| r.source_files)}})
+                       "per_rank_file": per_rank_file_json(&cost)})
             );
         } else {
             println!(
@@ -141,17 +138,7 @@ pub fn run_reshard(args: ReshardArgs) -> Result<ExitCode> {
                 planned.tensor_count(),
                 plan.objects.len()
             );
-            println!(
-                "  per rank file (max / mean): writes {} / {}; reads {} / {} in {} / {} ranged reads from {} / {} source files",
-                bytes(cost.max(|r| r.bytes_written)),
-                bytes(cost.total(|r| r.bytes_written) / world),
-                bytes(cost.max(|r| r.bytes_read)),
-                bytes(cost.total(|r| r.bytes_read) / world),
-                cost.max(|r| r.reads),
-                cost.total(|r| r.reads) / world,
-                cost.max(|r| r.source_files),
-                cost.total(|r| r.source_files) / world,
-            );
+            println!("  {}", per_rank_file_line(&cost));
         }
         return Ok(ExitCode::SUCCESS);
     }

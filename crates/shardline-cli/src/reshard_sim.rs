@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use serde_json::json;
-use shardline_layout::reshard::RankCost;
+use shardline_layout::reshard::{RankCost, ReshardCost};
 use shardline_layout::{Dialect, ModelConfig, SourceTensor};
 use shardline_ops::simulate_reshard;
 use shardline_synth::SynthModel;
@@ -30,9 +30,6 @@ pub fn run_simulated(config_path: &Path, args: &ReshardArgs) -> Result<ExitCode>
     let dialect = args.target.map_or(Dialect::FsdpDtensor, Target::dialect);
     let sim = simulate_reshard(&config, sources, from, to, dialect)?;
     let cost = &sim.cost;
-    let world = cost.ranks.len().max(1) as u64;
-    let stat =
-        |f: fn(&RankCost) -> u64| json!({"max": cost.max(f), "mean": cost.total(f) / world, "total": cost.total(f)});
     let planning = sim.planning.as_secs_f64();
     if args.json {
         println!(
@@ -43,11 +40,7 @@ pub fn run_simulated(config_path: &Path, args: &ReshardArgs) -> Result<ExitCode>
                 "source_tensors": sim.source_tensors, "source_chunks": cost.source_chunks,
                 "source_bytes": cost.source_bytes, "target_tensors": sim.plan.tensors.len(),
                 "rank_files": cost.ranks.len(),
-                "per_rank_file": {
-                    "chunks": stat(|r| r.chunks), "bytes_written": stat(|r| r.bytes_written),
-                    "bytes_read": stat(|r| r.bytes_read), "reads": stat(|r| r.reads),
-                    "source_files": stat(|r| r.source_files),
-                },
+                "per_rank_file": per_rank_file_json(cost),
                 "planning_seconds": planning, "peak_rss_bytes": peak_rss(),
             })
         );
@@ -67,19 +60,39 @@ pub fn run_simulated(config_path: &Path, args: &ReshardArgs) -> Result<ExitCode>
         sim.plan.tensors.len(),
         cost.ranks.len()
     );
-    println!(
-        "  per rank file (max / mean): writes {} / {} in {} / {} chunks; reads {} / {} in {} / {} ranged reads from {} / {} source files",
-        bytes(cost.max(|r| r.bytes_written)),
-        bytes(cost.total(|r| r.bytes_written) / world),
-        cost.max(|r| r.chunks),
-        cost.total(|r| r.chunks) / world,
-        bytes(cost.max(|r| r.bytes_read)),
-        bytes(cost.total(|r| r.bytes_read) / world),
-        cost.max(|r| r.reads),
-        cost.total(|r| r.reads) / world,
-        cost.max(|r| r.source_files),
-        cost.total(|r| r.source_files) / world,
-    );
+    println!("  {}", per_rank_file_line(cost));
     println!("  planned in {planning:.2}s, peak RSS {}", peak_rss().map_or("unknown".into(), bytes));
     Ok(ExitCode::SUCCESS)
+}
+
+/// Each target rank file's cost as `--json` reports it: max, mean and total of every figure.
+pub(crate) fn per_rank_file_json(cost: &ReshardCost) -> serde_json::Value {
+    let world = cost.ranks.len().max(1) as u64;
+    let stat =
+        |f: fn(&RankCost) -> u64| json!({"max": cost.max(f), "mean": cost.total(f) / world, "total": cost.total(f)});
+    json!({
+        "chunks": stat(|r| r.chunks), "bytes_written": stat(|r| r.bytes_written),
+        "bytes_read": stat(|r| r.bytes_read), "reads": stat(|r| r.reads),
+        "source_files": stat(|r| r.source_files),
+    })
+}
+
+/// Each target rank file's cost in one line: max and mean of every figure.
+pub(crate) fn per_rank_file_line(cost: &ReshardCost) -> String {
+    let world = cost.ranks.len().max(1) as u64;
+    let mean = |f: fn(&RankCost) -> u64| cost.total(f) / world;
+    format!(
+        "per rank file (max / mean): writes {} / {} in {} / {} chunks; reads {} / {} in {} / {} ranged reads from {} / \
+         {} source files",
+        bytes(cost.max(|r| r.bytes_written)),
+        bytes(mean(|r| r.bytes_written)),
+        cost.max(|r| r.chunks),
+        mean(|r| r.chunks),
+        bytes(cost.max(|r| r.bytes_read)),
+        bytes(mean(|r| r.bytes_read)),
+        cost.max(|r| r.reads),
+        mean(|r| r.reads),
+        cost.max(|r| r.source_files),
+        mean(|r| r.source_files),
+    )
 }
