@@ -86,27 +86,23 @@ pub(super) const LOCAL_CRC_FIELD: u64 = 14;
 
 /// Appends a small entry (header and body, unaligned) to `out`.
 pub(super) fn push_entry(out: &mut Vec<u8>, entries: &mut Vec<EntryRecord>, name: String, body: &[u8]) {
-    let entry = EntryRecord {
-        name,
-        crc32: crc32fast::hash(body),
-        size: body.len() as u64,
-        local_header_offset: out.len() as u64,
-    };
-    out.extend_from_slice(&local_header(&entry, entry.local_header_offset, 1));
-    out.extend_from_slice(body);
-    entries.push(entry);
+    push_aligned(out, entries, name, body, 1);
 }
 
 /// Appends a storage entry, its data 64-byte aligned as torch aligns it (and the strict reader
 /// requires).
 pub(super) fn push_storage_entry(out: &mut Vec<u8>, entries: &mut Vec<EntryRecord>, name: String, body: &[u8]) {
+    push_aligned(out, entries, name, body, DATA_ALIGNMENT);
+}
+
+fn push_aligned(out: &mut Vec<u8>, entries: &mut Vec<EntryRecord>, name: String, body: &[u8], alignment: u64) {
     let entry = EntryRecord {
         name,
         crc32: crc32fast::hash(body),
         size: body.len() as u64,
         local_header_offset: out.len() as u64,
     };
-    out.extend_from_slice(&local_header(&entry, entry.local_header_offset, DATA_ALIGNMENT));
+    out.extend_from_slice(&local_header(&entry, entry.local_header_offset, alignment));
     out.extend_from_slice(body);
     entries.push(entry);
 }
