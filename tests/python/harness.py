@@ -198,6 +198,23 @@ def join_gloo(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def leave_gloo() -> None:
+    """Leaves the process group after every rank got this far (at most 60 s), so that no rank
+    tears its connections down while a peer is still in its last collective: gloo then aborts the
+    peer ("terminate called without an active exception"), which once failed a 4-rank load on a
+    loaded machine. A rank that raised gets here too, so the wait is short unless a rank died, and
+    then the spawner has already seen it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=60))
+    except Exception:  # noqa: BLE001 - a peer gone; the spawner reports it
+        pass
+    dist.destroy_process_group()
+
+
 def spawn_ranks(fn, world: int, args: tuple, what: str, timeout_s: float = 150.0) -> None:
     """Runs `fn(rank, world, port, *args)` on `world` spawned ranks; fails (stopping them) when they
     do not finish within `timeout_s`, so a hung collective fails the test instead of the suite."""

@@ -151,7 +151,7 @@ def save_worker(rank: int, world: int, port: int, release: str, step_dir: str) -
     except BaseException:
         raise RuntimeError(f"rank {rank}/{world} failed:\n{traceback.format_exc()}") from None
     finally:
-        dist.destroy_process_group()
+        harness.leave_gloo()
 
 
 def _describe(key: str, got, want) -> str | None:
@@ -215,4 +215,4 @@ def load_worker(rank: int, world: int, port: int, release: str, source: str, our
     except BaseException:
         raise RuntimeError(f"rank {rank}/{world} failed:\n{traceback.format_exc()}") from None
     finally:
-        dist.destroy_process_group()
+        harness.leave_gloo()

@@ -41,7 +41,7 @@ def load_worker(rank: int, world: int, port: int, jobs: list[tuple[str, str]]) -
     except BaseException:
         raise RuntimeError(f"rank {rank}/{world} failed:\n{traceback.format_exc()}") from None
     finally:
-        dist.destroy_process_group()
+        harness.leave_gloo()
 
 
 def _routed(key: str, shape) -> bool:
@@ -119,7 +119,7 @@ def load_ep_worker(rank: int, world: int, port: int, release: str, seed: str, ep
     except BaseException:
         raise RuntimeError(f"rank {rank}/{world} failed:\n{traceback.format_exc()}") from None
     finally:
-        dist.destroy_process_group()
+        harness.leave_gloo()
 
 
 # The dim torchtitan's tensor parallelism splits each parameter along, from its sharding configs
@@ -173,7 +173,7 @@ def load_tp_worker(rank: int, world: int, port: int, jobs: list[tuple[str, str]]
     except BaseException:
         raise RuntimeError(f"rank {rank}/{world} failed:\n{traceback.format_exc()}") from None
     finally:
-        dist.destroy_process_group()
+        harness.leave_gloo()
 
 
 def _load_tp(rank: int, tp: int, ep: int, dense, sparse, release: str, seed: str) -> list[str]:
