@@ -35,10 +35,6 @@ pub fn fetch_sparse(
         for o in listing.iter().filter(|o| save_dir && (o.name == METADATA_JSON || o.name == COMMON_PT)) {
             artifacts.fetch_whole(&o.name, o.e_tag.as_deref(), &dir.join(&o.name)).await.map_err(transient)?;
         }
-        Ok::<(), StepError>(())
-    })?;
-    ctx.runtime.block_on(async {
-        let listing = artifacts.list().await.map_err(transient)?;
         let listed = |name: &str| listing.iter().find(|o| o.name == name);
         let metadata = listed(".metadata")
             .ok_or_else(|| StepError::fatal(format!("{url} holds no checkpoint (no `.metadata`)")))?;

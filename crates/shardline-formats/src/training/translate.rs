@@ -139,7 +139,6 @@ pub(super) fn translate(
             tensors.push(StoredTensor { key: name_of(&part.key), dtype: t.dtype, shape: part.shape, chunks });
         }
     }
-    tensors.sort_by(|a, b| a.key.cmp(&b.key));
     if !masters.is_empty() {
         notes.push(format!(
             "{} parameters taken from their fp32 masters (optimizer.state.param), as Megatron-FSDP keeps them; \
@@ -253,6 +252,7 @@ pub(super) fn translate(
             }
         }
     }
+    // Sorted once every tensor is in, the RNG states' too.
     tensors.sort_by(|a, b| a.key.cmp(&b.key));
     if !optimized.is_empty() && !entries.iter().any(|(k, _)| k.as_str() == Some("optimizer")) {
         // As `reshard --target torch_dist` writes moments that came without group settings.
