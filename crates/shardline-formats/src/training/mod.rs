@@ -5,6 +5,7 @@
 mod args;
 pub mod automodel;
 pub mod common_state;
+mod copier;
 mod export;
 mod fused;
 mod param_groups;

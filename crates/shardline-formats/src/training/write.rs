@@ -8,35 +8,24 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 
 use shardline_layout::dialect::Dialect;
-use shardline_layout::recipe::cast_into;
-use shardline_layout::reshard::{runs, ChunkBox, ReshardPlan};
+use shardline_layout::reshard::{merged_runs, ChunkBox, ReshardPlan};
 use shardline_layout::Chunk;
 
+use super::copier::Copier;
 use super::{save_dir, torch_dist_save, ItemData, TrainingCheckpoint, TrainingError};
 use crate::dcp_metadata::{EntryRef, MetadataEncoder, StorageRef};
 use crate::execute::{
-    copy_unsupported, dcp_rank_file, for_each_unit, object_file, publish_metadata, run_syncer, write_object_files,
-    ExecuteError, Progress, SyncJob,
+    dcp_rank_file, for_each_unit, object_file, publish_metadata, run_syncer, write_object_files, ExecuteError,
+    Progress, SyncJob,
 };
 use crate::pickle::set_int_fields;
 use crate::torch_save::{edit_object_archive, TensorArchive, TorchSaveError};
 
-/// Bytes of each writer's copy buffer.
-const BUFFER_BYTES: usize = 8 << 20;
-/// Runs of at least this many bytes are copied file to file by the kernel (`copy_file_range`),
-/// as `convert` copies its large segments (see `execute::DEFAULT_COPY_MIN_BYTES`).
-const KERNEL_COPY_MIN: u64 = 64 << 10;
-/// Source bytes between two reads that are read (into scratch) rather than skipped with another
-/// `pread` (as `convert` gathers its reads).
-const MAX_GATHER_GAP: u64 = 8 << 10;
-/// Longest span one gathered read covers.
-const GATHER_SPAN: u64 = 4 << 20;
 /// Bytes of a rank file between two requests to start their writeback.
 const SYNC_EVERY: u64 = 32 << 20;
 
@@ -452,9 +441,6 @@ fn write_metadata<W: io::Write>(
     e.finish(None)
 }
 
-/// Elements cast at a time (4 MiB of fp32).
-const CAST_PIECE_ELEMS: u64 = 1 << 20;
-
 /// Writes one rank file.
 pub(super) struct RankWriter<'a> {
     /// Where a writer asks for its file's writeback as it grows, and its final sync.
@@ -557,191 +543,24 @@ impl<'a> RankWriter<'a> {
         let size = t.out.dtype.size() as u64;
         let from = self.source.items[t.source].tensor.as_ref().map_or(t.out.dtype, |m| m.dtype);
         let target = ChunkBox { offsets: chunk.offsets.clone(), sizes: chunk.sizes.clone() };
-        for sc in self.source.chunks_of(t.source) {
-            let source = ChunkBox { offsets: sc.offsets.clone(), sizes: sc.sizes.clone() };
+        let stored = self.source.chunks_of(t.source);
+        let boxes: Vec<ChunkBox> =
+            stored.iter().map(|sc| ChunkBox { offsets: sc.offsets.clone(), sizes: sc.sizes.clone() }).collect();
+        // In target order, so the chunk is written front to back in a few large writes.
+        for (i, run) in merged_runs(&target, &boxes) {
+            let sc = &stored[i];
             let input = self.input(&sc.file)?;
-            for run in runs(&target, &source) {
-                if from == t.out.dtype {
-                    copier.copy(
-                        input,
-                        sc.data_offset + run.source * size,
-                        data_at + run.target * size,
-                        run.len * size,
-                    )?;
-                    continue;
-                }
-                let from_size = from.size() as u64;
-                // A run at a time, a bounded piece at a time.
-                let mut done = 0;
-                while done < run.len {
-                    let n = (run.len - done).min(CAST_PIECE_ELEMS);
-                    let mut src = vec![0u8; (n * from_size) as usize];
-                    let at = sc.data_offset + (run.source + done) * from_size;
-                    input.read_exact_at(&mut src, at).map_err(|error| ExecuteError::Io {
-                        path: self.source.checkpoint.dir.join(&*sc.file),
-                        action: "read source rank file",
-                        error,
-                    })?;
-                    let mut out = vec![0u8; (n * size) as usize];
-                    cast_into(from, t.out.dtype, &src, &mut out);
-                    copier.put(&out, data_at + (run.target + done) * size)?;
-                    done += n;
-                }
+            if from == t.out.dtype {
+                copier.copy(input, sc.data_offset + run.source * size, data_at + run.target * size, run.len * size)?;
+                continue;
             }
+            copier.copy_cast(
+                input,
+                (from, sc.data_offset + run.source * from.size() as u64),
+                (t.out.dtype, data_at + run.target * size),
+                run.len,
+            )?;
         }
-        Ok(())
-    }
-}
-
-/// Copies byte ranges from source files into one output file through a fixed buffer: reads of
-/// contiguous source bytes and writes of contiguous output bytes are merged.
-struct Copier<'a> {
-    out: &'a File,
-    path: &'a Path,
-    kernel_copy: &'a AtomicBool,
-    buf: Vec<u8>,
-    fill: usize,
-    /// `(file, source offset, buffer start, length)`.
-    reads: Vec<(&'a File, u64, usize, usize)>,
-    /// `(output offset, buffer start, length)`.
-    writes: Vec<(u64, usize, usize)>,
-    /// Gathered reads' spans.
-    scratch: Vec<u8>,
-}
-
-impl<'a> Copier<'a> {
-    fn new(out: &'a File, path: &'a Path, kernel_copy: &'a AtomicBool) -> Copier<'a> {
-        Copier {
-            out,
-            path,
-            kernel_copy,
-            buf: vec![0u8; BUFFER_BYTES],
-            fill: 0,
-            reads: Vec::new(),
-            writes: Vec::new(),
-            scratch: Vec::new(),
-        }
-    }
-
-    /// Queues `bytes` to be written at `to`.
-    fn put(&mut self, mut bytes: &[u8], mut to: u64) -> Result<(), ExecuteError> {
-        while !bytes.is_empty() {
-            if self.fill == self.buf.len() {
-                self.flush()?;
-            }
-            let n = bytes.len().min(self.buf.len() - self.fill);
-            let at = self.fill;
-            self.buf[at..at + n].copy_from_slice(&bytes[..n]);
-            self.queue_write(to, at, n);
-            self.fill += n;
-            (bytes, to) = (&bytes[n..], to + n as u64);
-        }
-        Ok(())
-    }
-
-    /// Records that `buf[at..at + n]` goes to `to`, merged with the previous write if adjacent.
-    fn queue_write(&mut self, to: u64, at: usize, n: usize) {
-        match self.writes.last_mut() {
-            Some((off, start, l)) if *off + *l as u64 == to && *start + *l == at => *l += n,
-            _ => self.writes.push((to, at, n)),
-        }
-    }
-
-    /// Copies what it can of a large run inside the kernel; returns the bytes copied.
-    fn kernel_copy(&self, input: &File, from: u64, to: u64, len: u64) -> Result<u64, ExecuteError> {
-        let mut done = 0u64;
-        while done < len && self.kernel_copy.load(Ordering::Relaxed) {
-            let (mut off_in, mut off_out) = (from + done, to + done);
-            let want = (len - done).min(1 << 30) as usize;
-            match rustix::fs::copy_file_range(input, Some(&mut off_in), self.out, Some(&mut off_out), want) {
-                Ok(0) => break,
-                Ok(n) => done += n as u64,
-                Err(rustix::io::Errno::INTR) => {}
-                Err(e) if copy_unsupported(e) => self.kernel_copy.store(false, Ordering::Relaxed),
-                Err(e) => {
-                    return Err(ExecuteError::Io {
-                        path: self.path.to_path_buf(),
-                        action: "copy_file_range into rank file",
-                        error: e.into(),
-                    })
-                }
-            }
-        }
-        Ok(done)
-    }
-
-    fn copy(&mut self, input: &'a File, mut from: u64, mut to: u64, mut len: u64) -> Result<(), ExecuteError> {
-        if len >= KERNEL_COPY_MIN && self.kernel_copy.load(Ordering::Relaxed) {
-            // What is buffered before it goes first: the file is written front to back.
-            self.flush()?;
-            let done = self.kernel_copy(input, from, to, len)?;
-            (from, to, len) = (from + done, to + done, len - done);
-        }
-        while len > 0 {
-            if self.fill == self.buf.len() {
-                self.flush()?;
-            }
-            let n = (len.min((self.buf.len() - self.fill) as u64)) as usize;
-            let at = self.fill;
-            match self.reads.last_mut() {
-                Some((f, off, start, l))
-                    if std::ptr::eq(*f, input) && *off + *l as u64 == from && *start + *l == at =>
-                {
-                    *l += n
-                }
-                _ => self.reads.push((input, from, at, n)),
-            }
-            self.queue_write(to, at, n);
-            self.fill += n;
-            from += n as u64;
-            to += n as u64;
-            len -= n as u64;
-        }
-        Ok(())
-    }
-
-    fn flush(&mut self) -> Result<(), ExecuteError> {
-        // Reads close together in one file are gathered into one read of their span, the bytes
-        // between them landing in scratch: a row-parallel weight re-split for another TP size
-        // is a run per row, and one `pread` per row would cost more than the copy.
-        let reads = std::mem::take(&mut self.reads);
-        let mut i = 0;
-        while i < reads.len() {
-            let (f, first, ..) = reads[i];
-            let mut j = i + 1;
-            let mut end = first + reads[i].3 as u64;
-            while let Some(&(g, off, _, len)) = reads.get(j) {
-                let near = std::ptr::eq(f, g) && off >= end && off - end <= MAX_GATHER_GAP;
-                if !near || off + len as u64 - first > GATHER_SPAN {
-                    break;
-                }
-                end = off + len as u64;
-                j += 1;
-            }
-            let read_err = |error| ExecuteError::Io {
-                path: PathBuf::from("source checkpoint"),
-                action: "read source chunk",
-                error,
-            };
-            if j == i + 1 {
-                let (_, off, start, len) = reads[i];
-                f.read_exact_at(&mut self.buf[start..start + len], off).map_err(read_err)?;
-            } else {
-                self.scratch.resize((end - first) as usize, 0);
-                f.read_exact_at(&mut self.scratch, first).map_err(read_err)?;
-                for &(_, off, start, len) in &reads[i..j] {
-                    let at = (off - first) as usize;
-                    self.buf[start..start + len].copy_from_slice(&self.scratch[at..at + len]);
-                }
-            }
-            i = j;
-        }
-        self.reads = reads;
-        self.reads.clear();
-        for (off, start, len) in self.writes.drain(..) {
-            self.out.write_all_at(&self.buf[start..start + len], off).map_err(io_err(self.path, "write rank file"))?;
-        }
-        self.fill = 0;
         Ok(())
     }
 }

@@ -6,6 +6,8 @@
 //! the last one where either box is narrower than the intersection is covered whole, so a run
 //! spans those dimensions and one row of the intersection in the ones before.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::fmt;
 
 /// A box of a tensor: a chunk's offsets and sizes in global coordinates.
@@ -209,6 +211,47 @@ impl Iterator for Runs {
     }
 }
 
+/// The runs of every source chunk that fill `target`, merged in target order: `(index of the
+/// source in `sources`, run)`. A writer that follows them writes its chunk front to back, one
+/// large write at a time, however finely the sources interleave (a row-split weight merged from
+/// several TP ranks is a run per row and rank). Holds one pending run per source that meets.
+pub fn merged_runs<'s>(target: &ChunkBox, sources: impl IntoIterator<Item = &'s ChunkBox>) -> MergedRuns {
+    let mut pending = BinaryHeap::new();
+    let mut iters = Vec::new();
+    for (i, source) in sources.into_iter().enumerate() {
+        let mut it = runs(target, source);
+        if let Some(first) = it.next() {
+            pending.push(Reverse((first.target, iters.len())));
+            iters.push((i, first, it));
+        }
+    }
+    MergedRuns { pending, iters }
+}
+
+/// The iterator [`merged_runs`] returns.
+#[derive(Debug, Default)]
+pub struct MergedRuns {
+    /// `(next run's target element, entry of iters)`, smallest first.
+    pending: BinaryHeap<Reverse<(u64, usize)>>,
+    /// `(source index, its next run, its remaining runs)` for each source that meets the target.
+    iters: Vec<(usize, Run, Runs)>,
+}
+
+impl Iterator for MergedRuns {
+    type Item = (usize, Run);
+
+    fn next(&mut self) -> Option<(usize, Run)> {
+        let Reverse((_, k)) = self.pending.pop()?;
+        let (source, run, rest) = &mut self.iters[k];
+        let out = (*source, *run);
+        if let Some(next) = rest.next() {
+            *run = next;
+            self.pending.push(Reverse((next.target, k)));
+        }
+        Some(out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -216,6 +259,22 @@ mod tests {
 
     fn b(offsets: &[u64], sizes: &[u64]) -> ChunkBox {
         ChunkBox { offsets: offsets.to_vec(), sizes: sizes.to_vec() }
+    }
+
+    #[test]
+    fn merged_runs_interleave_sources_in_target_order() {
+        // Rows 0..2 of a [2, 4] tensor whose columns 0..2 and 2..4 are two sources (TP 2 → 1).
+        let sources = [b(&[0, 0], &[2, 2]), b(&[0, 2], &[2, 2]), b(&[5, 0], &[1, 4])];
+        let r: Vec<(usize, Run)> = merged_runs(&b(&[0, 0], &[2, 4]), &sources).collect();
+        assert_eq!(
+            r,
+            vec![
+                (0, Run { source: 0, target: 0, len: 2 }),
+                (1, Run { source: 0, target: 2, len: 2 }),
+                (0, Run { source: 2, target: 4, len: 2 }),
+                (1, Run { source: 2, target: 6, len: 2 }),
+            ]
+        );
     }
 
     #[test]
@@ -337,6 +396,27 @@ mod tests {
                         at[d] = t.offsets[d];
                     }
                 }
+            }
+        }
+
+        /// The merged runs are every source's runs, each once, in strictly increasing target order.
+        #[test]
+        fn merged_runs_are_all_runs_in_target_order(
+            shape in proptest::collection::vec(1u64..7, 1..4),
+            source_cuts in proptest::collection::vec(proptest::collection::vec(0u64..8, 0..3), 3),
+            target_cuts in proptest::collection::vec(proptest::collection::vec(0u64..8, 0..3), 3),
+        ) {
+            let sources = grid(&shape, &source_cuts);
+            for t in grid(&shape, &target_cuts) {
+                let merged: Vec<(usize, Run)> = merged_runs(&t, &sources).collect();
+                prop_assert!(merged.windows(2).all(|w| w[0].1.target + w[0].1.len <= w[1].1.target));
+                let mut want: Vec<(usize, Run)> =
+                    sources.iter().enumerate().flat_map(|(i, s)| runs(&t, s).map(move |r| (i, r))).collect();
+                let mut got = merged.clone();
+                let key = |x: &(usize, Run)| (x.0, x.1.target);
+                want.sort_by_key(key);
+                got.sort_by_key(key);
+                prop_assert_eq!(got, want);
             }
         }
     }

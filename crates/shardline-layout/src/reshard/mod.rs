@@ -16,7 +16,7 @@ mod target;
 
 use thiserror::Error;
 
-pub use boxes::{check_tiling, runs, ChunkBox, Run, Runs, TilingProblem};
+pub use boxes::{check_tiling, merged_runs, runs, ChunkBox, MergedRuns, Run, Runs, TilingProblem};
 pub use cost::{reshard_cost, RankCost, ReshardCost};
 pub use fsdp2::{
     classify_fsdp2, mismatched_states, per_rank_sources, plan_fsdp2_reshard, source_placement, Fsdp2Item, Fsdp2Options,
