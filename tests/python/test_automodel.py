@@ -117,6 +117,11 @@ def _hf_metadata(model: Path, release: Path) -> None:
     (meta / "fqn_to_dtype_mapping.json").write_text(json.dumps(dtypes, indent=2, sort_keys=True))
 
 
+RECIPE_CONFIG = ("step_scheduler:\n  global_batch_size: 8\ndistributed:\n  _target_: "
+                 "nemo_automodel.components.distributed.config.FSDP2Config\n  dp_size: {dp}\n  tp_size: 1\n"
+                 "  cp_size: 1\n  ep_size: {ep}\nmodel:\n  pretrained_model_name_or_path: tiny\n")
+
+
 def _training_save(root: Path, release: Path, fmt: str, dtype: str = "bfloat16") -> Path:
     """`root/epoch_0_step_2/` after two AdamW steps on `WORLD` ranks, with the files Automodel
     writes around the tensors."""
@@ -124,7 +129,8 @@ def _training_save(root: Path, release: Path, fmt: str, dtype: str = "bfloat16")
     harness.spawn_ranks(automodel_writer.save_training_worker, WORLD, (str(release), str(step), fmt, dtype),
                         "Automodel training save")
     _hf_metadata(step / "model", release)
-    (step / "config.yaml").write_text("distributed: {dp_size: 3}\nstep_scheduler: {global_batch_size: 8}\n")
+    # As Automodel's `save_config` dumps the recipe config: block style, keys in order.
+    (step / "config.yaml").write_text(RECIPE_CONFIG.format(dp=WORLD, ep=1))
     (step / "losses.json").write_text(json.dumps({"train_loss": 1.0}))
     return step
 
@@ -218,8 +224,10 @@ def test_a_training_save_reshards_and_loads_as_torch_reshards_it(tmp_path, model
                             *model_files, "optim/.metadata", "optim/__0_0.distcp", "optim/__1_0.distcp",
                             "rng/rng_global_rank_0.pt", "rng/rng_global_rank_1.pt",
                             "dataloader/dataloader_dp_rank_0.pt", "dataloader/dataloader_dp_rank_1.pt"]), names
-    for rel in ("config.yaml", "losses.json", "step_scheduler.pt", "rng/rng_global_rank_1.pt"):
+    for rel in ("losses.json", "step_scheduler.pt", "rng/rng_global_rank_1.pt"):
         assert (ours / rel).read_bytes() == (source / rel).read_bytes(), rel
+    # The recipe config names the new mesh, every other byte kept.
+    assert (ours / "config.yaml").read_text() == RECIPE_CONFIG.format(dp=2, ep=1)
     _check_placements(ours, 2, fmt)
     proc = run_cli(["inspect", "--json", "--summary", str(ours)])
     assert proc.returncode == 0, proc.stderr

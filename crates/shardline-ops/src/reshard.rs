@@ -184,6 +184,7 @@ impl PlannedReshard {
                     model: (&self.source, &self.plan),
                     optim: a.optim.as_ref().map(|(s, p)| (s, p)),
                     rank_files: &a.rank_files,
+                    config_sizes: &[("dp_size", self.plan.mesh.dp), ("ep_size", self.plan.mesh.ep)],
                 };
                 write_automodel(&a.save, &plans, to, threads.max(1), overwrite, progress)
             }

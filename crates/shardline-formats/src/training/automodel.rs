@@ -16,6 +16,9 @@ use super::{write_resharded, write_resharded_hf_storage, ReshardReport, Training
 use crate::checkpoint::{automodel_model_dir, CheckpointFormat, AUTOMODEL_INCOMPLETE};
 use crate::execute::{ExecuteError, Progress};
 
+/// The recipe's config, saved beside the checkpoint by Automodel's `save_config`.
+pub const RECIPE_CONFIG: &str = "config.yaml";
+
 /// How a per-rank state file is keyed: by global rank (`_global_rank_`) or by data-parallel rank
 /// (`_dp_rank_`, written by TP/PP rank 0 of each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -138,6 +141,43 @@ pub struct AutomodelPlans<'a> {
     pub optim: Option<(&'a TrainingCheckpoint, &'a ReshardPlan)>,
     /// From [`AutomodelSave::rank_files`].
     pub rank_files: &'a [RankFileCopies],
+    /// The recipe config's `distributed:` sizes for the new mesh (`dp_size`, `ep_size`).
+    pub config_sizes: &'a [(&'a str, u64)],
+}
+
+/// The recipe config `config.yaml` (as Automodel's `yaml.dump` writes it: block style, keys in
+/// order) with the integer sizes of its top-level `distributed:` mapping set to `sizes`, every
+/// other byte kept; and the keys it set. A size written as `none` (inferred from the world size
+/// at start-up) is left alone. A config in another shape is left as it is (nothing set): tools
+/// that rebuild the training topology from it (Automodel's `export_llm_dcp_to_hf.py`) would
+/// otherwise meet the old mesh's sizes beside the new mesh's files.
+pub fn edit_recipe_config(text: &str, sizes: &[(&str, u64)]) -> (String, Vec<String>) {
+    let mut out = String::with_capacity(text.len() + 16);
+    let mut set = Vec::new();
+    let mut in_distributed = false;
+    for line in text.split_inclusive('\n') {
+        let body = line.trim_end_matches(['\n', '\r']);
+        if !body.starts_with([' ', '\t']) && !body.is_empty() {
+            in_distributed = body.trim_end() == "distributed:";
+        }
+        let edited = in_distributed
+            .then(|| {
+                let indent = body.len() - body.trim_start_matches(' ').len();
+                let (key, value) = body.trim_start_matches(' ').split_once(": ")?;
+                let (_, size) = sizes.iter().find(|(k, _)| *k == key)?;
+                value.trim().parse::<u64>().ok()?;
+                (indent == 2).then(|| format!("{}{key}: {size}{}", &body[..indent], &line[body.len()..]))
+            })
+            .flatten();
+        match edited {
+            Some(e) => {
+                set.push(body.trim_start().split_once(':').map_or(String::new(), |(k, _)| k.to_string()));
+                out.push_str(&e);
+            }
+            None => out.push_str(line),
+        }
+    }
+    (out, set)
 }
 
 /// Writes the resharded save into `out` (a new `epoch_E_step_S/`): `.incomplete` first, then
@@ -200,7 +240,14 @@ fn write_parts(
         }
     }
     for rel in &save.copied {
-        copy_tree(&save.dir.join(rel), &out.join(rel))?;
+        let (from, to) = (save.dir.join(rel), out.join(rel));
+        if rel.as_os_str() == RECIPE_CONFIG && from.is_file() {
+            let text = fs::read_to_string(&from).map_err(io_err(&from, "read the recipe config"))?;
+            let (edited, _) = edit_recipe_config(&text, plans.config_sizes);
+            fs::write(&to, edited).map_err(io_err(&to, "write the recipe config"))?;
+            continue;
+        }
+        copy_tree(&from, &to)?;
     }
     sync_dir(out)?;
     fs::remove_file(&marker).map_err(io_err(&marker, "remove the incomplete marker"))?;
@@ -266,4 +313,30 @@ fn copy_tree(from: &Path, to: &Path) -> Result<(), TrainingError> {
 fn sync_dir(dir: &Path) -> Result<(), TrainingError> {
     fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(dir, "sync directory"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recipe_config_gets_the_new_mesh_sizes_and_keeps_the_rest() {
+        let text = "step_scheduler:\n  global_batch_size: 32\n  dp_size: 7\ndistributed:\n  _target_: \
+                    nemo_automodel.components.distributed.config.FSDP2Config\n  dp_size: 4\n  tp_size: 1\n  \
+                    ep_size: 2\n  cp_size: 1\n  nested:\n    dp_size: 9\nmodel:\n  ep_size: 3\n";
+        let (out, set) = edit_recipe_config(text, &[("dp_size", 3), ("ep_size", 1)]);
+        assert_eq!(set, vec!["dp_size", "ep_size"]);
+        // Only the two sizes of `distributed:` change: not a same-named key elsewhere, nor a
+        // nested one.
+        let want = text.replace("  dp_size: 4\n", "  dp_size: 3\n").replace("  ep_size: 2\n", "  ep_size: 1\n");
+        assert_eq!(out, want);
+    }
+
+    #[test]
+    fn an_inferred_size_is_left_alone() {
+        let text = "distributed:\n  dp_size: none\n  ep_size: 4\n";
+        let (out, set) = edit_recipe_config(text, &[("dp_size", 2), ("ep_size", 2)]);
+        assert_eq!(out, "distributed:\n  dp_size: none\n  ep_size: 2\n");
+        assert_eq!(set, vec!["ep_size"]);
+    }
 }
