@@ -47,7 +47,7 @@ def save_worker(rank: int, world: int, port: int, release: str, model_dir: str, 
     except BaseException:
         raise RuntimeError(f"rank {rank}/{world} failed:\n{traceback.format_exc()}") from None
     finally:
-        dist.destroy_process_group()
+        harness.leave_gloo()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +240,7 @@ def save_training_worker(rank: int, world: int, port: int, release: str, step_di
     except BaseException:
         raise RuntimeError(f"rank {rank}/{world} failed:\n{traceback.format_exc()}") from None
     finally:
-        dist.destroy_process_group()
+        harness.leave_gloo()
 
 
 def load_training_worker(rank: int, world: int, port: int, release: str, source: str, ours: str, fmt: str,
@@ -302,4 +302,4 @@ def load_training_worker(rank: int, world: int, port: int, release: str, source:
     except BaseException:
         raise RuntimeError(f"rank {rank}/{world} failed:\n{traceback.format_exc()}") from None
     finally:
-        dist.destroy_process_group()
+        harness.leave_gloo()

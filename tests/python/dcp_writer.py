@@ -20,6 +20,8 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+import harness
+
 WORLD = 4
 
 
@@ -63,7 +65,7 @@ def worker(rank: int, port: int, out: str) -> None:
     except BaseException:
         raise RuntimeError(f"rank {rank}/{WORLD} failed:\n{traceback.format_exc()}") from None
     finally:
-        dist.destroy_process_group()
+        harness.leave_gloo()
 
 
 def main() -> None:

@@ -86,4 +86,4 @@ def reshard_worker(rank: int, world: int, port: int, jobs: list[tuple[str, str, 
     except BaseException:
         raise RuntimeError(f"rank {rank}/{world} failed:\n{traceback.format_exc()}") from None
     finally:
-        dist.destroy_process_group()
+        harness.leave_gloo()

@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import megatron_load as ml  # noqa: E402
 import reference as ref  # noqa: E402
+import harness  # noqa: E402
 from harness import FIXTURES, ROOT  # noqa: E402
 from mesh import free_port  # noqa: E402
 
@@ -197,7 +198,7 @@ def _worker(rank: int, world: int, port: int, out: str, hf_dir: str, arch: str, 
         if rank == 0:
             (Path(out) / ml.TRACKER).write_text(str(iteration) if iteration else "release")
     finally:
-        torch.distributed.destroy_process_group()
+        harness.leave_gloo()
 
 
 def write_fixture(out: Path, hf_dir=HF_DIR, arch: str | None = None, tp: int = TP, ep: int = 1,

@@ -154,6 +154,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import harness  # noqa: E402
 import reference as ref  # noqa: E402
 from mesh import free_port  # noqa: E402
 
@@ -1318,7 +1319,7 @@ def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
             json.dump(results, f, default=str)
         torch.distributed.barrier()
     finally:
-        torch.distributed.destroy_process_group()
+        harness.leave_gloo()
 
 
 def run_jobs(jobs: list[Job]) -> list[LoadReport]:
