@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-import harness
+from mesh import leave_gloo
 
 WORLD = 4
 
@@ -65,7 +65,7 @@ def worker(rank: int, port: int, out: str) -> None:
     except BaseException:
         raise RuntimeError(f"rank {rank}/{WORLD} failed:\n{traceback.format_exc()}") from None
     finally:
-        harness.leave_gloo()
+        leave_gloo()
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import torch
 
 import reference as ref
 # Re-exported: the suite's tests take them from here.
-from mesh import Mesh, free_port  # noqa: F401
+from mesh import Mesh, free_port, leave_gloo  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "hf-tiny"
@@ -196,23 +196,6 @@ def join_gloo(rank: int, world: int, port: int) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-
-
-def leave_gloo() -> None:
-    """Leaves the process group after every rank got this far (at most 60 s), so that no rank
-    tears its connections down while a peer is still in its last collective: gloo then aborts the
-    peer ("terminate called without an active exception"), which once failed a 4-rank load on a
-    loaded machine. A rank that raised gets here too, so the wait is short unless a rank died, and
-    then the spawner has already seen it."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    try:
-        dist.monitored_barrier(timeout=timedelta(seconds=60))
-    except Exception:  # noqa: BLE001 - a peer gone; the spawner reports it
-        pass
-    dist.destroy_process_group()
 
 
 def spawn_ranks(fn, world: int, args: tuple, what: str, timeout_s: float = 150.0) -> None:

@@ -154,9 +154,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import harness  # noqa: E402
 import reference as ref  # noqa: E402
-from mesh import free_port  # noqa: E402
+from mesh import free_port, leave_gloo  # noqa: E402
 
 ARCHS = ("llama", "qwen3_moe", "deepseek_v3", "qwen3_next", "gpt_oss")
 # What Megatron-LM's checkpointing passes as sharded_state_dict metadata without a distributed
@@ -1319,7 +1318,7 @@ def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
             json.dump(results, f, default=str)
         torch.distributed.barrier()
     finally:
-        harness.leave_gloo()
+        leave_gloo()
 
 
 def run_jobs(jobs: list[Job]) -> list[LoadReport]:

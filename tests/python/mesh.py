@@ -38,3 +38,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def leave_gloo() -> None:
+    """Leaves the process group after every rank got this far (at most 60 s), so that no rank
+    tears its connections down while a peer is still in its last collective: gloo then aborts the
+    peer ("terminate called without an active exception"), which once failed a 4-rank load on a
+    loaded machine. A rank that raised gets here too, so the wait is short unless a rank died, and
+    then the spawner has already seen it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=60))
+    except Exception:  # noqa: BLE001 - a peer gone; the spawner reports it
+        pass
+    dist.destroy_process_group()
