@@ -50,9 +50,10 @@ def fixture_dir(model: str) -> Path:
     return DERIVED.get(model) or FIXTURES / model
 
 
-def derive_fixture(name: str, parent: Path, base: str, *, vocab: int | None = None, tied: bool = False) -> Path:
-    """Fixture `name` under `parent`: a copy of fixture `base` with the vocab cut to `vocab` rows
-    and/or tied embeddings (lm_head dropped)."""
+def derive_fixture(name: str, parent: Path, base: str, *, vocab: int | None = None, tied: bool = False,
+                   model_type: str | None = None) -> Path:
+    """Fixture `name` under `parent`: a copy of fixture `base` with the vocab cut to `vocab` rows,
+    tied embeddings (lm_head dropped) and/or another `model_type` of the same architecture."""
     from safetensors.torch import save_file
 
     cfg = json.loads((FIXTURES / base / "config.json").read_text())
@@ -64,6 +65,8 @@ def derive_fixture(name: str, parent: Path, base: str, *, vocab: int | None = No
     if tied:
         cfg["tie_word_embeddings"] = True
         tensors.pop("lm_head.weight")
+    if model_type is not None:
+        cfg["model_type"] = model_type
     out = parent / name
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -35,6 +35,8 @@ def releases(tmp_path_factory) -> dict[str, Path]:
     out = {m: FIXTURES / m for m in ("llama", "qwen3_moe", "deepseek_v3", "deepseek_v3_no_q_lora", "deepseek_v3_fp8")}
     out["gpt_oss"] = FIXTURES / "gpt_oss"
     out["llama_tied"] = harness.derive_fixture("tt_llama_tied", root, "llama", tied=True)
+    # A text-only Kimi-K2 release: DeepSeek-V3's architecture and names under its own model type.
+    out["kimi_k2"] = harness.derive_fixture("tt_kimi_k2", root, "deepseek_v3", model_type="kimi_k2")
     cfg = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
     tensors = ref.load_hf_tensors(FIXTURES / "qwen3_moe")
     dense = {k: v for k, v in tensors.items() if ".mlp." not in k}
@@ -93,7 +95,7 @@ def _check_seed(seed: Path, want: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize("model", ["llama", "llama_tied", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_no_q_lora",
-                                   "deepseek_v3_fp8", "gpt_oss"])
+                                   "deepseek_v3_fp8", "kimi_k2", "gpt_oss"])
 def test_seed_equals_torchtitans_own_conversion(releases, tmp_path, model):
     release = releases[model]
     seed = _convert(release, tmp_path / "out")
@@ -213,7 +215,7 @@ def test_what_torchtitan_cannot_take_is_refused_and_nothing_is_written(releases,
 
 @pytest.mark.parametrize("model,extra", [
     ("llama", []), ("llama_tied", []), ("qwen3", ["--dtype", "bfloat16"]),
-    ("qwen3_moe", []), ("qwen3_moe", ["--torchtitan-version", "2025-12"]), ("deepseek_v3", []),
+    ("qwen3_moe", []), ("qwen3_moe", ["--torchtitan-version", "2025-12"]), ("deepseek_v3", []), ("kimi_k2", []),
 ])
 def test_export_gives_back_the_release_byte_for_byte(releases, tmp_path, model, extra):
     release = releases[model]

@@ -37,7 +37,10 @@ def adapter_for(release: Path):
         adapter_cls, rope_cls = Llama3StateDictAdapter, ComplexRoPE.Config
     elif model_type in ("qwen3", "qwen3_moe"):
         adapter_cls, rope_cls = Qwen3StateDictAdapter, CosSinRoPE.Config
-    elif model_type == "deepseek_v3":
+    elif model_type in ("deepseek_v3", "kimi_k2"):
+        # torchtitan's kimi_k2_7 adapter (main, newer than the installed release) subclasses the
+        # DeepSeek-V3 one and, for a model without a vision encoder, hands it every key
+        # (torchtitan/models/kimi_k2_7/state_dict_adapter.py, `from_hf`).
         adapter_cls, rope_cls = DeepSeekV3StateDictAdapter, ComplexRoPE.Config
     elif model_type == "gpt_oss":
         adapter_cls, rope_cls = GptOssStateDictAdapter, CosSinRoPE.Config

@@ -230,6 +230,9 @@ fn torchtitan_model(config: &ModelConfig) -> Option<&'static str> {
         (Family::Qwen3, _) => Some("qwen3"),
         (Family::Qwen3Moe, _) => Some("qwen3 (MoE)"),
         (Family::DeepseekV3, "deepseek_v3") => Some("deepseek_v3"),
+        // torchtitan's `kimi_k2_7` without its vision encoder (Moonlight, a text-only Kimi-K2):
+        // its adapter hands every language-model key to the DeepSeek-V3 one.
+        (Family::DeepseekV3, "kimi_k2") => Some("kimi_k2_7 (text)"),
         (Family::GptOss, _) => Some("gpt_oss"),
         _ => None,
     }
@@ -270,8 +273,8 @@ pub(super) fn build_torchtitan_plan(
     }
     let Some(_) = torchtitan_model(config) else {
         errors.push(LayoutError::Mesh(format!(
-            "--target torchtitan: no torchtitan seed for `{}` (Shardline writes llama, qwen3, qwen3_moe, deepseek_v3 and \
-             gpt_oss)",
+            "--target torchtitan: no torchtitan seed for `{}` (Shardline writes llama, qwen3, qwen3_moe, deepseek_v3, \
+             kimi_k2 and gpt_oss)",
             config.model_type
         )));
         return Err(errors);
