@@ -160,19 +160,18 @@ pub fn edit_recipe_config(text: &str, sizes: &[(&str, u64)]) -> (String, Vec<Str
         if !body.starts_with([' ', '\t']) && !body.is_empty() {
             in_distributed = body.trim_end() == "distributed:";
         }
-        let edited = in_distributed
-            .then(|| {
-                let indent = body.len() - body.trim_start_matches(' ').len();
-                let (key, value) = body.trim_start_matches(' ').split_once(": ")?;
-                let (_, size) = sizes.iter().find(|(k, _)| *k == key)?;
-                value.trim().parse::<u64>().ok()?;
-                (indent == 2).then(|| format!("{}{key}: {size}{}", &body[..indent], &line[body.len()..]))
-            })
-            .flatten();
-        match edited {
-            Some(e) => {
-                set.push(body.trim_start().split_once(':').map_or(String::new(), |(k, _)| k.to_string()));
-                out.push_str(&e);
+        // A size of `distributed:` itself: two spaces in, an integer value.
+        let size = in_distributed
+            .then_some(body)
+            .and_then(|b| b.strip_prefix("  "))
+            .filter(|rest| !rest.starts_with(' '))
+            .and_then(|rest| rest.split_once(": "))
+            .filter(|(_, value)| value.trim().parse::<u64>().is_ok())
+            .and_then(|(key, _)| sizes.iter().find(|(k, _)| *k == key));
+        match size {
+            Some((key, size)) => {
+                set.push(key.to_string());
+                out.push_str(&format!("  {key}: {size}{}", &line[body.len()..]));
             }
             None => out.push_str(line),
         }

@@ -6,7 +6,7 @@
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use shardline_layout::recipe::cast_into;
@@ -42,9 +42,16 @@ impl Dest {
     }
 }
 
-/// A pending read: `len` bytes of `file` at `offset` into `dest`.
+/// A source rank file, and its name in the source checkpoint's directory (for errors).
+#[derive(Clone, Copy)]
+pub(super) struct Input<'a> {
+    pub file: &'a File,
+    pub name: &'a str,
+}
+
+/// A pending read: `len` bytes of `input` at `offset` into `dest`.
 struct Read<'a> {
-    file: &'a File,
+    input: Input<'a>,
     offset: u64,
     dest: Dest,
     len: usize,
@@ -65,6 +72,8 @@ struct Cast {
 pub(super) struct Copier<'a> {
     out: &'a File,
     path: &'a Path,
+    /// The source checkpoint's directory, which the inputs' names are in.
+    source_dir: &'a Path,
     kernel_copy: &'a AtomicBool,
     buf: Vec<u8>,
     fill: usize,
@@ -80,10 +89,11 @@ pub(super) struct Copier<'a> {
 }
 
 impl<'a> Copier<'a> {
-    pub(super) fn new(out: &'a File, path: &'a Path, kernel_copy: &'a AtomicBool) -> Copier<'a> {
+    pub(super) fn new(out: &'a File, path: &'a Path, source_dir: &'a Path, kernel_copy: &'a AtomicBool) -> Copier<'a> {
         Copier {
             out,
             path,
+            source_dir,
             kernel_copy,
             buf: vec![0u8; BUFFER_BYTES],
             fill: 0,
@@ -121,16 +131,16 @@ impl<'a> Copier<'a> {
     }
 
     /// Records a read, merged with the previous one when both are contiguous.
-    fn queue_read(&mut self, file: &'a File, offset: u64, dest: Dest, len: usize) {
+    fn queue_read(&mut self, input: Input<'a>, offset: u64, dest: Dest, len: usize) {
         match self.reads.last_mut() {
             Some(r)
-                if std::ptr::eq(r.file, file)
+                if std::ptr::eq(r.input.file, input.file)
                     && r.offset + r.len as u64 == offset
                     && r.dest.advanced(r.len) == dest =>
             {
                 r.len += len
             }
-            _ => self.reads.push(Read { file, offset, dest, len }),
+            _ => self.reads.push(Read { input, offset, dest, len }),
         }
     }
 
@@ -160,7 +170,7 @@ impl<'a> Copier<'a> {
     /// Copies `len` bytes of `input` at `from` to `to` in the output.
     pub(super) fn copy(
         &mut self,
-        input: &'a File,
+        input: Input<'a>,
         mut from: u64,
         mut to: u64,
         mut len: u64,
@@ -168,7 +178,7 @@ impl<'a> Copier<'a> {
         if len >= KERNEL_COPY_MIN && self.kernel_copy.load(Ordering::Relaxed) {
             // What is buffered before it goes first: the file is written front to back.
             self.flush()?;
-            let done = self.kernel_copy(input, from, to, len)?;
+            let done = self.kernel_copy(input.file, from, to, len)?;
             (from, to, len) = (from + done, to + done, len - done);
         }
         while len > 0 {
@@ -192,7 +202,7 @@ impl<'a> Copier<'a> {
     /// master widened).
     pub(super) fn copy_cast(
         &mut self,
-        input: &'a File,
+        input: Input<'a>,
         (from, mut at): (DType, u64),
         (dtype, mut to): (DType, u64),
         mut elems: u64,
@@ -243,14 +253,15 @@ impl<'a> Copier<'a> {
     pub(super) fn flush(&mut self) -> Result<(), ExecuteError> {
         let mut reads = std::mem::take(&mut self.reads);
         // Each read has its own place in the buffers, so their order does not matter.
-        reads.sort_unstable_by_key(|r| (std::ptr::from_ref(r.file) as usize, r.offset));
+        reads.sort_unstable_by_key(|r| (std::ptr::from_ref(r.input.file) as usize, r.offset));
         let mut i = 0;
         while i < reads.len() {
-            let (f, first) = (reads[i].file, reads[i].offset);
+            let (input, first) = (reads[i].input, reads[i].offset);
             let mut j = i + 1;
             let mut end = first + reads[i].len as u64;
             while let Some(r) = reads.get(j) {
-                let near = std::ptr::eq(f, r.file) && r.offset >= end && r.offset - end <= MAX_GATHER_GAP;
+                let near =
+                    std::ptr::eq(input.file, r.input.file) && r.offset >= end && r.offset - end <= MAX_GATHER_GAP;
                 if !near || r.offset + r.len as u64 - first > GATHER_SPAN {
                     break;
                 }
@@ -258,17 +269,17 @@ impl<'a> Copier<'a> {
                 j += 1;
             }
             let read_err = |error| ExecuteError::Io {
-                path: PathBuf::from("source checkpoint"),
-                action: "read source chunk",
+                path: self.source_dir.join(input.name),
+                action: "read source rank file",
                 error,
             };
             if j == i + 1 {
                 let r = &reads[i];
-                f.read_exact_at(self.dest(r.dest, r.len), r.offset).map_err(read_err)?;
+                input.file.read_exact_at(self.dest(r.dest, r.len), r.offset).map_err(read_err)?;
             } else {
                 let mut scratch = std::mem::take(&mut self.scratch);
                 scratch.resize((end - first) as usize, 0);
-                f.read_exact_at(&mut scratch, first).map_err(read_err)?;
+                input.file.read_exact_at(&mut scratch, first).map_err(read_err)?;
                 for r in &reads[i..j] {
                     let at = (r.offset - first) as usize;
                     self.dest(r.dest, r.len).copy_from_slice(&scratch[at..at + r.len]);

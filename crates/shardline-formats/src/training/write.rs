@@ -16,7 +16,7 @@ use shardline_layout::dialect::Dialect;
 use shardline_layout::reshard::{merged_runs, ChunkBox, ReshardPlan};
 use shardline_layout::Chunk;
 
-use super::copier::Copier;
+use super::copier::{Copier, Input};
 use super::{save_dir, torch_dist_save, ItemData, TrainingCheckpoint, TrainingError};
 use crate::dcp_metadata::{EntryRef, MetadataEncoder, StorageRef};
 use crate::execute::{
@@ -474,7 +474,7 @@ impl<'a> RankWriter<'a> {
             OutItem::Object { offset, length, .. } => offset + length,
             OutItem::Raw { offset, len, .. } => offset + len,
         });
-        let mut copier = Copier::new(&file, path, self.kernel_copy);
+        let mut copier = Copier::new(&file, path, &self.source.checkpoint.dir, self.kernel_copy);
         copier.put(header, 0)?;
         for item in items {
             if self.progress.cancel.load(Ordering::Relaxed) {
@@ -528,8 +528,9 @@ impl<'a> RankWriter<'a> {
         Ok(len)
     }
 
-    fn input(&self, name: &str) -> Result<&'a File, ExecuteError> {
-        self.inputs.get(name).ok_or_else(|| ExecuteError::Io {
+    fn input(&self, name: &str) -> Result<Input<'a>, ExecuteError> {
+        let found = self.inputs.get_key_value(name).map(|(name, file)| Input { file, name });
+        found.ok_or_else(|| ExecuteError::Io {
             path: self.source.checkpoint.dir.join(name),
             action: "open source rank file",
             error: io::Error::other("not among the files the checkpoint names"),
