@@ -266,11 +266,14 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
   assert.match(view.result.mesh, /^tp2.*dp4/);
   assert.equal(await page.locator('[data-testid=timeline-task]').count(), 14, 'one bar per task');
   assert.deepEqual(await page.$$eval('[data-testid=timeline-step]', (rs) => rs.map((r) => r.dataset.step)), steps);
-  const widths = await page.$$eval('[data-testid=timeline-task] .tl-bar', (bs) => bs.map((b) => b.getBoundingClientRect().width));
+  // One evaluate for query and reading (`$$eval` queries, then evaluates: the live page can
+  // replace the timeline in between, leaving detached rows with no box and no `.timeline`).
+  const widths = await page.evaluate(() => [...document.querySelectorAll('[data-testid=timeline-task] .tl-bar')]
+    .map((b) => b.getBoundingClientRect().width));
   assert.ok(widths.every((w) => w > 0), `bars without width: ${widths}`);
   // Task rows are not painted in their state's colour (a field report: grey labels on green):
   // only the bar is, and the label reads at WCAG AA contrast against the timeline's background.
-  const tlRows = await page.$$eval('[data-testid=timeline-task]', (rs) => rs.map((r) => {
+  const tlRows = await page.evaluate(() => [...document.querySelectorAll('[data-testid=timeline-task]')].map((r) => {
     const rgb = (c) => (c.match(/[\d.]+/g) || []).map(Number);
     const lum = ([r, g, b]) => {
       const ch = (v) => { const s = v / 255; return s <= 0.03928 ? s / 12.92 : ((s + 0.055) / 1.055) ** 2.4; };
