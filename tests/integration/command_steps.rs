@@ -13,12 +13,6 @@ use shardline_store::{AttemptOutcome, RunId, RunState, TaskState};
 use crate::orchestrator::{spec, Deployment};
 use crate::{fixture, stderr, stdout};
 
-fn logs(d: &Deployment, run: RunId, task: &str) -> String {
-    let o = crate::run(&mut d.cmd(&["logs", &run.0.to_string(), "--task", task]));
-    assert!(o.status.success(), "logs: {}", stderr(&o));
-    stdout(&o)
-}
-
 #[test]
 fn command_steps_read_their_needs_record_results_and_fail_on_exit_codes() {
     let mut d = Deployment::new(false);
@@ -64,7 +58,7 @@ fn command_steps_read_their_needs_record_results_and_fail_on_exit_codes() {
     // A CPU task is given no GPU, whichever worker runs it.
     assert_eq!(out["result"]["devices"], "");
     assert_eq!(out["result"]["validated"], serde_json::json!(checkpoint));
-    let log = logs(&d, run, "check");
+    let log = d.task_log(run, "check");
     for want in [".metadata", "__0_0.distcp", &format!("hello from {}", d.run_name(run)), "exited with code 0"] {
         assert!(log.contains(want), "`{want}` is missing from the command's log:\n{log}");
     }
@@ -75,7 +69,7 @@ fn command_steps_read_their_needs_record_results_and_fail_on_exit_codes() {
     assert_eq!(attempts[0].worker_name, "gpu");
     let out = gpu.output.expect("gpu-check output");
     assert_eq!((out["result"]["devices"].as_str(), out["result"]["files"].as_u64()), (Some("0,1"), Some(5)));
-    assert!(logs(&d, run, "gpu-check").contains("CUDA_VISIBLE_DEVICES=\"0,1\""));
+    assert!(d.task_log(run, "gpu-check").contains("CUDA_VISIBLE_DEVICES=\"0,1\""));
 
     // Exit code 3 fails the task (and the run) with the code and the last lines of stderr.
     let failing = d.submit(
@@ -95,7 +89,7 @@ steps:
     assert_eq!(t.state, TaskState::Failed);
     let error = t.error.expect("error");
     assert!(error.contains("exited with code 3") && error.contains("bad input: no such key"), "{error}");
-    let log = logs(&d, failing, "fail");
+    let log = d.task_log(failing, "fail");
     assert!(log.contains("working") && log.contains("bad input: no such key"), "{log}");
 }
 
@@ -168,8 +162,9 @@ fn a_cancelled_command_group_is_gone_within_2s() {
     assert!(took < Duration::from_secs(2), "the command's group outlived the cancel by {took:?}");
     eprintln!("the cancelled command's group was gone {took:?} after the cancel");
     assert_eq!(d.wait_run(run).state, RunState::Cancelled);
-    let log = logs(&d, run, "stubborn");
-    assert!(log.contains("SIGTERM to its process group") && log.contains("SIGKILL"), "{log}");
+    let needles = ["SIGTERM to its process group", "SIGKILL"];
+    let log = d.task_log_holding(run, "stubborn", &needles);
+    assert!(needles.iter().all(|n| log.contains(n)), "{log}");
     assert!(d.alive("w1"));
 }
 
@@ -199,7 +194,7 @@ fn a_command_whose_lease_is_lost_is_stopped_within_2s() {
     let took = gone_after(&pids, woken);
     assert!(took < Duration::from_secs(2), "the command's group outlived the lost lease by {took:?}");
     eprintln!("the command's group was gone {took:?} after its worker woke to a lost lease");
-    let log = logs(&d, run, "stubborn");
+    let log = d.task_log_holding(run, "stubborn", &["lease lost"]);
     assert!(log.contains("lease lost"), "{log}");
     assert!(d.alive("w1"));
 }

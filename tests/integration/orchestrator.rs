@@ -211,6 +211,27 @@ impl Deployment {
         self.q(|s| async move { s.task_attempts(id).await })
     }
 
+    /// What `shardline logs <run> --task <name>` prints.
+    pub(crate) fn task_log(&self, run: RunId, name: &str) -> String {
+        let o = crate::run(&mut self.cmd(&["logs", &run.0.to_string(), "--task", name]));
+        assert!(o.status.success(), "logs: {}", stderr(&o));
+        stdout(&o)
+    }
+
+    /// The task's log once it holds every one of `needles` (or `WAIT` passed). A worker ships log
+    /// lines every second and once more after it reports, so a line may reach the store after
+    /// the state a test waited for.
+    pub(crate) fn task_log_holding(&self, run: RunId, name: &str, needles: &[&str]) -> String {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let log = self.task_log(run, name);
+            if needles.iter().all(|n| log.contains(n)) || Instant::now() > deadline {
+                return log;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     pub(crate) fn worker_name(&self, id: shardline_store::WorkerId) -> String {
         let workers = self.q(|s| async move { s.list_workers().await });
         workers.into_iter().find(|w| w.id == id).map(|w| w.name).unwrap_or_else(|| panic!("no worker {id}"))
@@ -477,8 +498,9 @@ fn postgres_restart_mid_run_workers_reconnect() {
         "validate finished before the restart was over: nothing was tested"
     );
     // Its log lines were not lost on the dead connections.
-    let log = run_logs(&d, run, "validate");
-    for want in ["attempt 1 of `validate`", "reconstructed bit-exactly", "succeeded in"] {
+    let wants = ["attempt 1 of `validate`", "reconstructed bit-exactly", "succeeded in"];
+    let log = d.task_log_holding(run, "validate", &wants);
+    for want in wants {
         assert!(log.contains(want), "`{want}` is missing from validate's log after the restart:\n{log}");
     }
     for p in ["server", "w1", "w2"] {
@@ -551,19 +573,13 @@ fn gpu_steps_lease_only_to_gpu_workers() {
     let attempts = d.attempts(run, "validate");
     assert_eq!(attempts.len(), 1);
     assert_eq!(attempts[0].worker_name, "gpu");
-    let o = run_logs(&d, run, "validate");
+    let o = d.task_log(run, "validate");
     assert!(
         o.contains("CUDA_VISIBLE_DEVICES=0") || o.contains("CUDA_VISIBLE_DEVICES=1"),
         "no device assignment in the task's log:\n{o}"
     );
     // Every other task ran on the CPU worker or the GPU worker alike; none waited for a GPU.
     assert!(d.alive("cpu"));
-}
-
-fn run_logs(d: &Deployment, run: RunId, task: &str) -> String {
-    let o = crate::run(&mut d.cmd(&["logs", &run.0.to_string(), "--task", task]));
-    assert!(o.status.success(), "logs: {}", stderr(&o));
-    stdout(&o)
 }
 
 /// `shardline run`: embedded SQLite under `./.shardline`, in-process workers, and the exit code
