@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use shardline_store::{AttemptOutcome, RunId, RunState, TaskState};
+use shardline_store::{AttemptOutcome, RunState, TaskState};
 
 use crate::orchestrator::{spec, Deployment};
 use crate::{fixture, stderr, stdout};

@@ -85,10 +85,11 @@ fn the_torch_dist_example_writes_validates_and_uploads_a_save_directory() {
     assert_eq!(names, want);
     let o = run(bin().arg("validate").arg(root).arg("--against").arg(fixture("qwen3_moe")));
     assert!(o.status.success(), "validate: {}{}", stdout(&o), stderr(&o));
-    // The translation to fsdp_dtensor ran and was validated (its step would have failed the run).
-    assert!(run_out.contains("translate: 1/1") && run_out.contains("validate-translated: 1/1"), "{run_out}");
-    // ... and back to torch_dist, validated again.
-    assert!(run_out.contains("back: 1/1") && run_out.contains("validate-back: 1/1"), "{run_out}");
+    // The translation to fsdp_dtensor ran and was validated (its step would have failed the run):
+    // a task per target rank file (4) and the commit.
+    assert!(run_out.contains("translate: 5/5") && run_out.contains("validate-translated: 1/1"), "{run_out}");
+    // ... and back to torch_dist (2 ranks), validated again.
+    assert!(run_out.contains("back: 3/3") && run_out.contains("validate-back: 1/1"), "{run_out}");
     // The export step read the torch_dist checkpoint back to the release, byte for byte.
     let (want, got) = (tensors(&fixture("qwen3_moe")), tensors(&runs[0].join("hf")));
     assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());

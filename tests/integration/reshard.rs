@@ -249,3 +249,82 @@ fn a_simulated_reshard_costs_what_the_real_one_writes() {
     assert!(per["source_files"]["max"].as_u64() <= Some(from.2 * from.0), "{sim}");
     assert!(per["reads"]["max"].as_u64() > Some(0), "{sim}");
 }
+
+/// Every file under `dir` (relative path → bytes).
+fn files_under(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).expect("read dir") {
+            let path = e.expect("entry").path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                let rel = path.strip_prefix(dir).expect("under dir").to_string_lossy().into_owned();
+                out.insert(rel, std::fs::read(&path).expect("read file"));
+            }
+        }
+    }
+    out
+}
+
+/// A reshard split by target rank file — each file written on its own, in any order, as the
+/// pipeline's rank tasks write them, then committed — is the reshard written whole, byte for
+/// byte, for an `fsdp_dtensor` and a `torch_dist` target. A commit with a rank file missing or
+/// cut short names it and writes no `.metadata`.
+#[test]
+fn a_reshard_split_by_rank_file_is_the_whole_reshard() {
+    use shardline_formats::execute::Progress;
+    use shardline_layout::dialect::Dialect;
+    use shardline_layout::reshard::RngPolicy;
+    use shardline_ops::{plan_reshard_of, ReshardRequest};
+
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let src = tmp.path().join("src");
+    convert_at("qwen3_moe", &src, (1, 1, 4, 2, 1));
+    let target_mesh = (2, 1, 2, 2, 1);
+    for (name, target) in [("fsdp_dtensor", None), ("torch_dist", Some(Dialect::TorchDist))] {
+        let whole = tmp.path().join(format!("whole-{name}"));
+        let extra: &[&str] = if target.is_some() { &["--target", "torch_dist"] } else { &[] };
+        let o = reshard(&src, &whole, target_mesh, extra);
+        assert!(o.status.success(), "reshard: {}{}", stdout(&o), stderr(&o));
+
+        let (tp, cp, dp, ep, etp) = target_mesh;
+        let request = ReshardRequest {
+            ckpt: src.clone(),
+            mesh: shardline_layout::Mesh { tp, cp, dp, ep, etp },
+            target,
+            from_mesh: None,
+            rng: RngPolicy::FromRank0,
+            vocab_size: None,
+            vocab_divisible_by: None,
+        };
+        let planned = plan_reshard_of(&request).expect("plan");
+        assert!(planned.splits_by_rank());
+        let split = tmp.path().join(format!("split-{name}"));
+        let progress = Progress::default();
+        for rank in [3, 1, 0] {
+            planned.write_ranks(&split, rank..rank + 1, 1, &progress).expect("write a rank file");
+        }
+        // Rank 2's task has not run: the commit refuses, naming it.
+        let e = planned.commit(&split).expect_err("a commit without rank 2's file");
+        assert!(e.to_string().contains("rank 2's file is not complete"), "{e}");
+        planned.write_ranks(&split, 2..3, 1, &progress).expect("write rank 2");
+        // A rank file cut short (a writer killed mid-file) is refused the same way.
+        let rank_dir = if target.is_some() { split.join("release") } else { split.clone() };
+        let cut = rank_dir.join("__1_0.distcp");
+        let len = std::fs::metadata(&cut).expect("rank 1's file").len();
+        std::fs::OpenOptions::new().write(true).open(&cut).expect("open").set_len(len - 1).expect("truncate");
+        let e = planned.commit(&split).expect_err("a commit with rank 1's file cut short");
+        assert!(e.to_string().contains("rank 1's file is not complete"), "{e}");
+        assert!(!rank_dir.join(".metadata").exists(), "a refused commit wrote .metadata");
+        planned.write_ranks(&split, 1..2, 1, &progress).expect("write rank 1 again");
+        planned.commit(&split).expect("commit");
+
+        let (want, got) = (files_under(&whole), files_under(&split));
+        assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>(), "{name}: the files differ");
+        for (file, bytes) in &want {
+            assert!(&got[file] == bytes, "{name}: `{file}` differs from the whole reshard's");
+        }
+    }
+}

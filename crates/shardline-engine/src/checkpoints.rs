@@ -169,8 +169,8 @@ fn threads(ctx: &StepContext) -> usize {
     ctx.cpus.max(1) as usize
 }
 
-/// Runs a `checkpoint.reshard` task.
-pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepError> {
+/// The reshard `job` asks for, planned from its source directory (returned with it).
+fn plan_job(job: &ReshardJob, ctx: &StepContext) -> Result<(PathBuf, PlannedReshard), StepError> {
     let dir = reshard_source_dir(job, ctx.outputs)?;
     let upstream = match &job.source {
         ReshardSource::Task { task } => ctx.outputs.get(task),
@@ -189,6 +189,66 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
     let planned = match opened.plan_fsdp2(&dir, mesh, target, rng).map_err(|e| StepError::fatal(e.to_string()))? {
         Ok(planned) => planned,
         Err(megatron) => plan_megatron(ctx, job, &dir, megatron, mesh, target, upstream)?,
+    };
+    Ok((dir, planned))
+}
+
+/// Where a reshard staged in `staged` puts its rank files: torchtitan loads the latest `step-N/`
+/// of its checkpoint folder, so a torchtitan step keeps its name inside it.
+fn write_dir(planned: &PlannedReshard, staged: &Path) -> PathBuf {
+    let step = match planned.options.dialect {
+        Dialect::Torchtitan(_) => torchtitan_step_name(&planned.source.checkpoint.dir),
+        _ => None,
+    };
+    step.map_or_else(|| staged.to_path_buf(), |s| staged.join(s))
+}
+
+fn output_error(e: OpsError) -> StepError {
+    match e {
+        OpsError::Output { source, .. } => write_error(source),
+        other => StepError::fatal(other.to_string()),
+    }
+}
+
+/// Runs a `checkpoint.reshard.rank` task: target rank file `rank` written into the reshard's
+/// staging directory, where its commit (the `checkpoint.reshard` task) finds it.
+pub fn reshard_rank(job: &ReshardJob, rank: u64, ctx: &StepContext) -> Result<TaskOutput, StepError> {
+    let (_, planned) = plan_job(job, ctx)?;
+    let world = planned.plan.mesh.world();
+    let out = TaskOutput::default().with("rank", json!(rank));
+    if !planned.splits_by_rank() {
+        (ctx.log)("a NeMo Automodel save is written whole by the reshard's commit task".into());
+        return Ok(out.with("written_by_commit", json!(true)));
+    }
+    if rank >= world {
+        return Err(StepError::fatal(format!(
+            "rank {rank} is not in the target mesh {} ({world} ranks)",
+            planned.plan.mesh
+        )));
+    }
+    let staged = staging(&job.out);
+    if job.out.exists() && open_checkpoint(&job.out).is_ok() && !staged.exists() {
+        (ctx.log)("already committed by a previous attempt".into());
+        return Ok(out);
+    }
+    let report = planned
+        .write_ranks(&write_dir(&planned, &staged), rank..rank + 1, threads(ctx), ctx.progress)
+        .map_err(output_error)?;
+    (ctx.log)(format!(
+        "wrote rank {rank}'s file of {world} into {}: {} chunks, {} bytes",
+        staged.display(),
+        report.chunks,
+        report.file_bytes
+    ));
+    Ok(TaskOutput { bytes: Some(report.file_bytes), files: Some(1), ..out })
+}
+
+/// Runs a `checkpoint.reshard` task: the whole reshard, or, split by rank, its commit.
+pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepError> {
+    let (dir, planned) = plan_job(job, ctx)?;
+    let upstream = match &job.source {
+        ReshardSource::Task { task } => ctx.outputs.get(task),
+        ReshardSource::Local { .. } => None,
     };
     let (plan, dialect) = (&planned.plan, planned.options.dialect);
     let mesh = plan.mesh;
@@ -214,22 +274,21 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
         // A previous attempt renamed its output into place and then lost its lease.
         (ctx.log)("already written by a previous attempt".into());
     } else {
-        if staged.exists() {
-            fs::remove_dir_all(&staged).map_err(|e| io(&staged, e))?;
-        }
-        if let Some(parent) = staged.parent() {
-            fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
-        }
-        // torchtitan loads the latest `step-N/` of its checkpoint folder: the step keeps its name.
-        let step = match dialect {
-            Dialect::Torchtitan(_) => torchtitan_step_name(&planned.source.checkpoint.dir),
-            _ => None,
+        let write_to = write_dir(&planned, &staged);
+        let report = if job.split && planned.splits_by_rank() {
+            // The rank tasks wrote the files into the staging directory.
+            let report = planned.commit(&write_to).map_err(output_error)?;
+            (ctx.log)(format!("committed {} rank files written by the rank tasks", report.files));
+            report
+        } else {
+            if staged.exists() {
+                fs::remove_dir_all(&staged).map_err(|e| io(&staged, e))?;
+            }
+            if let Some(parent) = staged.parent() {
+                fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
+            }
+            planned.write(&write_to, threads(ctx), true, ctx.progress).map_err(output_error)?
         };
-        let write_to = step.map_or_else(|| staged.clone(), |s| staged.join(s));
-        let report = planned.write(&write_to, threads(ctx), true, ctx.progress).map_err(|e| match e {
-            OpsError::Output { source, .. } => write_error(source),
-            other => StepError::fatal(other.to_string()),
-        })?;
         if !report.args_missing.is_empty() {
             (ctx.log)(format!("warning: `args` has no {}; left as they were", report.args_missing.join(", ")));
         }

@@ -361,6 +361,8 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
             }
             None => checkpoints::reshard(job, ctx),
         },
+        // Split only on a local or shared file system (see `graph::reshard_tasks`).
+        Payload::ReshardRank { job, rank } => checkpoints::reshard_rank(job, *rank, ctx),
         Payload::Command { job } => match &job.remote {
             Some(remote) => {
                 let needs: Vec<&str> = job.inputs.iter().map(|i| i.task.as_str()).collect();

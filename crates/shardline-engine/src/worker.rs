@@ -413,6 +413,18 @@ async fn check_cache(
             }
             CacheCheck::Miss { key: Some(key) }
         }
+        // A rank file of a reshard the step cache holds whole is not written again (its commit
+        // finds the same entry).
+        Payload::ReshardRank { job, rank } if job.remote.is_none() && step_cache(job.cache).await => {
+            let digest = checkpoints::reshard_source_dir(job, outputs).and_then(|d| checkpoints::dir_digest(&d));
+            let Ok(digest) = digest else { return miss };
+            let key = checkpoints::reshard_cache_key(job, &digest);
+            let Some(hit) = cached(store, &key, steps::cached_checkpoint_usable).await else { return miss };
+            let at = path_text(&hit.dir).unwrap_or_default();
+            log(LogStream::System, format!("cache hit {key}: already resharded in {at}; rank {rank} is not written"));
+            let output = TaskOutput { cached: Some(json!(true)), ..TaskOutput::default() }.with("rank", json!(rank));
+            CacheCheck::Hit(Box::new(output))
+        }
         Payload::Reshard { job } if job.remote.is_some() => {
             // On an artifact store the source is named by its listing (names, sizes, ETags).
             let ReshardSource::Task { task } = &job.source else { return miss };

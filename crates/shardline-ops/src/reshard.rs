@@ -9,7 +9,9 @@ use shardline_formats::checkpoint::resolve_checkpoint_dir;
 use shardline_formats::execute::Progress;
 use shardline_formats::training::automodel::{write_automodel, AutomodelPlans, AutomodelSave, RankFileCopies};
 use shardline_formats::training::common_state::is_torch_dist;
-use shardline_formats::training::{rank_of_file, write_resharded, ReshardReport, TrainingCheckpoint};
+use shardline_formats::training::{
+    commit_resharded, rank_of_file, write_resharded, write_resharded_ranks, ReshardReport, TrainingCheckpoint,
+};
 use shardline_layout::dialect::Dialect;
 use shardline_layout::reshard::{
     infer_mesh, plan_reshard, reshard_cost, ReshardCost, ReshardOptions, ReshardPlan, RngPolicy, TargetTensor,
@@ -191,6 +193,40 @@ impl PlannedReshard {
             None => write_resharded(&self.source, &self.plan, to, threads.max(1), overwrite, progress),
         };
         written.map_err(|source| OpsError::Output { path: to.to_path_buf(), source })
+    }
+    /// Whether it can be written by several tasks ([`Self::write_ranks`], then [`Self::commit`]):
+    /// a Megatron (`fsdp_dtensor`, `torch_dist`) or torchtitan target. A NeMo Automodel save's
+    /// `model/`, `optim/` and per-rank files are written by one task.
+    pub fn splits_by_rank(&self) -> bool {
+        self.automodel.is_none()
+    }
+
+    /// Writes the target rank files `ranks` into `to`, part of a reshard split over tasks.
+    pub fn write_ranks(
+        &self,
+        to: &Path,
+        ranks: std::ops::Range<u64>,
+        threads: usize,
+        progress: &Progress,
+    ) -> Result<ReshardReport, OpsError> {
+        let output = |source| OpsError::Output { path: to.to_path_buf(), source };
+        if !self.splits_by_rank() {
+            return Err(OpsError::Refused("a NeMo Automodel save is resharded by one task".into()));
+        }
+        let cost = self.cost();
+        let planned: u64 = ranks.clone().filter_map(|r| cost.ranks.get(r as usize)).map(|c| c.bytes_written).sum();
+        progress.bytes_total.store(planned, Ordering::Relaxed);
+        write_resharded_ranks(&self.source, &self.plan, to, ranks, threads.max(1), progress).map_err(output)
+    }
+
+    /// Finishes a reshard whose rank files [`Self::write_ranks`] wrote into `to`: checks them
+    /// all, then writes `.metadata` (and a save directory's files) last.
+    pub fn commit(&self, to: &Path) -> Result<ReshardReport, OpsError> {
+        if !self.splits_by_rank() {
+            return Err(OpsError::Refused("a NeMo Automodel save is resharded by one task".into()));
+        }
+        commit_resharded(&self.source, &self.plan, to)
+            .map_err(|source| OpsError::Output { path: to.to_path_buf(), source })
     }
 }
 

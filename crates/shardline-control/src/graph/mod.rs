@@ -36,6 +36,8 @@ pub mod kinds {
     /// One part of a validation split by rank file (object-store artifact stores).
     pub const VALIDATE_PART: &str = "checkpoint.validate.part";
     pub const RESHARD: &str = "checkpoint.reshard";
+    /// One target rank file of a reshard split by rank; the `checkpoint.reshard` task commits.
+    pub const RESHARD_RANK: &str = "checkpoint.reshard.rank";
     /// A reshard's object-store source, downloaded.
     pub const RESHARD_FETCH: &str = "checkpoint.reshard.fetch";
     pub const EXPORT: &str = "checkpoint.export";
@@ -143,6 +145,10 @@ pub struct ReshardJob {
     pub step_hash: String,
     #[serde(default = "yes")]
     pub cache: bool,
+    /// Split by rank: tasks `<step>/rank-<r>` ([`Payload::ReshardRank`]) write the target rank
+    /// files into `<out>.partial`, and this task commits them (`.metadata` last).
+    #[serde(default)]
+    pub split: bool,
 }
 
 impl ReshardJob {
@@ -289,6 +295,11 @@ pub enum Payload {
     },
     Reshard {
         job: ReshardJob,
+    },
+    /// Target rank file `rank` of a reshard split by rank (see [`ReshardJob::split`]).
+    ReshardRank {
+        job: ReshardJob,
+        rank: u64,
     },
     Export {
         job: ExportJob,
@@ -593,8 +604,9 @@ pub fn tasks_for(
                     remote: remote_out(&step.id),
                     step_hash,
                     cache: step.cache,
+                    split: false,
                 };
-                tasks.push(base(step, step.id.clone(), kinds::RESHARD, needs, Payload::Reshard { job }));
+                tasks.extend(reshard_tasks(step, needs, job));
             }
             StepConfig::CheckpointExport { like, etp, max_file_size } => {
                 let checkpoint_task = upstream_checkpoint_of(p, &step.id).ok_or_else(|| missing("checkpoint"))?;
@@ -723,6 +735,27 @@ fn validate_parts(p: &ResolvedPipeline, id: &str) -> u64 {
 /// The name of the task that writes rank file `rank` of the shard whose plan task is `plan_task`.
 pub fn rank_task(plan_task: &str, rank: u64) -> String {
     format!("{plan_task}/rank-{rank}")
+}
+
+/// A reshard's tasks: on a local or shared file system one task per target rank file, each
+/// writing its file into the staging directory, then the reshard itself committing them; on an
+/// object-store artifact store (or for one rank) one task writing the whole checkpoint.
+fn reshard_tasks(step: &ResolvedStep, needs: Vec<String>, job: ReshardJob) -> Vec<NewTask> {
+    let world = job.tp * job.cp * job.dp;
+    if job.remote.is_some() || world < 2 {
+        return vec![base(step, step.id.clone(), kinds::RESHARD, needs, Payload::Reshard { job })];
+    }
+    let job = ReshardJob { split: true, ..job };
+    let mut tasks: Vec<NewTask> = (0..world)
+        .map(|rank| {
+            let payload = Payload::ReshardRank { job: job.clone(), rank };
+            base(step, rank_task(&step.id, rank), kinds::RESHARD_RANK, needs.clone(), payload)
+        })
+        .collect();
+    // The commit reads the source too (its `.metadata` and bytes items).
+    let commit_needs = needs.into_iter().chain(tasks.iter().map(|t| t.name.clone())).collect();
+    tasks.push(base(step, step.id.clone(), kinds::RESHARD, commit_needs, Payload::Reshard { job }));
+    tasks
 }
 
 fn fan_out(tasks: &mut Vec<NewTask>, step: &ResolvedStep, name: &str, needs: Vec<String>, job: ShardJob) {

@@ -33,9 +33,18 @@ steps:
   - {id: up, uses: store.upload, needs: [export], with: {to: /out}}
 ",
     );
+    // Split by rank: a task per target rank file (tp2·dp1: two), each reading the source, then
+    // the reshard committing them.
     let (needs, Payload::Reshard { job }) = payload(&tasks, "reshard") else { panic!("reshard payload") };
-    assert_eq!(needs, vec!["split".to_string()]);
+    assert_eq!(needs, ["split", "reshard/rank-0", "reshard/rank-1"]);
     assert_eq!(job.source, ReshardSource::Task { task: "split".into() });
+    assert!(job.split);
+    for rank in 0..2u64 {
+        let name = format!("reshard/rank-{rank}");
+        let (needs, Payload::ReshardRank { job: r, rank: got }) = payload(&tasks, &name) else { panic!("{name}") };
+        assert_eq!((needs, got, &r), (vec!["split".to_string()], rank, &job));
+        assert_eq!(tasks.iter().find(|t| t.name == name).map(|t| t.kind.as_str()), Some(kinds::RESHARD_RANK));
+    }
     assert_eq!((job.mesh_text().as_str(), job.rng.as_str()), ("tp=2,cp=1,dp=1,ep=1,etp=2", "drop"));
     assert_eq!((job.release_task.as_deref(), job.vocab_divisible_by), (Some("download"), Some(64)));
     assert_eq!(job.out, PathBuf::from("/w/runs/r1/reshard/checkpoint"));
@@ -67,6 +76,11 @@ steps:
     assert_eq!(step_env_prefix("load-check"), "SHARDLINE_STEP_LOAD_CHECK_");
 }
 
+/// The rank tasks of a 4-rank reshard step.
+fn ranks(step: &str) -> Vec<String> {
+    (0..4).map(|r| format!("{step}/rank-{r}")).collect()
+}
+
 #[test]
 fn a_reshard_of_an_object_store_prefix_fetches_it_first() {
     let tasks = graph(
@@ -80,16 +94,27 @@ steps:
 ",
     );
     let names: Vec<&str> = tasks.iter().map(|t| t.name.as_str()).collect();
-    assert_eq!(names, ["reshard/fetch", "reshard", "local", "up"]);
+    let want: Vec<String> = ["reshard/fetch".to_string()]
+        .into_iter()
+        .chain(ranks("reshard"))
+        .chain(["reshard".to_string()])
+        .chain(ranks("local"))
+        .chain(["local".to_string(), "up".to_string()])
+        .collect();
+    assert_eq!(names, want);
     let (_, Payload::CheckpointFetch { url, cache_dir, .. }) = payload(&tasks, "reshard/fetch") else { panic!() };
     assert_eq!((url.as_str(), cache_dir), ("s3://b/ckpt", PathBuf::from("/w/cache/objects")));
     let (needs, Payload::Reshard { job }) = payload(&tasks, "reshard") else { panic!() };
+    let commit_needs = |first: &str, step: &str| [first.to_string()].into_iter().chain(ranks(step)).collect::<Vec<_>>();
     assert_eq!(
         (needs, job.source),
-        (vec!["reshard/fetch".to_string()], ReshardSource::Task { task: "reshard/fetch".into() })
+        (commit_needs("reshard/fetch", "reshard"), ReshardSource::Task { task: "reshard/fetch".into() })
     );
     let (needs, Payload::Reshard { job }) = payload(&tasks, "local") else { panic!() };
-    assert_eq!((needs, job.source), (vec!["reshard".to_string()], ReshardSource::Local { path: "/base/ckpt".into() }));
+    assert_eq!(
+        (needs, job.source),
+        (commit_needs("reshard", "local"), ReshardSource::Local { path: "/base/ckpt".into() })
+    );
     let (_, Payload::Upload { checkpoint_task, source_task, .. }) = payload(&tasks, "up") else { panic!() };
     assert_eq!((checkpoint_task.as_str(), source_task), ("local", None));
 }
@@ -134,4 +159,22 @@ fn parts_take_every_nth_storage_file_in_name_order() {
     assert_eq!(part_files(&names, 1, 2), ["__10_0.distcp", "__2_0.distcp"]);
     let all: Vec<String> = (0..4).flat_map(|p| part_files(&names, p, 4)).collect();
     assert_eq!(all.len(), 4, "every storage file in exactly one part");
+}
+
+#[test]
+fn a_reshard_is_one_task_on_an_artifact_store_or_for_one_rank() {
+    let text = "apiVersion: shardline/v1
+kind: Pipeline
+name: p
+steps:
+  - {id: one, uses: checkpoint.reshard, with: {path: ckpt, tp: 1, dp: 1}}
+  - {id: four, uses: checkpoint.reshard, needs: [one], with: {path: ckpt, tp: 2, dp: 2}}
+";
+    let names = |tasks: &[NewTask]| tasks.iter().map(|t| t.name.clone()).collect::<Vec<_>>();
+    let remote = graph_on(text, Some("s3://b/artifacts"));
+    assert_eq!(names(&remote), ["one", "four"]);
+    let (_, Payload::Reshard { job }) = payload(&remote, "four") else { panic!() };
+    assert!(!job.split && job.remote.is_some());
+    let local = graph(text);
+    assert_eq!(names(&local), ["one", "four/rank-0", "four/rank-1", "four/rank-2", "four/rank-3", "four"]);
 }

@@ -11,6 +11,7 @@ mod fused;
 mod param_groups;
 mod rng;
 pub mod save_dir;
+mod split;
 mod summary;
 mod torch_dist_save;
 mod translate;
@@ -25,6 +26,7 @@ use thiserror::Error;
 
 pub use args::TrainingArgs;
 pub use export::{write_export, ExportOptions, ExportReport};
+pub use split::{commit_resharded, write_resharded_ranks};
 pub use summary::{summarize_automodel, summarize_training, TrainingSummary};
 pub use write::{write_resharded, ReshardReport};
 pub use write_hf::write_resharded_hf_storage;

@@ -149,7 +149,7 @@ fn write_torch_dist(
 
 /// Removes a checkpoint being replaced: its `.metadata` first (so no reader takes the directory
 /// for a checkpoint from here on), then its rank files.
-fn withdraw_old_checkpoint(out: &Path) -> Result<(), TrainingError> {
+pub(super) fn withdraw_old_checkpoint(out: &Path) -> Result<(), TrainingError> {
     let marker = out.join(".metadata");
     match fs::remove_file(&marker) {
         Ok(()) => File::open(out).and_then(|d| d.sync_all()).map_err(io_err(out, "sync output directory"))?,
@@ -167,7 +167,7 @@ fn withdraw_old_checkpoint(out: &Path) -> Result<(), TrainingError> {
 /// The `args` items rewritten with the target mesh: `(object index, archive)`, the fields set
 /// and the fields `args` does not have.
 #[allow(clippy::type_complexity)]
-fn edit_args(
+pub(super) fn edit_args(
     source: &TrainingCheckpoint,
     plan: &ReshardPlan,
 ) -> Result<(HashMap<usize, Vec<u8>>, Vec<String>, Vec<String>), TrainingError> {
@@ -337,12 +337,40 @@ fn write_all(
     rng: &[torch_dist_save::RngArchive],
 ) -> Result<(u64, u64, u64, u64), TrainingError> {
     let world = plan.mesh.world();
-    let totals = write_files(source, plan, world as usize, threads, progress, edited, |rank| {
-        let items = rank_items(source, plan, edited, rank as u64).collect();
-        Ok(OutFile { path: out.join(dcp_rank_file(rank as u64)), header: Vec::new(), items })
-    })?;
-    // A dialect's objects (`torch_dist`'s `_extra_state`s) in a second file per rank, as convert
-    // writes them.
+    let totals = write_rank_files(source, plan, out, 0..world, threads, progress, edited)?;
+    finish(source, plan, out, edited, rng)?;
+    let sum = |f: fn(&FileTotals) -> u64| totals.iter().map(f).sum::<u64>();
+    Ok((world, sum(|t| t.tensor_bytes), sum(|t| t.len), sum(|t| t.chunks)))
+}
+
+/// Writes the rank files `ranks` of `plan` into `out`.
+pub(super) fn write_rank_files(
+    source: &TrainingCheckpoint,
+    plan: &ReshardPlan,
+    out: &Path,
+    ranks: std::ops::Range<u64>,
+    threads: usize,
+    progress: &Progress,
+    edited: &HashMap<usize, Vec<u8>>,
+) -> Result<Vec<FileTotals>, TrainingError> {
+    let count = (ranks.end - ranks.start) as usize;
+    write_files(source, plan, count, threads, progress, edited, |i| {
+        let rank = ranks.start + i as u64;
+        let items = rank_items(source, plan, edited, rank).collect();
+        Ok(OutFile { path: out.join(dcp_rank_file(rank)), header: Vec::new(), items })
+    })
+}
+
+/// What names the rank files, once they are all written: a dialect's object files (`torch_dist`'s
+/// `_extra_state`s, in a second file per rank as convert writes them), its RNG files, then
+/// `.metadata`, staged, synced and renamed into place.
+pub(super) fn finish(
+    source: &TrainingCheckpoint,
+    plan: &ReshardPlan,
+    out: &Path,
+    edited: &HashMap<usize, Vec<u8>>,
+    rng: &[torch_dist_save::RngArchive],
+) -> Result<(), TrainingError> {
     write_object_files(plan.disk.objects(), out)?;
     torch_dist_save::write_rng_files(rng, out)?;
     let tmp = out.join(".metadata.tmp");
@@ -359,8 +387,33 @@ fn write_all(
     .map_err(io_err(&tmp, "write .metadata.tmp"))?;
     f.sync_all().map_err(io_err(&tmp, "sync .metadata.tmp"))?;
     publish_metadata(out)?;
-    let sum = |f: fn(&FileTotals) -> u64| totals.iter().map(f).sum::<u64>();
-    Ok((world, sum(|t| t.tensor_bytes), sum(|t| t.len), sum(|t| t.chunks)))
+    Ok(())
+}
+
+/// What rank file `rank` of `plan` holds once written: its length, chunks and tensor bytes.
+pub(super) fn planned_totals(
+    source: &TrainingCheckpoint,
+    plan: &ReshardPlan,
+    edited: &HashMap<usize, Vec<u8>>,
+    rank: u64,
+) -> FileTotals {
+    let mut totals = FileTotals::default();
+    for item in rank_items(source, plan, edited, rank) {
+        match item {
+            OutItem::Chunk { offset, archive, .. } => {
+                totals.len = offset + archive.total_len();
+                totals.tensor_bytes += archive.data_len();
+                totals.chunks += 1;
+            }
+            OutItem::Raw { offset, len, .. } => {
+                totals.len = offset + len;
+                totals.tensor_bytes += len;
+                totals.chunks += 1;
+            }
+            OutItem::Object { offset, length, .. } => totals.len = offset + length,
+        }
+    }
+    totals
 }
 
 /// Where a placed layout's item is, for its `.metadata`.

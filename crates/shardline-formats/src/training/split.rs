@@ -1,0 +1,135 @@
+//! A reshard written by several tasks: each writes some of the target rank files
+//! ([`write_resharded_ranks`]), then one commit ([`commit_resharded`]) checks that every file is
+//! there at its planned length and writes what names them — a dialect's object and RNG files,
+//! `.metadata` last, and for `torch_dist` the save directory's `common.pt`, `metadata.json` and
+//! tracker. A rank file's layout follows from the plan alone, so the commit needs none of the
+//! writers' reports, and a writer killed half-way costs one file written again.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use shardline_layout::dialect::Dialect;
+use shardline_layout::reshard::ReshardPlan;
+
+use super::write::{edit_args, finish, io_err, planned_totals, write_rank_files, FileTotals};
+use super::{save_dir, torch_dist_save, ReshardReport, TrainingCheckpoint, TrainingError};
+use crate::execute::{dcp_rank_file, ExecuteError, Progress};
+
+/// Where a reshard's rank files go and what they are made with.
+struct Layout {
+    /// The directory of the rank files and `.metadata`.
+    dir: PathBuf,
+    /// `args` rewritten for the target mesh (not for `torch_dist`, which keeps it in its
+    /// common state).
+    edited: HashMap<usize, Vec<u8>>,
+    args_set: Vec<String>,
+    args_missing: Vec<String>,
+    /// `torch_dist`: its common state, whose name is the checkpoint directory's.
+    common: Option<torch_dist_save::CommonState>,
+}
+
+impl Layout {
+    /// The layout of `plan` written under `out`: the checkpoint directory itself, or for
+    /// `torch_dist` the Megatron-LM save directory holding it.
+    fn of(source: &TrainingCheckpoint, plan: &ReshardPlan, out: &Path) -> Result<Layout, TrainingError> {
+        let src_dir = fs::canonicalize(&source.checkpoint.dir).ok();
+        if src_dir.is_some() && fs::canonicalize(out).ok() == src_dir {
+            let error = io::Error::other("the output directory is the source checkpoint");
+            return Err(
+                ExecuteError::Io { path: out.to_path_buf(), action: "write the resharded checkpoint", error }.into()
+            );
+        }
+        if plan.dialect == Dialect::TorchDist {
+            let common = torch_dist_save::common_state(source, plan)?;
+            let dir = torch_dist_save::checkpoint_dir(out, &common);
+            let edited = HashMap::new();
+            let args_set = plan.args_updates().iter().map(|(k, _)| k.to_string()).collect();
+            return Ok(Layout { dir, edited, args_set, args_missing: Vec::new(), common: Some(common) });
+        }
+        let (edited, args_set, args_missing) = edit_args(source, plan)?;
+        Ok(Layout { dir: out.to_path_buf(), edited, args_set, args_missing, common: None })
+    }
+
+    fn report(&self, files: &[FileTotals]) -> ReshardReport {
+        let sum = |f: fn(&FileTotals) -> u64| files.iter().map(f).sum::<u64>();
+        ReshardReport {
+            files: files.len() as u64,
+            tensor_bytes: sum(|t| t.tensor_bytes),
+            file_bytes: sum(|t| t.len),
+            chunks: sum(|t| t.chunks),
+            args_set: self.args_set.clone(),
+            args_missing: self.args_missing.clone(),
+        }
+    }
+}
+
+/// Writes the target rank files `ranks` of `plan` under `out` (created), `threads` at a time.
+/// A checkpoint already named there is withdrawn first (its `.metadata`, or a save directory's
+/// tracker) so no reader takes the directory for one while its files change; files of other
+/// ranks are left to their writers.
+pub fn write_resharded_ranks(
+    source: &TrainingCheckpoint,
+    plan: &ReshardPlan,
+    out: &Path,
+    ranks: Range<u64>,
+    threads: usize,
+    progress: &Progress,
+) -> Result<ReshardReport, TrainingError> {
+    let world = plan.mesh.world();
+    if ranks.start >= ranks.end || ranks.end > world {
+        let error = io::Error::other(format!("ranks {ranks:?} are not within the target's {world}"));
+        return Err(ExecuteError::Io { path: out.to_path_buf(), action: "write rank files", error }.into());
+    }
+    let layout = Layout::of(source, plan, out)?;
+    if layout.common.is_some() {
+        fs::create_dir_all(out).map_err(io_err(out, "create output directory"))?;
+        save_dir::withdraw_tracker(out)?;
+    }
+    fs::create_dir_all(&layout.dir).map_err(io_err(&layout.dir, "create checkpoint directory"))?;
+    let marker = layout.dir.join(".metadata");
+    match fs::remove_file(&marker) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err(&marker, "withdraw the old .metadata")(e).into()),
+    }
+    let totals = write_rank_files(source, plan, &layout.dir, ranks, threads.max(1), progress, &layout.edited)?;
+    Ok(layout.report(&totals))
+}
+
+/// Finishes a reshard whose rank files [`write_resharded_ranks`] wrote under `out`: every one
+/// must be there at its planned length (else nothing is written and the error names the first
+/// that is not), then what names them is written, `.metadata` last.
+pub fn commit_resharded(
+    source: &TrainingCheckpoint,
+    plan: &ReshardPlan,
+    out: &Path,
+) -> Result<ReshardReport, TrainingError> {
+    let layout = Layout::of(source, plan, out)?;
+    let mut files = Vec::new();
+    for rank in 0..plan.mesh.world() {
+        let planned = planned_totals(source, plan, &layout.edited, rank);
+        let path = layout.dir.join(dcp_rank_file(rank));
+        let found = fs::metadata(&path).map(|m| m.len());
+        if found.as_ref().ok() != Some(&planned.len) {
+            let what = match found {
+                Ok(len) => format!("it holds {len} bytes of the {} planned", planned.len),
+                Err(e) => e.to_string(),
+            };
+            let error = io::Error::other(format!("rank {rank}'s file is not complete ({what})"));
+            return Err(ExecuteError::Io { path, action: "commit the reshard", error }.into());
+        }
+        files.push(planned);
+    }
+    let rng = match &layout.common {
+        Some(_) => torch_dist_save::rng_objects(source, plan)?,
+        None => Vec::new(),
+    };
+    finish(source, plan, &layout.dir, &layout.edited, &rng)?;
+    if let Some(common) = &layout.common {
+        save_dir::finish_save(out, &common.dir_name, &common.archive)?;
+    }
+    Ok(layout.report(&files))
+}
