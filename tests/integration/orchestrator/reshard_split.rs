@@ -1,0 +1,80 @@
+//! A `checkpoint.reshard` step run by worker processes: a task per target rank file, each run
+//! once, then the step's commit; what they write together is what `shardline reshard` writes.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use shardline_store::{AttemptOutcome, RunState, TaskState};
+
+use super::Deployment;
+use crate::{bin, convert, fixture, run, stderr, stdout};
+
+/// Every file under `dir` (relative path → bytes).
+fn files_under(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    for e in std::fs::read_dir(dir).expect("read dir") {
+        let path = e.expect("entry").path();
+        let name = path.file_name().expect("name").to_string_lossy().into_owned();
+        out.insert(name, std::fs::read(&path).expect("read file"));
+    }
+    out
+}
+
+#[test]
+fn a_reshard_step_writes_each_rank_file_in_a_task_of_its_own() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let src = tmp.path().join("src");
+    convert(&fixture("qwen3_moe"), &src, (1, 1, 4, 2), &["--optimizer-state", "--etp", "1"]);
+    let whole = tmp.path().join("whole");
+    let mesh = ["--tp", "2", "--dp", "2", "--ep", "2", "--etp", "1"];
+    let o = run(bin().arg("reshard").arg(&src).arg("--to").arg(&whole).args(mesh));
+    assert!(o.status.success(), "reshard: {}{}", stdout(&o), stderr(&o));
+
+    let mut d = Deployment::new(false);
+    d.server("server");
+    d.worker("w1", &["--cpus", "1", "--lease-seconds", "5"]);
+    d.worker("w2", &["--cpus", "1", "--lease-seconds", "5"]);
+    let spec = format!(
+        "apiVersion: shardline/v1
+kind: Pipeline
+name: reshard-split
+steps:
+  - id: reshard
+    uses: checkpoint.reshard
+    with: {{path: {}, tp: 2, dp: 2, ep: 2, etp: 1}}
+    resources: {{cpus: 1}}
+",
+        src.display()
+    );
+    let run_id = d.submit(&spec);
+    let r = d.wait_run(run_id);
+    assert_eq!(r.state, RunState::Succeeded, "{:?}", r.error);
+
+    let mut workers = Vec::new();
+    for rank in 0..4 {
+        let name = format!("reshard/rank-{rank}");
+        let task = d.task(run_id, &name);
+        assert_eq!((task.kind.as_str(), task.state), ("checkpoint.reshard.rank", TaskState::Succeeded), "{name}");
+        let attempts = d.attempts(run_id, &name);
+        assert_eq!(attempts.len(), 1, "{name} ran {} times", attempts.len());
+        assert_eq!(attempts[0].outcome, Some(AttemptOutcome::Succeeded));
+        workers.push(attempts[0].worker_name.clone());
+        let log = d.task_log(run_id, &name);
+        assert!(log.contains(&format!("wrote rank {rank}'s file of 4")), "{log}");
+    }
+    let commit = d.task(run_id, "reshard");
+    let log = d.task_log(run_id, "reshard");
+    assert!(log.contains("committed 4 rank files written by the rank tasks"), "{log}");
+    let out: PathBuf = commit
+        .output
+        .as_ref()
+        .and_then(|o| o["dir"].as_str())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("the reshard reports no directory: {:?}", commit.output));
+    let (want, got) = (files_under(&whole), files_under(&out));
+    assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
+    for (file, bytes) in &want {
+        assert!(&got[file] == bytes, "`{file}` differs from what `shardline reshard` writes");
+    }
+    eprintln!("rank tasks ran on {workers:?}");
+}
