@@ -78,3 +78,77 @@ steps:
     }
     eprintln!("rank tasks ran on {workers:?}");
 }
+
+/// A worker frozen (SIGSTOP) while it holds a rank task loses its lease; that one rank file is
+/// written again by the other worker — every other rank task ran once — and what the step wrote
+/// is still what `shardline reshard` writes. The frozen worker's half-written file, under its
+/// temporary name, is never taken for the rank file.
+#[test]
+fn a_worker_lost_mid_rank_file_costs_that_file_only() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let release = tmp.path().join("release");
+    let o = run(bin().args(["synth", "--arch", "llama", "--size", "48MB"]).arg(&release));
+    assert!(o.status.success(), "synth: {}", stderr(&o));
+    let src = tmp.path().join("src");
+    convert(&release, &src, (1, 1, 2, 1), &["--optimizer-state"]);
+    let whole = tmp.path().join("whole");
+    let o = run(bin().arg("reshard").arg(&src).arg("--to").arg(&whole).args(["--tp", "2", "--dp", "2"]));
+    assert!(o.status.success(), "reshard: {}{}", stdout(&o), stderr(&o));
+
+    let mut d = Deployment::new(false);
+    d.server("server");
+    // One worker first: whichever rank task is leased is its.
+    d.worker("w1", &["--cpus", "1", "--lease-seconds", "2"]);
+    let spec = format!(
+        "apiVersion: shardline/v1
+kind: Pipeline
+name: reshard-lost
+steps:
+  - id: reshard
+    uses: checkpoint.reshard
+    with: {{path: {}, tp: 2, dp: 2}}
+    resources: {{cpus: 1}}
+    retry: {{attempts: 1, lost: 2}}
+",
+        src.display()
+    );
+    let run_id = d.submit(&spec);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
+    let frozen = loop {
+        let tasks = d.q(|s| async move { s.run_tasks(run_id).await });
+        let held = tasks.iter().find(|t| t.kind == "checkpoint.reshard.rank" && t.state == TaskState::Leased);
+        if let Some(t) = held {
+            d.signal("w1", "STOP");
+            break t.name.clone();
+        }
+        assert!(std::time::Instant::now() < deadline, "no rank task was leased: {tasks:?}");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    };
+    d.worker("w2", &["--cpus", "1", "--lease-seconds", "2"]);
+    let r = d.wait_run(run_id);
+    assert_eq!(r.state, RunState::Succeeded, "{:?}", r.error);
+
+    for rank in 0..4 {
+        let name = format!("reshard/rank-{rank}");
+        let attempts = d.attempts(run_id, &name);
+        let outcomes: Vec<_> = attempts.iter().map(|a| (a.worker_name.as_str(), a.outcome)).collect();
+        if name == frozen {
+            assert_eq!(
+                outcomes,
+                [("w1", Some(AttemptOutcome::Expired)), ("w2", Some(AttemptOutcome::Succeeded))],
+                "{name}"
+            );
+        } else {
+            assert_eq!(attempts.len(), 1, "{name}: {outcomes:?}");
+            assert_eq!(attempts[0].outcome, Some(AttemptOutcome::Succeeded), "{name}");
+        }
+    }
+    let commit = d.task(run_id, "reshard");
+    let out = commit.output.as_ref().and_then(|o| o["dir"].as_str()).map(PathBuf::from).expect("reshard dir");
+    let (want, got) = (files_under(&whole), files_under(&out));
+    assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
+    for (file, bytes) in &want {
+        assert!(&got[file] == bytes, "`{file}` differs from what `shardline reshard` writes");
+    }
+    d.signal("w1", "KILL");
+}

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use shardline_layout::dialect::Dialect;
 use shardline_layout::reshard::ReshardPlan;
 
-use super::write::{edit_args, finish, io_err, planned_totals, write_rank_files, FileTotals};
+use super::write::{edit_args, finish, io_err, planned_totals, rank_items, write_files, FileTotals, OutFile};
 use super::{save_dir, torch_dist_save, ReshardReport, TrainingCheckpoint, TrainingError};
 use crate::execute::{dcp_rank_file, ExecuteError, Progress};
 
@@ -95,7 +95,21 @@ pub fn write_resharded_ranks(
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(io_err(&marker, "withdraw the old .metadata")(e).into()),
     }
-    let totals = write_rank_files(source, plan, &layout.dir, ranks, threads.max(1), progress, &layout.edited)?;
+    // Each file under a temporary name, synced, then renamed into place: a writer killed
+    // half-way (or one that lost its lease and wakes up late) never leaves a rank file of the
+    // planned name that is not complete, and a late one renames identical bytes.
+    let count = (ranks.end - ranks.start) as usize;
+    let partial = |rank: u64| layout.dir.join(format!(".{}.partial", dcp_rank_file(rank)));
+    let totals = write_files(source, plan, count, threads.max(1), progress, &layout.edited, |i| {
+        let rank = ranks.start + i as u64;
+        let items = rank_items(source, plan, &layout.edited, rank).collect();
+        Ok(OutFile { path: partial(rank), header: Vec::new(), items })
+    })?;
+    for rank in ranks {
+        let fin = layout.dir.join(dcp_rank_file(rank));
+        fs::rename(partial(rank), &fin).map_err(io_err(&fin, "rename rank file into place"))?;
+    }
+    fs::File::open(&layout.dir).and_then(|d| d.sync_all()).map_err(io_err(&layout.dir, "sync checkpoint directory"))?;
     Ok(layout.report(&totals))
 }
 

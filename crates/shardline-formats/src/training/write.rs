@@ -207,7 +207,7 @@ pub(super) fn edit_args(
 /// The items of `rank`'s file, in file order: its chunks in key order, then (rank 0) the
 /// objects. Computed from the plan when asked for, by the writer of the file and again for
 /// `.metadata`, so no list of every rank's chunks is ever held.
-fn rank_items<'p>(
+pub(super) fn rank_items<'p>(
     source: &'p TrainingCheckpoint,
     plan: &'p ReshardPlan,
     edited: &'p HashMap<usize, Vec<u8>>,
@@ -344,7 +344,7 @@ fn write_all(
 }
 
 /// Writes the rank files `ranks` of `plan` into `out`.
-pub(super) fn write_rank_files(
+fn write_rank_files(
     source: &TrainingCheckpoint,
     plan: &ReshardPlan,
     out: &Path,
