@@ -161,3 +161,78 @@ fn large_runs_copied_by_the_kernel_give_the_same_bytes() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(tensors(&hf), tensors(&release));
 }
+
+/// Every file directly under `dir` (name → bytes).
+fn files_in(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .expect("list")
+        .map(|e| {
+            let path = e.expect("entry").path();
+            (path.file_name().expect("name").to_string_lossy().into_owned(), std::fs::read(&path).expect("read"))
+        })
+        .collect()
+}
+
+/// An export split in parts — weight file `i` written by part `i mod parts`, the parts in any
+/// order, then committed — is the export written whole, byte for byte (more parts than files
+/// included: a part may write none). A commit with a weight file missing or cut short names it
+/// and puts nothing in place.
+#[test]
+fn an_export_in_parts_is_the_whole_export() {
+    use shardline_formats::execute::Progress;
+    use shardline_ops::{plan_export_of, ExportRequest};
+
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (release, ckpt, whole) = (tmp.path().join("release"), tmp.path().join("ckpt"), tmp.path().join("whole"));
+    let o = run(bin().args(["synth", "--arch", "llama", "--size", "24MB"]).arg(&release));
+    assert!(o.status.success(), "{}", stderr(&o));
+    convert(&release, &ckpt, (1, 1, 2, 1), &["--optimizer-state"]);
+    let o = export(&ckpt, &whole, &release, &["--max-file-size", "6MB"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want = files_in(&whole);
+    let weights = want.keys().filter(|n| n.ends_with(".safetensors")).count();
+    assert!(weights >= 4, "{:?}", want.keys());
+
+    for parts in [3u64, weights as u64 + 2] {
+        let split = tmp.path().join(format!("split-{parts}"));
+        let request = ExportRequest {
+            ckpt: ckpt.clone(),
+            to: split.clone(),
+            like: Some(release.clone()),
+            prefix: "model.module.".into(),
+            etp: None,
+            max_file_bytes: 6_000_000,
+            overwrite: true,
+            threads: 1,
+        };
+        let planned = plan_export_of(&request).expect("plan");
+        let progress = Progress::default();
+        let mut written = Vec::new();
+        for part in (1..parts).rev() {
+            written.extend(planned.write_part((part, parts), &progress).expect("a part"));
+        }
+        // Part 0 has not run: its first file is missing.
+        let e = planned.commit().expect_err("a commit without part 0");
+        assert!(e.to_string().contains("model-00001-of-") && e.to_string().contains("not complete"), "{e}");
+        assert!(!split.exists(), "a refused commit put the export in place");
+        written.extend(planned.write_part((0, parts), &progress).expect("part 0"));
+        written.sort();
+        let mut names: Vec<&String> = want.keys().filter(|n| n.ends_with(".safetensors")).collect();
+        names.sort();
+        assert_eq!(written.iter().collect::<Vec<_>>(), names, "each weight file written by exactly one part");
+        // A weight file cut short (a writer killed after its rename cannot do that, a disk can).
+        let staged = tmp.path().join(format!(".split-{parts}.partial"));
+        let second = staged.join(names[1]);
+        let len = std::fs::metadata(&second).expect("the second file").len();
+        std::fs::OpenOptions::new().write(true).open(&second).expect("open").set_len(len - 1).expect("cut");
+        let e = planned.commit().expect_err("a commit with a file cut short");
+        assert!(e.to_string().contains(names[1].as_str()) && e.to_string().contains("not complete"), "{e}");
+        planned.write_part((1, parts), &progress).expect("part 1 again");
+        planned.commit().expect("commit");
+        let got = files_in(&split);
+        assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
+        for (name, bytes) in &want {
+            assert!(&got[name] == bytes, "parts={parts}: `{name}` differs from the whole export's");
+        }
+    }
+}

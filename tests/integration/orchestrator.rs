@@ -20,7 +20,7 @@ use shardline_testdb::TestDb;
 use crate::{bin, fixture, run, stderr, stdout};
 
 mod limits;
-mod reshard_split;
+mod split_steps;
 
 /// The longest any single wait of these tests may take.
 const WAIT: Duration = Duration::from_secs(90);

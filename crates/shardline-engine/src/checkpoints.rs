@@ -20,15 +20,15 @@ use shardline_control::graph::{ExportJob, ReshardJob, ReshardSource};
 use shardline_control::TaskOutput;
 use shardline_formats::checkpoint::open_checkpoint;
 use shardline_formats::safetensors::Release;
-use shardline_formats::training::{write_export, ExportOptions, ExportReport, TrainingCheckpoint, TrainingError};
+use shardline_formats::training::{ExportReport, TrainingCheckpoint, TrainingError};
 use shardline_layout::dialect::Dialect;
 use shardline_layout::reshard::{plan_reshard, RngPolicy};
 use shardline_layout::{Mesh, ModelConfig};
 
 use shardline_formats::error_message;
 use shardline_ops::{
-    automodel_release, export_tensors, inferred_mesh, open_model, reshard_options, saved_etp, ExportRequest,
-    OpenedCheckpoint, OpsError, PlannedReshard, ReshardHints,
+    automodel_release, inferred_mesh, plan_export_of, reshard_options, saved_etp, ExportRequest, OpenedCheckpoint,
+    OpsError, PlannedExport, PlannedReshard, ReshardHints,
 };
 
 use crate::steps::{parse_mesh, StepContext, StepError};
@@ -346,8 +346,8 @@ fn dir_bytes(dir: &Path) -> u64 {
         .unwrap_or(0)
 }
 
-/// Runs a `checkpoint.export` task.
-pub fn export(job: &ExportJob, ctx: &StepContext) -> Result<TaskOutput, StepError> {
+/// The export `job` asks for, planned, with the task output of the checkpoint it reads.
+fn plan_export_job<'o>(job: &ExportJob, ctx: &StepContext<'o>) -> Result<(PlannedExport, &'o TaskOutput), StepError> {
     let upstream = ctx
         .outputs
         .get(&job.checkpoint_task)
@@ -355,35 +355,56 @@ pub fn export(job: &ExportJob, ctx: &StepContext) -> Result<TaskOutput, StepErro
     let dir = upstream.dir.clone().ok_or_else(|| {
         StepError::fatal(format!("task `{}` did not report a checkpoint directory", job.checkpoint_task))
     })?;
-    let Some(like) = export_like(job, ctx.outputs)? else { return export_as_saved(job, ctx, &dir, upstream) };
-    // The model's keys only, as every export opens them (`shardline_ops::open_model`).
-    let (checkpoint, prefix, torch_dist) =
-        open_model(&dir, &job.prefix).map_err(|e| StepError::fatal(error_message(&e)))?;
-    // A torch_dist checkpoint's fused parameters are read for expert-TP size 1 (`[gate; up]`).
-    let etp = match torch_dist {
-        true => 1,
-        false => job
-            .etp
-            .or_else(|| saved_etp(&dir))
-            .or_else(|| upstream.mesh.as_deref().and_then(parse_mesh).map(|m| m.etp))
-            .unwrap_or(1),
+    let like = export_like(job, ctx.outputs)?;
+    if like.is_none() && automodel_release(&dir).map_err(|e| StepError::fatal(error_message(&e)))?.is_none() {
+        return Err(StepError::fatal(format!(
+            "{} describes no release (no NeMo Automodel `model/.hf_metadata/`), and the step has no `like` and no \
+             upstream download: set `with.like` to the HF release it came from",
+            dir.display()
+        )));
+    }
+    // The expert-TP size the checkpoint was written with: the step's, its `args`', the mesh its
+    // task reports (a torch_dist checkpoint's fused parameters are read for 1, `[gate; up]`).
+    let etp =
+        job.etp.or_else(|| saved_etp(&dir)).or_else(|| upstream.mesh.as_deref().and_then(parse_mesh).map(|m| m.etp));
+    let request = ExportRequest {
+        ckpt: dir,
+        to: job.out.clone(),
+        like,
+        prefix: job.prefix.clone(),
+        etp,
+        max_file_bytes: job.max_file_size,
+        overwrite: true,
+        threads: threads(ctx),
     };
-    let tensors = export_tensors(&checkpoint, &like, etp, &prefix).map_err(|e| StepError::fatal(error_message(&e)))?;
-    let total: u64 = tensors.iter().map(|t| t.shape.iter().product::<u64>() * t.dtype.size() as u64).sum();
+    let planned = plan_export_of(&request).map_err(|e| StepError::fatal(error_message(&e)))?;
+    Ok((planned, upstream))
+}
+
+/// Runs a `checkpoint.export` task: the whole export, or, split in parts, its commit.
+pub fn export(job: &ExportJob, ctx: &StepContext) -> Result<TaskOutput, StepError> {
+    let (planned, upstream) = plan_export_job(job, ctx)?;
+    let total = planned.total_bytes();
     ctx.bytes_total.store(total, Ordering::Relaxed);
     (ctx.log)(format!(
-        "exporting {} as {} (etp {etp}): {} tensors, {total} bytes, files of at most {} bytes",
-        dir.display(),
-        like.display(),
-        tensors.len(),
+        "exporting {} as {} (etp {}): {} tensors, {total} bytes, files of at most {} bytes",
+        planned.checkpoint.dir.display(),
+        planned.like.display(),
+        planned.etp,
+        planned.tensors.len(),
         job.max_file_size
     ));
     if let Some(parent) = job.out.parent() {
         fs::create_dir_all(parent).map_err(|e| StepError::transient(format!("{}: {e}", parent.display())))?;
     }
-    let options =
-        ExportOptions { max_file_bytes: job.max_file_size, file_numbers: None, threads: threads(ctx), overwrite: true };
-    let report = write_export(&checkpoint, &tensors, &like, &job.out, &options, ctx.progress).map_err(write_error)?;
+    let report = if job.parts > 1 {
+        let report = planned.commit().map_err(output_error)?;
+        (ctx.log)(format!("committed {} weight files written by {} part tasks", report.files.len(), job.parts));
+        ctx.progress.bytes_written.store(total, Ordering::Relaxed);
+        report
+    } else {
+        planned.write(ctx.progress).map_err(output_error)?
+    };
     (ctx.log)(format!(
         "exported {} tensors, {} bytes in {} file(s) into {}; copied from the release: {}",
         report.tensors,
@@ -392,7 +413,27 @@ pub fn export(job: &ExportJob, ctx: &StepContext) -> Result<TaskOutput, StepErro
         job.out.display(),
         if report.copied.is_empty() { "nothing".to_string() } else { report.copied.join(", ") }
     ));
-    Ok(export_output(job, upstream, report, &like, etp))
+    Ok(export_output(job, upstream, report, &planned.like, planned.etp))
+}
+
+/// Runs a `checkpoint.export.part` task: the weight files of part `part` written into the
+/// export's staging directory, where its commit (the `checkpoint.export` task) finds them.
+pub fn export_part(job: &ExportJob, part: u64, ctx: &StepContext) -> Result<TaskOutput, StepError> {
+    let (planned, _) = plan_export_job(job, ctx)?;
+    if let Some(parent) = job.out.parent() {
+        fs::create_dir_all(parent).map_err(|e| StepError::transient(format!("{}: {e}", parent.display())))?;
+    }
+    let names = planned.write_part((part, job.parts), ctx.progress).map_err(output_error)?;
+    (ctx.log)(format!(
+        "wrote part {part} of {}: {} weight file(s){}{}",
+        job.parts,
+        names.len(),
+        if names.is_empty() { "" } else { ": " },
+        names.join(", ")
+    ));
+    Ok(TaskOutput { files: Some(names.len() as u64), ..TaskOutput::default() }
+        .with("part", json!(part))
+        .with("weights", json!(names)))
 }
 
 /// What an export task reports: the HF directory, its files, and the release it followed.
@@ -410,47 +451,6 @@ fn export_output(job: &ExportJob, upstream: &TaskOutput, report: ExportReport, l
     .with("etp", json!(etp))
     .with("weights", json!(report.files))
     .with("copied", json!(report.copied))
-}
-
-/// A `checkpoint.export` with no release to follow: the checkpoint describes its own (a NeMo
-/// Automodel save's `model/.hf_metadata/`), as `shardline export` without `--like` reads it.
-fn export_as_saved(
-    job: &ExportJob,
-    ctx: &StepContext,
-    dir: &Path,
-    upstream: &TaskOutput,
-) -> Result<TaskOutput, StepError> {
-    if automodel_release(dir).map_err(|e| StepError::fatal(error_message(&e)))?.is_none() {
-        return Err(StepError::fatal(format!(
-            "{} describes no release (no NeMo Automodel `model/.hf_metadata/`), and the step has no `like` and no \
-             upstream download: set `with.like` to the HF release it came from",
-            dir.display()
-        )));
-    }
-    if let Some(parent) = job.out.parent() {
-        fs::create_dir_all(parent).map_err(|e| StepError::transient(format!("{}: {e}", parent.display())))?;
-    }
-    let request = ExportRequest {
-        ckpt: dir.to_path_buf(),
-        to: job.out.clone(),
-        like: None,
-        prefix: job.prefix.clone(),
-        etp: job.etp,
-        max_file_bytes: job.max_file_size,
-        overwrite: true,
-        threads: threads(ctx),
-    };
-    (ctx.log)(format!("exporting {} as the release its model/.hf_metadata/ describes", dir.display()));
-    let done = shardline_ops::export(&request, ctx.progress).map_err(|e| StepError::fatal(error_message(&e)))?;
-    let report = done.written;
-    (ctx.log)(format!(
-        "exported {} tensors, {} bytes in {} file(s) into {}",
-        report.tensors,
-        report.bytes,
-        report.files.len(),
-        job.out.display()
-    ));
-    Ok(export_output(job, upstream, report, &done.like, done.etp))
 }
 
 /// The reshard plan of a Megatron checkpoint (`fsdp_dtensor` or `torch_dist`, either translated

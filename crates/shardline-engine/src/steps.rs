@@ -393,6 +393,8 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
             }
             None => checkpoints::export(job, ctx),
         },
+        // Split only on a local or shared file system (see `graph::export_tasks`).
+        Payload::ExportPart { job, part } => checkpoints::export_part(job, *part, ctx),
         Payload::Plan { job } => {
             let dialect = job_dialect(job)?;
             if job.remote.is_some() && !matches!(dialect, Dialect::FsdpDtensor | Dialect::TorchDist) {

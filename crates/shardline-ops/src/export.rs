@@ -13,7 +13,9 @@ use shardline_formats::checkpoint::{
 use shardline_formats::execute::Progress;
 use shardline_formats::safetensors::Release;
 use shardline_formats::training::common_state::is_torch_dist;
-use shardline_formats::training::{summarize_training, write_export, ExportOptions, ExportReport, TrainingCheckpoint};
+use shardline_formats::training::{
+    commit_export, summarize_training, write_export, write_export_part, ExportOptions, ExportReport, TrainingCheckpoint,
+};
 use shardline_layout::dialect::Dialect;
 use shardline_layout::export::{plan_export, plan_export_as_named, ExportTensor};
 use shardline_layout::{DType, Mesh, ModelConfig, PlanOptions, SourceTensor};
@@ -195,10 +197,52 @@ pub fn export_tensors(
     plan_export(&forward, &shapes).map_err(|errors| cannot(errors.iter().map(|e| e.to_string()).collect()))
 }
 
-/// Exports `request.ckpt` as `request.like` (or, for an Automodel save, the release its
-/// `.hf_metadata/` describes) into `request.to`, counting bytes into `progress`.
-pub fn export(request: &ExportRequest, progress: &Progress) -> Result<ExportDone, OpsError> {
-    let started = Instant::now();
+/// An export planned and checked, nothing written yet: the checkpoint's model, the release
+/// tensors it gives back, and how they are cut into files.
+pub struct PlannedExport {
+    pub checkpoint: Checkpoint,
+    pub tensors: Vec<ExportTensor>,
+    /// Where the release's other files (and, without `like`, its description) come from.
+    pub like: PathBuf,
+    pub etp: u64,
+    pub options: ExportOptions,
+    pub to: PathBuf,
+}
+
+impl PlannedExport {
+    /// The bytes of the release tensors it writes.
+    pub fn total_bytes(&self) -> u64 {
+        self.tensors.iter().map(|t| t.shape.iter().product::<u64>() * t.dtype.size() as u64).sum()
+    }
+
+    /// Writes it whole into `to`, counting bytes into `progress`.
+    pub fn write(&self, progress: &Progress) -> Result<ExportReport, OpsError> {
+        progress.bytes_total.store(self.total_bytes(), Ordering::Relaxed);
+        write_export(&self.checkpoint, &self.tensors, &self.like, &self.to, &self.options, progress)
+            .map_err(|source| OpsError::Output { path: self.to.clone(), source })
+    }
+
+    /// Writes part `part` of `parts` of its weight files into the staging directory of `to`
+    /// (see `write_export_part`); returns their names.
+    pub fn write_part(&self, (part, parts): (u64, u64), progress: &Progress) -> Result<Vec<String>, OpsError> {
+        if part >= parts {
+            return Err(OpsError::Refused(format!("part {part} is not one of {parts}")));
+        }
+        write_export_part(&self.checkpoint, &self.tensors, &self.to, &self.options, (part, parts), progress)
+            .map_err(|source| OpsError::Output { path: self.to.clone(), source })
+    }
+
+    /// Finishes an export written in parts: every weight file checked, then the index, the
+    /// release's other files and the rename into place.
+    pub fn commit(&self) -> Result<ExportReport, OpsError> {
+        commit_export(&self.tensors, &self.like, &self.to, &self.options)
+            .map_err(|source| OpsError::Output { path: self.to.clone(), source })
+    }
+}
+
+/// Plans the export of `request.ckpt` as `request.like` (or, for an Automodel save, the release
+/// its `.hf_metadata/` describes) into `request.to`.
+pub fn plan_export_of(request: &ExportRequest) -> Result<PlannedExport, OpsError> {
     let (checkpoint, prefix, torch_dist) = open_model(&request.ckpt, &request.prefix)?;
     // A torch_dist checkpoint's fused parameters are read for expert-TP size 1 (`[gate; up]`).
     let etp = if torch_dist { 1 } else { request.etp.or_else(|| saved_etp(&request.ckpt)).unwrap_or(1) };
@@ -215,15 +259,20 @@ pub fn export(request: &ExportRequest, progress: &Progress) -> Result<ExportDone
             }
         },
     };
-    let total = tensors.iter().map(|t| t.shape.iter().product::<u64>() * t.dtype.size() as u64).sum();
-    progress.bytes_total.store(total, Ordering::Relaxed);
     let options = ExportOptions {
         max_file_bytes: request.max_file_bytes,
         file_numbers,
         threads: request.threads.max(1),
         overwrite: request.overwrite,
     };
-    let written = write_export(&checkpoint, &tensors, &like, &request.to, &options, progress)
-        .map_err(|source| OpsError::Output { path: request.to.clone(), source })?;
-    Ok(ExportDone { written, like, etp, seconds: started.elapsed().as_secs_f64() })
+    Ok(PlannedExport { checkpoint, tensors, like, etp, options, to: request.to.clone() })
+}
+
+/// Exports `request.ckpt` as `request.like` (or, for an Automodel save, the release its
+/// `.hf_metadata/` describes) into `request.to`, counting bytes into `progress`.
+pub fn export(request: &ExportRequest, progress: &Progress) -> Result<ExportDone, OpsError> {
+    let started = Instant::now();
+    let planned = plan_export_of(request)?;
+    let written = planned.write(progress)?;
+    Ok(ExportDone { written, like: planned.like, etp: planned.etp, seconds: started.elapsed().as_secs_f64() })
 }

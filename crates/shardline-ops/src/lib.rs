@@ -23,7 +23,8 @@ mod validate;
 pub use convert::{convert, plan_release, ConvertReport, ConvertRequest};
 pub use error::OpsError;
 pub use export::{
-    automodel_release, export, export_tensors, open_model, saved_etp, AutomodelRelease, ExportDone, ExportRequest,
+    automodel_release, export, export_tensors, open_model, plan_export_of, saved_etp, AutomodelRelease, ExportDone,
+    ExportRequest, PlannedExport,
 };
 pub use fsdp2::OpenedCheckpoint;
 pub use reshard::{

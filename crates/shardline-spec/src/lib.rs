@@ -42,7 +42,7 @@
 //! | `megatron.split_fused` | `keep` = false; its only need is a `megatron.shard` step |
 //! | `checkpoint.reshard` | `tp`, `dp` (required), `cp` = 1, `ep` = 1, `etp` = `tp`, `rng` = `from-rank0` \| `drop`, `vocab_size` (the tokenizer's; default: the checkpoint's `args`, else the upstream release's `config.json`), `from_mesh` (`tp=2,dp=4,…`; default: `args`, else the mesh the upstream step wrote, else the chunk geometry's), `target` (`fsdp_dtensor` \| `torch_dist`: either translates a checkpoint of the other dialect, `torch_dist` writing a Megatron save directory with `fully_reshardable` optimizer state; default: the source's dialect), `path` (a local checkpoint directory or an object-store prefix, fetched as `hf.download` fetches one; without it, the checkpoint of the upstream `megatron.shard`, `megatron.split_fused` or `checkpoint.reshard` step) |
 //! | `checkpoint.validate` | none; validates against the upstream download's source |
-//! | `checkpoint.export` | `like` (a local HF release; default: the upstream download's), `etp` (default: the checkpoint's `args`, else its mesh), `max_file_size` = `5GB`; exports the upstream checkpoint as an HF directory |
+//! | `checkpoint.export` | `like` (a local HF release; default: the upstream download's), `etp` (default: the checkpoint's `args`, else its mesh), `max_file_size` = `5GB`, `parts` = 1 (tasks writing the weight files, then one committing); exports the upstream checkpoint as an HF directory |
 //! | `store.upload` | `to` (required): a `file://`, `s3://`, `gs://` or `az://` URL, or an absolute path; uploads the nearest upstream checkpoint or export |
 //!
 //! `resources` = `{cpus: 1, memory: 1GiB, gpus: 0, scratch: 0}`, `retry` =

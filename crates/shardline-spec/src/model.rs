@@ -557,6 +557,10 @@ pub enum StepConfig {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         etp: Option<u64>,
         max_file_size: u64,
+        /// Tasks the weight files are written by, file `i` by part `i mod parts` (on a local or
+        /// shared file system; one task on an object-store artifact store), then one committing.
+        #[serde(default = "one")]
+        parts: u64,
     },
     #[serde(rename = "store.upload")]
     StoreUpload { to: String },
@@ -778,4 +782,8 @@ impl ResolvedPipeline {
         }
         hashes
     }
+}
+
+fn one() -> u64 {
+    1
 }

@@ -384,6 +384,7 @@ pub(crate) fn resolve_step(
             like: w.get("like").map(|_| PathBuf::from(string(&w, "like"))),
             etp: w.get("etp").map(|_| uint(&w, "etp")),
             max_file_size: uint(&w, "max_file_size"),
+            parts: uint(&w, "parts"),
         },
         StepKind::StoreUpload => StepConfig::StoreUpload { to: string(&w, "to") },
         StepKind::Command => command(&mut cx, step, &base, &w)?,

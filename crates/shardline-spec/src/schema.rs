@@ -228,6 +228,8 @@ const CHECKPOINT_EXPORT: &[Field] = &[
     field("like", FieldType::LocalPath, FieldDefault::Optional),
     field("etp", POSITIVE, FieldDefault::Optional),
     field("max_file_size", FieldType::Size { min: 1 }, FieldDefault::Size(DEFAULT_MAX_FILE_SIZE)),
+    // Tasks the weight files are written by (file i by part i mod parts), then one that commits.
+    field("parts", POSITIVE, FieldDefault::UInt(1)),
 ];
 
 const STORE_UPLOAD: &[Field] = &[field("to", FieldType::Target, FieldDefault::Required)];

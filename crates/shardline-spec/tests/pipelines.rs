@@ -128,7 +128,7 @@ fn the_reshard_export_example_moves_a_checkpoint_between_meshes() {
         unreachable!()
     };
     assert_eq!((source, rng, vocab_size, from_mesh), (&None, &RngPolicyName::FromRank0, &None, &None));
-    let StepConfig::CheckpointExport { like, etp, max_file_size } = &run.step("export").unwrap().config else {
+    let StepConfig::CheckpointExport { like, etp, max_file_size, .. } = &run.step("export").unwrap().config else {
         unreachable!()
     };
     assert_eq!((like, etp, *max_file_size), (&None, &None, 5_000_000_000));

@@ -41,6 +41,8 @@ pub mod kinds {
     /// A reshard's object-store source, downloaded.
     pub const RESHARD_FETCH: &str = "checkpoint.reshard.fetch";
     pub const EXPORT: &str = "checkpoint.export";
+    /// Some of an export's weight files (see [`ExportJob::parts`]); the export task commits.
+    pub const EXPORT_PART: &str = "checkpoint.export.part";
     pub const UPLOAD: &str = "store.upload";
     pub const COMMAND: &str = "command";
 }
@@ -182,6 +184,11 @@ pub struct ExportJob {
     pub step_hash: String,
     #[serde(default = "yes")]
     pub cache: bool,
+    /// Above 1: tasks `<step>/part-<p>` ([`Payload::ExportPart`]) write weight file `i` when
+    /// `i mod parts == p` into the staging directory, and this task commits them (the index,
+    /// the release's other files, the rename). 0 or 1: this task writes everything.
+    #[serde(default)]
+    pub parts: u64,
 }
 
 /// What a `command` task runs, and where.
@@ -303,6 +310,11 @@ pub enum Payload {
     },
     Export {
         job: ExportJob,
+    },
+    /// Part `part` of an export split in parts (see [`ExportJob::parts`]).
+    ExportPart {
+        job: ExportJob,
+        part: u64,
     },
     /// The split was applied in the upstream shard plan; this task passes its output on.
     SplitPassThrough {
@@ -608,7 +620,7 @@ pub fn tasks_for(
                 };
                 tasks.extend(reshard_tasks(step, needs, job));
             }
-            StepConfig::CheckpointExport { like, etp, max_file_size } => {
+            StepConfig::CheckpointExport { like, etp, max_file_size, parts } => {
                 let checkpoint_task = upstream_checkpoint_of(p, &step.id).ok_or_else(|| missing("checkpoint"))?;
                 // With neither a `like` nor a download, the checkpoint must describe its own
                 // release (a NeMo Automodel save, which the lint has found): the export says so.
@@ -624,8 +636,9 @@ pub fn tasks_for(
                     remote: remote_at(&step.id, "hf"),
                     step_hash,
                     cache: step.cache,
+                    parts: *parts,
                 };
-                tasks.push(base(step, step.id.clone(), kinds::EXPORT, needs, Payload::Export { job }));
+                tasks.extend(export_tasks(step, needs, job));
             }
             StepConfig::CheckpointValidate {} => {
                 let checkpoint_task = checkpoint_task_of(p, &step.id, false).ok_or_else(|| missing("checkpoint"))?;
@@ -755,6 +768,25 @@ fn reshard_tasks(step: &ResolvedStep, needs: Vec<String>, job: ReshardJob) -> Ve
     // The commit reads the source too (its `.metadata` and bytes items).
     let commit_needs = needs.into_iter().chain(tasks.iter().map(|t| t.name.clone())).collect();
     tasks.push(base(step, step.id.clone(), kinds::RESHARD, commit_needs, Payload::Reshard { job }));
+    tasks
+}
+
+/// An export's tasks: with `parts` above 1 on a local or shared file system, one task per part
+/// writing its weight files into the staging directory, then the export itself committing them;
+/// otherwise (or on an object-store artifact store) one task.
+fn export_tasks(step: &ResolvedStep, needs: Vec<String>, job: ExportJob) -> Vec<NewTask> {
+    if job.remote.is_some() || job.parts < 2 {
+        let job = ExportJob { parts: 1, ..job };
+        return vec![base(step, step.id.clone(), kinds::EXPORT, needs, Payload::Export { job })];
+    }
+    let mut tasks: Vec<NewTask> = (0..job.parts)
+        .map(|part| {
+            let payload = Payload::ExportPart { job: job.clone(), part };
+            base(step, format!("{}/part-{part}", step.id), kinds::EXPORT_PART, needs.clone(), payload)
+        })
+        .collect();
+    let commit_needs = needs.into_iter().chain(tasks.iter().map(|t| t.name.clone())).collect();
+    tasks.push(base(step, step.id.clone(), kinds::EXPORT, commit_needs, Payload::Export { job }));
     tasks
 }
 

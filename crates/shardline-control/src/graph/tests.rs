@@ -178,3 +178,33 @@ steps:
     let local = graph(text);
     assert_eq!(names(&local), ["one", "four/rank-0", "four/rank-1", "four/rank-2", "four/rank-3", "four"]);
 }
+
+#[test]
+fn an_export_in_parts_is_a_task_per_part_then_its_commit() {
+    let text = "apiVersion: shardline/v1
+kind: Pipeline
+name: p
+steps:
+  - {id: download, uses: hf.download, with: {path: rel/model}}
+  - {id: shard, uses: megatron.shard, needs: [download], with: {tp: 1, dp: 1}}
+  - {id: export, uses: checkpoint.export, needs: [shard], with: {parts: 3}}
+";
+    let tasks = graph(text);
+    let names: Vec<&str> = tasks.iter().map(|t| t.name.as_str()).filter(|n| n.starts_with("export")).collect();
+    assert_eq!(names, ["export/part-0", "export/part-1", "export/part-2", "export"]);
+    let (needs, Payload::Export { job }) = payload(&tasks, "export") else { panic!("export payload") };
+    assert_eq!(needs, ["shard/commit", "export/part-0", "export/part-1", "export/part-2"]);
+    assert_eq!(job.parts, 3);
+    for part in 0..3u64 {
+        let name = format!("export/part-{part}");
+        let (needs, Payload::ExportPart { job: j, part: got }) = payload(&tasks, &name) else { panic!("{name}") };
+        assert_eq!((needs, got, &j), (vec!["shard/commit".to_string()], part, &job));
+        assert_eq!(tasks.iter().find(|t| t.name == name).map(|t| t.kind.as_str()), Some(kinds::EXPORT_PART));
+    }
+    // On an object-store artifact store, one task.
+    let remote = graph_on(text, Some("s3://b/artifacts"));
+    let names: Vec<&str> = remote.iter().map(|t| t.name.as_str()).filter(|n| n.starts_with("export")).collect();
+    assert_eq!(names, ["export"]);
+    let (_, Payload::Export { job }) = payload(&remote, "export") else { panic!() };
+    assert_eq!(job.parts, 1);
+}

@@ -126,8 +126,92 @@ pub fn write_export(
     if out.exists() && !options.overwrite {
         return Err(ExecuteError::Exists(out.to_path_buf(), "the directory").into());
     }
+    let by_key = check_sources(checkpoint, tensors)?;
+    let staging = staging_dir(out);
+    let _ = fs::remove_dir_all(&staging);
+    let parent = staging.parent().unwrap_or(Path::new("."));
+    let created = out_dir::create(parent).map_err(io_err(parent, "create the output's parent directory"))?;
+    if let Err(e) = fs::create_dir(&staging) {
+        created.remove();
+        return Err(io_err(&staging, "create staging directory")(e));
+    }
+    let result = file_list(tensors, options).and_then(|files| {
+        write_weights(checkpoint, &by_key, tensors, &files, |_| true, &staging, options, progress)?;
+        finish_staged(tensors, &files, like, &staging)
+    });
+    let report = match result {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = fs::remove_dir_all(&staging);
+            created.remove();
+            return Err(e);
+        }
+    };
+    // The old export (if any) is withdrawn whole, in one rename, before the new one takes its
+    // place: a reader never sees an index naming files half removed.
+    out_dir::replace_with(&staging, out).map_err(io_err(out, "put the export in place"))?;
+    Ok(report)
+}
+
+/// Part `part` of `parts` of an export split over tasks: weight file `i` (in the order
+/// [`write_export`] writes them) when `i mod parts == part`, into the staging directory of
+/// `out`, each written under a temporary name and renamed when complete. Returns their names;
+/// [`commit_export`] finishes the export once every part is written.
+pub fn write_export_part(
+    checkpoint: &Checkpoint,
+    tensors: &[ExportTensor],
+    out: &Path,
+    options: &ExportOptions,
+    (part, parts): (u64, u64),
+    progress: &Progress,
+) -> Result<Vec<String>, TrainingError> {
+    let by_key = check_sources(checkpoint, tensors)?;
+    let files = file_list(tensors, options)?;
+    let staging = staging_dir(out);
+    fs::create_dir_all(&staging).map_err(io_err(&staging, "create staging directory"))?;
+    let mine = |i: usize| i as u64 % parts.max(1) == part;
+    write_weights(checkpoint, &by_key, tensors, &files, mine, &staging, options, progress)?;
+    Ok(files.into_iter().enumerate().filter(|(i, _)| mine(*i)).map(|(_, (name, _))| name).collect())
+}
+
+/// Finishes an export whose weight files [`write_export_part`] wrote: every one must be in the
+/// staging directory at its planned length (else nothing is put in place and the error names the
+/// first that is not); then the index and the release's other files, and the rename into place.
+pub fn commit_export(
+    tensors: &[ExportTensor],
+    like: &Path,
+    out: &Path,
+    options: &ExportOptions,
+) -> Result<ExportReport, TrainingError> {
+    let files = file_list(tensors, options)?;
+    let staging = staging_dir(out);
+    let metadata = weights_metadata();
+    for (name, range) in &files {
+        let part = &tensors[range.clone()];
+        let layout = FileLayout::new(part.iter().map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice())), &metadata)?;
+        let path = staging.join(name);
+        let found = fs::metadata(&path).map(|m| m.len());
+        if found.as_ref().ok() != Some(&layout.file_len()) {
+            let what = match found {
+                Ok(len) => format!("it holds {len} bytes of the {} planned", layout.file_len()),
+                Err(e) => e.to_string(),
+            };
+            let error = io::Error::other(format!("`{name}` is not complete ({what})"));
+            return Err(TrainingError::Write(ExecuteError::Io { path, action: "commit the export", error }));
+        }
+    }
+    let report = finish_staged(tensors, &files, like, &staging)?;
+    out_dir::replace_with(&staging, out).map_err(io_err(out, "put the export in place"))?;
+    Ok(report)
+}
+
+/// The checkpoint tensors of `checkpoint` by key, once every tensor an export reads tiles its
+/// shape and converts to the release's dtype.
+fn check_sources<'c>(
+    checkpoint: &'c Checkpoint,
+    tensors: &[ExportTensor],
+) -> Result<HashMap<&'c str, &'c StoredTensor>, TrainingError> {
     let by_key: HashMap<&str, &StoredTensor> = checkpoint.tensors.iter().map(|t| (t.key.as_str(), t)).collect();
-    // Every tensor read from must tile its shape, and convert to the release's dtype.
     for t in tensors {
         for b in &t.blocks {
             let stored = by_key[b.key.as_str()];
@@ -144,38 +228,36 @@ pub fn write_export(
             }
         }
     }
-    let staging = staging_dir(out);
-    let _ = fs::remove_dir_all(&staging);
-    let parent = staging.parent().unwrap_or(Path::new("."));
-    let created = out_dir::create(parent).map_err(io_err(parent, "create the output's parent directory"))?;
-    if let Err(e) = fs::create_dir(&staging) {
-        created.remove();
-        return Err(io_err(&staging, "create staging directory")(e));
-    }
-    let result = write_staged(checkpoint, &by_key, tensors, like, &staging, options, progress);
-    let report = match result {
-        Ok(r) => r,
-        Err(e) => {
-            let _ = fs::remove_dir_all(&staging);
-            created.remove();
-            return Err(e);
-        }
-    };
-    // The old export (if any) is withdrawn whole, in one rename, before the new one takes its
-    // place: a reader never sees an index naming files half removed.
-    out_dir::replace_with(&staging, out).map_err(io_err(out, "put the export in place"))?;
-    Ok(report)
+    Ok(by_key)
 }
 
-fn write_staged(
+/// The weight files and the tensors (a range of `tensors`) each holds.
+fn file_list(
+    tensors: &[ExportTensor],
+    options: &ExportOptions,
+) -> Result<Vec<(String, std::ops::Range<usize>)>, TrainingError> {
+    match &options.file_numbers {
+        Some(numbers) => numbered_files(tensors, numbers),
+        None => Ok(cut_files(tensors, options.max_file_bytes.max(1))),
+    }
+}
+
+fn weights_metadata() -> BTreeMap<String, String> {
+    BTreeMap::from([("format".to_string(), "pt".to_string())])
+}
+
+/// Writes the weight files `which` accepts (by index in `files`) into `staging`.
+#[allow(clippy::too_many_arguments)]
+fn write_weights(
     checkpoint: &Checkpoint,
     by_key: &HashMap<&str, &StoredTensor>,
     tensors: &[ExportTensor],
-    like: &Path,
+    files: &[(String, std::ops::Range<usize>)],
+    which: impl Fn(usize) -> bool,
     staging: &Path,
     options: &ExportOptions,
     progress: &Progress,
-) -> Result<ExportReport, TrainingError> {
+) -> Result<(), TrainingError> {
     let mut inputs: HashMap<&str, File> = HashMap::new();
     for t in &checkpoint.tensors {
         for c in &t.chunks {
@@ -185,27 +267,35 @@ fn write_staged(
             }
         }
     }
-    let files = match &options.file_numbers {
-        Some(numbers) => numbered_files(tensors, numbers)?,
-        None => cut_files(tensors, options.max_file_bytes.max(1)),
-    };
-    let mut weight_map = BTreeMap::new();
-    let mut total = 0u64;
-    let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-    for (file_name, range) in &files {
+    let metadata = weights_metadata();
+    for (file_name, range) in files.iter().enumerate().filter(|(i, _)| which(*i)).map(|(_, f)| f) {
         let part = &tensors[range.clone()];
         let layout = FileLayout::new(part.iter().map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice())), &metadata)?;
         let writer = SafetensorsWriter::create(staging.join(file_name), layout)?;
         let reader = RowReader { checkpoint, by_key, inputs: &inputs };
         for_each_unit(part.len(), options.threads, progress, |i| reader.write_tensor(&part[i], &writer, progress))?;
         writer.finish()?;
-        for t in part {
+    }
+    Ok(())
+}
+
+/// What makes the weight files in `staging` a release: the index (whenever the weights are not
+/// one `model.safetensors`: transformers finds `model-00001-of-00001.safetensors` only through
+/// it) and the release's other files.
+fn finish_staged(
+    tensors: &[ExportTensor],
+    files: &[(String, std::ops::Range<usize>)],
+    like: &Path,
+    staging: &Path,
+) -> Result<ExportReport, TrainingError> {
+    let mut weight_map = BTreeMap::new();
+    let mut total = 0u64;
+    for (file_name, range) in files {
+        for t in &tensors[range.clone()] {
             weight_map.insert(t.name.clone(), file_name.clone());
             total += t.shape.iter().product::<u64>() * t.dtype.size() as u64;
         }
     }
-    // An index whenever the weights are not one `model.safetensors`: transformers finds
-    // `model-00001-of-00001.safetensors` only through it.
     if files.len() > 1 || files.first().is_some_and(|(name, _)| name != "model.safetensors") {
         let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
         let p = staging.join("model.safetensors.index.json");
@@ -213,7 +303,7 @@ fn write_staged(
     }
     let copied = copy_release_files(like, staging)?;
     Ok(ExportReport {
-        files: files.into_iter().map(|(n, _)| n).collect(),
+        files: files.iter().map(|(n, _)| n.clone()).collect(),
         tensors: tensors.len(),
         bytes: total,
         copied,

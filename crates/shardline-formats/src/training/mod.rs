@@ -25,7 +25,7 @@ use shardline_layout::reshard::{ChunkBox, PathElem, ReshardError, SourceItem, So
 use thiserror::Error;
 
 pub use args::TrainingArgs;
-pub use export::{write_export, ExportOptions, ExportReport};
+pub use export::{commit_export, write_export, write_export_part, ExportOptions, ExportReport};
 pub use split::{commit_resharded, write_resharded_ranks};
 pub use summary::{summarize_automodel, summarize_training, TrainingSummary};
 pub use write::{write_resharded, ReshardReport};

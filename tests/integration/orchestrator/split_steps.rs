@@ -1,5 +1,6 @@
-//! A `checkpoint.reshard` step run by worker processes: a task per target rank file, each run
-//! once, then the step's commit; what they write together is what `shardline reshard` writes.
+//! Steps split over tasks and run by worker processes: a `checkpoint.reshard` as a task per
+//! target rank file, a `checkpoint.export` with `parts` as a task per part, each then
+//! committed by the step's own task; what they write together is what the CLI writes whole.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -151,4 +152,74 @@ steps:
         assert!(&got[file] == bytes, "`{file}` differs from what `shardline reshard` writes");
     }
     d.signal("w1", "KILL");
+}
+
+/// An export step with `parts: 3` after a reshard: each part writes its weight files (two
+/// workers), the commit adds the index and the release's files; the result is, file for file,
+/// what `shardline export` writes whole from the source checkpoint (the same release tensors).
+#[test]
+fn an_export_step_in_parts_writes_what_export_writes() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let release = tmp.path().join("release");
+    let o = run(bin().args(["synth", "--arch", "llama", "--size", "24MB"]).arg(&release));
+    assert!(o.status.success(), "synth: {}", stderr(&o));
+    let src = tmp.path().join("src");
+    convert(&release, &src, (1, 1, 2, 1), &["--optimizer-state"]);
+    let whole = tmp.path().join("whole");
+    let o = run(bin()
+        .arg("export")
+        .arg(&src)
+        .arg("--to")
+        .arg(&whole)
+        .arg("--like")
+        .arg(&release)
+        .args(["--max-file-size", "6MB"]));
+    assert!(o.status.success(), "export: {}{}", stdout(&o), stderr(&o));
+
+    let mut d = Deployment::new(false);
+    d.server("server");
+    d.worker("w1", &["--cpus", "1", "--lease-seconds", "5"]);
+    d.worker("w2", &["--cpus", "1", "--lease-seconds", "5"]);
+    let spec = format!(
+        "apiVersion: shardline/v1
+kind: Pipeline
+name: export-parts
+steps:
+  - id: reshard
+    uses: checkpoint.reshard
+    with: {{path: {}, tp: 2, dp: 1}}
+  - id: export
+    uses: checkpoint.export
+    needs: [reshard]
+    with: {{like: {}, max_file_size: 6MB, parts: 3}}
+",
+        src.display(),
+        release.display()
+    );
+    let run_id = d.submit(&spec);
+    let r = d.wait_run(run_id);
+    assert_eq!(r.state, RunState::Succeeded, "{:?}", r.error);
+    let mut written = Vec::new();
+    for part in 0..3 {
+        let name = format!("export/part-{part}");
+        let task = d.task(run_id, &name);
+        assert_eq!((task.kind.as_str(), task.state), ("checkpoint.export.part", TaskState::Succeeded), "{name}");
+        assert_eq!(d.attempts(run_id, &name).len(), 1, "{name}");
+        let weights = task.output.as_ref().map(|o| o["weights"].clone()).expect("output");
+        written.extend(weights.as_array().expect("weights").iter().map(|w| w.as_str().expect("name").to_string()));
+    }
+    let log = d.task_log(run_id, "export");
+    assert!(log.contains("weight files written by 3 part tasks"), "{log}");
+    let out = d.task(run_id, "export").output.as_ref().and_then(|o| o["dir"].as_str()).map(PathBuf::from).expect("dir");
+    let want = files_under(&whole);
+    let mut weights: Vec<&String> = want.keys().filter(|n| n.ends_with(".safetensors")).collect();
+    weights.sort();
+    written.sort();
+    assert!(weights.len() >= 4, "{weights:?}");
+    assert_eq!(written.iter().collect::<Vec<_>>(), weights, "each weight file written by exactly one part");
+    let got = files_under(&out);
+    assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
+    for (file, bytes) in &want {
+        assert!(&got[file] == bytes, "`{file}` differs from what `shardline export` writes");
+    }
 }
