@@ -399,8 +399,11 @@ fn reshard_and_export_run_on_the_artifact_store() {
     assert_eq!(moto.open_multipart_uploads(ARTIFACTS), 0);
     // The export read the model's items of the resharded checkpoint, not its moments.
     let logs = hosts.rt.block_on(hosts.store.logs(LogFilter::Run(run), 0, 100_000)).expect("logs");
+    let tasks = hosts.rt.block_on(hosts.store.run_tasks(run)).expect("tasks");
+    let export_task = tasks.iter().find(|t| t.name == "export").map(|t| t.id).expect("export task");
     let read = logs
         .iter()
+        .filter(|l| l.task == export_task)
         .find_map(|l| {
             let rest = l.line.strip_prefix("read ")?;
             let (fetched, rest) = rest.split_once(" of the ")?;
@@ -408,6 +411,23 @@ fn reshard_and_export_run_on_the_artifact_store() {
         })
         .expect("the export's log says how much of the checkpoint it read");
     assert!(read.0 > 0 && read.0 * 2 < read.1, "the export read {} of {} bytes", read.0, read.1);
+    // The reshard ran as a task per target rank file (tp2·dp2: four), each reading only the
+    // source chunks its file is made from: less than 2/world of the source.
+    let mut ranks: Vec<(String, u64, u64)> = Vec::new();
+    for l in &logs {
+        let Some(rest) = l.line.strip_prefix("rank ") else { continue };
+        let Some((_, rest)) = rest.split_once(": read ") else { continue };
+        let Some((fetched, rest)) = rest.split_once(" of the ") else { continue };
+        let total = rest.split_once(' ').and_then(|(t, _)| t.parse::<u64>().ok()).expect("total");
+        let worker = tasks.iter().find(|t| t.id == l.task).map(|t| t.name.clone()).expect("task");
+        ranks.push((worker, fetched.parse().expect("fetched"), total));
+    }
+    ranks.sort();
+    assert_eq!(ranks.len(), 4, "{ranks:?}");
+    for (task, fetched, total) in &ranks {
+        assert!(*fetched > 0 && fetched * 4 < 2 * total, "{task} read {fetched} of the source's {total} bytes");
+    }
+    eprintln!("reshard rank tasks read (task, bytes, of): {ranks:?}");
     // The tasks reading a checkpoint were claimed with the scratch it takes them: the reshard the
     // source and its output, the export the model's items and the release, validation parts
     // their files and the release ranges.
@@ -730,7 +750,8 @@ fn a_run_on_the_artifact_store_is_served_from_the_step_cache_and_gc_keeps_what_i
         "gc freed the checkpoint a running run reads"
     );
     let (second_name, tasks) = succeeded(second);
-    assert_eq!(cached_ranks(&tasks), 3, "the second run's ranks and reshard are served from the cache");
+    // The shard's two rank tasks, the reshard's two (tp2) and its commit.
+    assert_eq!(cached_ranks(&tasks), 5, "the second run's ranks and reshard are served from the cache");
     assert!(
         !moto.list_keys(ARTIFACTS, &prefix(&second_name)).iter().any(|k| k.contains("/checkpoint/")),
         "the second run wrote no checkpoint of its own"

@@ -328,3 +328,59 @@ fn a_reshard_split_by_rank_file_is_the_whole_reshard() {
         }
     }
 }
+
+/// What one task of a reshard split by rank reads: the storage items of the source chunks
+/// `rank_sources` names, and no other. A copy of the source opened without locating its chunks,
+/// with every other tensor item zeroed, writes each target rank file exactly as the whole
+/// reshard does — so no byte of an unnamed item is read.
+#[test]
+fn a_rank_file_needs_only_the_source_chunks_it_is_made_from() {
+    use shardline_formats::execute::Progress;
+    use shardline_formats::training::{rank_sources, write_resharded_ranks, TrainingCheckpoint};
+    use shardline_layout::reshard::{plan_reshard, RngPolicy};
+    use shardline_ops::{reshard_options, ReshardHints};
+    use std::os::unix::fs::FileExt;
+
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let src = tmp.path().join("src");
+    convert_at("qwen3_moe", &src, (1, 1, 4, 2, 1));
+    let whole = tmp.path().join("whole");
+    let (tp, cp, dp, ep, etp) = (2, 1, 3, 2, 1);
+    let o = reshard(&src, &whole, (tp, cp, dp, ep, etp), &[]);
+    assert!(o.status.success(), "reshard: {}{}", stdout(&o), stderr(&o));
+    let mesh = shardline_layout::Mesh { tp, cp, dp, ep, etp };
+    for rank in 0..mesh.world() {
+        let copy = tmp.path().join(format!("copy-{rank}"));
+        std::fs::create_dir(&copy).expect("copy dir");
+        for e in std::fs::read_dir(&src).expect("src") {
+            let path = e.expect("entry").path();
+            std::fs::copy(&path, copy.join(path.file_name().expect("name"))).expect("copy");
+        }
+        let mut source = TrainingCheckpoint::open_unlocated(&copy).expect("open unlocated");
+        let options =
+            reshard_options(&source, mesh, RngPolicy::FromRank0, ReshardHints::default(), ReshardHints::default());
+        let plan = plan_reshard(&source.items, &options).expect("plan");
+        let wanted = rank_sources(&source, &plan, rank);
+        let (mut kept, mut zeroed) = (0usize, 0usize);
+        for (ti, t) in source.checkpoint.tensors.iter().enumerate() {
+            for (ci, c) in t.chunks.iter().enumerate() {
+                if wanted.contains(&(ti, ci)) {
+                    kept += 1;
+                    continue;
+                }
+                // Unlocated, a chunk's offset and length are its whole storage item's.
+                let f = std::fs::OpenOptions::new().write(true).open(copy.join(&*c.file)).expect("open");
+                f.write_all_at(&vec![0u8; c.data_len as usize], c.data_offset).expect("zero the item");
+                zeroed += 1;
+            }
+        }
+        assert!(kept > 0 && zeroed > kept, "rank {rank}: {kept} chunks kept, {zeroed} zeroed");
+        source.locate(&wanted).expect("locate");
+        let out = tmp.path().join(format!("out-{rank}"));
+        write_resharded_ranks(&source, &plan, &out, rank..rank + 1, 1, &Progress::default()).expect("write");
+        let name = format!("__{rank}_0.distcp");
+        let (want, got) =
+            (std::fs::read(whole.join(&name)).expect("whole"), std::fs::read(out.join(&name)).expect("got"));
+        assert!(want == got, "rank {rank}: the file differs from the whole reshard's ({kept} chunks kept)");
+    }
+}

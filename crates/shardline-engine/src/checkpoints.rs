@@ -165,7 +165,7 @@ fn staging(out: &Path) -> PathBuf {
     PathBuf::from(s)
 }
 
-fn threads(ctx: &StepContext) -> usize {
+pub(crate) fn threads(ctx: &StepContext) -> usize {
     ctx.cpus.max(1) as usize
 }
 
@@ -250,7 +250,7 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
         ReshardSource::Task { task } => ctx.outputs.get(task),
         ReshardSource::Local { .. } => None,
     };
-    let (plan, dialect) = (&planned.plan, planned.options.dialect);
+    let plan = &planned.plan;
     let mesh = plan.mesh;
     for note in &plan.notes {
         (ctx.log)(format!("warning: {}", note.strip_prefix("warning: ").unwrap_or(note)));
@@ -309,6 +309,21 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
     };
     ctx.progress.bytes_written.store(total, Ordering::Relaxed);
     (ctx.log)(format!("resharded into {} ({} rank files, {bytes} bytes)", out.display(), mesh.world()));
+    Ok(reshard_output(job, &planned, &dir, upstream, bytes))
+}
+
+/// What a reshard task reports: the checkpoint (`dir`: the step's `out`; on an artifact store the
+/// caller names the prefix instead), its mesh and size, what it was made from.
+pub(crate) fn reshard_output(
+    job: &ReshardJob,
+    planned: &PlannedReshard,
+    source_dir: &Path,
+    upstream: Option<&TaskOutput>,
+    bytes: u64,
+) -> TaskOutput {
+    let (plan, dialect) = (&planned.plan, planned.options.dialect);
+    let mesh = plan.mesh;
+    let from = planned.options.source_mesh.map_or_else(|| "unknown".to_string(), |m| m.to_string());
     // What a publish of this checkpoint records as its source when the pipeline downloaded none.
     let source_record = match (&job.source, upstream) {
         (ReshardSource::Local { path }, _) => json!({"kind": "checkpoint.reshard", "path": path}),
@@ -319,12 +334,12 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
                 }
                 s
             }
-            None => json!({"kind": "checkpoint.reshard", "checkpoint": dir}),
+            None => json!({"kind": "checkpoint.reshard", "checkpoint": source_dir}),
         },
         (ReshardSource::Task { .. }, None) => Value::Null,
     };
-    Ok(TaskOutput {
-        dir: Some(out.clone()),
+    TaskOutput {
+        dir: Some(job.out.clone()),
         mesh: Some(mesh.to_string()),
         world: Some(mesh.world()),
         keys: Some(planned.tensor_count() as u64),
@@ -336,8 +351,8 @@ pub fn reshard(job: &ReshardJob, ctx: &StepContext) -> Result<TaskOutput, StepEr
     .with("format", json!("dcp"))
     .with("target", json!(dialect.name()))
     .with("from", json!(from))
-    .with("optimizer_states", json!(moments))
-    .with("notes", json!(plan.notes)))
+    .with("optimizer_states", json!(planned.optimizer_states()))
+    .with("notes", json!(plan.notes))
 }
 
 fn dir_bytes(dir: &Path) -> u64 {
@@ -455,7 +470,7 @@ fn export_output(job: &ExportJob, upstream: &TaskOutput, report: ExportReport, l
 
 /// The reshard plan of a Megatron checkpoint (`fsdp_dtensor` or `torch_dist`, either translated
 /// to the other when `target` says so), with its source mesh and the dialect written.
-fn plan_megatron(
+pub(crate) fn plan_megatron(
     ctx: &StepContext<'_>,
     job: &ReshardJob,
     dir: &Path,

@@ -23,6 +23,7 @@ pub mod objects;
 mod rank_task;
 pub mod reader_needs;
 pub mod remote;
+mod remote_reshard;
 mod sparse_checkpoint;
 pub mod steps;
 pub mod validate;

@@ -81,7 +81,12 @@ pub(crate) fn transient(e: impl std::fmt::Display) -> StepError {
 }
 
 /// Uploads `path` as `name` and completes it at once (files that are whole outputs by themselves).
-async fn put_file(artifacts: &Artifacts, name: &str, path: &Path, ctx: &StepContext<'_>) -> Result<u64, StepError> {
+pub(crate) async fn put_file(
+    artifacts: &Artifacts,
+    name: &str,
+    path: &Path,
+    ctx: &StepContext<'_>,
+) -> Result<u64, StepError> {
     let ledger = ledger(ctx)?;
     let upload = artifacts
         .upload_file(name, path, |id: String| async move { ledger.opened(artifacts, name, &id).await })

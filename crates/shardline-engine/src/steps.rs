@@ -350,19 +350,29 @@ pub fn execute(payload: &Payload, ctx: &StepContext) -> Result<TaskOutput, StepE
         }
         Payload::Reshard { job } => match &job.remote {
             Some(remote) => {
+                // Split by rank, the rank tasks put the files of a source read in place.
+                if job.split {
+                    if let Some(output) = crate::remote_reshard::commit(job, remote, ctx)? {
+                        return Ok(output);
+                    }
+                }
                 let needs: Vec<&str> = match &job.source {
                     shardline_control::graph::ReshardSource::Task { task } => vec![task.as_str()],
                     shardline_control::graph::ReshardSource::Local { .. } => vec![],
                 };
                 let needs = needs.into_iter().chain(job.release_task.as_deref()).collect::<Vec<_>>();
+                // Otherwise written whole here, staged in the scratch and put.
                 crate::remote::staged_step(ctx, &needs, remote, ".metadata", |ctx, out| {
-                    checkpoints::reshard(&shardline_control::graph::ReshardJob { out, ..job.clone() }, ctx)
+                    let whole = shardline_control::graph::ReshardJob { out, split: false, ..job.clone() };
+                    checkpoints::reshard(&whole, ctx)
                 })
             }
             None => checkpoints::reshard(job, ctx),
         },
-        // Split only on a local or shared file system (see `graph::reshard_tasks`).
-        Payload::ReshardRank { job, rank } => checkpoints::reshard_rank(job, *rank, ctx),
+        Payload::ReshardRank { job, rank } => match &job.remote {
+            Some(remote) => crate::remote_reshard::rank(job, *rank, remote, ctx),
+            None => checkpoints::reshard_rank(job, *rank, ctx),
+        },
         Payload::Command { job } => match &job.remote {
             Some(remote) => {
                 let needs: Vec<&str> = job.inputs.iter().map(|i| i.task.as_str()).collect();

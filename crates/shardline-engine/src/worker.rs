@@ -425,6 +425,18 @@ async fn check_cache(
             let output = TaskOutput { cached: Some(json!(true)), ..TaskOutput::default() }.with("rank", json!(rank));
             CacheCheck::Hit(Box::new(output))
         }
+        // On an artifact store likewise, the source named by its listing.
+        Payload::ReshardRank { job, rank } if job.remote.is_some() && step_cache(job.cache).await => {
+            let ReshardSource::Task { task } = &job.source else { return miss };
+            let Some(url) = outputs.get(task).and_then(|o| o.artifact.as_deref()) else { return miss };
+            let Some(digest) = crate::remote::checkpoint_digest(url, &config.objects).await else { return miss };
+            let key = checkpoints::reshard_cache_key(job, &digest);
+            let Some(hit) = cached_in_store(store, &key, config).await else { return miss };
+            let at = hit.artifact.clone().unwrap_or_default();
+            log(LogStream::System, format!("cache hit {key}: already resharded in {at}; rank {rank} is not written"));
+            let output = TaskOutput { cached: Some(json!(true)), ..TaskOutput::default() }.with("rank", json!(rank));
+            CacheCheck::Hit(Box::new(output))
+        }
         Payload::Reshard { job } if job.remote.is_some() => {
             // On an artifact store the source is named by its listing (names, sizes, ETags).
             let ReshardSource::Task { task } = &job.source else { return miss };

@@ -750,12 +750,14 @@ pub fn rank_task(plan_task: &str, rank: u64) -> String {
     format!("{plan_task}/rank-{rank}")
 }
 
-/// A reshard's tasks: on a local or shared file system one task per target rank file, each
-/// writing its file into the staging directory, then the reshard itself committing them; on an
-/// object-store artifact store (or for one rank) one task writing the whole checkpoint.
+/// A reshard's tasks: one task per target rank file, each writing its file (into the staging
+/// directory, or on an object-store artifact store putting it under the step's prefix), then the
+/// reshard itself committing them; one task for one rank, or for a local source on an artifact
+/// store (read in place on one host).
 fn reshard_tasks(step: &ResolvedStep, needs: Vec<String>, job: ReshardJob) -> Vec<NewTask> {
     let world = job.tp * job.cp * job.dp;
-    if job.remote.is_some() || world < 2 {
+    let local_source = matches!(job.source, ReshardSource::Local { .. });
+    if (job.remote.is_some() && local_source) || world < 2 {
         return vec![base(step, step.id.clone(), kinds::RESHARD, needs, Payload::Reshard { job })];
     }
     let job = ReshardJob { split: true, ..job };

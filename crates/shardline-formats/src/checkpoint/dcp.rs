@@ -172,6 +172,17 @@ impl From<DcpMetadataError> for Stop {
 
 /// Opens the DCP checkpoint in `dir`, keeping the keys `keep` accepts (all, for `None`).
 pub(super) fn open_dcp(dir: &Path, keep: Option<&dyn Fn(&str) -> bool>) -> Result<Checkpoint, CheckpointError> {
+    open_dcp_as(dir, keep, true)
+}
+
+/// [`open_dcp`] where, unless `locate`, no tensor chunk's framing is read: each chunk's
+/// `data_offset`/`data_len` stand for its whole storage item until [`locate_chunks`] finds its
+/// bytes (a reader of a sparse local copy of a checkpoint holding only the items it needs).
+pub(super) fn open_dcp_as(
+    dir: &Path,
+    keep: Option<&dyn Fn(&str) -> bool>,
+    locate: bool,
+) -> Result<Checkpoint, CheckpointError> {
     let md_path = dir.join(".metadata");
     let mut c = Collector { keep, ..Collector::default() };
     read_metadata_file(&md_path, |item| c.item(item).map_err(Stop::Checkpoint)).map_err(|e| match e {
@@ -235,6 +246,17 @@ pub(super) fn open_dcp(dir: &Path, keep: Option<&dyn Fn(&str) -> bool>) -> Resul
             };
             within(&t.key, &chunk.offsets, &at)?;
             let file = &c.files[at.file as usize];
+            if !locate {
+                let (data_offset, data_len) = (at.offset, at.length);
+                stored.push(StoredChunk {
+                    offsets: chunk.offsets,
+                    sizes: chunk.sizes,
+                    file: file.clone(),
+                    data_offset,
+                    data_len,
+                });
+                continue;
+            }
             let archive = read_tensor_archive_with(&readers[at.file as usize], at.offset, at.length, &mut specs)
                 .map_err(|source| CheckpointError::Item {
                     key: t.key.clone(),
@@ -272,4 +294,45 @@ pub(super) fn open_dcp(dir: &Path, keep: Option<&dyn Fn(&str) -> bool>) -> Resul
         objects,
         planner_data: c.planner_data,
     })
+}
+
+/// Finds the bytes of chunks `wanted` (`(tensor, chunk)` indices) of a checkpoint opened with
+/// [`open_dcp_as`] without locating them: each one's framing is read strictly from its storage
+/// item, checked against what `.metadata` declares, and its `data_offset`/`data_len` set.
+pub fn locate_chunks(checkpoint: &mut Checkpoint, wanted: &[(usize, usize)]) -> Result<(), CheckpointError> {
+    let mut files: HashMap<Arc<str>, File> = HashMap::new();
+    let mut specs = SpecCache::default();
+    for &(ti, ci) in wanted {
+        let t = &mut checkpoint.tensors[ti];
+        let (key, dtype) = (t.key.clone(), t.dtype);
+        let chunk = &mut t.chunks[ci];
+        let (offset, length) = (chunk.data_offset, chunk.data_len);
+        if !files.contains_key(&chunk.file) {
+            let p = checkpoint.dir.join(&*chunk.file);
+            files.insert(chunk.file.clone(), File::open(&p).map_err(io_err(&p, "open rank file"))?);
+        }
+        let reader = BlockReader::new(&files[&chunk.file]);
+        let archive =
+            read_tensor_archive_with(&reader, offset, length, &mut specs).map_err(|source| CheckpointError::Item {
+                key: key.clone(),
+                offsets: chunk.offsets.clone(),
+                file: chunk.file.to_string(),
+                offset,
+                length,
+                source,
+            })?;
+        if archive.dtype != dtype || archive.shape != chunk.sizes {
+            return Err(CheckpointError::Inconsistent {
+                key,
+                offsets: chunk.offsets.clone(),
+                message: format!(
+                    "item holds {} {:?} but .metadata declares {} {:?}",
+                    archive.dtype, archive.shape, dtype, chunk.sizes
+                ),
+            });
+        }
+        chunk.data_offset = offset + archive.data_offset_in_item;
+        chunk.data_len = archive.data_len;
+    }
+    Ok(())
 }

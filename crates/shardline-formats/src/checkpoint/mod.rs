@@ -141,6 +141,14 @@ pub fn open_checkpoint_keys(dir: &Path, keep: impl Fn(&str) -> bool) -> Result<C
     open_any(dir, Some(&keep))
 }
 
+/// The DCP checkpoint in `dir` (not a save directory or folder naming one) with no tensor chunk
+/// located: each chunk's `data_offset`/`data_len` stand for its whole storage item until
+/// [`locate_chunks`] finds the bytes of those a reader needs. For a sparse local copy of a
+/// checkpoint holding `.metadata`, its bytes items and only the items one task reads.
+pub fn open_checkpoint_unlocated(dir: &Path) -> Result<Checkpoint, CheckpointError> {
+    dcp::open_dcp_as(dir, None, false)
+}
+
 /// The directory holding the checkpoint `dir` names: `dir` itself; for a Megatron-LM save
 /// directory, the checkpoint its tracker names; for a torchtitan checkpoint folder, its latest
 /// complete `step-N` (one level, never further).
@@ -339,6 +347,7 @@ mod ranges;
 mod scan;
 mod slices;
 pub use blocks::BlockReader;
+pub use dcp::locate_chunks;
 pub use ranges::storage_ranges;
 pub use scan::{scan_checkpoint, FileSummary, ScanSummary, TensorSummary};
 pub use slices::{read_box, read_box_from, ChunkReadError, SliceRead};

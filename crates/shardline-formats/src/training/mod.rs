@@ -26,12 +26,15 @@ use thiserror::Error;
 
 pub use args::TrainingArgs;
 pub use export::{commit_export, write_export, write_export_part, ExportOptions, ExportReport};
-pub use split::{commit_resharded, write_resharded_ranks};
+pub use split::{commit_resharded, commit_resharded_listed, rank_sources, write_resharded_ranks};
 pub use summary::{summarize_automodel, summarize_training, TrainingSummary};
 pub use write::{write_resharded, ReshardReport};
 pub use write_hf::write_resharded_hf_storage;
 
-use crate::checkpoint::{open_checkpoint, Checkpoint, CheckpointError, CheckpointFormat, StoredChunk};
+use crate::checkpoint::{
+    locate_chunks, open_checkpoint, open_checkpoint_unlocated, Checkpoint, CheckpointError, CheckpointFormat,
+    StoredChunk,
+};
 use crate::execute::ExecuteError;
 use crate::pickle::Value;
 use crate::torch_save::{read_object_archive, TorchSaveError};
@@ -122,6 +125,30 @@ impl TrainingCheckpoint {
                 fused_etp: etp,
             });
         }
+        Self::from_dcp(checkpoint, dir)
+    }
+
+    /// A Megatron-FSDP (`fsdp_dtensor`) checkpoint in `dir` with no tensor chunk located (see
+    /// [`open_checkpoint_unlocated`]): what one task of a reshard split by rank plans from, with
+    /// only `.metadata` and the bytes items at hand, before it fetches and locates the chunks it
+    /// reads ([`rank_sources`], [`TrainingCheckpoint::locate`]).
+    pub fn open_unlocated(dir: &Path) -> Result<TrainingCheckpoint, TrainingError> {
+        let checkpoint = open_checkpoint_unlocated(dir)?;
+        if common_state::is_torch_dist(&checkpoint.dir) {
+            return Err(TrainingError::Translate {
+                key: dir.display().to_string(),
+                problem: "a torch_dist checkpoint is translated whole, not read unlocated".into(),
+            });
+        }
+        Self::from_dcp(checkpoint, dir)
+    }
+
+    /// Finds the bytes of the chunks `wanted` (`(tensor, chunk)` of [`Self::checkpoint`]).
+    pub fn locate(&mut self, wanted: &[(usize, usize)]) -> Result<(), TrainingError> {
+        Ok(locate_chunks(&mut self.checkpoint, wanted)?)
+    }
+
+    fn from_dcp(checkpoint: Checkpoint, dir: &Path) -> Result<TrainingCheckpoint, TrainingError> {
         if checkpoint.planner_data.is_empty() {
             return Err(TrainingError::NoPlannerData(dir.to_path_buf()));
         }

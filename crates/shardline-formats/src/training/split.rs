@@ -12,10 +12,10 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use shardline_layout::dialect::Dialect;
-use shardline_layout::reshard::ReshardPlan;
+use shardline_layout::reshard::{merged_runs, ChunkBox, ReshardPlan};
 
 use super::write::{edit_args, finish, io_err, planned_totals, rank_items, write_files, FileTotals, OutFile};
-use super::{save_dir, torch_dist_save, ReshardReport, TrainingCheckpoint, TrainingError};
+use super::{save_dir, torch_dist_save, ItemData, ReshardReport, TrainingCheckpoint, TrainingError};
 use crate::execute::{dcp_rank_file, ExecuteError, Progress};
 
 /// Where a reshard's rank files go and what they are made with.
@@ -121,12 +121,40 @@ pub fn commit_resharded(
     plan: &ReshardPlan,
     out: &Path,
 ) -> Result<ReshardReport, TrainingError> {
+    commit_with(source, plan, out, |path, _| fs::metadata(path).map(|m| m.len()))
+}
+
+/// [`commit_resharded`] of rank files that are not under `out` but were put elsewhere (an
+/// object store), their lengths `listed` by name relative to `out`: what names them is written
+/// into `out`, to be put after them.
+pub fn commit_resharded_listed(
+    source: &TrainingCheckpoint,
+    plan: &ReshardPlan,
+    out: &Path,
+    listed: &HashMap<String, u64>,
+) -> Result<ReshardReport, TrainingError> {
+    fs::create_dir_all(out).map_err(io_err(out, "create output directory"))?;
+    commit_with(source, plan, out, |_, name| {
+        listed.get(name).copied().ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "not listed"))
+    })
+}
+
+/// The commit, with `found(path, name)` the length of the rank file at `path` (`name` relative
+/// to `out`).
+fn commit_with(
+    source: &TrainingCheckpoint,
+    plan: &ReshardPlan,
+    out: &Path,
+    found: impl Fn(&Path, &str) -> io::Result<u64>,
+) -> Result<ReshardReport, TrainingError> {
     let layout = Layout::of(source, plan, out)?;
+    let rel_dir = layout.dir.strip_prefix(out).unwrap_or(Path::new("")).to_path_buf();
     let mut files = Vec::new();
     for rank in 0..plan.mesh.world() {
         let planned = planned_totals(source, plan, &layout.edited, rank);
         let path = layout.dir.join(dcp_rank_file(rank));
-        let found = fs::metadata(&path).map(|m| m.len());
+        let name = rel_dir.join(dcp_rank_file(rank)).to_string_lossy().into_owned();
+        let found = found(&path, &name);
         if found.as_ref().ok() != Some(&planned.len) {
             let what = match found {
                 Ok(len) => format!("it holds {len} bytes of the {} planned", planned.len),
@@ -137,6 +165,7 @@ pub fn commit_resharded(
         }
         files.push(planned);
     }
+    fs::create_dir_all(&layout.dir).map_err(io_err(&layout.dir, "create checkpoint directory"))?;
     let rng = match &layout.common {
         Some(_) => torch_dist_save::rng_objects(source, plan)?,
         None => Vec::new(),
@@ -146,4 +175,27 @@ pub fn commit_resharded(
         save_dir::finish_save(out, &common.dir_name, &common.archive)?;
     }
     Ok(layout.report(&files))
+}
+
+/// The stored chunks (`(tensor, chunk)` of the source's checkpoint) that target rank `rank`'s
+/// file is made from: every chunk whose box meets one of the rank's chunks. What a task writing
+/// that file alone must fetch and locate.
+pub fn rank_sources(source: &TrainingCheckpoint, plan: &ReshardPlan, rank: u64) -> Vec<(usize, usize)> {
+    let mut wanted = std::collections::BTreeSet::new();
+    let mesh = &plan.mesh;
+    for t in &plan.tensors {
+        let ItemData::Tensor(stored) = source.data[t.source] else { continue };
+        let chunks = &source.checkpoint.tensors[stored].chunks;
+        let boxes: Vec<ChunkBox> =
+            chunks.iter().map(|c| ChunkBox { offsets: c.offsets.clone(), sizes: c.sizes.clone() }).collect();
+        for ci in t.out.chunks_of_rank(mesh, rank) {
+            let c = t.out.chunk(mesh, ci);
+            if !c.written || c.numel() == 0 {
+                continue;
+            }
+            let target = ChunkBox { offsets: c.offsets, sizes: c.sizes };
+            wanted.extend(merged_runs(&target, &boxes).map(|(i, _)| (stored, i)));
+        }
+    }
+    wanted.into_iter().collect()
 }
