@@ -22,6 +22,8 @@ use shardline_testdb::TestDb;
 use crate::orchestrator::synth;
 use crate::{bin, fixture, run, stderr, stdout};
 
+mod reshard;
+
 /// How long a run may take before a test gives up on it: a backstop against a hung run, never
 /// what a test waits for (it waits for the run's state). Generous, because these runs move
 /// hundreds of megabytes through the S3 test server with several workers on a machine that may
@@ -412,7 +414,8 @@ fn reshard_and_export_run_on_the_artifact_store() {
         .expect("the export's log says how much of the checkpoint it read");
     assert!(read.0 > 0 && read.0 * 2 < read.1, "the export read {} of {} bytes", read.0, read.1);
     // The reshard ran as a task per target rank file (tp2·dp2: four), each reading only the
-    // source chunks its file is made from: less than 2/world of the source.
+    // source chunks its file is made from (items of a few KiB here, each fetched with its framing
+    // and close ranges joined: less than the whole; the 2/world bound is `multihost::reshard`'s).
     let mut ranks: Vec<(String, u64, u64)> = Vec::new();
     for l in &logs {
         let Some(rest) = l.line.strip_prefix("rank ") else { continue };
@@ -425,7 +428,7 @@ fn reshard_and_export_run_on_the_artifact_store() {
     ranks.sort();
     assert_eq!(ranks.len(), 4, "{ranks:?}");
     for (task, fetched, total) in &ranks {
-        assert!(*fetched > 0 && fetched * 4 < 2 * total, "{task} read {fetched} of the source's {total} bytes");
+        assert!(*fetched > 0 && fetched < total, "{task} read {fetched} of the source's {total} bytes");
     }
     eprintln!("reshard rank tasks read (task, bytes, of): {ranks:?}");
     // The tasks reading a checkpoint were claimed with the scratch it takes them: the reshard the
@@ -435,7 +438,10 @@ fn reshard_and_export_run_on_the_artifact_store() {
     let scratch = |name: &str| tasks.iter().find(|t| t.name == name).map(|t| t.resources.scratch);
     let sizes = |step: &str| moto.list_sizes(ARTIFACTS, &format!("shardline/runs/{name}/{step}/checkpoint/"));
     let (shard, resharded) = (sizes("shard"), sizes("reshard"));
-    assert_eq!(scratch("reshard"), Some(2 * shard.values().sum::<u64>()));
+    // Split by rank (tp2·dp2), the commit reads and writes `.metadata`, a rank task its share.
+    let shard_metadata = shard.iter().find(|(k, _)| k.ends_with("/.metadata")).map(|(_, s)| *s).expect(".metadata");
+    assert_eq!(scratch("reshard"), Some(3 * shard_metadata));
+    assert_eq!(scratch("reshard/rank-0"), Some(shard_metadata + 4 * shard.values().sum::<u64>() / 4));
     let metadata = resharded.iter().find(|(k, _)| k.ends_with("/.metadata")).map(|(_, s)| *s).expect(".metadata");
     assert_eq!(scratch("export"), Some(metadata + 2 * read.0));
     let parts: Vec<_> = tasks.iter().filter(|t| t.name.starts_with("validate-resharded/part-")).collect();

@@ -329,16 +329,17 @@ fn a_reshard_split_by_rank_file_is_the_whole_reshard() {
     }
 }
 
-/// What one task of a reshard split by rank reads: the storage items of the source chunks
-/// `rank_sources` names, and no other. A copy of the source opened without locating its chunks,
-/// with every other tensor item zeroed, writes each target rank file exactly as the whole
-/// reshard does — so no byte of an unnamed item is read.
+/// What one task of a reshard split by rank reads: of the source chunks `rank_sources` names,
+/// the byte runs `rank_source_ranges` gives, and nothing else. A copy of the source opened
+/// without locating its chunks, with every other byte of chunk data zeroed (the framing kept),
+/// writes each target rank file exactly as the whole reshard does.
 #[test]
-fn a_rank_file_needs_only_the_source_chunks_it_is_made_from() {
+fn a_rank_file_needs_only_the_source_runs_it_is_made_from() {
     use shardline_formats::execute::Progress;
-    use shardline_formats::training::{rank_sources, write_resharded_ranks, TrainingCheckpoint};
+    use shardline_formats::training::{rank_source_ranges, rank_sources, write_resharded_ranks, TrainingCheckpoint};
     use shardline_layout::reshard::{plan_reshard, RngPolicy};
     use shardline_ops::{reshard_options, ReshardHints};
+    use std::collections::HashMap;
     use std::os::unix::fs::FileExt;
 
     let tmp = tempfile::tempdir().expect("tempdir");
@@ -349,6 +350,7 @@ fn a_rank_file_needs_only_the_source_chunks_it_is_made_from() {
     let o = reshard(&src, &whole, (tp, cp, dp, ep, etp), &[]);
     assert!(o.status.success(), "reshard: {}{}", stdout(&o), stderr(&o));
     let mesh = shardline_layout::Mesh { tp, cp, dp, ep, etp };
+    let located = TrainingCheckpoint::open(&src).expect("open");
     for rank in 0..mesh.world() {
         let copy = tmp.path().join(format!("copy-{rank}"));
         std::fs::create_dir(&copy).expect("copy dir");
@@ -361,26 +363,35 @@ fn a_rank_file_needs_only_the_source_chunks_it_is_made_from() {
             reshard_options(&source, mesh, RngPolicy::FromRank0, ReshardHints::default(), ReshardHints::default());
         let plan = plan_reshard(&source.items, &options).expect("plan");
         let wanted = rank_sources(&source, &plan, rank);
-        let (mut kept, mut zeroed) = (0usize, 0usize);
-        for (ti, t) in source.checkpoint.tensors.iter().enumerate() {
+        let mut keep: HashMap<(usize, usize), Vec<(u64, u64)>> = HashMap::new();
+        for (chunk, start, len) in rank_source_ranges(&source, &plan, rank) {
+            keep.entry(chunk).or_default().push((start, start + len));
+        }
+        // Every byte of chunk data outside the kept runs is zeroed; the framing stays.
+        let (mut kept, mut zeroed) = (0u64, 0u64);
+        for (ti, t) in located.checkpoint.tensors.iter().enumerate() {
             for (ci, c) in t.chunks.iter().enumerate() {
-                if wanted.contains(&(ti, ci)) {
-                    kept += 1;
-                    continue;
-                }
-                // Unlocated, a chunk's offset and length are its whole storage item's.
                 let f = std::fs::OpenOptions::new().write(true).open(copy.join(&*c.file)).expect("open");
-                f.write_all_at(&vec![0u8; c.data_len as usize], c.data_offset).expect("zero the item");
-                zeroed += 1;
+                let mut runs = keep.get(&(ti, ci)).cloned().unwrap_or_default();
+                runs.sort_unstable();
+                let mut at = 0u64;
+                for (start, end) in runs.into_iter().chain([(c.data_len, c.data_len)]) {
+                    if start > at {
+                        f.write_all_at(&vec![0u8; (start - at) as usize], c.data_offset + at).expect("zero");
+                        zeroed += start - at;
+                    }
+                    kept += end.saturating_sub(start.max(at));
+                    at = at.max(end);
+                }
             }
         }
-        assert!(kept > 0 && zeroed > kept, "rank {rank}: {kept} chunks kept, {zeroed} zeroed");
+        assert!(kept > 0 && zeroed > kept, "rank {rank}: {kept} bytes kept, {zeroed} zeroed");
         source.locate(&wanted).expect("locate");
         let out = tmp.path().join(format!("out-{rank}"));
         write_resharded_ranks(&source, &plan, &out, rank..rank + 1, 1, &Progress::default()).expect("write");
         let name = format!("__{rank}_0.distcp");
         let (want, got) =
             (std::fs::read(whole.join(&name)).expect("whole"), std::fs::read(out.join(&name)).expect("got"));
-        assert!(want == got, "rank {rank}: the file differs from the whole reshard's ({kept} chunks kept)");
+        assert!(want == got, "rank {rank}: the file differs from the whole reshard's ({kept} bytes kept)");
     }
 }

@@ -5,7 +5,9 @@
 //!
 //! - A validation part: `.metadata`, its files, and as many bytes again for the release ranges
 //!   they are made from (a checkpoint stores every release byte at least as wide as the release).
-//! - A reshard: the checkpoint, read whole, and the resharded one it writes, about as large.
+//! - A reshard: the checkpoint, read whole, and the resharded one it writes, about as large; split
+//!   by rank over a checkpoint read in place, a rank task its share of both, the commit
+//!   `.metadata`.
 //! - An export: the model's items it reads (not the optimizer's moments; summed from
 //!   `.metadata`) and the release it writes from them, no larger.
 
@@ -44,7 +46,9 @@ pub async fn checkpoint_reader_needs(
         .iter()
         .filter(|(_, p)| match p {
             Payload::ValidatePart { checkpoint_task, .. } => names.contains(checkpoint_task),
-            Payload::Reshard { job } => matches!(&job.source, ReshardSource::Task { task } if names.contains(task)),
+            Payload::Reshard { job } | Payload::ReshardRank { job, .. } => {
+                matches!(&job.source, ReshardSource::Task { task } if names.contains(task))
+            }
             Payload::Export { job } => names.contains(&job.checkpoint_task),
             _ => false,
         })
@@ -67,6 +71,9 @@ pub async fn checkpoint_reader_needs(
     };
     let Ok(listing) = artifacts.list().await else { return Vec::new() };
     let checkpoint = Listed::new(&listing);
+    // A reshard split by rank reads a Megatron-FSDP checkpoint (`.metadata` at the prefix) in
+    // place, each rank task its share; any other is resharded whole by the commit task.
+    let read_in_place = !save_dir && checkpoint.metadata > 0;
     let mut needs = Vec::new();
     for (name, payload) in readers {
         let bytes = match payload {
@@ -74,7 +81,15 @@ pub async fn checkpoint_reader_needs(
                 let files = part_files(&checkpoint.names, *part, *parts);
                 checkpoint.metadata + 2 * files.iter().map(|f| checkpoint.size(f)).sum::<u64>()
             }
+            // `.metadata` and the bytes items, and the `.metadata` it writes.
+            Payload::Reshard { job } if job.split && read_in_place => 3 * checkpoint.metadata,
             Payload::Reshard { .. } => 2 * checkpoint.total,
+            // Its sparse copy — the chunks its file is made from, under 2/world of the source
+            // for the meshes Megatron uses, with what chunk boundaries add — and its file.
+            Payload::ReshardRank { job, .. } if read_in_place => {
+                checkpoint.metadata + 4 * checkpoint.total / (job.tp * job.cp * job.dp).max(1)
+            }
+            Payload::ReshardRank { .. } => checkpoint.metadata,
             Payload::Export { job } => match model_bytes(&artifacts, &job.prefix, save_dir, scratch_dir).await {
                 Some(model) => checkpoint.metadata + 2 * model,
                 None => continue,

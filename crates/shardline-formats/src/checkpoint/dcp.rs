@@ -298,14 +298,15 @@ pub(super) fn open_dcp_as(
 
 /// Finds the bytes of chunks `wanted` (`(tensor, chunk)` indices) of a checkpoint opened with
 /// [`open_dcp_as`] without locating them: each one's framing is read strictly from its storage
-/// item, checked against what `.metadata` declares, and its `data_offset`/`data_len` set.
+/// item, checked against what `.metadata` declares, and its `data_offset`/`data_len` set — all of
+/// them or, on an error, none.
 pub fn locate_chunks(checkpoint: &mut Checkpoint, wanted: &[(usize, usize)]) -> Result<(), CheckpointError> {
     let mut files: HashMap<Arc<str>, File> = HashMap::new();
     let mut specs = SpecCache::default();
+    let mut found = Vec::with_capacity(wanted.len());
     for &(ti, ci) in wanted {
-        let t = &mut checkpoint.tensors[ti];
-        let (key, dtype) = (t.key.clone(), t.dtype);
-        let chunk = &mut t.chunks[ci];
+        let t = &checkpoint.tensors[ti];
+        let chunk = &t.chunks[ci];
         let (offset, length) = (chunk.data_offset, chunk.data_len);
         if !files.contains_key(&chunk.file) {
             let p = checkpoint.dir.join(&*chunk.file);
@@ -314,25 +315,28 @@ pub fn locate_chunks(checkpoint: &mut Checkpoint, wanted: &[(usize, usize)]) -> 
         let reader = BlockReader::new(&files[&chunk.file]);
         let archive =
             read_tensor_archive_with(&reader, offset, length, &mut specs).map_err(|source| CheckpointError::Item {
-                key: key.clone(),
+                key: t.key.clone(),
                 offsets: chunk.offsets.clone(),
                 file: chunk.file.to_string(),
                 offset,
                 length,
                 source,
             })?;
-        if archive.dtype != dtype || archive.shape != chunk.sizes {
+        if archive.dtype != t.dtype || archive.shape != chunk.sizes {
             return Err(CheckpointError::Inconsistent {
-                key,
+                key: t.key.clone(),
                 offsets: chunk.offsets.clone(),
                 message: format!(
                     "item holds {} {:?} but .metadata declares {} {:?}",
-                    archive.dtype, archive.shape, dtype, chunk.sizes
+                    archive.dtype, archive.shape, t.dtype, chunk.sizes
                 ),
             });
         }
-        chunk.data_offset = offset + archive.data_offset_in_item;
-        chunk.data_len = archive.data_len;
+        found.push((offset + archive.data_offset_in_item, archive.data_len));
+    }
+    for (&(ti, ci), (data_offset, data_len)) in wanted.iter().zip(found) {
+        let chunk = &mut checkpoint.tensors[ti].chunks[ci];
+        (chunk.data_offset, chunk.data_len) = (data_offset, data_len);
     }
     Ok(())
 }

@@ -26,7 +26,7 @@ use thiserror::Error;
 
 pub use args::TrainingArgs;
 pub use export::{commit_export, write_export, write_export_part, ExportOptions, ExportReport};
-pub use split::{commit_resharded, commit_resharded_listed, rank_sources, write_resharded_ranks};
+pub use split::{commit_resharded, commit_resharded_listed, rank_source_ranges, rank_sources, write_resharded_ranks};
 pub use summary::{summarize_automodel, summarize_training, TrainingSummary};
 pub use write::{write_resharded, ReshardReport};
 pub use write_hf::write_resharded_hf_storage;

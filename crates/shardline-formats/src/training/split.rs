@@ -178,24 +178,40 @@ fn commit_with(
 }
 
 /// The stored chunks (`(tensor, chunk)` of the source's checkpoint) that target rank `rank`'s
-/// file is made from: every chunk whose box meets one of the rank's chunks. What a task writing
-/// that file alone must fetch and locate.
+/// file is made from: every chunk whose box meets one of the rank's chunks.
 pub fn rank_sources(source: &TrainingCheckpoint, plan: &ReshardPlan, rank: u64) -> Vec<(usize, usize)> {
-    let mut wanted = std::collections::BTreeSet::new();
+    let chunks: std::collections::BTreeSet<(usize, usize)> =
+        rank_source_ranges(source, plan, rank).into_iter().map(|(chunk, _, _)| chunk).collect();
+    chunks.into_iter().collect()
+}
+
+/// What target rank `rank`'s file reads of the source: `((tensor, chunk), start, len)`, byte
+/// ranges of stored chunks relative to each chunk's first data byte — the runs its writer
+/// copies, so a task writing that file alone fetches exactly these (and the chunks' framing).
+pub fn rank_source_ranges(
+    source: &TrainingCheckpoint,
+    plan: &ReshardPlan,
+    rank: u64,
+) -> Vec<((usize, usize), u64, u64)> {
+    let mut out = Vec::new();
     let mesh = &plan.mesh;
     for t in &plan.tensors {
         let ItemData::Tensor(stored) = source.data[t.source] else { continue };
-        let chunks = &source.checkpoint.tensors[stored].chunks;
-        let boxes: Vec<ChunkBox> =
-            chunks.iter().map(|c| ChunkBox { offsets: c.offsets.clone(), sizes: c.sizes.clone() }).collect();
+        let stored_tensor = &source.checkpoint.tensors[stored];
+        let size = stored_tensor.dtype.size() as u64;
+        let boxes: Vec<ChunkBox> = stored_tensor
+            .chunks
+            .iter()
+            .map(|c| ChunkBox { offsets: c.offsets.clone(), sizes: c.sizes.clone() })
+            .collect();
         for ci in t.out.chunks_of_rank(mesh, rank) {
             let c = t.out.chunk(mesh, ci);
             if !c.written || c.numel() == 0 {
                 continue;
             }
             let target = ChunkBox { offsets: c.offsets, sizes: c.sizes };
-            wanted.extend(merged_runs(&target, &boxes).map(|(i, _)| (stored, i)));
+            out.extend(merged_runs(&target, &boxes).map(|(i, run)| ((stored, i), run.source * size, run.len * size)));
         }
     }
-    wanted.into_iter().collect()
+    out
 }
