@@ -116,6 +116,16 @@ pub fn export_cache_key(job: &ExportJob, checkpoint_digest: &str, like_digest: &
     hex::encode(h.finalize())
 }
 
+/// The step-cache key of an export on a local or shared file system, from the directories of
+/// its checkpoint and release (without a release, the checkpoint's own description, inside it).
+pub fn local_export_cache_key(job: &ExportJob, outputs: &BTreeMap<String, TaskOutput>) -> Result<String, StepError> {
+    let checkpoint = outputs.get(&job.checkpoint_task).and_then(|o| o.dir.clone());
+    let like = export_like(job, outputs)?;
+    let checkpoint = checkpoint.ok_or_else(|| StepError::fatal("the checkpoint's task reports no directory"))?;
+    let like = like.map(|l| dir_digest(&l)).transpose()?.unwrap_or_default();
+    Ok(export_cache_key(job, &dir_digest(&checkpoint)?, &like))
+}
+
 /// The release an export reproduces: its `like`, else the upstream download's directory; `None`
 /// when the checkpoint has to describe its own (a NeMo Automodel save's `model/.hf_metadata/`).
 pub fn export_like(job: &ExportJob, outputs: &BTreeMap<String, TaskOutput>) -> Result<Option<PathBuf>, StepError> {

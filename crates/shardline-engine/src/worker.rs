@@ -455,15 +455,7 @@ async fn check_cache(
         }
         // The weight files of an export the step cache holds whole are not written again.
         Payload::ExportPart { job, part } if job.remote.is_none() && step_cache(job.cache).await => {
-            let checkpoint = outputs.get(&job.checkpoint_task).and_then(|o| o.dir.clone());
-            let digests = checkpoints::export_like(job, outputs).and_then(|like| {
-                let checkpoint =
-                    checkpoint.ok_or_else(|| StepError::fatal("the checkpoint's task reports no directory"))?;
-                let like = like.map(|l| checkpoints::dir_digest(&l)).transpose()?.unwrap_or_default();
-                Ok((checkpoints::dir_digest(&checkpoint)?, like))
-            });
-            let Ok((c, l)) = digests else { return miss };
-            let key = checkpoints::export_cache_key(job, &c, &l);
+            let Ok(key) = checkpoints::local_export_cache_key(job, outputs) else { return miss };
             let Some(hit) = cached(store, &key, checkpoints::cached_export_usable).await else { return miss };
             let at = path_text(&hit.dir).unwrap_or_default();
             log(LogStream::System, format!("cache hit {key}: already exported in {at}; part {part} is not written"));
@@ -471,16 +463,8 @@ async fn check_cache(
             CacheCheck::Hit(Box::new(output))
         }
         Payload::Export { job } if job.remote.is_none() => {
-            let checkpoint = outputs.get(&job.checkpoint_task).and_then(|o| o.dir.clone());
-            let digests = checkpoints::export_like(job, outputs).and_then(|like| {
-                let checkpoint =
-                    checkpoint.ok_or_else(|| StepError::fatal("the checkpoint's task reports no directory"))?;
-                // Without a release, the checkpoint's own description (inside it) is the release.
-                let like = like.map(|l| checkpoints::dir_digest(&l)).transpose()?.unwrap_or_default();
-                Ok((checkpoints::dir_digest(&checkpoint)?, like))
-            });
-            let key = match digests {
-                Ok((c, l)) => checkpoints::export_cache_key(job, &c, &l),
+            let key = match checkpoints::local_export_cache_key(job, outputs) {
+                Ok(key) => key,
                 Err(e) => return not_consulted(log, e),
             };
             if step_cache(job.cache).await {
