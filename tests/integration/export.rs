@@ -162,17 +162,6 @@ fn large_runs_copied_by_the_kernel_give_the_same_bytes() {
     assert_eq!(tensors(&hf), tensors(&release));
 }
 
-/// Every file directly under `dir` (name → bytes).
-fn files_in(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
-    std::fs::read_dir(dir)
-        .expect("list")
-        .map(|e| {
-            let path = e.expect("entry").path();
-            (path.file_name().expect("name").to_string_lossy().into_owned(), std::fs::read(&path).expect("read"))
-        })
-        .collect()
-}
-
 /// An export split in parts — weight file `i` written by part `i mod parts`, the parts in any
 /// order, then committed — is the export written whole, byte for byte (more parts than files
 /// included: a part may write none). A commit with a weight file missing or cut short names it
@@ -189,7 +178,7 @@ fn an_export_in_parts_is_the_whole_export() {
     convert(&release, &ckpt, (1, 1, 2, 1), &["--optimizer-state"]);
     let o = export(&ckpt, &whole, &release, &["--max-file-size", "6MB"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let want = files_in(&whole);
+    let want = crate::file_bytes(&whole);
     let weights = want.keys().filter(|n| n.ends_with(".safetensors")).count();
     assert!(weights >= 4, "{:?}", want.keys());
 
@@ -229,7 +218,7 @@ fn an_export_in_parts_is_the_whole_export() {
         assert!(e.to_string().contains(names[1].as_str()) && e.to_string().contains("not complete"), "{e}");
         planned.write_part((1, parts), &progress).expect("part 1 again");
         planned.commit().expect("commit");
-        let got = files_in(&split);
+        let got = crate::file_bytes(&split);
         assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
         for (name, bytes) in &want {
             assert!(&got[name] == bytes, "parts={parts}: `{name}` differs from the whole export's");

@@ -59,6 +59,25 @@ pub fn release_tensors(dir: &Path) -> std::collections::BTreeMap<String, (shardl
         .collect()
 }
 
+/// Every file under `dir`, by its path relative to `dir`, with its bytes: two checkpoints or
+/// releases compared file for file.
+pub fn file_bytes(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).expect("read dir") {
+            let path = e.expect("entry").path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                let rel = path.strip_prefix(dir).expect("under dir").to_string_lossy().into_owned();
+                out.insert(rel, std::fs::read(&path).expect("read file"));
+            }
+        }
+    }
+    out
+}
+
 pub fn run(cmd: &mut Command) -> Output {
     cmd.output().expect("run shardline")
 }

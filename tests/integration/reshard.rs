@@ -250,24 +250,6 @@ fn a_simulated_reshard_costs_what_the_real_one_writes() {
     assert!(per["reads"]["max"].as_u64() > Some(0), "{sim}");
 }
 
-/// Every file under `dir` (relative path → bytes).
-fn files_under(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).expect("read dir") {
-            let path = e.expect("entry").path();
-            if path.is_dir() {
-                stack.push(path);
-            } else {
-                let rel = path.strip_prefix(dir).expect("under dir").to_string_lossy().into_owned();
-                out.insert(rel, std::fs::read(&path).expect("read file"));
-            }
-        }
-    }
-    out
-}
-
 /// A reshard split by target rank file — each file written on its own, in any order, as the
 /// pipeline's rank tasks write them, then committed — is the reshard written whole, byte for
 /// byte, for an `fsdp_dtensor` and a `torch_dist` target. A commit with a rank file missing or
@@ -321,7 +303,7 @@ fn a_reshard_split_by_rank_file_is_the_whole_reshard() {
         planned.write_ranks(&split, 1..2, 1, &progress).expect("write rank 1 again");
         planned.commit(&split).expect("commit");
 
-        let (want, got) = (files_under(&whole), files_under(&split));
+        let (want, got) = (crate::file_bytes(&whole), crate::file_bytes(&split));
         assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>(), "{name}: the files differ");
         for (file, bytes) in &want {
             assert!(&got[file] == bytes, "{name}: `{file}` differs from the whole reshard's");

@@ -2,24 +2,12 @@
 //! target rank file, a `checkpoint.export` with `parts` as a task per part, each then
 //! committed by the step's own task; what they write together is what the CLI writes whole.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use shardline_store::{AttemptOutcome, RunState, TaskState};
 
 use super::Deployment;
 use crate::{bin, convert, fixture, run, stderr, stdout};
-
-/// Every file under `dir` (relative path → bytes).
-fn files_under(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    for e in std::fs::read_dir(dir).expect("read dir") {
-        let path = e.expect("entry").path();
-        let name = path.file_name().expect("name").to_string_lossy().into_owned();
-        out.insert(name, std::fs::read(&path).expect("read file"));
-    }
-    out
-}
 
 #[test]
 fn a_reshard_step_writes_each_rank_file_in_a_task_of_its_own() {
@@ -72,7 +60,7 @@ steps:
         .and_then(|o| o["dir"].as_str())
         .map(PathBuf::from)
         .unwrap_or_else(|| panic!("the reshard reports no directory: {:?}", commit.output));
-    let (want, got) = (files_under(&whole), files_under(&out));
+    let (want, got) = (crate::file_bytes(&whole), crate::file_bytes(&out));
     assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
     for (file, bytes) in &want {
         assert!(&got[file] == bytes, "`{file}` differs from what `shardline reshard` writes");
@@ -146,7 +134,7 @@ steps:
     }
     let commit = d.task(run_id, "reshard");
     let out = commit.output.as_ref().and_then(|o| o["dir"].as_str()).map(PathBuf::from).expect("reshard dir");
-    let (want, got) = (files_under(&whole), files_under(&out));
+    let (want, got) = (crate::file_bytes(&whole), crate::file_bytes(&out));
     assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
     for (file, bytes) in &want {
         assert!(&got[file] == bytes, "`{file}` differs from what `shardline reshard` writes");
@@ -211,13 +199,13 @@ steps:
     let log = d.task_log(run_id, "export");
     assert!(log.contains("weight files written by 3 part tasks"), "{log}");
     let out = d.task(run_id, "export").output.as_ref().and_then(|o| o["dir"].as_str()).map(PathBuf::from).expect("dir");
-    let want = files_under(&whole);
+    let want = crate::file_bytes(&whole);
     let mut weights: Vec<&String> = want.keys().filter(|n| n.ends_with(".safetensors")).collect();
     weights.sort();
     written.sort();
     assert!(weights.len() >= 4, "{weights:?}");
     assert_eq!(written.iter().collect::<Vec<_>>(), weights, "each weight file written by exactly one part");
-    let got = files_under(&out);
+    let got = crate::file_bytes(&out);
     assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
     for (file, bytes) in &want {
         assert!(&got[file] == bytes, "`{file}` differs from what `shardline export` writes");
