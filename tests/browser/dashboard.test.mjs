@@ -291,7 +291,10 @@ test('submit, follow, inspect logs and cancel from the dashboard', { timeout: 24
     assert.ok(r.contrast >= 4.5, `timeline label contrast ${r.contrast.toFixed(2)} < 4.5`);
   }
   assert.deepEqual(await seriousViolations(page), [], 'the run page (timeline open) has serious accessibility violations');
-  const bars = await page.$$eval('[data-testid=timeline-task] .tl-bar', (bs) => bs.map((b) => getComputedStyle(b).backgroundColor));
+  // Queried and read in one evaluate, as the widths above: a refresh between a query and the
+  // read would leave detached bars, whose computed colour is empty.
+  const bars = await page.evaluate(() => [...document.querySelectorAll('[data-testid=timeline-task] .tl-bar')]
+    .map((b) => getComputedStyle(b).backgroundColor));
   assert.ok(bars.every((c) => c === 'rgb(23, 128, 61)'), `succeeded bars are green: ${bars}`);
   assert.ok((await page.textContent('[data-testid=run-attempts] thead')).includes('Kind'));
   assert.equal(await page.locator('[data-testid=run-attempt]').count(), 14);
