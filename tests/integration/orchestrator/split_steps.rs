@@ -9,6 +9,18 @@ use shardline_store::{AttemptOutcome, RunState, TaskState};
 use super::Deployment;
 use crate::{bin, convert, fixture, run, stderr, stdout};
 
+/// `spec` run to success by a server and two one-CPU workers.
+fn succeeded_on_two_workers(spec: &str) -> (Deployment, shardline_store::RunId) {
+    let mut d = Deployment::new(false);
+    d.server("server");
+    d.worker("w1", &["--cpus", "1", "--lease-seconds", "5"]);
+    d.worker("w2", &["--cpus", "1", "--lease-seconds", "5"]);
+    let run_id = d.submit(spec);
+    let r = d.wait_run(run_id);
+    assert_eq!(r.state, RunState::Succeeded, "{:?}", r.error);
+    (d, run_id)
+}
+
 #[test]
 fn a_reshard_step_writes_each_rank_file_in_a_task_of_its_own() {
     let tmp = tempfile::tempdir().expect("tempdir");
@@ -19,10 +31,6 @@ fn a_reshard_step_writes_each_rank_file_in_a_task_of_its_own() {
     let o = run(bin().arg("reshard").arg(&src).arg("--to").arg(&whole).args(mesh));
     assert!(o.status.success(), "reshard: {}{}", stdout(&o), stderr(&o));
 
-    let mut d = Deployment::new(false);
-    d.server("server");
-    d.worker("w1", &["--cpus", "1", "--lease-seconds", "5"]);
-    d.worker("w2", &["--cpus", "1", "--lease-seconds", "5"]);
     let spec = format!(
         "apiVersion: shardline/v1
 kind: Pipeline
@@ -35,9 +43,7 @@ steps:
 ",
         src.display()
     );
-    let run_id = d.submit(&spec);
-    let r = d.wait_run(run_id);
-    assert_eq!(r.state, RunState::Succeeded, "{:?}", r.error);
+    let (d, run_id) = succeeded_on_two_workers(&spec);
 
     let mut workers = Vec::new();
     for rank in 0..4 {
@@ -164,10 +170,6 @@ fn an_export_step_in_parts_writes_what_export_writes() {
         .args(["--max-file-size", "6MB"]));
     assert!(o.status.success(), "export: {}{}", stdout(&o), stderr(&o));
 
-    let mut d = Deployment::new(false);
-    d.server("server");
-    d.worker("w1", &["--cpus", "1", "--lease-seconds", "5"]);
-    d.worker("w2", &["--cpus", "1", "--lease-seconds", "5"]);
     let spec = format!(
         "apiVersion: shardline/v1
 kind: Pipeline
@@ -184,9 +186,7 @@ steps:
         src.display(),
         release.display()
     );
-    let run_id = d.submit(&spec);
-    let r = d.wait_run(run_id);
-    assert_eq!(r.state, RunState::Succeeded, "{:?}", r.error);
+    let (d, run_id) = succeeded_on_two_workers(&spec);
     let mut written = Vec::new();
     for part in 0..3 {
         let name = format!("export/part-{part}");
